@@ -1,0 +1,58 @@
+//! Engines execute IOCBs: they take IOCB ids from a gio_uring SQ, move every
+//! IOCTX's bytes between the pool's devices and registered memory, and post
+//! the ids to the CQ. The tier never knows which engine runs: io_uring here
+//! (CPU-driven, runs everywhere), userspace NVMe through VFIO, and the GPU
+//! engine whose CUDA kernels consume the same IOCB layout.
+
+pub mod uring;
+
+use crate::error::Result;
+use crate::p2p::P2pTable;
+use crate::ring::GioRing;
+use std::sync::Arc;
+
+/// Counters every engine keeps; the benchmarks report them per layer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct EngineStats {
+    /// IOCBs taken from the SQ.
+    pub iocbs: u64,
+    /// IOCTXs executed (one device I/O each).
+    pub ios: u64,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+    pub flushes: u64,
+    /// Calls into the kernel to submit or wait (io_uring_enter, poll).
+    pub syscalls: u64,
+    /// I/Os that used a registered (fixed) buffer instead of an iovec list.
+    pub fixed_buffer_ios: u64,
+    /// IOCTXs completed with a non-zero status.
+    pub errors: u64,
+}
+
+pub trait IoEngine: Send {
+    fn name(&self) -> &'static str;
+
+    /// Make registered memory reachable: the engine resolves IOCTX segments
+    /// through this table from now on and may pin or map its regions (fixed
+    /// buffers, IOMMU). Must not be called with I/O in flight.
+    fn register_memory(&mut self, table: Arc<P2pTable>) -> Result<()>;
+
+    /// Start the IOCBs waiting in the ring's SQ, as many IOCTXs as the queue
+    /// depth allows (the rest wait inside the engine), with one batch
+    /// submission per device queue.
+    fn submit(&mut self, ring: &mut GioRing) -> Result<()>;
+
+    /// Reap device completions, record each IOCTX's status, and post IOCBs
+    /// whose last IOCTX completed to the CQ. With `wait`, block until at least
+    /// one IOCTX completes (returns at once when nothing is in flight).
+    fn reap(&mut self, ring: &mut GioRing, wait: bool) -> Result<()>;
+
+    /// IOCTXs accepted and not yet completed.
+    fn in_flight(&self) -> usize;
+
+    fn stats(&self) -> EngineStats;
+
+    /// A line for `kvtier pool info` / bench output: queue depth, fixed
+    /// buffers, SQPOLL, and why an optional feature is off.
+    fn describe(&self) -> String;
+}

@@ -1,0 +1,22 @@
+//! kvtier: a GPU-centric NVMe SSD tier for LLM KV caches.
+//!
+//! Rooms (see DESIGN.md): `model` (KV geometry), `pool` (key → GPU file on the
+//! SSDs), `memory` + `p2p` (registered KV memory → SGL descriptors), `ring`
+//! (gio_uring: IOCBs of IOCTXs), `engine` (who executes IOCBs: io_uring now;
+//! VFIO NVMe and GPU later), `tier` (the API engines call). Raw syscalls live
+//! only in `engine::uring` and `pool::backing`.
+
+pub mod engine;
+pub mod error;
+pub mod memory;
+pub mod model;
+pub mod p2p;
+pub mod pool;
+pub mod ring;
+pub mod tier;
+
+pub use error::{Error, Result};
+pub use memory::{HostKvCache, HostLayout, KvLayout, KvMemory, MemoryKind};
+pub use model::{DType, KvGeometry};
+pub use pool::{DeviceSpec, Key, OpenExpect, Pool, PoolConfig};
+pub use tier::{JobId, JobResult, KeyOutcome, LayerDone, Tier, TierConfig};

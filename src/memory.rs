@@ -1,0 +1,286 @@
+//! The engine's paged KV memory, as kvtier sees it: where every object lives.
+//!
+//! A serving engine owns its KV cache (vLLM allocates it with torch); kvtier
+//! only needs to know the layout to compute each object's address once, when
+//! the P2P table is built. [`KvMemory`] is that description. [`HostKvCache`]
+//! is a KV cache kvtier allocates itself (tests, `kvtier bench`, engines that
+//! let us own the staging memory), page-aligned for direct I/O.
+
+use crate::error::{Error, Result};
+use crate::model::KvGeometry;
+use memmap2::{MmapOptions, MmapRaw};
+
+/// K is object 0 of a (block, layer) pair, V is object 1.
+pub const K: u32 = 0;
+pub const V: u32 = 1;
+
+/// How the engine lays out its paged KV memory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KvLayout {
+    /// vLLM's per-layer tensors: layer `l` is one tensor shaped
+    /// `(2, num_blocks, block_size, kv_heads, head_dim)` at `layer_bases[l]`,
+    /// so K of block b is at `base + b*obj` and V at `base + (num_blocks + b)*obj`.
+    PerLayer { layer_bases: Vec<u64> },
+    /// One cross-layer tensor shaped
+    /// `(num_blocks, layers, 2, block_size, kv_heads, head_dim)`: a block's 2L
+    /// objects are contiguous (vLLM's cross-layer offloading layout, LMCache chunks).
+    CrossLayer { base: u64 },
+}
+
+/// Where the memory is: the engines that can reach it differ.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemoryKind {
+    Host,
+    /// Device memory of CUDA device `ordinal` (GPU engine only).
+    Gpu { ordinal: u32 },
+}
+
+/// A description of registered KV memory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvMemory {
+    pub geometry: KvGeometry,
+    /// Paged blocks in the engine's KV cache (vLLM's num_gpu_blocks).
+    pub num_blocks: u32,
+    pub layout: KvLayout,
+    pub kind: MemoryKind,
+}
+
+impl KvMemory {
+    /// Address of the K (`kv = 0`) or V (`kv = 1`) object of `block` for `layer`.
+    pub fn object_addr(&self, block: u32, layer: u32, kv: u32) -> u64 {
+        let obj = self.geometry.object_bytes();
+        match &self.layout {
+            KvLayout::PerLayer { layer_bases } => {
+                layer_bases[layer as usize] + (kv as u64 * self.num_blocks as u64 + block as u64) * obj
+            }
+            KvLayout::CrossLayer { base } => {
+                let l = self.geometry.layers as u64;
+                base + ((block as u64 * l + layer as u64) * 2 + kv as u64) * obj
+            }
+        }
+    }
+
+    /// The contiguous address ranges the memory occupies, `(addr, len)`.
+    pub fn regions(&self) -> Vec<(u64, u64)> {
+        let obj = self.geometry.object_bytes();
+        let per_layer = 2 * self.num_blocks as u64 * obj;
+        match &self.layout {
+            KvLayout::PerLayer { layer_bases } => {
+                layer_bases.iter().map(|&b| (b, per_layer)).collect()
+            }
+            KvLayout::CrossLayer { base } => {
+                vec![(*base, per_layer * self.geometry.layers as u64)]
+            }
+        }
+    }
+
+    /// Checks the description against the geometry and the direct-I/O
+    /// alignment every object address must have.
+    pub fn validate(&self) -> Result<()> {
+        self.geometry.validate()?;
+        if self.num_blocks == 0 {
+            return Err(Error::Registration(
+                "num_blocks is 0: register the KV cache after it is allocated".into(),
+            ));
+        }
+        let entries = self.num_blocks as u64 * self.geometry.objects_per_block() as u64;
+        if entries > u32::MAX as u64 / 2 {
+            return Err(Error::Registration(format!(
+                "{} blocks x {} objects is more objects than a P2P table indexes (2^31); register fewer blocks",
+                self.num_blocks,
+                self.geometry.objects_per_block()
+            )));
+        }
+        let align = KvGeometry::DIRECT_IO_ALIGN;
+        match &self.layout {
+            KvLayout::PerLayer { layer_bases } => {
+                if layer_bases.len() != self.geometry.layers as usize {
+                    return Err(Error::Registration(format!(
+                        "per-layer layout has {} layer tensors but the model has {} layers; pass one base address per layer",
+                        layer_bases.len(),
+                        self.geometry.layers
+                    )));
+                }
+                for (l, &b) in layer_bases.iter().enumerate() {
+                    if b % align != 0 {
+                        return Err(Error::Registration(format!(
+                            "layer {l} KV tensor at {b:#x} is not aligned to {align} bytes, the alignment direct I/O (O_DIRECT, NVMe DMA) requires; allocate the KV cache {align}-byte aligned"
+                        )));
+                    }
+                }
+            }
+            KvLayout::CrossLayer { base } => {
+                if base % align != 0 {
+                    return Err(Error::Registration(format!(
+                        "cross-layer KV tensor at {base:#x} is not aligned to {align} bytes, the alignment direct I/O (O_DIRECT, NVMe DMA) requires; allocate the KV cache {align}-byte aligned"
+                    )));
+                }
+            }
+        }
+        let mut regions = self.regions();
+        regions.sort();
+        for w in regions.windows(2) {
+            if w[0].0 + w[0].1 > w[1].0 {
+                return Err(Error::Registration(format!(
+                    "KV tensors overlap: [{:#x}, +{}) and [{:#x}, +{}); each layer needs its own memory",
+                    w[0].0, w[0].1, w[1].0, w[1].1
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn total_bytes(&self) -> u64 {
+        self.regions().iter().map(|r| r.1).sum()
+    }
+}
+
+/// Which layout a [`HostKvCache`] allocates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HostLayout {
+    PerLayer,
+    CrossLayer,
+}
+
+/// A page-aligned host KV cache owned by kvtier: anonymous mappings, one per
+/// layer (per-layer layout, like vLLM's tensors) or one in all (cross-layer).
+///
+/// Object contents are copied in and out through raw pointers and never
+/// borrowed as slices: the kernel DMAs into this memory while I/O is in
+/// flight, so Rust references to it would alias a writer we do not control.
+pub struct HostKvCache {
+    maps: Vec<MmapRaw>,
+    memory: KvMemory,
+}
+
+// SAFETY: the mappings are plain memory; all access goes through raw-pointer
+// copies, whose races with in-flight I/O give torn bytes, never unsoundness.
+unsafe impl Send for HostKvCache {}
+unsafe impl Sync for HostKvCache {}
+
+impl HostKvCache {
+    pub fn new(geometry: KvGeometry, num_blocks: u32, layout: HostLayout) -> Result<Self> {
+        geometry.validate()?;
+        let obj = geometry.object_bytes();
+        let per_layer = 2 * num_blocks as u64 * obj;
+        let map = |len: u64| -> Result<MmapRaw> {
+            let m = MmapOptions::new()
+                .len(len as usize)
+                .populate()
+                .map_anon()
+                .map_err(|e| Error::io(format!("allocating {len} bytes of host KV memory"), e))?;
+            Ok(MmapRaw::from(m))
+        };
+        let (maps, layout) = match layout {
+            HostLayout::PerLayer => {
+                let maps = (0..geometry.layers)
+                    .map(|_| map(per_layer))
+                    .collect::<Result<Vec<_>>>()?;
+                let layer_bases = maps.iter().map(|m| m.as_ptr() as u64).collect();
+                (maps, KvLayout::PerLayer { layer_bases })
+            }
+            HostLayout::CrossLayer => {
+                let m = map(per_layer * geometry.layers as u64)?;
+                let base = m.as_ptr() as u64;
+                (vec![m], KvLayout::CrossLayer { base })
+            }
+        };
+        let memory = KvMemory {
+            geometry,
+            num_blocks,
+            layout,
+            kind: MemoryKind::Host,
+        };
+        memory.validate()?;
+        Ok(HostKvCache { maps, memory })
+    }
+
+    pub fn memory(&self) -> &KvMemory {
+        &self.memory
+    }
+
+    pub fn num_blocks(&self) -> u32 {
+        self.memory.num_blocks
+    }
+
+    fn check(&self, block: u32, layer: u32, kv: u32) {
+        assert!(
+            block < self.memory.num_blocks && layer < self.memory.geometry.layers && kv < 2,
+            "object (block {block}, layer {layer}, kv {kv}) outside a cache of {} blocks x {} layers",
+            self.memory.num_blocks,
+            self.memory.geometry.layers
+        );
+    }
+
+    /// Copy an object out.
+    pub fn read_object(&self, block: u32, layer: u32, kv: u32, out: &mut [u8]) {
+        self.check(block, layer, kv);
+        let n = self.memory.geometry.object_bytes() as usize;
+        assert_eq!(out.len(), n, "object buffer size");
+        let src = self.memory.object_addr(block, layer, kv) as *const u8;
+        // SAFETY: check() bounds the object inside one of our live mappings.
+        unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), n) }
+    }
+
+    /// Copy an object in.
+    pub fn write_object(&self, block: u32, layer: u32, kv: u32, data: &[u8]) {
+        self.check(block, layer, kv);
+        let n = self.memory.geometry.object_bytes() as usize;
+        assert_eq!(data.len(), n, "object buffer size");
+        let dst = self.memory.object_addr(block, layer, kv) as *mut u8;
+        // SAFETY: as in read_object; the mapping is writable.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, n) }
+    }
+
+    /// Zero every byte (tests clear memory between store and load).
+    pub fn clear(&self) {
+        for m in &self.maps {
+            // SAFETY: writes within the mapping's own length.
+            unsafe { std::ptr::write_bytes(m.as_mut_ptr(), 0, m.len()) }
+        }
+    }
+
+    /// Fill a block's 2L objects with bytes derived from `seed` (deterministic;
+    /// every object distinct), as test and benchmark data.
+    pub fn fill_block(&self, block: u32, seed: u64) {
+        let g = self.memory.geometry;
+        let mut buf = vec![0u8; g.object_bytes() as usize];
+        for layer in 0..g.layers {
+            for kv in 0..2 {
+                pattern_fill(&mut buf, seed, layer, kv);
+                self.write_object(block, layer, kv, &buf);
+            }
+        }
+    }
+
+    /// True when the block holds exactly what `fill_block(block, seed)` wrote,
+    /// for layers in `layers`.
+    pub fn block_matches(&self, block: u32, seed: u64, layers: std::ops::Range<u32>) -> bool {
+        let g = self.memory.geometry;
+        let mut want = vec![0u8; g.object_bytes() as usize];
+        let mut got = vec![0u8; g.object_bytes() as usize];
+        for layer in layers {
+            for kv in 0..2 {
+                pattern_fill(&mut want, seed, layer, kv);
+                self.read_object(block, layer, kv, &mut got);
+                if want != got {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+}
+
+/// Deterministic pseudo-random bytes for (seed, layer, kv): splitmix64 words.
+pub fn pattern_fill(buf: &mut [u8], seed: u64, layer: u32, kv: u32) {
+    let mut x = seed ^ ((layer as u64) << 32 | (kv as u64) << 31) ^ 0x9E37_79B9_7F4A_7C15;
+    for chunk in buf.chunks_mut(8) {
+        x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        chunk.copy_from_slice(&z.to_le_bytes()[..chunk.len()]);
+    }
+}

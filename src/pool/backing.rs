@@ -1,0 +1,2164 @@
+//! The backing devices of a pool: regular files or block devices, each one "an SSD".
+//!
+//! This module (with the io_uring engine) is the only place that makes raw syscalls and
+//! ioctls for the devices; everything above it is safe Rust. It enforces the rules that
+//! keep kvtier from destroying data it was not given:
+//!
+//! * kvtier opens only the path it was named, nothing else.
+//! * A block device that is mounted (itself, one of its partitions, or a device-mapper /
+//!   md device stacked on it), an active swap area, or held exclusively by anyone else is
+//!   refused, with or without `force`. A regular file that backs a loop device or is an
+//!   active swap file is refused the same way.
+//! * A device or file that holds a recognised filesystem, partition table or volume
+//!   signature, or any other non-zero data that is not a kvtier pool, is refused unless
+//!   `force` is set; the error names the device, what was found, and the fix.
+//! * A backing file is never made larger than asked, and never truncated without `force`.
+//!
+//! All I/O on an open [`BackingDevice`] is positional direct I/O (`O_DIRECT`) through
+//! [`AlignedBuf`]s, so the page cache never holds KV data and offsets/lengths are always
+//! multiples of [`DIRECT_IO_ALIGN`].
+
+use std::alloc::{self, Layout};
+use std::fmt;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, ErrorKind};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+
+use nix::errno::Errno;
+use nix::fcntl::{FallocateFlags, FcntlArg, OFlag};
+
+use crate::error::{Error, IoContext, Result};
+
+/// Magic at byte 0 of every kvtier pool device (the superblock starts there).
+pub const POOL_MAGIC: [u8; 8] = *b"KVTIERPL";
+
+/// Alignment (bytes) of every direct I/O buffer, offset and length kvtier issues.
+pub const DIRECT_IO_ALIGN: usize = 4096;
+
+/// How many leading bytes of a device [`probe_signature`] looks at: 256 KiB, enough for
+/// btrfs (magic at 64 KiB + 64), iso9660/udf (32 KiB + 1) and the ZFS uberblock ring of
+/// vdev label 0 (128 KiB .. 256 KiB).
+pub const SIGNATURE_PROBE_BYTES: usize = 256 * 1024;
+
+/// Which kind of thing backs a pool device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackingKind {
+    File,
+    BlockDevice,
+}
+
+/// What the first bytes of a device say it holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Signature {
+    /// Every probed byte is zero (or the device is empty).
+    Empty,
+    /// Begins with [`POOL_MAGIC`].
+    KvtierPool,
+    /// A recognised filesystem, partition table or volume signature. The name is one of
+    /// "ext2/3/4", "xfs", "btrfs", "swap", "vfat", "exfat", "ntfs", "iso9660", "udf",
+    /// "squashfs", "f2fs", "zfs", "LVM2 PV", "LUKS", "linux_raid_member", "bcache",
+    /// "GPT partition table", "dos partition table".
+    Filesystem(&'static str),
+    /// Non-zero data kvtier does not recognise.
+    Unknown,
+}
+
+impl fmt::Display for Signature {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Signature::Empty => f.write_str("nothing (its first bytes are all zero)"),
+            Signature::KvtierPool => f.write_str("a kvtier pool"),
+            Signature::Unknown => f.write_str("data kvtier does not recognise"),
+            Signature::Filesystem(name) => {
+                let text = match *name {
+                    "ext2/3/4" => "an ext2/3/4 filesystem",
+                    "xfs" => "an xfs filesystem",
+                    "btrfs" => "a btrfs filesystem",
+                    "swap" => "a swap area",
+                    "vfat" => "a vfat filesystem",
+                    "exfat" => "an exfat filesystem",
+                    "ntfs" => "an ntfs filesystem",
+                    "iso9660" => "an iso9660 filesystem",
+                    "udf" => "a udf filesystem",
+                    "squashfs" => "a squashfs filesystem",
+                    "f2fs" => "an f2fs filesystem",
+                    "zfs" => "a zfs pool member",
+                    "LVM2 PV" => "an LVM2 physical volume",
+                    "LUKS" => "a LUKS encrypted volume",
+                    "linux_raid_member" => "a Linux md RAID member",
+                    "bcache" => "a bcache device",
+                    "GPT partition table" => "a GPT partition table",
+                    "dos partition table" => "a dos partition table",
+                    other => return write!(f, "a {other} signature"),
+                };
+                f.write_str(text)
+            }
+        }
+    }
+}
+
+/// Does `head` hold `magic` at `offset`? False when `head` is too short.
+fn magic_at(head: &[u8], offset: usize, magic: &[u8]) -> bool {
+    head.get(offset..offset + magic.len()) == Some(magic)
+}
+
+fn u32_le_at(head: &[u8], offset: usize) -> Option<u32> {
+    let bytes = head.get(offset..offset + 4)?;
+    Some(u32::from_le_bytes(bytes.try_into().ok()?))
+}
+
+fn u64_at(head: &[u8], offset: usize) -> Option<[u8; 8]> {
+    head.get(offset..offset + 8)?.try_into().ok()
+}
+
+/// Inspect the first bytes of a device (up to [`SIGNATURE_PROBE_BYTES`]; a shorter slice
+/// is fine, magics beyond its end are simply not seen) and say what they hold.
+///
+/// Specific magics are checked before generic ones: a FAT, NTFS or iso9660 boot sector
+/// also carries the 0x55AA MBR boot signature, so the dos partition table comes last.
+pub fn probe_signature(head: &[u8]) -> Signature {
+    if magic_at(head, 0, &POOL_MAGIC) {
+        return Signature::KvtierPool;
+    }
+    if let Some(name) = recognised_signature(head) {
+        return Signature::Filesystem(name);
+    }
+    if head.iter().all(|&b| b == 0) {
+        Signature::Empty
+    } else {
+        Signature::Unknown
+    }
+}
+
+fn recognised_signature(head: &[u8]) -> Option<&'static str> {
+    const MD_MAGIC: u32 = 0xa92b_4efc;
+    const BCACHE_MAGIC: [u8; 16] = [
+        0xc6, 0x85, 0x73, 0xf6, 0x4e, 0x1a, 0x45, 0xca, 0x82, 0x65, 0xf5, 0x7f, 0x48, 0xba, 0x6d,
+        0x81,
+    ];
+    const ZFS_UBERBLOCK_MAGIC: u64 = 0x00ba_b10c;
+
+    // Magics at byte 0.
+    if magic_at(head, 0, b"LUKS\xba\xbe") {
+        return Some("LUKS");
+    }
+    if magic_at(head, 0, b"XFSB") {
+        return Some("xfs");
+    }
+    if magic_at(head, 0, b"hsqs") {
+        return Some("squashfs");
+    }
+    // md superblock 1.1 at 0, 1.2 at 4 KiB.
+    if u32_le_at(head, 0) == Some(MD_MAGIC) || u32_le_at(head, 4096) == Some(MD_MAGIC) {
+        return Some("linux_raid_member");
+    }
+    // LVM2 label: "LABELONE" in one of the first four 512-byte sectors, usually the second.
+    if (0..4).any(|sector| magic_at(head, sector * 512, b"LABELONE")) {
+        return Some("LVM2 PV");
+    }
+    // GPT header in LBA 1: byte 512 for 512-byte sectors, 4096 for 4Kn disks.
+    if magic_at(head, 512, b"EFI PART") || magic_at(head, 4096, b"EFI PART") {
+        return Some("GPT partition table");
+    }
+    // OEM names in the boot sector.
+    if magic_at(head, 3, b"NTFS    ") {
+        return Some("ntfs");
+    }
+    if magic_at(head, 3, b"EXFAT   ") {
+        return Some("exfat");
+    }
+    let boot_signature = magic_at(head, 510, &[0x55, 0xaa]);
+    if magic_at(head, 82, b"FAT32   ")
+        || (boot_signature
+            && (magic_at(head, 54, b"FAT12   ")
+                || magic_at(head, 54, b"FAT16   ")
+                || magic_at(head, 54, b"FAT     ")))
+    {
+        return Some("vfat");
+    }
+    // ext2/3/4: s_magic 0xEF53 (little-endian) at 1024 + 56.
+    if magic_at(head, 1080, &[0x53, 0xef]) {
+        return Some("ext2/3/4");
+    }
+    // f2fs: 0xF2F52010 (little-endian) at 1024.
+    if u32_le_at(head, 1024) == Some(0xf2f5_2010) {
+        return Some("f2fs");
+    }
+    if magic_at(head, 4096 + 24, &BCACHE_MAGIC) {
+        return Some("bcache");
+    }
+    // swap: the last 10 bytes of the first page, for each page size Linux uses.
+    for page in [4096usize, 8192, 16384, 65536] {
+        if magic_at(head, page - 10, b"SWAPSPACE2") || magic_at(head, page - 10, b"SWAP-SPACE") {
+            return Some("swap");
+        }
+    }
+    // ISO 9660 / UDF volume descriptors at 32 KiB (identifier after the type byte).
+    if magic_at(head, 32769, b"CD001") {
+        return Some("iso9660");
+    }
+    if magic_at(head, 32769, b"BEA01")
+        || magic_at(head, 32769, b"NSR02")
+        || magic_at(head, 32769, b"NSR03")
+    {
+        return Some("udf");
+    }
+    // btrfs: superblock at 64 KiB, magic at +64.
+    if magic_at(head, 65536 + 64, b"_BHRfS_M") {
+        return Some("btrfs");
+    }
+    // ZFS: the uberblock ring of vdev label 0 (128 KiB .. 256 KiB), 1 KiB slots or larger,
+    // magic in either byte order.
+    let mut slot = 128 * 1024;
+    while slot < 256 * 1024 {
+        if let Some(bytes) = u64_at(head, slot) {
+            if u64::from_le_bytes(bytes) == ZFS_UBERBLOCK_MAGIC
+                || u64::from_be_bytes(bytes) == ZFS_UBERBLOCK_MAGIC
+            {
+                return Some("zfs");
+            }
+        }
+        slot += 1024;
+    }
+    // DOS MBR: boot signature plus at least one used partition entry whose boot flag is
+    // 0x00 or 0x80 (boot code in a FAT/NTFS boot sector rarely passes this).
+    if boot_signature {
+        let entries: Vec<&[u8]> = (0..4)
+            .filter_map(|i| head.get(446 + 16 * i..446 + 16 * (i + 1)))
+            .collect();
+        let flags_ok = entries.iter().all(|e| e[0] == 0x00 || e[0] == 0x80);
+        let any_used = entries.iter().any(|e| e[4] != 0);
+        if entries.len() == 4 && flags_ok && any_used {
+            return Some("dos partition table");
+        }
+    }
+    None
+}
+
+// ---------------------------------------------------------------------------------------
+// AlignedBuf
+// ---------------------------------------------------------------------------------------
+
+/// A zeroed heap buffer aligned to [`DIRECT_IO_ALIGN`], its length a multiple of it: what
+/// `O_DIRECT` and NVMe need.
+pub struct AlignedBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: AlignedBuf uniquely owns its allocation (like a Box<[u8]>); there is no shared
+// or thread-local state, so moving it to another thread is sound.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: shared access only hands out `&[u8]` / `*const u8`; mutation needs `&mut self`.
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    fn layout(len: usize) -> Layout {
+        // Cannot fail for the lengths `zeroed` accepts: the alignment is a power of two and
+        // a length that overflows isize when rounded is rejected here with a clear panic.
+        Layout::from_size_align(len, DIRECT_IO_ALIGN).expect("AlignedBuf length overflows isize")
+    }
+
+    /// A zeroed buffer of `len` bytes.
+    ///
+    /// # Panics
+    /// If `len` is 0 or not a multiple of [`DIRECT_IO_ALIGN`] (a programming error: every
+    /// direct I/O length is). Allocation failure calls [`alloc::handle_alloc_error`].
+    pub fn zeroed(len: usize) -> AlignedBuf {
+        assert!(
+            len != 0 && len % DIRECT_IO_ALIGN == 0,
+            "AlignedBuf length {len} must be a non-zero multiple of {DIRECT_IO_ALIGN}"
+        );
+        let layout = Self::layout(len);
+        // SAFETY: `layout` has a non-zero size (checked above).
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let Some(ptr) = NonNull::new(raw) else {
+            alloc::handle_alloc_error(layout)
+        };
+        AlignedBuf { ptr, len }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: a buffer is never empty (see [`AlignedBuf::zeroed`]).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` points to `len` initialised (zeroed at allocation) bytes owned by
+        // self, alive for the borrow of self.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and `&mut self` makes this the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` was allocated by `alloc_zeroed` with exactly this layout and is
+        // freed only here, once.
+        unsafe { alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
+    }
+}
+
+impl fmt::Debug for AlignedBuf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AlignedBuf")
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Raw syscalls and ioctls, each in a small function.
+// ---------------------------------------------------------------------------------------
+
+mod ioctls {
+    // <linux/fs.h>: BLKGETSIZE64 = _IOR(0x12, 114, size_t); the kernel writes a u64.
+    nix::ioctl_read!(blkgetsize64, 0x12, 114, u64);
+    // BLKSSZGET = _IO(0x12, 104), writes an int.
+    nix::ioctl_read_bad!(blksszget, 0x1268, libc::c_int);
+    // BLKROGET = _IO(0x12, 94), writes an int.
+    nix::ioctl_read_bad!(blkroget, 0x125e, libc::c_int);
+    // BLKRRPART = _IO(0x12, 95): re-read the partition table.
+    nix::ioctl_none_bad!(blkrrpart, 0x125f);
+}
+
+/// Size in bytes of the block device open as `file`.
+fn block_device_size(file: &File) -> io::Result<u64> {
+    let mut size: u64 = 0;
+    // SAFETY: BLKGETSIZE64 writes one u64 through the pointer, which points to a live
+    // local; the fd stays open for the duration of the call.
+    unsafe { ioctls::blkgetsize64(file.as_raw_fd(), &mut size) }.map_err(io::Error::from)?;
+    Ok(size)
+}
+
+/// Logical block size of the block device open as `file`.
+fn block_device_logical_block_size(file: &File) -> io::Result<u32> {
+    let mut lbs: libc::c_int = 0;
+    // SAFETY: BLKSSZGET writes one c_int through the pointer, a live local; fd is open.
+    unsafe { ioctls::blksszget(file.as_raw_fd(), &mut lbs) }.map_err(io::Error::from)?;
+    u32::try_from(lbs).map_err(|_| io::Error::other(format!("BLKSSZGET returned {lbs}")))
+}
+
+/// Is the block device open as `file` read-only?
+fn block_device_read_only(file: &File) -> io::Result<bool> {
+    let mut ro: libc::c_int = 0;
+    // SAFETY: BLKROGET writes one c_int through the pointer, a live local; fd is open.
+    unsafe { ioctls::blkroget(file.as_raw_fd(), &mut ro) }.map_err(io::Error::from)?;
+    Ok(ro != 0)
+}
+
+/// Ask the kernel to re-read the partition table (best effort: drops stale partitions
+/// after a forced overwrite of a partitioned disk).
+fn block_device_reread_partitions(file: &File) -> io::Result<()> {
+    // SAFETY: BLKRRPART takes no argument; the fd is open for the call.
+    unsafe { ioctls::blkrrpart(file.as_raw_fd()) }.map_err(io::Error::from)?;
+    Ok(())
+}
+
+/// The file offset alignment direct I/O needs on this file (statx STATX_DIOALIGN,
+/// Linux 6.1+), if the filesystem reports one.
+fn file_dio_offset_align(file: &File) -> Option<u32> {
+    let mut stx = MaybeUninit::<libc::statx>::zeroed();
+    // SAFETY: statx with AT_EMPTY_PATH and an empty C string stats the open fd and writes
+    // at most one `struct statx` into `stx`, which is live and large enough.
+    let rc = unsafe {
+        libc::statx(
+            file.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            libc::STATX_DIOALIGN,
+            stx.as_mut_ptr(),
+        )
+    };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: the struct was zero-initialised (a valid value for this plain-integer struct)
+    // and then filled by a successful statx.
+    let stx = unsafe { stx.assume_init() };
+    (stx.stx_mask & libc::STATX_DIOALIGN != 0 && stx.stx_dio_offset_align != 0)
+        .then_some(stx.stx_dio_offset_align)
+}
+
+/// Turn on O_DIRECT for an open file (fcntl F_SETFL); EINVAL if the filesystem cannot.
+fn enable_direct_io(file: &File) -> nix::Result<()> {
+    let flags = OFlag::from_bits_retain(nix::fcntl::fcntl(file, FcntlArg::F_GETFL)?);
+    nix::fcntl::fcntl(file, FcntlArg::F_SETFL(flags | OFlag::O_DIRECT))?;
+    Ok(())
+}
+
+/// Allocate `[0, len)` of a regular file (fallocate mode 0: extends, never shrinks).
+fn allocate_file(file: &File, len: u64) -> nix::Result<()> {
+    let len = libc::off_t::try_from(len).map_err(|_| Errno::EFBIG)?;
+    nix::fcntl::fallocate(file, FallocateFlags::empty(), 0, len)
+}
+
+// ---------------------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------------------
+
+/// "1 MiB", "1.5 GiB", "512 bytes".
+fn human(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["bytes", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    if bytes < 1024 {
+        return format!("{bytes} bytes");
+    }
+    let mut unit = 0;
+    let mut scale = 1u64;
+    while unit + 1 < UNITS.len() && bytes / scale >= 1024 {
+        scale *= 1024;
+        unit += 1;
+    }
+    if bytes % scale == 0 {
+        format!("{} {}", bytes / scale, UNITS[unit])
+    } else {
+        format!("{:.1} {}", bytes as f64 / scale as f64, UNITS[unit])
+    }
+}
+
+fn backing_error(path: &Path, reason: impl Into<String>) -> Error {
+    Error::Backing {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+fn dev_major(rdev: u64) -> u64 {
+    libc::major(rdev) as u64
+}
+
+fn dev_minor(rdev: u64) -> u64 {
+    libc::minor(rdev) as u64
+}
+
+fn parse_maj_min(text: &str) -> Option<(u64, u64)> {
+    let (maj, min) = text.trim().split_once(':')?;
+    Some((maj.parse().ok()?, min.parse().ok()?))
+}
+
+/// Undo the octal escapes (`\040` for space etc.) of /proc/self/mountinfo and /proc/swaps.
+fn unescape_octal(field: &str) -> String {
+    let bytes = field.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'\\' && i + 4 <= bytes.len() {
+            let digits = &bytes[i + 1..i + 4];
+            if digits.iter().all(|d| (b'0'..=b'7').contains(d)) {
+                let value = digits
+                    .iter()
+                    .fold(0u32, |acc, d| acc * 8 + u32::from(d - b'0'));
+                if let Ok(byte) = u8::try_from(value) {
+                    out.push(byte);
+                    i += 4;
+                    continue;
+                }
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Read up to [`SIGNATURE_PROBE_BYTES`] from the start of `file` (which must not be in
+/// O_DIRECT mode yet) for [`probe_signature`].
+fn read_head(file: &File, len: u64) -> io::Result<Vec<u8>> {
+    let want = usize::try_from(len.min(SIGNATURE_PROBE_BYTES as u64)).unwrap_or(0);
+    let mut head = vec![0u8; want];
+    let mut done = 0;
+    while done < want {
+        match file.read_at(&mut head[done..], done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    head.truncate(done);
+    Ok(head)
+}
+
+// ---------------------------------------------------------------------------------------
+// Who else is using a device
+// ---------------------------------------------------------------------------------------
+
+/// How a block device is in use by the system.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct InUse {
+    /// Mount point, or "[SWAP]" for an active swap area.
+    mount_point: String,
+    /// The related device through which it is in use (a partition or a holder), if not the
+    /// named device itself.
+    via: Option<String>,
+}
+
+impl InUse {
+    fn describe(&self) -> String {
+        let what = if self.mount_point == "[SWAP]" {
+            "is an active swap area".to_string()
+        } else {
+            format!("is mounted at {}", self.mount_point)
+        };
+        match &self.via {
+            Some(via) => format!("{via} {what}"),
+            None => format!("it {what}"),
+        }
+    }
+}
+
+/// The device itself (major, minor) plus, through sysfs, its partitions and the devices
+/// stacked on it (holders: device-mapper, md, bcache), transitively. Each with a name.
+fn related_devices(rdev: u64) -> Vec<((u64, u64), Option<String>)> {
+    let mut out: Vec<((u64, u64), Option<String>)> =
+        vec![((dev_major(rdev), dev_minor(rdev)), None)];
+    let mut next = 0;
+    while next < out.len() && out.len() < 256 {
+        let ((maj, min), _) = out[next];
+        next += 1;
+        let dir = PathBuf::from(format!("/sys/dev/block/{maj}:{min}"));
+        let mut found: Vec<((u64, u64), String)> = Vec::new();
+        // Partitions: subdirectories with a `partition` file.
+        if let Ok(entries) = fs::read_dir(&dir) {
+            for entry in entries.flatten() {
+                let sub = entry.path();
+                if sub.join("partition").exists() {
+                    if let Some(dev) = fs::read_to_string(sub.join("dev"))
+                        .ok()
+                        .and_then(|s| parse_maj_min(&s))
+                    {
+                        found.push((
+                            dev,
+                            format!("its partition /dev/{}", entry.file_name().to_string_lossy()),
+                        ));
+                    }
+                }
+            }
+        }
+        // Holders: links to the block devices stacked on this one.
+        if let Ok(entries) = fs::read_dir(dir.join("holders")) {
+            for entry in entries.flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if let Some(dev) = fs::read_to_string(format!("/sys/class/block/{name}/dev"))
+                    .ok()
+                    .and_then(|s| parse_maj_min(&s))
+                {
+                    found.push((dev, format!("/dev/{name}, a device stacked on it,")));
+                }
+            }
+        }
+        for (dev, name) in found {
+            if !out.iter().any(|(d, _)| *d == dev) {
+                out.push((dev, Some(name)));
+            }
+        }
+    }
+    out
+}
+
+/// Is any of `devices` mounted (by major:minor, or by a mount source that is that device
+/// node, which catches btrfs's anonymous device numbers) or an active swap area?
+fn find_use(devices: &[((u64, u64), Option<String>)]) -> Result<Option<InUse>> {
+    let lookup = |dev: (u64, u64)| devices.iter().find(|(d, _)| *d == dev).map(|(_, n)| n);
+    let lookup_source = |source: &str| -> Option<&Option<String>> {
+        if !source.starts_with('/') {
+            return None;
+        }
+        let meta = fs::metadata(source).ok()?;
+        if !meta.file_type().is_block_device() {
+            return None;
+        }
+        lookup((dev_major(meta.rdev()), dev_minor(meta.rdev())))
+    };
+
+    let mountinfo = fs::read_to_string("/proc/self/mountinfo")
+        .context(|| "reading /proc/self/mountinfo".to_string())?;
+    for line in mountinfo.lines() {
+        let fields: Vec<&str> = line.split(' ').collect();
+        if fields.len() < 5 {
+            continue;
+        }
+        let mount_point = unescape_octal(fields[4]);
+        let source = fields
+            .iter()
+            .position(|f| *f == "-")
+            .and_then(|sep| fields.get(sep + 2))
+            .map(|s| unescape_octal(s));
+        let hit = parse_maj_min(fields[2])
+            .and_then(&lookup)
+            .or_else(|| source.as_deref().and_then(lookup_source));
+        if let Some(via) = hit {
+            return Ok(Some(InUse {
+                mount_point,
+                via: via.clone(),
+            }));
+        }
+    }
+
+    // Active swap areas are not in mountinfo. /proc/swaps may be absent (no swap support).
+    if let Ok(swaps) = fs::read_to_string("/proc/swaps") {
+        for line in swaps.lines().skip(1) {
+            let Some(name) = line.split_whitespace().next() else {
+                continue;
+            };
+            if let Some(via) = lookup_source(&unescape_octal(name)) {
+                return Ok(Some(InUse {
+                    mount_point: "[SWAP]".to_string(),
+                    via: via.clone(),
+                }));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// How the block device at `path` (with metadata `meta`) is in use, if it is.
+fn block_device_use(meta: &fs::Metadata) -> Result<Option<InUse>> {
+    find_use(&related_devices(meta.rdev()))
+}
+
+/// How the regular file `meta` is in use by the system: backing a loop device, or an
+/// active swap file.
+fn regular_file_use(meta: &fs::Metadata) -> Option<String> {
+    let same_file = |p: &Path| {
+        fs::metadata(p)
+            .map(|m| m.dev() == meta.dev() && m.ino() == meta.ino())
+            .unwrap_or(false)
+    };
+    if let Ok(entries) = fs::read_dir("/sys/block") {
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !name.starts_with("loop") {
+                continue;
+            }
+            let Ok(backing) = fs::read_to_string(entry.path().join("loop/backing_file")) else {
+                continue;
+            };
+            let backing = backing.trim_end_matches('\n');
+            if !backing.is_empty() && same_file(Path::new(backing)) {
+                return Some(format!(
+                    "it is the backing file of loop device /dev/{name}; detach it first \
+                     (`losetup -d /dev/{name}`)"
+                ));
+            }
+        }
+    }
+    if let Ok(swaps) = fs::read_to_string("/proc/swaps") {
+        for line in swaps.lines().skip(1) {
+            if let Some(name) = line.split_whitespace().next() {
+                if same_file(Path::new(&unescape_octal(name))) {
+                    return Some("it is an active swap file; swapoff it first".to_string());
+                }
+            }
+        }
+    }
+    None
+}
+
+/// Is this path (a block device) mounted, or is any partition of it (or a device-mapper /
+/// md device stacked on it) mounted, or an active swap area? Returns the mount point if so
+/// ("[SWAP]" for swap). A path that is not a block device is never mounted: `Ok(None)`.
+pub fn mounted_at(path: &Path) -> Result<Option<String>> {
+    let meta = fs::metadata(path).context(|| format!("stat {}", path.display()))?;
+    if !meta.file_type().is_block_device() {
+        return Ok(None);
+    }
+    Ok(block_device_use(&meta)?.map(|u| u.mount_point))
+}
+
+// ---------------------------------------------------------------------------------------
+// BackingDevice
+// ---------------------------------------------------------------------------------------
+
+/// An open backing device: an `O_RDWR | O_DIRECT | O_CLOEXEC` file descriptor (block
+/// devices are also opened `O_EXCL`, so nobody can mount or claim them while the pool is
+/// open), its usable size and kind.
+#[derive(Debug)]
+pub struct BackingDevice {
+    path: PathBuf,
+    file: File,
+    size: u64,
+    kind: BackingKind,
+    logical_block_size: u32,
+}
+
+/// Removes a file this module created if creating the pool device fails half way.
+struct RemoveOnError<'a> {
+    path: &'a Path,
+    armed: bool,
+}
+
+impl Drop for RemoveOnError<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = fs::remove_file(self.path);
+        }
+    }
+}
+
+fn round_down(size: u64) -> u64 {
+    size - size % DIRECT_IO_ALIGN as u64
+}
+
+/// The kind of an existing path, or an error for anything that cannot back a pool.
+fn backing_kind(path: &Path, meta: &fs::Metadata) -> Result<BackingKind> {
+    let ft = meta.file_type();
+    if ft.is_file() {
+        Ok(BackingKind::File)
+    } else if ft.is_block_device() {
+        Ok(BackingKind::BlockDevice)
+    } else {
+        let what = if ft.is_dir() {
+            "a directory"
+        } else if ft.is_char_device() {
+            "a character device"
+        } else if ft.is_fifo() {
+            "a FIFO"
+        } else if ft.is_socket() {
+            "a socket"
+        } else {
+            "neither a regular file nor a block device"
+        };
+        Err(backing_error(
+            path,
+            format!(
+                "it is {what}; a pool device must be a regular file or a block device \
+                 (for NVMe, the namespace block device such as /dev/nvme0n1)"
+            ),
+        ))
+    }
+}
+
+fn open_error(path: &Path, kind: BackingKind, e: io::Error) -> Error {
+    match (e.raw_os_error(), kind) {
+        (Some(libc::EBUSY), BackingKind::BlockDevice) => backing_error(
+            path,
+            "it is in use (mounted, an active swap area, part of an md RAID, LVM or \
+             device-mapper volume, or open by another kvtier pool); stop whatever holds it first",
+        ),
+        (Some(libc::EACCES) | Some(libc::EPERM), _) => backing_error(
+            path,
+            format!(
+                "permission denied opening it read-write ({e}); run as a user who may write it"
+            ),
+        ),
+        (Some(libc::EROFS), _) => backing_error(path, "it is on a read-only filesystem or device"),
+        _ => Error::io(format!("opening backing device {}", path.display()), e),
+    }
+}
+
+fn direct_io_error(path: &Path, e: Errno) -> Error {
+    if e == Errno::EINVAL {
+        backing_error(
+            path,
+            "its filesystem does not support direct I/O (O_DIRECT); put the pool file on \
+             ext4, xfs or btrfs, or use a block device",
+        )
+    } else {
+        Error::io(format!("enabling O_DIRECT on {}", path.display()), e.into())
+    }
+}
+
+/// Open an existing block device read-write and exclusively (not yet O_DIRECT) after
+/// checking that nothing has it mounted. Returns the file, its byte size and logical
+/// block size.
+fn open_block_device(path: &Path, meta: &fs::Metadata) -> Result<(File, u64, u32)> {
+    if let Some(in_use) = block_device_use(meta)? {
+        return Err(backing_error(
+            path,
+            format!(
+                "{}; kvtier never touches a mounted or active device (--force does not \
+                 override this); {} first",
+                in_use.describe(),
+                if in_use.mount_point == "[SWAP]" {
+                    "swapoff it"
+                } else {
+                    "unmount it"
+                }
+            ),
+        ));
+    }
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_EXCL)
+        .open(path)
+        .map_err(|e| open_error(path, BackingKind::BlockDevice, e))?;
+    if !file
+        .metadata()
+        .context(|| format!("stat {}", path.display()))?
+        .file_type()
+        .is_block_device()
+    {
+        return Err(backing_error(
+            path,
+            "it changed while being opened; try again",
+        ));
+    }
+    if block_device_read_only(&file).context(|| format!("BLKROGET on {}", path.display()))? {
+        return Err(backing_error(path, "the block device is read-only"));
+    }
+    let size =
+        block_device_size(&file).context(|| format!("BLKGETSIZE64 on {}", path.display()))?;
+    let lbs = block_device_logical_block_size(&file)
+        .context(|| format!("BLKSSZGET on {}", path.display()))?;
+    check_logical_block_size(path, lbs)?;
+    Ok((file, size, lbs))
+}
+
+fn check_logical_block_size(path: &Path, lbs: u32) -> Result<()> {
+    if lbs == 0 || !lbs.is_power_of_two() || lbs as usize > DIRECT_IO_ALIGN {
+        return Err(backing_error(
+            path,
+            format!(
+                "its direct I/O block size is {lbs} bytes; kvtier needs a power of two no \
+                 larger than {DIRECT_IO_ALIGN}"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn file_logical_block_size(path: &Path, file: &File) -> Result<u32> {
+    let lbs = file_dio_offset_align(file).unwrap_or(512);
+    check_logical_block_size(path, lbs)?;
+    Ok(lbs)
+}
+
+/// Refuse a foreign signature unless forced.
+fn check_signature(path: &Path, sig: &Signature, force: bool) -> Result<()> {
+    match sig {
+        Signature::Empty | Signature::KvtierPool => Ok(()),
+        _ if force => Ok(()),
+        Signature::Filesystem(_) => Err(backing_error(
+            path,
+            format!("it holds {sig}; pass --force to overwrite it (its contents will be lost)"),
+        )),
+        Signature::Unknown => Err(backing_error(
+            path,
+            "it holds data that is not a kvtier pool (its first bytes are not all zero, do not \
+             begin with the kvtier pool magic and match no known filesystem); pass --force to \
+             overwrite it (its contents will be lost)",
+        )),
+    }
+}
+
+fn min_size_hint() -> &'static str {
+    "one superblock and one extent group"
+}
+
+impl BackingDevice {
+    /// Format-time open.
+    ///
+    /// * Regular file: created (mode 0600) if missing; `size` is required and must be a
+    ///   multiple of [`DIRECT_IO_ALIGN`]. The file is fallocated to exactly `size` bytes,
+    ///   never larger. An existing file larger than `size` is an error unless `force`, in
+    ///   which case it is truncated to `size`. An existing file that is not all zero in
+    ///   its first [`SIGNATURE_PROBE_BYTES`] and is not a kvtier pool is refused unless
+    ///   `force`. A file backing a loop device or serving as swap is always refused.
+    /// * Block device: `size` None uses the whole device (rounded down to
+    ///   [`DIRECT_IO_ALIGN`]); `Some(s)` must be a multiple of it and at most the device
+    ///   size. A mounted device (or mounted partition / stacked device) is always refused;
+    ///   a recognised signature or unknown data is refused unless `force`.
+    ///
+    /// With `force`, a foreign signature found in the first [`SIGNATURE_PROBE_BYTES`] is
+    /// zeroed so the device no longer looks like what it was. `min_size` is the smallest
+    /// usable size; anything below it (or below [`DIRECT_IO_ALIGN`]) is an error.
+    pub fn create(
+        path: &Path,
+        size: Option<u64>,
+        min_size: u64,
+        force: bool,
+    ) -> Result<BackingDevice> {
+        let min_size = min_size.max(DIRECT_IO_ALIGN as u64);
+        match fs::metadata(path) {
+            Ok(meta) => match backing_kind(path, &meta)? {
+                BackingKind::File => Self::create_file(path, Some(meta), size, min_size, force),
+                BackingKind::BlockDevice => {
+                    Self::create_block_device(path, &meta, size, min_size, force)
+                }
+            },
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                Self::create_file(path, None, size, min_size, force)
+            }
+            Err(e) => Err(Error::io(format!("stat {}", path.display()), e)),
+        }
+    }
+
+    fn create_file(
+        path: &Path,
+        meta: Option<fs::Metadata>,
+        size: Option<u64>,
+        min_size: u64,
+        force: bool,
+    ) -> Result<BackingDevice> {
+        let Some(size) = size else {
+            return Err(backing_error(
+                path,
+                format!(
+                    "a backing file needs a size; give --size (a multiple of \
+                     {DIRECT_IO_ALIGN} bytes, at least {min_size} bytes)"
+                ),
+            ));
+        };
+        if size % DIRECT_IO_ALIGN as u64 != 0 {
+            return Err(backing_error(
+                path,
+                format!(
+                    "the requested size {size} bytes is not a multiple of {DIRECT_IO_ALIGN} \
+                     (direct I/O alignment); give a --size that is, e.g. {} bytes",
+                    round_down(size).max(DIRECT_IO_ALIGN as u64)
+                ),
+            ));
+        }
+        if size < min_size {
+            return Err(backing_error(
+                path,
+                format!(
+                    "backing file is {}; the pool needs at least {min_size} bytes ({}: {}); \
+                     give a larger --size",
+                    human(size),
+                    human(min_size),
+                    min_size_hint()
+                ),
+            ));
+        }
+        if let Some(meta) = &meta {
+            if let Some(why) = regular_file_use(meta) {
+                return Err(backing_error(path, why));
+            }
+        }
+
+        let mut guard = RemoveOnError { path, armed: false };
+        let file = if meta.is_some() {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(path)
+                .map_err(|e| open_error(path, BackingKind::File, e))?
+        } else {
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(path)
+                .map_err(|e| match e.kind() {
+                    ErrorKind::NotFound => backing_error(
+                        path,
+                        format!(
+                            "its directory {} does not exist; create it first",
+                            path.parent()
+                                .filter(|p| !p.as_os_str().is_empty())
+                                .unwrap_or(Path::new("."))
+                                .display()
+                        ),
+                    ),
+                    _ => open_error(path, BackingKind::File, e),
+                })?;
+            guard.armed = true;
+            file
+        };
+        let meta = file
+            .metadata()
+            .context(|| format!("stat {}", path.display()))?;
+        if !meta.file_type().is_file() {
+            return Err(backing_error(
+                path,
+                "it changed while being opened; try again",
+            ));
+        }
+        let len = meta.len();
+
+        let sig = if len == 0 {
+            Signature::Empty
+        } else {
+            let head = read_head(&file, len).context(|| format!("reading {}", path.display()))?;
+            probe_signature(&head)
+        };
+        check_signature(path, &sig, force)?;
+
+        if len > size {
+            if !force {
+                return Err(backing_error(
+                    path,
+                    format!(
+                        "the file is {} ({len} bytes), larger than the requested size {} \
+                         ({size} bytes); kvtier does not shrink it silently: pass --force to \
+                         truncate it to {size} bytes, or give --size {}",
+                        human(len),
+                        human(size),
+                        round_down(len)
+                    ),
+                ));
+            }
+            file.set_len(size)
+                .context(|| format!("truncating {} to {size} bytes", path.display()))?;
+        }
+
+        match allocate_file(&file, size) {
+            Ok(()) => {}
+            Err(Errno::EOPNOTSUPP) => {
+                // The filesystem cannot preallocate: extend (sparsely) instead.
+                if len < size {
+                    file.set_len(size)
+                        .context(|| format!("extending {} to {size} bytes", path.display()))?;
+                }
+            }
+            Err(Errno::ENOSPC) => {
+                return Err(backing_error(
+                    path,
+                    format!(
+                        "not enough free space on its filesystem for {} ({size} bytes); free \
+                         space or give a smaller --size",
+                        human(size)
+                    ),
+                ))
+            }
+            Err(Errno::EFBIG) => {
+                return Err(backing_error(
+                    path,
+                    format!(
+                        "{} is larger than its filesystem allows for one file; give a smaller \
+                         --size",
+                        human(size)
+                    ),
+                ))
+            }
+            Err(e) => {
+                return Err(Error::io(
+                    format!("allocating {size} bytes for {}", path.display()),
+                    e.into(),
+                ))
+            }
+        }
+        let actual = file
+            .metadata()
+            .context(|| format!("stat {}", path.display()))?
+            .len();
+        if actual != size {
+            return Err(backing_error(
+                path,
+                format!("after allocation it is {actual} bytes, not the {size} asked for"),
+            ));
+        }
+
+        enable_direct_io(&file).map_err(|e| direct_io_error(path, e))?;
+        let logical_block_size = file_logical_block_size(path, &file)?;
+        let dev = BackingDevice {
+            path: path.to_path_buf(),
+            file,
+            size,
+            kind: BackingKind::File,
+            logical_block_size,
+        };
+        if !matches!(sig, Signature::Empty | Signature::KvtierPool) {
+            dev.wipe_head()?;
+        }
+        guard.armed = false;
+        Ok(dev)
+    }
+
+    fn create_block_device(
+        path: &Path,
+        meta: &fs::Metadata,
+        size: Option<u64>,
+        min_size: u64,
+        force: bool,
+    ) -> Result<BackingDevice> {
+        let (file, device_size, logical_block_size) = open_block_device(path, meta)?;
+        let usable = match size {
+            None => round_down(device_size),
+            Some(s) => {
+                if s % DIRECT_IO_ALIGN as u64 != 0 {
+                    return Err(backing_error(
+                        path,
+                        format!(
+                            "the requested size {s} bytes is not a multiple of \
+                             {DIRECT_IO_ALIGN} (direct I/O alignment); give a --size that \
+                             is, or leave it out to use the whole device"
+                        ),
+                    ));
+                }
+                if s > device_size {
+                    return Err(backing_error(
+                        path,
+                        format!(
+                            "the requested size {} ({s} bytes) is larger than the device, \
+                             which holds {} ({device_size} bytes); give a smaller --size or \
+                             leave it out to use the whole device",
+                            human(s),
+                            human(device_size)
+                        ),
+                    ));
+                }
+                s
+            }
+        };
+        if usable < min_size {
+            return Err(backing_error(
+                path,
+                format!(
+                    "{} is {}; the pool needs at least {min_size} bytes ({}: {}); {}",
+                    if size.is_some() {
+                        "the requested size"
+                    } else {
+                        "the block device"
+                    },
+                    human(usable),
+                    human(min_size),
+                    min_size_hint(),
+                    if size.is_some() {
+                        "give a larger --size"
+                    } else {
+                        "use a larger device"
+                    }
+                ),
+            ));
+        }
+
+        let head =
+            read_head(&file, device_size).context(|| format!("reading {}", path.display()))?;
+        let sig = probe_signature(&head);
+        check_signature(path, &sig, force)?;
+
+        enable_direct_io(&file).map_err(|e| direct_io_error(path, e))?;
+        let dev = BackingDevice {
+            path: path.to_path_buf(),
+            file,
+            size: usable,
+            kind: BackingKind::BlockDevice,
+            logical_block_size,
+        };
+        if !matches!(sig, Signature::Empty | Signature::KvtierPool) {
+            dev.wipe_head()?;
+            if matches!(
+                sig,
+                Signature::Filesystem("dos partition table" | "GPT partition table")
+            ) {
+                // Best effort: drop the kernel's view of the old partitions so nobody
+                // mounts one over the pool. Fails harmlessly on partitions / loop devices
+                // without partition scanning.
+                let _ = block_device_reread_partitions(&dev.file);
+            }
+        }
+        Ok(dev)
+    }
+
+    /// Zero the first `SIGNATURE_PROBE_BYTES` (or the whole device if smaller) and sync.
+    fn wipe_head(&self) -> Result<()> {
+        let len = (SIGNATURE_PROBE_BYTES as u64).min(self.size) as usize;
+        let zeros = AlignedBuf::zeroed(len);
+        self.write_all_at(&zeros, 0)?;
+        self.sync_data()
+    }
+
+    /// Reopen an existing pool device (no formatting, no size change). Errors if the path
+    /// is missing, is a mounted / in-use block device, or does not begin with
+    /// [`POOL_MAGIC`]. A block device's size is the whole device rounded down to
+    /// [`DIRECT_IO_ALIGN`] (the superblock records how much of it the pool uses); a file's
+    /// is its length, likewise rounded down.
+    pub fn open(path: &Path) -> Result<BackingDevice> {
+        let meta = match fs::metadata(path) {
+            Ok(meta) => meta,
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                return Err(backing_error(
+                    path,
+                    "it does not exist; create a pool with `kvtier pool create`",
+                ))
+            }
+            Err(e) => return Err(Error::io(format!("stat {}", path.display()), e)),
+        };
+        let kind = backing_kind(path, &meta)?;
+        let (file, raw_size, lbs) = match kind {
+            BackingKind::BlockDevice => open_block_device(path, &meta)?,
+            BackingKind::File => {
+                if let Some(why) = regular_file_use(&meta) {
+                    return Err(backing_error(path, why));
+                }
+                let file = OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(path)
+                    .map_err(|e| open_error(path, kind, e))?;
+                let meta = file
+                    .metadata()
+                    .context(|| format!("stat {}", path.display()))?;
+                if !meta.file_type().is_file() {
+                    return Err(backing_error(
+                        path,
+                        "it changed while being opened; try again",
+                    ));
+                }
+                let lbs = file_logical_block_size(path, &file)?;
+                (file, meta.len(), lbs)
+            }
+        };
+        let head = read_head(&file, raw_size).context(|| format!("reading {}", path.display()))?;
+        let sig = probe_signature(&head);
+        if sig != Signature::KvtierPool {
+            let found = if raw_size == 0 {
+                "it is empty".to_string()
+            } else {
+                format!("found: {sig}")
+            };
+            return Err(backing_error(
+                path,
+                format!("it is not a kvtier pool ({found}); create one with `kvtier pool create`"),
+            ));
+        }
+        let size = round_down(raw_size);
+        if size == 0 {
+            return Err(backing_error(
+                path,
+                format!("it is only {raw_size} bytes, too small to hold a pool"),
+            ));
+        }
+        enable_direct_io(&file).map_err(|e| direct_io_error(path, e))?;
+        Ok(BackingDevice {
+            path: path.to_path_buf(),
+            file,
+            size,
+            kind,
+            logical_block_size: lbs,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Usable size in bytes: the file length, or the device (or requested) size; always a
+    /// multiple of [`DIRECT_IO_ALIGN`].
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    pub fn kind(&self) -> BackingKind {
+        self.kind
+    }
+
+    /// BLKSSZGET for block devices; for files the filesystem's direct I/O offset alignment
+    /// (statx STATX_DIOALIGN) where reported, else 512. Always divides [`DIRECT_IO_ALIGN`].
+    pub fn logical_block_size(&self) -> u32 {
+        self.logical_block_size
+    }
+
+    /// The O_DIRECT descriptor, for io_uring registration. Valid while `self` lives.
+    pub fn raw_fd(&self) -> RawFd {
+        self.file.as_raw_fd()
+    }
+
+    pub fn as_fd(&self) -> BorrowedFd<'_> {
+        self.file.as_fd()
+    }
+
+    fn device_error(&self, offset: u64, len: usize, reason: String) -> Error {
+        Error::Device {
+            device: self.path.display().to_string(),
+            offset,
+            len: len as u64,
+            reason,
+        }
+    }
+
+    fn check_range(&self, offset: u64, len: usize, op: &str) -> Result<()> {
+        if offset % DIRECT_IO_ALIGN as u64 != 0 {
+            return Err(Error::invalid(format!(
+                "direct {op} of {len} bytes on {} at offset {offset}: the offset is not a \
+                 multiple of {DIRECT_IO_ALIGN}",
+                self.path.display()
+            )));
+        }
+        let end = offset.checked_add(len as u64);
+        if end.is_none_or(|end| end > self.size) {
+            return Err(self.device_error(
+                offset,
+                len,
+                format!(
+                    "the {op} ends past the end of the device ({} bytes)",
+                    self.size
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Read `buf.len()` bytes at `offset` (a multiple of [`DIRECT_IO_ALIGN`]) with direct
+    /// I/O. A short read, a range past the end, or an I/O error is an `Error::Device`.
+    pub fn read_exact_at(&self, buf: &mut AlignedBuf, offset: u64) -> Result<()> {
+        let len = buf.len();
+        self.check_range(offset, len, "read")?;
+        let slice = buf.as_mut_slice();
+        let mut done = 0usize;
+        while done < len {
+            match self.file.read_at(&mut slice[done..], offset + done as u64) {
+                Ok(0) => {
+                    return Err(self.device_error(
+                        offset,
+                        len,
+                        format!("short read: got {done} of {len} bytes (the device ended early)"),
+                    ))
+                }
+                Ok(n) => {
+                    done += n;
+                    if done < len && done % DIRECT_IO_ALIGN != 0 {
+                        return Err(self.device_error(
+                            offset,
+                            len,
+                            format!("short read: got {done} of {len} bytes"),
+                        ));
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    return Err(self.device_error(
+                        offset,
+                        len,
+                        format!("read failed after {done} of {len} bytes: {e}"),
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Write all of `buf` at `offset` (a multiple of [`DIRECT_IO_ALIGN`]) with direct I/O.
+    /// Never writes past [`BackingDevice::size`]. Errors are `Error::Device`. Not durable
+    /// until [`BackingDevice::sync_data`].
+    pub fn write_all_at(&self, buf: &AlignedBuf, offset: u64) -> Result<()> {
+        let len = buf.len();
+        self.check_range(offset, len, "write")?;
+        let slice = buf.as_slice();
+        let mut done = 0usize;
+        while done < len {
+            match self.file.write_at(&slice[done..], offset + done as u64) {
+                Ok(0) => {
+                    return Err(self.device_error(
+                        offset,
+                        len,
+                        format!("short write: wrote {done} of {len} bytes"),
+                    ))
+                }
+                Ok(n) => {
+                    done += n;
+                    if done < len && done % DIRECT_IO_ALIGN != 0 {
+                        return Err(self.device_error(
+                            offset,
+                            len,
+                            format!("short write: wrote {done} of {len} bytes"),
+                        ));
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    return Err(self.device_error(
+                        offset,
+                        len,
+                        format!("write failed after {done} of {len} bytes: {e}"),
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// fdatasync: makes prior writes durable (files and block devices alike; on a block
+    /// device it flushes the drive's volatile write cache).
+    pub fn sync_data(&self) -> Result<()> {
+        self.file
+            .sync_data()
+            .context(|| format!("fdatasync of backing device {}", self.path.display()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::process::Command;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    const MIB: u64 = 1024 * 1024;
+
+    /// A unique scratch directory under the system temp dir, removed on drop.
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new(tag: &str) -> TempDir {
+            static COUNTER: AtomicUsize = AtomicUsize::new(0);
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or(0);
+            let dir = std::env::temp_dir().join(format!(
+                "kvtier-backing-{tag}-{}-{}-{nanos}",
+                std::process::id(),
+                COUNTER.fetch_add(1, Ordering::Relaxed)
+            ));
+            fs::create_dir_all(&dir).unwrap();
+            TempDir(dir)
+        }
+
+        fn path(&self, name: &str) -> PathBuf {
+            self.0.join(name)
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn head_with(offset: usize, magic: &[u8]) -> Vec<u8> {
+        let mut head = vec![0u8; SIGNATURE_PROBE_BYTES];
+        head[offset..offset + magic.len()].copy_from_slice(magic);
+        head
+    }
+
+    fn write_file(path: &Path, bytes: &[u8]) {
+        let mut f = File::create(path).unwrap();
+        f.write_all(bytes).unwrap();
+        f.sync_all().unwrap();
+    }
+
+    fn pattern(len: usize, seed: u8) -> AlignedBuf {
+        let mut buf = AlignedBuf::zeroed(len);
+        for (i, b) in buf.as_mut_slice().iter_mut().enumerate() {
+            *b = (i as u8).wrapping_mul(31).wrapping_add(seed);
+        }
+        buf
+    }
+
+    fn write_magic(dev: &BackingDevice) {
+        let mut sb = AlignedBuf::zeroed(DIRECT_IO_ALIGN);
+        sb.as_mut_slice()[..8].copy_from_slice(&POOL_MAGIC);
+        dev.write_all_at(&sb, 0).unwrap();
+        dev.sync_data().unwrap();
+    }
+
+    fn backing_reason(err: Error) -> String {
+        match err {
+            Error::Backing { reason, .. } => reason,
+            other => panic!("expected Error::Backing, got {other:?}"),
+        }
+    }
+
+    // ---- probe_signature ---------------------------------------------------------------
+
+    #[test]
+    fn probe_recognises_each_magic() {
+        let fs = |name| Signature::Filesystem(name);
+        let cases: Vec<(Vec<u8>, Signature)> = vec![
+            (head_with(0, &POOL_MAGIC), Signature::KvtierPool),
+            (head_with(1080, &[0x53, 0xef]), fs("ext2/3/4")),
+            (head_with(0, b"XFSB"), fs("xfs")),
+            (head_with(65600, b"_BHRfS_M"), fs("btrfs")),
+            (head_with(4086, b"SWAPSPACE2"), fs("swap")),
+            (head_with(4086, b"SWAP-SPACE"), fs("swap")),
+            (head_with(65526, b"SWAPSPACE2"), fs("swap")),
+            (head_with(82, b"FAT32   "), fs("vfat")),
+            (head_with(3, b"NTFS    "), fs("ntfs")),
+            (head_with(3, b"EXFAT   "), fs("exfat")),
+            (head_with(32769, b"CD001"), fs("iso9660")),
+            (head_with(32769, b"BEA01"), fs("udf")),
+            (
+                head_with(512, b"LABELONE\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0LVM2 001"),
+                fs("LVM2 PV"),
+            ),
+            (head_with(0, b"LUKS\xba\xbe\0\x02"), fs("LUKS")),
+            (head_with(512, b"EFI PART"), fs("GPT partition table")),
+            (head_with(4096, b"EFI PART"), fs("GPT partition table")),
+            (head_with(0, b"hsqs"), fs("squashfs")),
+            (head_with(1024, &0xf2f5_2010u32.to_le_bytes()), fs("f2fs")),
+            (
+                head_with(4096, &0xa92b_4efcu32.to_le_bytes()),
+                fs("linux_raid_member"),
+            ),
+            (
+                head_with(128 * 1024 + 4096, &0x00ba_b10cu64.to_le_bytes()),
+                fs("zfs"),
+            ),
+            (
+                head_with(128 * 1024, &0x00ba_b10cu64.to_be_bytes()),
+                fs("zfs"),
+            ),
+        ];
+        for (head, want) in cases {
+            assert_eq!(probe_signature(&head), want);
+        }
+
+        // FAT12/16: name at 54 plus the boot signature.
+        let mut fat16 = head_with(54, b"FAT16   ");
+        fat16[510] = 0x55;
+        fat16[511] = 0xaa;
+        fat16[0] = 0xeb; // a jump instruction, like a real boot sector
+        assert_eq!(probe_signature(&fat16), fs("vfat"));
+        // ...but not without it.
+        assert_eq!(
+            probe_signature(&head_with(54, b"FAT16   ")),
+            Signature::Unknown
+        );
+    }
+
+    #[test]
+    fn probe_dos_partition_table_and_ordering() {
+        let mut mbr = vec![0u8; 4096];
+        mbr[446 + 4] = 0x83; // one Linux partition
+        mbr[446 + 8..446 + 12].copy_from_slice(&2048u32.to_le_bytes());
+        mbr[510] = 0x55;
+        mbr[511] = 0xaa;
+        assert_eq!(
+            probe_signature(&mbr),
+            Signature::Filesystem("dos partition table")
+        );
+
+        // A boot signature with no used partition entry is not a partition table.
+        let mut bare = vec![0u8; 4096];
+        bare[510] = 0x55;
+        bare[511] = 0xaa;
+        assert_eq!(probe_signature(&bare), Signature::Unknown);
+
+        // GPT's protective MBR (type 0xEE) is reported as GPT, not dos.
+        let mut gpt = mbr.clone();
+        gpt[446 + 4] = 0xee;
+        gpt[512..520].copy_from_slice(b"EFI PART");
+        assert_eq!(
+            probe_signature(&gpt),
+            Signature::Filesystem("GPT partition table")
+        );
+
+        // An isohybrid image (MBR + iso9660) is an iso9660 filesystem.
+        let mut iso = head_with(32769, b"CD001");
+        iso[..512].copy_from_slice(&mbr[..512]);
+        assert_eq!(probe_signature(&iso), Signature::Filesystem("iso9660"));
+
+        // A kvtier pool wins over leftovers of what was there before.
+        let mut pool = head_with(65600, b"_BHRfS_M");
+        pool[..8].copy_from_slice(&POOL_MAGIC);
+        assert_eq!(probe_signature(&pool), Signature::KvtierPool);
+    }
+
+    #[test]
+    fn probe_zeros_garbage_and_short_buffers() {
+        assert_eq!(probe_signature(&[]), Signature::Empty);
+        assert_eq!(
+            probe_signature(&vec![0u8; SIGNATURE_PROBE_BYTES]),
+            Signature::Empty
+        );
+        assert_eq!(probe_signature(&[0u8; 7]), Signature::Empty);
+        assert_eq!(probe_signature(b"KVTIERP"), Signature::Unknown);
+        assert_eq!(probe_signature(b"KVTIERPL"), Signature::KvtierPool);
+        let garbage: Vec<u8> = (0..SIGNATURE_PROBE_BYTES)
+            .map(|i| (i as u8).wrapping_mul(7) | 1)
+            .collect();
+        assert_eq!(probe_signature(&garbage), Signature::Unknown);
+        let mut one = vec![0u8; 4096];
+        one[4000] = 1;
+        assert_eq!(probe_signature(&one), Signature::Unknown);
+        // Every prefix length is safe (no out-of-bounds slicing).
+        let ext = head_with(1080, &[0x53, 0xef]);
+        for len in [0, 1, 511, 512, 1080, 1081, 1082, 4096, 65600, 65607] {
+            let _ = probe_signature(&ext[..len]);
+        }
+        assert_eq!(
+            probe_signature(&ext[..1082]),
+            Signature::Filesystem("ext2/3/4")
+        );
+    }
+
+    #[test]
+    fn signature_display_names_the_thing() {
+        assert_eq!(
+            Signature::Filesystem("ext2/3/4").to_string(),
+            "an ext2/3/4 filesystem"
+        );
+        assert_eq!(
+            Signature::Filesystem("dos partition table").to_string(),
+            "a dos partition table"
+        );
+        assert_eq!(Signature::KvtierPool.to_string(), "a kvtier pool");
+    }
+
+    #[test]
+    fn helpers() {
+        assert_eq!(human(1024 * 1024), "1 MiB");
+        assert_eq!(human(512), "512 bytes");
+        assert_eq!(human(3 * 1024 * 1024 / 2), "1.5 MiB");
+        assert_eq!(human(8 << 30), "8 GiB");
+        assert_eq!(unescape_octal(r"/mnt/a\040b\134c"), r"/mnt/a b\c");
+        assert_eq!(unescape_octal(r"/x\04"), r"/x\04");
+        assert_eq!(parse_maj_min("254:0\n"), Some((254, 0)));
+        assert_eq!(parse_maj_min("junk"), None);
+    }
+
+    // ---- AlignedBuf --------------------------------------------------------------------
+
+    #[test]
+    fn aligned_buf_is_aligned_and_zeroed() {
+        for len in [4096, 8192, 1 << 20] {
+            let mut buf = AlignedBuf::zeroed(len);
+            assert_eq!(buf.len(), len);
+            assert!(!buf.is_empty());
+            assert_eq!(buf.as_ptr() as usize % DIRECT_IO_ALIGN, 0);
+            assert!(buf.as_slice().iter().all(|&b| b == 0));
+            buf.as_mut_slice()[len - 1] = 9;
+            assert_eq!(buf.as_slice()[len - 1], 9);
+            assert_eq!(buf.as_mut_ptr() as usize % DIRECT_IO_ALIGN, 0);
+        }
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<AlignedBuf>();
+        assert_send_sync::<BackingDevice>();
+    }
+
+    #[test]
+    #[should_panic(expected = "multiple of 4096")]
+    fn aligned_buf_rejects_unaligned_length() {
+        let _ = AlignedBuf::zeroed(1000);
+    }
+
+    #[test]
+    #[should_panic(expected = "non-zero")]
+    fn aligned_buf_rejects_zero_length() {
+        let _ = AlignedBuf::zeroed(0);
+    }
+
+    // ---- file-backed devices -----------------------------------------------------------
+
+    #[test]
+    fn file_pool_create_write_read() {
+        let dir = TempDir::new("rw");
+        let path = dir.path("pool.img");
+        let size = 8 * MIB;
+        let dev = BackingDevice::create(&path, Some(size), MIB, false).unwrap();
+        assert_eq!(dev.size(), size);
+        assert_eq!(dev.kind(), BackingKind::File);
+        assert_eq!(dev.path(), path.as_path());
+        let lbs = dev.logical_block_size();
+        assert!(lbs >= 512 && DIRECT_IO_ALIGN as u32 % lbs == 0, "lbs {lbs}");
+        assert!(dev.raw_fd() >= 0);
+        assert_eq!(dev.as_fd().as_raw_fd(), dev.raw_fd());
+        let meta = fs::metadata(&path).unwrap();
+        assert_eq!(meta.len(), size);
+        assert_eq!(meta.mode() & 0o777, 0o600);
+        // fallocate really allocated the space (not a sparse file).
+        assert!(meta.blocks() * 512 >= size, "blocks {}", meta.blocks());
+        // The descriptor is really O_DIRECT.
+        let flags = nix::fcntl::fcntl(dev.as_fd(), FcntlArg::F_GETFL).unwrap();
+        assert_ne!(flags & libc::O_DIRECT, 0);
+
+        for (offset, len, seed) in [
+            (0u64, 4096usize, 1u8),
+            (4096, 8192, 2),
+            (3 * MIB, 64 * 1024, 3),
+            (size - 4096, 4096, 4),
+        ] {
+            let data = pattern(len, seed);
+            dev.write_all_at(&data, offset).unwrap();
+            let mut back = AlignedBuf::zeroed(len);
+            dev.read_exact_at(&mut back, offset).unwrap();
+            assert_eq!(back.as_slice(), data.as_slice(), "offset {offset}");
+        }
+        dev.sync_data().unwrap();
+
+        // Misaligned offset: a programming error, reported as such.
+        let buf = AlignedBuf::zeroed(4096);
+        assert!(matches!(
+            dev.write_all_at(&buf, 512),
+            Err(Error::InvalidArgument(_))
+        ));
+        // Past the end: refused, the file never grows.
+        let err = dev
+            .write_all_at(&AlignedBuf::zeroed(8192), size - 4096)
+            .unwrap_err();
+        assert!(matches!(err, Error::Device { .. }), "{err:?}");
+        let err = dev.write_all_at(&buf, size).unwrap_err();
+        assert!(matches!(err, Error::Device { .. }), "{err:?}");
+        assert_eq!(fs::metadata(&path).unwrap().len(), size);
+        drop(dev);
+
+        // Not a pool yet (offset 0 holds a test pattern)...
+        let reason = backing_reason(BackingDevice::open(&path).unwrap_err());
+        assert!(reason.contains("not a kvtier pool"), "{reason}");
+        assert!(reason.contains("kvtier pool create"), "{reason}");
+
+        // ...until the magic is written at byte 0.
+        OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .write_all_at(&POOL_MAGIC, 0)
+            .unwrap();
+        let dev = BackingDevice::open(&path).unwrap();
+        assert_eq!(dev.size(), size);
+        assert_eq!(dev.kind(), BackingKind::File);
+        let mut back = AlignedBuf::zeroed(8192);
+        dev.read_exact_at(&mut back, 4096).unwrap();
+        assert_eq!(back.as_slice(), pattern(8192, 2).as_slice());
+        assert_eq!(fs::metadata(&path).unwrap().len(), size);
+        drop(dev);
+        // Re-creating over an existing pool needs no force and keeps the size exact.
+        let dev = BackingDevice::create(&path, Some(size), MIB, false).unwrap();
+        assert_eq!(dev.size(), size);
+        assert_eq!(fs::metadata(&path).unwrap().len(), size);
+    }
+
+    #[test]
+    fn file_create_grows_an_existing_smaller_pool_file_exactly() {
+        let dir = TempDir::new("grow");
+        let path = dir.path("pool.img");
+        let dev = BackingDevice::create(&path, Some(4 * MIB), MIB, false).unwrap();
+        write_magic(&dev);
+        drop(dev);
+        let dev = BackingDevice::create(&path, Some(6 * MIB), MIB, false).unwrap();
+        assert_eq!(dev.size(), 6 * MIB);
+        assert_eq!(fs::metadata(&path).unwrap().len(), 6 * MIB);
+    }
+
+    #[test]
+    fn file_create_refuses_foreign_data_without_force() {
+        let dir = TempDir::new("foreign");
+        let path = dir.path("notes.txt");
+        write_file(&path, b"my precious notes\n");
+
+        let err = BackingDevice::create(&path, Some(8 * MIB), MIB, false).unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("--force"), "{text}");
+        assert!(text.contains(&path.display().to_string()), "{text}");
+        assert!(text.contains("not a kvtier pool"), "{text}");
+        // Untouched.
+        assert_eq!(fs::read(&path).unwrap(), b"my precious notes\n");
+
+        let dev = BackingDevice::create(&path, Some(8 * MIB), MIB, true).unwrap();
+        assert_eq!(dev.size(), 8 * MIB);
+        assert_eq!(fs::metadata(&path).unwrap().len(), 8 * MIB);
+        // The old data is gone from the head.
+        let mut head = AlignedBuf::zeroed(SIGNATURE_PROBE_BYTES);
+        dev.read_exact_at(&mut head, 0).unwrap();
+        assert_eq!(probe_signature(head.as_slice()), Signature::Empty);
+    }
+
+    #[test]
+    fn file_create_refuses_ext4_magic_without_force() {
+        let dir = TempDir::new("ext4");
+        let path = dir.path("fs.img");
+        let mut img = vec![0u8; 2 * MIB as usize];
+        img[1080] = 0x53;
+        img[1081] = 0xef;
+        write_file(&path, &img);
+        let err = BackingDevice::create(&path, Some(2 * MIB), MIB, false).unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("ext2/3/4"), "{text}");
+        assert!(text.contains("pass --force to overwrite it"), "{text}");
+
+        let reason = backing_reason(BackingDevice::open(&path).unwrap_err());
+        assert!(
+            reason.contains("not a kvtier pool (found: an ext2/3/4 filesystem)"),
+            "{reason}"
+        );
+
+        let dev = BackingDevice::create(&path, Some(2 * MIB), MIB, true).unwrap();
+        assert_eq!(dev.size(), 2 * MIB);
+    }
+
+    #[test]
+    fn file_create_size_rules() {
+        let dir = TempDir::new("sizes");
+        let path = dir.path("pool.img");
+
+        let reason = backing_reason(
+            BackingDevice::create(&path, Some(8 * MIB + 100), MIB, false).unwrap_err(),
+        );
+        assert!(reason.contains("not a multiple of 4096"), "{reason}");
+        assert!(!path.exists(), "nothing created on a bad size");
+
+        let reason = backing_reason(BackingDevice::create(&path, None, MIB, false).unwrap_err());
+        assert!(reason.contains("--size"), "{reason}");
+
+        let min = 4 * MIB + 8192;
+        let err = BackingDevice::create(&path, Some(MIB), min, false).unwrap_err();
+        let reason = backing_reason(err);
+        assert!(reason.contains("1 MiB"), "{reason}");
+        assert!(reason.contains(&min.to_string()), "{reason}");
+        assert!(reason.contains("give a larger --size"), "{reason}");
+        assert!(!path.exists());
+
+        // Exactly the minimum is fine.
+        let dev = BackingDevice::create(&path, Some(min), min, false).unwrap();
+        assert_eq!(dev.size(), min);
+    }
+
+    #[test]
+    fn file_create_never_shrinks_without_force() {
+        let dir = TempDir::new("shrink");
+        let path = dir.path("pool.img");
+        let dev = BackingDevice::create(&path, Some(8 * MIB), MIB, false).unwrap();
+        write_magic(&dev);
+        drop(dev);
+
+        let reason =
+            backing_reason(BackingDevice::create(&path, Some(4 * MIB), MIB, false).unwrap_err());
+        assert!(reason.contains("--force"), "{reason}");
+        assert!(
+            reason.contains("larger than the requested size"),
+            "{reason}"
+        );
+        assert_eq!(fs::metadata(&path).unwrap().len(), 8 * MIB);
+
+        let dev = BackingDevice::create(&path, Some(4 * MIB), MIB, true).unwrap();
+        assert_eq!(dev.size(), 4 * MIB);
+        assert_eq!(fs::metadata(&path).unwrap().len(), 4 * MIB);
+    }
+
+    #[test]
+    fn create_refuses_directories_and_missing_parents() {
+        let dir = TempDir::new("dirs");
+        let reason =
+            backing_reason(BackingDevice::create(&dir.0, Some(8 * MIB), MIB, true).unwrap_err());
+        assert!(reason.contains("a directory"), "{reason}");
+
+        let path = dir.path("no/such/dir/pool.img");
+        let reason =
+            backing_reason(BackingDevice::create(&path, Some(8 * MIB), MIB, false).unwrap_err());
+        assert!(reason.contains("does not exist"), "{reason}");
+
+        let reason = backing_reason(BackingDevice::open(&dir.0).unwrap_err());
+        assert!(reason.contains("a directory"), "{reason}");
+    }
+
+    #[test]
+    fn open_errors_are_clear() {
+        let dir = TempDir::new("open");
+        let missing = dir.path("missing.img");
+        let reason = backing_reason(BackingDevice::open(&missing).unwrap_err());
+        assert!(reason.contains("does not exist"), "{reason}");
+        assert!(reason.contains("kvtier pool create"), "{reason}");
+
+        let empty = dir.path("empty.img");
+        write_file(&empty, b"");
+        let reason = backing_reason(BackingDevice::open(&empty).unwrap_err());
+        assert!(
+            reason.contains("not a kvtier pool (it is empty)"),
+            "{reason}"
+        );
+
+        let zeros = dir.path("zeros.img");
+        write_file(&zeros, &vec![0u8; 65536]);
+        let reason = backing_reason(BackingDevice::open(&zeros).unwrap_err());
+        assert!(reason.contains("all zero"), "{reason}");
+
+        let text = dir.path("text.img");
+        write_file(&text, b"hello world");
+        let err = BackingDevice::open(&text).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains(&text.display().to_string()), "{msg}");
+        assert!(msg.contains("not a kvtier pool"), "{msg}");
+    }
+
+    #[test]
+    fn short_reads_are_device_errors() {
+        let dir = TempDir::new("short");
+        let path = dir.path("pool.img");
+        let size = 8 * MIB;
+        let dev = BackingDevice::create(&path, Some(size), MIB, false).unwrap();
+        write_magic(&dev);
+
+        // Past the end of the device.
+        let mut buf = AlignedBuf::zeroed(8192);
+        match dev.read_exact_at(&mut buf, size - 4096).unwrap_err() {
+            Error::Device {
+                device,
+                offset,
+                len,
+                reason,
+            } => {
+                assert_eq!(device, path.display().to_string());
+                assert_eq!(offset, size - 4096);
+                assert_eq!(len, 8192);
+                assert!(reason.contains("past the end"), "{reason}");
+            }
+            other => panic!("expected Error::Device, got {other:?}"),
+        }
+
+        // The file shrinks under us: pread comes back short.
+        OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(size - 4096)
+            .unwrap();
+        match dev.read_exact_at(&mut buf, size - 8192).unwrap_err() {
+            Error::Device { reason, len, .. } => {
+                assert_eq!(len, 8192);
+                assert!(reason.contains("short read: got 4096 of 8192"), "{reason}");
+            }
+            other => panic!("expected Error::Device, got {other:?}"),
+        }
+    }
+
+    // ---- mounts ------------------------------------------------------------------------
+
+    /// The block device mounted at "/" according to mountinfo, if its node exists.
+    fn root_device() -> Option<PathBuf> {
+        let mountinfo = fs::read_to_string("/proc/self/mountinfo").ok()?;
+        for line in mountinfo.lines() {
+            let fields: Vec<&str> = line.split(' ').collect();
+            if fields.get(4) != Some(&"/") {
+                continue;
+            }
+            let sep = fields.iter().position(|f| *f == "-")?;
+            let source = fields.get(sep + 2)?;
+            let meta = fs::metadata(source).ok()?;
+            if meta.file_type().is_block_device() {
+                return Some(PathBuf::from(source));
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn mounted_at_finds_the_root_device() {
+        match root_device() {
+            Some(dev) => {
+                assert_eq!(mounted_at(&dev).unwrap().as_deref(), Some("/"), "{dev:?}");
+                // And create refuses it, even with force.
+                let reason =
+                    backing_reason(BackingDevice::create(&dev, None, MIB, true).unwrap_err());
+                assert!(reason.contains("mounted at /"), "{reason}");
+                let reason = backing_reason(BackingDevice::open(&dev).unwrap_err());
+                assert!(reason.contains("mounted at /"), "{reason}");
+            }
+            None => eprintln!(
+                "note: the root filesystem's block device node was not found; \
+                 skipping the mounted_at(\"/\") assertion"
+            ),
+        }
+        // A regular file is never "mounted".
+        let dir = TempDir::new("mnt");
+        let file = dir.path("f");
+        write_file(&file, b"x");
+        assert_eq!(mounted_at(&file).unwrap(), None);
+        assert!(mounted_at(&dir.path("missing")).is_err());
+    }
+
+    // ---- loop devices ------------------------------------------------------------------
+
+    fn run(cmd: &str, args: &[&str]) -> std::result::Result<String, String> {
+        let out = Command::new(cmd)
+            .args(args)
+            .output()
+            .map_err(|e| format!("{cmd}: {e}"))?;
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+        } else {
+            Err(format!(
+                "{cmd} {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ))
+        }
+    }
+
+    /// A loop device over a file, detached on drop.
+    struct Loop(PathBuf);
+
+    impl Loop {
+        fn attach(file: &Path, partscan: bool) -> std::result::Result<Loop, String> {
+            let file = file.to_str().ok_or("non-UTF-8 path")?;
+            let mut args = vec!["-f", "--show"];
+            if partscan {
+                args.push("-P");
+            }
+            args.push(file);
+            run("losetup", &args).map(|dev| Loop(PathBuf::from(dev)))
+        }
+    }
+
+    impl Drop for Loop {
+        fn drop(&mut self) {
+            if let Some(dev) = self.0.to_str() {
+                let _ = run("losetup", &["-d", dev]);
+            }
+        }
+    }
+
+    /// A mount, unmounted on drop.
+    struct Mount(PathBuf);
+
+    impl Drop for Mount {
+        fn drop(&mut self) {
+            if let Some(dir) = self.0.to_str() {
+                let _ = run("umount", &[dir]);
+            }
+        }
+    }
+
+    fn mkfs_and_mount(dev: &Path, dir: &Path) -> std::result::Result<Mount, String> {
+        let dev = dev.to_str().ok_or("non-UTF-8 path")?;
+        run("mkfs.ext4", &["-q", "-F", dev])?;
+        fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+        run("mount", &[dev, dir.to_str().ok_or("non-UTF-8 path")?])?;
+        Ok(Mount(dir.to_path_buf()))
+    }
+
+    #[test]
+    fn loop_device_create_open_and_mount_checks() {
+        let dir = TempDir::new("loop");
+        let img = dir.path("disk.img");
+        let size = 16 * MIB;
+        File::create(&img).unwrap().set_len(size).unwrap();
+        let lo = match Loop::attach(&img, false) {
+            Ok(lo) => lo,
+            Err(why) => {
+                eprintln!("note: skipping the loop-device test: {why}");
+                return;
+            }
+        };
+        let path = lo.0.clone();
+        assert!(fs::metadata(&path).unwrap().file_type().is_block_device());
+        assert_eq!(mounted_at(&path).unwrap(), None);
+
+        // Size checks against BLKGETSIZE64.
+        let reason =
+            backing_reason(BackingDevice::create(&path, Some(32 * MIB), MIB, false).unwrap_err());
+        assert!(reason.contains("larger than the device"), "{reason}");
+        let reason =
+            backing_reason(BackingDevice::create(&path, None, 64 * MIB, false).unwrap_err());
+        assert!(reason.contains("16 MiB") && reason.contains(&(64 * MIB).to_string()));
+
+        // A blank device is accepted without force; not a pool until the magic is written.
+        let dev = BackingDevice::create(&path, None, MIB, false).unwrap();
+        assert_eq!(dev.kind(), BackingKind::BlockDevice);
+        assert_eq!(dev.size(), size);
+        let lbs = dev.logical_block_size();
+        assert!(lbs >= 512 && DIRECT_IO_ALIGN as u32 % lbs == 0, "lbs {lbs}");
+        // Held exclusively: a second exclusive open is refused as "in use".
+        let reason = backing_reason(BackingDevice::open(&path).unwrap_err());
+        assert!(reason.contains("in use"), "{reason}");
+        let data = pattern(65536, 7);
+        dev.write_all_at(&data, MIB).unwrap();
+        let mut back = AlignedBuf::zeroed(65536);
+        dev.read_exact_at(&mut back, MIB).unwrap();
+        assert_eq!(back.as_slice(), data.as_slice());
+        assert!(matches!(
+            dev.read_exact_at(&mut back, size),
+            Err(Error::Device { .. })
+        ));
+        dev.sync_data().unwrap();
+        drop(dev);
+        let reason = backing_reason(BackingDevice::open(&path).unwrap_err());
+        assert!(reason.contains("not a kvtier pool"), "{reason}");
+
+        let dev = BackingDevice::create(&path, Some(8 * MIB), MIB, false).unwrap();
+        assert_eq!(dev.size(), 8 * MIB);
+        write_magic(&dev);
+        drop(dev);
+        let dev = BackingDevice::open(&path).unwrap();
+        assert_eq!(dev.size(), size);
+        assert_eq!(dev.kind(), BackingKind::BlockDevice);
+        drop(dev);
+
+        // A filesystem on it: mounted -> refused even with force; unmounted -> needs force.
+        let mnt = dir.path("mnt");
+        match mkfs_and_mount(&path, &mnt) {
+            Ok(mount) => {
+                let mp = mounted_at(&path).unwrap();
+                assert_eq!(mp.as_deref(), Some(mnt.to_str().unwrap()));
+                let reason =
+                    backing_reason(BackingDevice::create(&path, None, MIB, true).unwrap_err());
+                assert!(reason.contains("mounted at"), "{reason}");
+                assert!(reason.contains("unmount"), "{reason}");
+                drop(mount);
+                assert_eq!(mounted_at(&path).unwrap(), None);
+
+                let reason =
+                    backing_reason(BackingDevice::create(&path, None, MIB, false).unwrap_err());
+                assert!(reason.contains("ext2/3/4"), "{reason}");
+                assert!(reason.contains("pass --force to overwrite it"), "{reason}");
+                let reason = backing_reason(BackingDevice::open(&path).unwrap_err());
+                assert!(reason.contains("found: an ext2/3/4 filesystem"), "{reason}");
+
+                let dev = BackingDevice::create(&path, None, MIB, true).unwrap();
+                let mut head = AlignedBuf::zeroed(SIGNATURE_PROBE_BYTES);
+                dev.read_exact_at(&mut head, 0).unwrap();
+                assert_eq!(probe_signature(head.as_slice()), Signature::Empty);
+            }
+            Err(why) => eprintln!("note: skipping the mounted-filesystem part: {why}"),
+        }
+        drop(lo);
+
+        // A partitioned disk whose partition is mounted: the whole disk is in use.
+        let img2 = dir.path("parted.img");
+        let mut mbr = vec![0u8; 512];
+        mbr[446 + 4] = 0x83;
+        mbr[446 + 8..446 + 12].copy_from_slice(&2048u32.to_le_bytes());
+        mbr[446 + 12..446 + 16].copy_from_slice(&((size / 512 - 2048) as u32).to_le_bytes());
+        mbr[510] = 0x55;
+        mbr[511] = 0xaa;
+        write_file(&img2, &mbr);
+        OpenOptions::new()
+            .write(true)
+            .open(&img2)
+            .unwrap()
+            .set_len(size)
+            .unwrap();
+        let lo = match Loop::attach(&img2, true) {
+            Ok(lo) => lo,
+            Err(why) => {
+                eprintln!("note: skipping the partition test: {why}");
+                return;
+            }
+        };
+        let part = PathBuf::from(format!("{}p1", lo.0.display()));
+        if !part.exists() {
+            // Kernels without msdos partition parsing: add the partition with BLKPG.
+            let _ = run("partx", &["-a", lo.0.to_str().unwrap()]);
+        }
+        for _ in 0..50 {
+            if part.exists() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        if !part.exists() {
+            eprintln!("note: skipping the partition test: {part:?} did not appear");
+            return;
+        }
+        let reason = backing_reason(BackingDevice::create(&lo.0, None, MIB, false).unwrap_err());
+        assert!(reason.contains("dos partition table"), "{reason}");
+        match mkfs_and_mount(&part, &dir.path("pmnt")) {
+            Ok(mount) => {
+                let mp = mounted_at(&lo.0).unwrap();
+                assert_eq!(mp.as_deref(), dir.path("pmnt").to_str());
+                let reason =
+                    backing_reason(BackingDevice::create(&lo.0, None, MIB, true).unwrap_err());
+                assert!(reason.contains(&part.display().to_string()), "{reason}");
+                assert!(reason.contains("mounted at"), "{reason}");
+                drop(mount);
+            }
+            Err(why) => eprintln!("note: skipping the mounted-partition part: {why}"),
+        }
+        drop(lo);
+    }
+}

@@ -1,0 +1,337 @@
+//! The in-memory index: key → slot, slot states, LRU order, pins, free slots.
+//!
+//! The index is the only thing that decides what is visible. A key enters it
+//! when its store has committed (data and header durable) and leaves it when
+//! evicted; a slot being written is `Reserved`, never readable. Evicting a key
+//! frees its slot in memory at once, but the slot's old header stays on the
+//! device until the next store into that slot invalidates it first, so the
+//! index also remembers which free slots still carry a durable header.
+
+use super::Key;
+use crate::error::{Error, Result};
+use std::collections::{BTreeSet, HashMap};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub slot: u64,
+    pub generation: u64,
+    pub pins: u32,
+    /// LRU clock value of the last store or load.
+    pub tick: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SlotState {
+    Free,
+    Reserved,
+    Live,
+}
+
+/// Slots handed out for a store.
+#[derive(Debug, Default)]
+pub struct Allocation {
+    pub slots: Vec<u64>,
+    /// The subset of `slots` whose device header is still a live header of
+    /// an evicted or stale block: it must be invalidated (and that made
+    /// durable) before new data goes into the slot.
+    pub needs_invalidate: Vec<u64>,
+    /// Keys evicted to make room.
+    pub evicted: Vec<Key>,
+}
+
+pub struct Index {
+    map: HashMap<Key, Entry>,
+    slots: Vec<SlotState>,
+    stale_header: Vec<bool>,
+    free: BTreeSet<u64>,
+    /// Unpinned live entries, oldest first.
+    lru: BTreeSet<(u64, u64)>,
+    slot_key: HashMap<u64, Key>,
+    tick: u64,
+    cursor: u64,
+    pinned: u64,
+}
+
+impl Index {
+    pub fn new(total_slots: u64) -> Self {
+        Index {
+            map: HashMap::new(),
+            slots: vec![SlotState::Free; total_slots as usize],
+            stale_header: vec![false; total_slots as usize],
+            free: (0..total_slots).collect(),
+            lru: BTreeSet::new(),
+            slot_key: HashMap::new(),
+            tick: 0,
+            cursor: 0,
+            pinned: 0,
+        }
+    }
+
+    pub fn total_slots(&self) -> u64 {
+        self.slots.len() as u64
+    }
+    pub fn live(&self) -> u64 {
+        self.map.len() as u64
+    }
+    pub fn free_slots(&self) -> u64 {
+        self.free.len() as u64
+    }
+    /// Live blocks with at least one pin.
+    pub fn pinned(&self) -> u64 {
+        self.pinned
+    }
+    pub fn reserved(&self) -> u64 {
+        self.total_slots() - self.live() - self.free_slots()
+    }
+
+    pub fn get(&self, key: &Key) -> Option<&Entry> {
+        self.map.get(key)
+    }
+
+    pub fn key_of_slot(&self, slot: u64) -> Option<&Key> {
+        self.slot_key.get(&slot)
+    }
+
+    pub fn entries(&self) -> impl Iterator<Item = (&Key, &Entry)> {
+        self.map.iter()
+    }
+
+    fn next_tick(&mut self) -> u64 {
+        self.tick += 1;
+        self.tick
+    }
+
+    /// Mark a key used now (loads keep hot prefixes resident).
+    pub fn touch(&mut self, key: &Key) {
+        let t = self.next_tick();
+        if let Some(e) = self.map.get_mut(key) {
+            if e.pins == 0 {
+                self.lru.remove(&(e.tick, e.slot));
+                self.lru.insert((t, e.slot));
+            }
+            e.tick = t;
+        }
+    }
+
+    /// Pin a live key against eviction. False if the key is not live.
+    pub fn pin(&mut self, key: &Key) -> bool {
+        let Some(e) = self.map.get_mut(key) else {
+            return false;
+        };
+        if e.pins == 0 {
+            self.lru.remove(&(e.tick, e.slot));
+            self.pinned += 1;
+        }
+        e.pins += 1;
+        true
+    }
+
+    /// Drop one pin. Unknown or unpinned keys are ignored: unpin never fails.
+    pub fn unpin(&mut self, key: &Key) {
+        if let Some(e) = self.map.get_mut(key) {
+            if e.pins > 0 {
+                e.pins -= 1;
+                if e.pins == 0 {
+                    self.lru.insert((e.tick, e.slot));
+                    self.pinned -= 1;
+                }
+            }
+        }
+    }
+
+    /// Reserve `n` slots, evicting least-recently-used unpinned blocks if the
+    /// free slots do not suffice. Slots come in ascending order from a
+    /// rotating cursor, so a fresh pool hands out whole runs of a group.
+    pub fn allocate(&mut self, n: u64) -> Result<Allocation> {
+        let free = self.free.len() as u64;
+        if free + (self.lru.len() as u64) < n {
+            return Err(Error::PoolFull {
+                needed: n,
+                free,
+                pinned: self.pinned,
+            });
+        }
+        let mut evicted = Vec::new();
+        while (self.free.len() as u64) < n {
+            let (_, slot) = self.lru.pop_first().expect("counted above");
+            let key = self.slot_key.remove(&slot).expect("live slot has a key");
+            self.map.remove(&key);
+            self.slots[slot as usize] = SlotState::Free;
+            self.free.insert(slot);
+            evicted.push(key);
+        }
+        let mut slots = Vec::with_capacity(n as usize);
+        while (slots.len() as u64) < n {
+            let next = self
+                .free
+                .range(self.cursor..)
+                .next()
+                .or_else(|| self.free.iter().next())
+                .copied()
+                .expect("enough free slots");
+            self.free.remove(&next);
+            self.slots[next as usize] = SlotState::Reserved;
+            self.cursor = next + 1;
+            slots.push(next);
+        }
+        let needs_invalidate = slots
+            .iter()
+            .copied()
+            .filter(|&s| self.stale_header[s as usize])
+            .collect();
+        Ok(Allocation {
+            slots,
+            needs_invalidate,
+            evicted,
+        })
+    }
+
+    /// A reserved slot's old header has been durably invalidated.
+    pub fn header_invalidated(&mut self, slot: u64) {
+        self.stale_header[slot as usize] = false;
+    }
+
+    /// A slot's device header may be a live one (a store failed after its
+    /// header write was issued): invalidate it before the slot is reused.
+    pub fn mark_stale_header(&mut self, slot: u64) {
+        self.stale_header[slot as usize] = true;
+    }
+
+    /// A store into a reserved slot is durable: make the key visible.
+    pub fn commit(&mut self, key: Key, slot: u64, generation: u64) {
+        debug_assert_eq!(self.slots[slot as usize], SlotState::Reserved);
+        let t = self.next_tick();
+        self.slots[slot as usize] = SlotState::Live;
+        self.stale_header[slot as usize] = true;
+        self.slot_key.insert(slot, key);
+        self.lru.insert((t, slot));
+        let old = self.map.insert(
+            key,
+            Entry {
+                slot,
+                generation,
+                pins: 0,
+                tick: t,
+            },
+        );
+        debug_assert!(old.is_none(), "a key is stored once");
+    }
+
+    /// A store failed: its slot goes back to the free list. Whatever partial
+    /// data it holds is unreachable (its header was never written), but the
+    /// header may still be a stale one: `stale_header` is left as it was.
+    pub fn abort(&mut self, slot: u64) {
+        debug_assert_eq!(self.slots[slot as usize], SlotState::Reserved);
+        self.slots[slot as usize] = SlotState::Free;
+        self.free.insert(slot);
+    }
+
+    /// Rebuild: a valid header found on the device. If the key is already
+    /// present, the newer generation wins and the loser's slot is free with a
+    /// stale header.
+    pub fn load_header(&mut self, key: Key, slot: u64, generation: u64) {
+        self.stale_header[slot as usize] = true;
+        if let Some(old) = self.map.get(&key).copied() {
+            if old.generation >= generation {
+                return;
+            }
+            self.remove_live(&key);
+        }
+        self.free.remove(&slot);
+        self.slots[slot as usize] = SlotState::Reserved;
+        self.commit(key, slot, generation);
+        self.stale_header[slot as usize] = true;
+    }
+
+    /// After a rebuild, order the LRU by generation (older stores first).
+    pub fn order_lru_by_generation(&mut self) {
+        let mut live: Vec<(u64, Key)> = self.map.iter().map(|(k, e)| (e.generation, *k)).collect();
+        live.sort();
+        self.lru.clear();
+        self.tick = 0;
+        for (_, key) in live {
+            let t = self.next_tick();
+            let e = self.map.get_mut(&key).expect("live");
+            e.tick = t;
+            self.lru.insert((t, e.slot));
+        }
+    }
+
+    fn remove_live(&mut self, key: &Key) {
+        if let Some(e) = self.map.remove(key) {
+            self.lru.remove(&(e.tick, e.slot));
+            self.slot_key.remove(&e.slot);
+            self.slots[e.slot as usize] = SlotState::Free;
+            self.free.insert(e.slot);
+            if e.pins > 0 {
+                self.pinned -= 1;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn k(i: u64) -> Key {
+        Key::from_u64(i)
+    }
+
+    fn store(ix: &mut Index, keys: &[u64]) -> Allocation {
+        let a = ix.allocate(keys.len() as u64).unwrap();
+        for (i, &s) in a.slots.iter().enumerate() {
+            ix.commit(k(keys[i]), s, keys[i]);
+        }
+        a
+    }
+
+    #[test]
+    fn fresh_allocation_is_consecutive() {
+        let mut ix = Index::new(16);
+        assert_eq!(store(&mut ix, &[1, 2, 3]).slots, vec![0, 1, 2]);
+        assert_eq!(store(&mut ix, &[4, 5]).slots, vec![3, 4]);
+        assert_eq!(ix.live(), 5);
+        assert_eq!(ix.free_slots(), 11);
+    }
+
+    #[test]
+    fn evicts_lru_and_skips_pinned() {
+        let mut ix = Index::new(4);
+        store(&mut ix, &[1, 2, 3, 4]);
+        ix.touch(&k(1)); // 1 is now the most recent
+        assert!(ix.pin(&k(2)));
+        let a = store(&mut ix, &[5, 6]);
+        assert_eq!(a.evicted, vec![k(3), k(4)]);
+        assert_eq!(a.needs_invalidate.len(), 2, "reused slots carry old headers");
+        assert!(ix.get(&k(3)).is_none() && ix.get(&k(1)).is_some() && ix.get(&k(2)).is_some());
+        // Everything pinned: refuse with counts in the error.
+        for key in [1, 5, 6] {
+            ix.pin(&k(key));
+        }
+        let err = ix.allocate(1).unwrap_err().to_string();
+        assert!(err.contains("pool full") && err.contains("4 pinned"), "{err}");
+        // unpin never fails, even for unknown or unpinned keys.
+        ix.unpin(&k(99));
+        ix.unpin(&k(1));
+        ix.unpin(&k(1));
+        assert_eq!(ix.pinned(), 3);
+        assert_eq!(ix.allocate(1).unwrap().evicted, vec![k(1)]);
+    }
+
+    #[test]
+    fn rebuild_keeps_newest_generation() {
+        let mut ix = Index::new(8);
+        ix.load_header(k(1), 5, 10);
+        ix.load_header(k(1), 2, 30);
+        ix.load_header(k(1), 7, 20);
+        ix.order_lru_by_generation();
+        let e = ix.get(&k(1)).unwrap();
+        assert_eq!((e.slot, e.generation), (2, 30));
+        assert_eq!(ix.live(), 1);
+        assert_eq!(ix.free_slots(), 7);
+        // The losers' slots are free but must be invalidated before reuse.
+        let a = ix.allocate(7).unwrap();
+        assert!(a.needs_invalidate.contains(&5) && a.needs_invalidate.contains(&7));
+    }
+}

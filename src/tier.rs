@@ -1,0 +1,1091 @@
+//! The tier API that serving engines call.
+//!
+//! Shaped so thin adapters fit LMCache's L2 adapter and vLLM's offloading
+//! worker: `lookup_prefix` (no side effects), `lookup_and_pin` / `unpin`,
+//! `submit_load(keys, memory blocks, layers)` with a completion per layer,
+//! `submit_store(keys, memory blocks)`, and `poll` / `wait` / `get_finished`
+//! with a per-key outcome.
+//!
+//! Loads: the keys' slots are sorted and cut into runs of consecutive slots of
+//! one extent group; per layer each run is one contiguous device extent (two
+//! when the run is not a whole group), so a layer costs O(groups) I/Os, each
+//! one IOCTX whose segments are P2P-table indices. Each layer is its own IOCB,
+//! and layers complete to the caller strictly in order.
+//!
+//! Stores are crash-consistent: (1) headers of reused slots that still
+//! describe an evicted block are zeroed, then flushed; (2) data is written,
+//! then flushed; (3) headers are written, then flushed; (4) only then do the
+//! keys enter the index and the job report success. A crash at any point
+//! leaves either the old state or the new one visible, never a header over
+//! data it does not describe.
+
+use crate::engine::uring::{UringConfig, UringDevice, UringEngine};
+use crate::engine::{EngineStats, IoEngine};
+use crate::error::{Error, Result};
+use crate::memory::{HostKvCache, KvMemory, MemoryKind};
+use crate::p2p::P2pTable;
+use crate::pool::layout::SLOT_HEADER_BYTES;
+use crate::pool::{Key, Pool};
+use crate::ring::abi::*;
+use crate::ring::{GioUring, IocbId};
+use memmap2::{MmapOptions, MmapRaw};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::ops::Range;
+use std::sync::Arc;
+
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct TierConfig {
+    pub uring: UringConfig,
+    /// IOCBs in the gio_uring ring.
+    pub ring_depth: u32,
+    /// Largest device I/O one IOCTX may cover after coalescing.
+    pub max_io_bytes: u64,
+    /// Block headers that can be staged at once: the most new blocks the
+    /// stores in flight may hold together.
+    pub header_staging: u32,
+}
+
+impl Default for TierConfig {
+    fn default() -> Self {
+        TierConfig {
+            uring: UringConfig::default(),
+            ring_depth: 64,
+            max_io_bytes: 4 << 20,
+            header_staging: 8192,
+        }
+    }
+}
+
+pub type JobId = u64;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum JobKind {
+    Load,
+    Store,
+}
+
+/// "Layer `layer` of load `job` is in memory."
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerDone {
+    pub job: JobId,
+    pub layer: u32,
+}
+
+/// The outcome of one key of a job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KeyOutcome {
+    /// Loaded, or stored and durable.
+    Done,
+    /// Store of a key the pool already held (or another job stored): no I/O.
+    AlreadyStored,
+    Failed(String),
+}
+
+impl KeyOutcome {
+    pub fn is_ok(&self) -> bool {
+        !matches!(self, KeyOutcome::Failed(_))
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct JobResult {
+    pub job: JobId,
+    pub kind: JobKind,
+    pub keys: Vec<Key>,
+    pub outcomes: Vec<KeyOutcome>,
+}
+
+impl JobResult {
+    pub fn all_ok(&self) -> bool {
+        self.outcomes.iter().all(KeyOutcome::is_ok)
+    }
+    pub fn failures(&self) -> impl Iterator<Item = (&Key, &str)> {
+        self.keys.iter().zip(&self.outcomes).filter_map(|(k, o)| match o {
+            KeyOutcome::Failed(m) => Some((k, m.as_str())),
+            _ => None,
+        })
+    }
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Usage {
+    pub total_blocks: u64,
+    pub live_blocks: u64,
+    pub free_blocks: u64,
+    pub pinned_blocks: u64,
+    /// Slots being written by stores in flight.
+    pub reserved_blocks: u64,
+    pub block_bytes: u64,
+    pub capacity_bytes: u64,
+    pub used_bytes: u64,
+    pub jobs_in_flight: usize,
+    pub engine: EngineStats,
+}
+
+/// One planned device I/O, before it is placed in an IOCB.
+#[derive(Clone, Debug)]
+struct PlannedIo {
+    op: u8,
+    dev: u16,
+    offset: u64,
+    len: u32,
+    segs: Vec<u32>,
+    /// Index into the job's runs: the keys this I/O serves.
+    run: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Step {
+    LoadLayer(u32),
+    Invalidate,
+    Data,
+    Headers,
+    /// Flush after the step before it; `u8` says which (for messages).
+    Flush(&'static str),
+}
+
+struct Item {
+    step: Step,
+    ios: Vec<PlannedIo>,
+    next: usize,
+    iocbs_out: u32,
+}
+
+impl Item {
+    fn issued(&self) -> bool {
+        self.next == self.ios.len()
+    }
+    fn complete(&self) -> bool {
+        self.issued() && self.iocbs_out == 0
+    }
+}
+
+struct StoreState {
+    /// Per key position: the slot being written, or None (deduplicated).
+    slots: Vec<Option<u64>>,
+    generations: Vec<u64>,
+    staging: Vec<u32>,
+    invalidated: Vec<u64>,
+    /// Keys of this job another job is storing: (position, key).
+    waiting_on: Vec<usize>,
+    /// Set once a failure makes the remaining steps pointless.
+    abandoned: Option<String>,
+}
+
+struct Job {
+    id: JobId,
+    kind: JobKind,
+    keys: Vec<Key>,
+    outcomes: Vec<Option<KeyOutcome>>,
+    /// Runs of key positions served by one planned I/O.
+    runs: Vec<Vec<u32>>,
+    items: Vec<Item>,
+    /// Items run in order; a store item waits for all before it.
+    sequential: bool,
+    layers: Range<u32>,
+    layers_done: u32,
+    store: Option<StoreState>,
+}
+
+impl Job {
+    fn fail_run(&mut self, run: u32, msg: &str) {
+        for &p in &self.runs[run as usize] {
+            if self.outcomes[p as usize].is_none() {
+                self.outcomes[p as usize] = Some(KeyOutcome::Failed(msg.to_string()));
+            }
+        }
+    }
+    fn failed(&self, pos: usize) -> bool {
+        matches!(self.outcomes[pos], Some(KeyOutcome::Failed(_)))
+    }
+    fn all_items_complete(&self) -> bool {
+        self.items.iter().all(Item::complete)
+    }
+}
+
+/// The header staging arena: 4 KiB buffers registered in the P2P table.
+struct Staging {
+    map: MmapRaw,
+    first_index: u32,
+    free: Vec<u32>,
+}
+
+impl Staging {
+    /// Entry 0 stays all-zero: it is the source of header invalidations.
+    const ZERO: u32 = 0;
+
+    fn entry_ptr(&self, i: u32) -> *mut u8 {
+        // SAFETY: i < entries (callers use indices from `free`/ZERO).
+        unsafe { self.map.as_mut_ptr().add(i as usize * SLOT_HEADER_BYTES as usize) }
+    }
+}
+
+pub struct Tier {
+    // Field order is drop order: the engine (inside `io`) waits out in-flight
+    // I/O before the memory it targets (staging, the host cache) goes away.
+    io: GioUring,
+    staging: Option<Staging>,
+    memory_owner: Option<Arc<HostKvCache>>,
+    table: Option<Arc<P2pTable>>,
+    pool: Pool,
+    cfg: TierConfig,
+    jobs: HashMap<JobId, Job>,
+    iocb_owner: HashMap<IocbId, (JobId, usize)>,
+    /// Jobs with items not yet fully in IOCBs, in submission order.
+    issue_queue: VecDeque<JobId>,
+    /// Keys being stored, by job.
+    storing: HashMap<Key, JobId>,
+    finished: VecDeque<JobResult>,
+    layer_events: VecDeque<LayerDone>,
+    next_job: JobId,
+}
+
+impl Tier {
+    /// Serve `pool` through the io_uring engine.
+    pub fn open(pool: Pool, cfg: TierConfig) -> Result<Tier> {
+        let devices: Vec<UringDevice> = pool
+            .devices()
+            .iter()
+            .map(|d| UringDevice {
+                fd: d.raw_fd(),
+                name: d.path().display().to_string(),
+            })
+            .collect();
+        let engine = UringEngine::new(&devices, cfg.uring.clone())?;
+        Self::with_engine(pool, cfg, Box::new(engine))
+    }
+
+    /// Serve `pool` through any engine (the engine must drive the pool's devices in order).
+    pub fn with_engine(pool: Pool, cfg: TierConfig, engine: Box<dyn IoEngine>) -> Result<Tier> {
+        if cfg.max_io_bytes < pool.geometry().object_bytes() {
+            return Err(Error::invalid(format!(
+                "max_io_bytes {} is smaller than one object ({} B)",
+                cfg.max_io_bytes,
+                pool.geometry().object_bytes()
+            )));
+        }
+        if cfg.header_staging < 2 {
+            return Err(Error::invalid("header_staging must be at least 2"));
+        }
+        Ok(Tier {
+            io: GioUring::new(cfg.ring_depth, engine)?,
+            staging: None,
+            memory_owner: None,
+            table: None,
+            pool,
+            cfg,
+            jobs: HashMap::new(),
+            iocb_owner: HashMap::new(),
+            issue_queue: VecDeque::new(),
+            storing: HashMap::new(),
+            finished: VecDeque::new(),
+            layer_events: VecDeque::new(),
+            next_job: 1,
+        })
+    }
+
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    pub fn engine(&self) -> &dyn IoEngine {
+        self.io.engine()
+    }
+
+    /// Register a host KV cache kvtier allocated: the tier keeps it alive.
+    pub fn register_host_cache(&mut self, cache: Arc<HostKvCache>) -> Result<()> {
+        // SAFETY: the tier holds `cache` for as long as the registration lasts.
+        unsafe { self.register_memory(cache.memory().clone())? };
+        self.memory_owner = Some(cache);
+        Ok(())
+    }
+
+    /// Register the engine's KV memory and build its P2P table.
+    ///
+    /// # Safety
+    /// Every byte `mem` describes must stay allocated until the tier is
+    /// dropped or memory is registered again, and must not be freed while a
+    /// job that targets it is in flight.
+    pub unsafe fn register_memory(&mut self, mem: KvMemory) -> Result<()> {
+        if !self.jobs.is_empty() {
+            return Err(Error::invalid(
+                "cannot register KV memory while jobs are in flight; wait for them first",
+            ));
+        }
+        if mem.geometry != *self.pool.geometry() {
+            return Err(Error::Registration(format!(
+                "memory has geometry {} but the pool stores {}",
+                mem.geometry.describe(),
+                self.pool.geometry().describe()
+            )));
+        }
+        if mem.kind != MemoryKind::Host && self.io.engine().name() == "uring" {
+            return Err(Error::Registration(
+                "GPU memory cannot be reached by the io_uring engine; use the gpu engine or host memory"
+                    .into(),
+            ));
+        }
+        let mut table = P2pTable::build(&mem)?;
+        let n = self.cfg.header_staging;
+        let map = MmapOptions::new()
+            .len(n as usize * SLOT_HEADER_BYTES as usize)
+            .populate()
+            .map_anon()
+            .map_err(|e| Error::io("allocating header staging", e))?;
+        let map = MmapRaw::from(map);
+        let first_index = table.add_extra_region(map.as_ptr() as u64, SLOT_HEADER_BYTES as u32, n)?;
+        let table = Arc::new(table);
+        self.io.engine_mut().register_memory(table.clone())?;
+        self.table = Some(table);
+        self.staging = Some(Staging {
+            map,
+            first_index,
+            free: (1..n).rev().collect(),
+        });
+        self.memory_owner = None;
+        Ok(())
+    }
+
+    fn table(&self) -> Result<&Arc<P2pTable>> {
+        self.table.as_ref().ok_or_else(|| {
+            Error::invalid("no KV memory registered: call register_memory / register_host_cache first")
+        })
+    }
+
+    /// How many leading keys the pool holds. No side effects (no LRU touch, no pin).
+    pub fn lookup_prefix(&self, keys: &[Key]) -> usize {
+        keys.iter()
+            .take_while(|k| self.pool.index().get(k).is_some())
+            .count()
+    }
+
+    /// Like `lookup_prefix`, and pins the keys it counts so they cannot be
+    /// evicted before the load that needs them. Undo with `unpin`.
+    pub fn lookup_and_pin(&mut self, keys: &[Key]) -> usize {
+        let n = self.lookup_prefix(keys);
+        for k in &keys[..n] {
+            self.pool.index_mut().pin(k);
+            self.pool.index_mut().touch(k);
+        }
+        n
+    }
+
+    /// Drop one pin per key. Never fails: unknown or unpinned keys are ignored.
+    pub fn unpin(&mut self, keys: &[Key]) {
+        for k in keys {
+            self.pool.index_mut().unpin(k);
+        }
+    }
+
+    pub fn contains(&self, key: &Key) -> bool {
+        self.pool.index().get(key).is_some()
+    }
+
+    fn check_mem_blocks(&self, keys: &[Key], mem_blocks: &[u32]) -> Result<()> {
+        let table = self.table()?;
+        if keys.len() != mem_blocks.len() {
+            return Err(Error::invalid(format!(
+                "{} keys but {} memory blocks: give one memory block per key",
+                keys.len(),
+                mem_blocks.len()
+            )));
+        }
+        if keys.is_empty() {
+            return Err(Error::invalid("a job needs at least one key"));
+        }
+        if let Some(&b) = mem_blocks.iter().find(|&&b| b >= table.num_blocks()) {
+            return Err(Error::invalid(format!(
+                "memory block {b} is out of range: the registered KV memory has {} blocks (0..{})",
+                table.num_blocks(),
+                table.num_blocks()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Start loading `keys` into `mem_blocks` for `layers`. Every key must be
+    /// in the pool (count them with `lookup_prefix`); they stay pinned until
+    /// the job finishes. Layers complete in order; see `layer_events`,
+    /// `wait_layer`.
+    pub fn submit_load(&mut self, keys: &[Key], mem_blocks: &[u32], layers: Range<u32>) -> Result<JobId> {
+        self.check_mem_blocks(keys, mem_blocks)?;
+        let geo = *self.pool.geometry();
+        if layers.start >= layers.end || layers.end > geo.layers {
+            return Err(Error::invalid(format!(
+                "layer range {}..{} is empty or outside the model's {} layers",
+                layers.start, layers.end, geo.layers
+            )));
+        }
+        let mut seen = HashSet::new();
+        if let Some(&b) = mem_blocks.iter().find(|&&b| !seen.insert(b)) {
+            return Err(Error::invalid(format!(
+                "memory block {b} is the target of two keys in one load"
+            )));
+        }
+        let mut slots = Vec::with_capacity(keys.len());
+        for k in keys {
+            match self.pool.index().get(k) {
+                Some(e) => slots.push(e.slot),
+                None => return Err(Error::UnknownKey { key: k.to_string() }),
+            }
+        }
+        for k in keys {
+            self.pool.index_mut().pin(k);
+            self.pool.index_mut().touch(k);
+        }
+        let table = self.table()?.clone();
+        let positions: Vec<u32> = (0..keys.len() as u32).collect();
+        let runs = self.group_runs(&slots, &positions);
+        let mut items = Vec::new();
+        for layer in layers.clone() {
+            let mut objects = Vec::new();
+            for (r, run) in runs.iter().enumerate() {
+                for kv in 0..2 {
+                    for &p in run {
+                        let (dev, off) = self.pool.layout().object_offset(slots[p as usize], layer, kv);
+                        objects.push((dev, off, table.index(mem_blocks[p as usize], layer, kv), r as u32));
+                    }
+                }
+            }
+            items.push(Item {
+                step: Step::LoadLayer(layer),
+                ios: self.coalesce(IOCTX_OP_READ, &objects),
+                next: 0,
+                iocbs_out: 0,
+            });
+        }
+        let id = self.new_job(Job {
+            id: 0,
+            kind: JobKind::Load,
+            keys: keys.to_vec(),
+            outcomes: vec![None; keys.len()],
+            runs,
+            items,
+            sequential: false,
+            layers_done: layers.start,
+            layers,
+            store: None,
+        });
+        self.pump()?;
+        Ok(id)
+    }
+
+    /// Start storing `keys` from `mem_blocks` (all layers). Keys already in
+    /// the pool, or being stored by another job, cost no I/O. Evicts
+    /// least-recently-used unpinned blocks when the pool is full; refuses with
+    /// `PoolFull` if everything is pinned.
+    pub fn submit_store(&mut self, keys: &[Key], mem_blocks: &[u32]) -> Result<JobId> {
+        self.check_mem_blocks(keys, mem_blocks)?;
+        let geo = *self.pool.geometry();
+        let mut outcomes = vec![None; keys.len()];
+        let mut new_pos: Vec<u32> = Vec::new();
+        let mut waiting_on = Vec::new();
+        let mut in_job = HashSet::new();
+        for (i, k) in keys.iter().enumerate() {
+            if self.pool.index().get(k).is_some() {
+                self.pool.index_mut().touch(k);
+                outcomes[i] = Some(KeyOutcome::AlreadyStored);
+            } else if self.storing.contains_key(k) || !in_job.insert(*k) {
+                waiting_on.push(i);
+            } else {
+                new_pos.push(i as u32);
+            }
+        }
+        let n = new_pos.len();
+        let staging_cap = self.cfg.header_staging as usize - 1;
+        if n > staging_cap {
+            return Err(Error::invalid(format!(
+                "a store of {n} new blocks exceeds the header staging of {staging_cap}; split the job or raise TierConfig::header_staging"
+            )));
+        }
+        // Wait for stores in flight to return staging buffers if needed.
+        while self.staging.as_ref().map_or(0, |s| s.free.len()) < n {
+            self.wait_any()?;
+        }
+        let alloc = self.pool.index_mut().allocate(n as u64)?;
+        let table = self.table()?.clone();
+        let staging = self.staging.as_mut().expect("registered");
+        let stage: Vec<u32> = (0..n).map(|_| staging.free.pop().expect("counted")).collect();
+
+        let mut slots = vec![None; keys.len()];
+        let mut generations = vec![0; keys.len()];
+        for (j, &p) in new_pos.iter().enumerate() {
+            slots[p as usize] = Some(alloc.slots[j]);
+            generations[p as usize] = self.pool.next_generation();
+            self.storing.insert(keys[p as usize], self.next_job);
+        }
+        let slot_by_pos: Vec<u64> = slots.iter().map(|s| s.unwrap_or(u64::MAX)).collect();
+        let mut runs = self.group_runs(&slot_by_pos, &new_pos);
+        let all_run = runs.len() as u32;
+        runs.push(new_pos.clone());
+        let mut items = Vec::new();
+
+        // (1) Invalidate stale headers in reused slots.
+        if !alloc.needs_invalidate.is_empty() {
+            let zero = self.staging.as_ref().expect("registered").first_index + Staging::ZERO;
+            let ios: Vec<PlannedIo> = alloc
+                .needs_invalidate
+                .iter()
+                .map(|&s| {
+                    let (dev, off) = self.pool.layout().header_offset(s);
+                    PlannedIo {
+                        op: IOCTX_OP_WRITE,
+                        dev,
+                        offset: off,
+                        len: SLOT_HEADER_BYTES as u32,
+                        segs: vec![zero],
+                        run: all_run,
+                    }
+                })
+                .collect();
+            items.push(self.flush_after(Step::Invalidate, ios, all_run, "invalidating reused headers"));
+        }
+        // (2) Data, in device order per run: (layer, K|V, slot).
+        let mut objects = Vec::new();
+        for (r, run) in runs[..all_run as usize].iter().enumerate() {
+            for layer in 0..geo.layers {
+                for kv in 0..2 {
+                    for &p in run {
+                        let slot = slots[p as usize].expect("new key");
+                        let (dev, off) = self.pool.layout().object_offset(slot, layer, kv);
+                        objects.push((dev, off, table.index(mem_blocks[p as usize], layer, kv), r as u32));
+                    }
+                }
+            }
+        }
+        let data = self.coalesce(IOCTX_OP_WRITE, &objects);
+        items.push(self.flush_after(Step::Data, data, all_run, "writing data"));
+        // (3) Headers, one per block, with the data checksum taken now.
+        let staging = self.staging.as_ref().expect("registered");
+        let mut header_ios = Vec::with_capacity(n);
+        for (j, &p) in new_pos.iter().enumerate() {
+            let slot = slots[p as usize].expect("new key");
+            let crc = match table.kind() {
+                MemoryKind::Host => block_crc(&table, mem_blocks[p as usize], geo.layers),
+                MemoryKind::Gpu { .. } => 0,
+            };
+            let h = self.pool.make_header(&keys[p as usize], slot, generations[p as usize], crc);
+            let ptr = staging.entry_ptr(stage[j]);
+            // SAFETY: a staging entry is 4 KiB owned by this job until it finishes.
+            unsafe {
+                std::ptr::write_bytes(ptr, 0, SLOT_HEADER_BYTES as usize);
+                std::ptr::copy_nonoverlapping(
+                    bytemuck::bytes_of(&h).as_ptr(),
+                    ptr,
+                    std::mem::size_of_val(&h),
+                );
+            }
+            let (dev, off) = self.pool.layout().header_offset(slot);
+            runs.push(vec![p]);
+            header_ios.push(PlannedIo {
+                op: IOCTX_OP_WRITE,
+                dev,
+                offset: off,
+                len: SLOT_HEADER_BYTES as u32,
+                segs: vec![staging.first_index + stage[j]],
+                run: runs.len() as u32 - 1,
+            });
+        }
+        items.push(self.flush_after(Step::Headers, header_ios, all_run, "writing headers"));
+        let items = items.into_iter().flatten().collect();
+
+        let id = self.new_job(Job {
+            id: 0,
+            kind: JobKind::Store,
+            keys: keys.to_vec(),
+            outcomes,
+            runs,
+            items,
+            sequential: true,
+            layers: 0..0,
+            layers_done: 0,
+            store: Some(StoreState {
+                slots,
+                generations,
+                staging: stage,
+                invalidated: alloc.needs_invalidate,
+                waiting_on,
+                abandoned: None,
+            }),
+        });
+        self.pump()?;
+        Ok(id)
+    }
+
+    /// `step`'s I/Os followed by one flush per device they touched.
+    fn flush_after(&self, step: Step, ios: Vec<PlannedIo>, all_run: u32, what: &'static str) -> [Item; 2] {
+        let mut devs: Vec<u16> = ios.iter().map(|io| io.dev).collect();
+        devs.sort_unstable();
+        devs.dedup();
+        let flushes = devs
+            .into_iter()
+            .map(|dev| PlannedIo {
+                op: IOCTX_OP_FLUSH,
+                dev,
+                offset: 0,
+                len: 0,
+                segs: Vec::new(),
+                run: all_run,
+            })
+            .collect();
+        [
+            Item {
+                step,
+                ios,
+                next: 0,
+                iocbs_out: 0,
+            },
+            Item {
+                step: Step::Flush(what),
+                ios: flushes,
+                next: 0,
+                iocbs_out: 0,
+            },
+        ]
+    }
+
+    /// Cut key positions (with their slots) into runs of consecutive slots in
+    /// one extent group, in slot order.
+    fn group_runs(&self, slots: &[u64], positions: &[u32]) -> Vec<Vec<u32>> {
+        let g = self.pool.layout().group_blocks as u64;
+        let mut order: Vec<(u64, u32)> = positions.iter().map(|&p| (slots[p as usize], p)).collect();
+        order.sort_unstable();
+        let mut runs: Vec<Vec<u32>> = Vec::new();
+        let mut prev: Option<u64> = None;
+        for (slot, p) in order {
+            match (prev, runs.last_mut()) {
+                (Some(ps), Some(run)) if slot == ps + 1 && slot / g == ps / g => run.push(p),
+                _ => runs.push(vec![p]),
+            }
+            prev = Some(slot);
+        }
+        runs
+    }
+
+    /// Merge (device, offset, P2P index, run) objects, in device order, into
+    /// I/Os over contiguous extents, capped at `max_io_bytes`.
+    fn coalesce(&self, op: u8, objects: &[(u16, u64, u32, u32)]) -> Vec<PlannedIo> {
+        let obj = self.pool.geometry().object_bytes();
+        let max = self.cfg.max_io_bytes.min(u32::MAX as u64 & !4095);
+        let mut ios: Vec<PlannedIo> = Vec::new();
+        for &(dev, off, seg, run) in objects {
+            if let Some(io) = ios.last_mut() {
+                if io.dev == dev
+                    && io.run == run
+                    && io.offset + io.len as u64 == off
+                    && io.len as u64 + obj <= max
+                    && io.segs.len() < 1024
+                {
+                    io.len += obj as u32;
+                    io.segs.push(seg);
+                    continue;
+                }
+            }
+            ios.push(PlannedIo {
+                op,
+                dev,
+                offset: off,
+                len: obj as u32,
+                segs: vec![seg],
+                run,
+            });
+        }
+        ios
+    }
+
+    fn new_job(&mut self, mut job: Job) -> JobId {
+        let id = self.next_job;
+        self.next_job += 1;
+        job.id = id;
+        self.jobs.insert(id, job);
+        self.issue_queue.push_back(id);
+        id
+    }
+
+    /// Put planned I/O into IOCBs while IOCBs are free, then hand them to the engine.
+    fn pump(&mut self) -> Result<()> {
+        let mut progressed = true;
+        while progressed {
+            progressed = false;
+            let queue: Vec<JobId> = self.issue_queue.iter().copied().collect();
+            for id in queue {
+                while self.issue_one(id)? {
+                    progressed = true;
+                }
+            }
+            self.issue_queue.retain(|id| {
+                self.jobs
+                    .get(id)
+                    .is_some_and(|j| j.items.iter().any(|i| !i.issued()))
+            });
+            // Jobs whose work is done (or that had none) finish here.
+            let done: Vec<JobId> = self
+                .jobs
+                .iter()
+                .filter(|(_, j)| j.all_items_complete())
+                .map(|(&id, _)| id)
+                .collect();
+            for id in done {
+                if self.try_finish(id) {
+                    progressed = true;
+                }
+            }
+        }
+        self.io.kick()
+    }
+
+    /// Fill one IOCB from the job's next issuable item. False if nothing could be issued.
+    fn issue_one(&mut self, id: JobId) -> Result<bool> {
+        let Some(job) = self.jobs.get_mut(&id) else {
+            return Ok(false);
+        };
+        let Some(ix) = job.items.iter().position(|i| !i.issued()) else {
+            return Ok(false);
+        };
+        if job.sequential && !job.items[..ix].iter().all(Item::complete) {
+            return Ok(false);
+        }
+        if let Some(st) = &job.store {
+            if st.abandoned.is_some() {
+                // Skip the rest: mark every remaining item issued with nothing.
+                for it in &mut job.items[ix..] {
+                    it.next = it.ios.len();
+                }
+                return Ok(false);
+            }
+        }
+        // Skip I/O for keys that already failed (headers of failed data).
+        let step = job.items[ix].step;
+        if step == Step::Headers {
+            let item = &job.items[ix];
+            let keep: Vec<PlannedIo> = item.ios[item.next..]
+                .iter()
+                .filter(|io| !job.runs[io.run as usize].iter().any(|&p| job.failed(p as usize)))
+                .cloned()
+                .collect();
+            let item = &mut job.items[ix];
+            item.ios.truncate(item.next);
+            item.ios.extend(keep);
+            if item.issued() {
+                return Ok(true);
+            }
+        }
+        let Some(iocb) = self.io.get_iocb() else {
+            return Ok(false);
+        };
+        let ring = self.io.ring_mut();
+        ring.iocb_mut(iocb).hdr.user_data = id;
+        let item = &mut job.items[ix];
+        while item.next < item.ios.len() {
+            let io = &item.ios[item.next];
+            let ctx = IoCtx {
+                dev_offset: io.offset,
+                len: io.len,
+                dev: io.dev,
+                op: io.op,
+                tag: io.run,
+                ..IoCtx::default()
+            };
+            if ring.push_ctx(iocb, ctx, &io.segs).is_none() {
+                break;
+            }
+            item.next += 1;
+        }
+        item.iocbs_out += 1;
+        self.iocb_owner.insert(iocb, (id, ix));
+        self.io.submit(iocb)?;
+        Ok(true)
+    }
+
+    /// Account a completed IOCB to its job.
+    fn on_iocb(&mut self, iocb: IocbId) {
+        let Some((id, ix)) = self.iocb_owner.remove(&iocb) else {
+            self.io.release(iocb);
+            return;
+        };
+        let ring = self.io.ring();
+        let b = ring.iocb(iocb);
+        let mut failures: Vec<(u32, String)> = Vec::new();
+        if b.hdr.errors > 0 {
+            for c in &b.ctx[..b.hdr.count as usize] {
+                if c.status != IOCTX_STATUS_OK {
+                    failures.push((c.tag, describe_failure(c, &self.pool)));
+                }
+            }
+        }
+        self.io.release(iocb);
+        let job = self.jobs.get_mut(&id).expect("IOCB of a live job");
+        job.items[ix].iocbs_out -= 1;
+        let step = job.items[ix].step;
+        for (run, msg) in &failures {
+            job.fail_run(*run, msg);
+            if let Some(st) = &mut job.store {
+                // A failed flush or invalidation leaves durability unknown for
+                // the whole job: stop here.
+                if matches!(step, Step::Flush(_) | Step::Invalidate) && st.abandoned.is_none() {
+                    st.abandoned = Some(msg.clone());
+                }
+            }
+        }
+        if let (Some(st), Step::Flush("invalidating reused headers")) = (&mut job.store, step) {
+            if job.items[ix].complete() && st.abandoned.is_none() {
+                for &s in &st.invalidated {
+                    self.pool.index_mut().header_invalidated(s);
+                }
+            }
+        }
+        if job.kind == JobKind::Load {
+            // Layers complete in order: advance over every complete layer.
+            while job.layers_done < job.layers.end {
+                let li = (job.layers_done - job.layers.start) as usize;
+                if !job.items[li].complete() {
+                    break;
+                }
+                self.layer_events.push_back(LayerDone {
+                    job: id,
+                    layer: job.layers_done,
+                });
+                job.layers_done += 1;
+            }
+        }
+    }
+
+    /// Finish a job whose items are complete. False if it still waits on
+    /// another job's store of a shared key.
+    fn try_finish(&mut self, id: JobId) -> bool {
+        let job = self.jobs.get(&id).expect("live job");
+        if let Some(st) = &job.store {
+            for &p in &st.waiting_on {
+                let k = &job.keys[p];
+                if self.storing.get(k).is_some_and(|&other| other != id) {
+                    return false;
+                }
+            }
+        }
+        let mut job = self.jobs.remove(&id).expect("live job");
+        match job.kind {
+            JobKind::Load => {
+                for (i, k) in job.keys.iter().enumerate() {
+                    self.pool.index_mut().unpin(k);
+                    if job.outcomes[i].is_none() {
+                        job.outcomes[i] = Some(KeyOutcome::Done);
+                    }
+                }
+            }
+            JobKind::Store => {
+                let st = job.store.take().expect("store state");
+                for (i, k) in job.keys.iter().enumerate() {
+                    if let Some(slot) = st.slots[i] {
+                        self.storing.remove(k);
+                        let ok = st.abandoned.is_none() && !job.failed(i);
+                        if ok {
+                            self.pool.index_mut().commit(*k, slot, st.generations[i]);
+                            job.outcomes[i] = Some(KeyOutcome::Done);
+                        } else {
+                            // Its header may have reached the device before a
+                            // later failure: treat it as stale until rewritten.
+                            self.pool.index_mut().abort(slot);
+                            self.pool.index_mut().mark_stale_header(slot);
+                            if job.outcomes[i].is_none() {
+                                let why = st.abandoned.clone().unwrap_or_else(|| "store failed".into());
+                                job.outcomes[i] = Some(KeyOutcome::Failed(why));
+                            }
+                        }
+                    }
+                }
+                for &p in &st.waiting_on {
+                    job.outcomes[p] = Some(if self.pool.index().get(&job.keys[p]).is_some() {
+                        KeyOutcome::AlreadyStored
+                    } else {
+                        KeyOutcome::Failed(
+                            "another job storing the same key failed; store it again".into(),
+                        )
+                    });
+                }
+                if let Some(staging) = self.staging.as_mut() {
+                    staging.free.extend(st.staging);
+                }
+            }
+        }
+        self.finished.push_back(JobResult {
+            job: id,
+            kind: job.kind,
+            keys: job.keys,
+            outcomes: job
+                .outcomes
+                .into_iter()
+                .map(|o| o.unwrap_or(KeyOutcome::Done))
+                .collect(),
+        });
+        true
+    }
+
+    /// Progress without blocking: issue what fits, reap what completed.
+    pub fn poll(&mut self) -> Result<()> {
+        self.pump()?;
+        while let Some(iocb) = self.io.poll()? {
+            self.on_iocb(iocb);
+        }
+        self.pump()
+    }
+
+    /// Block until at least one IOCB completes (or nothing is in flight).
+    fn wait_any(&mut self) -> Result<()> {
+        self.pump()?;
+        if self.iocb_owner.is_empty() {
+            return Ok(());
+        }
+        let iocb = self.io.wait_cqe()?;
+        self.on_iocb(iocb);
+        while let Some(iocb) = self.io.poll()? {
+            self.on_iocb(iocb);
+        }
+        self.pump()
+    }
+
+    fn check_job(&self, id: JobId) -> Result<()> {
+        if self.jobs.contains_key(&id) || self.finished.iter().any(|r| r.job == id) {
+            Ok(())
+        } else {
+            Err(Error::invalid(format!(
+                "job {id} is unknown or its result was already taken"
+            )))
+        }
+    }
+
+    /// Block until `job` finishes; returns (and removes) its result.
+    pub fn wait(&mut self, id: JobId) -> Result<JobResult> {
+        self.check_job(id)?;
+        loop {
+            if let Some(pos) = self.finished.iter().position(|r| r.job == id) {
+                return Ok(self.finished.remove(pos).expect("found"));
+            }
+            if self.iocb_owner.is_empty() && self.jobs.contains_key(&id) {
+                // Nothing in flight yet the job is open: it waits on IOCBs
+                // (pump issues) or on another job; pump once more.
+                self.pump()?;
+                if self.iocb_owner.is_empty() && !self.finished.iter().any(|r| r.job == id) {
+                    return Err(Error::Ring(format!("job {id} cannot make progress")));
+                }
+            }
+            self.wait_any()?;
+        }
+    }
+
+    /// Block until layer `layer` of load `job` is in memory.
+    pub fn wait_layer(&mut self, id: JobId, layer: u32) -> Result<()> {
+        self.check_job(id)?;
+        loop {
+            match self.jobs.get(&id) {
+                None => return Ok(()),
+                Some(j) if j.kind != JobKind::Load || !j.layers.contains(&layer) => {
+                    return Err(Error::invalid(format!(
+                        "job {id} is not a load of layer {layer}"
+                    )))
+                }
+                Some(j) if j.layers_done > layer => return Ok(()),
+                _ => self.wait_any()?,
+            }
+        }
+    }
+
+    /// Layers of loads that reached memory since the last call, in order per job.
+    pub fn layer_events(&mut self) -> Vec<LayerDone> {
+        self.layer_events.drain(..).collect()
+    }
+
+    /// Layers of `job` in memory so far (from the start of its range).
+    pub fn layers_done(&self, id: JobId) -> Option<u32> {
+        self.jobs.get(&id).map(|j| j.layers_done - j.layers.start)
+    }
+
+    /// Results of every job finished since the last call.
+    pub fn get_finished(&mut self) -> Vec<JobResult> {
+        self.finished.drain(..).collect()
+    }
+
+    /// Wait for every job in flight.
+    pub fn drain(&mut self) -> Result<()> {
+        while !self.jobs.is_empty() {
+            let before = self.jobs.len();
+            self.wait_any()?;
+            if self.iocb_owner.is_empty() && self.jobs.len() == before {
+                self.pump()?;
+                if self.jobs.len() == before && self.iocb_owner.is_empty() {
+                    return Err(Error::Ring("jobs in flight cannot make progress".into()));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub fn usage(&self) -> Usage {
+        let ix = self.pool.index();
+        let bb = self.pool.geometry().block_bytes();
+        Usage {
+            total_blocks: ix.total_slots(),
+            live_blocks: ix.live(),
+            free_blocks: ix.free_slots(),
+            pinned_blocks: ix.pinned(),
+            reserved_blocks: ix.reserved(),
+            block_bytes: bb,
+            capacity_bytes: ix.total_slots() * bb,
+            used_bytes: ix.live() * bb,
+            jobs_in_flight: self.jobs.len(),
+            engine: self.io.engine().stats(),
+        }
+    }
+
+    pub fn config(&self) -> &TierConfig {
+        &self.cfg
+    }
+}
+
+impl Drop for Tier {
+    fn drop(&mut self) {
+        // Let stores in flight land rather than leave half a job behind; a
+        // crash instead of a drop is what the store protocol is for.
+        let _ = self.drain();
+    }
+}
+
+/// crc32c of a block's 2L objects in (layer, K|V) order, read from host memory.
+fn block_crc(table: &P2pTable, mem_block: u32, layers: u32) -> u32 {
+    let mut crc = 0;
+    for layer in 0..layers {
+        for kv in 0..2 {
+            let d = table.entry(table.index(mem_block, layer, kv)).expect("in table");
+            // SAFETY: the descriptor addresses registered host memory the
+            // caller keeps alive (register_memory's contract).
+            let bytes = unsafe { std::slice::from_raw_parts(d.addr as *const u8, d.len as usize) };
+            crc = crc32c::crc32c_append(crc, bytes);
+        }
+    }
+    crc
+}
+
+fn describe_failure(c: &IoCtx, pool: &Pool) -> String {
+    let dev = pool
+        .devices()
+        .get(c.dev as usize)
+        .map(|d| d.path().display().to_string())
+        .unwrap_or_else(|| format!("#{}", c.dev));
+    let op = match c.op {
+        IOCTX_OP_READ => "read",
+        IOCTX_OP_WRITE => "write",
+        _ => "flush",
+    };
+    let what = match c.status {
+        IOCTX_STATUS_ERRNO => format!("{}", std::io::Error::from_raw_os_error(c.result as i32)),
+        IOCTX_STATUS_SHORT => format!("short {op}: {} of {} bytes", c.result, c.len),
+        IOCTX_STATUS_INVALID => "malformed I/O (bad segment or device)".into(),
+        s => format!("NVMe status {s:#x}"),
+    };
+    Error::Device {
+        device: dev,
+        offset: c.dev_offset,
+        len: c.len as u64,
+        reason: format!("{op} failed: {what}"),
+    }
+    .to_string()
+}
