@@ -1,0 +1,83 @@
+//! Shared helpers for the integration tests: temp dirs, small geometries, pools.
+#![allow(dead_code)]
+
+use kvtier::pool::{DeviceSpec, Pool, PoolConfig};
+use kvtier::{DType, KvGeometry};
+use std::path::{Path, PathBuf};
+
+/// A directory removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> TempDir {
+        let base = std::env::var_os("KVTIER_TEST_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(std::env::temp_dir);
+        let p = base.join(format!(
+            "kvtier-{tag}-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+        ));
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+    pub fn file(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// 4 layers x 2 kv heads x 64 head dim x bf16, block 16: 4 KiB objects, 32 KiB blocks.
+pub fn tiny_geometry() -> KvGeometry {
+    KvGeometry {
+        layers: 4,
+        kv_heads: 2,
+        head_dim: 64,
+        dtype: DType::BF16,
+        block_size: 16,
+    }
+}
+
+/// Bytes of a device that holds `groups` extent groups of `g` blocks.
+pub fn device_bytes(geo: &KvGeometry, g: u32, groups: u64) -> u64 {
+    kvtier::pool::layout::DATA_OFFSET
+        + groups * kvtier::pool::layout::PoolLayout::group_bytes_for(geo, g)
+}
+
+pub fn pool_config(geo: KvGeometry, g: u32, devs: &[PathBuf], groups_per_dev: u64) -> PoolConfig {
+    PoolConfig {
+        geometry: geo,
+        model: "test".into(),
+        namespace: "test/ns".into(),
+        group_blocks: g,
+        devices: devs
+            .iter()
+            .map(|p| DeviceSpec {
+                path: p.clone(),
+                size: Some(device_bytes(&geo, g, groups_per_dev)),
+            })
+            .collect(),
+        force: false,
+    }
+}
+
+pub fn create_pool(dir: &TempDir, geo: KvGeometry, g: u32, ndev: usize, groups_per_dev: u64) -> Pool {
+    let devs: Vec<PathBuf> = (0..ndev).map(|i| dir.file(&format!("ssd{i}.pool"))).collect();
+    Pool::create(&pool_config(geo, g, &devs, groups_per_dev)).unwrap()
+}
+
+/// A deterministic seed per key, so a block's expected bytes follow from its key.
+pub fn seed_of(key: u64) -> u64 {
+    key.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ 0xA5A5
+}
