@@ -6,6 +6,8 @@
 //! VFIO NVMe and GPU later), `tier` (the API engines call). Raw syscalls live
 //! only in `engine::uring` and `pool::backing`.
 
+pub mod bench;
+pub mod cli;
 pub mod engine;
 pub mod error;
 pub mod memory;

@@ -1,4 +1,372 @@
-fn main() {
-    std::process::exit(kvtier_cli_main());
+//! The `kvtier` command: pools, benchmarks, and the debug tools tests use.
+
+use clap::{Args, Parser, Subcommand};
+use kvtier::bench::{self, BenchConfig};
+use kvtier::cli::{human_bytes, parse_size};
+use kvtier::engine::uring::UringConfig;
+use kvtier::model::{self, DType, KvGeometry};
+use kvtier::pool::{DeviceSpec, Key, OpenExpect, Pool, PoolConfig, DEFAULT_GROUP_BLOCKS};
+use kvtier::tier::{Tier, TierConfig};
+use kvtier::{HostKvCache, HostLayout, Result};
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Parser)]
+#[command(name = "kvtier", version, about = "A GPU-centric NVMe SSD tier for LLM KV caches")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
 }
-fn kvtier_cli_main() -> i32 { 0 }
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Create, inspect and verify pools.
+    #[command(subcommand)]
+    Pool(PoolCmd),
+    /// Store and retrieve model-shaped KV caches through the tier and report bandwidth.
+    Bench(BenchArgs),
+    /// Tools for tests (crash injection).
+    #[command(subcommand, hide = true)]
+    Debug(DebugCmd),
+}
+
+#[derive(Args, Clone)]
+struct ModelArgs {
+    /// A preset (llama3-8b, llama3-70b, qwen3-32b, glm4-9b, ...) or a Hugging Face config.json.
+    #[arg(long, default_value = "llama3-8b")]
+    model: String,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: u32,
+    /// Override the model's dtype (bfloat16, float16, float32, fp8).
+    #[arg(long)]
+    dtype: Option<String>,
+}
+
+impl ModelArgs {
+    fn geometry(&self) -> Result<KvGeometry> {
+        let dtype = match &self.dtype {
+            Some(d) => Some(DType::parse(d).ok_or_else(|| {
+                kvtier::Error::invalid(format!(
+                    "unknown --dtype {d:?}; use bfloat16, float16, float32, float8_e4m3fn or float8_e5m2"
+                ))
+            })?),
+            None => None,
+        };
+        model::resolve(&self.model, self.block_size, dtype)
+    }
+
+    fn name(&self) -> String {
+        std::path::Path::new(&self.model)
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| self.model.clone())
+    }
+}
+
+#[derive(Subcommand)]
+enum PoolCmd {
+    /// Format a pool over backing files or block devices.
+    Create {
+        /// A backing file or block device; repeat for several SSDs.
+        #[arg(long = "dev", required = true)]
+        devs: Vec<PathBuf>,
+        /// Size of each backing file (e.g. 64g); block devices default to their whole size.
+        #[arg(long)]
+        size: Option<String>,
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Blocks per extent group (a layer of G consecutive blocks is one I/O).
+        #[arg(long, default_value_t = DEFAULT_GROUP_BLOCKS)]
+        group_blocks: u32,
+        /// Key namespace (model, dtype, layout, TP rank); default from the model.
+        #[arg(long)]
+        namespace: Option<String>,
+        /// Overwrite a device that holds a filesystem or other data.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Show a pool's geometry, devices and usage.
+    Info {
+        #[arg(long = "dev", required = true)]
+        devs: Vec<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Verify every header and block checksum; exits 1 on damage.
+    Check {
+        #[arg(long = "dev", required = true)]
+        devs: Vec<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// Directory for the pool files.
+    #[arg(long, default_value = "./kvtier-data")]
+    dir: PathBuf,
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Context lengths in tokens, comma-separated; those that do not fit --capacity are skipped.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![4096u64, 16384, 65536, 131072])]
+    contexts: Vec<u64>,
+    /// Total pool size over all devices.
+    #[arg(long, default_value = "12g")]
+    capacity: String,
+    /// Pool files ("SSDs") to stripe over.
+    #[arg(long, default_value_t = 1)]
+    devices: u32,
+    #[arg(long, default_value_t = DEFAULT_GROUP_BLOCKS)]
+    group_blocks: u32,
+    /// In-flight I/Os per device.
+    #[arg(long, default_value_t = 64)]
+    iodepth: u32,
+    /// Use SQPOLL with this idle time in ms.
+    #[arg(long)]
+    sqpoll: Option<u32>,
+    /// Largest coalesced I/O.
+    #[arg(long, default_value = "4m")]
+    max_io: String,
+    /// Engine memory in vLLM's cross-layer layout instead of per-layer tensors.
+    #[arg(long)]
+    cross_layer: bool,
+    /// Skip the byte-for-byte check of retrieved data.
+    #[arg(long)]
+    no_verify: bool,
+    /// Write every figure, with machine and settings, as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Keep the pool files afterwards.
+    #[arg(long)]
+    keep: bool,
+}
+
+#[derive(Subcommand)]
+enum DebugCmd {
+    /// Store blocks forever, printing "ACK <key>..." after each durable store job.
+    CrashWriter {
+        #[arg(long = "dev", required = true)]
+        devs: Vec<PathBuf>,
+        /// First key; keys count up from here.
+        #[arg(long)]
+        start_key: u64,
+        #[arg(long, default_value_t = 8)]
+        blocks_per_job: u32,
+        /// Stop after this many keys (then sleep until killed).
+        #[arg(long, default_value_t = u64::MAX)]
+        max_keys: u64,
+    },
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let code = match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("kvtier: error: {e}");
+            2
+        }
+    };
+    std::process::exit(code);
+}
+
+fn run(cli: Cli) -> Result<i32> {
+    match cli.cmd {
+        Cmd::Pool(PoolCmd::Create {
+            devs,
+            size,
+            model,
+            group_blocks,
+            namespace,
+            force,
+        }) => {
+            let geometry = model.geometry()?;
+            let size = size.as_deref().map(parse_size).transpose()?;
+            let namespace = namespace.unwrap_or_else(|| {
+                format!(
+                    "{}/{}/bs{}/tp0",
+                    model.name(),
+                    geometry.dtype.name(),
+                    geometry.block_size
+                )
+            });
+            let pool = Pool::create(&PoolConfig {
+                geometry,
+                model: model.name(),
+                namespace,
+                group_blocks,
+                devices: devs.iter().map(|p| DeviceSpec { path: p.clone(), size }).collect(),
+                force,
+            })?;
+            print_info(&pool);
+            Ok(0)
+        }
+        Cmd::Pool(PoolCmd::Info { devs, json }) => {
+            let pool = Pool::open(&devs, &OpenExpect::default())?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&pool.info()).expect("serializable"));
+            } else {
+                print_info(&pool);
+            }
+            Ok(0)
+        }
+        Cmd::Pool(PoolCmd::Check { devs, json }) => {
+            let pool = Pool::open(&devs, &OpenExpect::default())?;
+            let mut last = std::time::Instant::now();
+            let report = pool.check(|done, total| {
+                if last.elapsed().as_millis() > 500 || done == total {
+                    eprint!("\rchecking groups {done}/{total}");
+                    last = std::time::Instant::now();
+                }
+            })?;
+            eprintln!();
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report).expect("serializable"));
+            } else {
+                println!(
+                    "{} live block(s) checked, {} ok, {} read",
+                    report.blocks_checked,
+                    report.blocks_ok,
+                    human_bytes(report.bytes_read)
+                );
+                for s in &report.damaged_headers {
+                    println!("damaged header: slot {s} (its block is not visible)");
+                }
+                for (s, k) in &report.bad_data {
+                    println!("bad data: slot {s} key {k} does not match its checksum");
+                }
+            }
+            if report.is_clean() {
+                println!("pool is clean");
+                Ok(0)
+            } else {
+                println!(
+                    "pool is DAMAGED: {} damaged header(s), {} block(s) with bad data",
+                    report.damaged_headers.len(),
+                    report.bad_data.len()
+                );
+                Ok(1)
+            }
+        }
+        Cmd::Bench(a) => run_bench(a),
+        Cmd::Debug(DebugCmd::CrashWriter {
+            devs,
+            start_key,
+            blocks_per_job,
+            max_keys,
+        }) => crash_writer(&devs, start_key, blocks_per_job, max_keys),
+    }
+}
+
+fn print_info(pool: &Pool) {
+    let i = pool.info();
+    println!("pool {}  model {}  namespace {}", i.uuid, i.model, i.namespace);
+    println!("  geometry: {}", i.geometry.describe());
+    println!(
+        "  extent groups of {} blocks ({} each)",
+        i.group_blocks,
+        human_bytes(i.group_bytes)
+    );
+    for (n, d) in i.devices.iter().enumerate() {
+        println!("  device {n}: {} ({}, {} groups)", d.path.display(), human_bytes(d.size), d.groups);
+    }
+    println!(
+        "  blocks: {} total, {} live, {} free, {} pinned; {} of {} used",
+        i.total_slots,
+        i.live_blocks,
+        i.free_slots,
+        i.pinned_blocks,
+        human_bytes(i.used_bytes),
+        human_bytes(i.capacity_bytes)
+    );
+    if i.damaged_headers > 0 {
+        println!("  WARNING: {} damaged header(s); run `kvtier pool check`", i.damaged_headers);
+    }
+}
+
+fn run_bench(a: BenchArgs) -> Result<i32> {
+    let geometry = a.model.geometry()?;
+    let cfg = BenchConfig {
+        dir: a.dir.clone(),
+        model: a.model.name(),
+        geometry,
+        contexts: a.contexts.clone(),
+        capacity: parse_size(&a.capacity)?,
+        devices: a.devices.max(1),
+        group_blocks: a.group_blocks,
+        tier: TierConfig {
+            uring: UringConfig {
+                queue_depth: a.iodepth,
+                sqpoll_idle_ms: a.sqpoll,
+                fixed_buffers: true,
+            },
+            max_io_bytes: parse_size(&a.max_io)?,
+            ..TierConfig::default()
+        },
+        verify: !a.no_verify,
+        cross_layer: a.cross_layer,
+        store_job_blocks: 4096,
+    };
+    let started = std::time::Instant::now();
+    let result = bench::run(&cfg, |msg| {
+        eprintln!("[{:6.1}s] {msg}", started.elapsed().as_secs_f64());
+    });
+    if !a.keep {
+        for i in 0..cfg.devices {
+            let _ = std::fs::remove_file(cfg.dir.join(format!("bench{i}.pool")));
+        }
+    }
+    let report = result?;
+    print!("{}", bench::render(&report));
+    if let Some(path) = &a.json {
+        let text = serde_json::to_string_pretty(&report).expect("serializable");
+        std::fs::write(path, text)
+            .map_err(|e| kvtier::Error::io(format!("writing {}", path.display()), e))?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(0)
+}
+
+/// The child side of the crash test: store forever, acknowledging each
+/// durable job on stdout; the parent SIGKILLs it at a random moment.
+fn crash_writer(devs: &[PathBuf], start_key: u64, per_job: u32, max_keys: u64) -> Result<i32> {
+    let pool = Pool::open(devs, &OpenExpect::default())?;
+    let geo = *pool.geometry();
+    let mut tier = Tier::open(pool, TierConfig::default())?;
+    let cache = Arc::new(HostKvCache::new(geo, per_job, HostLayout::PerLayer)?);
+    tier.register_host_cache(cache.clone())?;
+    let mem: Vec<u32> = (0..per_job).collect();
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "READY");
+    let _ = out.flush();
+    let mut next = start_key;
+    while next - start_key < max_keys {
+        let keys: Vec<u64> = (next..next + per_job as u64).collect();
+        for (i, &k) in keys.iter().enumerate() {
+            cache.fill_block(i as u32, crash_seed(k));
+        }
+        let ks: Vec<Key> = keys.iter().map(|&k| Key::from_u64(k)).collect();
+        let job = tier.submit_store(&ks, &mem)?;
+        let r = tier.wait(job)?;
+        let mut line = String::from("ACK");
+        for (k, o) in keys.iter().zip(&r.outcomes) {
+            if o.is_ok() {
+                line += &format!(" {k}");
+            }
+        }
+        let _ = writeln!(out, "{line}");
+        let _ = out.flush();
+        next += per_job as u64;
+    }
+    loop {
+        std::thread::sleep(std::time::Duration::from_secs(1));
+    }
+}
+
+/// The pattern seed of a crash-test key (tests/crash.rs uses the same).
+fn crash_seed(key: u64) -> u64 {
+    key.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ 0xA5A5
+}
