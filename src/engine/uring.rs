@@ -88,8 +88,9 @@ pub struct UringEngine {
     cfg: UringConfig,
     devs: Vec<DevRing>,
     table: Option<Arc<P2pTable>>,
-    /// Registered fixed buffers (the same on every ring), by buffer index.
-    fixed: Vec<MemRegion>,
+    /// Registered fixed buffers (the same on every ring) sorted by address,
+    /// with their buffer index.
+    fixed: Vec<(MemRegion, u16)>,
     fixed_note: String,
     vectored_fixed: bool,
     ops: Vec<Option<Op>>,
@@ -218,21 +219,24 @@ impl UringEngine {
                 ""
             }
         );
-        self.fixed = chunks;
+        self.fixed = chunks
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| (c, i as u16))
+            .collect();
+        self.fixed.sort_by_key(|(c, _)| c.addr);
     }
 
     /// The registered buffer holding every iovec, if one does.
     fn fixed_index(&self, iovecs: &[libc::iovec]) -> Option<u16> {
         let first = iovecs.first()?.iov_base as u64;
-        let i = self
-            .fixed
-            .partition_point(|r| r.addr + r.len <= first);
-        let r = self.fixed.get(i)?;
+        let i = self.fixed.partition_point(|(r, _)| r.addr + r.len <= first);
+        let (r, index) = self.fixed.get(i)?;
         let inside = iovecs.iter().all(|v| {
             let a = v.iov_base as u64;
             a >= r.addr && a + v.iov_len as u64 <= r.addr + r.len
         });
-        inside.then_some(i as u16)
+        inside.then_some(*index)
     }
 
     /// Resolve an IOCTX's segments into merged iovecs, or the status that

@@ -1,0 +1,177 @@
+//! Bad input to the pool, each with the error a user needs to fix it.
+
+mod common;
+
+use common::*;
+use kvtier::pool::layout::{BlockHeader, DATA_OFFSET};
+use kvtier::pool::{DeviceSpec, Key, OpenExpect, Pool, PoolConfig};
+use kvtier::tier::{Tier, TierConfig};
+use kvtier::{HostKvCache, HostLayout};
+use std::os::unix::fs::FileExt;
+use std::process::Command;
+use std::sync::Arc;
+
+fn kvtier(args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier")).args(args).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.code().unwrap_or(-1), text)
+}
+
+fn stored_pool(dir: &TempDir, keys: u64) -> Vec<std::path::PathBuf> {
+    let geo = tiny_geometry();
+    let pool = create_pool(dir, geo, 8, 1, 4);
+    let paths = pool.paths();
+    let mut tier = Tier::open(pool, TierConfig::default()).unwrap();
+    let cache = Arc::new(HostKvCache::new(geo, keys as u32, HostLayout::PerLayer).unwrap());
+    tier.register_host_cache(cache.clone()).unwrap();
+    for k in 0..keys {
+        cache.fill_block(k as u32, seed_of(k));
+    }
+    let ks: Vec<Key> = (0..keys).map(Key::from_u64).collect();
+    let mem: Vec<u32> = (0..keys as u32).collect();
+    let job = tier.submit_store(&ks, &mem).unwrap();
+    assert!(tier.wait(job).unwrap().all_ok());
+    paths
+}
+
+#[test]
+fn reopen_with_another_models_geometry_is_refused() {
+    let dir = TempDir::new("geomismatch");
+    let paths = stored_pool(&dir, 2);
+    let mut other = tiny_geometry();
+    other.kv_heads = 4;
+    let err = Pool::open(&paths, &OpenExpect { geometry: Some(other), namespace: None })
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("was created for") && err.contains("2 kv heads") && err.contains("4 kv heads"), "{err}");
+    let err = Pool::open(&paths, &OpenExpect { geometry: None, namespace: Some("llama/tp1".into()) })
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("namespace") && err.contains("llama/tp1"), "{err}");
+}
+
+#[test]
+fn backing_file_too_small_is_refused() {
+    let dir = TempDir::new("small");
+    let geo = tiny_geometry();
+    let cfg = PoolConfig {
+        devices: vec![DeviceSpec { path: dir.file("a.pool"), size: Some(1 << 20) }],
+        ..pool_config(geo, 8, &[], 1)
+    };
+    let err = Pool::create(&cfg).err().unwrap().to_string();
+    assert!(err.contains("a.pool") && err.contains("1 MiB") && err.contains("needs at least"), "{err}");
+    let (code, text) = kvtier(&[
+        "pool", "create", "--dev", dir.file("b.pool").to_str().unwrap(), "--size", "64m", "--model", "llama3-70b",
+    ]);
+    assert_ne!(code, 0);
+    assert!(text.contains("b.pool") && text.contains("--size"), "{text}");
+}
+
+#[test]
+fn missing_device_or_foreign_file_is_refused() {
+    let dir = TempDir::new("missing");
+    let paths = stored_pool(&dir, 2);
+    // A pool of one device opened with an extra, unrelated file.
+    let foreign = dir.file("foreign");
+    std::fs::write(&foreign, vec![7u8; 8192]).unwrap();
+    let err = Pool::open(&[paths[0].clone(), foreign], &OpenExpect::default()).err().unwrap().to_string();
+    assert!(err.contains("foreign") && err.contains("not a kvtier pool"), "{err}");
+    let err = Pool::open(&[dir.file("nope")], &OpenExpect::default()).err().unwrap().to_string();
+    assert!(err.contains("nope"), "{err}");
+}
+
+#[test]
+fn corrupted_header_hides_the_block_and_check_fails() {
+    let dir = TempDir::new("corrupt");
+    let paths = stored_pool(&dir, 4);
+    // Slot 2's header is the third 4 KiB sector of group 0.
+    let f = std::fs::OpenOptions::new().write(true).open(&paths[0]).unwrap();
+    let off = DATA_OFFSET + 2 * 4096 + std::mem::offset_of!(BlockHeader, generation) as u64;
+    f.write_all_at(&[0xFF], off).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    let pool = Pool::open(&paths, &OpenExpect::default()).unwrap();
+    assert_eq!(pool.damaged_headers(), &[2]);
+    assert_eq!(pool.index().live(), 3, "the damaged block is never returned");
+    assert!(pool.index().get(&Key::from_u64(2)).is_none());
+    drop(pool);
+    let (code, text) = kvtier(&["pool", "check", "--dev", paths[0].to_str().unwrap()]);
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("damaged header: slot 2") && text.contains("DAMAGED"), "{text}");
+}
+
+#[test]
+fn corrupted_data_is_reported_by_check() {
+    let dir = TempDir::new("baddata");
+    let paths = stored_pool(&dir, 4);
+    let (code, text) = kvtier(&["pool", "check", "--dev", paths[0].to_str().unwrap()]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("4 live block(s) checked, 4 ok") && text.contains("pool is clean"), "{text}");
+    // Flip a byte in layer 3's V object of slot 1.
+    let geo = tiny_geometry();
+    let layout = kvtier::pool::layout::PoolLayout::new(geo, 8, vec![4]);
+    let (_, off) = layout.object_offset(1, 3, 1);
+    let f = std::fs::OpenOptions::new().write(true).open(&paths[0]).unwrap();
+    f.write_all_at(&[0x5A], off + 100).unwrap();
+    drop(f);
+    let (code, text) = kvtier(&["pool", "check", "--dev", paths[0].to_str().unwrap()]);
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("bad data: slot 1 key 0100000000000000"), "{text}");
+}
+
+#[test]
+fn corrupted_superblock_names_the_device() {
+    let dir = TempDir::new("badsb");
+    let paths = stored_pool(&dir, 1);
+    let f = std::fs::OpenOptions::new().write(true).open(&paths[0]).unwrap();
+    f.write_all_at(&[0x11], 70).unwrap();
+    drop(f);
+    let err = Pool::open(&paths, &OpenExpect::default()).err().unwrap().to_string();
+    assert!(err.contains("ssd0.pool") && err.contains("superblock") && err.contains("checksum"), "{err}");
+}
+
+#[test]
+fn malformed_model_config_is_refused_by_the_cli() {
+    let dir = TempDir::new("badconfig");
+    let cfg = dir.file("config.json");
+    std::fs::write(&cfg, r#"{"num_hidden_layers": 32, "hidden_size": 4096,"#).unwrap();
+    let dev = dir.file("p.pool");
+    let (code, text) = kvtier(&[
+        "pool", "create", "--dev", dev.to_str().unwrap(), "--size", "64m", "--model", cfg.to_str().unwrap(),
+    ]);
+    assert_ne!(code, 0);
+    assert!(text.contains("config.json") && text.contains("line"), "{text}");
+    std::fs::write(&cfg, r#"{"hidden_size": 4096, "num_attention_heads": 32, "torch_dtype": "bfloat16"}"#).unwrap();
+    let (code, text) = kvtier(&[
+        "pool", "create", "--dev", dev.to_str().unwrap(), "--size", "64m", "--model", cfg.to_str().unwrap(),
+    ]);
+    assert_ne!(code, 0);
+    assert!(text.contains("num_hidden_layers"), "{text}");
+    assert!(!dev.exists(), "nothing is created on bad input");
+}
+
+#[test]
+fn cli_create_info_round_trip() {
+    let dir = TempDir::new("cli");
+    let a = dir.file("a.pool");
+    let b = dir.file("b.pool");
+    let (code, text) = kvtier(&[
+        "pool", "create", "--dev", a.to_str().unwrap(), "--dev", b.to_str().unwrap(), "--size", "300m",
+        "--model", "llama3-8b", "--group-blocks", "16",
+    ]);
+    assert_eq!(code, 0, "{text}");
+    let (code, text) = kvtier(&["pool", "info", "--json", "--dev", b.to_str().unwrap(), "--dev", a.to_str().unwrap()]);
+    assert_eq!(code, 0, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["geometry"]["layers"], 32);
+    assert_eq!(v["group_blocks"], 16);
+    assert_eq!(v["devices"].as_array().unwrap().len(), 2);
+    assert_eq!(v["namespace"], "llama3-8b/bfloat16/bs16/tp0");
+    // Creating over an existing, non-pool file needs --force.
+    std::fs::write(dir.file("data"), vec![1u8; 4096]).unwrap();
+    let (code, text) = kvtier(&["pool", "create", "--dev", dir.file("data").to_str().unwrap(), "--size", "300m"]);
+    assert_ne!(code, 0);
+    assert!(text.contains("--force"), "{text}");
+}
