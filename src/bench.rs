@@ -158,7 +158,11 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
             fits
         })
         .collect();
-    let max_blocks = contexts.iter().map(|&t| geo.tokens_to_blocks(t)).max().unwrap_or(0);
+    let max_blocks = contexts
+        .iter()
+        .map(|&t| geo.tokens_to_blocks(t))
+        .max()
+        .unwrap_or(0);
     let mut tier = Tier::open(pool, cfg.tier.clone())?;
     let mut results = Vec::new();
     if max_blocks == 0 {
@@ -207,7 +211,10 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
         }
         for j in jobs {
             let r = tier.wait(j)?;
-            let failed = r.failures().next().map(|(k, why)| format!("store of key {k} failed: {why}"));
+            let failed = r
+                .failures()
+                .next()
+                .map(|(k, why)| format!("store of key {k} failed: {why}"));
             if let Some(msg) = failed {
                 return Err(Error::invalid(msg));
             }
@@ -231,7 +238,10 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
         let retrieve_cpu = cpu_seconds() - cpu0;
         let s1 = tier.usage().engine;
         tier.layer_events();
-        let failed = r.failures().next().map(|(k, why)| format!("load of key {k} failed: {why}"));
+        let failed = r
+            .failures()
+            .next()
+            .map(|(k, why)| format!("load of key {k} failed: {why}"));
         if let Some(msg) = failed {
             return Err(Error::invalid(msg));
         }
@@ -291,7 +301,15 @@ pub fn render(report: &BenchReport) -> String {
     );
     s += &format!(
         "{:>8} {:>10} {:>11} {:>13} {:>11} {:>10} {:>12} {:>14} {:>14}\n",
-        "tokens", "size", "store GiB/s", "retrieve GiB/s", "layer0 ms", "I/O/layer", "enter/layer", "store us/obj", "load us/obj"
+        "tokens",
+        "size",
+        "store GiB/s",
+        "retrieve GiB/s",
+        "layer0 ms",
+        "I/O/layer",
+        "enter/layer",
+        "store us/obj",
+        "load us/obj"
     );
     for r in &report.results {
         s += &format!(

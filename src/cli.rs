@@ -5,7 +5,10 @@ use crate::error::{Error, Result};
 /// Parse a size like `4096`, `80k`, `512m`, `4g`, `1t`, `1.5g` (binary units).
 pub fn parse_size(s: &str) -> Result<u64> {
     let t = s.trim().to_ascii_lowercase();
-    let t = t.strip_suffix("ib").or_else(|| t.strip_suffix('b')).unwrap_or(&t);
+    let t = t
+        .strip_suffix("ib")
+        .or_else(|| t.strip_suffix('b'))
+        .unwrap_or(&t);
     let (num, mult) = match t.chars().last() {
         Some('k') => (&t[..t.len() - 1], 1u64 << 10),
         Some('m') => (&t[..t.len() - 1], 1 << 20),

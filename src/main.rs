@@ -13,7 +13,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 #[derive(Parser)]
-#[command(name = "kvtier", version, about = "A GPU-centric NVMe SSD tier for LLM KV caches")]
+#[command(
+    name = "kvtier",
+    version,
+    about = "A GPU-centric NVMe SSD tier for LLM KV caches"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -198,7 +202,13 @@ fn run(cli: Cli) -> Result<i32> {
                 model: model.name(),
                 namespace,
                 group_blocks,
-                devices: devs.iter().map(|p| DeviceSpec { path: p.clone(), size }).collect(),
+                devices: devs
+                    .iter()
+                    .map(|p| DeviceSpec {
+                        path: p.clone(),
+                        size,
+                    })
+                    .collect(),
                 force,
             })?;
             print_info(&pool);
@@ -207,7 +217,10 @@ fn run(cli: Cli) -> Result<i32> {
         Cmd::Pool(PoolCmd::Info { devs, json }) => {
             let pool = Pool::open(&devs, &OpenExpect::default())?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&pool.info()).expect("serializable"));
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&pool.info()).expect("serializable")
+                );
             } else {
                 print_info(&pool);
             }
@@ -224,7 +237,10 @@ fn run(cli: Cli) -> Result<i32> {
             })?;
             eprintln!();
             if json {
-                println!("{}", serde_json::to_string_pretty(&report).expect("serializable"));
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).expect("serializable")
+                );
             } else {
                 println!(
                     "{} live block(s) checked, {} ok, {} read",
@@ -263,7 +279,10 @@ fn run(cli: Cli) -> Result<i32> {
 
 fn print_info(pool: &Pool) {
     let i = pool.info();
-    println!("pool {}  model {}  namespace {}", i.uuid, i.model, i.namespace);
+    println!(
+        "pool {}  model {}  namespace {}",
+        i.uuid, i.model, i.namespace
+    );
     println!("  geometry: {}", i.geometry.describe());
     println!(
         "  extent groups of {} blocks ({} each)",
@@ -271,7 +290,12 @@ fn print_info(pool: &Pool) {
         human_bytes(i.group_bytes)
     );
     for (n, d) in i.devices.iter().enumerate() {
-        println!("  device {n}: {} ({}, {} groups)", d.path.display(), human_bytes(d.size), d.groups);
+        println!(
+            "  device {n}: {} ({}, {} groups)",
+            d.path.display(),
+            human_bytes(d.size),
+            d.groups
+        );
     }
     println!(
         "  blocks: {} total, {} live, {} free, {} pinned; {} of {} used",
@@ -283,7 +307,10 @@ fn print_info(pool: &Pool) {
         human_bytes(i.capacity_bytes)
     );
     if i.damaged_headers > 0 {
-        println!("  WARNING: {} damaged header(s); run `kvtier pool check`", i.damaged_headers);
+        println!(
+            "  WARNING: {} damaged header(s); run `kvtier pool check`",
+            i.damaged_headers
+        );
     }
 }
 

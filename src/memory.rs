@@ -32,7 +32,9 @@ pub enum KvLayout {
 pub enum MemoryKind {
     Host,
     /// Device memory of CUDA device `ordinal` (GPU engine only).
-    Gpu { ordinal: u32 },
+    Gpu {
+        ordinal: u32,
+    },
 }
 
 /// A description of registered KV memory.
@@ -51,7 +53,8 @@ impl KvMemory {
         let obj = self.geometry.object_bytes();
         match &self.layout {
             KvLayout::PerLayer { layer_bases } => {
-                layer_bases[layer as usize] + (kv as u64 * self.num_blocks as u64 + block as u64) * obj
+                layer_bases[layer as usize]
+                    + (kv as u64 * self.num_blocks as u64 + block as u64) * obj
             }
             KvLayout::CrossLayer { base } => {
                 let l = self.geometry.layers as u64;

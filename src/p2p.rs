@@ -79,7 +79,9 @@ impl P2pTable {
     /// Append `count` descriptors of `entry_len` bytes each covering the
     /// region at `addr`; returns the first new index.
     pub fn add_extra_region(&mut self, addr: u64, entry_len: u32, count: u32) -> Result<u32> {
-        if addr % KvGeometry::DIRECT_IO_ALIGN != 0 || entry_len as u64 % KvGeometry::DIRECT_IO_ALIGN != 0 {
+        if addr % KvGeometry::DIRECT_IO_ALIGN != 0
+            || entry_len as u64 % KvGeometry::DIRECT_IO_ALIGN != 0
+        {
             return Err(Error::Registration(format!(
                 "extra region at {addr:#x} with {entry_len}-byte entries is not {}-byte aligned",
                 KvGeometry::DIRECT_IO_ALIGN
@@ -90,8 +92,10 @@ impl P2pTable {
             return Err(Error::Registration("P2P table full".into()));
         }
         for i in 0..count as u64 {
-            self.entries
-                .push(SglDescriptor::data_block(addr + i * entry_len as u64, entry_len));
+            self.entries.push(SglDescriptor::data_block(
+                addr + i * entry_len as u64,
+                entry_len,
+            ));
         }
         self.regions.push(MemRegion {
             addr,
@@ -209,7 +213,10 @@ mod tests {
         for layer in 0..3 {
             for kv in 0..2 {
                 let e = t.entry(t.index(2, layer, kv)).unwrap();
-                assert_eq!(e.addr, 0x4000_0000 + (2 * 6 + layer as u64 * 2 + kv as u64) * obj);
+                assert_eq!(
+                    e.addr,
+                    0x4000_0000 + (2 * 6 + layer as u64 * 2 + kv as u64) * obj
+                );
             }
         }
     }
@@ -246,14 +253,21 @@ mod tests {
             kind: MemoryKind::Host,
         };
         let msg = P2pTable::build(&mem).err().unwrap().to_string();
-        assert!(msg.contains("2 layer tensors") && msg.contains("3 layers"), "{msg}");
+        assert!(
+            msg.contains("2 layer tensors") && msg.contains("3 layers"),
+            "{msg}"
+        );
         let mem = KvMemory {
             layout: KvLayout::PerLayer {
                 layer_bases: vec![0x10_0000, 0x10_1000, 0x30_0000],
             },
             ..mem
         };
-        assert!(P2pTable::build(&mem).err().unwrap().to_string().contains("overlap"));
+        assert!(P2pTable::build(&mem)
+            .err()
+            .unwrap()
+            .to_string()
+            .contains("overlap"));
     }
 
     #[test]

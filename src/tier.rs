@@ -100,10 +100,13 @@ impl JobResult {
         self.outcomes.iter().all(KeyOutcome::is_ok)
     }
     pub fn failures(&self) -> impl Iterator<Item = (&Key, &str)> {
-        self.keys.iter().zip(&self.outcomes).filter_map(|(k, o)| match o {
-            KeyOutcome::Failed(m) => Some((k, m.as_str())),
-            _ => None,
-        })
+        self.keys
+            .iter()
+            .zip(&self.outcomes)
+            .filter_map(|(k, o)| match o {
+                KeyOutcome::Failed(m) => Some((k, m.as_str())),
+                _ => None,
+            })
     }
 }
 
@@ -216,7 +219,11 @@ impl Staging {
 
     fn entry_ptr(&self, i: u32) -> *mut u8 {
         // SAFETY: i < entries (callers use indices from `free`/ZERO).
-        unsafe { self.map.as_mut_ptr().add(i as usize * SLOT_HEADER_BYTES as usize) }
+        unsafe {
+            self.map
+                .as_mut_ptr()
+                .add(i as usize * SLOT_HEADER_BYTES as usize)
+        }
     }
 }
 
@@ -333,7 +340,8 @@ impl Tier {
             .map_anon()
             .map_err(|e| Error::io("allocating header staging", e))?;
         let map = MmapRaw::from(map);
-        let first_index = table.add_extra_region(map.as_ptr() as u64, SLOT_HEADER_BYTES as u32, n)?;
+        let first_index =
+            table.add_extra_region(map.as_ptr() as u64, SLOT_HEADER_BYTES as u32, n)?;
         let table = Arc::new(table);
         self.io.engine_mut().register_memory(table.clone())?;
         self.table = Some(table);
@@ -348,7 +356,9 @@ impl Tier {
 
     fn table(&self) -> Result<&Arc<P2pTable>> {
         self.table.as_ref().ok_or_else(|| {
-            Error::invalid("no KV memory registered: call register_memory / register_host_cache first")
+            Error::invalid(
+                "no KV memory registered: call register_memory / register_host_cache first",
+            )
         })
     }
 
@@ -407,7 +417,12 @@ impl Tier {
     /// in the pool (count them with `lookup_prefix`); they stay pinned until
     /// the job finishes. Layers complete in order; see `layer_events`,
     /// `wait_layer`.
-    pub fn submit_load(&mut self, keys: &[Key], mem_blocks: &[u32], layers: Range<u32>) -> Result<JobId> {
+    pub fn submit_load(
+        &mut self,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        layers: Range<u32>,
+    ) -> Result<JobId> {
         self.check_mem_blocks(keys, mem_blocks)?;
         let geo = *self.pool.geometry();
         if layers.start >= layers.end || layers.end > geo.layers {
@@ -442,8 +457,16 @@ impl Tier {
             for (r, run) in runs.iter().enumerate() {
                 for kv in 0..2 {
                     for &p in run {
-                        let (dev, off) = self.pool.layout().object_offset(slots[p as usize], layer, kv);
-                        objects.push((dev, off, table.index(mem_blocks[p as usize], layer, kv), r as u32));
+                        let (dev, off) =
+                            self.pool
+                                .layout()
+                                .object_offset(slots[p as usize], layer, kv);
+                        objects.push((
+                            dev,
+                            off,
+                            table.index(mem_blocks[p as usize], layer, kv),
+                            r as u32,
+                        ));
                     }
                 }
             }
@@ -505,7 +528,9 @@ impl Tier {
         let alloc = self.pool.index_mut().allocate(n as u64)?;
         let table = self.table()?.clone();
         let staging = self.staging.as_mut().expect("registered");
-        let stage: Vec<u32> = (0..n).map(|_| staging.free.pop().expect("counted")).collect();
+        let stage: Vec<u32> = (0..n)
+            .map(|_| staging.free.pop().expect("counted"))
+            .collect();
 
         let mut slots = vec![None; keys.len()];
         let mut generations = vec![0; keys.len()];
@@ -538,7 +563,12 @@ impl Tier {
                     }
                 })
                 .collect();
-            items.push(self.flush_after(Step::Invalidate, ios, all_run, "invalidating reused headers"));
+            items.push(self.flush_after(
+                Step::Invalidate,
+                ios,
+                all_run,
+                "invalidating reused headers",
+            ));
         }
         // (2) Data, in device order per run: (layer, K|V, slot).
         let mut objects = Vec::new();
@@ -548,7 +578,12 @@ impl Tier {
                     for &p in run {
                         let slot = slots[p as usize].expect("new key");
                         let (dev, off) = self.pool.layout().object_offset(slot, layer, kv);
-                        objects.push((dev, off, table.index(mem_blocks[p as usize], layer, kv), r as u32));
+                        objects.push((
+                            dev,
+                            off,
+                            table.index(mem_blocks[p as usize], layer, kv),
+                            r as u32,
+                        ));
                     }
                 }
             }
@@ -564,7 +599,9 @@ impl Tier {
                 MemoryKind::Host => block_crc(&table, mem_blocks[p as usize], geo.layers),
                 MemoryKind::Gpu { .. } => 0,
             };
-            let h = self.pool.make_header(&keys[p as usize], slot, generations[p as usize], crc);
+            let h = self
+                .pool
+                .make_header(&keys[p as usize], slot, generations[p as usize], crc);
             let ptr = staging.entry_ptr(stage[j]);
             // SAFETY: a staging entry is 4 KiB owned by this job until it finishes.
             unsafe {
@@ -613,7 +650,13 @@ impl Tier {
     }
 
     /// `step`'s I/Os followed by one flush per device they touched.
-    fn flush_after(&self, step: Step, ios: Vec<PlannedIo>, all_run: u32, what: &'static str) -> [Item; 2] {
+    fn flush_after(
+        &self,
+        step: Step,
+        ios: Vec<PlannedIo>,
+        all_run: u32,
+        what: &'static str,
+    ) -> [Item; 2] {
         let mut devs: Vec<u16> = ios.iter().map(|io| io.dev).collect();
         devs.sort_unstable();
         devs.dedup();
@@ -648,7 +691,8 @@ impl Tier {
     /// one extent group, in slot order.
     fn group_runs(&self, slots: &[u64], positions: &[u32]) -> Vec<Vec<u32>> {
         let g = self.pool.layout().group_blocks as u64;
-        let mut order: Vec<(u64, u32)> = positions.iter().map(|&p| (slots[p as usize], p)).collect();
+        let mut order: Vec<(u64, u32)> =
+            positions.iter().map(|&p| (slots[p as usize], p)).collect();
         order.sort_unstable();
         let mut runs: Vec<Vec<u32>> = Vec::new();
         let mut prev: Option<u64> = None;
@@ -760,7 +804,11 @@ impl Tier {
             let item = &job.items[ix];
             let keep: Vec<PlannedIo> = item.ios[item.next..]
                 .iter()
-                .filter(|io| !job.runs[io.run as usize].iter().any(|&p| job.failed(p as usize)))
+                .filter(|io| {
+                    !job.runs[io.run as usize]
+                        .iter()
+                        .any(|&p| job.failed(p as usize))
+                })
                 .cloned()
                 .collect();
             let item = &mut job.items[ix];
@@ -887,7 +935,10 @@ impl Tier {
                             self.pool.index_mut().abort(slot);
                             self.pool.index_mut().mark_stale_header(slot);
                             if job.outcomes[i].is_none() {
-                                let why = st.abandoned.clone().unwrap_or_else(|| "store failed".into());
+                                let why = st
+                                    .abandoned
+                                    .clone()
+                                    .unwrap_or_else(|| "store failed".into());
                                 job.outcomes[i] = Some(KeyOutcome::Failed(why));
                             }
                         }
@@ -1054,7 +1105,9 @@ fn block_crc(table: &P2pTable, mem_block: u32, layers: u32) -> u32 {
     let mut crc = 0;
     for layer in 0..layers {
         for kv in 0..2 {
-            let d = table.entry(table.index(mem_block, layer, kv)).expect("in table");
+            let d = table
+                .entry(table.index(mem_block, layer, kv))
+                .expect("in table");
             // SAFETY: the descriptor addresses registered host memory the
             // caller keeps alive (register_memory's contract).
             let bytes = unsafe { std::slice::from_raw_parts(d.addr as *const u8, d.len as usize) };

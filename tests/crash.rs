@@ -38,10 +38,15 @@ impl Rng {
 /// Run the writer, kill it after `delay`, return the keys it acknowledged.
 fn run_and_kill(devs: &[PathBuf], start_key: u64, delay: Duration) -> Vec<u64> {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvtier"));
-    cmd.args(["debug", "crash-writer", "--start-key", &start_key.to_string()])
-        .args(["--blocks-per-job", &PER_JOB.to_string()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    cmd.args([
+        "debug",
+        "crash-writer",
+        "--start-key",
+        &start_key.to_string(),
+    ])
+    .args(["--blocks-per-job", &PER_JOB.to_string()])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
     for d in devs {
         cmd.arg("--dev").arg(d);
     }
@@ -59,7 +64,12 @@ fn run_and_kill(devs: &[PathBuf], start_key: u64, delay: Duration) -> Vec<u64> {
         if let Ok(Some(status)) = child.try_wait() {
             let mut err = String::new();
             use std::io::Read;
-            child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+            child
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut err)
+                .unwrap();
             panic!("crash-writer exited on its own ({status}): {err}");
         }
         std::thread::sleep(Duration::from_millis(1));
@@ -84,7 +94,10 @@ fn verify_pool(devs: &[PathBuf], must_have: &[u64], iteration: usize) -> usize {
         pool.damaged_headers()
     );
     let report = pool.check(|_, _| {}).unwrap();
-    assert!(report.is_clean(), "iteration {iteration}: pool check: {report:?}");
+    assert!(
+        report.is_clean(),
+        "iteration {iteration}: pool check: {report:?}"
+    );
     let geo = *pool.geometry();
     let live: Vec<u64> = pool
         .index()
@@ -139,7 +152,10 @@ fn sigkill_during_stores_loses_nothing_acknowledged() {
         let got = run_and_kill(&big, (i as u64 + 1) << 32, delay);
         kills_with_acks += !got.is_empty() as usize;
         acked.extend(&got);
-        assert!((acked.len() as u64) < slots, "phase 1 must not evict; grow the pool");
+        assert!(
+            (acked.len() as u64) < slots,
+            "phase 1 must not evict; grow the pool"
+        );
         let live = verify_pool(&big, &acked, i);
         assert!(live >= acked.len());
     }
@@ -169,5 +185,8 @@ fn sigkill_during_stores_loses_nothing_acknowledged() {
         "{iters} kills, {kills_with_acks} after at least one acknowledged job, {} keys acknowledged in phase 1",
         acked.len()
     );
-    assert!(kills_with_acks >= iters / 2, "most kills should land mid-stream");
+    assert!(
+        kills_with_acks >= iters / 2,
+        "most kills should land mid-stream"
+    );
 }

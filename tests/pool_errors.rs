@@ -12,8 +12,12 @@ use std::process::Command;
 use std::sync::Arc;
 
 fn kvtier(args: &[&str]) -> (i32, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvtier")).args(args).output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(args)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     (out.status.code().unwrap_or(-1), text)
 }
 
@@ -40,16 +44,34 @@ fn reopen_with_another_models_geometry_is_refused() {
     let paths = stored_pool(&dir, 2);
     let mut other = tiny_geometry();
     other.kv_heads = 4;
-    let err = Pool::open(&paths, &OpenExpect { geometry: Some(other), namespace: None })
-        .err()
-        .unwrap()
-        .to_string();
-    assert!(err.contains("was created for") && err.contains("2 kv heads") && err.contains("4 kv heads"), "{err}");
-    let err = Pool::open(&paths, &OpenExpect { geometry: None, namespace: Some("llama/tp1".into()) })
-        .err()
-        .unwrap()
-        .to_string();
-    assert!(err.contains("namespace") && err.contains("llama/tp1"), "{err}");
+    let err = Pool::open(
+        &paths,
+        &OpenExpect {
+            geometry: Some(other),
+            namespace: None,
+        },
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        err.contains("was created for") && err.contains("2 kv heads") && err.contains("4 kv heads"),
+        "{err}"
+    );
+    let err = Pool::open(
+        &paths,
+        &OpenExpect {
+            geometry: None,
+            namespace: Some("llama/tp1".into()),
+        },
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        err.contains("namespace") && err.contains("llama/tp1"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -57,13 +79,26 @@ fn backing_file_too_small_is_refused() {
     let dir = TempDir::new("small");
     let geo = tiny_geometry();
     let cfg = PoolConfig {
-        devices: vec![DeviceSpec { path: dir.file("a.pool"), size: Some(1 << 20) }],
+        devices: vec![DeviceSpec {
+            path: dir.file("a.pool"),
+            size: Some(1 << 20),
+        }],
         ..pool_config(geo, 8, &[], 1)
     };
     let err = Pool::create(&cfg).err().unwrap().to_string();
-    assert!(err.contains("a.pool") && err.contains("1 MiB") && err.contains("needs at least"), "{err}");
+    assert!(
+        err.contains("a.pool") && err.contains("1 MiB") && err.contains("needs at least"),
+        "{err}"
+    );
     let (code, text) = kvtier(&[
-        "pool", "create", "--dev", dir.file("b.pool").to_str().unwrap(), "--size", "64m", "--model", "llama3-70b",
+        "pool",
+        "create",
+        "--dev",
+        dir.file("b.pool").to_str().unwrap(),
+        "--size",
+        "64m",
+        "--model",
+        "llama3-70b",
     ]);
     assert_ne!(code, 0);
     assert!(text.contains("b.pool") && text.contains("--size"), "{text}");
@@ -76,9 +111,18 @@ fn missing_device_or_foreign_file_is_refused() {
     // A pool of one device opened with an extra, unrelated file.
     let foreign = dir.file("foreign");
     std::fs::write(&foreign, vec![7u8; 8192]).unwrap();
-    let err = Pool::open(&[paths[0].clone(), foreign], &OpenExpect::default()).err().unwrap().to_string();
-    assert!(err.contains("foreign") && err.contains("not a kvtier pool"), "{err}");
-    let err = Pool::open(&[dir.file("nope")], &OpenExpect::default()).err().unwrap().to_string();
+    let err = Pool::open(&[paths[0].clone(), foreign], &OpenExpect::default())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("foreign") && err.contains("not a kvtier pool"),
+        "{err}"
+    );
+    let err = Pool::open(&[dir.file("nope")], &OpenExpect::default())
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("nope"), "{err}");
 }
 
@@ -87,19 +131,29 @@ fn corrupted_header_hides_the_block_and_check_fails() {
     let dir = TempDir::new("corrupt");
     let paths = stored_pool(&dir, 4);
     // Slot 2's header is the third 4 KiB sector of group 0.
-    let f = std::fs::OpenOptions::new().write(true).open(&paths[0]).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&paths[0])
+        .unwrap();
     let off = DATA_OFFSET + 2 * 4096 + std::mem::offset_of!(BlockHeader, generation) as u64;
     f.write_all_at(&[0xFF], off).unwrap();
     f.sync_all().unwrap();
     drop(f);
     let pool = Pool::open(&paths, &OpenExpect::default()).unwrap();
     assert_eq!(pool.damaged_headers(), &[2]);
-    assert_eq!(pool.index().live(), 3, "the damaged block is never returned");
+    assert_eq!(
+        pool.index().live(),
+        3,
+        "the damaged block is never returned"
+    );
     assert!(pool.index().get(&Key::from_u64(2)).is_none());
     drop(pool);
     let (code, text) = kvtier(&["pool", "check", "--dev", paths[0].to_str().unwrap()]);
     assert_eq!(code, 1, "{text}");
-    assert!(text.contains("damaged header: slot 2") && text.contains("DAMAGED"), "{text}");
+    assert!(
+        text.contains("damaged header: slot 2") && text.contains("DAMAGED"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -108,28 +162,46 @@ fn corrupted_data_is_reported_by_check() {
     let paths = stored_pool(&dir, 4);
     let (code, text) = kvtier(&["pool", "check", "--dev", paths[0].to_str().unwrap()]);
     assert_eq!(code, 0, "{text}");
-    assert!(text.contains("4 live block(s) checked, 4 ok") && text.contains("pool is clean"), "{text}");
+    assert!(
+        text.contains("4 live block(s) checked, 4 ok") && text.contains("pool is clean"),
+        "{text}"
+    );
     // Flip a byte in layer 3's V object of slot 1.
     let geo = tiny_geometry();
     let layout = kvtier::pool::layout::PoolLayout::new(geo, 8, vec![4]);
     let (_, off) = layout.object_offset(1, 3, 1);
-    let f = std::fs::OpenOptions::new().write(true).open(&paths[0]).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&paths[0])
+        .unwrap();
     f.write_all_at(&[0x5A], off + 100).unwrap();
     drop(f);
     let (code, text) = kvtier(&["pool", "check", "--dev", paths[0].to_str().unwrap()]);
     assert_eq!(code, 1, "{text}");
-    assert!(text.contains("bad data: slot 1 key 0100000000000000"), "{text}");
+    assert!(
+        text.contains("bad data: slot 1 key 0100000000000000"),
+        "{text}"
+    );
 }
 
 #[test]
 fn corrupted_superblock_names_the_device() {
     let dir = TempDir::new("badsb");
     let paths = stored_pool(&dir, 1);
-    let f = std::fs::OpenOptions::new().write(true).open(&paths[0]).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&paths[0])
+        .unwrap();
     f.write_all_at(&[0x11], 70).unwrap();
     drop(f);
-    let err = Pool::open(&paths, &OpenExpect::default()).err().unwrap().to_string();
-    assert!(err.contains("ssd0.pool") && err.contains("superblock") && err.contains("checksum"), "{err}");
+    let err = Pool::open(&paths, &OpenExpect::default())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("ssd0.pool") && err.contains("superblock") && err.contains("checksum"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -139,13 +211,34 @@ fn malformed_model_config_is_refused_by_the_cli() {
     std::fs::write(&cfg, r#"{"num_hidden_layers": 32, "hidden_size": 4096,"#).unwrap();
     let dev = dir.file("p.pool");
     let (code, text) = kvtier(&[
-        "pool", "create", "--dev", dev.to_str().unwrap(), "--size", "64m", "--model", cfg.to_str().unwrap(),
+        "pool",
+        "create",
+        "--dev",
+        dev.to_str().unwrap(),
+        "--size",
+        "64m",
+        "--model",
+        cfg.to_str().unwrap(),
     ]);
     assert_ne!(code, 0);
-    assert!(text.contains("config.json") && text.contains("line"), "{text}");
-    std::fs::write(&cfg, r#"{"hidden_size": 4096, "num_attention_heads": 32, "torch_dtype": "bfloat16"}"#).unwrap();
+    assert!(
+        text.contains("config.json") && text.contains("line"),
+        "{text}"
+    );
+    std::fs::write(
+        &cfg,
+        r#"{"hidden_size": 4096, "num_attention_heads": 32, "torch_dtype": "bfloat16"}"#,
+    )
+    .unwrap();
     let (code, text) = kvtier(&[
-        "pool", "create", "--dev", dev.to_str().unwrap(), "--size", "64m", "--model", cfg.to_str().unwrap(),
+        "pool",
+        "create",
+        "--dev",
+        dev.to_str().unwrap(),
+        "--size",
+        "64m",
+        "--model",
+        cfg.to_str().unwrap(),
     ]);
     assert_ne!(code, 0);
     assert!(text.contains("num_hidden_layers"), "{text}");
@@ -158,11 +251,29 @@ fn cli_create_info_round_trip() {
     let a = dir.file("a.pool");
     let b = dir.file("b.pool");
     let (code, text) = kvtier(&[
-        "pool", "create", "--dev", a.to_str().unwrap(), "--dev", b.to_str().unwrap(), "--size", "300m",
-        "--model", "llama3-8b", "--group-blocks", "16",
+        "pool",
+        "create",
+        "--dev",
+        a.to_str().unwrap(),
+        "--dev",
+        b.to_str().unwrap(),
+        "--size",
+        "300m",
+        "--model",
+        "llama3-8b",
+        "--group-blocks",
+        "16",
     ]);
     assert_eq!(code, 0, "{text}");
-    let (code, text) = kvtier(&["pool", "info", "--json", "--dev", b.to_str().unwrap(), "--dev", a.to_str().unwrap()]);
+    let (code, text) = kvtier(&[
+        "pool",
+        "info",
+        "--json",
+        "--dev",
+        b.to_str().unwrap(),
+        "--dev",
+        a.to_str().unwrap(),
+    ]);
     assert_eq!(code, 0, "{text}");
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["geometry"]["layers"], 32);
@@ -171,7 +282,14 @@ fn cli_create_info_round_trip() {
     assert_eq!(v["namespace"], "llama3-8b/bfloat16/bs16/tp0");
     // Creating over an existing, non-pool file needs --force.
     std::fs::write(dir.file("data"), vec![1u8; 4096]).unwrap();
-    let (code, text) = kvtier(&["pool", "create", "--dev", dir.file("data").to_str().unwrap(), "--size", "300m"]);
+    let (code, text) = kvtier(&[
+        "pool",
+        "create",
+        "--dev",
+        dir.file("data").to_str().unwrap(),
+        "--size",
+        "300m",
+    ]);
     assert_ne!(code, 0);
     assert!(text.contains("--force"), "{text}");
 }

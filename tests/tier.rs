@@ -20,7 +20,11 @@ fn store(tier: &mut Tier, cache: &HostKvCache, ks: &[u64], mem: &[u32]) {
     let keys: Vec<Key> = ks.iter().map(|&k| Key::from_u64(k)).collect();
     let job = tier.submit_store(&keys, mem).unwrap();
     let r = tier.wait(job).unwrap();
-    assert!(r.all_ok(), "store failed: {:?}", r.failures().collect::<Vec<_>>());
+    assert!(
+        r.all_ok(),
+        "store failed: {:?}",
+        r.failures().collect::<Vec<_>>()
+    );
 }
 
 #[test]
@@ -42,7 +46,9 @@ fn round_trip_layer_by_layer_in_order() {
         // Clear memory and load into other blocks, layer by layer.
         cache.clear();
         let target: Vec<u32> = (0..40).map(|i| 63 - i).collect();
-        let job = tier.submit_load(&keys(1000..1040), &target, 0..geo.layers).unwrap();
+        let job = tier
+            .submit_load(&keys(1000..1040), &target, 0..geo.layers)
+            .unwrap();
         let mut seen = Vec::new();
         for layer in 0..geo.layers {
             tier.wait_layer(job, layer).unwrap();
@@ -57,7 +63,11 @@ fn round_trip_layer_by_layer_in_order() {
         let r = tier.wait(job).unwrap();
         assert!(r.all_ok());
         seen.extend(tier.layer_events().into_iter().map(|e| e.layer));
-        assert_eq!(seen, (0..geo.layers).collect::<Vec<_>>(), "per-layer completions in layer order");
+        assert_eq!(
+            seen,
+            (0..geo.layers).collect::<Vec<_>>(),
+            "per-layer completions in layer order"
+        );
         assert_eq!(tier.usage().pinned_blocks, 0, "a finished load unpins");
     }
 }
@@ -80,9 +90,14 @@ fn partial_layer_range_and_dedup() {
     assert_eq!(tier.usage().live_blocks, 3);
     // A duplicate key inside one job is stored once.
     cache.fill_block(9, seed_of(77));
-    let job = tier.submit_store(&[Key::from_u64(77), Key::from_u64(77)], &[9, 9]).unwrap();
+    let job = tier
+        .submit_store(&[Key::from_u64(77), Key::from_u64(77)], &[9, 9])
+        .unwrap();
     let r = tier.wait(job).unwrap();
-    assert_eq!(r.outcomes, vec![KeyOutcome::Done, KeyOutcome::AlreadyStored]);
+    assert_eq!(
+        r.outcomes,
+        vec![KeyOutcome::Done, KeyOutcome::AlreadyStored]
+    );
     assert_eq!(tier.usage().live_blocks, 4);
 
     cache.clear();
@@ -90,7 +105,10 @@ fn partial_layer_range_and_dedup() {
     assert!(tier.wait(job).unwrap().all_ok());
     for (i, k) in (1..4u64).enumerate() {
         assert!(cache.block_matches(10 + i as u32, seed_of(k), 2..4));
-        assert!(!cache.block_matches(10 + i as u32, seed_of(k), 0..1), "layers outside the range stay untouched");
+        assert!(
+            !cache.block_matches(10 + i as u32, seed_of(k), 0..1),
+            "layers outside the range stay untouched"
+        );
     }
 }
 
@@ -113,7 +131,14 @@ fn reopen_finds_every_key_and_verifies() {
     // Devices named in another order still open as one pool.
     let mut rev = paths.clone();
     rev.reverse();
-    let pool = Pool::open(&rev, &OpenExpect { geometry: Some(geo), namespace: Some("test/ns".into()) }).unwrap();
+    let pool = Pool::open(
+        &rev,
+        &OpenExpect {
+            geometry: Some(geo),
+            namespace: Some("test/ns".into()),
+        },
+    )
+    .unwrap();
     assert_eq!(pool.index().live(), 40);
     let report = pool.check(|_, _| {}).unwrap();
     assert!(report.is_clean(), "{report:?}");
@@ -126,7 +151,10 @@ fn reopen_finds_every_key_and_verifies() {
     let job = tier.submit_load(&keys(0..40), &mem, 0..geo.layers).unwrap();
     assert!(tier.wait(job).unwrap().all_ok());
     for &k in &ks {
-        assert!(cache.block_matches(k as u32, seed_of(k), 0..geo.layers), "key {k}");
+        assert!(
+            cache.block_matches(k as u32, seed_of(k), 0..geo.layers),
+            "key {k}"
+        );
     }
 }
 
@@ -136,7 +164,10 @@ fn capacity_evicts_lru_unpinned_and_files_never_grow() {
     let geo = tiny_geometry();
     let pool = create_pool(&dir, geo, 4, 2, 2); // 16 slots
     let paths = pool.paths();
-    let sizes: Vec<u64> = paths.iter().map(|p| std::fs::metadata(p).unwrap().len()).collect();
+    let sizes: Vec<u64> = paths
+        .iter()
+        .map(|p| std::fs::metadata(p).unwrap().len())
+        .collect();
     let mut tier = Tier::open(pool, TierConfig::default()).unwrap();
     let cache = Arc::new(HostKvCache::new(geo, 8, HostLayout::PerLayer).unwrap());
     tier.register_host_cache(cache.clone()).unwrap();
@@ -150,22 +181,41 @@ fn capacity_evicts_lru_unpinned_and_files_never_grow() {
     }
     let u = tier.usage();
     assert_eq!(u.live_blocks, 16);
-    assert!(tier.contains(&Key::from_u64(0)) && tier.contains(&Key::from_u64(1)), "pinned keys survive");
-    assert!(!tier.contains(&Key::from_u64(2)), "oldest unpinned key evicted");
-    assert_eq!(tier.lookup_prefix(&keys(26..40)), 14, "the newest keys are resident");
+    assert!(
+        tier.contains(&Key::from_u64(0)) && tier.contains(&Key::from_u64(1)),
+        "pinned keys survive"
+    );
+    assert!(
+        !tier.contains(&Key::from_u64(2)),
+        "oldest unpinned key evicted"
+    );
+    assert_eq!(
+        tier.lookup_prefix(&keys(26..40)),
+        14,
+        "the newest keys are resident"
+    );
     for (p, s) in paths.iter().zip(&sizes) {
-        assert_eq!(std::fs::metadata(p).unwrap().len(), *s, "pool files never grow");
+        assert_eq!(
+            std::fs::metadata(p).unwrap().len(),
+            *s,
+            "pool files never grow"
+        );
     }
     // The survivors read back intact, including slots reused after eviction.
     cache.clear();
-    let resident: Vec<u64> = (0..40).filter(|&k| tier.contains(&Key::from_u64(k))).collect();
+    let resident: Vec<u64> = (0..40)
+        .filter(|&k| tier.contains(&Key::from_u64(k)))
+        .collect();
     for chunk in resident.chunks(8) {
         let mem: Vec<u32> = (0..chunk.len() as u32).collect();
         let ks: Vec<Key> = chunk.iter().map(|&k| Key::from_u64(k)).collect();
         let job = tier.submit_load(&ks, &mem, 0..geo.layers).unwrap();
         assert!(tier.wait(job).unwrap().all_ok());
         for (i, &k) in chunk.iter().enumerate() {
-            assert!(cache.block_matches(i as u32, seed_of(k), 0..geo.layers), "key {k}");
+            assert!(
+                cache.block_matches(i as u32, seed_of(k), 0..geo.layers),
+                "key {k}"
+            );
         }
     }
     tier.unpin(&keys(0..2));
@@ -186,7 +236,10 @@ fn full_pool_with_everything_pinned_is_refused() {
     tier.register_host_cache(cache.clone()).unwrap();
     store(&mut tier, &cache, &[0, 1, 2, 3], &[0, 1, 2, 3]);
     assert_eq!(tier.lookup_and_pin(&keys(0..4)), 4);
-    let err = tier.submit_store(&keys(10..11), &[5]).unwrap_err().to_string();
+    let err = tier
+        .submit_store(&keys(10..11), &[5])
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("pool full") && err.contains("pinned"), "{err}");
     tier.unpin(&keys(2..3));
     let job = tier.submit_store(&keys(10..11), &[5]).unwrap();
@@ -200,21 +253,48 @@ fn bad_arguments_get_clear_errors() {
     let geo = tiny_geometry();
     let pool = create_pool(&dir, geo, 4, 1, 2);
     let mut tier = Tier::open(pool, TierConfig::default()).unwrap();
-    let err = tier.submit_store(&keys(0..1), &[0]).unwrap_err().to_string();
+    let err = tier
+        .submit_store(&keys(0..1), &[0])
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("no KV memory registered"), "{err}");
     let cache = Arc::new(HostKvCache::new(geo, 8, HostLayout::PerLayer).unwrap());
     tier.register_host_cache(cache.clone()).unwrap();
-    let err = tier.submit_load(&keys(5..6), &[0], 0..4).unwrap_err().to_string();
-    assert!(err.contains("is not in the pool") && err.contains("0500000000000000"), "{err}");
-    let err = tier.submit_store(&keys(0..1), &[8]).unwrap_err().to_string();
-    assert!(err.contains("memory block 8 is out of range") && err.contains("8 blocks"), "{err}");
-    let err = tier.submit_store(&keys(0..2), &[1]).unwrap_err().to_string();
+    let err = tier
+        .submit_load(&keys(5..6), &[0], 0..4)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("is not in the pool") && err.contains("0500000000000000"),
+        "{err}"
+    );
+    let err = tier
+        .submit_store(&keys(0..1), &[8])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("memory block 8 is out of range") && err.contains("8 blocks"),
+        "{err}"
+    );
+    let err = tier
+        .submit_store(&keys(0..2), &[1])
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("2 keys but 1 memory blocks"), "{err}");
     store(&mut tier, &cache, &[0, 1], &[0, 1]);
-    let err = tier.submit_load(&keys(0..1), &[0], 2..9).unwrap_err().to_string();
+    let err = tier
+        .submit_load(&keys(0..1), &[0], 2..9)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("layer range 2..9"), "{err}");
-    let err = tier.submit_load(&keys(0..2), &[3, 3], 0..4).unwrap_err().to_string();
-    assert!(err.contains("memory block 3 is the target of two keys"), "{err}");
+    let err = tier
+        .submit_load(&keys(0..2), &[3, 3], 0..4)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("memory block 3 is the target of two keys"),
+        "{err}"
+    );
     let err = tier.wait(999).unwrap_err().to_string();
     assert!(err.contains("job 999 is unknown"), "{err}");
     // Unaligned engine memory.
@@ -225,7 +305,9 @@ fn bad_arguments_get_clear_errors() {
         kind: kvtier::MemoryKind::Host,
     };
     // SAFETY: registration fails before any address is used.
-    let err = unsafe { tier.register_memory(mem) }.unwrap_err().to_string();
+    let err = unsafe { tier.register_memory(mem) }
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("not aligned to 4096 bytes"), "{err}");
 }
 
@@ -253,7 +335,10 @@ fn coalesced_layer_load_issues_one_io_per_group() {
     let after = tier.usage().engine;
     let ios = after.ios - before.ios;
     let iocbs = after.iocbs - before.iocbs;
-    eprintln!("one layer of 4096 blocks (8192 objects): {ios} I/Os in {iocbs} IOCB(s), {} syscalls", after.syscalls - before.syscalls);
+    eprintln!(
+        "one layer of 4096 blocks (8192 objects): {ios} I/Os in {iocbs} IOCB(s), {} syscalls",
+        after.syscalls - before.syscalls
+    );
     assert_eq!(ios, 64, "one I/O per extent group per layer");
     assert_eq!(iocbs, 1);
     for i in (0..4096).step_by(97) {

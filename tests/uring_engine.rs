@@ -28,18 +28,36 @@ fn rig(fixed_buffers: bool, layout: HostLayout) -> Rig {
     let cache = Arc::new(HostKvCache::new(geo, 16, layout).unwrap());
     let table = Arc::new(P2pTable::build(cache.memory()).unwrap());
     let mut engine = UringEngine::new(
-        &[UringDevice { fd: dev.raw_fd(), name: "dev".into() }],
-        UringConfig { queue_depth: 4, sqpoll_idle_ms: None, fixed_buffers },
+        &[UringDevice {
+            fd: dev.raw_fd(),
+            name: "dev".into(),
+        }],
+        UringConfig {
+            queue_depth: 4,
+            sqpoll_idle_ms: None,
+            fixed_buffers,
+        },
     )
     .unwrap();
     use kvtier::engine::IoEngine;
     engine.register_memory(table.clone()).unwrap();
     let io = GioUring::new(8, Box::new(engine)).unwrap();
-    Rig { _dir: dir, _dev: dev, cache, table, io }
+    Rig {
+        _dir: dir,
+        _dev: dev,
+        cache,
+        table,
+        io,
+    }
 }
 
 fn ctx(op: u8, off: u64, len: u32) -> IoCtx {
-    IoCtx { op, dev_offset: off, len, ..Default::default() }
+    IoCtx {
+        op,
+        dev_offset: off,
+        len,
+        ..Default::default()
+    }
 }
 
 /// Submit one IOCB of (ctx, segs) and wait for it; returns the IOCTX statuses.
@@ -51,7 +69,10 @@ fn run(io: &mut GioUring, ctxs: &[(IoCtx, Vec<u32>)]) -> Vec<(u16, u32)> {
     io.submit(id).unwrap();
     assert_eq!(io.wait_cqe().unwrap(), id);
     let b = io.ring().iocb(id);
-    let out = b.ctx[..b.hdr.count as usize].iter().map(|c| (c.status, c.result)).collect();
+    let out = b.ctx[..b.hdr.count as usize]
+        .iter()
+        .map(|c| (c.status, c.result))
+        .collect();
     io.release(id);
     out
 }
@@ -71,7 +92,10 @@ fn write_then_read_back_through_every_path() {
         // Blocks 0..8 of layer 2, K then V, to one device extent: one IOCTX of 16 segments.
         let mut segs: Vec<u32> = (0..8).map(|b| r.table.index(b, 2, 0)).collect();
         segs.extend((0..8).map(|b| r.table.index(b, 2, 1)));
-        let st = run(&mut r.io, &[(ctx(IOCTX_OP_WRITE, 1 << 20, 16 * obj), segs.clone())]);
+        let st = run(
+            &mut r.io,
+            &[(ctx(IOCTX_OP_WRITE, 1 << 20, 16 * obj), segs.clone())],
+        );
         assert_eq!(st, vec![(0, 16 * obj)]);
         let st = run(&mut r.io, &[(ctx(IOCTX_OP_FLUSH, 0, 0), vec![])]);
         assert_eq!(st[0].0, 0);
@@ -85,7 +109,10 @@ fn write_then_read_back_through_every_path() {
         let st = run(&mut r.io, &[(ctx(IOCTX_OP_READ, 1 << 20, 16 * obj), rev)]);
         assert_eq!(st, vec![(0, 16 * obj)]);
         for b in 0..8u32 {
-            assert!(r.cache.block_matches(7 - b, 100 + b as u64, 2..3), "fixed={fixed} {layout:?} block {b}");
+            assert!(
+                r.cache.block_matches(7 - b, 100 + b as u64, 2..3),
+                "fixed={fixed} {layout:?} block {b}"
+            );
         }
         let s = r.io.engine().stats();
         assert_eq!(s.ios, 3, "write, flush, read");
@@ -93,7 +120,11 @@ fn write_then_read_back_through_every_path() {
             // Where the kernel pins the memory, both data I/Os use it (the
             // per-layer K and V runs are two extents of one buffer: vectored fixed).
             if r.io.engine().describe().contains("fixed buffer(") {
-                let want = if r.io.engine().describe().contains("vectored fixed") { 2 } else { 0 };
+                let want = if r.io.engine().describe().contains("vectored fixed") {
+                    2
+                } else {
+                    0
+                };
                 assert_eq!(s.fixed_buffer_ios, want, "{}", r.io.engine().describe());
             }
         } else {
@@ -107,7 +138,12 @@ fn one_iocb_of_many_ioctxs_is_one_submission_per_queue_depth() {
     let mut r = rig(true, HostLayout::PerLayer);
     let obj = tiny_geometry().object_bytes() as u32;
     let ctxs: Vec<(IoCtx, Vec<u32>)> = (0..16)
-        .map(|b| (ctx(IOCTX_OP_WRITE, b as u64 * obj as u64, obj), vec![r.table.index(b, 0, 0)]))
+        .map(|b| {
+            (
+                ctx(IOCTX_OP_WRITE, b as u64 * obj as u64, obj),
+                vec![r.table.index(b, 0, 0)],
+            )
+        })
         .collect();
     let st = run(&mut r.io, &ctxs);
     assert!(st.iter().all(|&(s, n)| s == 0 && n == obj));
@@ -146,7 +182,10 @@ fn kernel_errors_short_reads_and_malformed_ioctxs_reach_the_ioctx() {
     // A device index the engine does not have.
     let mut bad = ctx(IOCTX_OP_READ, 0, obj);
     bad.dev = 3;
-    assert_eq!(run(&mut r.io, &[(bad, vec![seg])])[0].0, IOCTX_STATUS_INVALID);
+    assert_eq!(
+        run(&mut r.io, &[(bad, vec![seg])])[0].0,
+        IOCTX_STATUS_INVALID
+    );
     // Waiting with nothing in flight is an error, not a hang.
     assert!(r.io.wait_cqe().is_err());
 }
@@ -167,7 +206,12 @@ fn a_short_read_fails_the_keys_it_serves_with_a_message() {
     // The device shrinks under the pool: the last groups' reads come back short.
     let layout = tier.pool().layout().clone();
     let (_, cut, _) = layout.group_headers(2);
-    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(cut).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(cut)
+        .unwrap();
     let job = tier.submit_load(&ks, &mem, 0..geo.layers).unwrap();
     let r = tier.wait(job).unwrap();
     for (i, o) in r.outcomes.iter().enumerate() {
@@ -175,7 +219,10 @@ fn a_short_read_fails_the_keys_it_serves_with_a_message() {
             assert_eq!(*o, KeyOutcome::Done, "key {i} lives in groups 0-1");
         } else {
             match o {
-                KeyOutcome::Failed(m) => assert!(m.contains("short read") && m.contains(path.to_str().unwrap()), "{m}"),
+                KeyOutcome::Failed(m) => assert!(
+                    m.contains("short read") && m.contains(path.to_str().unwrap()),
+                    "{m}"
+                ),
                 other => panic!("key {i}: {other:?}"),
             }
         }

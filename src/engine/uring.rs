@@ -389,7 +389,8 @@ impl UringEngine {
             if dev.unsubmitted == 0 {
                 continue;
             }
-            let sqpoll_idle = self.cfg.sqpoll_idle_ms.is_some() && !dev.ring.submission().need_wakeup();
+            let sqpoll_idle =
+                self.cfg.sqpoll_idle_ms.is_some() && !dev.ring.submission().need_wakeup();
             dev.ring
                 .submit()
                 .map_err(|e| Error::io(format!("io_uring submit on {}", dev.name), e))?;

@@ -303,14 +303,21 @@ mod tests {
         assert!(ix.pin(&k(2)));
         let a = store(&mut ix, &[5, 6]);
         assert_eq!(a.evicted, vec![k(3), k(4)]);
-        assert_eq!(a.needs_invalidate.len(), 2, "reused slots carry old headers");
+        assert_eq!(
+            a.needs_invalidate.len(),
+            2,
+            "reused slots carry old headers"
+        );
         assert!(ix.get(&k(3)).is_none() && ix.get(&k(1)).is_some() && ix.get(&k(2)).is_some());
         // Everything pinned: refuse with counts in the error.
         for key in [1, 5, 6] {
             ix.pin(&k(key));
         }
         let err = ix.allocate(1).unwrap_err().to_string();
-        assert!(err.contains("pool full") && err.contains("4 pinned"), "{err}");
+        assert!(
+            err.contains("pool full") && err.contains("4 pinned"),
+            "{err}"
+        );
         // unpin never fails, even for unknown or unpinned keys.
         ix.unpin(&k(99));
         ix.unpin(&k(1));

@@ -271,7 +271,9 @@ mod tests {
     fn groups_round_robin_over_devices_and_fit() {
         let g = preset("llama3-8b", 16).unwrap();
         let l = PoolLayout::new(g, 8, vec![2, 3, 1]);
-        let devs: Vec<u16> = (0..l.total_groups()).map(|x| l.group_place(x).dev).collect();
+        let devs: Vec<u16> = (0..l.total_groups())
+            .map(|x| l.group_place(x).dev)
+            .collect();
         assert_eq!(devs, vec![0, 1, 2, 0, 1, 1]);
         assert_eq!(l.total_slots(), 48);
         // Group 3 is device 0's second group, right after its first.

@@ -234,7 +234,8 @@ impl Pool {
             // earlier pool carries old headers, and a header the new pool
             // did not write must never be mistaken for one it did (the uuid
             // check would already refuse them; zeroing makes `check` quiet).
-            let zero_headers = AlignedBuf::zeroed((cfg.group_blocks as u64 * SLOT_HEADER_BYTES) as usize);
+            let zero_headers =
+                AlignedBuf::zeroed((cfg.group_blocks as u64 * SLOT_HEADER_BYTES) as usize);
             for local in 0..groups[i] {
                 let off = DATA_OFFSET + local as u64 * layout.group_bytes();
                 dev.write_all_at(&zero_headers, off)?;
@@ -326,7 +327,10 @@ impl Pool {
             if sb.device_index as usize != i {
                 return Err(Error::GeometryMismatch {
                     path: dev.path().to_path_buf(),
-                    reason: format!("device index {} named twice or missing {i}", sb.device_index),
+                    reason: format!(
+                        "device index {} named twice or missing {i}",
+                        sb.device_index
+                    ),
                 });
             }
             if dev.size() < sb.device_size {
@@ -557,7 +561,8 @@ impl Pool {
                     report.bytes_read += run.len() as u64;
                     for &(slot, _, _) in live {
                         let i = (slot % g) as usize;
-                        crcs[i] = crc32c::crc32c_append(crcs[i], &run.as_slice()[i * obj..(i + 1) * obj]);
+                        crcs[i] =
+                            crc32c::crc32c_append(crcs[i], &run.as_slice()[i * obj..(i + 1) * obj]);
                     }
                 }
             }
@@ -580,7 +585,10 @@ impl Pool {
     }
 
     pub fn paths(&self) -> Vec<PathBuf> {
-        self.devices.iter().map(|d| d.path().to_path_buf()).collect()
+        self.devices
+            .iter()
+            .map(|d| d.path().to_path_buf())
+            .collect()
     }
 }
 
@@ -607,7 +615,8 @@ fn check_superblock(sb: &Superblock, path: &Path) -> Result<()> {
     if sb.magic != POOL_MAGIC {
         return Err(Error::Backing {
             path: path.to_path_buf(),
-            reason: "is not a kvtier pool (no superblock); create one with `kvtier pool create`".into(),
+            reason: "is not a kvtier pool (no superblock); create one with `kvtier pool create`"
+                .into(),
         });
     }
     if !sb.crc_ok() {
@@ -621,7 +630,10 @@ fn check_superblock(sb: &Superblock, path: &Path) -> Result<()> {
             sb.version
         )));
     }
-    if sb.data_offset != DATA_OFFSET || sb.slot_header_bytes as u64 != SLOT_HEADER_BYTES || sb.group_blocks == 0 {
+    if sb.data_offset != DATA_OFFSET
+        || sb.slot_header_bytes as u64 != SLOT_HEADER_BYTES
+        || sb.group_blocks == 0
+    {
         return Err(corrupt("inconsistent layout fields".into()));
     }
     Ok(())

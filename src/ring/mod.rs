@@ -132,8 +132,7 @@ impl GioRing {
         debug_assert_eq!(iocb.hdr.state, IOCB_STATE_FILLING);
         let n = iocb.hdr.count as usize;
         let s = iocb.hdr.seg_count as usize;
-        if n >= IOCB_MAX_IOCTX || s + segs.len() > IOCB_MAX_SEGS || segs.len() > u16::MAX as usize
-        {
+        if n >= IOCB_MAX_IOCTX || s + segs.len() > IOCB_MAX_SEGS || segs.len() > u16::MAX as usize {
             return None;
         }
         iocb.segs[s..s + segs.len()].copy_from_slice(segs);
@@ -355,7 +354,11 @@ mod tests {
         while r.push_ctx(id, IoCtx::default(), &segs).is_some() {
             pushed += 1;
         }
-        assert_eq!(pushed, IOCB_MAX_SEGS / 1000, "segment array bounds the IOCB");
+        assert_eq!(
+            pushed,
+            IOCB_MAX_SEGS / 1000,
+            "segment array bounds the IOCB"
+        );
         assert_eq!(r.room(id).1, IOCB_MAX_SEGS - pushed * 1000);
         r.submit(id).unwrap();
         assert_eq!(r.pop_sq(), Some(id));

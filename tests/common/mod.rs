@@ -72,8 +72,16 @@ pub fn pool_config(geo: KvGeometry, g: u32, devs: &[PathBuf], groups_per_dev: u6
     }
 }
 
-pub fn create_pool(dir: &TempDir, geo: KvGeometry, g: u32, ndev: usize, groups_per_dev: u64) -> Pool {
-    let devs: Vec<PathBuf> = (0..ndev).map(|i| dir.file(&format!("ssd{i}.pool"))).collect();
+pub fn create_pool(
+    dir: &TempDir,
+    geo: KvGeometry,
+    g: u32,
+    ndev: usize,
+    groups_per_dev: u64,
+) -> Pool {
+    let devs: Vec<PathBuf> = (0..ndev)
+        .map(|i| dir.file(&format!("ssd{i}.pool")))
+        .collect();
     Pool::create(&pool_config(geo, g, &devs, groups_per_dev)).unwrap()
 }
 

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The test command: sets up what a fresh Debian 12 machine lacks, then runs
+# formatting, lints and every test. `.ci/run` calls this.
+#   KVTIER_SKIP_KERNELS=1  skip installing nvcc and compiling the CUDA kernels
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "${KVTIER_SKIP_KERNELS:-0}" != 1 ]; then
+  # nvcc from PyPI (no GPU needed): CI checks the CUDA kernels compile.
+  scripts/install-nvcc.sh
+fi
+if ! command -v losetup >/dev/null 2>&1; then
+  # Block-device tests use loop devices; they skip (saying why) where losetup is absent.
+  (apt-get install -y -q mount >/dev/null 2>&1 || true)
+fi
+
+cargo fmt --all -- --check
+cargo clippy --all-targets -- -D warnings
+cargo test --all-targets
