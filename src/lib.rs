@@ -13,6 +13,7 @@ pub mod error;
 pub mod memory;
 pub mod model;
 pub mod p2p;
+pub mod plan;
 pub mod pool;
 pub mod ring;
 pub mod tier;

@@ -109,7 +109,7 @@ enum PoolCmd {
 
 #[derive(Args)]
 struct BenchArgs {
-    /// Directory for the pool files.
+    /// Directory for the pool files (and the --pattern test file).
     #[arg(long, default_value = "./kvtier-data")]
     dir: PathBuf,
     #[command(flatten)]
@@ -125,9 +125,9 @@ struct BenchArgs {
     devices: u32,
     #[arg(long, default_value_t = DEFAULT_GROUP_BLOCKS)]
     group_blocks: u32,
-    /// In-flight I/Os per device.
-    #[arg(long, default_value_t = 64)]
-    iodepth: u32,
+    /// In-flight I/Os per device (default 64 for the KV bench, 32 for --pattern).
+    #[arg(long)]
+    iodepth: Option<u32>,
     /// Use SQPOLL with this idle time in ms.
     #[arg(long)]
     sqpoll: Option<u32>,
@@ -143,9 +143,33 @@ struct BenchArgs {
     /// Write every figure, with machine and settings, as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Plot retrieve/store bandwidth against context length (SVG), with fio's lines when --against-fio.
+    #[arg(long)]
+    plot: Option<PathBuf>,
     /// Keep the pool files afterwards.
     #[arg(long)]
     keep: bool,
+    /// Raw engine benchmark with fio's vocabulary: read, write, randread, randwrite, randrw.
+    #[arg(long)]
+    pattern: Option<String>,
+    /// Block size for --pattern.
+    #[arg(long, default_value = "80k")]
+    bs: String,
+    /// File size for --pattern (the test file under --dir).
+    #[arg(long, default_value = "4g")]
+    size: String,
+    /// Seconds per --pattern run (0: one pass over --size).
+    #[arg(long, default_value_t = 10.0)]
+    runtime: f64,
+    /// Read percentage for randrw.
+    #[arg(long, default_value_t = 50)]
+    rwmixread: u32,
+    /// Run fio (io_uring, direct=1) with the same workload on the same file and print kvtier/fio ratios.
+    #[arg(long)]
+    against_fio: bool,
+    /// Read alone, write alone, then both at once on the same device.
+    #[arg(long)]
+    contention: bool,
 }
 
 #[derive(Subcommand)]
@@ -314,7 +338,18 @@ fn print_info(pool: &Pool) {
     }
 }
 
+fn uring_cfg(a: &BenchArgs, default_depth: u32) -> UringConfig {
+    UringConfig {
+        queue_depth: a.iodepth.unwrap_or(default_depth),
+        sqpoll_idle_ms: a.sqpoll,
+        fixed_buffers: true,
+    }
+}
+
 fn run_bench(a: BenchArgs) -> Result<i32> {
+    if a.pattern.is_some() || a.contention {
+        return run_raw_bench(&a);
+    }
     let geometry = a.model.geometry()?;
     let cfg = BenchConfig {
         dir: a.dir.clone(),
@@ -325,11 +360,7 @@ fn run_bench(a: BenchArgs) -> Result<i32> {
         devices: a.devices.max(1),
         group_blocks: a.group_blocks,
         tier: TierConfig {
-            uring: UringConfig {
-                queue_depth: a.iodepth,
-                sqpoll_idle_ms: a.sqpoll,
-                fixed_buffers: true,
-            },
+            uring: uring_cfg(&a, 64),
             max_io_bytes: parse_size(&a.max_io)?,
             ..TierConfig::default()
         },
@@ -337,24 +368,123 @@ fn run_bench(a: BenchArgs) -> Result<i32> {
         cross_layer: a.cross_layer,
         store_job_blocks: 4096,
     };
-    let started = std::time::Instant::now();
-    let result = bench::run(&cfg, |msg| {
-        eprintln!("[{:6.1}s] {msg}", started.elapsed().as_secs_f64());
-    });
+    let bar = Progress::new();
+    let result = bench::run(&cfg, |msg| bar.say(msg));
     if !a.keep {
         for i in 0..cfg.devices {
             let _ = std::fs::remove_file(cfg.dir.join(format!("bench{i}.pool")));
         }
     }
-    let report = result?;
+    let mut report = result?;
+    if a.against_fio {
+        bar.say("fio: sequential and random read references on the same directory");
+        report.fio = Some(bench::fio_references(&cfg, &bar_fn(&bar))?);
+    }
+    bar.finish();
     print!("{}", bench::render(&report));
-    if let Some(path) = &a.json {
-        let text = serde_json::to_string_pretty(&report).expect("serializable");
+    if let Some(path) = &a.plot {
+        bench::plot(&report, path)?;
+        eprintln!("wrote {}", path.display());
+    }
+    write_json(&a.json, &report)?;
+    Ok(0)
+}
+
+fn bar_fn(bar: &Progress) -> impl Fn(&str) + '_ {
+    move |m: &str| bar.say(m)
+}
+
+fn write_json<T: serde::Serialize>(path: &Option<PathBuf>, report: &T) -> Result<()> {
+    if let Some(path) = path {
+        let text = serde_json::to_string_pretty(report).expect("serializable");
         std::fs::write(path, text)
             .map_err(|e| kvtier::Error::io(format!("writing {}", path.display()), e))?;
         eprintln!("wrote {}", path.display());
     }
+    Ok(())
+}
+
+fn run_raw_bench(a: &BenchArgs) -> Result<i32> {
+    use kvtier::bench::fio::{Pattern, Workload};
+    let pattern = match &a.pattern {
+        Some(p) => Pattern::parse(p).ok_or_else(|| {
+            kvtier::Error::invalid(format!(
+                "unknown --pattern {p:?}; use read, write, randread, randwrite or randrw"
+            ))
+        })?,
+        None => Pattern::Read,
+    };
+    std::fs::create_dir_all(&a.dir)
+        .map_err(|e| kvtier::Error::io(format!("creating {}", a.dir.display()), e))?;
+    let w = Workload {
+        pattern,
+        bs: parse_size(&a.bs)?,
+        iodepth: a.iodepth.unwrap_or(32),
+        size: parse_size(&a.size)?,
+        runtime_secs: a.runtime,
+        file: a.dir.join("kvtier-bench.dat"),
+        rwmix_read: a.rwmixread.min(100),
+        numjobs: 1,
+    };
+    let bar = Progress::new();
+    let report = bench::raw_suite(
+        &w,
+        a.contention,
+        a.against_fio,
+        &uring_cfg(a, 32),
+        &bar_fn(&bar),
+    );
+    if !a.keep {
+        let _ = std::fs::remove_file(&w.file);
+    }
+    let report = report?;
+    bar.finish();
+    print!("{}", bench::render_raw(&report));
+    write_json(&a.json, &report)?;
     Ok(0)
+}
+
+/// Progress for long work: a spinner with the current step on a terminal,
+/// timestamped lines otherwise (CI logs).
+struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+    started: std::time::Instant,
+}
+
+impl Progress {
+    fn new() -> Progress {
+        use std::io::IsTerminal;
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let b = indicatif::ProgressBar::new_spinner();
+            b.set_style(
+                indicatif::ProgressStyle::with_template("{spinner} [{elapsed_precise}] {msg}")
+                    .expect("valid template"),
+            );
+            b.enable_steady_tick(std::time::Duration::from_millis(120));
+            b
+        });
+        Progress {
+            bar,
+            started: std::time::Instant::now(),
+        }
+    }
+    fn say(&self, msg: &str) {
+        match &self.bar {
+            Some(b) => {
+                b.println(format!(
+                    "[{:6.1}s] {msg}",
+                    self.started.elapsed().as_secs_f64()
+                ));
+                b.set_message(msg.to_string());
+            }
+            None => eprintln!("[{:6.1}s] {msg}", self.started.elapsed().as_secs_f64()),
+        }
+    }
+    fn finish(&self) {
+        if let Some(b) = &self.bar {
+            b.finish_and_clear();
+        }
+    }
 }
 
 /// The child side of the crash test: store forever, acknowledging each

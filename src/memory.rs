@@ -138,6 +138,65 @@ impl KvMemory {
     }
 }
 
+/// Anonymous memory for direct I/O, backed by transparent huge pages where
+/// the kernel allows (MADV_HUGEPAGE), and faulted in before use.
+///
+/// Why huge pages: a 4 KiB-page buffer is one DMA segment per page, and block
+/// devices cap segments per request (virtio-blk here: 254; NVMe: PRP lists
+/// and MDTS), so a 1 MiB read into 4 KiB pages can be split into several
+/// device requests, where a 2 MiB page is one segment.
+pub struct DmaBuffer {
+    map: MmapRaw,
+    skip: usize,
+    len: usize,
+}
+
+// SAFETY: plain memory, accessed only through raw pointers.
+unsafe impl Send for DmaBuffer {}
+unsafe impl Sync for DmaBuffer {}
+
+impl DmaBuffer {
+    const HUGE: usize = 2 << 20;
+
+    pub fn new(len: usize) -> Result<DmaBuffer> {
+        // One extra huge page so the usable part can start 2 MiB aligned
+        // (THP backs only aligned 2 MiB ranges of a mapping).
+        let m = MmapOptions::new()
+            .len(len + Self::HUGE)
+            .map_anon()
+            .map_err(|e| Error::io(format!("allocating {len} bytes of DMA memory"), e))?;
+        // Best effort: without THP the memory still works, in 4 KiB pages.
+        let _ = m.advise(memmap2::Advice::HugePage);
+        let map = MmapRaw::from(m);
+        let base = map.as_mut_ptr() as usize;
+        let skip = (Self::HUGE - base % Self::HUGE) % Self::HUGE;
+        let buf = DmaBuffer { map, skip, len };
+        // Fault every page in now rather than during I/O.
+        for off in (0..len).step_by(4096) {
+            // SAFETY: off < len, inside the mapping past `skip`.
+            unsafe { buf.as_mut_ptr().add(off).write_volatile(0) };
+        }
+        Ok(buf)
+    }
+
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        // SAFETY: skip < HUGE, inside the mapping.
+        unsafe { self.map.as_mut_ptr().add(self.skip) }
+    }
+
+    pub fn addr(&self) -> u64 {
+        self.as_mut_ptr() as u64
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
 /// Which layout a [`HostKvCache`] allocates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HostLayout {
@@ -152,7 +211,7 @@ pub enum HostLayout {
 /// borrowed as slices: the kernel DMAs into this memory while I/O is in
 /// flight, so Rust references to it would alias a writer we do not control.
 pub struct HostKvCache {
-    maps: Vec<MmapRaw>,
+    maps: Vec<DmaBuffer>,
     memory: KvMemory,
 }
 
@@ -166,25 +225,18 @@ impl HostKvCache {
         geometry.validate()?;
         let obj = geometry.object_bytes();
         let per_layer = 2 * num_blocks as u64 * obj;
-        let map = |len: u64| -> Result<MmapRaw> {
-            let m = MmapOptions::new()
-                .len(len as usize)
-                .populate()
-                .map_anon()
-                .map_err(|e| Error::io(format!("allocating {len} bytes of host KV memory"), e))?;
-            Ok(MmapRaw::from(m))
-        };
+        let map = |len: u64| DmaBuffer::new(len as usize);
         let (maps, layout) = match layout {
             HostLayout::PerLayer => {
                 let maps = (0..geometry.layers)
                     .map(|_| map(per_layer))
                     .collect::<Result<Vec<_>>>()?;
-                let layer_bases = maps.iter().map(|m| m.as_ptr() as u64).collect();
+                let layer_bases = maps.iter().map(|m| m.addr()).collect();
                 (maps, KvLayout::PerLayer { layer_bases })
             }
             HostLayout::CrossLayer => {
                 let m = map(per_layer * geometry.layers as u64)?;
-                let base = m.as_ptr() as u64;
+                let base = m.addr();
                 (vec![m], KvLayout::CrossLayer { base })
             }
         };

@@ -23,7 +23,9 @@ pub struct MemRegion {
 }
 
 pub struct P2pTable {
-    geometry: KvGeometry,
+    /// Geometry of the KV memory; `None` for a table of plain buffers.
+    geometry: Option<KvGeometry>,
+    layers: u32,
     num_blocks: u32,
     kind: MemoryKind,
     entries: Vec<SglDescriptor>,
@@ -61,7 +63,8 @@ impl P2pTable {
             .map(|(addr, len)| MemRegion { addr, len })
             .collect();
         Ok(P2pTable {
-            geometry: g,
+            geometry: Some(g),
+            layers: g.layers,
             num_blocks: mem.num_blocks,
             kind: mem.kind,
             entries,
@@ -70,10 +73,26 @@ impl P2pTable {
         })
     }
 
+    /// A table of plain buffers and no KV memory (raw-device benchmarks):
+    /// `count` entries of `entry_len` bytes from `addr`, indices 0..count.
+    pub fn for_buffers(addr: u64, entry_len: u32, count: u32) -> Result<Self> {
+        let mut t = P2pTable {
+            geometry: None,
+            layers: 0,
+            num_blocks: 0,
+            kind: MemoryKind::Host,
+            entries: Vec::new(),
+            kv_entries: 0,
+            regions: Vec::new(),
+        };
+        t.add_extra_region(addr, entry_len, count)?;
+        Ok(t)
+    }
+
     /// Index of the descriptor for (block slot, layer, K=0|V=1).
     #[inline]
     pub fn index(&self, block: u32, layer: u32, kv: u32) -> u32 {
-        (block * self.geometry.layers + layer) * 2 + kv
+        (block * self.layers + layer) * 2 + kv
     }
 
     /// Append `count` descriptors of `entry_len` bytes each covering the
@@ -121,8 +140,8 @@ impl P2pTable {
         self.num_blocks
     }
 
-    pub fn geometry(&self) -> &KvGeometry {
-        &self.geometry
+    pub fn geometry(&self) -> Option<&KvGeometry> {
+        self.geometry.as_ref()
     }
 
     pub fn kind(&self) -> MemoryKind {

@@ -22,13 +22,13 @@
 use crate::engine::uring::{UringConfig, UringDevice, UringEngine};
 use crate::engine::{EngineStats, IoEngine};
 use crate::error::{Error, Result};
-use crate::memory::{HostKvCache, KvMemory, MemoryKind};
+use crate::memory::{DmaBuffer, HostKvCache, KvMemory, MemoryKind};
 use crate::p2p::P2pTable;
+use crate::plan::{self, PlannedIo};
 use crate::pool::layout::SLOT_HEADER_BYTES;
 use crate::pool::{Key, Pool};
 use crate::ring::abi::*;
 use crate::ring::{GioUring, IocbId};
-use memmap2::{MmapOptions, MmapRaw};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
@@ -125,18 +125,6 @@ pub struct Usage {
     pub engine: EngineStats,
 }
 
-/// One planned device I/O, before it is placed in an IOCB.
-#[derive(Clone, Debug)]
-struct PlannedIo {
-    op: u8,
-    dev: u16,
-    offset: u64,
-    len: u32,
-    segs: Vec<u32>,
-    /// Index into the job's runs: the keys this I/O serves.
-    run: u32,
-}
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Step {
     LoadLayer(u32),
@@ -208,7 +196,7 @@ impl Job {
 
 /// The header staging arena: 4 KiB buffers registered in the P2P table.
 struct Staging {
-    map: MmapRaw,
+    map: DmaBuffer,
     first_index: u32,
     free: Vec<u32>,
 }
@@ -334,14 +322,8 @@ impl Tier {
         }
         let mut table = P2pTable::build(&mem)?;
         let n = self.cfg.header_staging;
-        let map = MmapOptions::new()
-            .len(n as usize * SLOT_HEADER_BYTES as usize)
-            .populate()
-            .map_anon()
-            .map_err(|e| Error::io("allocating header staging", e))?;
-        let map = MmapRaw::from(map);
-        let first_index =
-            table.add_extra_region(map.as_ptr() as u64, SLOT_HEADER_BYTES as u32, n)?;
+        let map = DmaBuffer::new(n as usize * SLOT_HEADER_BYTES as usize)?;
+        let first_index = table.add_extra_region(map.addr(), SLOT_HEADER_BYTES as u32, n)?;
         let table = Arc::new(table);
         self.io.engine_mut().register_memory(table.clone())?;
         self.table = Some(table);
@@ -687,54 +669,17 @@ impl Tier {
         ]
     }
 
-    /// Cut key positions (with their slots) into runs of consecutive slots in
-    /// one extent group, in slot order.
     fn group_runs(&self, slots: &[u64], positions: &[u32]) -> Vec<Vec<u32>> {
-        let g = self.pool.layout().group_blocks as u64;
-        let mut order: Vec<(u64, u32)> =
-            positions.iter().map(|&p| (slots[p as usize], p)).collect();
-        order.sort_unstable();
-        let mut runs: Vec<Vec<u32>> = Vec::new();
-        let mut prev: Option<u64> = None;
-        for (slot, p) in order {
-            match (prev, runs.last_mut()) {
-                (Some(ps), Some(run)) if slot == ps + 1 && slot / g == ps / g => run.push(p),
-                _ => runs.push(vec![p]),
-            }
-            prev = Some(slot);
-        }
-        runs
+        plan::group_runs(self.pool.layout().group_blocks as u64, slots, positions)
     }
 
-    /// Merge (device, offset, P2P index, run) objects, in device order, into
-    /// I/Os over contiguous extents, capped at `max_io_bytes`.
     fn coalesce(&self, op: u8, objects: &[(u16, u64, u32, u32)]) -> Vec<PlannedIo> {
-        let obj = self.pool.geometry().object_bytes();
-        let max = self.cfg.max_io_bytes.min(u32::MAX as u64 & !4095);
-        let mut ios: Vec<PlannedIo> = Vec::new();
-        for &(dev, off, seg, run) in objects {
-            if let Some(io) = ios.last_mut() {
-                if io.dev == dev
-                    && io.run == run
-                    && io.offset + io.len as u64 == off
-                    && io.len as u64 + obj <= max
-                    && io.segs.len() < 1024
-                {
-                    io.len += obj as u32;
-                    io.segs.push(seg);
-                    continue;
-                }
-            }
-            ios.push(PlannedIo {
-                op,
-                dev,
-                offset: off,
-                len: obj as u32,
-                segs: vec![seg],
-                run,
-            });
-        }
-        ios
+        plan::coalesce(
+            op,
+            self.pool.geometry().object_bytes(),
+            self.cfg.max_io_bytes,
+            objects,
+        )
     }
 
     fn new_job(&mut self, mut job: Job) -> JobId {

@@ -345,3 +345,44 @@ fn coalesced_layer_load_issues_one_io_per_group() {
         assert!(cache.block_matches(target[i], seed_of(i as u64), 1..2));
     }
 }
+
+#[test]
+fn sqpoll_and_no_fixed_buffers_round_trip() {
+    for (sqpoll, fixed) in [(Some(20), true), (None, false)] {
+        let dir = TempDir::new("sqpoll");
+        let geo = tiny_geometry();
+        let pool = create_pool(&dir, geo, 8, 2, 2);
+        let cfg = TierConfig {
+            uring: kvtier::engine::uring::UringConfig {
+                queue_depth: 8,
+                sqpoll_idle_ms: sqpoll,
+                fixed_buffers: fixed,
+            },
+            ..TierConfig::default()
+        };
+        let mut tier = Tier::open(pool, cfg).unwrap();
+        let cache = Arc::new(HostKvCache::new(geo, 32, HostLayout::PerLayer).unwrap());
+        tier.register_host_cache(cache.clone()).unwrap();
+        let ks: Vec<u64> = (0..24).collect();
+        let mem: Vec<u32> = (0..24).collect();
+        store(&mut tier, &cache, &ks, &mem);
+        cache.clear();
+        let job = tier.submit_load(&keys(0..24), &mem, 0..geo.layers).unwrap();
+        assert!(tier.wait(job).unwrap().all_ok());
+        for &k in &ks {
+            assert!(
+                cache.block_matches(k as u32, seed_of(k), 0..geo.layers),
+                "sqpoll {sqpoll:?} fixed {fixed}: key {k}"
+            );
+        }
+        let d = tier.engine().describe();
+        assert!(
+            d.contains(if sqpoll.is_some() {
+                "SQPOLL"
+            } else {
+                "no SQPOLL"
+            }),
+            "{d}"
+        );
+    }
+}

@@ -6,12 +6,18 @@
 //! eviction of a finished prefix), clear memory, then retrieve it layer by
 //! layer through `submit_load` and `wait_layer`, and verify every byte.
 
+pub mod fio;
+pub mod plot;
+pub mod raw;
+
 use crate::cli::human_bytes;
+use crate::engine::uring::UringConfig;
 use crate::error::{Error, Result};
 use crate::memory::{HostKvCache, HostLayout};
 use crate::model::KvGeometry;
 use crate::pool::{DeviceSpec, Key, Pool, PoolConfig};
 use crate::tier::{Tier, TierConfig};
+use fio::{IoResult, Pattern, Workload};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -58,6 +64,21 @@ pub struct BenchReport {
     pub engine: String,
     pub results: Vec<ContextResult>,
     pub skipped: Vec<String>,
+    /// fio's reference figures on the same directory (`--against-fio`).
+    pub fio: Option<FioReferences>,
+}
+
+/// fio on the same filesystem as the pool, in the same run.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct FioReferences {
+    pub version: String,
+    /// The device's best sequential read: the higher of fio at 1 MiB x QD16
+    /// and fio at kvtier's own I/O size and depth.
+    pub seq_read: IoResult,
+    pub seq_read_cmd: Vec<String>,
+    /// Random reads of one object each: what an uncoalesced restore costs.
+    pub rand_read: IoResult,
+    pub rand_read_cmd: Vec<String>,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -172,6 +193,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
             engine: tier.engine().describe(),
             results,
             skipped,
+            fio: None,
         });
     }
     progress(&format!(
@@ -281,7 +303,282 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
         engine,
         results,
         skipped,
+        fio: None,
     })
+}
+
+/// Run fio's sequential and random read on a file beside the pool.
+pub fn fio_references(cfg: &BenchConfig, progress: &dyn Fn(&str)) -> Result<FioReferences> {
+    let version = fio::fio_available().ok_or_else(|| {
+        Error::invalid("--against-fio needs fio: install it (apt-get install fio)")
+    })?;
+    let file = cfg.dir.join("fio-reference.dat");
+    let size = cfg.capacity.clamp(1 << 30, 4 << 30) & !((1 << 20) - 1);
+    progress(&format!(
+        "fio: laying out a {} test file",
+        human_bytes(size)
+    ));
+    fio::prepare_file(&file, size, true)?;
+    let run = |pattern, bs: u64, iodepth| -> Result<(IoResult, Vec<String>)> {
+        let w = Workload {
+            pattern,
+            bs,
+            iodepth,
+            size,
+            runtime_secs: 5.0,
+            file: file.clone(),
+            rwmix_read: 100,
+            numjobs: 1,
+        };
+        progress(&format!(
+            "fio: {} bs={} iodepth={iodepth}",
+            pattern.fio_name(),
+            human_bytes(bs)
+        ));
+        Ok((fio::run_fio(&w)?, fio::fio_args(&w)))
+    };
+    let a = run(Pattern::Read, 1 << 20, 16);
+    let b = run(
+        Pattern::Read,
+        cfg.tier.max_io_bytes,
+        cfg.tier.uring.queue_depth,
+    );
+    let r = run(Pattern::RandRead, cfg.geometry.object_bytes(), 32);
+    let _ = std::fs::remove_file(&file);
+    let (a, b, r) = (a?, b?, r?);
+    let seq = if a.0.read_bw >= b.0.read_bw { a } else { b };
+    Ok(FioReferences {
+        version,
+        seq_read: seq.0,
+        seq_read_cmd: seq.1,
+        rand_read: r.0,
+        rand_read_cmd: r.1,
+    })
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// `--plot`: bandwidth against context length with fio's lines.
+pub fn plot(report: &BenchReport, path: &std::path::Path) -> Result<()> {
+    let pts = |f: fn(&ContextResult) -> f64| -> Vec<(f64, f64)> {
+        report
+            .results
+            .iter()
+            .map(|r| (r.tokens as f64, f(r)))
+            .collect()
+    };
+    let series = vec![
+        plot::Series {
+            label: "kvtier retrieve (layer by layer)".into(),
+            points: pts(|r| r.retrieve_gib_s),
+        },
+        plot::Series {
+            label: "kvtier store".into(),
+            points: pts(|r| r.store_gib_s),
+        },
+    ];
+    let mut refs = Vec::new();
+    if let Some(f) = &report.fio {
+        refs.push(("fio sequential read".to_string(), f.seq_read.read_bw / GIB));
+        refs.push((
+            "fio random read (one object per I/O)".to_string(),
+            f.rand_read.read_bw / GIB,
+        ));
+    }
+    plot::plot_bandwidth_svg(
+        path,
+        &format!(
+            "kvtier {} on {}",
+            report.config.model, report.machine.filesystem_of_dir
+        ),
+        &series,
+        &refs,
+    )
+}
+
+/// One run of the raw benchmark: kvtier's engine, and fio when asked.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct RawRun {
+    pub name: String,
+    pub kvtier: IoResult,
+    pub engine: raw::EngineReport,
+    pub fio: Option<IoResult>,
+    pub fio_cmd: Option<Vec<String>>,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct RawReport {
+    pub workload: Workload,
+    pub machine: Machine,
+    pub engine: UringConfig,
+    pub fio_version: Option<String>,
+    pub runs: Vec<RawRun>,
+}
+
+/// `--pattern` (and `--contention`): kvtier's engine on a file, and fio with
+/// the same workload on the same file when `against_fio`.
+pub fn raw_suite(
+    w: &Workload,
+    contention: bool,
+    against_fio: bool,
+    engine: &UringConfig,
+    progress: &dyn Fn(&str),
+) -> Result<RawReport> {
+    let fio_version = if against_fio {
+        Some(fio::fio_available().ok_or_else(|| {
+            Error::invalid("--against-fio needs fio: install it (apt-get install fio)")
+        })?)
+    } else {
+        None
+    };
+    progress(&format!(
+        "laying out {} at {}",
+        human_bytes(w.size),
+        w.file.display()
+    ));
+    fio::prepare_file(&w.file, w.size, true)?;
+    let mut runs = Vec::new();
+    let mut one = |name: &str, w: &Workload, streams: Option<&[raw::Stream]>| -> Result<()> {
+        progress(&format!("kvtier: {name}"));
+        let (k, e) = match streams {
+            Some(s) => raw::run_streams(w, s, engine)?,
+            None => raw::run(w, engine)?,
+        };
+        let (f, cmd) = if against_fio && streams.is_none() {
+            progress(&format!("fio: {name}"));
+            (Some(fio::run_fio(w)?), Some(fio::fio_args(w)))
+        } else {
+            (None, None)
+        };
+        runs.push(RawRun {
+            name: name.to_string(),
+            kvtier: k,
+            engine: e,
+            fio: f,
+            fio_cmd: cmd,
+        });
+        Ok(())
+    };
+    if contention {
+        let half = (w.size / 2) & !(w.bs - 1).max(4095);
+        let read = Workload {
+            pattern: Pattern::Read,
+            ..w.clone()
+        };
+        let write = Workload {
+            pattern: Pattern::Write,
+            ..w.clone()
+        };
+        one(
+            &format!("read alone (bs={} qd={})", human_bytes(w.bs), w.iodepth),
+            &read,
+            None,
+        )?;
+        one(
+            &format!("write alone (bs={} qd={})", human_bytes(w.bs), w.iodepth),
+            &write,
+            None,
+        )?;
+        let both = [
+            raw::Stream {
+                pattern: Pattern::Read,
+                iodepth: w.iodepth,
+                region: (0, half),
+            },
+            raw::Stream {
+                pattern: Pattern::Write,
+                iodepth: w.iodepth,
+                region: (half, w.size),
+            },
+        ];
+        one("read + write at once", w, Some(&both))?;
+    } else {
+        one(
+            &format!(
+                "{} bs={} iodepth={}",
+                w.pattern.fio_name(),
+                human_bytes(w.bs),
+                w.iodepth
+            ),
+            w,
+            None,
+        )?;
+    }
+    Ok(RawReport {
+        workload: w.clone(),
+        machine: Machine::probe(w.file.parent().unwrap_or(std::path::Path::new("."))),
+        engine: engine.clone(),
+        fio_version,
+        runs,
+    })
+}
+
+pub fn render_raw(r: &RawReport) -> String {
+    let mut s = format!(
+        "file {} ({}), machine: {} CPUs, kernel {}, {}\n",
+        r.workload.file.display(),
+        human_bytes(r.workload.size),
+        r.machine.cpus,
+        r.machine.kernel,
+        r.machine.filesystem_of_dir
+    );
+    if let Some(v) = &r.fio_version {
+        s += &format!("reference: {v}, ioengine=io_uring direct=1, same file, same run\n");
+    }
+    s += &format!(
+        "\n{:<34} {:>11} {:>11} {:>10} {:>10} {:>9} {:>9}\n",
+        "run", "read MiB/s", "write MiB/s", "IOPS", "CPU us/IO", "p99 us", "vs fio"
+    );
+    let mib = (1u64 << 20) as f64;
+    let line = |who: &str, x: &IoResult| {
+        let ios = (x.read_ios + x.write_ios) as f64 / x.secs.max(1e-9);
+        let p99 = x.lat_p99_us_read.max(x.lat_p99_us_write);
+        format!(
+            "{:<34} {:>11.1} {:>11.1} {:>10.0} {:>10.2} {:>9.0}",
+            who,
+            x.read_bw / mib,
+            x.write_bw / mib,
+            ios,
+            x.cpu_us_per_io(),
+            p99
+        )
+    };
+    for run in &r.runs {
+        let ratio = run
+            .fio
+            .as_ref()
+            .map(|f| format!("{:>8.3}x", run.kvtier.total_bw() / f.total_bw().max(1.0)))
+            .unwrap_or_default();
+        s += &format!(
+            "{} {}\n",
+            line(&format!("kvtier {}", run.name), &run.kvtier),
+            ratio
+        );
+        if let Some(f) = &run.fio {
+            s += &format!("{}\n", line(&format!("fio    {}", run.name), f));
+            s += &format!(
+                "{:<34} bandwidth {:.3}x fio, CPU per I/O {:.3}x fio\n",
+                "  kvtier/fio",
+                run.kvtier.total_bw() / f.total_bw().max(1.0),
+                run.kvtier.cpu_us_per_io() / f.cpu_us_per_io().max(1e-9)
+            );
+        }
+    }
+    if r.runs.len() == 3 && r.runs[2].name.starts_with("read + write") {
+        let alone = r.runs[0].kvtier.read_bw + r.runs[1].kvtier.write_bw;
+        let both = r.runs[2].kvtier.total_bw();
+        s += &format!(
+            "\ncontention: read alone {:.0} MiB/s, write alone {:.0} MiB/s; at once: read {:.0} + write {:.0} = {:.0} MiB/s ({:.0}% of read alone, {:.0}% of the sum alone)\n",
+            r.runs[0].kvtier.read_bw / mib,
+            r.runs[1].kvtier.write_bw / mib,
+            r.runs[2].kvtier.read_bw / mib,
+            r.runs[2].kvtier.write_bw / mib,
+            both / mib,
+            100.0 * r.runs[2].kvtier.read_bw / r.runs[0].kvtier.read_bw.max(1.0),
+            100.0 * both / alone.max(1.0)
+        );
+    }
+    s
 }
 
 /// The report as a table.
@@ -327,6 +624,25 @@ pub fn render(report: &BenchReport) -> String {
     }
     for k in &report.skipped {
         s += &format!("skipped {k}\n");
+    }
+    if let Some(f) = &report.fio {
+        let seq = f.seq_read.read_bw / GIB;
+        s += &format!(
+            "\nreference ({}): sequential read {:.2} GiB/s [{}], random {} reads {:.2} GiB/s\n",
+            f.version,
+            seq,
+            f.seq_read_cmd.join(" "),
+            human_bytes(g.object_bytes()),
+            f.rand_read.read_bw / GIB
+        );
+        for r in &report.results {
+            s += &format!(
+                "{:>8} tokens: retrieve {:.3}x fio sequential read, {:.1}x fio random object reads\n",
+                r.tokens,
+                r.retrieve_gib_s / seq,
+                r.retrieve_gib_s / (f.rand_read.read_bw / GIB).max(1e-9)
+            );
+        }
     }
     s
 }

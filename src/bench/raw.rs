@@ -1,0 +1,255 @@
+//! `kvtier bench --pattern ...`: kvtier's own I/O path (gio_uring IOCBs
+//! executed by the io_uring engine) on a plain file, driven like fio drives
+//! its io_uring engine, so the two can be run on the same file in the same
+//! run and compared as a ratio.
+//!
+//! Like fio: `iodepth` I/Os in flight; as completions arrive the freed slots
+//! are refilled and the whole refill is submitted with one io_uring_enter;
+//! random offsets are uniform and `bs`-aligned; time-based when a runtime is
+//! given. Unlike fio: every I/O is an IOCTX in an IOCB, so what is measured
+//! is the path the tier uses.
+
+use super::fio::{IoResult, Pattern, Workload};
+use crate::engine::uring::{UringConfig, UringDevice, UringEngine};
+use crate::engine::IoEngine;
+use crate::error::{Error, Result};
+use crate::p2p::P2pTable;
+use crate::ring::abi::*;
+use crate::ring::{GioUring, IocbId};
+use std::collections::HashMap;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// One stream of I/O: reads or writes over a region of the file.
+#[derive(Clone, Copy, Debug)]
+pub struct Stream {
+    pub pattern: Pattern,
+    /// Slots of in-flight I/O this stream owns.
+    pub iodepth: u32,
+    pub region: (u64, u64),
+}
+
+/// splitmix64: cheap, good enough for offsets.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+fn cpu_times() -> (f64, f64) {
+    // SAFETY: getrusage fills the struct we pass.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    (tv(ru.ru_utime), tv(ru.ru_stime))
+}
+
+struct Slot {
+    stream: usize,
+    op: u8,
+    started: Instant,
+}
+
+/// What the engine did during a raw run.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct EngineReport {
+    pub describe: String,
+    pub stats: crate::engine::EngineStats,
+}
+
+/// Run one workload (fio's vocabulary) through kvtier's engine.
+pub fn run(w: &Workload, engine_cfg: &UringConfig) -> Result<(IoResult, EngineReport)> {
+    let streams = vec![Stream {
+        pattern: w.pattern,
+        iodepth: w.iodepth,
+        region: (0, w.size),
+    }];
+    run_streams(w, &streams, engine_cfg)
+}
+
+/// Run several streams at once on one file (the contention benchmark).
+pub fn run_streams(
+    w: &Workload,
+    streams: &[Stream],
+    engine_cfg: &UringConfig,
+) -> Result<(IoResult, EngineReport)> {
+    if w.bs == 0 || w.bs % 4096 != 0 || w.bs > u32::MAX as u64 {
+        return Err(Error::invalid(format!(
+            "--bs {} must be a non-zero multiple of 4096 (direct I/O)",
+            w.bs
+        )));
+    }
+    for s in streams {
+        if s.region.1 < s.region.0 + w.bs {
+            return Err(Error::invalid(format!(
+                "--size {} is smaller than one --bs {} block",
+                w.size, w.bs
+            )));
+        }
+    }
+    let total_depth: u32 = streams.iter().map(|s| s.iodepth).sum();
+    if total_depth == 0 || total_depth > 4096 {
+        return Err(Error::invalid(format!(
+            "--iodepth {total_depth} must be between 1 and 4096"
+        )));
+    }
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&w.file)
+        .map_err(|e| Error::io(format!("opening {} with O_DIRECT", w.file.display()), e))?;
+    let buffers = crate::memory::DmaBuffer::new((w.bs * total_depth as u64) as usize)?;
+    let table = Arc::new(P2pTable::for_buffers(
+        buffers.addr(),
+        w.bs as u32,
+        total_depth,
+    )?);
+    let mut engine = UringEngine::new(
+        &[UringDevice {
+            fd: file.as_raw_fd(),
+            name: w.file.display().to_string(),
+        }],
+        UringConfig {
+            queue_depth: total_depth,
+            ..engine_cfg.clone()
+        },
+    )?;
+    engine.register_memory(table)?;
+    let mut io = GioUring::new(total_depth.next_power_of_two(), Box::new(engine))?;
+
+    let mut rng = Rng(0x5EED ^ w.size);
+    let mut seq_next: Vec<u64> = streams.iter().map(|s| s.region.0).collect();
+    let mut in_flight: HashMap<IocbId, (u32, Slot)> = HashMap::new();
+    let mut free_bufs: Vec<(u32, usize)> = Vec::new();
+    for (si, s) in streams.iter().enumerate() {
+        let first: u32 = streams[..si].iter().map(|s| s.iodepth).sum();
+        free_bufs.extend((first..first + s.iodepth).map(|b| (b, si)));
+    }
+    let mut res = IoResult::default();
+    let mut lat_r: Vec<u32> = Vec::new();
+    let mut lat_w: Vec<u32> = Vec::new();
+    let deadline = (w.runtime_secs > 0.0).then(|| Duration::from_secs_f64(w.runtime_secs));
+    let byte_budget = w.size;
+    let (u0, s0) = cpu_times();
+    let t0 = Instant::now();
+    let mut issued_bytes = 0u64;
+    loop {
+        let time_up = deadline.is_some_and(|d| t0.elapsed() >= d);
+        let budget_up = deadline.is_none() && issued_bytes >= byte_budget;
+        if !(time_up || budget_up) {
+            // Refill every free slot, then one kick submits them all.
+            while let Some((buf, si)) = free_bufs.pop() {
+                let s = &streams[si];
+                let blocks = (s.region.1 - s.region.0) / w.bs;
+                let op = match s.pattern {
+                    Pattern::Read | Pattern::RandRead => IOCTX_OP_READ,
+                    Pattern::Write | Pattern::RandWrite => IOCTX_OP_WRITE,
+                    Pattern::RandRw => {
+                        if rng.next() % 100 < w.rwmix_read as u64 {
+                            IOCTX_OP_READ
+                        } else {
+                            IOCTX_OP_WRITE
+                        }
+                    }
+                };
+                let offset = if s.pattern.is_random() {
+                    s.region.0 + (rng.next() % blocks) * w.bs
+                } else {
+                    let o = seq_next[si];
+                    seq_next[si] = if o + 2 * w.bs > s.region.1 {
+                        s.region.0
+                    } else {
+                        o + w.bs
+                    };
+                    o
+                };
+                let id = io
+                    .get_iocb()
+                    .ok_or_else(|| Error::Ring("no free IOCB".into()))?;
+                let ctx = IoCtx {
+                    dev_offset: offset,
+                    len: w.bs as u32,
+                    op,
+                    ..IoCtx::default()
+                };
+                io.ring_mut().push_ctx(id, ctx, &[buf]);
+                io.submit(id)?;
+                in_flight.insert(
+                    id,
+                    (
+                        buf,
+                        Slot {
+                            stream: si,
+                            op,
+                            started: Instant::now(),
+                        },
+                    ),
+                );
+                issued_bytes += w.bs;
+            }
+            io.kick()?;
+        } else if in_flight.is_empty() {
+            break;
+        }
+        let first = io.wait_cqe()?;
+        let mut done = vec![first];
+        while let Some(id) = io.ring_mut().pop_cq() {
+            done.push(id);
+        }
+        for id in done {
+            let (buf, slot) = in_flight.remove(&id).expect("our IOCB");
+            let c = io.ring().iocb(id).ctx[0];
+            io.release(id);
+            if c.status != IOCTX_STATUS_OK {
+                return Err(Error::Device {
+                    device: w.file.display().to_string(),
+                    offset: c.dev_offset,
+                    len: c.len as u64,
+                    reason: format!("status {:#x} result {}", c.status, c.result),
+                });
+            }
+            let us = slot.started.elapsed().as_micros().min(u32::MAX as u128) as u32;
+            if slot.op == IOCTX_OP_READ {
+                res.read_bytes += c.len as u64;
+                res.read_ios += 1;
+                lat_r.push(us);
+            } else {
+                res.write_bytes += c.len as u64;
+                res.write_ios += 1;
+                lat_w.push(us);
+            }
+            free_bufs.push((buf, slot.stream));
+        }
+    }
+    res.secs = t0.elapsed().as_secs_f64();
+    let (u1, s1) = cpu_times();
+    res.cpu_usr_secs = u1 - u0;
+    res.cpu_sys_secs = s1 - s0;
+    res.read_bw = res.read_bytes as f64 / res.secs;
+    res.write_bw = res.write_bytes as f64 / res.secs;
+    (res.lat_mean_us_read, res.lat_p99_us_read) = mean_p99(&mut lat_r);
+    (res.lat_mean_us_write, res.lat_p99_us_write) = mean_p99(&mut lat_w);
+    let report = EngineReport {
+        describe: io.engine().describe(),
+        stats: io.engine().stats(),
+    };
+    Ok((res, report))
+}
+
+fn mean_p99(v: &mut [u32]) -> (f64, f64) {
+    if v.is_empty() {
+        return (0.0, 0.0);
+    }
+    let mean = v.iter().map(|&x| x as f64).sum::<f64>() / v.len() as f64;
+    v.sort_unstable();
+    let p99 = v[((v.len() as f64 * 0.99) as usize).min(v.len() - 1)] as f64;
+    (mean, p99)
+}
