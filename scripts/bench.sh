@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
 # The main job: `kvtier bench` on a pool file under ./kvtier-data (no GPU
-# needed). Extra arguments go to `kvtier bench` (see `kvtier bench --help`).
+# needed), with fio run on the same directory in the same run as the
+# reference (installed here if missing), a plot and a JSON report.
+# Extra arguments go to `kvtier bench` (see `kvtier bench --help`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if ! command -v fio >/dev/null 2>&1; then
+  echo "installing fio (the reference kvtier is measured against)" >&2
+  if [ "$(id -u)" = 0 ]; then apt-get install -y -q fio >/dev/null || apt-get update -q >/dev/null && apt-get install -y -q fio >/dev/null
+  else sudo apt-get install -y -q fio >/dev/null; fi
+fi
 cargo build --release --quiet
-exec ./target/release/kvtier bench "$@"
+mkdir -p kvtier-data
+exec ./target/release/kvtier bench --against-fio --plot kvtier-data/bench.svg --json kvtier-data/bench.json "$@"

@@ -9,6 +9,10 @@ if [ "${KVTIER_SKIP_KERNELS:-0}" != 1 ]; then
   # nvcc from PyPI (no GPU needed): CI checks the CUDA kernels compile.
   scripts/install-nvcc.sh
 fi
+if ! command -v fio >/dev/null 2>&1; then
+  # fio is the reference the benchmarks compare against; its runner has tests.
+  (apt-get install -y -q fio >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q fio >/dev/null 2>&1) || echo "fio unavailable: its tests will skip" >&2)
+fi
 if ! command -v losetup >/dev/null 2>&1; then
   # Block-device tests use loop devices; they skip (saying why) where losetup is absent.
   (apt-get install -y -q mount >/dev/null 2>&1 || true)
@@ -17,3 +21,5 @@ fi
 cargo fmt --all -- --check
 cargo clippy --all-targets -- -D warnings
 cargo test --all-targets
+# Each criterion bench once, unmeasured: they must keep building and running.
+cargo bench -- --test

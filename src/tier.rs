@@ -43,6 +43,11 @@ pub struct TierConfig {
     /// Block headers that can be staged at once: the most new blocks the
     /// stores in flight may hold together.
     pub header_staging: u32,
+    /// How far a load may run ahead of its oldest incomplete layer, in
+    /// bytes: later layers wait so the next layer the compute needs gets the
+    /// device's bandwidth, not a share of it (two layers are always allowed
+    /// in flight so the device never idles between layers).
+    pub load_lookahead_bytes: u64,
 }
 
 impl Default for TierConfig {
@@ -52,6 +57,7 @@ impl Default for TierConfig {
             ring_depth: 64,
             max_io_bytes: 4 << 20,
             header_staging: 8192,
+            load_lookahead_bytes: 64 << 20,
         }
     }
 }
@@ -148,6 +154,9 @@ impl Item {
     }
     fn complete(&self) -> bool {
         self.issued() && self.iocbs_out == 0
+    }
+    fn bytes(&self) -> u64 {
+        self.ios.iter().map(|io| io.len as u64).sum()
     }
 }
 
@@ -733,6 +742,14 @@ impl Tier {
         };
         if job.sequential && !job.items[..ix].iter().all(Item::complete) {
             return Ok(false);
+        }
+        if job.kind == JobKind::Load && job.items[ix].next == 0 {
+            let in_flight: Vec<&Item> = job.items[..ix].iter().filter(|i| !i.complete()).collect();
+            let bytes: u64 = in_flight.iter().map(|i| i.bytes()).sum();
+            if in_flight.len() >= 2 && bytes + job.items[ix].bytes() > self.cfg.load_lookahead_bytes
+            {
+                return Ok(false);
+            }
         }
         if let Some(st) = &job.store {
             if st.abandoned.is_some() {

@@ -1,0 +1,181 @@
+//! `kvtier bench` end to end at toy sizes: the figures exist, add up, and
+//! the reports (table, JSON, SVG) are written. Speed is not asserted here.
+
+mod common;
+
+use common::TempDir;
+use std::process::Command;
+
+fn bench(dir: &TempDir, args: &[&str]) -> (String, serde_json::Value) {
+    let json = dir.file("out.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .arg("bench")
+        .arg("--dir")
+        .arg(dir.path())
+        .arg("--json")
+        .arg(&json)
+        .args(args)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    let v = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    (text, v)
+}
+
+#[test]
+fn kv_bench_reports_every_figure_and_plots() {
+    let dir = TempDir::new("benchkv");
+    let svg = dir.file("bw.svg");
+    let (text, v) = bench(
+        &dir,
+        &[
+            "--contexts",
+            "1024,4096,999999",
+            "--capacity",
+            "600m",
+            "--group-blocks",
+            "16",
+            "--plot",
+            svg.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        text.contains("store GiB/s") && text.contains("skipped 999999 tokens"),
+        "{text}"
+    );
+    let results = v["results"].as_array().unwrap();
+    assert_eq!(results.len(), 2);
+    let r = &results[1];
+    assert_eq!(r["tokens"], 4096);
+    assert_eq!(r["blocks"], 256);
+    assert_eq!(r["bytes"], 256u64 * 2 * 1024 * 1024);
+    assert_eq!(r["verified"], true);
+    // 256 blocks stored together in groups of 16: one I/O per group per layer.
+    assert_eq!(r["ios_per_layer"], 16.0);
+    for f in [
+        "store_gib_s",
+        "retrieve_gib_s",
+        "store_cpu_us_per_object",
+        "retrieve_cpu_us_per_object",
+    ] {
+        assert!(r[f].as_f64().unwrap() > 0.0, "{f}");
+    }
+    assert!(v["machine"]["kernel"].as_str().unwrap().len() > 1);
+    assert_eq!(v["config"]["geometry"]["layers"], 32);
+    let svg_text = std::fs::read_to_string(&svg).unwrap();
+    assert!(svg_text.contains("<svg") && svg_text.contains("retrieve"));
+    assert!(
+        !dir.file("bench0.pool").exists(),
+        "pool files are removed unless --keep"
+    );
+}
+
+#[test]
+fn raw_pattern_and_contention_runs() {
+    let dir = TempDir::new("benchraw");
+    let (text, v) = bench(
+        &dir,
+        &[
+            "--pattern",
+            "randrw",
+            "--bs",
+            "64k",
+            "--iodepth",
+            "8",
+            "--size",
+            "64m",
+            "--runtime",
+            "0.5",
+        ],
+    );
+    let k = &v["runs"][0]["kvtier"];
+    assert!(
+        k["read_ios"].as_u64().unwrap() > 0 && k["write_ios"].as_u64().unwrap() > 0,
+        "{text}"
+    );
+    assert_eq!(
+        v["runs"][0]["engine"]["stats"]["ios"].as_u64().unwrap(),
+        k["read_ios"].as_u64().unwrap() + k["write_ios"].as_u64().unwrap()
+    );
+    let (text, v) = bench(
+        &dir,
+        &[
+            "--contention",
+            "--bs",
+            "1m",
+            "--iodepth",
+            "4",
+            "--size",
+            "128m",
+            "--runtime",
+            "0.5",
+        ],
+    );
+    assert_eq!(v["runs"].as_array().unwrap().len(), 3, "{text}");
+    assert!(text.contains("contention: read alone"), "{text}");
+    let both = &v["runs"][2]["kvtier"];
+    assert!(both["read_bytes"].as_u64().unwrap() > 0 && both["write_bytes"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn bad_bench_arguments_are_named() {
+    let dir = TempDir::new("benchbad");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(["bench", "--pattern", "sideways", "--dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("unknown --pattern \"sideways\""), "{err}");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args([
+            "bench",
+            "--pattern",
+            "read",
+            "--bs",
+            "1000",
+            "--size",
+            "1m",
+            "--dir",
+        ])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--bs 1000"), "{err}");
+}
+
+#[test]
+fn against_fio_reports_ratios_when_fio_is_installed() {
+    if kvtier::bench::fio::fio_available().is_none() {
+        eprintln!("fio not installed: skipping the side-by-side run");
+        return;
+    }
+    let dir = TempDir::new("benchfio");
+    let (text, v) = bench(
+        &dir,
+        &[
+            "--pattern",
+            "randread",
+            "--bs",
+            "80k",
+            "--iodepth",
+            "8",
+            "--size",
+            "64m",
+            "--runtime",
+            "0.5",
+            "--against-fio",
+        ],
+    );
+    assert!(
+        text.contains("kvtier/fio") && text.contains("CPU per I/O"),
+        "{text}"
+    );
+    assert!(v["runs"][0]["fio"]["read_bw"].as_f64().unwrap() > 0.0);
+    assert!(v["fio_version"].as_str().unwrap().starts_with("fio"));
+}
