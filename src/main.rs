@@ -170,6 +170,10 @@ struct BenchArgs {
     /// Read alone, write alone, then both at once on the same device.
     #[arg(long)]
     contention: bool,
+    /// Run each --pattern measurement this many times (kvtier and fio
+    /// alternating) and report the medians.
+    #[arg(long, default_value_t = 1)]
+    repeat: u32,
 }
 
 #[derive(Subcommand)]
@@ -431,6 +435,7 @@ fn run_raw_bench(a: &BenchArgs) -> Result<i32> {
         &w,
         a.contention,
         a.against_fio,
+        a.repeat,
         &uring_cfg(a, 32),
         &bar_fn(&bar),
     );

@@ -159,10 +159,29 @@ impl DmaBuffer {
     const HUGE: usize = 2 << 20;
 
     pub fn new(len: usize) -> Result<DmaBuffer> {
-        // One extra huge page so the usable part can start 2 MiB aligned
-        // (THP backs only aligned 2 MiB ranges of a mapping).
+        // Whole huge pages, plus one so the usable part can start 2 MiB
+        // aligned: THP backs only aligned 2 MiB ranges of a mapping, and
+        // io_uring coalesces a fixed buffer into huge-page segments only
+        // when every page of it is huge.
+        let rounded = len.div_ceil(Self::HUGE) * Self::HUGE;
+        // Reserved (hugetlbfs) pages when the system has enough free: always
+        // huge, no compaction needed. Otherwise transparent huge pages.
+        if crate::bench::fio::hugetlb_free_bytes() >= rounded as u64 {
+            if let Ok(m) = MmapOptions::new().len(rounded).huge(Some(21)).map_anon() {
+                let buf = DmaBuffer {
+                    map: MmapRaw::from(m),
+                    skip: 0,
+                    len,
+                };
+                for off in (0..rounded).step_by(Self::HUGE) {
+                    // SAFETY: off < rounded, inside the mapping.
+                    unsafe { buf.as_mut_ptr().add(off).write_volatile(0) };
+                }
+                return Ok(buf);
+            }
+        }
         let m = MmapOptions::new()
-            .len(len + Self::HUGE)
+            .len(rounded + Self::HUGE)
             .map_anon()
             .map_err(|e| Error::io(format!("allocating {len} bytes of DMA memory"), e))?;
         // Best effort: without THP the memory still works, in 4 KiB pages.
@@ -172,8 +191,8 @@ impl DmaBuffer {
         let skip = (Self::HUGE - base % Self::HUGE) % Self::HUGE;
         let buf = DmaBuffer { map, skip, len };
         // Fault every page in now rather than during I/O.
-        for off in (0..len).step_by(4096) {
-            // SAFETY: off < len, inside the mapping past `skip`.
+        for off in (0..rounded).step_by(4096) {
+            // SAFETY: off < rounded, inside the mapping past `skip`.
             unsafe { buf.as_mut_ptr().add(off).write_volatile(0) };
         }
         Ok(buf)

@@ -421,6 +421,7 @@ pub fn raw_suite(
     w: &Workload,
     contention: bool,
     against_fio: bool,
+    repeat: u32,
     engine: &UringConfig,
     progress: &dyn Fn(&str),
 ) -> Result<RawReport> {
@@ -438,29 +439,37 @@ pub fn raw_suite(
     ));
     fio::prepare_file(&w.file, w.size, true)?;
     let mut runs = Vec::new();
+    // kvtier and fio alternate `repeat` times; each reports its median run,
+    // so a noisy moment of the shared disk does not decide the ratio.
     let mut one = |name: &str, w: &Workload, streams: Option<&[raw::Stream]>| -> Result<()> {
-        progress(&format!("kvtier: {name}"));
-        let (k, e) = match streams {
-            Some(s) => raw::run_streams(w, s, engine)?,
-            None => raw::run(w, engine)?,
-        };
-        let (f, cmd) = if against_fio && streams.is_none() {
-            progress(&format!("fio: {name}"));
-            (Some(fio::run_fio(w)?), Some(fio::fio_args(w)))
-        } else {
-            (None, None)
-        };
+        let mut ks = Vec::new();
+        let mut fs = Vec::new();
+        for i in 0..repeat.max(1) {
+            progress(&format!("kvtier: {name} ({}/{})", i + 1, repeat.max(1)));
+            ks.push(match streams {
+                Some(s) => raw::run_streams(w, s, engine)?,
+                None => raw::run(w, engine)?,
+            });
+            if against_fio && streams.is_none() {
+                progress(&format!("fio: {name} ({}/{})", i + 1, repeat.max(1)));
+                fs.push(fio::run_fio(w)?);
+            }
+        }
+        ks.sort_by(|a, b| a.0.total_bw().total_cmp(&b.0.total_bw()));
+        fs.sort_by(|a, b| a.total_bw().total_cmp(&b.total_bw()));
+        let (k, e) = ks.swap_remove(ks.len() / 2);
+        let f = (!fs.is_empty()).then(|| fs.swap_remove(fs.len() / 2));
         runs.push(RawRun {
             name: name.to_string(),
             kvtier: k,
             engine: e,
+            fio_cmd: f.as_ref().map(|_| fio::fio_args(w)),
             fio: f,
-            fio_cmd: cmd,
         });
         Ok(())
     };
     if contention {
-        let half = (w.size / 2) & !(w.bs - 1).max(4095);
+        let half = (w.size / 2) / w.bs * w.bs;
         let read = Workload {
             pattern: Pattern::Read,
             ..w.clone()
@@ -553,6 +562,14 @@ pub fn render_raw(r: &RawReport) -> String {
             "{} {}\n",
             line(&format!("kvtier {}", run.name), &run.kvtier),
             ratio
+        );
+        s += &format!(
+            "{:<34} {} I/Os ({} on fixed buffers), {} syscalls; {}\n",
+            "",
+            run.engine.stats.ios,
+            run.engine.stats.fixed_buffer_ios,
+            run.engine.stats.syscalls,
+            run.engine.describe
         );
         if let Some(f) = &run.fio {
             s += &format!("{}\n", line(&format!("fio    {}", run.name), f));

@@ -195,7 +195,7 @@ pub fn run_streams(
                 );
                 issued_bytes += w.bs;
             }
-            io.kick()?;
+            // No kick: wait_cqe submits the refill in its own io_uring_enter.
         } else if in_flight.is_empty() {
             break;
         }

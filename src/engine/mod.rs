@@ -47,6 +47,13 @@ pub trait IoEngine: Send {
     /// one IOCTX completes (returns at once when nothing is in flight).
     fn reap(&mut self, ring: &mut GioRing, wait: bool) -> Result<()>;
 
+    /// `submit` then `reap(ring, true)`; engines that can submit and wait in
+    /// one call (io_uring_enter with both counts) override it.
+    fn submit_and_wait(&mut self, ring: &mut GioRing) -> Result<()> {
+        self.submit(ring)?;
+        self.reap(ring, true)
+    }
+
     /// IOCTXs accepted and not yet completed.
     fn in_flight(&self) -> usize;
 

@@ -115,13 +115,21 @@ impl UringEngine {
         let mut devs = Vec::with_capacity(devices.len());
         let mut vectored_fixed = true;
         for d in devices {
-            let mut b = IoUring::builder();
-            if let Some(idle) = cfg.sqpoll_idle_ms {
-                b.setup_sqpoll(idle);
-            }
-            let ring = b
-                .setup_cqsize(cfg.queue_depth.next_power_of_two() * 2)
-                .build(cfg.queue_depth.next_power_of_two())
+            let build = |coop: bool| {
+                let mut b = IoUring::builder();
+                if coop {
+                    // Completions are reaped by the submitting thread in its
+                    // own calls: the kernel need not interrupt it (5.19+).
+                    b.setup_coop_taskrun();
+                }
+                if let Some(idle) = cfg.sqpoll_idle_ms {
+                    b.setup_sqpoll(idle);
+                }
+                b.setup_cqsize(cfg.queue_depth.next_power_of_two() * 2)
+                    .build(cfg.queue_depth.next_power_of_two())
+            };
+            let ring = build(true)
+                .or_else(|_| build(false))
                 .map_err(|e| {
                     Error::io(
                         format!(
@@ -210,9 +218,9 @@ impl UringEngine {
             }
         }
         self.fixed_note = format!(
-            "{} fixed buffer(s) over {} MiB{}",
+            "{} fixed buffer(s) over {}{}",
             chunks.len(),
-            chunks.iter().map(|c| c.len).sum::<u64>() >> 20,
+            crate::cli::human_bytes(chunks.iter().map(|c| c.len).sum::<u64>()),
             if self.vectored_fixed {
                 ", vectored fixed I/O"
             } else {
@@ -443,6 +451,43 @@ impl UringEngine {
         ring.complete_ctx(op.iocb, op.ctx, status, result);
     }
 
+    /// Move every IOCB in the SQ into the per-device backlogs.
+    fn accept(&mut self, ring: &mut GioRing) {
+        while let Some(id) = ring.pop_sq() {
+            self.stats.iocbs += 1;
+            let count = ring.iocb(id).hdr.count;
+            if count == 0 {
+                ring.finish(id);
+                continue;
+            }
+            for c in 0..count {
+                let dev = ring.iocb(id).ctx[c as usize].dev as usize;
+                self.in_flight += 1;
+                match self.devs.get_mut(dev) {
+                    Some(d) => d.backlog.push_back((id, c)),
+                    None => {
+                        self.stats.errors += 1;
+                        self.in_flight -= 1;
+                        ring.complete_ctx(id, c, IOCTX_STATUS_INVALID, 0);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Fill SQEs from the backlogs; enter now unless a wait will follow
+    /// (then the wait's io_uring_enter submits them).
+    fn refill_unless_waiting(&mut self, ring: &mut GioRing, waiting: bool) -> Result<usize> {
+        let mut rejected = 0;
+        for d in 0..self.devs.len() {
+            rejected += self.fill(ring, d);
+        }
+        if !waiting {
+            self.enter()?;
+        }
+        Ok(rejected)
+    }
+
     fn refill(&mut self, ring: &mut GioRing) -> Result<usize> {
         let mut rejected = 0;
         for d in 0..self.devs.len() {
@@ -470,48 +515,49 @@ impl IoEngine for UringEngine {
     }
 
     fn submit(&mut self, ring: &mut GioRing) -> Result<()> {
-        while let Some(id) = ring.pop_sq() {
-            self.stats.iocbs += 1;
-            let count = ring.iocb(id).hdr.count;
-            if count == 0 {
-                ring.finish(id);
-                continue;
-            }
-            for c in 0..count {
-                let dev = ring.iocb(id).ctx[c as usize].dev as usize;
-                self.in_flight += 1;
-                match self.devs.get_mut(dev) {
-                    Some(d) => d.backlog.push_back((id, c)),
-                    None => {
-                        self.stats.errors += 1;
-                        self.in_flight -= 1;
-                        ring.complete_ctx(id, c, IOCTX_STATUS_INVALID, 0);
-                    }
-                }
-            }
-        }
+        self.accept(ring);
         self.refill(ring)?;
         Ok(())
+    }
+
+    fn submit_and_wait(&mut self, ring: &mut GioRing) -> Result<()> {
+        // Fill SQEs without entering: the wait below submits them in the
+        // same io_uring_enter (one syscall per batch instead of two).
+        self.accept(ring);
+        let mut rejected = 0;
+        for d in 0..self.devs.len() {
+            rejected += self.fill(ring, d);
+        }
+        if rejected > 0 {
+            return self.enter();
+        }
+        self.reap(ring, true)
     }
 
     fn reap(&mut self, ring: &mut GioRing, wait: bool) -> Result<()> {
         loop {
             let reaped = self.drain(ring);
-            let rejected = self.refill(ring)?;
+            let rejected = self.refill_unless_waiting(ring, wait && reaped == 0)?;
             if reaped + rejected > 0 || !wait || self.in_flight == 0 {
+                if wait || reaped + rejected > 0 {
+                    self.enter()?;
+                }
                 return Ok(());
             }
             let busy: Vec<usize> = (0..self.devs.len())
                 .filter(|&d| self.devs[d].in_flight > 0)
                 .collect();
             if busy.len() == 1 {
-                let dev = &self.devs[busy[0]];
+                let dev = &mut self.devs[busy[0]];
                 dev.ring
                     .submit_and_wait(1)
                     .map_err(|e| Error::io(format!("io_uring wait on {}", dev.name), e))?;
+                dev.unsubmitted = 0;
             } else {
-                // Several rings busy: sleep until any has a completion. An
-                // io_uring fd polls readable when its CQ is non-empty.
+                // Several rings busy: submit what is pending, then sleep until
+                // any has a completion (an io_uring fd polls readable when its
+                // CQ is non-empty).
+                self.enter()?;
                 let mut fds: Vec<libc::pollfd> = busy
                     .iter()
                     .map(|&d| libc::pollfd {

@@ -281,16 +281,13 @@ impl GioUring {
             if let Some(id) = self.ring.pop_cq() {
                 return Ok(id);
             }
-            self.engine.submit(&mut self.ring)?;
             if self.engine.in_flight() == 0 && self.ring.sq.len() == 0 {
-                if let Some(id) = self.ring.pop_cq() {
-                    return Ok(id);
-                }
                 return Err(Error::Ring(
                     "wait_cqe with no IOCB in flight: submit one first".into(),
                 ));
             }
-            self.engine.reap(&mut self.ring, true)?;
+            // Submit what is queued and wait, in one call where the engine can.
+            self.engine.submit_and_wait(&mut self.ring)?;
         }
     }
 
