@@ -702,6 +702,13 @@ impl Tier {
 
     /// Put planned I/O into IOCBs while IOCBs are free, then hand them to the engine.
     fn pump(&mut self) -> Result<()> {
+        self.fill_iocbs()?;
+        self.io.kick()
+    }
+
+    /// Put planned I/O into IOCBs and finish completed jobs, without
+    /// submitting: a wait that follows submits in its own call.
+    fn fill_iocbs(&mut self) -> Result<()> {
         let mut progressed = true;
         while progressed {
             progressed = false;
@@ -729,7 +736,7 @@ impl Tier {
                 }
             }
         }
-        self.io.kick()
+        Ok(())
     }
 
     /// Fill one IOCB from the job's next issuable item. False if nothing could be issued.
@@ -944,7 +951,7 @@ impl Tier {
 
     /// Block until at least one IOCB completes (or nothing is in flight).
     fn wait_any(&mut self) -> Result<()> {
-        self.pump()?;
+        self.fill_iocbs()?;
         if self.iocb_owner.is_empty() {
             return Ok(());
         }
