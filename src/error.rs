@@ -41,8 +41,13 @@ pub enum Error {
     UnknownKey { key: String },
 
     /// Nothing can be evicted to make room.
-    #[error("pool full: {needed} block(s) needed, {free} free, and every stored block is pinned ({pinned} pinned); unpin finished loads or create a larger pool")]
-    PoolFull { needed: u64, free: u64, pinned: u64 },
+    #[error("pool full: {needed} block(s) needed, {free} free, {reserved} being written by stores in flight, and every stored block is pinned ({pinned} pinned); unpin finished loads, wait for stores, or create a larger pool")]
+    PoolFull {
+        needed: u64,
+        free: u64,
+        pinned: u64,
+        reserved: u64,
+    },
 
     /// An argument out of its range (block ids, layer ranges, job ids, sizes).
     #[error("{0}")]

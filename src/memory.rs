@@ -166,7 +166,7 @@ impl DmaBuffer {
         let rounded = len.div_ceil(Self::HUGE) * Self::HUGE;
         // Reserved (hugetlbfs) pages when the system has enough free: always
         // huge, no compaction needed. Otherwise transparent huge pages.
-        if crate::bench::fio::hugetlb_free_bytes() >= rounded as u64 {
+        if hugetlb_free_bytes() >= rounded as u64 {
             if let Ok(m) = MmapOptions::new().len(rounded).huge(Some(21)).map_anon() {
                 let buf = DmaBuffer {
                     map: MmapRaw::from(m),
@@ -216,6 +216,19 @@ impl DmaBuffer {
     }
 }
 
+/// Free bytes of reserved huge pages (HugePages_Free x Hugepagesize).
+pub fn hugetlb_free_bytes() -> u64 {
+    let info = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let field = |name: &str| -> u64 {
+        info.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    field("HugePages_Free:") * field("Hugepagesize:") * 1024
+}
+
 /// Which layout a [`HostKvCache`] allocates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HostLayout {
@@ -234,8 +247,10 @@ pub struct HostKvCache {
     memory: KvMemory,
 }
 
-// SAFETY: the mappings are plain memory; all access goes through raw-pointer
-// copies, whose races with in-flight I/O give torn bytes, never unsoundness.
+// SAFETY: the mappings are plain memory reached only through raw-pointer
+// copies, never references. Copying an object while a device DMAs into it
+// is a data race the caller must avoid (the tier refuses to load into a
+// block a store is reading, and vice versa); kvtier itself never does it.
 unsafe impl Send for HostKvCache {}
 unsafe impl Sync for HostKvCache {}
 

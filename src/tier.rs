@@ -70,11 +70,13 @@ pub enum JobKind {
     Store,
 }
 
-/// "Layer `layer` of load `job` is in memory."
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// "Layer `layer` of load `job` is in memory", or failed to load.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LayerDone {
     pub job: JobId,
     pub layer: u32,
+    /// Why some of the layer's reads failed; its memory must not be used.
+    pub error: Option<String>,
 }
 
 /// The outcome of one key of a job.
@@ -99,6 +101,8 @@ pub struct JobResult {
     pub kind: JobKind,
     pub keys: Vec<Key>,
     pub outcomes: Vec<KeyOutcome>,
+    /// Keys a store evicted to make room (for the engine's KV events).
+    pub evicted: Vec<Key>,
 }
 
 impl JobResult {
@@ -137,8 +141,15 @@ enum Step {
     Invalidate,
     Data,
     Headers,
-    /// Flush after the step before it; `u8` says which (for messages).
-    Flush(&'static str),
+    /// Flush after the step before it.
+    Flush(FlushAfter),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FlushAfter {
+    Invalidate,
+    Data,
+    Headers,
 }
 
 struct Item {
@@ -146,6 +157,20 @@ struct Item {
     ios: Vec<PlannedIo>,
     next: usize,
     iocbs_out: u32,
+    /// The first failure among the item's I/Os.
+    failed: Option<String>,
+}
+
+impl Item {
+    fn new(step: Step, ios: Vec<PlannedIo>) -> Item {
+        Item {
+            step,
+            ios,
+            next: 0,
+            iocbs_out: 0,
+            failed: None,
+        }
+    }
 }
 
 impl Item {
@@ -166,8 +191,10 @@ struct StoreState {
     generations: Vec<u64>,
     staging: Vec<u32>,
     invalidated: Vec<u64>,
-    /// Keys of this job another job is storing: (position, key).
-    waiting_on: Vec<usize>,
+    /// Keys of this job that another store (or an earlier position of this
+    /// one) writes: (position, that job). Their outcome follows that job's.
+    waiting_on: Vec<(usize, JobId)>,
+    evicted: Vec<Key>,
     /// Set once a failure makes the remaining steps pointless.
     abandoned: Option<String>,
 }
@@ -176,6 +203,7 @@ struct Job {
     id: JobId,
     kind: JobKind,
     keys: Vec<Key>,
+    mem_blocks: Vec<u32>,
     outcomes: Vec<Option<KeyOutcome>>,
     /// Runs of key positions served by one planned I/O.
     runs: Vec<Vec<u32>>,
@@ -239,8 +267,15 @@ pub struct Tier {
     issue_queue: VecDeque<JobId>,
     /// Keys being stored, by job.
     storing: HashMap<Key, JobId>,
-    finished: VecDeque<JobResult>,
+    /// Memory blocks jobs in flight use: (loads writing it, stores reading it).
+    mem_busy: HashMap<u32, (u32, u32)>,
+    /// Results not yet collected (`wait`, `get_finished`), in finishing order.
+    finished: HashMap<JobId, JobResult>,
+    finished_order: VecDeque<JobId>,
     layer_events: VecDeque<LayerDone>,
+    /// An engine failure met while submitting; reported by the next call
+    /// that waits or polls.
+    engine_error: Option<Error>,
     next_job: JobId,
 }
 
@@ -282,8 +317,11 @@ impl Tier {
             iocb_owner: HashMap::new(),
             issue_queue: VecDeque::new(),
             storing: HashMap::new(),
-            finished: VecDeque::new(),
+            mem_busy: HashMap::new(),
+            finished: HashMap::new(),
+            finished_order: VecDeque::new(),
             layer_events: VecDeque::new(),
+            engine_error: None,
             next_job: 1,
         })
     }
@@ -428,6 +466,14 @@ impl Tier {
                 "memory block {b} is the target of two keys in one load"
             )));
         }
+        if let Some(&b) = mem_blocks
+            .iter()
+            .find(|b| self.mem_busy.get(b).is_some_and(|u| u.1 > 0))
+        {
+            return Err(Error::invalid(format!(
+                "memory block {b} is being stored by a job in flight; wait for that store before loading into it"
+            )));
+        }
         let mut slots = Vec::with_capacity(keys.len());
         for k in keys {
             match self.pool.index().get(k) {
@@ -436,8 +482,11 @@ impl Tier {
             }
         }
         for k in keys {
-            self.pool.index_mut().pin(k);
+            self.pool.index_mut().pin_job(k);
             self.pool.index_mut().touch(k);
+        }
+        for &b in mem_blocks {
+            self.mem_busy.entry(b).or_default().0 += 1;
         }
         let table = self.table()?.clone();
         let positions: Vec<u32> = (0..keys.len() as u32).collect();
@@ -461,17 +510,16 @@ impl Tier {
                     }
                 }
             }
-            items.push(Item {
-                step: Step::LoadLayer(layer),
-                ios: self.coalesce(IOCTX_OP_READ, &objects),
-                next: 0,
-                iocbs_out: 0,
-            });
+            items.push(Item::new(
+                Step::LoadLayer(layer),
+                self.coalesce(IOCTX_OP_READ, &objects),
+            ));
         }
         let id = self.new_job(Job {
             id: 0,
             kind: JobKind::Load,
             keys: keys.to_vec(),
+            mem_blocks: mem_blocks.to_vec(),
             outcomes: vec![None; keys.len()],
             runs,
             items,
@@ -480,7 +528,7 @@ impl Tier {
             layers,
             store: None,
         });
-        self.pump()?;
+        self.pump_after_submit();
         Ok(id)
     }
 
@@ -493,14 +541,27 @@ impl Tier {
         let geo = *self.pool.geometry();
         let mut outcomes = vec![None; keys.len()];
         let mut new_pos: Vec<u32> = Vec::new();
+        if let Some(&b) = mem_blocks
+            .iter()
+            .find(|b| self.mem_busy.get(b).is_some_and(|u| u.0 > 0))
+        {
+            return Err(Error::invalid(format!(
+                "memory block {b} is the target of a load in flight; wait for that load before storing from it"
+            )));
+        }
+        let this_job = self.next_job;
         let mut waiting_on = Vec::new();
         let mut in_job = HashSet::new();
+        let mut already = Vec::new();
         for (i, k) in keys.iter().enumerate() {
             if self.pool.index().get(k).is_some() {
                 self.pool.index_mut().touch(k);
                 outcomes[i] = Some(KeyOutcome::AlreadyStored);
-            } else if self.storing.contains_key(k) || !in_job.insert(*k) {
-                waiting_on.push(i);
+                already.push(*k);
+            } else if let Some(&owner) = self.storing.get(k) {
+                waiting_on.push((i, owner));
+            } else if !in_job.insert(*k) {
+                waiting_on.push((i, this_job));
             } else {
                 new_pos.push(i as u32);
             }
@@ -512,11 +573,29 @@ impl Tier {
                 "a store of {n} new blocks exceeds the header staging of {staging_cap}; split the job or raise TierConfig::header_staging"
             )));
         }
+        self.table()?;
         // Wait for stores in flight to return staging buffers if needed.
         while self.staging.as_ref().map_or(0, |s| s.free.len()) < n {
+            if self.iocb_owner.is_empty() && self.jobs.is_empty() {
+                return Err(Error::Ring(
+                    "header staging exhausted with nothing in flight".into(),
+                ));
+            }
             self.wait_any()?;
         }
-        let alloc = self.pool.index_mut().allocate(n as u64)?;
+        // Keys reported as already stored must not be evicted by this very
+        // job's allocation: hold them while it runs.
+        for k in &already {
+            self.pool.index_mut().pin_job(k);
+        }
+        let alloc = self.pool.index_mut().allocate(n as u64);
+        for k in &already {
+            self.pool.index_mut().unpin_job(k);
+        }
+        let alloc = alloc?;
+        for &b in mem_blocks {
+            self.mem_busy.entry(b).or_default().1 += 1;
+        }
         let table = self.table()?.clone();
         let staging = self.staging.as_mut().expect("registered");
         let stage: Vec<u32> = (0..n)
@@ -528,7 +607,7 @@ impl Tier {
         for (j, &p) in new_pos.iter().enumerate() {
             slots[p as usize] = Some(alloc.slots[j]);
             generations[p as usize] = self.pool.next_generation();
-            self.storing.insert(keys[p as usize], self.next_job);
+            self.storing.insert(keys[p as usize], this_job);
         }
         let slot_by_pos: Vec<u64> = slots.iter().map(|s| s.unwrap_or(u64::MAX)).collect();
         let mut runs = self.group_runs(&slot_by_pos, &new_pos);
@@ -554,12 +633,7 @@ impl Tier {
                     }
                 })
                 .collect();
-            items.push(self.flush_after(
-                Step::Invalidate,
-                ios,
-                all_run,
-                "invalidating reused headers",
-            ));
+            items.push(self.flush_after(Step::Invalidate, ios, all_run, FlushAfter::Invalidate));
         }
         // (2) Data, in device order per run: (layer, K|V, slot).
         let mut objects = Vec::new();
@@ -580,15 +654,17 @@ impl Tier {
             }
         }
         let data = self.coalesce(IOCTX_OP_WRITE, &objects);
-        items.push(self.flush_after(Step::Data, data, all_run, "writing data"));
+        items.push(self.flush_after(Step::Data, data, all_run, FlushAfter::Data));
         // (3) Headers, one per block, with the data checksum taken now.
         let staging = self.staging.as_ref().expect("registered");
         let mut header_ios = Vec::with_capacity(n);
         for (j, &p) in new_pos.iter().enumerate() {
             let slot = slots[p as usize].expect("new key");
+            // Device memory is not readable here: such blocks carry no data
+            // checksum (`pool check` says so rather than report bad data).
             let crc = match table.kind() {
-                MemoryKind::Host => block_crc(&table, mem_blocks[p as usize], geo.layers),
-                MemoryKind::Gpu { .. } => 0,
+                MemoryKind::Host => Some(block_crc(&table, mem_blocks[p as usize], geo.layers)),
+                MemoryKind::Gpu { .. } => None,
             };
             let h = self
                 .pool
@@ -614,13 +690,14 @@ impl Tier {
                 run: runs.len() as u32 - 1,
             });
         }
-        items.push(self.flush_after(Step::Headers, header_ios, all_run, "writing headers"));
+        items.push(self.flush_after(Step::Headers, header_ios, all_run, FlushAfter::Headers));
         let items = items.into_iter().flatten().collect();
 
         let id = self.new_job(Job {
             id: 0,
             kind: JobKind::Store,
             keys: keys.to_vec(),
+            mem_blocks: mem_blocks.to_vec(),
             outcomes,
             runs,
             items,
@@ -633,10 +710,12 @@ impl Tier {
                 staging: stage,
                 invalidated: alloc.needs_invalidate,
                 waiting_on,
+                evicted: alloc.evicted,
                 abandoned: None,
             }),
         });
-        self.pump()?;
+        debug_assert_eq!(id, this_job);
+        self.pump_after_submit();
         Ok(id)
     }
 
@@ -646,7 +725,7 @@ impl Tier {
         step: Step,
         ios: Vec<PlannedIo>,
         all_run: u32,
-        what: &'static str,
+        what: FlushAfter,
     ) -> [Item; 2] {
         let mut devs: Vec<u16> = ios.iter().map(|io| io.dev).collect();
         devs.sort_unstable();
@@ -662,20 +741,7 @@ impl Tier {
                 run: all_run,
             })
             .collect();
-        [
-            Item {
-                step,
-                ios,
-                next: 0,
-                iocbs_out: 0,
-            },
-            Item {
-                step: Step::Flush(what),
-                ios: flushes,
-                next: 0,
-                iocbs_out: 0,
-            },
-        ]
+        [Item::new(step, ios), Item::new(Step::Flush(what), flushes)]
     }
 
     fn group_runs(&self, slots: &[u64], positions: &[u32]) -> Vec<Vec<u32>> {
@@ -698,6 +764,21 @@ impl Tier {
         self.jobs.insert(id, job);
         self.issue_queue.push_back(id);
         id
+    }
+
+    /// After a job is created its id must reach the caller, so an engine
+    /// failure here is kept and reported by the next wait or poll.
+    fn pump_after_submit(&mut self) {
+        if let Err(e) = self.pump() {
+            self.engine_error.get_or_insert(e);
+        }
+    }
+
+    fn take_engine_error(&mut self) -> Result<()> {
+        match self.engine_error.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// Put planned I/O into IOCBs while IOCBs are free, then hand them to the engine.
@@ -834,6 +915,9 @@ impl Tier {
         let job = self.jobs.get_mut(&id).expect("IOCB of a live job");
         job.items[ix].iocbs_out -= 1;
         let step = job.items[ix].step;
+        if let Some((_, msg)) = failures.first() {
+            job.items[ix].failed.get_or_insert_with(|| msg.clone());
+        }
         for (run, msg) in &failures {
             job.fail_run(*run, msg);
             if let Some(st) = &mut job.store {
@@ -844,7 +928,7 @@ impl Tier {
                 }
             }
         }
-        if let (Some(st), Step::Flush("invalidating reused headers")) = (&mut job.store, step) {
+        if let (Some(st), Step::Flush(FlushAfter::Invalidate)) = (&mut job.store, step) {
             if job.items[ix].complete() && st.abandoned.is_none() {
                 for &s in &st.invalidated {
                     self.pool.index_mut().header_invalidated(s);
@@ -861,6 +945,7 @@ impl Tier {
                 self.layer_events.push_back(LayerDone {
                     job: id,
                     layer: job.layers_done,
+                    error: job.items[li].failed.clone(),
                 });
                 job.layers_done += 1;
             }
@@ -872,18 +957,22 @@ impl Tier {
     fn try_finish(&mut self, id: JobId) -> bool {
         let job = self.jobs.get(&id).expect("live job");
         if let Some(st) = &job.store {
-            for &p in &st.waiting_on {
-                let k = &job.keys[p];
-                if self.storing.get(k).is_some_and(|&other| other != id) {
-                    return false;
-                }
+            // Wait only for the job that owned the key when this one was
+            // submitted (never for a later one: two jobs could wait on each other).
+            if st
+                .waiting_on
+                .iter()
+                .any(|&(_, owner)| owner != id && self.jobs.contains_key(&owner))
+            {
+                return false;
             }
         }
         let mut job = self.jobs.remove(&id).expect("live job");
+        let mut evicted = Vec::new();
         match job.kind {
             JobKind::Load => {
                 for (i, k) in job.keys.iter().enumerate() {
-                    self.pool.index_mut().unpin(k);
+                    self.pool.index_mut().unpin_job(k);
                     if job.outcomes[i].is_none() {
                         job.outcomes[i] = Some(KeyOutcome::Done);
                     }
@@ -913,7 +1002,7 @@ impl Tier {
                         }
                     }
                 }
-                for &p in &st.waiting_on {
+                for &(p, _) in &st.waiting_on {
                     job.outcomes[p] = Some(if self.pool.index().get(&job.keys[p]).is_some() {
                         KeyOutcome::AlreadyStored
                     } else {
@@ -925,23 +1014,51 @@ impl Tier {
                 if let Some(staging) = self.staging.as_mut() {
                     staging.free.extend(st.staging);
                 }
+                evicted = st.evicted;
             }
         }
-        self.finished.push_back(JobResult {
-            job: id,
-            kind: job.kind,
-            keys: job.keys,
-            outcomes: job
-                .outcomes
-                .into_iter()
-                .map(|o| o.unwrap_or(KeyOutcome::Done))
-                .collect(),
-        });
+        for b in job.mem_blocks.iter() {
+            if let Some(u) = self.mem_busy.get_mut(b) {
+                match job.kind {
+                    JobKind::Load => u.0 -= 1,
+                    JobKind::Store => u.1 -= 1,
+                }
+                if *u == (0, 0) {
+                    self.mem_busy.remove(b);
+                }
+            }
+        }
+        self.finished.insert(
+            id,
+            JobResult {
+                job: id,
+                kind: job.kind,
+                keys: job.keys,
+                outcomes: job
+                    .outcomes
+                    .into_iter()
+                    .map(|o| o.unwrap_or(KeyOutcome::Done))
+                    .collect(),
+                evicted,
+            },
+        );
+        self.finished_order.push_back(id);
         true
+    }
+
+    /// Remove a collected result and the layer events of its job.
+    fn collect(&mut self, id: JobId) -> Option<JobResult> {
+        let r = self.finished.remove(&id)?;
+        self.finished_order.retain(|&j| j != id);
+        if r.kind == JobKind::Load {
+            self.layer_events.retain(|e| e.job != id);
+        }
+        Some(r)
     }
 
     /// Progress without blocking: issue what fits, reap what completed.
     pub fn poll(&mut self) -> Result<()> {
+        self.take_engine_error()?;
         self.pump()?;
         while let Some(iocb) = self.io.poll()? {
             self.on_iocb(iocb);
@@ -951,6 +1068,7 @@ impl Tier {
 
     /// Block until at least one IOCB completes (or nothing is in flight).
     fn wait_any(&mut self) -> Result<()> {
+        self.take_engine_error()?;
         self.fill_iocbs()?;
         if self.iocb_owner.is_empty() {
             return Ok(());
@@ -964,7 +1082,7 @@ impl Tier {
     }
 
     fn check_job(&self, id: JobId) -> Result<()> {
-        if self.jobs.contains_key(&id) || self.finished.iter().any(|r| r.job == id) {
+        if self.jobs.contains_key(&id) || self.finished.contains_key(&id) {
             Ok(())
         } else {
             Err(Error::invalid(format!(
@@ -973,38 +1091,61 @@ impl Tier {
         }
     }
 
-    /// Block until `job` finishes; returns (and removes) its result.
+    /// One step of a blocking wait: wait for an IOCB, or fail if nothing
+    /// in flight can ever finish the job.
+    fn wait_step(&mut self, id: JobId) -> Result<()> {
+        if self.iocb_owner.is_empty() {
+            self.pump()?;
+            if self.iocb_owner.is_empty() && self.jobs.contains_key(&id) {
+                return Err(Error::Ring(format!("job {id} cannot make progress")));
+            }
+        }
+        self.wait_any()
+    }
+
+    /// Block until `job` finishes; returns (and removes) its result. Every
+    /// job's result must be collected, here or with `get_finished`.
     pub fn wait(&mut self, id: JobId) -> Result<JobResult> {
         self.check_job(id)?;
         loop {
-            if let Some(pos) = self.finished.iter().position(|r| r.job == id) {
-                return Ok(self.finished.remove(pos).expect("found"));
+            if let Some(r) = self.collect(id) {
+                return Ok(r);
             }
-            if self.iocb_owner.is_empty() && self.jobs.contains_key(&id) {
-                // Nothing in flight yet the job is open: it waits on IOCBs
-                // (pump issues) or on another job; pump once more.
-                self.pump()?;
-                if self.iocb_owner.is_empty() && !self.finished.iter().any(|r| r.job == id) {
-                    return Err(Error::Ring(format!("job {id} cannot make progress")));
-                }
-            }
-            self.wait_any()?;
+            self.wait_step(id)?;
         }
     }
 
-    /// Block until layer `layer` of load `job` is in memory.
+    /// Block until layer `layer` of load `job` is in memory. Errors if its
+    /// reads failed: the layer's memory must not be used then.
     pub fn wait_layer(&mut self, id: JobId, layer: u32) -> Result<()> {
         self.check_job(id)?;
         loop {
+            let failed = |items: &[Item], first: u32| -> Result<()> {
+                match &items[(layer - first) as usize].failed {
+                    Some(m) => Err(Error::invalid(format!(
+                        "layer {layer} of job {id} failed: {m}"
+                    ))),
+                    None => Ok(()),
+                }
+            };
             match self.jobs.get(&id) {
-                None => return Ok(()),
+                None => {
+                    // Finished: its result says which keys failed.
+                    let r = self.finished.get(&id).expect("checked");
+                    return match r.failures().next() {
+                        Some((k, m)) if r.kind == JobKind::Load => Err(Error::invalid(format!(
+                            "job {id} failed to load key {k}: {m}"
+                        ))),
+                        _ => Ok(()),
+                    };
+                }
                 Some(j) if j.kind != JobKind::Load || !j.layers.contains(&layer) => {
                     return Err(Error::invalid(format!(
                         "job {id} is not a load of layer {layer}"
                     )))
                 }
-                Some(j) if j.layers_done > layer => return Ok(()),
-                _ => self.wait_any()?,
+                Some(j) if j.layers_done > layer => return failed(&j.items, j.layers.start),
+                _ => self.wait_step(id)?,
             }
         }
     }
@@ -1019,9 +1160,10 @@ impl Tier {
         self.jobs.get(&id).map(|j| j.layers_done - j.layers.start)
     }
 
-    /// Results of every job finished since the last call.
+    /// Results of every job finished and not yet collected, in finishing order.
     pub fn get_finished(&mut self) -> Vec<JobResult> {
-        self.finished.drain(..).collect()
+        let ids: Vec<JobId> = self.finished_order.iter().copied().collect();
+        ids.into_iter().filter_map(|id| self.collect(id)).collect()
     }
 
     /// Wait for every job in flight.

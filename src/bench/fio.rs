@@ -215,7 +215,7 @@ pub fn fio_args(w: &Workload) -> Vec<String> {
     // same footing when the system has huge pages reserved for it, so the
     // reference is the device's best and not fio's 4 KiB-page DMA segments.
     let need = w.bs * w.iodepth as u64 * w.numjobs.max(1) as u64 + (4 << 20);
-    if hugetlb_free_bytes() >= need {
+    if crate::memory::hugetlb_free_bytes() >= need {
         a.push("--mem=shmhuge".to_string());
     }
     if w.file.exists() {
@@ -224,19 +224,6 @@ pub fn fio_args(w: &Workload) -> Vec<String> {
     a.push("--group_reporting".to_string());
     a.push("--output-format=json".to_string());
     a
-}
-
-/// Free bytes of reserved huge pages (HugePages_Free x Hugepagesize).
-pub fn hugetlb_free_bytes() -> u64 {
-    let info = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    let field = |name: &str| -> u64 {
-        info.lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
-    field("HugePages_Free:") * field("Hugepagesize:") * 1024
 }
 
 /// The full fio command line, as a shell would take it.

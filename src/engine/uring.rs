@@ -115,21 +115,16 @@ impl UringEngine {
         let mut devs = Vec::with_capacity(devices.len());
         let mut vectored_fixed = true;
         for d in devices {
-            let build = |coop: bool| {
-                let mut b = IoUring::builder();
-                if coop {
-                    // Completions are reaped by the submitting thread in its
-                    // own calls: the kernel need not interrupt it (5.19+).
-                    b.setup_coop_taskrun();
-                }
-                if let Some(idle) = cfg.sqpoll_idle_ms {
-                    b.setup_sqpoll(idle);
-                }
-                b.setup_cqsize(cfg.queue_depth.next_power_of_two() * 2)
-                    .build(cfg.queue_depth.next_power_of_two())
-            };
-            let ring = build(true)
-                .or_else(|_| build(false))
+            // No COOP_TASKRUN: with it, completions are posted only when the
+            // thread next enters the kernel, and a caller that only polls
+            // (get_finished in an engine's step loop) would not see them.
+            let mut b = IoUring::builder();
+            if let Some(idle) = cfg.sqpoll_idle_ms {
+                b.setup_sqpoll(idle);
+            }
+            let ring = b
+                .setup_cqsize(cfg.queue_depth.next_power_of_two() * 2)
+                .build(cfg.queue_depth.next_power_of_two())
                 .map_err(|e| {
                     Error::io(
                         format!(
@@ -399,13 +394,23 @@ impl UringEngine {
             }
             let sqpoll_idle =
                 self.cfg.sqpoll_idle_ms.is_some() && !dev.ring.submission().need_wakeup();
-            dev.ring
-                .submit()
-                .map_err(|e| Error::io(format!("io_uring submit on {}", dev.name), e))?;
+            match dev.ring.submit() {
+                Ok(_) => {}
+                // Interrupted, or the CQ is momentarily full: what the kernel
+                // did not take stays in the SQ and goes with the next enter.
+                Err(e) if retryable(&e) => {}
+                Err(e) => return Err(Error::io(format!("io_uring submit on {}", dev.name), e)),
+            }
             if !sqpoll_idle {
                 self.stats.syscalls += 1;
             }
-            dev.unsubmitted = 0;
+            // Without SQPOLL the kernel consumed what it took; with SQPOLL the
+            // thread consumes asynchronously, and a later enter only wakes it.
+            dev.unsubmitted = if self.cfg.sqpoll_idle_ms.is_some() {
+                0
+            } else {
+                dev.ring.submission().len() as u32
+            };
         }
         Ok(())
     }
@@ -451,8 +456,10 @@ impl UringEngine {
         ring.complete_ctx(op.iocb, op.ctx, status, result);
     }
 
-    /// Move every IOCB in the SQ into the per-device backlogs.
-    fn accept(&mut self, ring: &mut GioRing) {
+    /// Move every IOCB in the SQ into the per-device backlogs. Returns how
+    /// many IOCTXs completed at once (malformed).
+    fn accept(&mut self, ring: &mut GioRing) -> usize {
+        let mut rejected = 0;
         while let Some(id) = ring.pop_sq() {
             self.stats.iocbs += 1;
             let count = ring.iocb(id).hdr.count;
@@ -469,33 +476,26 @@ impl UringEngine {
                         self.stats.errors += 1;
                         self.in_flight -= 1;
                         ring.complete_ctx(id, c, IOCTX_STATUS_INVALID, 0);
+                        rejected += 1;
                     }
                 }
             }
         }
+        rejected
     }
 
-    /// Fill SQEs from the backlogs; enter now unless a wait will follow
-    /// (then the wait's io_uring_enter submits them).
-    fn refill_unless_waiting(&mut self, ring: &mut GioRing, waiting: bool) -> Result<usize> {
-        let mut rejected = 0;
-        for d in 0..self.devs.len() {
-            rejected += self.fill(ring, d);
-        }
-        if !waiting {
-            self.enter()?;
-        }
-        Ok(rejected)
+    /// Fill SQEs from every backlog up to the queue depth. Returns how many
+    /// IOCTXs completed at once (malformed). Submission is `enter`'s job.
+    fn fill_all(&mut self, ring: &mut GioRing) -> usize {
+        (0..self.devs.len()).map(|d| self.fill(ring, d)).sum()
     }
+}
 
-    fn refill(&mut self, ring: &mut GioRing) -> Result<usize> {
-        let mut rejected = 0;
-        for d in 0..self.devs.len() {
-            rejected += self.fill(ring, d);
-        }
-        self.enter()?;
-        Ok(rejected)
-    }
+fn retryable(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::EBUSY)
+    )
 }
 
 impl IoEngine for UringEngine {
@@ -516,19 +516,16 @@ impl IoEngine for UringEngine {
 
     fn submit(&mut self, ring: &mut GioRing) -> Result<()> {
         self.accept(ring);
-        self.refill(ring)?;
-        Ok(())
+        self.fill_all(ring);
+        self.enter()
     }
 
     fn submit_and_wait(&mut self, ring: &mut GioRing) -> Result<()> {
-        // Fill SQEs without entering: the wait below submits them in the
-        // same io_uring_enter (one syscall per batch instead of two).
-        self.accept(ring);
-        let mut rejected = 0;
-        for d in 0..self.devs.len() {
-            rejected += self.fill(ring, d);
-        }
+        // Fill SQEs without entering: the wait submits them in the same
+        // io_uring_enter (one syscall per batch instead of two).
+        let rejected = self.accept(ring) + self.fill_all(ring);
         if rejected > 0 {
+            // An IOCB may already be complete: do not block.
             return self.enter();
         }
         self.reap(ring, true)
@@ -536,23 +533,27 @@ impl IoEngine for UringEngine {
 
     fn reap(&mut self, ring: &mut GioRing, wait: bool) -> Result<()> {
         loop {
-            let reaped = self.drain(ring);
-            let rejected = self.refill_unless_waiting(ring, wait && reaped == 0)?;
-            if reaped + rejected > 0 || !wait || self.in_flight == 0 {
-                if wait || reaped + rejected > 0 {
-                    self.enter()?;
-                }
-                return Ok(());
+            let done = self.drain(ring) + self.fill_all(ring);
+            if done > 0 || !wait || self.in_flight == 0 {
+                return self.enter();
             }
             let busy: Vec<usize> = (0..self.devs.len())
                 .filter(|&d| self.devs[d].in_flight > 0)
                 .collect();
             if busy.len() == 1 {
+                // Submit what is pending and wait, in one call.
+                let sqpoll = self.cfg.sqpoll_idle_ms.is_some();
                 let dev = &mut self.devs[busy[0]];
-                dev.ring
-                    .submit_and_wait(1)
-                    .map_err(|e| Error::io(format!("io_uring wait on {}", dev.name), e))?;
-                dev.unsubmitted = 0;
+                match dev.ring.submit_and_wait(1) {
+                    Ok(_) => {}
+                    Err(e) if retryable(&e) => {}
+                    Err(e) => return Err(Error::io(format!("io_uring wait on {}", dev.name), e)),
+                }
+                dev.unsubmitted = if sqpoll {
+                    0
+                } else {
+                    dev.ring.submission().len() as u32
+                };
             } else {
                 // Several rings busy: submit what is pending, then sleep until
                 // any has a completion (an io_uring fd polls readable when its
@@ -570,7 +571,7 @@ impl IoEngine for UringEngine {
                 let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 100) };
                 if r < 0 {
                     let e = std::io::Error::last_os_error();
-                    if e.kind() != std::io::ErrorKind::Interrupted {
+                    if !retryable(&e) {
                         return Err(Error::io("poll on io_uring rings", e));
                     }
                 }
@@ -608,8 +609,18 @@ impl Drop for UringEngine {
         // started and need nothing.
         for dev in &mut self.devs {
             while dev.in_flight > 0 {
-                if dev.ring.submit_and_wait(1).is_err() {
-                    break;
+                match dev.ring.submit_and_wait(1) {
+                    Ok(_) => {}
+                    Err(e) if retryable(&e) => {}
+                    Err(e) => {
+                        // Returning would free memory the device may still
+                        // DMA into; there is no safe way on.
+                        eprintln!(
+                            "kvtier: io_uring on {} failed with I/O in flight: {e}",
+                            dev.name
+                        );
+                        std::process::abort();
+                    }
                 }
                 let n = dev.ring.completion().count() as u32;
                 dev.in_flight = dev.in_flight.saturating_sub(n);

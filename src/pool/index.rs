@@ -15,7 +15,11 @@ use std::collections::{BTreeSet, HashMap};
 pub struct Entry {
     pub slot: u64,
     pub generation: u64,
+    /// Pins held by callers (`lookup_and_pin`).
     pub pins: u32,
+    /// Pins held by the tier's own jobs (a load reading the block). Kept
+    /// apart so a caller's stray `unpin` can never release them.
+    pub job_pins: u32,
     /// LRU clock value of the last store or load.
     pub tick: u64,
 }
@@ -105,7 +109,7 @@ impl Index {
     pub fn touch(&mut self, key: &Key) {
         let t = self.next_tick();
         if let Some(e) = self.map.get_mut(key) {
-            if e.pins == 0 {
+            if e.pins + e.job_pins == 0 {
                 self.lru.remove(&(e.tick, e.slot));
                 self.lru.insert((t, e.slot));
             }
@@ -113,29 +117,54 @@ impl Index {
         }
     }
 
-    /// Pin a live key against eviction. False if the key is not live.
+    /// Pin a live key against eviction for a caller. False if the key is not live.
     pub fn pin(&mut self, key: &Key) -> bool {
+        self.add_pin(key, false)
+    }
+
+    /// Drop one caller pin. Unknown or unpinned keys are ignored: unpin
+    /// never fails, and never releases a job's pin.
+    pub fn unpin(&mut self, key: &Key) {
+        self.drop_pin(key, false)
+    }
+
+    /// Pin a live key for the duration of a job.
+    pub fn pin_job(&mut self, key: &Key) -> bool {
+        self.add_pin(key, true)
+    }
+
+    pub fn unpin_job(&mut self, key: &Key) {
+        self.drop_pin(key, true)
+    }
+
+    fn add_pin(&mut self, key: &Key, job: bool) -> bool {
         let Some(e) = self.map.get_mut(key) else {
             return false;
         };
-        if e.pins == 0 {
+        if e.pins + e.job_pins == 0 {
             self.lru.remove(&(e.tick, e.slot));
             self.pinned += 1;
         }
-        e.pins += 1;
+        if job {
+            e.job_pins += 1;
+        } else {
+            e.pins += 1;
+        }
         true
     }
 
-    /// Drop one pin. Unknown or unpinned keys are ignored: unpin never fails.
-    pub fn unpin(&mut self, key: &Key) {
-        if let Some(e) = self.map.get_mut(key) {
-            if e.pins > 0 {
-                e.pins -= 1;
-                if e.pins == 0 {
-                    self.lru.insert((e.tick, e.slot));
-                    self.pinned -= 1;
-                }
-            }
+    fn drop_pin(&mut self, key: &Key, job: bool) {
+        let Some(e) = self.map.get_mut(key) else {
+            return;
+        };
+        let count = if job { &mut e.job_pins } else { &mut e.pins };
+        if *count == 0 {
+            return;
+        }
+        *count -= 1;
+        if e.pins + e.job_pins == 0 {
+            self.lru.insert((e.tick, e.slot));
+            self.pinned -= 1;
         }
     }
 
@@ -149,6 +178,7 @@ impl Index {
                 needed: n,
                 free,
                 pinned: self.pinned,
+                reserved: self.reserved(),
             });
         }
         let mut evicted = Vec::new();
@@ -211,15 +241,16 @@ impl Index {
                 slot,
                 generation,
                 pins: 0,
+                job_pins: 0,
                 tick: t,
             },
         );
         debug_assert!(old.is_none(), "a key is stored once");
     }
 
-    /// A store failed: its slot goes back to the free list. Whatever partial
-    /// data it holds is unreachable (its header was never written), but the
-    /// header may still be a stale one: `stale_header` is left as it was.
+    /// A store failed: its slot goes back to the free list. Its partial data
+    /// is unreachable unless a header write landed before the failure; the
+    /// caller marks the header stale when that may be (`mark_stale_header`).
     pub fn abort(&mut self, slot: u64) {
         debug_assert_eq!(self.slots[slot as usize], SlotState::Reserved);
         self.slots[slot as usize] = SlotState::Free;
@@ -263,7 +294,7 @@ impl Index {
             self.slot_key.remove(&e.slot);
             self.slots[e.slot as usize] = SlotState::Free;
             self.free.insert(e.slot);
-            if e.pins > 0 {
+            if e.pins + e.job_pins > 0 {
                 self.pinned -= 1;
             }
         }
@@ -318,6 +349,13 @@ mod tests {
             err.contains("pool full") && err.contains("4 pinned"),
             "{err}"
         );
+        // A job pin survives a caller's stray unpins.
+        assert!(ix.pin_job(&k(6)));
+        ix.unpin(&k(6));
+        ix.unpin(&k(6));
+        assert_eq!(ix.get(&k(6)).unwrap().job_pins, 1);
+        ix.unpin_job(&k(6));
+        ix.pin(&k(6));
         // unpin never fails, even for unknown or unpinned keys.
         ix.unpin(&k(99));
         ix.unpin(&k(1));

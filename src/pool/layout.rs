@@ -27,6 +27,9 @@ pub const SLOT_HEADER_BYTES: u64 = 4096;
 pub const BLOCK_HEADER_MAGIC: [u8; 4] = *b"KVBH";
 /// `BlockHeader::state` of a block whose data is durable and whole.
 pub const BLOCK_STATE_LIVE: u32 = 1;
+/// `BlockHeader::flags`: the block was stored from memory the host cannot
+/// read (GPU memory), so `data_crc` is not set and `check` cannot verify it.
+pub const BLOCK_FLAG_NO_DATA_CRC: u16 = 1;
 /// The longest namespace and model name a superblock records.
 pub const NAMESPACE_MAX: usize = 128;
 pub const MODEL_NAME_MAX: usize = 64;
@@ -77,7 +80,7 @@ pub struct BlockHeader {
     /// `BLOCK_HEADER_MAGIC`.
     pub magic: [u8; 4],
     pub version: u16,
-    /// Reserved, 0.
+    /// `BLOCK_FLAG_*`.
     pub flags: u16,
     /// Must equal the superblock's: a header left by an earlier pool on the
     /// same device is not ours.

@@ -154,6 +154,8 @@ pub struct PoolInfo {
 pub struct CheckReport {
     pub blocks_checked: u64,
     pub blocks_ok: u64,
+    /// Blocks stored from GPU memory, which carry no data checksum.
+    pub blocks_unverifiable: u64,
     /// Slots whose header is ours but fails its checksum.
     pub damaged_headers: Vec<u64>,
     /// (slot, key) of live blocks whose data does not match the header's checksum.
@@ -450,7 +452,14 @@ impl Pool {
     }
 
     /// The header a committed store writes for `key` in `slot`.
-    pub fn make_header(&self, key: &Key, slot: u64, generation: u64, data_crc: u32) -> BlockHeader {
+    /// `data_crc` is `None` for data the host could not read (GPU memory).
+    pub fn make_header(
+        &self,
+        key: &Key,
+        slot: u64,
+        generation: u64,
+        data_crc: Option<u32>,
+    ) -> BlockHeader {
         let mut h = BlockHeader::zeroed();
         h.magic = BLOCK_HEADER_MAGIC;
         h.version = FORMAT_VERSION as u16;
@@ -461,7 +470,10 @@ impl Pool {
         h.key_len = key.as_bytes().len() as u8;
         h.namespace_hash = self.namespace_hash;
         h.data_len = self.layout.geometry.block_bytes();
-        h.data_crc = data_crc;
+        h.data_crc = data_crc.unwrap_or(0);
+        if data_crc.is_none() {
+            h.flags |= BLOCK_FLAG_NO_DATA_CRC;
+        }
         h.state = BLOCK_STATE_LIVE;
         h.seal();
         h
@@ -573,7 +585,9 @@ impl Pool {
                 let h: BlockHeader = bytemuck::pod_read_unaligned(
                     &hbuf.as_slice()[at..at + std::mem::size_of::<BlockHeader>()],
                 );
-                if h.crc_ok() && h.data_crc == crcs[i] {
+                if h.crc_ok() && h.flags & BLOCK_FLAG_NO_DATA_CRC != 0 {
+                    report.blocks_unverifiable += 1;
+                } else if h.crc_ok() && h.data_crc == crcs[i] {
                     report.blocks_ok += 1;
                 } else {
                     report.bad_data.push((slot, key.to_string()));

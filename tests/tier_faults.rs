@@ -1,0 +1,223 @@
+//! Tier behaviour under device failures and awkward call orders, driven by a
+//! controllable engine. `GatedEngine` is a test double of a device: it holds
+//! each job's IOCBs until the test opens that job's gate, and can fail a
+//! job's reads or writes with EIO. It checks the tier's bookkeeping, not
+//! I/O; the same tier code runs on the real io_uring engine in tests/tier.rs.
+
+mod common;
+
+use common::*;
+use kvtier::engine::{EngineStats, IoEngine};
+use kvtier::p2p::P2pTable;
+use kvtier::pool::Key;
+use kvtier::ring::abi::*;
+use kvtier::ring::{GioRing, IocbId};
+use kvtier::tier::{JobId, KeyOutcome, Tier, TierConfig};
+use kvtier::{HostKvCache, HostLayout};
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
+#[derive(Default)]
+struct Gates {
+    /// None: every job may complete; Some(set): only these.
+    open: Option<HashSet<JobId>>,
+    fail_writes: HashSet<JobId>,
+    fail_reads: HashSet<JobId>,
+}
+
+struct GatedEngine {
+    gates: Arc<Mutex<Gates>>,
+    held: Vec<IocbId>,
+    in_flight: usize,
+}
+
+impl IoEngine for GatedEngine {
+    fn name(&self) -> &'static str {
+        "gated-double"
+    }
+    fn register_memory(&mut self, _t: Arc<P2pTable>) -> kvtier::Result<()> {
+        Ok(())
+    }
+    fn submit(&mut self, ring: &mut GioRing) -> kvtier::Result<()> {
+        while let Some(id) = ring.pop_sq() {
+            self.in_flight += ring.iocb(id).hdr.count as usize;
+            self.held.push(id);
+        }
+        Ok(())
+    }
+    fn reap(&mut self, ring: &mut GioRing, _wait: bool) -> kvtier::Result<()> {
+        let g = self.gates.lock().unwrap();
+        let mut keep = Vec::new();
+        for id in std::mem::take(&mut self.held) {
+            let job = ring.iocb(id).hdr.user_data;
+            if g.open.as_ref().is_some_and(|o| !o.contains(&job)) {
+                keep.push(id);
+                continue;
+            }
+            let n = ring.iocb(id).hdr.count;
+            if n == 0 {
+                ring.finish(id);
+            }
+            for c in 0..n {
+                let ctx = ring.iocb(id).ctx[c as usize];
+                let fail = (ctx.op == IOCTX_OP_WRITE && g.fail_writes.contains(&job))
+                    || (ctx.op == IOCTX_OP_READ && g.fail_reads.contains(&job));
+                if fail {
+                    ring.complete_ctx(id, c, IOCTX_STATUS_ERRNO, libc::EIO as u32);
+                } else {
+                    ring.complete_ctx(id, c, IOCTX_STATUS_OK, ctx.len);
+                }
+                self.in_flight -= 1;
+            }
+        }
+        self.held = keep;
+        Ok(())
+    }
+    fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+    fn stats(&self) -> EngineStats {
+        EngineStats::default()
+    }
+    fn describe(&self) -> String {
+        "gated test double".into()
+    }
+}
+
+fn rig(dir: &TempDir, groups: u64) -> (Tier, Arc<Mutex<Gates>>) {
+    let geo = tiny_geometry();
+    let pool = create_pool(dir, geo, 4, 1, groups);
+    let gates = Arc::new(Mutex::new(Gates::default()));
+    let engine = GatedEngine {
+        gates: gates.clone(),
+        held: Vec::new(),
+        in_flight: 0,
+    };
+    let mut tier = Tier::with_engine(pool, TierConfig::default(), Box::new(engine)).unwrap();
+    let cache = Arc::new(HostKvCache::new(geo, 16, HostLayout::PerLayer).unwrap());
+    tier.register_host_cache(cache).unwrap();
+    (tier, gates)
+}
+
+fn k(i: u64) -> Key {
+    Key::from_u64(i)
+}
+
+#[test]
+fn concurrent_stores_of_one_key_never_wait_on_each_other() {
+    let dir = TempDir::new("dedup");
+    let (mut tier, gates) = rig(&dir, 4);
+    gates.lock().unwrap().open = Some(HashSet::new());
+    let a = tier.submit_store(&[k(1)], &[0]).unwrap();
+    gates.lock().unwrap().fail_writes.insert(a);
+    let b = tier.submit_store(&[k(1), k(2)], &[1, 2]).unwrap();
+    gates.lock().unwrap().open.as_mut().unwrap().insert(a);
+    for _ in 0..10 {
+        tier.poll().unwrap();
+    }
+    // A failed; B still waits for its own I/O. C shares both keys with B.
+    let c = tier.submit_store(&[k(1), k(2)], &[3, 4]).unwrap();
+    gates.lock().unwrap().open = None;
+    tier.drain()
+        .expect("no job waits on a job that waits on it");
+    let ra = tier.wait(a).unwrap();
+    let rb = tier.wait(b).unwrap();
+    let rc = tier.wait(c).unwrap();
+    assert!(
+        matches!(ra.outcomes[0], KeyOutcome::Failed(ref m) if m.contains("Input/output error")),
+        "{ra:?}"
+    );
+    assert!(
+        matches!(rb.outcomes[0], KeyOutcome::Failed(ref m) if m.contains("same key failed")),
+        "{rb:?}"
+    );
+    assert_eq!(rb.outcomes[1], KeyOutcome::Done);
+    assert_eq!(
+        rc.outcomes,
+        vec![KeyOutcome::Done, KeyOutcome::AlreadyStored]
+    );
+    assert!(tier.contains(&k(1)) && tier.contains(&k(2)));
+    assert_eq!(tier.usage().reserved_blocks, 0, "no slot leaks");
+}
+
+#[test]
+fn a_callers_stray_unpin_cannot_release_a_loads_pin() {
+    let dir = TempDir::new("pins");
+    let (mut tier, gates) = rig(&dir, 1); // 4 slots
+    let job = tier
+        .submit_store(&[k(1), k(2), k(3), k(4)], &[0, 1, 2, 3])
+        .unwrap();
+    assert!(tier.wait(job).unwrap().all_ok());
+    gates.lock().unwrap().open = Some(HashSet::new());
+    let load = tier
+        .submit_load(&[k(1), k(2), k(3), k(4)], &[8, 9, 10, 11], 0..4)
+        .unwrap();
+    tier.unpin(&[k(1), k(2), k(3), k(4)]);
+    tier.unpin(&[k(1), k(2), k(3), k(4)]);
+    let err = tier.submit_store(&[k(5)], &[5]).unwrap_err().to_string();
+    assert!(
+        err.contains("pool full"),
+        "the loading blocks stay pinned: {err}"
+    );
+    gates.lock().unwrap().open = None;
+    assert!(tier.wait(load).unwrap().all_ok());
+    let job = tier.submit_store(&[k(5)], &[5]).unwrap();
+    let r = tier.wait(job).unwrap();
+    assert!(r.all_ok());
+    assert_eq!(r.evicted, vec![k(1)], "the store reports what it evicted");
+}
+
+#[test]
+fn a_failed_layer_is_reported_not_announced_as_loaded() {
+    let dir = TempDir::new("badlayer");
+    let (mut tier, gates) = rig(&dir, 2);
+    let job = tier.submit_store(&[k(1), k(2)], &[0, 1]).unwrap();
+    assert!(tier.wait(job).unwrap().all_ok());
+    gates.lock().unwrap().open = Some(HashSet::new());
+    let load = tier.submit_load(&[k(1), k(2)], &[4, 5], 0..4).unwrap();
+    {
+        let mut g = gates.lock().unwrap();
+        g.fail_reads.insert(load);
+        g.open = None;
+    }
+    let err = tier.wait_layer(load, 0).unwrap_err().to_string();
+    assert!(
+        err.contains("layer 0") || err.contains("failed to load"),
+        "{err}"
+    );
+    let events = tier.layer_events();
+    assert!(events.iter().all(|e| e.error.is_some()), "{events:?}");
+    let r = tier.wait(load).unwrap();
+    assert!(!r.all_ok());
+    assert!(
+        tier.layer_events().is_empty(),
+        "collected jobs leave no events behind"
+    );
+}
+
+#[test]
+fn memory_in_use_by_a_job_in_flight_is_refused() {
+    let dir = TempDir::new("busy");
+    let (mut tier, gates) = rig(&dir, 2);
+    let job = tier.submit_store(&[k(1)], &[0]).unwrap();
+    assert!(tier.wait(job).unwrap().all_ok());
+    gates.lock().unwrap().open = Some(HashSet::new());
+    let load = tier.submit_load(&[k(1)], &[3], 0..4).unwrap();
+    let err = tier.submit_store(&[k(2)], &[3]).unwrap_err().to_string();
+    assert!(
+        err.contains("memory block 3 is the target of a load in flight"),
+        "{err}"
+    );
+    let store = tier.submit_store(&[k(2)], &[6]).unwrap();
+    let err = tier
+        .submit_load(&[k(1)], &[6], 0..4)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("memory block 6 is being stored"), "{err}");
+    gates.lock().unwrap().open = None;
+    assert!(tier.wait(load).unwrap().all_ok());
+    assert!(tier.wait(store).unwrap().all_ok());
+    // Released once the jobs finish.
+    let job = tier.submit_store(&[k(3)], &[3]).unwrap();
+    assert!(tier.wait(job).unwrap().all_ok());
+}
