@@ -131,6 +131,9 @@ struct BenchArgs {
     /// Use SQPOLL with this idle time in ms.
     #[arg(long)]
     sqpoll: Option<u32>,
+    /// io_uring DEFER_TASKRUN + SINGLE_ISSUER (single device, no SQPOLL).
+    #[arg(long)]
+    defer_taskrun: bool,
     /// Largest coalesced I/O.
     #[arg(long, default_value = "4m")]
     max_io: String,
@@ -347,6 +350,7 @@ fn uring_cfg(a: &BenchArgs, default_depth: u32) -> UringConfig {
         queue_depth: a.iodepth.unwrap_or(default_depth),
         sqpoll_idle_ms: a.sqpoll,
         fixed_buffers: true,
+        defer_taskrun: a.defer_taskrun,
     }
 }
 

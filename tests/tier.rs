@@ -357,6 +357,7 @@ fn sqpoll_and_no_fixed_buffers_round_trip() {
                 queue_depth: 8,
                 sqpoll_idle_ms: sqpoll,
                 fixed_buffers: fixed,
+                defer_taskrun: false,
             },
             ..TierConfig::default()
         };
@@ -385,4 +386,59 @@ fn sqpoll_and_no_fixed_buffers_round_trip() {
             "{d}"
         );
     }
+}
+
+#[test]
+fn defer_taskrun_round_trip_and_the_thread_rule() {
+    let dir = TempDir::new("defer");
+    let geo = tiny_geometry();
+    let cfg = TierConfig {
+        uring: kvtier::engine::uring::UringConfig {
+            defer_taskrun: true,
+            ..Default::default()
+        },
+        ..TierConfig::default()
+    };
+    let pool = create_pool(&dir, geo, 8, 1, 4);
+    let mut tier = Tier::open(pool, cfg.clone()).unwrap();
+    let cache = Arc::new(HostKvCache::new(geo, 32, HostLayout::PerLayer).unwrap());
+    tier.register_host_cache(cache.clone()).unwrap();
+    let ks: Vec<u64> = (0..16).collect();
+    let mem: Vec<u32> = (0..16).collect();
+    store(&mut tier, &cache, &ks, &mem);
+    cache.clear();
+    let job = tier.submit_load(&keys(0..16), &mem, 0..geo.layers).unwrap();
+    // Completions of a deferred-task-work ring must show up for a caller that only polls.
+    let t0 = std::time::Instant::now();
+    let mut done = Vec::new();
+    while done.is_empty() {
+        tier.poll().unwrap();
+        done = tier.get_finished();
+        assert!(
+            t0.elapsed().as_secs() < 10,
+            "polling never saw the load finish"
+        );
+    }
+    assert!(done[0].all_ok() && done[0].job == job);
+    for &k in &ks {
+        assert!(cache.block_matches(k as u32, seed_of(k), 0..geo.layers));
+    }
+    drop(tier);
+    // Used from another thread: a clear error, and a clean drop.
+    let pool = Pool::open(&[dir.file("ssd0.pool")], &OpenExpect::default()).unwrap();
+    let mut tier = Tier::open(pool, cfg).unwrap();
+    tier.register_host_cache(cache.clone()).unwrap();
+    if !tier.engine().describe().contains("DEFER_TASKRUN") {
+        eprintln!("kernel without DEFER_TASKRUN: thread rule not exercised");
+        return;
+    }
+    std::thread::spawn(move || {
+        let job = tier
+            .submit_load(&keys(0..4), &[0, 1, 2, 3], 0..geo.layers)
+            .unwrap();
+        let err = tier.wait(job).unwrap_err().to_string();
+        assert!(err.contains("another thread"), "{err}");
+    })
+    .join()
+    .unwrap();
 }

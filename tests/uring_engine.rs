@@ -34,8 +34,8 @@ fn rig(fixed_buffers: bool, layout: HostLayout) -> Rig {
         }],
         UringConfig {
             queue_depth: 4,
-            sqpoll_idle_ms: None,
             fixed_buffers,
+            ..UringConfig::default()
         },
     )
     .unwrap();

@@ -34,6 +34,13 @@ pub struct UringConfig {
     /// pinning). Falls back to plain iovecs, with the reason in `describe`,
     /// when the kernel refuses (RLIMIT_MEMLOCK).
     pub fixed_buffers: bool,
+    /// IORING_SETUP_SINGLE_ISSUER | DEFER_TASKRUN (6.1+): completions are
+    /// processed in the caller's own io_uring_enter, batched, instead of by
+    /// interrupting task work; ~3% more random-read IOPS here. Only for a
+    /// single-device pool without SQPOLL, and the tier must then be used
+    /// (and dropped) on the thread that created it. Off by default.
+    #[serde(default)]
+    pub defer_taskrun: bool,
 }
 
 impl Default for UringConfig {
@@ -42,6 +49,7 @@ impl Default for UringConfig {
             queue_depth: 64,
             sqpoll_idle_ms: None,
             fixed_buffers: true,
+            defer_taskrun: false,
         }
     }
 }
@@ -93,6 +101,9 @@ pub struct UringEngine {
     fixed: Vec<(MemRegion, u16)>,
     fixed_note: String,
     vectored_fixed: bool,
+    /// The ring runs with DEFER_TASKRUN: completions appear only after an
+    /// io_uring_enter with GETEVENTS from the creating thread.
+    defer_taskrun: bool,
     ops: Vec<Option<Op>>,
     free_ops: Vec<usize>,
     in_flight: usize,
@@ -114,18 +125,32 @@ impl UringEngine {
         }
         let mut devs = Vec::with_capacity(devices.len());
         let mut vectored_fixed = true;
+        let mut defer_taskrun = false;
         for d in devices {
             // No COOP_TASKRUN: with it, completions are posted only when the
             // thread next enters the kernel, and a caller that only polls
             // (get_finished in an engine's step loop) would not see them.
-            let mut b = IoUring::builder();
-            if let Some(idle) = cfg.sqpoll_idle_ms {
-                b.setup_sqpoll(idle);
-            }
-            let ring = b
-                .setup_cqsize(cfg.queue_depth.next_power_of_two() * 2)
-                .build(cfg.queue_depth.next_power_of_two())
-                .map_err(|e| {
+            let defer = cfg.defer_taskrun && devices.len() == 1 && cfg.sqpoll_idle_ms.is_none();
+            let build = |defer: bool| {
+                let mut b = IoUring::builder();
+                if let Some(idle) = cfg.sqpoll_idle_ms {
+                    b.setup_sqpoll(idle);
+                }
+                if defer {
+                    b.setup_single_issuer()
+                        .setup_defer_taskrun()
+                        .setup_taskrun_flag();
+                }
+                b.setup_cqsize(cfg.queue_depth.next_power_of_two() * 2)
+                    .build(cfg.queue_depth.next_power_of_two())
+            };
+            let built = match build(defer) {
+                Ok(r) => Ok((r, defer)),
+                // Kernels before 6.1 refuse DEFER_TASKRUN: run without it.
+                Err(_) if defer => build(false).map(|r| (r, false)),
+                Err(e) => Err(e),
+            };
+            let (ring, deferred) = built.map_err(|e| {
                     Error::io(
                         format!(
                             "creating an io_uring for {} (kernel 5.6+ with io_uring enabled is required; check /proc/sys/kernel/io_uring_disabled)",
@@ -144,6 +169,9 @@ impl UringEngine {
             {
                 vectored_fixed = false;
             }
+            if deferred {
+                defer_taskrun = true;
+            }
             devs.push(DevRing {
                 ring,
                 name: d.name.clone(),
@@ -159,6 +187,7 @@ impl UringEngine {
             fixed: Vec::new(),
             fixed_note: "no memory registered".into(),
             vectored_fixed,
+            defer_taskrun,
             ops: Vec::new(),
             free_ops: Vec::new(),
             in_flight: 0,
@@ -399,7 +428,7 @@ impl UringEngine {
                 // Interrupted, or the CQ is momentarily full: what the kernel
                 // did not take stays in the SQ and goes with the next enter.
                 Err(e) if retryable(&e) => {}
-                Err(e) => return Err(Error::io(format!("io_uring submit on {}", dev.name), e)),
+                Err(e) => return Err(enter_error(&dev.name, e)),
             }
             if !sqpoll_idle {
                 self.stats.syscalls += 1;
@@ -418,6 +447,16 @@ impl UringEngine {
     /// Reap every available CQE on every ring. Returns how many.
     fn drain(&mut self, ring: &mut GioRing) -> usize {
         let mut n = 0;
+        if self.defer_taskrun {
+            for dev in &mut self.devs {
+                // Completions wait as deferred task work until we enter with
+                // GETEVENTS (submit() adds it when the TASKRUN flag is up).
+                if dev.ring.submission().taskrun() {
+                    let _ = dev.ring.submit();
+                    self.stats.syscalls += 1;
+                }
+            }
+        }
         for d in 0..self.devs.len() {
             let cqes: Vec<(u64, i32)> = self.devs[d]
                 .ring
@@ -491,6 +530,19 @@ impl UringEngine {
     }
 }
 
+/// A submission error, explained where the cause is ours to name.
+fn enter_error(name: &str, e: std::io::Error) -> Error {
+    if e.raw_os_error() == Some(libc::EEXIST) {
+        return Error::io(
+            format!(
+                "io_uring on {name} was created by another thread; with UringConfig::defer_taskrun the tier must be used on the thread that opened it (turn defer_taskrun off to move it between threads)"
+            ),
+            e,
+        );
+    }
+    Error::io(format!("io_uring submit on {name}"), e)
+}
+
 fn retryable(e: &std::io::Error) -> bool {
     matches!(
         e.raw_os_error(),
@@ -547,7 +599,7 @@ impl IoEngine for UringEngine {
                 match dev.ring.submit_and_wait(1) {
                     Ok(_) => {}
                     Err(e) if retryable(&e) => {}
-                    Err(e) => return Err(Error::io(format!("io_uring wait on {}", dev.name), e)),
+                    Err(e) => return Err(enter_error(&dev.name, e)),
                 }
                 dev.unsubmitted = if sqpoll {
                     0
@@ -590,12 +642,17 @@ impl IoEngine for UringEngine {
 
     fn describe(&self) -> String {
         format!(
-            "io_uring: {} ring(s), queue depth {}, {}, {}",
+            "io_uring: {} ring(s), queue depth {}, {}{}, {}",
             self.devs.len(),
             self.cfg.queue_depth,
             match self.cfg.sqpoll_idle_ms {
                 Some(ms) => format!("SQPOLL (idle {ms} ms)"),
                 None => "no SQPOLL".into(),
+            },
+            if self.defer_taskrun {
+                ", DEFER_TASKRUN"
+            } else {
+                ""
             },
             self.fixed_note
         )
@@ -605,13 +662,21 @@ impl IoEngine for UringEngine {
 impl Drop for UringEngine {
     fn drop(&mut self) {
         // Never let the kernel write into memory or read iovecs we are about
-        // to free: wait out every started SQE. Backlogged IOCTXs were never
-        // started and need nothing.
+        // to free: wait out every SQE the kernel has taken. Backlogged
+        // IOCTXs were never started and need nothing.
         for dev in &mut self.devs {
             while dev.in_flight > 0 {
                 match dev.ring.submit_and_wait(1) {
-                    Ok(_) => {}
+                    Ok(_) => dev.unsubmitted = dev.ring.submission().len() as u32,
                     Err(e) if retryable(&e) => {}
+                    // DEFER_TASKRUN ring dropped on another thread with
+                    // nothing ever handed to the kernel: nothing to wait for.
+                    Err(e)
+                        if e.raw_os_error() == Some(libc::EEXIST)
+                            && dev.in_flight == dev.unsubmitted =>
+                    {
+                        break
+                    }
                     Err(e) => {
                         // Returning would free memory the device may still
                         // DMA into; there is no safe way on.
