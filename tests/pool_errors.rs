@@ -11,6 +11,22 @@ use std::os::unix::fs::FileExt;
 use std::process::Command;
 use std::sync::Arc;
 
+/// `kvtier pool create --dev DEV --size SIZE --model MODEL` plus `extra`.
+fn create(dev: &std::path::Path, size: &str, model: &str, extra: &[&str]) -> (i32, String) {
+    let mut args = vec![
+        "pool",
+        "create",
+        "--dev",
+        dev.to_str().unwrap(),
+        "--size",
+        size,
+        "--model",
+        model,
+    ];
+    args.extend_from_slice(extra);
+    kvtier(&args)
+}
+
 fn kvtier(args: &[&str]) -> (i32, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
         .args(args)
@@ -90,16 +106,7 @@ fn backing_file_too_small_is_refused() {
         err.contains("a.pool") && err.contains("1 MiB") && err.contains("needs at least"),
         "{err}"
     );
-    let (code, text) = kvtier(&[
-        "pool",
-        "create",
-        "--dev",
-        dir.file("b.pool").to_str().unwrap(),
-        "--size",
-        "64m",
-        "--model",
-        "llama3-70b",
-    ]);
+    let (code, text) = create(&dir.file("b.pool"), "64m", "llama3-70b", &[]);
     assert_ne!(code, 0);
     assert!(text.contains("b.pool") && text.contains("--size"), "{text}");
 }
@@ -210,16 +217,7 @@ fn malformed_model_config_is_refused_by_the_cli() {
     let cfg = dir.file("config.json");
     std::fs::write(&cfg, r#"{"num_hidden_layers": 32, "hidden_size": 4096,"#).unwrap();
     let dev = dir.file("p.pool");
-    let (code, text) = kvtier(&[
-        "pool",
-        "create",
-        "--dev",
-        dev.to_str().unwrap(),
-        "--size",
-        "64m",
-        "--model",
-        cfg.to_str().unwrap(),
-    ]);
+    let (code, text) = create(&dev, "64m", cfg.to_str().unwrap(), &[]);
     assert_ne!(code, 0);
     assert!(
         text.contains("config.json") && text.contains("line"),
@@ -230,16 +228,7 @@ fn malformed_model_config_is_refused_by_the_cli() {
         r#"{"hidden_size": 4096, "num_attention_heads": 32, "torch_dtype": "bfloat16"}"#,
     )
     .unwrap();
-    let (code, text) = kvtier(&[
-        "pool",
-        "create",
-        "--dev",
-        dev.to_str().unwrap(),
-        "--size",
-        "64m",
-        "--model",
-        cfg.to_str().unwrap(),
-    ]);
+    let (code, text) = create(&dev, "64m", cfg.to_str().unwrap(), &[]);
     assert_ne!(code, 0);
     assert!(text.contains("num_hidden_layers"), "{text}");
     assert!(!dev.exists(), "nothing is created on bad input");
@@ -250,20 +239,12 @@ fn cli_create_info_round_trip() {
     let dir = TempDir::new("cli");
     let a = dir.file("a.pool");
     let b = dir.file("b.pool");
-    let (code, text) = kvtier(&[
-        "pool",
-        "create",
-        "--dev",
-        a.to_str().unwrap(),
-        "--dev",
-        b.to_str().unwrap(),
-        "--size",
+    let (code, text) = create(
+        &a,
         "300m",
-        "--model",
         "llama3-8b",
-        "--group-blocks",
-        "16",
-    ]);
+        &["--dev", b.to_str().unwrap(), "--group-blocks", "16"],
+    );
     assert_eq!(code, 0, "{text}");
     let (code, text) = kvtier(&[
         "pool",
@@ -282,14 +263,7 @@ fn cli_create_info_round_trip() {
     assert_eq!(v["namespace"], "llama3-8b/bfloat16/bs16/tp0");
     // Creating over an existing, non-pool file needs --force.
     std::fs::write(dir.file("data"), vec![1u8; 4096]).unwrap();
-    let (code, text) = kvtier(&[
-        "pool",
-        "create",
-        "--dev",
-        dir.file("data").to_str().unwrap(),
-        "--size",
-        "300m",
-    ]);
+    let (code, text) = create(&dir.file("data"), "300m", "llama3-8b", &[]);
     assert_ne!(code, 0);
     assert!(text.contains("--force"), "{text}");
 }

@@ -1310,37 +1310,9 @@ impl BackingDevice {
         let len = buf.len();
         self.check_range(offset, len, "read")?;
         let slice = buf.as_mut_slice();
-        let mut done = 0usize;
-        while done < len {
-            match self.file.read_at(&mut slice[done..], offset + done as u64) {
-                Ok(0) => {
-                    return Err(self.device_error(
-                        offset,
-                        len,
-                        format!("short read: got {done} of {len} bytes (the device ended early)"),
-                    ))
-                }
-                Ok(n) => {
-                    done += n;
-                    if done < len && done % DIRECT_IO_ALIGN != 0 {
-                        return Err(self.device_error(
-                            offset,
-                            len,
-                            format!("short read: got {done} of {len} bytes"),
-                        ));
-                    }
-                }
-                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    return Err(self.device_error(
-                        offset,
-                        len,
-                        format!("read failed after {done} of {len} bytes: {e}"),
-                    ))
-                }
-            }
-        }
-        Ok(())
+        self.transfer(offset, len, "read", "got", |done| {
+            self.file.read_at(&mut slice[done..], offset + done as u64)
+        })
     }
 
     /// Write all of `buf` at `offset` (a multiple of [`DIRECT_IO_ALIGN`]) with direct I/O.
@@ -1350,15 +1322,36 @@ impl BackingDevice {
         let len = buf.len();
         self.check_range(offset, len, "write")?;
         let slice = buf.as_slice();
+        self.transfer(offset, len, "write", "wrote", |done| {
+            self.file.write_at(&slice[done..], offset + done as u64)
+        })
+    }
+
+    /// Drive a positional transfer of `len` bytes to completion: retries
+    /// interrupted calls, and reports short or failed transfers (a partial
+    /// transfer that stops off a direct-I/O boundary is an error too).
+    fn transfer(
+        &self,
+        offset: u64,
+        len: usize,
+        op: &str,
+        verb: &str,
+        mut step: impl FnMut(usize) -> std::io::Result<usize>,
+    ) -> Result<()> {
         let mut done = 0usize;
         while done < len {
-            match self.file.write_at(&slice[done..], offset + done as u64) {
+            match step(done) {
                 Ok(0) => {
+                    let why = if op == "read" {
+                        " (the device ended early)"
+                    } else {
+                        ""
+                    };
                     return Err(self.device_error(
                         offset,
                         len,
-                        format!("short write: wrote {done} of {len} bytes"),
-                    ))
+                        format!("short {op}: {verb} {done} of {len} bytes{why}"),
+                    ));
                 }
                 Ok(n) => {
                     done += n;
@@ -1366,7 +1359,7 @@ impl BackingDevice {
                         return Err(self.device_error(
                             offset,
                             len,
-                            format!("short write: wrote {done} of {len} bytes"),
+                            format!("short {op}: {verb} {done} of {len} bytes"),
                         ));
                     }
                 }
@@ -1375,7 +1368,7 @@ impl BackingDevice {
                     return Err(self.device_error(
                         offset,
                         len,
-                        format!("write failed after {done} of {len} bytes: {e}"),
+                        format!("{op} failed after {done} of {len} bytes: {e}"),
                     ))
                 }
             }
