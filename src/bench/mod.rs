@@ -129,12 +129,18 @@ fn filesystem_of(dir: &std::path::Path) -> String {
     best.map(|b| b.1).unwrap_or_else(|| "unknown".into())
 }
 
-fn cpu_seconds() -> f64 {
-    // SAFETY: getrusage writes into the struct we pass.
+/// (user, system) CPU seconds of this process so far.
+pub(crate) fn cpu_times() -> (f64, f64) {
+    // SAFETY: getrusage fills the struct we pass.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
     let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
-    tv(ru.ru_utime) + tv(ru.ru_stime)
+    (tv(ru.ru_utime), tv(ru.ru_stime))
+}
+
+fn cpu_seconds() -> f64 {
+    let (user, sys) = cpu_times();
+    user + sys
 }
 
 pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchReport> {

@@ -9,6 +9,7 @@
 //! given. Unlike fio: every I/O is an IOCTX in an IOCB, so what is measured
 //! is the path the tier uses.
 
+use super::cpu_times;
 use super::fio::{IoResult, Pattern, Workload};
 use crate::engine::uring::{UringConfig, UringDevice, UringEngine};
 use crate::engine::IoEngine;
@@ -41,14 +42,6 @@ impl Rng {
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^ (z >> 31)
     }
-}
-
-fn cpu_times() -> (f64, f64) {
-    // SAFETY: getrusage fills the struct we pass.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
-    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
-    (tv(ru.ru_utime), tv(ru.ru_stime))
 }
 
 struct Slot {
