@@ -12,10 +12,13 @@ pub mod engine;
 pub mod error;
 pub mod memory;
 pub mod model;
+pub mod nvme;
 pub mod p2p;
 pub mod plan;
 pub mod pool;
 pub mod ring;
+pub mod sched;
+pub mod slack;
 pub mod tier;
 
 pub use error::{Error, Result};

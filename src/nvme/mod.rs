@@ -1,0 +1,1 @@
+//! Userspace NVMe: spec layouts, queue pairs, controller bring-up (issue 4).

@@ -1,0 +1,1 @@
+//! The read-first / write-deferred I/O scheduler (issue 6).

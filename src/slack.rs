@@ -1,0 +1,1 @@
+//! Slack tables: loading and lookup (issue 6).
