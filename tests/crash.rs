@@ -24,6 +24,9 @@ use std::time::{Duration, Instant};
 
 const PER_JOB: u64 = 8;
 
+/// The writer's last output lines, printed when an iteration fails.
+static LAST_LINES: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
 /// xorshift: kill delays that differ per iteration but repeat per run.
 struct Rng(u64);
 impl Rng {
@@ -77,6 +80,7 @@ fn run_and_kill(devs: &[PathBuf], start_key: u64, delay: Duration) -> Vec<u64> {
     child.kill().expect("SIGKILL");
     child.wait().unwrap();
     let lines = reader.join().unwrap();
+    *LAST_LINES.lock().unwrap() = lines.iter().rev().take(8).rev().cloned().collect();
     lines
         .iter()
         .filter_map(|l| l.strip_prefix("ACK"))
@@ -108,7 +112,11 @@ fn verify_pool(devs: &[PathBuf], must_have: &[u64], iteration: usize) -> usize {
     for k in must_have {
         assert!(
             live_set.contains(k),
-            "iteration {iteration}: key {k} was acknowledged as stored but is lost"
+            "iteration {iteration}: key {k} was acknowledged as stored but is lost (writer's last lines {:?}; must-have {:?}, live {} keys: {:?})",
+            LAST_LINES.lock().unwrap(),
+            must_have,
+            live.len(),
+            { let mut l = live.clone(); l.sort(); l }
         );
     }
     let mut tier = Tier::open(pool, TierConfig::default()).unwrap();
@@ -166,20 +174,43 @@ fn sigkill_during_stores_loses_nothing_acknowledged() {
     let small = pool.paths();
     let cap = pool.index().total_slots();
     drop(pool);
+    // `order` is the LRU order the next writer starts from: every live key
+    // by store generation (acknowledged or not: a job killed after its
+    // headers landed leaves durable, unacknowledged keys that are newer than
+    // the acknowledged ones and take room), then this writer's stores.
     let mut order: Vec<u64> = Vec::new();
+    let mut acked_here: HashSet<u64> = HashSet::new();
     for i in iters / 2..iters {
         let delay = Duration::from_millis(5 + rng.next() % 120);
         let got = run_and_kill(&small, (i as u64 + 1) << 32, delay);
         kills_with_acks += !got.is_empty() as usize;
+        acked_here.extend(&got);
         order.extend(&got);
         // At the kill, one job (PER_JOB slots) may have been evicting the
-        // oldest keys; everything newer than that is certain to be resident.
+        // oldest keys; the newest cap - PER_JOB are certain to be resident,
+        // and of those, the acknowledged ones must be.
         let safe = (cap - PER_JOB) as usize;
-        let must: Vec<u64> = order.iter().rev().take(safe).copied().collect();
+        let must: Vec<u64> = order
+            .iter()
+            .rev()
+            .take(safe)
+            .filter(|k| acked_here.contains(k))
+            .copied()
+            .collect();
         verify_pool(&small, &must, i);
-        // The reopened pool's LRU follows store generations, like ours.
         let pool = Pool::open(&small, &OpenExpect::default()).unwrap();
-        order.retain(|k| pool.index().get(&Key::from_u64(*k)).is_some());
+        let mut live: Vec<(u64, u64)> = pool
+            .index()
+            .entries()
+            .map(|(k, e)| {
+                (
+                    e.generation,
+                    u64::from_le_bytes(k.as_bytes()[..8].try_into().unwrap()),
+                )
+            })
+            .collect();
+        live.sort();
+        order = live.into_iter().map(|(_, k)| k).collect();
     }
     eprintln!(
         "{iters} kills, {kills_with_acks} after at least one acknowledged job, {} keys acknowledged in phase 1",
