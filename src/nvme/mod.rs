@@ -1,1 +1,16 @@
 //! Userspace NVMe: spec layouts, queue pairs, controller bring-up (issue 4).
+//!
+//! - [`spec`]: the NVMe byte layouts (SQE, CQE, SGL descriptors, PRP lists,
+//!   controller registers, Identify data, status codes), twin of
+//!   `kernels/nvme_spec.h`. Pure data: no hardware access.
+//! - [`queue`]: a CPU-polled queue pair (phase tags, command ids, batched
+//!   doorbells, SQ head tracking, poll timeouts) over a [`queue::QueueMemory`]
+//!   that a real controller (BAR0 + DMA memory) or a simulated one provides.
+
+pub mod queue;
+pub mod spec;
+
+pub use queue::{Completion, QueueError, QueueMemory, QueuePair};
+pub use spec::{
+    Cqe, DataPtr, IdentifyController, IdentifyNamespace, PrpError, SglDescriptor, Sqe, Status,
+};
