@@ -19,7 +19,7 @@ if ! command -v losetup >/dev/null 2>&1; then
 fi
 
 cargo fmt --all -- --check
-cargo clippy --all-targets -- -D warnings
-cargo test --all-targets
+cargo clippy --workspace --all-targets -- -D warnings
+cargo test --workspace --all-targets
 # Each criterion bench once, unmeasured: they must keep building and running.
 cargo bench -- --test

@@ -16,6 +16,7 @@ pub mod nvme;
 pub mod p2p;
 pub mod plan;
 pub mod pool;
+pub mod replay;
 pub mod ring;
 pub mod sched;
 pub mod slack;

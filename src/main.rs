@@ -30,6 +30,9 @@ enum Cmd {
     Pool(PoolCmd),
     /// Store and retrieve model-shaped KV caches through the tier and report bandwidth.
     Bench(BenchArgs),
+    /// Play a prefill's per-layer compute times against real I/O under a
+    /// scheduling policy and report the bubble time.
+    Replay(ReplayArgs),
     /// Tools for tests (crash injection).
     #[command(subcommand, hide = true)]
     Debug(DebugCmd),
@@ -179,6 +182,40 @@ struct BenchArgs {
     repeat: u32,
 }
 
+#[derive(Args)]
+struct ReplayArgs {
+    /// Slack table (tables/<model>.<gpu>.json); without one, every layer computes for --layer-us.
+    #[arg(long)]
+    table: Option<PathBuf>,
+    /// Check the table against --model (otherwise the table's own model is used).
+    #[arg(long)]
+    model_given: bool,
+    #[command(flatten)]
+    model: ModelArgs,
+    /// New tokens of the request.
+    #[arg(long, default_value_t = 4096)]
+    input: u64,
+    /// Cached prefix tokens, loaded from the pool.
+    #[arg(long, default_value_t = 16384)]
+    prefix: u64,
+    /// slack, naive, sync, or all (read alone, then each policy with writes pending).
+    #[arg(long, default_value = "all")]
+    policy: String,
+    /// Multiply compute times; `auto` makes total compute equal the measured read-alone time.
+    #[arg(long, default_value = "auto")]
+    time_scale: String,
+    /// Compute time per layer without a table, in microseconds.
+    #[arg(long, default_value_t = 1000.0)]
+    layer_us: f64,
+    /// Blocks of new KV waiting to be written when the prefill starts (default: the input's blocks).
+    #[arg(long)]
+    pending_writes: Option<u64>,
+    #[arg(long, default_value = "./kvtier-data")]
+    dir: PathBuf,
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
 #[derive(Subcommand)]
 enum DebugCmd {
     /// Store blocks forever, printing "ACK <key>..." after each durable store job.
@@ -299,6 +336,7 @@ fn run(cli: Cli) -> Result<i32> {
             }
         }
         Cmd::Bench(a) => run_bench(a),
+        Cmd::Replay(a) => run_replay(a),
         Cmd::Debug(DebugCmd::CrashWriter {
             devs,
             start_key,
@@ -496,6 +534,130 @@ impl Progress {
     }
 }
 
+fn run_replay(a: ReplayArgs) -> Result<i32> {
+    use kvtier::replay::{ReplayPlan, ReplayRig};
+    use kvtier::sched::Policy;
+    let (geometry, mut plan) = match &a.table {
+        // The table names its model; with --model-given, --model must agree.
+        Some(path) => kvtier::replay::plan_from_table(
+            path,
+            a.model_given
+                .then(|| a.model.geometry())
+                .transpose()?
+                .as_ref(),
+            a.input,
+            a.prefix,
+        )?,
+        None => {
+            let g = a.model.geometry()?;
+            let plan = ReplayPlan {
+                geometry: g,
+                input_tokens: a.input,
+                prefix_tokens: a.prefix,
+                layer_compute_us: vec![a.layer_us; g.layers as usize],
+                layer_write_iocbs: vec![1; g.layers as usize],
+                decode_step_us: a.layer_us * g.layers as f64 / 8.0,
+                decode_write_iocbs: 1,
+                recompute_us: 0.0,
+                time_scale: 1.0,
+                pending_write_blocks: 0,
+            };
+            (g, plan)
+        }
+    };
+    plan.pending_write_blocks = a
+        .pending_writes
+        .unwrap_or_else(|| geometry.tokens_to_blocks(a.input));
+    let policies: Vec<Policy> = match a.policy.as_str() {
+        "all" => vec![Policy::Slack, Policy::Naive, Policy::Sync],
+        p => vec![Policy::parse(p).ok_or_else(|| {
+            kvtier::Error::invalid(format!(
+                "unknown --policy {p:?}; use slack, naive, sync or all"
+            ))
+        })?],
+    };
+    let bar = Progress::new();
+    bar.say(&format!(
+        "storing a {}-token prefix ({} blocks) and {} blocks of pending writes' memory",
+        a.prefix,
+        geometry.tokens_to_blocks(a.prefix),
+        plan.pending_write_blocks
+    ));
+    let mut rig = ReplayRig::new(&a.dir, plan.clone(), TierConfig::default())?;
+    // Read alone (no writes pending, no compute): the reference bandwidth.
+    rig.set_time_scale(0.0);
+    bar.say("read alone");
+    let alone = rig.run(Policy::Slack, false)?;
+    let scale = match a.time_scale.as_str() {
+        "auto" => {
+            let compute: f64 = plan.layer_compute_us.iter().sum();
+            alone.total_us / compute.max(1e-9)
+        }
+        s => s.parse::<f64>().map_err(|_| {
+            kvtier::Error::invalid(format!("--time-scale {s:?} is not a number or `auto`"))
+        })?,
+    };
+    rig.set_time_scale(scale);
+    let mut results = vec![("read alone".to_string(), alone.clone())];
+    for p in policies {
+        bar.say(&format!(
+            "{p:?} with {} blocks of writes pending",
+            plan.pending_write_blocks
+        ));
+        let r = rig.run(p, true)?;
+        results.push((format!("{p:?}").to_lowercase(), r));
+    }
+    bar.finish();
+    println!(
+        "replay: {} layers, input {} tokens, prefix {} tokens ({}), compute x{scale:.4} ({:.1} ms per prefill)",
+        geometry.layers,
+        a.input,
+        a.prefix,
+        human_bytes(geometry.tokens_to_blocks(a.prefix) * geometry.block_bytes()),
+        plan.layer_compute_us.iter().sum::<f64>() * scale / 1e3
+    );
+    println!(
+        "{:<11} {:>10} {:>11} {:>12} {:>13} {:>14} {:>14}",
+        "policy",
+        "read GiB/s",
+        "vs alone",
+        "bubble ms",
+        "prefill ms",
+        "writes done ms",
+        "writes in reads"
+    );
+    for (name, r) in &results {
+        println!(
+            "{:<11} {:>10.2} {:>10.2}x {:>12.2} {:>13.2} {:>14.2} {:>14}",
+            name,
+            r.read_gib_s,
+            r.read_gib_s / alone.read_gib_s,
+            r.bubble_us / 1e3,
+            r.total_us / 1e3,
+            r.writes_done_us / 1e3,
+            r.writes_during_reads
+        );
+    }
+    let get = |n: &str| results.iter().find(|(k, _)| k == n).map(|(_, r)| r);
+    if let (Some(s), Some(n)) = (get("slack"), get("naive")) {
+        println!(
+            "slack/naive bubble: {:.2}; slack keeps {:.0}% of read-alone bandwidth, naive {:.0}%",
+            s.bubble_us / n.bubble_us.max(1e-9),
+            100.0 * s.read_gib_s / alone.read_gib_s,
+            100.0 * n.read_gib_s / alone.read_gib_s
+        );
+    }
+    if plan.recompute_us > 0.0 {
+        println!(
+            "recomputing the prefix instead: {:.2} ms (scaled)",
+            plan.recompute_us * scale / 1e3
+        );
+    }
+    write_json(&a.json, &results)?;
+    let _ = std::fs::remove_file(a.dir.join("replay.pool"));
+    Ok(0)
+}
+
 /// The child side of the crash test: store forever, acknowledging each
 /// durable job on stdout; the parent SIGKILLs it at a random moment.
 fn crash_writer(devs: &[PathBuf], start_key: u64, per_job: u32, max_keys: u64) -> Result<i32> {
@@ -515,8 +677,18 @@ fn crash_writer(devs: &[PathBuf], start_key: u64, per_job: u32, max_keys: u64) -
             cache.fill_block(i as u32, crash_seed(k));
         }
         let ks: Vec<Key> = keys.iter().map(|&k| Key::from_u64(k)).collect();
+        let _ = writeln!(out, "SUBMIT {} {}", keys[0], keys[keys.len() - 1]);
+        let _ = out.flush();
         let job = tier.submit_store(&ks, &mem)?;
         let r = tier.wait(job)?;
+        let mut ev = String::from("EVICTED");
+        for k in &r.evicted {
+            ev += &format!(
+                " {}",
+                u64::from_le_bytes(k.as_bytes()[..8].try_into().expect("8-byte key"))
+            );
+        }
+        let _ = writeln!(out, "{ev}");
         let mut line = String::from("ACK");
         for (k, o) in keys.iter().zip(&r.outcomes) {
             if o.is_ok() {

@@ -1181,6 +1181,23 @@ impl Tier {
         Ok(())
     }
 
+    /// Load jobs not yet finished (the scheduler holds writes back while
+    /// any read is in flight).
+    pub fn loads_in_flight(&self) -> usize {
+        self.jobs
+            .values()
+            .filter(|j| j.kind == JobKind::Load)
+            .count()
+    }
+
+    /// Store jobs not yet finished.
+    pub fn stores_in_flight(&self) -> usize {
+        self.jobs
+            .values()
+            .filter(|j| j.kind == JobKind::Store)
+            .count()
+    }
+
     pub fn usage(&self) -> Usage {
         let ix = self.pool.index();
         let bb = self.pool.geometry().block_bytes();
