@@ -214,6 +214,10 @@ struct ReplayArgs {
     dir: PathBuf,
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Sweep the hit rate at a fixed total context (input + prefix) and plot
+    /// bubble time against it for each policy (SVG).
+    #[arg(long)]
+    sweep: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -535,39 +539,13 @@ impl Progress {
 }
 
 fn run_replay(a: ReplayArgs) -> Result<i32> {
-    use kvtier::replay::{ReplayPlan, ReplayRig};
+    if a.sweep.is_some() {
+        return run_replay_sweep(a);
+    }
+    use kvtier::replay::ReplayRig;
     use kvtier::sched::Policy;
-    let (geometry, mut plan) = match &a.table {
-        // The table names its model; with --model-given, --model must agree.
-        Some(path) => kvtier::replay::plan_from_table(
-            path,
-            a.model_given
-                .then(|| a.model.geometry())
-                .transpose()?
-                .as_ref(),
-            a.input,
-            a.prefix,
-        )?,
-        None => {
-            let g = a.model.geometry()?;
-            let plan = ReplayPlan {
-                geometry: g,
-                input_tokens: a.input,
-                prefix_tokens: a.prefix,
-                layer_compute_us: vec![a.layer_us; g.layers as usize],
-                layer_write_iocbs: vec![1; g.layers as usize],
-                decode_step_us: a.layer_us * g.layers as f64 / 8.0,
-                decode_write_iocbs: 1,
-                recompute_us: 0.0,
-                time_scale: 1.0,
-                pending_write_blocks: 0,
-            };
-            (g, plan)
-        }
-    };
-    plan.pending_write_blocks = a
-        .pending_writes
-        .unwrap_or_else(|| geometry.tokens_to_blocks(a.input));
+    let plan = replay_plan(&a, a.input, a.prefix)?;
+    let geometry = plan.geometry;
     let policies: Vec<Policy> = match a.policy.as_str() {
         "all" => vec![Policy::Slack, Policy::Naive, Policy::Sync],
         p => vec![Policy::parse(p).ok_or_else(|| {
@@ -654,6 +632,123 @@ fn run_replay(a: ReplayArgs) -> Result<i32> {
         );
     }
     write_json(&a.json, &results)?;
+    let _ = std::fs::remove_file(a.dir.join("replay.pool"));
+    Ok(0)
+}
+
+/// The replay plan for (input, prefix): from the table, or flat times.
+fn replay_plan(a: &ReplayArgs, input: u64, prefix: u64) -> Result<kvtier::replay::ReplayPlan> {
+    let (g, mut plan) = match &a.table {
+        Some(path) => kvtier::replay::plan_from_table(
+            path,
+            a.model_given
+                .then(|| a.model.geometry())
+                .transpose()?
+                .as_ref(),
+            input,
+            prefix,
+        )?,
+        None => {
+            let g = a.model.geometry()?;
+            let plan = kvtier::replay::ReplayPlan {
+                geometry: g,
+                input_tokens: input,
+                prefix_tokens: prefix,
+                layer_compute_us: vec![a.layer_us; g.layers as usize],
+                layer_write_iocbs: vec![1; g.layers as usize],
+                decode_step_us: a.layer_us * g.layers as f64 / 8.0,
+                decode_write_iocbs: 1,
+                recompute_us: 0.0,
+                time_scale: 1.0,
+                pending_write_blocks: 0,
+            };
+            (g, plan)
+        }
+    };
+    plan.pending_write_blocks = a
+        .pending_writes
+        .unwrap_or_else(|| g.tokens_to_blocks(input));
+    Ok(plan)
+}
+
+/// `kvtier replay --sweep FILE.svg`: bubble time against hit rate.
+fn run_replay_sweep(a: ReplayArgs) -> Result<i32> {
+    use kvtier::bench::plot::{plot_lines_svg, Series};
+    use kvtier::replay::ReplayRig;
+    use kvtier::sched::Policy;
+    let total = a.input + a.prefix;
+    let rates = [0.5, 0.75, 0.875, 0.9375, 0.96875];
+    let bar = Progress::new();
+    // One compute scale for the whole sweep (the GPU does not get faster
+    // with the hit rate): compute equals the read time at the middle rate.
+    let mid = replay_plan(
+        &a,
+        total - (total as f64 * 0.875) as u64,
+        (total as f64 * 0.875) as u64,
+    )?;
+    let scale = match a.time_scale.as_str() {
+        "auto" => {
+            bar.say("measuring the read time at 87.5% hits for the compute scale");
+            let mut rig = ReplayRig::new(&a.dir, mid.clone(), TierConfig::default())?;
+            rig.set_time_scale(0.0);
+            let alone = rig.run(Policy::Slack, false)?;
+            alone.total_us / mid.layer_compute_us.iter().sum::<f64>().max(1e-9)
+        }
+        s => s.parse::<f64>().map_err(|_| {
+            kvtier::Error::invalid(format!("--time-scale {s:?} is not a number or `auto`"))
+        })?,
+    };
+    let policies = [Policy::Slack, Policy::Naive, Policy::Sync];
+    let mut series: Vec<Series> = policies
+        .iter()
+        .map(|p| Series {
+            label: format!("{p:?}").to_lowercase(),
+            points: Vec::new(),
+        })
+        .collect();
+    let mut rows = Vec::new();
+    println!(
+        "{:>9} {:>9} {:>9} {:>12} {:>12} {:>12}",
+        "hit rate", "prefix", "input", "slack ms", "naive ms", "sync ms"
+    );
+    for &h in &rates {
+        let prefix = ((total as f64 * h) as u64).max(1);
+        let input = total - prefix;
+        let mut plan = replay_plan(&a, input, prefix)?;
+        plan.time_scale = scale;
+        bar.say(&format!(
+            "hit rate {:.2}%: prefix {prefix}, input {input}",
+            h * 100.0
+        ));
+        let mut rig = ReplayRig::new(&a.dir, plan, TierConfig::default())?;
+        let mut bubbles = Vec::new();
+        for (i, p) in policies.iter().enumerate() {
+            let r = rig.run(*p, true)?;
+            series[i].points.push((h * 100.0, r.bubble_us / 1e3));
+            bubbles.push(r.bubble_us / 1e3);
+            rows.push((h, *p, r));
+        }
+        println!(
+            "{:>8.2}% {:>9} {:>9} {:>12.2} {:>12.2} {:>12.2}",
+            h * 100.0,
+            prefix,
+            input,
+            bubbles[0],
+            bubbles[1],
+            bubbles[2]
+        );
+    }
+    bar.finish();
+    let path = a.sweep.as_ref().expect("checked");
+    plot_lines_svg(
+        path,
+        &format!("bubble time against hit rate ({total} tokens, compute x{scale:.3})"),
+        "prefix cache hit rate (%)",
+        "bubble time per prefill (ms)",
+        &series,
+    )?;
+    eprintln!("wrote {}", path.display());
+    write_json(&a.json, &rows)?;
     let _ = std::fs::remove_file(a.dir.join("replay.pool"));
     Ok(0)
 }

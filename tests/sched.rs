@@ -151,3 +151,81 @@ fn replay_runs_every_policy_and_accounts_every_layer() {
         .to_string();
     assert!(err.contains("3 layer times for a 4-layer model"), "{err}");
 }
+
+fn kvtier(args: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(args)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+#[test]
+fn replay_cli_reports_every_policy_sweeps_and_names_bad_tables() {
+    let dir = TempDir::new("replay-cli");
+    let d = dir.path().to_str().unwrap();
+    let json = dir.file("r.json");
+    let (ok, text) = kvtier(&[
+        "replay",
+        "--input",
+        "256",
+        "--prefix",
+        "1024",
+        "--layer-us",
+        "50",
+        "--dir",
+        d,
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(ok, "{text}");
+    for name in ["read alone", "slack", "naive", "sync", "slack/naive bubble"] {
+        assert!(text.contains(name), "{name} missing: {text}");
+    }
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v.as_array().unwrap().len(), 4);
+    let svg = dir.file("sweep.svg");
+    let (ok, text) = kvtier(&[
+        "replay",
+        "--input",
+        "256",
+        "--prefix",
+        "768",
+        "--layer-us",
+        "20",
+        "--dir",
+        d,
+        "--sweep",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(ok, "{text}");
+    let svg_text = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        svg_text.contains("<svg") && svg_text.contains("slack") && svg_text.contains("hit rate")
+    );
+    // A table with a broken field is refused with the field named.
+    let table = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tables/llama3-8b.h100.json"
+    ))
+    .unwrap();
+    let bad = dir.file("bad.json");
+    std::fs::write(
+        &bad,
+        table.replacen(
+            "\"schema\": \"kvtier-slack/1\"",
+            "\"schema\": \"kvtier-slack/9\"",
+            1,
+        ),
+    )
+    .unwrap();
+    let (ok, text) = kvtier(&["replay", "--table", bad.to_str().unwrap(), "--dir", d]);
+    assert!(!ok);
+    assert!(
+        text.contains("bad.json") && text.contains("schema"),
+        "{text}"
+    );
+}

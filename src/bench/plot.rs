@@ -270,6 +270,88 @@ pub fn plot_bandwidth_svg(
     Ok(())
 }
 
+/// Lines on linear axes (e.g. `kvtier replay --sweep`: bubble time against
+/// hit rate). `series` points are (x, y); labels go to the legend.
+pub fn plot_lines_svg(
+    path: &Path,
+    title: &str,
+    x_desc: &str,
+    y_desc: &str,
+    series: &[Series],
+) -> Result<()> {
+    for s in series {
+        for &(x, y) in &s.points {
+            check_finite("x", &s.label, x)?;
+            check_finite("y", &s.label, y)?;
+        }
+    }
+    let all = || series.iter().flat_map(|s| s.points.iter());
+    let (x0, x1) = all().fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), &(x, _)| {
+        (l.min(x), h.max(x))
+    });
+    let (x0, x1) = if x0.is_finite() && x1 > x0 {
+        (x0, x1)
+    } else {
+        (0.0, 1.0)
+    };
+    let pad = (x1 - x0) * 0.05;
+    let ymax = all().fold(0.0f64, |m, &(_, y)| m.max(y));
+    let ymax = if ymax > 0.0 { ymax } else { 1.0 } * (1.15 + 0.06 * series.len() as f64);
+    let draw_err = |e: &dyn std::fmt::Display| {
+        Error::io(
+            format!("drawing the plot {}", path.display()),
+            std::io::Error::other(e.to_string()),
+        )
+    };
+    let root = SVGBackend::new(path, (WIDTH, HEIGHT)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| draw_err(&e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(16)
+        .x_label_area_size(52)
+        .y_label_area_size(64)
+        .build_cartesian_2d((x0 - pad)..(x1 + pad), 0.0..ymax)
+        .map_err(|e| draw_err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc(x_desc)
+        .y_desc(y_desc)
+        .axis_desc_style(("sans-serif", 16))
+        .label_style(("sans-serif", 13))
+        .light_line_style(RGBColor(238, 238, 238))
+        .draw()
+        .map_err(|e| draw_err(&e))?;
+    for (i, s) in series.iter().enumerate() {
+        let color = LINE_COLORS[i % LINE_COLORS.len()];
+        let mut pts = s.points.clone();
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+        chart
+            .draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2)))
+            .map_err(|e| draw_err(&e))?
+            .label(s.label.as_str())
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 22, y)], color.stroke_width(2)));
+        chart
+            .draw_series(PointSeries::of_element(
+                pts.iter().copied(),
+                4,
+                color.filled(),
+                &|c, size, style| Circle::new(c, size, style),
+            ))
+            .map_err(|e| draw_err(&e))?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .margin(10)
+        .label_font(("sans-serif", 14))
+        .background_style(WHITE.mix(0.9))
+        .border_style(RGBColor(160, 160, 160))
+        .draw()
+        .map_err(|e| draw_err(&e))?;
+    root.present().map_err(|e| draw_err(&e))?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
