@@ -20,10 +20,8 @@ use kvtier::nvme::spec::{nvme_constants, nvme_layouts};
 #[allow(dead_code)]
 #[path = "../build.rs"]
 mod build_script;
-
-fn kernels_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels")
-}
+mod common;
+use common::{find_compiler, kernels_dir};
 
 /// A fresh directory for generated files, removed on drop.
 struct Scratch(PathBuf);
@@ -76,20 +74,6 @@ fn checks_source() -> String {
         ));
     }
     src
-}
-
-/// The first compiler of `candidates` that runs, honouring `env_var` first.
-fn find_compiler(env_var: &str, candidates: &[&str]) -> Option<String> {
-    let from_env = env::var(env_var).ok().filter(|c| !c.trim().is_empty());
-    from_env
-        .into_iter()
-        .chain(candidates.iter().map(|c| c.to_string()))
-        .find(|c| {
-            Command::new(c)
-                .arg("--version")
-                .output()
-                .is_ok_and(|o| o.status.success())
-        })
 }
 
 fn c_compiler() -> String {

@@ -123,6 +123,14 @@ fn check_finite(what: &str, label: &str, v: f64) -> Result<()> {
     }
 }
 
+/// A plotters failure, with the file it was drawing.
+fn plot_error(path: &Path, e: &dyn std::fmt::Display) -> Error {
+    Error::io(
+        format!("drawing the plot {}", path.display()),
+        std::io::Error::other(e.to_string()),
+    )
+}
+
 /// Retrieve and store bandwidth against context length (x: log2 scale,
 /// ticks labelled 4K, 16K, 64K, 128K...), with horizontal dashed reference
 /// lines (e.g. fio's sequential and random read bandwidth, GiB/s). Writes an
@@ -188,12 +196,7 @@ pub fn plot_bandwidth_svg(
     let entries = (lines.len() + references.len()) as f64;
     let ymax = if ymax > 0.0 { ymax } else { 1.0 } * (1.12 + 0.06 * entries);
 
-    let draw_err = |e: &dyn std::fmt::Display| {
-        Error::io(
-            format!("drawing the plot {}", path.display()),
-            std::io::Error::other(e.to_string()),
-        )
-    };
+    let draw_err = |e: &dyn std::fmt::Display| plot_error(path, e);
 
     let root = SVGBackend::new(path, (WIDTH, HEIGHT)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| draw_err(&e))?;
@@ -297,12 +300,7 @@ pub fn plot_lines_svg(
     let pad = (x1 - x0) * 0.05;
     let ymax = all().fold(0.0f64, |m, &(_, y)| m.max(y));
     let ymax = if ymax > 0.0 { ymax } else { 1.0 } * (1.15 + 0.06 * series.len() as f64);
-    let draw_err = |e: &dyn std::fmt::Display| {
-        Error::io(
-            format!("drawing the plot {}", path.display()),
-            std::io::Error::other(e.to_string()),
-        )
-    };
+    let draw_err = |e: &dyn std::fmt::Display| plot_error(path, e);
     let root = SVGBackend::new(path, (WIDTH, HEIGHT)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| draw_err(&e))?;
     let mut chart = ChartBuilder::on(&root)

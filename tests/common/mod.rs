@@ -89,3 +89,22 @@ pub fn create_pool(
 pub fn seed_of(key: u64) -> u64 {
     key.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ 0xA5A5
 }
+
+/// The crate's kernels/ directory (CUDA sources and the C twins of our layouts).
+pub fn kernels_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels")
+}
+
+/// The first compiler of `candidates` that runs, honouring `env_var` first.
+pub fn find_compiler(env_var: &str, candidates: &[&str]) -> Option<String> {
+    let from_env = std::env::var(env_var).ok().filter(|c| !c.trim().is_empty());
+    from_env
+        .into_iter()
+        .chain(candidates.iter().map(|c| c.to_string()))
+        .find(|c| {
+            std::process::Command::new(c)
+                .arg("--version")
+                .output()
+                .is_ok_and(|o| o.status.success())
+        })
+}
