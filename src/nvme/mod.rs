@@ -7,7 +7,9 @@
 //!   doorbells, SQ head tracking, poll timeouts) over a [`queue::QueueMemory`]
 //!   that a real controller (BAR0 + DMA memory) or a simulated one provides.
 
+pub mod ctrl;
 pub mod queue;
+pub mod sim;
 pub mod spec;
 
 pub use queue::{Completion, QueueError, QueueMemory, QueuePair};
