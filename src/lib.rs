@@ -8,6 +8,7 @@
 
 pub mod bench;
 pub mod cli;
+pub mod doctor;
 pub mod engine;
 pub mod error;
 pub mod memory;

@@ -33,6 +33,17 @@ enum Cmd {
     /// Play a prefill's per-layer compute times against real I/O under a
     /// scheduling policy and report the bubble time.
     Replay(ReplayArgs),
+    /// Say what this machine can run and why not: GPU and CUDA driver, IOMMU,
+    /// vfio/uio, NVMe controllers, io_uring, O_DIRECT on the pool directory,
+    /// and the engine kvtier would pick.
+    Doctor {
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+        /// The pool directory to check (created if missing).
+        #[arg(long, default_value = "./kvtier-data")]
+        dir: PathBuf,
+    },
     /// Tools for tests (crash injection).
     #[command(subcommand, hide = true)]
     Debug(DebugCmd),
@@ -341,6 +352,18 @@ fn run(cli: Cli) -> Result<i32> {
         }
         Cmd::Bench(a) => run_bench(a),
         Cmd::Replay(a) => run_replay(a),
+        Cmd::Doctor { json, dir } => {
+            let report = kvtier::doctor::run(&dir)?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).expect("serializable")
+                );
+            } else {
+                print!("{}", kvtier::doctor::render(&report));
+            }
+            Ok(0)
+        }
         Cmd::Debug(DebugCmd::CrashWriter {
             devs,
             start_key,

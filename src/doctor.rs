@@ -1,0 +1,1618 @@
+//! `kvtier doctor`: what this machine can run, and why not.
+//!
+//! Every line of the report is something probed on this machine at the time of
+//! the call: sysfs and procfs files, the CUDA driver library (loaded with
+//! `dlopen`, never linked), an NVMe Identify through the kernel's admin
+//! passthrough ioctl, io_uring rings created with the features kvtier uses, and
+//! a real `O_DIRECT` write and read on the pool directory. What cannot be told
+//! says `unknown (why)`.
+//!
+//! The raw calls (`dlopen`/`dlsym` into libcuda, the NVMe admin ioctl, `statx`)
+//! each live in one small private function here with SAFETY comments; the rest
+//! is plain reading of files.
+//!
+//! The verdict names the engine kvtier would use: `gpu` (CUDA I/O kernels on a
+//! green-context SM partition), `nvme` (userspace NVMe through VFIO or uio),
+//! or `uring` (io_uring with `O_DIRECT` on the pool directory; works
+//! everywhere), with the reasons the others are out.
+
+use crate::error::{Error, Result};
+use crate::pool::backing::{mounted_at, AlignedBuf};
+use serde::{Deserialize, Serialize};
+use std::fmt::Write as _;
+use std::fs;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+/// Whether this build contains the GPU engine (`src/engine/gpu.rs`, issue 5).
+/// Its prerequisites are still probed and reported; the verdict never picks
+/// an engine the binary does not have.
+const GPU_ENGINE_BUILT: bool = false;
+/// Whether this build contains the userspace NVMe engine (VFIO/uio, issue 4).
+const NVME_ENGINE_BUILT: bool = false;
+
+const NVIDIA_VENDOR: &str = "0x10de";
+/// PCI class code of an NVMe controller (mass storage, non-volatile memory, NVMe).
+const NVME_CLASS: &str = "0x010802";
+
+/// One probed fact: `ok` is `Some(true)` when it is what kvtier needs,
+/// `Some(false)` when it is missing or broken, `None` when it is only
+/// information (or could not be told).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Item {
+    pub key: String,
+    pub value: String,
+    pub ok: Option<bool>,
+    /// Why, where from, or what to do.
+    pub note: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Section {
+    pub name: String,
+    pub items: Vec<Item>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Report {
+    pub sections: Vec<Section>,
+    /// `gpu`, `nvme`, `uring`, or `none` when not even io_uring with O_DIRECT works.
+    pub engine: String,
+    pub engine_reason: String,
+}
+
+impl Report {
+    /// The section of this name, if the report has it.
+    pub fn section(&self, name: &str) -> Option<&Section> {
+        self.sections.iter().find(|s| s.name == name)
+    }
+}
+
+impl Section {
+    /// The first item with this key.
+    pub fn item(&self, key: &str) -> Option<&Item> {
+        self.items.iter().find(|i| i.key == key)
+    }
+}
+
+fn item(key: &str, value: impl Into<String>, ok: Option<bool>, note: impl Into<String>) -> Item {
+    Item {
+        key: key.to_string(),
+        value: value.into(),
+        ok,
+        note: note.into(),
+    }
+}
+
+/// Probe the machine, with `dir` as the pool directory (created if missing; a
+/// temporary file in it is written, read and removed).
+pub fn run(dir: &Path) -> Result<Report> {
+    let gpu = probe_gpu();
+    let iommu = probe_iommu();
+    let vfio = probe_vfio();
+    let nvme = probe_nvme();
+    let uring = probe_uring();
+    let pool = probe_pool_dir(dir)?;
+
+    let (engine, engine_reason, verdicts) = verdict(&gpu, &iommu, &vfio, &nvme, &uring, &pool);
+    let sections = vec![
+        Section {
+            name: "gpu".into(),
+            items: gpu.items,
+        },
+        Section {
+            name: "iommu".into(),
+            items: iommu.items,
+        },
+        Section {
+            name: "vfio".into(),
+            items: vfio.items,
+        },
+        Section {
+            name: "nvme".into(),
+            items: nvme.items,
+        },
+        Section {
+            name: "io_uring".into(),
+            items: uring.items,
+        },
+        Section {
+            name: "pool_dir".into(),
+            items: pool.items,
+        },
+        Section {
+            name: "engine".into(),
+            items: verdicts,
+        },
+    ];
+    Ok(Report {
+        sections,
+        engine,
+        engine_reason,
+    })
+}
+
+/// The report as text: one line per item, `[ ok ]` (what kvtier needs),
+/// `[ no ]` (missing or broken) or `[ -- ]` (information), then the engine
+/// verdict.
+pub fn render(r: &Report) -> String {
+    let mut s = String::from("kvtier doctor\n");
+    for sec in &r.sections {
+        let _ = writeln!(s, "\n{}", sec.name);
+        let width = sec.items.iter().map(|i| i.key.len()).max().unwrap_or(0);
+        for i in &sec.items {
+            let mark = match i.ok {
+                Some(true) => "[ ok ]",
+                Some(false) => "[ no ]",
+                None => "[ -- ]",
+            };
+            let _ = write!(s, "  {mark} {:<width$}  {}", i.key, i.value);
+            if !i.note.is_empty() {
+                let _ = write!(s, " — {}", i.note);
+            }
+            s.push('\n');
+        }
+    }
+    let _ = writeln!(
+        s,
+        "\nengine: {} — {}",
+        r.engine,
+        r.engine_reason.replace("; ", ";\n  ")
+    );
+    s
+}
+
+// ---------------------------------------------------------------------------------------
+// Small file helpers
+// ---------------------------------------------------------------------------------------
+
+fn read_trim(path: impl AsRef<Path>) -> Option<String> {
+    fs::read_to_string(path).ok().map(|s| s.trim().to_string())
+}
+
+/// Sorted names in a directory; `None` when it cannot be read.
+fn dir_names(path: impl AsRef<Path>) -> Option<Vec<String>> {
+    let mut v: Vec<String> = fs::read_dir(path)
+        .ok()?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    Some(v)
+}
+
+/// The name of the link's target (the driver bound to a device, ...).
+fn link_name(path: impl AsRef<Path>) -> Option<String> {
+    fs::read_link(path)
+        .ok()
+        .and_then(|t| t.file_name().map(|n| n.to_string_lossy().into_owned()))
+}
+
+fn exists(path: &str) -> bool {
+    Path::new(path).exists()
+}
+
+fn yes_no(b: bool) -> &'static str {
+    if b {
+        "yes"
+    } else {
+        "no"
+    }
+}
+
+fn human(bytes: u64) -> String {
+    crate::cli::human_bytes(bytes)
+}
+
+/// A PCI function from /sys/bus/pci/devices.
+struct PciDev {
+    addr: String,
+    device_id: String,
+    driver: Option<String>,
+    sysfs: PathBuf,
+}
+
+/// PCI functions of this vendor (or any, `None`) whose class starts with `class_prefix`.
+fn pci_devices(vendor: Option<&str>, class_prefix: &str) -> Option<Vec<PciDev>> {
+    let base = Path::new("/sys/bus/pci/devices");
+    let names = dir_names(base)?;
+    let mut out = Vec::new();
+    for n in names {
+        let p = base.join(&n);
+        let v = read_trim(p.join("vendor")).unwrap_or_default();
+        let c = read_trim(p.join("class")).unwrap_or_default();
+        if vendor.is_some_and(|want| v != want) || !c.starts_with(class_prefix) {
+            continue;
+        }
+        out.push(PciDev {
+            device_id: read_trim(p.join("device")).unwrap_or_default(),
+            driver: link_name(p.join("driver")),
+            addr: n,
+            sysfs: p,
+        });
+    }
+    Some(out)
+}
+
+/// Size of BAR `index` from a PCI device's `resource` file (one "start end
+/// flags" line of hex per resource); `None` when unassigned or unreadable.
+fn bar_size(dev: &Path, index: usize) -> Option<u64> {
+    let text = fs::read_to_string(dev.join("resource")).ok()?;
+    let line = text.lines().nth(index)?;
+    let mut f = line.split_whitespace();
+    let parse = |s: &str| u64::from_str_radix(s.trim_start_matches("0x"), 16).ok();
+    let start = parse(f.next()?)?;
+    let end = parse(f.next()?)?;
+    (end > start).then(|| end - start + 1)
+}
+
+// ---------------------------------------------------------------------------------------
+// GPU and CUDA driver
+// ---------------------------------------------------------------------------------------
+
+struct CudaDevice {
+    ordinal: i32,
+    name: String,
+    sms: i32,
+    cc: (i32, i32),
+    memory: u64,
+    pci: Option<String>,
+}
+
+struct CudaDriver {
+    /// The library name dlopen accepted.
+    library: &'static str,
+    version: Option<i32>,
+    init_error: Option<String>,
+    devices: Vec<CudaDevice>,
+    device_error: Option<String>,
+    has_green_ctx_symbol: bool,
+}
+
+struct GpuFacts {
+    items: Vec<Item>,
+    /// At least one GPU the driver enumerates with green contexts.
+    green_ready: bool,
+    any_gpu: bool,
+    driver_ok: bool,
+    why_not: Vec<String>,
+}
+
+fn cu_version(v: i32) -> String {
+    format!("{}.{}", v / 1000, (v % 1000) / 10)
+}
+
+fn probe_gpu() -> GpuFacts {
+    let mut items = Vec::new();
+    let mut why_not = Vec::new();
+
+    // The kernel side: device nodes and the module's version, independent of libcuda.
+    let nvidiactl = exists("/dev/nvidiactl");
+    let module = read_trim("/proc/driver/nvidia/version")
+        .and_then(|s| s.lines().next().map(|l| l.trim().to_string()));
+    items.push(item(
+        "kernel driver",
+        match &module {
+            Some(m) => m.clone(),
+            None => "not loaded".into(),
+        },
+        Some(module.is_some()),
+        if nvidiactl {
+            "/dev/nvidiactl present"
+        } else {
+            "no /proc/driver/nvidia/version, no /dev/nvidiactl"
+        },
+    ));
+
+    // PCI: NVIDIA display/3D controllers and their BAR1 (what P2P DMA into GPU memory targets).
+    let pci = pci_devices(Some(NVIDIA_VENDOR), "0x03");
+    let pci_gpus = pci.as_deref().unwrap_or(&[]);
+    match &pci {
+        None => items.push(item(
+            "PCI GPUs",
+            "unknown (cannot read /sys/bus/pci/devices)",
+            None,
+            "",
+        )),
+        Some(v) if v.is_empty() => items.push(item(
+            "PCI GPUs",
+            "none",
+            Some(false),
+            "no PCI function with vendor 0x10de and a display class in /sys/bus/pci/devices",
+        )),
+        Some(v) => {
+            for d in v {
+                let bar1 = match bar_size(&d.sysfs, 1) {
+                    Some(b) => format!("BAR1 {}", human(b)),
+                    None => "BAR1 unknown (resource 1 unassigned or unreadable)".into(),
+                };
+                items.push(item(
+                    &format!("PCI GPU {}", d.addr),
+                    format!("device {}, {bar1}", d.device_id),
+                    Some(true),
+                    format!("driver {}", d.driver.as_deref().unwrap_or("none bound")),
+                ));
+            }
+        }
+    }
+
+    // The user-space driver library.
+    let driver = probe_cuda_driver();
+    let mut green_ready = false;
+    let mut driver_ok = false;
+    let mut any_gpu = !pci_gpus.is_empty();
+    match &driver {
+        Err(e) => {
+            items.push(item(
+                "CUDA driver",
+                "not found",
+                Some(false),
+                format!("dlopen libcuda.so.1 / libcuda.so failed: {e}"),
+            ));
+            why_not.push("no CUDA driver library (libcuda) on this machine".into());
+            if pci_gpus.is_empty() {
+                why_not.push("no NVIDIA GPU on the PCI bus".into());
+            }
+        }
+        Ok(d) => {
+            let vnote = match d.version {
+                Some(v) => cu_version(v),
+                None => "unknown (cuDriverGetVersion failed)".into(),
+            };
+            items.push(item(
+                "CUDA driver",
+                format!("{} (driver API {vnote})", d.library),
+                Some(d.version.is_some()),
+                "loaded with dlopen",
+            ));
+            // cudarc's loader (CUDA 13.0 bindings) expects every 13.0 symbol and panics
+            // on the first one missing: the GPU engine needs a 13.0+ driver.
+            match d.version {
+                Some(v) if v >= 13000 => {
+                    let loaded = std::panic::catch_unwind(|| {
+                        // SAFETY: loads libcuda and resolves its symbols; no CUDA call is
+                        // made. A missing symbol panics, which catch_unwind contains.
+                        unsafe { cudarc::driver::sys::is_culib_present() }
+                    });
+                    let (value, ok) = match loaded {
+                        Ok(true) => ("loads".to_string(), true),
+                        Ok(false) => ("library not found by cudarc".to_string(), false),
+                        Err(_) => ("panicked: a symbol of the 13.0 bindings is missing".into(), false),
+                    };
+                    items.push(item(
+                        "cudarc bindings",
+                        value,
+                        Some(ok),
+                        "cudarc 0.17 with CUDA 13.0 bindings",
+                    ));
+                }
+                Some(v) => items.push(item(
+                    "cudarc bindings",
+                    "not tried",
+                    Some(false),
+                    format!(
+                        "driver API {} is older than the CUDA 13.0 bindings kvtier uses; cudarc would abort on missing symbols: update the NVIDIA driver",
+                        cu_version(v)
+                    ),
+                )),
+                None => {}
+            }
+            if let Some(e) = &d.init_error {
+                items.push(item("cuInit", e.clone(), Some(false), ""));
+                why_not.push(format!("cuInit failed: {e}"));
+            }
+            if let Some(e) = &d.device_error {
+                items.push(item("devices", e.clone(), Some(false), ""));
+            } else if d.init_error.is_none() {
+                items.push(item(
+                    "devices",
+                    d.devices.len().to_string(),
+                    Some(!d.devices.is_empty()),
+                    "cuDeviceGetCount",
+                ));
+            }
+            driver_ok = d.version.is_some() && d.init_error.is_none();
+            any_gpu |= !d.devices.is_empty();
+            if d.init_error.is_none() && d.devices.is_empty() {
+                why_not.push("the CUDA driver sees no GPU".into());
+            }
+            let version = d.version.unwrap_or(0);
+            for g in &d.devices {
+                let bar1 = g
+                    .pci
+                    .as_ref()
+                    .and_then(|bus| {
+                        pci_gpus
+                            .iter()
+                            .find(|p| p.addr.eq_ignore_ascii_case(bus))
+                            .and_then(|p| bar_size(&p.sysfs, 1))
+                    })
+                    .map(|b| format!(", BAR1 {}", human(b)))
+                    .unwrap_or_else(|| {
+                        ", BAR1 unknown (no sysfs resource for its PCI address)".into()
+                    });
+                items.push(item(
+                    &format!("GPU {}", g.ordinal),
+                    format!(
+                        "{}: {} SMs, compute capability {}.{}, {}{bar1}",
+                        g.name,
+                        g.sms,
+                        g.cc.0,
+                        g.cc.1,
+                        human(g.memory)
+                    ),
+                    Some(true),
+                    format!("PCI {}", g.pci.as_deref().unwrap_or("unknown")),
+                ));
+                let green = version >= 12040 && g.cc.0 >= 9 && d.has_green_ctx_symbol;
+                green_ready |= green;
+                let why = if version < 12040 {
+                    format!("driver API {} < 12.4", cu_version(version))
+                } else if g.cc.0 < 9 {
+                    format!("compute capability {}.{} < 9.0", g.cc.0, g.cc.1)
+                } else if !d.has_green_ctx_symbol {
+                    "libcuda has no cuGreenCtxCreate".into()
+                } else {
+                    "driver >= 12.4, compute capability >= 9.0, cuGreenCtxCreate present".into()
+                };
+                items.push(item(
+                    &format!("GPU {} green contexts", g.ordinal),
+                    yes_no(green),
+                    Some(green),
+                    why,
+                ));
+            }
+            if !d.devices.is_empty() && !green_ready {
+                why_not.push(
+                    "no GPU supports green contexts (driver 12.4+ and Hopper or newer)".into(),
+                );
+            }
+        }
+    }
+    GpuFacts {
+        items,
+        green_ready,
+        any_gpu,
+        driver_ok,
+        why_not,
+    }
+}
+
+/// `dlopen` libcuda and ask it what it sees. Never panics: a missing library or
+/// symbol is an `Err`/`None` here, not cudarc's abort.
+fn probe_cuda_driver() -> std::result::Result<CudaDriver, String> {
+    use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+
+    const NAMES: [(&str, &CStr); 2] = [
+        ("libcuda.so.1", c"libcuda.so.1"),
+        ("libcuda.so", c"libcuda.so"),
+    ];
+    let mut errors = Vec::new();
+    let mut found = None;
+    for (name, cname) in NAMES {
+        // SAFETY: dlopen with a valid NUL-terminated name; RTLD_LOCAL keeps its symbols out
+        // of the global namespace. The handle is never closed (libcuda must not be
+        // unloaded while a context may exist), which only leaks one mapping.
+        let h = unsafe { libc::dlopen(cname.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+        if !h.is_null() {
+            found = Some((name, h));
+            break;
+        }
+        // SAFETY: dlerror returns NULL or a NUL-terminated string valid until the next
+        // dl* call on this thread; it is copied at once.
+        let e = unsafe { libc::dlerror() };
+        errors.push(if e.is_null() {
+            format!("{name}: not found")
+        } else {
+            // SAFETY: non-null, NUL-terminated (see above).
+            unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned()
+        });
+    }
+    let Some((library, handle)) = found else {
+        return Err(errors.join("; "));
+    };
+    let sym = |name: &CStr| -> *mut c_void {
+        // SAFETY: a live handle from dlopen and a NUL-terminated symbol name.
+        unsafe { libc::dlsym(handle, name.as_ptr()) }
+    };
+
+    type GetVersion = unsafe extern "C" fn(*mut c_int) -> c_int;
+    type Init = unsafe extern "C" fn(c_uint) -> c_int;
+    type GetCount = unsafe extern "C" fn(*mut c_int) -> c_int;
+    type DeviceGet = unsafe extern "C" fn(*mut c_int, c_int) -> c_int;
+    type GetName = unsafe extern "C" fn(*mut c_char, c_int, c_int) -> c_int;
+    type GetAttr = unsafe extern "C" fn(*mut c_int, c_int, c_int) -> c_int;
+    type TotalMem = unsafe extern "C" fn(*mut usize, c_int) -> c_int;
+    type BusId = unsafe extern "C" fn(*mut c_char, c_int, c_int) -> c_int;
+    type ErrName = unsafe extern "C" fn(c_int, *mut *const c_char) -> c_int;
+
+    macro_rules! get {
+        ($name:literal, $ty:ty) => {{
+            let p = sym($name);
+            if p.is_null() {
+                None
+            } else {
+                // SAFETY: the symbol is the CUDA driver API function of this name, whose C
+                // signature (CUresult as int, CUdevice as int) is the one in `$ty`.
+                Some(unsafe { std::mem::transmute::<*mut c_void, $ty>(p) })
+            }
+        }};
+    }
+
+    let err_name: Option<ErrName> = get!(c"cuGetErrorName", ErrName);
+    let describe = |rc: c_int| -> String {
+        let mut p: *const c_char = std::ptr::null();
+        if let Some(f) = err_name {
+            // SAFETY: f writes a pointer to a static NUL-terminated string or leaves it.
+            if unsafe { f(rc, &mut p) } == 0 && !p.is_null() {
+                // SAFETY: static string owned by libcuda.
+                return unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned();
+            }
+        }
+        format!("CUresult {rc}")
+    };
+
+    let mut out = CudaDriver {
+        library,
+        version: None,
+        init_error: None,
+        devices: Vec::new(),
+        device_error: None,
+        has_green_ctx_symbol: !sym(c"cuGreenCtxCreate").is_null(),
+    };
+    if let Some(f) = get!(c"cuDriverGetVersion", GetVersion) {
+        let mut v: c_int = 0;
+        // SAFETY: writes one int; callable before cuInit.
+        if unsafe { f(&mut v) } == 0 {
+            out.version = Some(v);
+        }
+    }
+    let Some(init) = get!(c"cuInit", Init) else {
+        out.init_error = Some("libcuda has no cuInit".into());
+        return Ok(out);
+    };
+    // SAFETY: cuInit(0) is the documented first call; it is idempotent.
+    let rc = unsafe { init(0) };
+    if rc != 0 {
+        out.init_error = Some(describe(rc));
+        return Ok(out);
+    }
+    let (Some(count), Some(dev_get), Some(get_name), Some(attr), Some(total)) = (
+        get!(c"cuDeviceGetCount", GetCount),
+        get!(c"cuDeviceGet", DeviceGet),
+        get!(c"cuDeviceGetName", GetName),
+        get!(c"cuDeviceGetAttribute", GetAttr),
+        get!(c"cuDeviceTotalMem_v2", TotalMem),
+    ) else {
+        out.device_error = Some("libcuda lacks a device query function".into());
+        return Ok(out);
+    };
+    let bus_id: Option<BusId> = get!(c"cuDeviceGetPCIBusId", BusId);
+    let mut n: c_int = 0;
+    // SAFETY: writes one int after a successful cuInit.
+    let rc = unsafe { count(&mut n) };
+    if rc != 0 {
+        out.device_error = Some(format!("cuDeviceGetCount: {}", describe(rc)));
+        return Ok(out);
+    }
+    use cudarc::driver::sys::CUdevice_attribute as A;
+    for ordinal in 0..n {
+        let mut dev: c_int = 0;
+        // SAFETY: ordinal < count; writes one CUdevice (an int).
+        let rc = unsafe { dev_get(&mut dev, ordinal) };
+        if rc != 0 {
+            out.device_error = Some(format!("cuDeviceGet({ordinal}): {}", describe(rc)));
+            break;
+        }
+        let a = |which: A| -> i32 {
+            let mut v: c_int = -1;
+            // SAFETY: writes one int for a valid device and attribute.
+            unsafe { attr(&mut v, which as c_int, dev) };
+            v
+        };
+        let mut name = [0 as c_char; 256];
+        // SAFETY: the buffer holds `len` bytes; the driver NUL-terminates within it.
+        unsafe { get_name(name.as_mut_ptr(), name.len() as c_int, dev) };
+        let mut mem: usize = 0;
+        // SAFETY: writes one size_t.
+        unsafe { total(&mut mem, dev) };
+        let pci = bus_id.and_then(|f| {
+            let mut b = [0 as c_char; 64];
+            // SAFETY: the buffer holds `len` bytes; the driver NUL-terminates within it.
+            (unsafe { f(b.as_mut_ptr(), b.len() as c_int, dev) } == 0).then(|| {
+                // SAFETY: NUL-terminated by the driver (checked rc above).
+                unsafe { CStr::from_ptr(b.as_ptr()) }
+                    .to_string_lossy()
+                    .into_owned()
+            })
+        });
+        out.devices.push(CudaDevice {
+            ordinal,
+            // SAFETY: zero-initialised buffer, NUL-terminated by the driver or by its last byte.
+            name: unsafe { CStr::from_ptr(name.as_ptr()) }
+                .to_string_lossy()
+                .into_owned(),
+            sms: a(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+            cc: (
+                a(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+                a(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
+            ),
+            memory: mem as u64,
+            pci,
+        });
+    }
+    Ok(out)
+}
+
+// ---------------------------------------------------------------------------------------
+// IOMMU
+// ---------------------------------------------------------------------------------------
+
+struct IommuFacts {
+    items: Vec<Item>,
+    active: bool,
+}
+
+fn probe_iommu() -> IommuFacts {
+    let mut items = Vec::new();
+    let units = dir_names("/sys/class/iommu");
+    let groups = dir_names("/sys/kernel/iommu_groups");
+    match &units {
+        Some(u) if !u.is_empty() => items.push(item(
+            "IOMMU units",
+            u.join(", "),
+            Some(true),
+            "/sys/class/iommu",
+        )),
+        Some(_) => items.push(item(
+            "IOMMU units",
+            "none",
+            Some(false),
+            "/sys/class/iommu is empty: no IOMMU enabled (firmware off, kernel cmdline, or a VM without a virtual IOMMU)",
+        )),
+        None => items.push(item(
+            "IOMMU units",
+            "unknown (cannot read /sys/class/iommu)",
+            None,
+            "",
+        )),
+    }
+    let group_count = groups.as_ref().map(|g| g.len()).unwrap_or(0);
+    items.push(item(
+        "IOMMU groups",
+        match &groups {
+            Some(g) => g.len().to_string(),
+            None => "unknown (cannot read /sys/kernel/iommu_groups)".into(),
+        },
+        groups.as_ref().map(|g| !g.is_empty()),
+        "/sys/kernel/iommu_groups",
+    ));
+    let cmdline = read_trim("/proc/cmdline");
+    match &cmdline {
+        Some(c) => {
+            let params: Vec<&str> = c
+                .split_whitespace()
+                .filter(|t| {
+                    t.starts_with("intel_iommu=")
+                        || t.starts_with("amd_iommu=")
+                        || t.starts_with("iommu=")
+                        || t.starts_with("iommu.")
+                })
+                .collect();
+            items.push(item(
+                "kernel cmdline",
+                if params.is_empty() {
+                    "no intel_iommu= / amd_iommu= / iommu= parameter".to_string()
+                } else {
+                    params.join(" ")
+                },
+                None,
+                if params.contains(&"iommu=pt") {
+                    "passthrough for host devices; VFIO still gets translation"
+                } else {
+                    "/proc/cmdline"
+                },
+            ));
+        }
+        None => items.push(item(
+            "kernel cmdline",
+            "unknown (cannot read /proc/cmdline)",
+            None,
+            "",
+        )),
+    }
+    let iommufd = exists("/dev/iommu");
+    items.push(item(
+        "iommufd",
+        if iommufd {
+            "/dev/iommu present"
+        } else {
+            "no /dev/iommu"
+        },
+        None,
+        "GPU memory as dma-buf mapped through iommufd needs it",
+    ));
+    let active = units.as_ref().is_some_and(|u| !u.is_empty()) || group_count > 0;
+    IommuFacts { items, active }
+}
+
+// ---------------------------------------------------------------------------------------
+// vfio and uio
+// ---------------------------------------------------------------------------------------
+
+struct VfioFacts {
+    items: Vec<Item>,
+    noiommu: bool,
+    peermem: bool,
+}
+
+fn probe_vfio() -> VfioFacts {
+    let mut items = Vec::new();
+    for m in [
+        "vfio",
+        "vfio_pci",
+        "vfio_iommu_type1",
+        "uio",
+        "uio_pci_generic",
+        "nvidia_peermem",
+    ] {
+        let p = format!("/sys/module/{m}");
+        let present = exists(&p);
+        let note = match m {
+            "nvidia_peermem" => {
+                "GPU memory physical addresses for devices without an IOMMU".to_string()
+            }
+            _ if present => "loaded or built in".to_string(),
+            _ => format!("not in /sys/module: modprobe {m}"),
+        };
+        items.push(item(
+            &format!("module {m}"),
+            if present { "present" } else { "absent" },
+            Some(present),
+            note,
+        ));
+    }
+    let container = exists("/dev/vfio/vfio");
+    items.push(item(
+        "/dev/vfio/vfio",
+        if container { "present" } else { "absent" },
+        Some(container),
+        "the VFIO container device",
+    ));
+    let noiommu_raw = read_trim("/sys/module/vfio/parameters/enable_unsafe_noiommu_mode");
+    let noiommu = noiommu_raw.as_deref() == Some("Y");
+    items.push(item(
+        "vfio no-IOMMU mode",
+        match &noiommu_raw {
+            Some(v) => format!("{v} ({})", if noiommu { "enabled" } else { "disabled" }),
+            None => "unknown (no /sys/module/vfio/parameters/enable_unsafe_noiommu_mode)".into(),
+        },
+        None,
+        "unsafe: devices DMA to physical addresses unchecked",
+    ));
+    for drv in ["vfio-pci", "uio_pci_generic"] {
+        let bound: Vec<String> = dir_names(format!("/sys/bus/pci/drivers/{drv}"))
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|n| n.contains(':'))
+            .collect();
+        items.push(item(
+            &format!("bound to {drv}"),
+            if bound.is_empty() {
+                "no device".to_string()
+            } else {
+                bound.join(", ")
+            },
+            None,
+            format!("/sys/bus/pci/drivers/{drv}"),
+        ));
+    }
+    VfioFacts {
+        items,
+        noiommu,
+        peermem: exists("/sys/module/nvidia_peermem"),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// NVMe
+// ---------------------------------------------------------------------------------------
+
+struct NvmeFacts {
+    items: Vec<Item>,
+    /// PCI addresses of NVMe controllers bound to vfio-pci.
+    vfio: Vec<String>,
+    uio: Vec<String>,
+}
+
+fn probe_nvme() -> NvmeFacts {
+    let mut items = Vec::new();
+    let pci = pci_devices(None, NVME_CLASS);
+    let mut vfio = Vec::new();
+    let mut uio = Vec::new();
+    match &pci {
+        None => items.push(item(
+            "PCI NVMe controllers",
+            "unknown (cannot read /sys/bus/pci/devices)",
+            None,
+            "",
+        )),
+        Some(v) if v.is_empty() => items.push(item(
+            "PCI NVMe controllers",
+            "none",
+            Some(false),
+            "no PCI function of class 0x010802 (NVMe) in /sys/bus/pci/devices",
+        )),
+        Some(v) => {
+            for d in v {
+                let drv = d.driver.as_deref().unwrap_or("none");
+                match drv {
+                    "vfio-pci" => vfio.push(d.addr.clone()),
+                    "uio_pci_generic" => uio.push(d.addr.clone()),
+                    _ => {}
+                }
+                items.push(item(
+                    &format!("PCI NVMe {}", d.addr),
+                    format!("driver {drv}"),
+                    None,
+                    match drv {
+                        "vfio-pci" | "uio_pci_generic" => "usable by a userspace NVMe engine",
+                        "nvme" => "kernel driver: usable through files/block devices (uring)",
+                        _ => "",
+                    },
+                ));
+            }
+        }
+    }
+
+    let ctrls = dir_names("/sys/class/nvme");
+    match &ctrls {
+        None => items.push(item(
+            "kernel NVMe controllers",
+            "none",
+            None,
+            "no /sys/class/nvme (nvme driver not loaded or no controller)",
+        )),
+        Some(c) if c.is_empty() => items.push(item(
+            "kernel NVMe controllers",
+            "none",
+            None,
+            "/sys/class/nvme is empty",
+        )),
+        Some(c) => {
+            for name in c {
+                probe_controller(name, &mut items);
+            }
+        }
+    }
+    NvmeFacts { items, vfio, uio }
+}
+
+fn probe_controller(name: &str, items: &mut Vec<Item>) {
+    let base = Path::new("/sys/class/nvme").join(name);
+    let get = |f: &str| read_trim(base.join(f)).unwrap_or_else(|| "unknown".into());
+    let driver = link_name(base.join("device/driver")).unwrap_or_else(|| "unknown".into());
+    items.push(item(
+        name,
+        format!(
+            "{} (serial {}, firmware {})",
+            get("model"),
+            get("serial"),
+            get("firmware_rev")
+        ),
+        Some(true),
+        format!("{} {}, driver {driver}", get("transport"), get("address")),
+    ));
+
+    // Namespaces: nvmeXnY, or nvmeXcZnY under native multipath (block device nvmeXnY).
+    let namespaces: Vec<String> = dir_names(&base)
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|n| namespace_block_name(&n))
+        .collect();
+    if namespaces.is_empty() {
+        items.push(item(&format!("{name} namespaces"), "none", None, ""));
+    }
+    for ns in namespaces {
+        let dev = PathBuf::from(format!("/dev/{ns}"));
+        let size = read_trim(format!("/sys/block/{ns}/size"))
+            .and_then(|s| s.parse::<u64>().ok())
+            .map(|sectors| human(sectors * 512))
+            .unwrap_or_else(|| "size unknown".into());
+        let (value, ok, note) = match mounted_at(&dev) {
+            Ok(Some(m)) => (
+                format!("{size}, in use at {m}"),
+                Some(false),
+                "mounted (or a partition / swap): kvtier refuses it without --force".to_string(),
+            ),
+            Ok(None) => (
+                format!("{size}, not mounted"),
+                Some(true),
+                "free for a pool".to_string(),
+            ),
+            Err(e) => (
+                format!("{size}, mount state unknown ({e})"),
+                None,
+                String::new(),
+            ),
+        };
+        items.push(item(&format!("{name} {ns}"), value, ok, note));
+        if let Some(kb) = read_trim(format!("/sys/block/{ns}/queue/max_hw_sectors_kb")) {
+            items.push(item(
+                &format!("{ns} max transfer"),
+                format!("{kb} KiB"),
+                None,
+                "max_hw_sectors_kb: the kernel's limit from MDTS",
+            ));
+        }
+    }
+
+    // Identify Controller (SGLS, MDTS) through the admin passthrough ioctl.
+    let chardev = PathBuf::from(format!("/dev/{name}"));
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    let result = if !root {
+        Err("unknown (not root / no device): Identify needs CAP_SYS_ADMIN".to_string())
+    } else if !chardev.exists() {
+        Err(format!(
+            "unknown (not root / no device): no {}",
+            chardev.display()
+        ))
+    } else {
+        identify_controller(&chardev).map_err(|e| format!("unknown ({e})"))
+    };
+    match result {
+        Ok(data) => {
+            use crate::nvme::spec::{IdentifyController, IDENTIFY_DATA_LEN};
+            let data: &[u8; IDENTIFY_DATA_LEN] = &data;
+            let id = IdentifyController::parse(data);
+            let sgl = id.sgl_supported();
+            items.push(item(
+                &format!("{name} SGL"),
+                if sgl {
+                    format!(
+                        "supported{} (SGLS {:#010x})",
+                        if id.sgl_dword_aligned() {
+                            ", data blocks dword aligned"
+                        } else {
+                            ""
+                        },
+                        id.sgls
+                    )
+                } else {
+                    format!("not supported (SGLS {:#010x})", id.sgls)
+                },
+                Some(sgl),
+                if sgl {
+                    "scattered extents go in one command"
+                } else {
+                    "PRP lists are used instead"
+                },
+            ));
+            items.push(item(
+                &format!("{name} MDTS"),
+                if id.mdts == 0 {
+                    "0 (no limit)".to_string()
+                } else {
+                    format!(
+                        "{} ({} with 4 KiB CAP.MPSMIN)",
+                        id.mdts,
+                        human(4096u64 << id.mdts)
+                    )
+                },
+                None,
+                "Identify Controller byte 77",
+            ));
+        }
+        Err(why) => items.push(item(&format!("{name} SGL"), why, None, "")),
+    }
+}
+
+/// `nvme0n1` → `nvme0n1`, `nvme0c1n1` → `nvme0n1`, others → None.
+fn namespace_block_name(entry: &str) -> Option<String> {
+    let rest = entry.strip_prefix("nvme")?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let (ctrl, ns) = rest.split_once('n')?;
+    if !digits(ns) {
+        return None;
+    }
+    let ctrl = match ctrl.split_once('c') {
+        Some((c, path)) if digits(c) && digits(path) => c,
+        None if digits(ctrl) => ctrl,
+        _ => return None,
+    };
+    Some(format!("nvme{ctrl}n{ns}"))
+}
+
+/// `struct nvme_passthru_cmd` of `<linux/nvme_ioctl.h>` (72 bytes).
+#[repr(C)]
+#[derive(Default)]
+struct NvmePassthruCmd {
+    opcode: u8,
+    flags: u8,
+    rsvd1: u16,
+    nsid: u32,
+    cdw2: u32,
+    cdw3: u32,
+    metadata: u64,
+    addr: u64,
+    metadata_len: u32,
+    data_len: u32,
+    cdw10: u32,
+    cdw11: u32,
+    cdw12: u32,
+    cdw13: u32,
+    cdw14: u32,
+    cdw15: u32,
+    timeout_ms: u32,
+    result: u32,
+}
+const _: () = assert!(std::mem::size_of::<NvmePassthruCmd>() == 72);
+
+mod ioctl {
+    // NVME_IOCTL_ADMIN_CMD = _IOWR('N', 0x41, struct nvme_admin_cmd).
+    nix::ioctl_readwrite!(nvme_admin_cmd, b'N', 0x41, super::NvmePassthruCmd);
+}
+
+/// Identify Controller (CNS 1) through NVME_IOCTL_ADMIN_CMD on `/dev/nvmeX`.
+fn identify_controller(chardev: &Path) -> std::result::Result<Box<[u8; 4096]>, String> {
+    use crate::nvme::spec::{admin_opc, cns};
+    use std::os::fd::AsRawFd;
+    let f = fs::File::open(chardev).map_err(|e| format!("open {}: {e}", chardev.display()))?;
+    let mut data = Box::new([0u8; 4096]);
+    let mut cmd = NvmePassthruCmd {
+        opcode: admin_opc::IDENTIFY,
+        addr: data.as_mut_ptr() as u64,
+        data_len: data.len() as u32,
+        cdw10: cns::CONTROLLER as u32,
+        timeout_ms: 5000,
+        ..Default::default()
+    };
+    // SAFETY: `f` is an open NVMe controller character device; `cmd` is a valid
+    // nvme_passthru_cmd whose `addr`/`data_len` describe `data`, a 4096-byte buffer that
+    // stays alive and unaliased until the ioctl returns (the kernel copies into it).
+    let rc = unsafe { ioctl::nvme_admin_cmd(f.as_raw_fd(), &mut cmd) }
+        .map_err(|e| format!("NVME_IOCTL_ADMIN_CMD Identify: {e}"))?;
+    if rc != 0 {
+        return Err(format!("Identify failed with NVMe status {rc:#x}"));
+    }
+    Ok(data)
+}
+
+// ---------------------------------------------------------------------------------------
+// io_uring
+// ---------------------------------------------------------------------------------------
+
+struct UringFacts {
+    items: Vec<Item>,
+    why_not: Option<String>,
+}
+
+fn probe_uring() -> UringFacts {
+    use io_uring::{opcode, register::Probe, IoUring};
+    let mut items = Vec::new();
+    items.push(item(
+        "kernel",
+        read_trim("/proc/sys/kernel/osrelease")
+            .unwrap_or_else(|| "unknown (no /proc/sys/kernel/osrelease)".into()),
+        None,
+        "",
+    ));
+    let disabled = read_trim("/proc/sys/kernel/io_uring_disabled");
+    items.push(item(
+        "io_uring_disabled",
+        match disabled.as_deref() {
+            Some("0") => "0 (enabled for all)".to_string(),
+            Some("1") => "1 (only for the io_uring_group / CAP_SYS_ADMIN)".to_string(),
+            Some("2") => "2 (disabled for everyone)".to_string(),
+            Some(v) => v.to_string(),
+            None => "no such sysctl (kernel < 6.6: enabled)".to_string(),
+        },
+        disabled.as_deref().map(|v| v != "2"),
+        "/proc/sys/kernel/io_uring_disabled",
+    ));
+    let ring = IoUring::new(8);
+    let (ring_ok, why_not) = match &ring {
+        Ok(_) => (true, None),
+        Err(e) => (false, Some(format!("creating an io_uring failed: {e}"))),
+    };
+    items.push(item(
+        "ring",
+        match &ring {
+            Ok(_) => "created".to_string(),
+            Err(e) => format!("cannot be created: {e}"),
+        },
+        Some(ring_ok),
+        "io_uring_setup with 8 entries",
+    ));
+    if let Ok(ring) = &ring {
+        let mut probe = Probe::new();
+        match ring.submitter().register_probe(&mut probe) {
+            Ok(()) => {
+                let ops = [
+                    (
+                        "READ_FIXED / WRITE_FIXED",
+                        opcode::ReadFixed::CODE,
+                        opcode::WriteFixed::CODE,
+                        "single-extent I/O into registered buffers",
+                    ),
+                    (
+                        "READV_FIXED / WRITEV_FIXED",
+                        opcode::ReadvFixed::CODE,
+                        opcode::WritevFixed::CODE,
+                        "vectored I/O into registered buffers (6.15+); else plain readv/writev",
+                    ),
+                ];
+                for (name, r, w, note) in ops {
+                    let ok = probe.is_supported(r) && probe.is_supported(w);
+                    items.push(item(
+                        name,
+                        if ok { "supported" } else { "not supported" },
+                        Some(ok),
+                        note,
+                    ));
+                }
+            }
+            Err(e) => items.push(item(
+                "opcodes",
+                format!("unknown (IORING_REGISTER_PROBE failed: {e})"),
+                None,
+                "",
+            )),
+        }
+        // Fixed buffers need RLIMIT_MEMLOCK room (or CAP_IPC_LOCK).
+        let buf = AlignedBuf::zeroed(1 << 20);
+        let iov = [libc::iovec {
+            iov_base: buf.as_ptr() as *mut libc::c_void,
+            iov_len: buf.len(),
+        }];
+        // SAFETY: the iovec describes `buf`, which outlives the registration: it is
+        // unregistered below, and the ring (declared before `buf`) is never used with it
+        // for I/O.
+        let reg = unsafe { ring.submitter().register_buffers(&iov) };
+        let _ = ring.submitter().unregister_buffers();
+        drop(buf);
+        let memlock = memlock_limit();
+        items.push(item(
+            "fixed buffers",
+            match &reg {
+                Ok(()) => "1 MiB registered".to_string(),
+                Err(e) => format!("registering 1 MiB failed: {e}"),
+            },
+            Some(reg.is_ok()),
+            format!("RLIMIT_MEMLOCK {memlock}; the KV memory must fit it (or CAP_IPC_LOCK), else plain iovecs"),
+        ));
+    }
+    let sqpoll = IoUring::<io_uring::squeue::Entry>::builder()
+        .setup_sqpoll(1000)
+        .build(8);
+    items.push(item(
+        "SQPOLL",
+        match &sqpoll {
+            Ok(_) => "allowed".to_string(),
+            Err(e) => format!("refused: {e}"),
+        },
+        Some(sqpoll.is_ok()),
+        "kernel submission thread (--sqpoll)",
+    ));
+    drop(sqpoll);
+    let defer = IoUring::<io_uring::squeue::Entry>::builder()
+        .setup_single_issuer()
+        .setup_defer_taskrun()
+        .build(8);
+    items.push(item(
+        "DEFER_TASKRUN",
+        match &defer {
+            Ok(_) => "supported".to_string(),
+            Err(e) => format!("refused: {e}"),
+        },
+        Some(defer.is_ok()),
+        "SINGLE_ISSUER | DEFER_TASKRUN (--defer-taskrun); kernel 6.1+",
+    ));
+    UringFacts { items, why_not }
+}
+
+/// "Max locked memory" soft limit from /proc/self/limits.
+fn memlock_limit() -> String {
+    let Some(text) = read_trim("/proc/self/limits") else {
+        return "unknown (cannot read /proc/self/limits)".into();
+    };
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("Max locked memory") {
+            let soft = rest.split_whitespace().next().unwrap_or("unknown");
+            return match soft.parse::<u64>() {
+                Ok(b) => human(b),
+                Err(_) => soft.to_string(),
+            };
+        }
+    }
+    "unknown (no Max locked memory line)".into()
+}
+
+// ---------------------------------------------------------------------------------------
+// The pool directory
+// ---------------------------------------------------------------------------------------
+
+struct PoolFacts {
+    items: Vec<Item>,
+    path: PathBuf,
+    why_not: Option<String>,
+}
+
+fn unescape_mount(s: &str) -> String {
+    // /proc/self/mounts escapes space, tab, newline and backslash as \ooo.
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
+            let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
+            out.push(v);
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// (source, mount point, fs type) of the mount holding `path` (canonical).
+fn mount_of(path: &Path) -> Option<(String, String, String)> {
+    let text = fs::read_to_string("/proc/self/mounts").ok()?;
+    let mut best: Option<(String, String, String)> = None;
+    for line in text.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 3 {
+            continue;
+        }
+        let mp = unescape_mount(f[1]);
+        if path.starts_with(&mp) && best.as_ref().is_none_or(|b| mp.len() >= b.1.len()) {
+            best = Some((unescape_mount(f[0]), mp, f[2].to_string()));
+        }
+    }
+    best
+}
+
+fn probe_pool_dir(dir: &Path) -> Result<PoolFacts> {
+    let mut items = Vec::new();
+    let existed = dir.is_dir();
+    fs::create_dir_all(dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+    let path = fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+    items.push(item(
+        "directory",
+        path.display().to_string(),
+        Some(true),
+        if existed { "exists" } else { "created" },
+    ));
+    match mount_of(&path) {
+        Some((src, mp, fstype)) => items.push(item(
+            "filesystem",
+            fstype.clone(),
+            None,
+            format!("{src} mounted at {mp}"),
+        )),
+        None => items.push(item(
+            "filesystem",
+            "unknown (no /proc/self/mounts entry holds it)",
+            None,
+            "",
+        )),
+    }
+    match nix::sys::statvfs::statvfs(&path) {
+        Ok(s) => {
+            let free = s.blocks_available() * s.fragment_size();
+            let total = s.blocks() * s.fragment_size();
+            items.push(item(
+                "free space",
+                format!("{} of {}", human(free), human(total)),
+                Some(free > 0),
+                "statvfs, available to unprivileged users",
+            ));
+        }
+        Err(e) => items.push(item(
+            "free space",
+            format!("unknown (statvfs: {e})"),
+            None,
+            "",
+        )),
+    }
+
+    // O_DIRECT: create, write, read back, statx, remove.
+    let tmp = path.join(format!(".kvtier-doctor-{}.tmp", std::process::id()));
+    let direct = direct_io_check(&tmp);
+    let dio = statx_dio_align(&tmp);
+    let _ = fs::remove_file(&tmp);
+    let (direct_ok, why_not) = match &direct {
+        Ok(()) => (true, None),
+        Err(e) => (
+            false,
+            Some(format!("O_DIRECT on {} fails: {e}", path.display())),
+        ),
+    };
+    items.push(item(
+        "O_DIRECT",
+        match &direct {
+            Ok(()) => "works".to_string(),
+            Err(e) => format!("fails: {e}"),
+        },
+        Some(direct_ok),
+        "4 KiB written and read back through a temporary file, removed afterwards",
+    ));
+    items.push(item(
+        "DIO alignment",
+        match dio {
+            Ok(Some((mem, off))) => format!("memory {mem} B, offset {off} B"),
+            Ok(None) => "unknown (statx has no STATX_DIOALIGN here: kernel < 6.1 or the filesystem does not report it)".to_string(),
+            Err(e) => format!("unknown ({e})"),
+        },
+        None,
+        "statx STATX_DIOALIGN; kvtier aligns to 4 KiB",
+    ));
+
+    let meminfo = fs::read_to_string("/proc/meminfo").ok();
+    let field = |k: &str| -> Option<String> {
+        meminfo.as_ref()?.lines().find_map(|l| {
+            l.strip_prefix(k)
+                .and_then(|r| r.strip_prefix(':'))
+                .map(|r| r.trim().to_string())
+        })
+    };
+    match (
+        field("HugePages_Total"),
+        field("HugePages_Free"),
+        field("Hugepagesize"),
+    ) {
+        (Some(t), Some(f), Some(sz)) => items.push(item(
+            "hugepages",
+            format!("{f} free of {t} ({sz} each)"),
+            None,
+            "/proc/meminfo",
+        )),
+        _ => items.push(item(
+            "hugepages",
+            "unknown (no HugePages_* in /proc/meminfo)",
+            None,
+            "",
+        )),
+    }
+    let thp = read_trim("/sys/kernel/mm/transparent_hugepage/enabled");
+    items.push(item(
+        "transparent hugepages",
+        match &thp {
+            Some(t) => t
+                .split_whitespace()
+                .find(|w| w.starts_with('['))
+                .map(|w| w.trim_matches(['[', ']']).to_string())
+                .unwrap_or_else(|| t.clone()),
+            None => "unknown (no /sys/kernel/mm/transparent_hugepage/enabled)".into(),
+        },
+        None,
+        "/sys/kernel/mm/transparent_hugepage/enabled",
+    ));
+    Ok(PoolFacts {
+        items,
+        path,
+        why_not,
+    })
+}
+
+fn direct_io_check(tmp: &Path) -> std::result::Result<(), String> {
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(tmp)
+        .map_err(|e| format!("open(O_DIRECT): {e}"))?;
+    let mut out = AlignedBuf::zeroed(4096);
+    for (i, b) in out.as_mut_slice().iter_mut().enumerate() {
+        *b = (i % 251) as u8;
+    }
+    f.write_all_at(out.as_slice(), 0)
+        .map_err(|e| format!("direct write: {e}"))?;
+    let mut back = AlignedBuf::zeroed(4096);
+    f.read_exact_at(back.as_mut_slice(), 0)
+        .map_err(|e| format!("direct read: {e}"))?;
+    if back.as_slice() != out.as_slice() {
+        return Err("read back differs from what was written".into());
+    }
+    Ok(())
+}
+
+/// (memory alignment, offset alignment) for direct I/O from statx, when the
+/// kernel and filesystem report them.
+fn statx_dio_align(path: &Path) -> std::result::Result<Option<(u32, u32)>, String> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|e| e.to_string())?;
+    // SAFETY: statx is plain old data; all-zero is a valid value.
+    let mut st: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: a NUL-terminated path and a writable statx buffer that outlives the call.
+    let rc = unsafe { libc::statx(libc::AT_FDCWD, c.as_ptr(), 0, libc::STATX_DIOALIGN, &mut st) };
+    if rc != 0 {
+        return Err(format!("statx: {}", std::io::Error::last_os_error()));
+    }
+    if st.stx_mask & libc::STATX_DIOALIGN == 0 || st.stx_dio_mem_align == 0 {
+        return Ok(None);
+    }
+    Ok(Some((st.stx_dio_mem_align, st.stx_dio_offset_align)))
+}
+
+// ---------------------------------------------------------------------------------------
+// Verdict
+// ---------------------------------------------------------------------------------------
+
+fn verdict(
+    gpu: &GpuFacts,
+    iommu: &IommuFacts,
+    vfio: &VfioFacts,
+    nvme: &NvmeFacts,
+    uring: &UringFacts,
+    pool: &PoolFacts,
+) -> (String, String, Vec<Item>) {
+    // gpu: GPU + driver + green contexts + a path for the controller into GPU memory.
+    let mut gpu_out = Vec::new();
+    if !GPU_ENGINE_BUILT {
+        gpu_out.push("the GPU engine is not built in this version".to_string());
+    }
+    if !gpu.any_gpu || !gpu.driver_ok || !gpu.green_ready {
+        if gpu.why_not.is_empty() {
+            gpu_out.push(
+                "no GPU with a working driver and green contexts (see the gpu section)".into(),
+            );
+        }
+        gpu_out.extend(gpu.why_not.iter().cloned());
+    }
+    // Host-pinned memory mapped through VFIO (needs a controller on vfio-pci and an
+    // IOMMU), or physical addresses from nvidia-peermem.
+    let reach = (iommu.active && !nvme.vfio.is_empty()) || vfio.peermem;
+    if !reach {
+        gpu_out.push(
+            "no way for an NVMe controller to reach GPU memory (no controller on vfio-pci with an IOMMU, no nvidia_peermem)"
+                .into(),
+        );
+    }
+    // nvme: a controller bound to vfio-pci (with an IOMMU or no-IOMMU mode) or uio.
+    let mut nvme_out = Vec::new();
+    if !NVME_ENGINE_BUILT {
+        nvme_out.push("the userspace NVMe engine is not built in this version".to_string());
+    }
+    let vfio_usable = !nvme.vfio.is_empty() && (iommu.active || vfio.noiommu);
+    if !vfio_usable && nvme.uio.is_empty() {
+        nvme_out.push(if !nvme.vfio.is_empty() {
+            format!(
+                "NVMe controller(s) {} are on vfio-pci but there is no IOMMU and no-IOMMU mode is off",
+                nvme.vfio.join(", ")
+            )
+        } else {
+            "no NVMe controller bound to vfio-pci or uio_pci_generic".into()
+        });
+    }
+    // uring: a ring and O_DIRECT on the pool directory.
+    let mut uring_out = Vec::new();
+    if let Some(w) = &uring.why_not {
+        uring_out.push(w.clone());
+    }
+    if let Some(w) = &pool.why_not {
+        uring_out.push(w.clone());
+    }
+
+    let items = vec![
+        verdict_item("gpu", &gpu_out, "usable"),
+        verdict_item("nvme", &nvme_out, "usable"),
+        verdict_item(
+            "uring",
+            &uring_out,
+            &format!(
+                "io_uring works and O_DIRECT works on {}",
+                pool.path.display()
+            ),
+        ),
+    ];
+    let (engine, mut reason) = if gpu_out.is_empty() {
+        (
+            "gpu",
+            "GPU, driver, green contexts and a path into GPU memory are all here".to_string(),
+        )
+    } else if nvme_out.is_empty() {
+        (
+            "nvme",
+            "an NVMe controller is bound to vfio-pci or uio".to_string(),
+        )
+    } else if uring_out.is_empty() {
+        (
+            "uring",
+            format!(
+                "io_uring works and O_DIRECT works on {}",
+                pool.path.display()
+            ),
+        )
+    } else {
+        (
+            "none",
+            format!("no engine can run: {}", uring_out.join("; ")),
+        )
+    };
+    if engine != "gpu" {
+        let _ = write!(reason, "; gpu is out: {}", gpu_out.join(", "));
+    }
+    if engine != "gpu" && engine != "nvme" {
+        let _ = write!(reason, "; nvme is out: {}", nvme_out.join(", "));
+    }
+    (engine.to_string(), reason, items)
+}
+
+fn verdict_item(name: &str, out: &[String], ok_note: &str) -> Item {
+    if out.is_empty() {
+        item(name, "usable", Some(true), ok_note)
+    } else {
+        item(name, "out", Some(false), out.join("; "))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn namespace_names() {
+        assert_eq!(namespace_block_name("nvme0n1").as_deref(), Some("nvme0n1"));
+        assert_eq!(
+            namespace_block_name("nvme2c3n12").as_deref(),
+            Some("nvme2n12")
+        );
+        assert_eq!(namespace_block_name("nvme0"), None);
+        assert_eq!(namespace_block_name("nvme0n"), None);
+        assert_eq!(namespace_block_name("power"), None);
+        assert_eq!(namespace_block_name("nvmeXn1"), None);
+    }
+
+    #[test]
+    fn mount_escapes() {
+        assert_eq!(unescape_mount("/mnt/a\\040b"), "/mnt/a b");
+        assert_eq!(unescape_mount("/plain"), "/plain");
+        assert_eq!(unescape_mount("/end\\04"), "/end\\04");
+    }
+
+    #[test]
+    fn bar_sizes_from_resource_file() {
+        let dir = std::env::temp_dir().join(format!("kvtier-doctor-bar-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(
+            dir.join("resource"),
+            "0x00000000fb000000 0x00000000fbffffff 0x0000000000040200\n\
+             0x0000038000000000 0x00000387ffffffff 0x000000000014220c\n\
+             0x0000000000000000 0x0000000000000000 0x0000000000000000\n",
+        )
+        .unwrap();
+        assert_eq!(bar_size(&dir, 0), Some(16 << 20));
+        assert_eq!(bar_size(&dir, 1), Some(32 << 30));
+        assert_eq!(bar_size(&dir, 2), None);
+        assert_eq!(bar_size(&dir, 9), None);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn render_marks_and_verdict() {
+        let r = Report {
+            sections: vec![Section {
+                name: "s".into(),
+                items: vec![
+                    item("a", "1", Some(true), "n"),
+                    item("b", "2", Some(false), ""),
+                    item("c", "3", None, ""),
+                ],
+            }],
+            engine: "uring".into(),
+            engine_reason: "x; y".into(),
+        };
+        let t = render(&r);
+        assert!(t.contains("[ ok ] a  1 — n"), "{t}");
+        assert!(t.contains("[ no ] b  2\n"), "{t}");
+        assert!(t.contains("[ -- ] c  3"), "{t}");
+        assert!(t.contains("engine: uring — x;\n  y"), "{t}");
+    }
+}
