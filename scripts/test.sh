@@ -23,3 +23,7 @@ cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace --all-targets
 # Each criterion bench once, unmeasured: they must keep building and running.
 cargo bench -- --test
+# The userspace NVMe suite against QEMU's emulated controller in a TCG guest
+# (uio, vfio behind an emulated intel-iommu, and mdts=3); installs QEMU and
+# unpacks a Debian guest kernel on first use.
+scripts/qemu/ci.sh

@@ -910,11 +910,21 @@ impl<B: Bar0> Controller<B> {
         if blocks.len() == 1 {
             return Ok(DataPtr::Sgl(blocks[0]));
         }
-        // Segments: all but the last hold per-1 data blocks and a pointer.
+        // Segments: all but the last hold data blocks and a pointer to the
+        // next. Consecutive Segment descriptors never have the same length:
+        // QEMU's hw/nvme (7.2, nvme_map_sgl) reads the next segment over the
+        // descriptor it then checks for "Last Segment", so Segment ->
+        // Segment of equal lengths fails with 0x400d there. Alternating
+        // per-1 and per-2 data blocks costs nothing on other controllers.
         let mut segments: Vec<Vec<SglDescriptor>> = Vec::new();
         let mut rest = &blocks[..];
         while rest.len() > per {
-            let (head, tail) = rest.split_at(per - 1);
+            let take = if per > 2 && segments.len() % 2 == 1 {
+                per - 2
+            } else {
+                per - 1
+            };
+            let (head, tail) = rest.split_at(take);
             segments.push(head.to_vec());
             rest = tail;
         }

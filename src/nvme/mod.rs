@@ -11,6 +11,8 @@ pub mod ctrl;
 pub mod queue;
 pub mod sim;
 pub mod spec;
+pub mod uio;
+pub mod vfio;
 
 pub use queue::{Completion, QueueError, QueueMemory, QueuePair};
 pub use spec::{

@@ -1,0 +1,456 @@
+//! Device access through VFIO type1 (an IOMMU): BAR0 mapped through the
+//! VFIO device fd, DMA memory mapped at IOVAs kvtier chooses.
+//!
+//! [`VfioDevice::open`] takes a PCI address (checked as in
+//! [`super::uio::pci_device_dir`]), refuses a function not bound to
+//! `vfio-pci` (binding is the caller's job: the kernel nvme driver must be
+//! unbound first), opens its IOMMU group and a container with the type1
+//! IOMMU, gets the device fd, maps BAR0 (region 0) and sets Memory Space
+//! Enable and Bus Master Enable in the COMMAND register (config region).
+//! [`VfioDevice::bar0`] is the [`Bar0`], [`VfioDevice::dma`] a [`VfioDma`]:
+//! anonymous memory in chunks, each mapped with `VFIO_IOMMU_MAP_DMA` at
+//! consecutive IOVAs from 4 GiB up, so any allocation is contiguous for the
+//! device. Dropping the last handle unmaps the DMA and closes the fds.
+
+use super::ctrl::{Bar0, DmaAlloc, DmaRegion};
+use super::uio::{bound_driver, pci_device_dir};
+use crate::error::{Error, Result};
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+
+const VFIO_TYPE: u64 = b';' as u64;
+const fn vfio_io(nr: u64) -> u64 {
+    (VFIO_TYPE << 8) | (100 + nr)
+}
+const VFIO_GET_API_VERSION: u64 = vfio_io(0);
+const VFIO_CHECK_EXTENSION: u64 = vfio_io(1);
+const VFIO_SET_IOMMU: u64 = vfio_io(2);
+const VFIO_GROUP_GET_STATUS: u64 = vfio_io(3);
+const VFIO_GROUP_SET_CONTAINER: u64 = vfio_io(4);
+const VFIO_GROUP_GET_DEVICE_FD: u64 = vfio_io(6);
+const VFIO_DEVICE_GET_REGION_INFO: u64 = vfio_io(8);
+const VFIO_IOMMU_MAP_DMA: u64 = vfio_io(13);
+const VFIO_IOMMU_UNMAP_DMA: u64 = vfio_io(14);
+const VFIO_API_VERSION: i32 = 0;
+const VFIO_TYPE1_IOMMU: u64 = 1;
+const VFIO_GROUP_FLAGS_VIABLE: u32 = 1;
+const VFIO_DMA_MAP_FLAG_READ: u32 = 1;
+const VFIO_DMA_MAP_FLAG_WRITE: u32 = 2;
+const VFIO_PCI_BAR0_REGION_INDEX: u32 = 0;
+const VFIO_PCI_CONFIG_REGION_INDEX: u32 = 7;
+
+const PCI_COMMAND: u64 = 0x04;
+const PCI_COMMAND_MEMORY: u16 = 1 << 1;
+const PCI_COMMAND_MASTER: u16 = 1 << 2;
+
+/// IOVA of the first DMA chunk.
+const IOVA_BASE: u64 = 1 << 32;
+
+#[repr(C)]
+#[derive(Default)]
+struct GroupStatus {
+    argsz: u32,
+    flags: u32,
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct RegionInfo {
+    argsz: u32,
+    flags: u32,
+    index: u32,
+    cap_offset: u32,
+    size: u64,
+    offset: u64,
+}
+
+#[repr(C)]
+struct DmaMap {
+    argsz: u32,
+    flags: u32,
+    vaddr: u64,
+    iova: u64,
+    size: u64,
+}
+
+#[repr(C)]
+struct DmaUnmap {
+    argsz: u32,
+    flags: u32,
+    iova: u64,
+    size: u64,
+}
+
+fn os_err(what: impl Into<String>) -> Error {
+    Error::io(what, io::Error::last_os_error())
+}
+
+/// The open container, group and device fds, and the BAR0 mapping.
+struct Inner {
+    addr: String,
+    container: File,
+    _group: File,
+    device: File,
+    bar_ptr: *mut u8,
+    bar_len: usize,
+}
+
+// SAFETY: fds are thread-safe; the BAR mapping is MMIO used through volatile
+// accesses only, valid until drop.
+unsafe impl Send for Inner {}
+unsafe impl Sync for Inner {}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `open`, unmapped once.
+        unsafe { libc::munmap(self.bar_ptr.cast(), self.bar_len) };
+    }
+}
+
+fn region_info(device: &File, index: u32) -> Result<RegionInfo> {
+    let mut info = RegionInfo {
+        argsz: std::mem::size_of::<RegionInfo>() as u32,
+        index,
+        ..Default::default()
+    };
+    // SAFETY: the ioctl fills a struct of the size argsz says.
+    if unsafe {
+        libc::ioctl(
+            device.as_raw_fd(),
+            VFIO_DEVICE_GET_REGION_INFO as _,
+            &mut info,
+        )
+    } != 0
+    {
+        return Err(os_err(format!("VFIO_DEVICE_GET_REGION_INFO({index})")));
+    }
+    Ok(info)
+}
+
+/// A PCI function bound to vfio-pci, in its own type1 container.
+#[derive(Clone)]
+pub struct VfioDevice {
+    inner: Arc<Inner>,
+}
+
+impl VfioDevice {
+    pub fn open(addr: &str) -> Result<VfioDevice> {
+        let dir = pci_device_dir(addr)?;
+        match bound_driver(&dir).as_deref() {
+            Some("vfio-pci") => {}
+            Some("nvme") => {
+                return Err(Error::invalid(format!(
+                    "PCI function {addr} is bound to the kernel nvme driver: unbind it first and bind it to vfio-pci"
+                )))
+            }
+            other => {
+                return Err(Error::invalid(format!(
+                    "PCI function {addr} is bound to {}, not vfio-pci: bind it to vfio-pci first",
+                    other.unwrap_or("no driver")
+                )))
+            }
+        }
+        let group_link = std::fs::read_link(dir.join("iommu_group"))
+            .map_err(|e| Error::io(format!("{addr}: no IOMMU group (is the IOMMU on?)"), e))?;
+        let group_id = group_link
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let open_rw = |p: &str| {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(p)
+                .map_err(|e| Error::io(format!("opening {p}"), e))
+        };
+        let container = open_rw("/dev/vfio/vfio")?;
+        let cfd = container.as_raw_fd();
+        // SAFETY (all ioctls below): plain VFIO ioctls on fds we own, with
+        // argument structs of the sizes their argsz fields say.
+        if unsafe { libc::ioctl(cfd, VFIO_GET_API_VERSION as _) } != VFIO_API_VERSION {
+            return Err(Error::invalid("unknown VFIO API version"));
+        }
+        if unsafe { libc::ioctl(cfd, VFIO_CHECK_EXTENSION as _, VFIO_TYPE1_IOMMU) } <= 0 {
+            return Err(Error::invalid(
+                "VFIO container does not support the type1 IOMMU",
+            ));
+        }
+        let group = open_rw(&format!("/dev/vfio/{group_id}"))?;
+        let mut status = GroupStatus {
+            argsz: std::mem::size_of::<GroupStatus>() as u32,
+            flags: 0,
+        };
+        if unsafe { libc::ioctl(group.as_raw_fd(), VFIO_GROUP_GET_STATUS as _, &mut status) } != 0 {
+            return Err(os_err("VFIO_GROUP_GET_STATUS"));
+        }
+        if status.flags & VFIO_GROUP_FLAGS_VIABLE == 0 {
+            return Err(Error::invalid(format!(
+                "IOMMU group {group_id} of {addr} is not viable: bind every device in it to vfio-pci"
+            )));
+        }
+        if unsafe { libc::ioctl(group.as_raw_fd(), VFIO_GROUP_SET_CONTAINER as _, &cfd) } != 0 {
+            return Err(os_err("VFIO_GROUP_SET_CONTAINER"));
+        }
+        if unsafe { libc::ioctl(cfd, VFIO_SET_IOMMU as _, VFIO_TYPE1_IOMMU) } != 0 {
+            return Err(os_err("VFIO_SET_IOMMU(type1)"));
+        }
+        let name = std::ffi::CString::new(addr.to_ascii_lowercase()).expect("checked address");
+        let dfd = unsafe {
+            libc::ioctl(
+                group.as_raw_fd(),
+                VFIO_GROUP_GET_DEVICE_FD as _,
+                name.as_ptr(),
+            )
+        };
+        if dfd < 0 {
+            return Err(os_err(format!("VFIO_GROUP_GET_DEVICE_FD({addr})")));
+        }
+        // SAFETY: a fresh fd from the kernel, owned from here on.
+        let device = File::from(unsafe { OwnedFd::from_raw_fd(dfd) });
+        let bar = region_info(&device, VFIO_PCI_BAR0_REGION_INDEX)?;
+        if bar.size < 0x1000 {
+            return Err(Error::invalid(format!(
+                "{addr}: BAR0 of {} bytes is too small for an NVMe controller",
+                bar.size
+            )));
+        }
+        // SAFETY: maps the BAR region of the device fd; checked below.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                bar.size as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                device.as_raw_fd(),
+                bar.offset as libc::off_t,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(os_err(format!("mapping BAR0 of {addr} through VFIO")));
+        }
+        let inner = Inner {
+            addr: addr.to_string(),
+            container,
+            _group: group,
+            device,
+            bar_ptr: ptr.cast(),
+            bar_len: bar.size as usize,
+        };
+        let cfg = region_info(&inner.device, VFIO_PCI_CONFIG_REGION_INDEX)?;
+        let mut b = [0u8; 2];
+        inner
+            .device
+            .read_exact_at(&mut b, cfg.offset + PCI_COMMAND)
+            .map_err(|e| Error::io(format!("reading COMMAND of {addr}"), e))?;
+        let cmd = u16::from_le_bytes(b) | PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER;
+        inner
+            .device
+            .write_all_at(&cmd.to_le_bytes(), cfg.offset + PCI_COMMAND)
+            .map_err(|e| Error::io(format!("writing COMMAND of {addr}"), e))?;
+        Ok(VfioDevice {
+            inner: Arc::new(inner),
+        })
+    }
+
+    pub fn addr(&self) -> &str {
+        &self.inner.addr
+    }
+
+    /// BAR0 (shares the device).
+    pub fn bar0(&self) -> VfioBar0 {
+        VfioBar0 {
+            inner: self.inner.clone(),
+        }
+    }
+
+    /// A DMA allocator mapping `chunk_bytes` at a time into this device's
+    /// container.
+    pub fn dma(&self, chunk_bytes: usize) -> VfioDma {
+        VfioDma {
+            inner: self.inner.clone(),
+            chunks: Vec::new(),
+            next_iova: IOVA_BASE,
+            chunk: chunk_bytes.max(1 << 21),
+        }
+    }
+}
+
+/// BAR0 of a [`VfioDevice`].
+#[derive(Clone)]
+pub struct VfioBar0 {
+    inner: Arc<Inner>,
+}
+
+impl VfioBar0 {
+    fn at<T>(&self, off: usize) -> *mut T {
+        let size = std::mem::size_of::<T>();
+        assert!(
+            off % size == 0 && off + size <= self.inner.bar_len,
+            "BAR0 access of {size} bytes at {off:#x} outside the {:#x} bytes mapped",
+            self.inner.bar_len
+        );
+        // SAFETY: in range, checked above.
+        unsafe { self.inner.bar_ptr.add(off).cast() }
+    }
+}
+
+// SAFETY: as for `UioBar0`: bounded, single volatile 32-bit accesses, 64-bit
+// registers low half first; the device reaches DMA memory at the IOVAs
+// `VfioDma` maps into the device's container.
+unsafe impl Bar0 for VfioBar0 {
+    fn read32(&self, off: usize) -> u32 {
+        // SAFETY: see `at`.
+        unsafe { std::ptr::read_volatile(self.at::<u32>(off)) }
+    }
+    fn write32(&self, off: usize, v: u32) {
+        // SAFETY: see `at`.
+        unsafe { std::ptr::write_volatile(self.at::<u32>(off), v) }
+    }
+    fn read64(&self, off: usize) -> u64 {
+        let lo = self.read32(off) as u64;
+        let hi = self.read32(off + 4) as u64;
+        lo | hi << 32
+    }
+    fn write64(&self, off: usize, v: u64) {
+        self.write32(off, v as u32);
+        self.write32(off + 4, (v >> 32) as u32);
+    }
+}
+
+/// One chunk of anonymous memory mapped for DMA at `iova`.
+struct Chunk {
+    inner: Arc<Inner>,
+    ptr: *mut u8,
+    len: usize,
+    iova: u64,
+}
+
+// SAFETY: plain memory valid until drop; regions are not Send/Sync.
+unsafe impl Send for Chunk {}
+unsafe impl Sync for Chunk {}
+
+impl Drop for Chunk {
+    fn drop(&mut self) {
+        let unmap = DmaUnmap {
+            argsz: std::mem::size_of::<DmaUnmap>() as u32,
+            flags: 0,
+            iova: self.iova,
+            size: self.len as u64,
+        };
+        // SAFETY: unmaps what `alloc` mapped, then frees the memory.
+        unsafe {
+            libc::ioctl(
+                self.inner.container.as_raw_fd(),
+                VFIO_IOMMU_UNMAP_DMA as _,
+                &unmap,
+            );
+            libc::munmap(self.ptr.cast(), self.len);
+        }
+    }
+}
+
+/// DMA memory for a [`VfioDevice`]: a bump allocator over chunks mapped at
+/// consecutive IOVAs.
+pub struct VfioDma {
+    inner: Arc<Inner>,
+    chunks: Vec<(Arc<Chunk>, usize)>,
+    next_iova: u64,
+    chunk: usize,
+}
+
+impl VfioDma {
+    fn map_chunk(&mut self, len: usize) -> Result<Arc<Chunk>> {
+        // SAFETY: a fresh anonymous mapping; checked below.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(os_err(format!("mapping {len} bytes for DMA")));
+        }
+        let map = DmaMap {
+            argsz: std::mem::size_of::<DmaMap>() as u32,
+            flags: VFIO_DMA_MAP_FLAG_READ | VFIO_DMA_MAP_FLAG_WRITE,
+            vaddr: ptr as u64,
+            iova: self.next_iova,
+            size: len as u64,
+        };
+        // SAFETY: maps memory we own (pinned by the kernel) into the container.
+        if unsafe {
+            libc::ioctl(
+                self.inner.container.as_raw_fd(),
+                VFIO_IOMMU_MAP_DMA as _,
+                &map,
+            )
+        } != 0
+        {
+            let err = os_err(format!(
+                "VFIO_IOMMU_MAP_DMA of {len} bytes at IOVA {:#x}",
+                self.next_iova
+            ));
+            // SAFETY: the mapping made above.
+            unsafe { libc::munmap(ptr, len) };
+            return Err(err);
+        }
+        let chunk = Arc::new(Chunk {
+            inner: self.inner.clone(),
+            ptr: ptr.cast(),
+            len,
+            iova: self.next_iova,
+        });
+        self.next_iova += (len as u64).next_multiple_of(1 << 21);
+        Ok(chunk)
+    }
+}
+
+impl DmaAlloc for VfioDma {
+    fn alloc(&mut self, bytes: usize, align: usize) -> Result<DmaRegion> {
+        let bytes = bytes.max(1);
+        let align = align.max(1);
+        if !align.is_power_of_two() || align > 1 << 21 {
+            return Err(Error::invalid(format!(
+                "DMA alloc: alignment {align} must be a power of two up to 2 MiB"
+            )));
+        }
+        let fits = |c: &Chunk, used: usize| {
+            let off = used.next_multiple_of(align);
+            (off + bytes <= c.len).then_some(off)
+        };
+        let found = self
+            .chunks
+            .iter()
+            .enumerate()
+            .find_map(|(i, (c, used))| fits(c, *used).map(|off| (i, off)));
+        let (i, off) = match found {
+            Some(f) => f,
+            None => {
+                let len = bytes.next_multiple_of(1 << 21).max(self.chunk);
+                let c = self.map_chunk(len)?;
+                self.chunks.push((c, 0));
+                (self.chunks.len() - 1, 0)
+            }
+        };
+        let (chunk, used) = &mut self.chunks[i];
+        *used = off + bytes;
+        // SAFETY: off..off+bytes lies in the chunk, mapped for the device at
+        // iova..iova+len and kept alive (memory and IOMMU mapping) by the
+        // owner handle; the bump allocator hands each byte out once.
+        Ok(unsafe {
+            DmaRegion::new(
+                chunk.ptr.add(off),
+                chunk.iova + off as u64,
+                bytes,
+                chunk.clone() as Arc<dyn std::any::Any + Send + Sync>,
+            )
+        })
+    }
+}
