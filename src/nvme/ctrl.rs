@@ -63,8 +63,17 @@ use std::time::{Duration, Instant};
 pub unsafe trait Bar0 {
     fn read32(&self, off: usize) -> u32;
     fn write32(&self, off: usize, v: u32);
-    fn read64(&self, off: usize) -> u64;
-    fn write64(&self, off: usize, v: u64);
+    /// A 64-bit register as two 32-bit accesses, low half first (what
+    /// controllers accept on every bus; override for native 64-bit access).
+    fn read64(&self, off: usize) -> u64 {
+        let lo = self.read32(off) as u64;
+        let hi = self.read32(off + 4) as u64;
+        lo | hi << 32
+    }
+    fn write64(&self, off: usize, v: u64) {
+        self.write32(off, v as u32);
+        self.write32(off + 4, (v >> 32) as u32);
+    }
 }
 
 /// DMA-able memory: a host virtual pointer and the address the device uses

@@ -309,15 +309,6 @@ unsafe impl Bar0 for VfioBar0 {
         // SAFETY: see `at`.
         unsafe { std::ptr::write_volatile(self.at::<u32>(off), v) }
     }
-    fn read64(&self, off: usize) -> u64 {
-        let lo = self.read32(off) as u64;
-        let hi = self.read32(off + 4) as u64;
-        lo | hi << 32
-    }
-    fn write64(&self, off: usize, v: u64) {
-        self.write32(off, v as u32);
-        self.write32(off + 4, (v >> 32) as u32);
-    }
 }
 
 /// One chunk of anonymous memory mapped for DMA at `iova`.
