@@ -12,6 +12,7 @@
 
 use std::path::Path;
 
+use crate::json::json_kind;
 use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
@@ -290,23 +291,13 @@ impl KvGeometry {
         dtype_override: Option<DType>,
     ) -> Result<KvGeometry> {
         let err = |reason: String| config_err(source_name, reason);
-        let root: Value = serde_json::from_str(text).map_err(|e| {
-            // serde_json's Display ends in " at line L column C"; say it once, up front.
-            let (line, column) = (e.line(), e.column());
-            let full = e.to_string();
-            let what = full
-                .strip_suffix(&format!(" at line {line} column {column}"))
-                .unwrap_or(&full);
-            err(format!(
-                "not valid JSON at line {line}, column {column}: {what}; pass the model's config.json"
-            ))
-        })?;
-        let Value::Object(top) = &root else {
-            return Err(err(format!(
-                "the top level is {}, not a JSON object; pass the model's config.json",
-                json_kind(&root)
-            )));
-        };
+        let root = crate::json::parse_object(
+            text,
+            "pass the model's config.json",
+            "pass the model's config.json",
+        )
+        .map_err(err)?;
+        let top = &root;
         let top = Section {
             map: top,
             prefix: "",
@@ -525,17 +516,6 @@ impl Section<'_> {
                 ),
             )
         })
-    }
-}
-
-fn json_kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
     }
 }
 

@@ -106,6 +106,7 @@
 //! not slow decode beyond the SM budget: decode does no SSD reads).
 
 use crate::error::{Error, Result};
+use crate::json::json_kind;
 use crate::model::{DType, KvGeometry};
 use crate::ring::abi::IOCB_MAX_IOCTX;
 use serde::{Deserialize, Serialize};
@@ -537,22 +538,12 @@ impl SlackTable {
     /// Parses and validates a table; `source_name` (a path) starts every error message.
     pub fn from_json_str(text: &str, source_name: &str) -> Result<SlackTable> {
         let err = |what: String| Error::invalid(format!("{source_name}: {what}"));
-        let value: Value = serde_json::from_str(text).map_err(|e| {
-            let (line, column) = (e.line(), e.column());
-            let full = e.to_string();
-            let what = full
-                .strip_suffix(&format!(" at line {line} column {column}"))
-                .unwrap_or(&full);
-            err(format!(
-                "not valid JSON at line {line}, column {column}: {what}; a slack table is the JSON kvtier-profile writes"
-            ))
-        })?;
-        let Value::Object(top) = &value else {
-            return Err(err(format!(
-                "the top level is {}, not a JSON object; a slack table is the JSON object kvtier-profile writes",
-                json_kind(&value)
-            )));
-        };
+        let top = crate::json::parse_object(
+            text,
+            "a slack table is the JSON kvtier-profile writes",
+            "a slack table is the JSON object kvtier-profile writes",
+        )
+        .map_err(err)?;
         // The schema first: a file of another kind or version should say so,
         // not list every field it lacks.
         match top.get("schema") {
@@ -568,6 +559,7 @@ impl SlackTable {
                 )))
             }
         }
+        let value = Value::Object(top);
         check_shape(&value, TABLE_TY, "", source_name)?;
         let file: TableFile = serde_json::from_value(value).map_err(|e| {
             err(format!(
@@ -1426,17 +1418,6 @@ const TABLE_FIELDS: &[Field] = &[
     ),
 ];
 const TABLE_TY: Ty = Ty::Obj(TABLE_FIELDS);
-
-fn json_kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
-}
 
 /// `v` shortened for an error message.
 fn shown(v: &Value) -> String {
