@@ -58,7 +58,6 @@ pub struct ReplayResult {
 pub struct ReplayRig {
     _tier_dir: PathBuf,
     tier: Option<Tier>,
-    cache: Arc<HostKvCache>,
     prefix: Vec<Key>,
     prefix_mem: Vec<u32>,
     write_mem: Vec<u32>,
@@ -126,7 +125,6 @@ impl ReplayRig {
         Ok(ReplayRig {
             _tier_dir: path,
             tier: Some(tier),
-            cache,
             prefix,
             prefix_mem,
             write_mem,
@@ -228,7 +226,6 @@ impl ReplayRig {
         // evicted by later runs' stores; nothing else changes.
         let _ = tier.drain();
         self.tier = Some(tier);
-        let _ = &self.cache;
         result
     }
 }

@@ -20,7 +20,7 @@ use kvtier::ring::abi::abi_constants;
 #[path = "../build.rs"]
 mod build_script;
 mod common;
-use common::{find_compiler, kernels_dir};
+use common::{find_compiler, kernels_dir, syntax_check};
 
 /// A fresh directory for generated files, unique per process and test.
 fn scratch_dir(name: &str) -> PathBuf {
@@ -51,20 +51,7 @@ fn constants_source() -> String {
 /// Compiles `file` for syntax and static asserts only; panics with the
 /// compiler's output if it rejects it.
 fn compile(compiler: &str, std_flag: &str, file: &Path) {
-    let output = Command::new(compiler)
-        .arg(std_flag)
-        .args([
-            "-fsyntax-only",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            "-pedantic-errors",
-        ])
-        .arg("-I")
-        .arg(kernels_dir())
-        .arg(file)
-        .output()
-        .unwrap_or_else(|e| panic!("could not run {compiler}: {e}"));
+    let output = syntax_check(compiler, std_flag, file);
     assert!(
         output.status.success(),
         "{compiler} {std_flag} rejected kvtier_abi.h with abi.rs's constants ({}):\n{}{}",

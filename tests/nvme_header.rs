@@ -21,7 +21,7 @@ use kvtier::nvme::spec::{nvme_constants, nvme_layouts};
 #[path = "../build.rs"]
 mod build_script;
 mod common;
-use common::{find_compiler, kernels_dir};
+use common::{find_compiler, kernels_dir, syntax_check};
 
 /// A fresh directory for generated files, removed on drop.
 struct Scratch(PathBuf);
@@ -80,24 +80,6 @@ fn c_compiler() -> String {
     find_compiler("CC", &["cc", "gcc", "clang"]).expect(
         "no C compiler found (tried $CC, cc, gcc, clang); install one, e.g. `apt-get install gcc`",
     )
-}
-
-/// Syntax and static asserts only, warnings as errors.
-fn syntax_check(compiler: &str, std_flag: &str, file: &Path) -> Output {
-    Command::new(compiler)
-        .arg(std_flag)
-        .args([
-            "-fsyntax-only",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            "-pedantic-errors",
-        ])
-        .arg("-I")
-        .arg(kernels_dir())
-        .arg(file)
-        .output()
-        .unwrap_or_else(|e| panic!("could not run {compiler}: {e}"))
 }
 
 fn assert_accepted(what: &str, file: &Path, output: &Output) {

@@ -108,3 +108,22 @@ pub fn find_compiler(env_var: &str, candidates: &[&str]) -> Option<String> {
                 .is_ok_and(|o| o.status.success())
         })
 }
+
+/// Compile `file` for syntax and static asserts only, warnings as errors,
+/// with kernels/ on the include path (the C twins of our layouts).
+pub fn syntax_check(compiler: &str, std_flag: &str, file: &Path) -> std::process::Output {
+    std::process::Command::new(compiler)
+        .arg(std_flag)
+        .args([
+            "-fsyntax-only",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-pedantic-errors",
+        ])
+        .arg("-I")
+        .arg(kernels_dir())
+        .arg(file)
+        .output()
+        .unwrap_or_else(|e| panic!("could not run {compiler}: {e}"))
+}
