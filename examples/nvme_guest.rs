@@ -135,19 +135,22 @@ fn run(args: &Args) -> kvtier::error::Result<bool> {
     );
     if args.mode == "vfio" {
         let dev = VfioDevice::open(&addr)?;
-        Ok(suite_on(args, &addr, dev.bar0(), dev.dma(32 << 20)))
+        Ok(suite_on(args, &addr, dev.bar0(), || dev.dma(32 << 20)))
     } else {
-        Ok(suite_on(
-            args,
-            &addr,
-            UioBar0::open(&addr)?,
-            HugeDma::new(8),
-        ))
+        Ok(suite_on(args, &addr, UioBar0::open(&addr)?, || {
+            HugeDma::new(8)
+        }))
     }
 }
 
-/// Every test on the controller at `bar`, with DMA memory from `dma`.
-fn suite_on<B: Bar0 + Clone, A: DmaAlloc>(args: &Args, addr: &str, bar: B, mut dma: A) -> bool {
+/// Every test on the controller at `bar`, with DMA memory from allocators
+/// `new_dma` makes (the nvme engine takes one of its own).
+fn suite_on<B, A>(args: &Args, addr: &str, bar: B, new_dma: impl Fn() -> A) -> bool
+where
+    B: Bar0 + Clone + Send + Sync + 'static,
+    A: DmaAlloc + Send + 'static,
+{
+    let mut dma = new_dma();
     let opts = ControllerOptions {
         name: format!("{addr} ({})", args.mode),
         ..Default::default()
@@ -181,6 +184,7 @@ fn suite_on<B: Bar0 + Clone, A: DmaAlloc>(args: &Args, addr: &str, bar: B, mut d
         println!("  (--bw-only: data-verifying tests skipped)");
     } else {
         functional(r, &mut dma, &up);
+        engine_cases(r, &bar, &opts, &new_dma);
     }
 
     if args.bw_secs > 0.0 {
@@ -249,6 +253,47 @@ fn functional<B: Bar0, A: DmaAlloc>(
         suite::flush_and_shutdown(&mut up(&mut *dma), &mut *dma)
     });
     println!("  (skipped: dropped_command_times_out_naming_the_queue, simulator only)");
+}
+
+/// The nvme engine and the tier through it, each on a controller brought
+/// up with the two I/O queues the engine needs and an allocator it owns.
+fn engine_cases<B, A>(
+    r: &mut Vec<(String, bool)>,
+    bar: &B,
+    opts: &ControllerOptions,
+    new_dma: &dyn Fn() -> A,
+) where
+    B: Bar0 + Clone + Send + Sync + 'static,
+    A: DmaAlloc + Send + 'static,
+{
+    let up2 = || {
+        let mut dma = new_dma();
+        let opts = ControllerOptions {
+            io_queues: 2,
+            ..opts.clone()
+        };
+        let c = Controller::bring_up(bar.clone(), &mut dma, opts).expect("controller bring-up");
+        (c, dma)
+    };
+    for (name, mode) in [
+        ("engine_scatter_gather_sgl", DataMode::Sgl),
+        ("engine_scatter_gather_prp", DataMode::Prp),
+    ] {
+        case(r, name, || {
+            let (c, dma) = up2();
+            suite::engine_scatter_gather(c, dma, mode, 64 << 20)
+        });
+    }
+    for (name, mode) in [
+        ("tier_llama3_8b_sgl", DataMode::Auto),
+        ("tier_llama3_8b_prp", DataMode::Prp),
+    ] {
+        case(r, name, || {
+            let (c, dma) = up2();
+            let line = suite::tier_llama3_8b(c, dma, mode);
+            println!("ENGINE {name}: {line}");
+        });
+    }
 }
 
 /// Reads `obj`-byte objects at random object-aligned LBAs of the first 512

@@ -98,6 +98,9 @@ extern "C" {
  * disagrees with its segments); result is 0.
  */
 #define KVTIER_IOCTX_STATUS_INVALID 0x8002
+/* The device did not complete the I/O within the engine's timeout (the
+ * engine then stops the controller, so the I/O can no longer land). */
+#define KVTIER_IOCTX_STATUS_TIMEOUT 0x8003
 
 /* ---------------------------------------------------------- IOCB state -- */
 

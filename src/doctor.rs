@@ -29,7 +29,7 @@ use std::path::{Path, PathBuf};
 /// an engine the binary does not have.
 const GPU_ENGINE_BUILT: bool = false;
 /// Whether this build contains the userspace NVMe engine (VFIO/uio, issue 4).
-const NVME_ENGINE_BUILT: bool = false;
+const NVME_ENGINE_BUILT: bool = true;
 
 const NVIDIA_VENDOR: &str = "0x10de";
 /// PCI class code of an NVMe controller (mass storage, non-volatile memory, NVMe).

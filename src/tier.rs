@@ -283,12 +283,9 @@ impl Tier {
     /// Serve `pool` through the io_uring engine.
     pub fn open(pool: Pool, cfg: TierConfig) -> Result<Tier> {
         let devices: Vec<UringDevice> = pool
-            .devices()
-            .iter()
-            .map(|d| UringDevice {
-                fd: d.raw_fd(),
-                name: d.path().display().to_string(),
-            })
+            .device_fds()?
+            .into_iter()
+            .map(|(fd, name)| UringDevice { fd, name })
             .collect();
         let engine = UringEngine::new(&devices, cfg.uring.clone())?;
         Self::with_engine(pool, cfg, Box::new(engine))

@@ -15,7 +15,7 @@ export KVTIER_GUEST_BIN="$ROOT/target/$TARGET/release/examples/nvme_guest"
 rc=0
 lane() {
   if "$@" > "${TMPDIR:-/tmp}/kvtier-qemu-lane.log" 2>&1; then
-    grep -E '^(TEST|BW|RESULT)|^run.sh' "${TMPDIR:-/tmp}/kvtier-qemu-lane.log"
+    grep -E '^(TEST|BW|ENGINE|RESULT)|^run.sh' "${TMPDIR:-/tmp}/kvtier-qemu-lane.log"
   else
     cat "${TMPDIR:-/tmp}/kvtier-qemu-lane.log"
     rc=1

@@ -408,6 +408,7 @@ impl UringEngine {
             dev.in_flight += 1;
             dev.unsubmitted += 1;
             self.stats.ios += 1;
+            self.stats.commands += 1;
             if used_fixed {
                 self.stats.fixed_buffer_ios += 1;
             }

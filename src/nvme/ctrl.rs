@@ -203,6 +203,123 @@ pub trait DmaAlloc {
     /// the device address space, DMA-contiguous. The contents are unspecified
     /// (the controller zero-fills what needs it).
     fn alloc(&mut self, bytes: usize, align: usize) -> Result<DmaRegion>;
+
+    /// Makes existing host memory (the engine's registered KV memory)
+    /// reachable by the device: pins it and returns the device address of
+    /// every piece, in host order. The mapping is undone when the returned
+    /// value is dropped.
+    ///
+    /// # Safety
+    ///
+    /// `addr..addr + len` must be mapped, writable memory that stays mapped
+    /// (not freed, not remapped) for as long as the returned mapping lives:
+    /// the device may read and write it until then.
+    unsafe fn map_host(&mut self, addr: *mut u8, len: usize) -> Result<HostMapping> {
+        let _ = (addr, len);
+        Err(Error::invalid(
+            "this DMA allocator cannot map existing host memory for the device",
+        ))
+    }
+}
+
+/// One piece of a [`HostMapping`]: `len` bytes at host address `host` that
+/// the device reaches at `dma`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MappedChunk {
+    pub host: u64,
+    pub dma: u64,
+    pub len: u64,
+}
+
+/// Host memory mapped for a device by [`DmaAlloc::map_host`]: its pieces in
+/// host order, and an owner whose drop undoes the mapping (IOMMU unmap,
+/// munlock).
+pub struct HostMapping {
+    chunks: Vec<MappedChunk>,
+    _owner: Box<dyn Any + Send>,
+}
+
+impl HostMapping {
+    /// `chunks` must be sorted by host address, adjacent pieces merged where
+    /// both addresses continue.
+    pub fn new(chunks: Vec<MappedChunk>, owner: Box<dyn Any + Send>) -> HostMapping {
+        HostMapping {
+            chunks,
+            _owner: owner,
+        }
+    }
+
+    pub fn chunks(&self) -> &[MappedChunk] {
+        &self.chunks
+    }
+
+    /// Host bytes covered.
+    pub fn host_range(&self) -> (u64, u64) {
+        match (self.chunks.first(), self.chunks.last()) {
+            (Some(a), Some(b)) => (a.host, b.host + b.len),
+            _ => (0, 0),
+        }
+    }
+
+    /// Appends the device extents of host `addr..addr + len` to `out`
+    /// (merged among themselves, never with what `out` already held); false
+    /// if any byte of it lies outside the mapping.
+    pub fn translate(&self, addr: u64, len: u64, out: &mut Vec<Extent>) -> bool {
+        let Some(end) = addr.checked_add(len) else {
+            return false;
+        };
+        let first = out.len();
+        let mut at = addr;
+        // The chunk holding `addr`: the last one starting at or before it.
+        let mut i = self.chunks.partition_point(|c| c.host <= addr);
+        if i == 0 {
+            return false;
+        }
+        i -= 1;
+        while at < end {
+            let Some(c) = self.chunks.get(i) else {
+                return false;
+            };
+            if at < c.host || at >= c.host + c.len {
+                return false;
+            }
+            let take = (c.host + c.len).min(end) - at;
+            let dma = c.dma + (at - c.host);
+            match out[first..].last_mut() {
+                Some(last) if last.addr + last.len == dma => last.len += take,
+                _ => out.push(Extent {
+                    addr: dma,
+                    len: take,
+                }),
+            }
+            at += take;
+            i += 1;
+        }
+        true
+    }
+}
+
+impl fmt::Debug for HostMapping {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (a, b) = self.host_range();
+        write!(
+            f,
+            "HostMapping {{ host {a:#x}..{b:#x}, {} piece(s) }}",
+            self.chunks.len()
+        )
+    }
+}
+
+/// Merges a sorted list of (host, dma, len) pieces where both continue.
+pub fn merge_chunks(pieces: impl IntoIterator<Item = MappedChunk>) -> Vec<MappedChunk> {
+    let mut out: Vec<MappedChunk> = Vec::new();
+    for p in pieces {
+        match out.last_mut() {
+            Some(l) if l.host + l.len == p.host && l.dma + l.len == p.dma => l.len += p.len,
+            _ => out.push(p),
+        }
+    }
+    out
 }
 
 /// The rings and doorbells of one queue pair: [`DmaRegion`]s plus BAR0.
@@ -1009,6 +1126,29 @@ impl<B: Bar0> Controller<B> {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+
+    /// Stops the controller at once after a failure (a command that never
+    /// completed): CC.EN=0, then CSTS.RDY=0 within CAP.TO, so it no longer
+    /// touches queue or data memory. Its I/O queues are gone afterwards
+    /// (the controller counts as shut down); bring it up again to go on.
+    pub fn reset_after_failure(&mut self) -> Result<()> {
+        self.io.clear();
+        self.shut_down = true;
+        if !self.enabled {
+            return Ok(());
+        }
+        self.bar.write32(reg::CC, 0);
+        self.enabled = false;
+        wait_csts(
+            &*self.bar,
+            &self.name,
+            self.cap,
+            self.ready_timeout,
+            "CSTS.RDY=0 after a reset",
+            |c| !c.rdy(),
+        )
+        .map(|_| ())
     }
 
     /// Whether [`Controller::shutdown`] has run.

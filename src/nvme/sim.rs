@@ -25,7 +25,7 @@
 //! Knobs for error paths QEMU cannot be asked for: [`SimController::drop_next_commands`]
 //! (commands fetched and never completed) and [`SimConfig::never_ready`].
 
-use super::ctrl::{Bar0, DmaAlloc, DmaRegion};
+use super::ctrl::{Bar0, DmaAlloc, DmaRegion, HostMapping, MappedChunk};
 use super::spec::{
     admin_opc, cns, feature, idctl, idns, nvm_opc, reg, sgls, Cc, Cqe, Psdt, SglDescriptor,
     SglType, Sqe, Status, Vs, IDENTIFY_DATA_LEN,
@@ -93,6 +93,8 @@ pub struct SimStats {
 struct Arena {
     /// (address, layout) of each allocation; addresses as integers.
     allocs: Mutex<Vec<(usize, Layout)>>,
+    /// (address, length) of host memory mapped by `SimDma::map_host`.
+    mapped: Mutex<Vec<(u64, u64)>>,
 }
 
 impl Arena {
@@ -105,6 +107,27 @@ impl Arena {
         allocs
             .iter()
             .any(|&(a, l)| a as u64 <= addr && end <= a as u64 + l.size() as u64)
+            || self
+                .mapped
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .any(|&(a, l)| a <= addr && end <= a + l)
+    }
+}
+
+/// Host memory the simulated device may touch until this is dropped.
+struct SimMapping {
+    arena: Arc<Arena>,
+    range: (u64, u64),
+}
+
+impl Drop for SimMapping {
+    fn drop(&mut self) {
+        let mut mapped = self.arena.mapped.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = mapped.iter().position(|&r| r == self.range) {
+            mapped.swap_remove(i);
+        }
     }
 }
 
@@ -147,6 +170,28 @@ impl DmaAlloc for SimDma {
         // the region's owner handle prevents; the device address is the
         // pointer's value.
         Ok(unsafe { DmaRegion::new(ptr, ptr as u64, bytes, self.arena.clone()) })
+    }
+
+    /// The simulated device reaches host memory at its host address (no
+    /// IOMMU), but only memory mapped here or allocated above.
+    unsafe fn map_host(&mut self, addr: *mut u8, len: usize) -> Result<HostMapping> {
+        let range = (addr as u64, len as u64);
+        self.arena
+            .mapped
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(range);
+        Ok(HostMapping::new(
+            vec![MappedChunk {
+                host: range.0,
+                dma: range.0,
+                len: range.1,
+            }],
+            Box::new(SimMapping {
+                arena: self.arena.clone(),
+                range,
+            }),
+        ))
     }
 }
 
@@ -201,6 +246,7 @@ impl SimController {
     pub fn new(cfg: SimConfig) -> SimController {
         let arena = Arc::new(Arena {
             allocs: Mutex::new(Vec::new()),
+            mapped: Mutex::new(Vec::new()),
         });
         let cap = cfg.mqes as u64
             | (1 << 16) // CQR

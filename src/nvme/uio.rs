@@ -23,7 +23,7 @@
 //! The doorbell ordering of [`Bar0`] relies on x86-64's store ordering for
 //! uncached MMIO after the queue's `SeqCst` fence.
 
-use super::ctrl::{Bar0, DmaAlloc, DmaRegion};
+use super::ctrl::{merge_chunks, Bar0, DmaAlloc, DmaRegion, HostMapping, MappedChunk};
 use crate::error::{Error, Result};
 use std::fs::{self, File, OpenOptions};
 use std::io;
@@ -434,7 +434,68 @@ impl HugeDma {
     }
 }
 
+/// Host memory locked for DMA by `HugeDma::map_host`; unlocked on drop.
+struct LockedRange {
+    addr: usize,
+    len: usize,
+}
+
+impl Drop for LockedRange {
+    fn drop(&mut self) {
+        // SAFETY: the range `map_host` locked; munlock only changes residency.
+        unsafe { libc::munlock(self.addr as *const libc::c_void, self.len) };
+    }
+}
+
 impl DmaAlloc for HugeDma {
+    /// Without an IOMMU the device uses physical addresses: the range is
+    /// locked (mlock faults every page in, writable) and each 4 KiB page's
+    /// frame read from /proc/self/pagemap, adjacent frames merged. Locked
+    /// hugetlb pages never move; locked 4 KiB or THP pages can in principle
+    /// be migrated by compaction, so register hugepage-backed memory here
+    /// (kvtier's own host KV cache is) or use VFIO, where the IOMMU pins.
+    unsafe fn map_host(&mut self, addr: *mut u8, len: usize) -> Result<HostMapping> {
+        let start = addr as usize & !4095;
+        let end = (addr as usize + len).next_multiple_of(4096);
+        let size = end - start;
+        // SAFETY: the caller's contract: the range is mapped memory.
+        if unsafe { libc::mlock(start as *const libc::c_void, size) } != 0 {
+            return Err(Error::io(
+                format!("locking {size} bytes of registered memory for DMA (RLIMIT_MEMLOCK must cover it)"),
+                io::Error::last_os_error(),
+            ));
+        }
+        let lock = LockedRange {
+            addr: start,
+            len: size,
+        };
+        let pagemap = File::open("/proc/self/pagemap")
+            .map_err(|e| Error::io("opening /proc/self/pagemap", e))?;
+        let pages = size / 4096;
+        let mut raw = vec![0u8; pages * 8];
+        pagemap
+            .read_exact_at(&mut raw, (start as u64 / 4096) * 8)
+            .map_err(|e| Error::io("reading /proc/self/pagemap", e))?;
+        let mut chunks = Vec::with_capacity(pages);
+        for (i, e) in raw.chunks_exact(8).enumerate() {
+            let entry = u64::from_le_bytes(e.try_into().expect("8 bytes"));
+            let pfn = entry & ((1 << 55) - 1);
+            if entry & (1 << 63) == 0 || pfn == 0 {
+                return Err(Error::invalid(format!(
+                    "pagemap gives no physical frame for locked page {:#x} (entry {entry:#x}): \
+                     physical addresses need root (CAP_SYS_ADMIN)",
+                    start + i * 4096
+                )));
+            }
+            chunks.push(MappedChunk {
+                host: (start + i * 4096) as u64,
+                dma: pfn * 4096,
+                len: 4096,
+            });
+        }
+        Ok(HostMapping::new(merge_chunks(chunks), Box::new(lock)))
+    }
+
     fn alloc(&mut self, bytes: usize, align: usize) -> Result<DmaRegion> {
         let bytes = bytes.max(1);
         let align = align.max(1);

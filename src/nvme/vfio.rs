@@ -12,7 +12,7 @@
 //! consecutive IOVAs from 4 GiB up, so any allocation is contiguous for the
 //! device. Dropping the last handle unmaps the DMA and closes the fds.
 
-use super::ctrl::{Bar0, DmaAlloc, DmaRegion};
+use super::ctrl::{merge_chunks, Bar0, DmaAlloc, DmaRegion, HostMapping, MappedChunk};
 use super::uio::{bound_driver, pci_device_dir};
 use crate::error::{Error, Result};
 use std::fs::{File, OpenOptions};
@@ -96,6 +96,9 @@ struct Inner {
     device: File,
     bar_ptr: *mut u8,
     bar_len: usize,
+    /// The next free IOVA of the container, shared by every allocator of
+    /// this device so that two never map the same IOVA.
+    next_iova: std::sync::atomic::AtomicU64,
 }
 
 // SAFETY: fds are thread-safe; the BAR mapping is MMIO used through volatile
@@ -238,6 +241,7 @@ impl VfioDevice {
             device,
             bar_ptr: ptr.cast(),
             bar_len: bar.size as usize,
+            next_iova: std::sync::atomic::AtomicU64::new(IOVA_BASE),
         };
         let cfg = region_info(&inner.device, VFIO_PCI_CONFIG_REGION_INDEX)?;
         let mut b = [0u8; 2];
@@ -272,7 +276,6 @@ impl VfioDevice {
         VfioDma {
             inner: self.inner.clone(),
             chunks: Vec::new(),
-            next_iova: IOVA_BASE,
             chunk: chunk_bytes.max(1 << 21),
         }
     }
@@ -348,11 +351,18 @@ impl Drop for Chunk {
 pub struct VfioDma {
     inner: Arc<Inner>,
     chunks: Vec<(Arc<Chunk>, usize)>,
-    next_iova: u64,
     chunk: usize,
 }
 
 impl VfioDma {
+    /// Reserves `len` bytes of IOVA space (2 MiB granular).
+    fn take_iova(&self, len: u64) -> u64 {
+        self.inner.next_iova.fetch_add(
+            len.next_multiple_of(1 << 21),
+            std::sync::atomic::Ordering::Relaxed,
+        )
+    }
+
     fn map_chunk(&mut self, len: usize) -> Result<Arc<Chunk>> {
         // SAFETY: a fresh anonymous mapping; checked below.
         let ptr = unsafe {
@@ -368,11 +378,12 @@ impl VfioDma {
         if ptr == libc::MAP_FAILED {
             return Err(os_err(format!("mapping {len} bytes for DMA")));
         }
+        let iova = self.take_iova(len as u64);
         let map = DmaMap {
             argsz: std::mem::size_of::<DmaMap>() as u32,
             flags: VFIO_DMA_MAP_FLAG_READ | VFIO_DMA_MAP_FLAG_WRITE,
             vaddr: ptr as u64,
-            iova: self.next_iova,
+            iova,
             size: len as u64,
         };
         // SAFETY: maps memory we own (pinned by the kernel) into the container.
@@ -385,8 +396,7 @@ impl VfioDma {
         } != 0
         {
             let err = os_err(format!(
-                "VFIO_IOMMU_MAP_DMA of {len} bytes at IOVA {:#x}",
-                self.next_iova
+                "VFIO_IOMMU_MAP_DMA of {len} bytes at IOVA {iova:#x}"
             ));
             // SAFETY: the mapping made above.
             unsafe { libc::munmap(ptr, len) };
@@ -396,14 +406,82 @@ impl VfioDma {
             inner: self.inner.clone(),
             ptr: ptr.cast(),
             len,
-            iova: self.next_iova,
+            iova,
         });
-        self.next_iova += (len as u64).next_multiple_of(1 << 21);
         Ok(chunk)
     }
 }
 
+/// Host memory the caller owns, mapped into the container at `iova`.
+struct HostIommuMap {
+    inner: Arc<Inner>,
+    iova: u64,
+    size: u64,
+}
+
+impl Drop for HostIommuMap {
+    fn drop(&mut self) {
+        let unmap = DmaUnmap {
+            argsz: std::mem::size_of::<DmaUnmap>() as u32,
+            flags: 0,
+            iova: self.iova,
+            size: self.size,
+        };
+        // SAFETY: unmaps (and unpins) exactly what `map_host` mapped.
+        unsafe {
+            libc::ioctl(
+                self.inner.container.as_raw_fd(),
+                VFIO_IOMMU_UNMAP_DMA as _,
+                &unmap,
+            );
+        }
+    }
+}
+
 impl DmaAlloc for VfioDma {
+    /// One VFIO_IOMMU_MAP_DMA of the pages spanning the range at the next
+    /// free IOVA: the kernel pins them, and the device sees one contiguous
+    /// IOVA range whatever the physical pages are.
+    unsafe fn map_host(&mut self, addr: *mut u8, len: usize) -> Result<HostMapping> {
+        let start = addr as u64 & !4095;
+        let end = (addr as u64 + len as u64).next_multiple_of(4096);
+        let size = end - start;
+        let iova = self.take_iova(size);
+        let map = DmaMap {
+            argsz: std::mem::size_of::<DmaMap>() as u32,
+            flags: VFIO_DMA_MAP_FLAG_READ | VFIO_DMA_MAP_FLAG_WRITE,
+            vaddr: start,
+            iova,
+            size,
+        };
+        // SAFETY: the caller keeps the memory mapped while the mapping lives
+        // (this function's contract); the kernel checks the range is ours.
+        if unsafe {
+            libc::ioctl(
+                self.inner.container.as_raw_fd(),
+                VFIO_IOMMU_MAP_DMA as _,
+                &map,
+            )
+        } != 0
+        {
+            return Err(os_err(format!(
+                "VFIO_IOMMU_MAP_DMA of {size} bytes of registered memory at IOVA {iova:#x} (RLIMIT_MEMLOCK must cover it)"
+            )));
+        }
+        Ok(HostMapping::new(
+            merge_chunks([MappedChunk {
+                host: start,
+                dma: iova,
+                len: size,
+            }]),
+            Box::new(HostIommuMap {
+                inner: self.inner.clone(),
+                iova,
+                size,
+            }),
+        ))
+    }
+
     fn alloc(&mut self, bytes: usize, align: usize) -> Result<DmaRegion> {
         let bytes = bytes.max(1);
         let align = align.max(1);

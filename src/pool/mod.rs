@@ -9,6 +9,7 @@
 pub mod backing;
 pub mod index;
 pub mod layout;
+pub mod storage;
 
 use crate::error::{Error, Result};
 use crate::model::{DType, KvGeometry};
@@ -17,7 +18,9 @@ use bytemuck::Zeroable;
 use index::Index;
 use layout::*;
 use std::fmt;
+use std::os::fd::RawFd;
 use std::path::{Path, PathBuf};
+pub use storage::Storage;
 
 /// A block's identity: its content hash (up to 32 bytes: vLLM BlockHash,
 /// LMCache chunk hash) within the pool's namespace.
@@ -110,7 +113,7 @@ pub struct OpenExpect {
 }
 
 pub struct Pool {
-    devices: Vec<BackingDevice>,
+    devices: Vec<Box<dyn Storage>>,
     layout: PoolLayout,
     uuid: [u8; 16],
     namespace: String,
@@ -183,13 +186,54 @@ fn hex(b: &[u8]) -> String {
 }
 
 impl Pool {
-    /// Format a new pool over the given devices.
+    /// Format a new pool over the given devices (files or block devices).
     pub fn create(cfg: &PoolConfig) -> Result<Pool> {
+        Self::check_config(cfg, cfg.devices.len())?;
+        let mut seen = std::collections::HashSet::new();
+        for d in &cfg.devices {
+            let canon = std::fs::canonicalize(&d.path).unwrap_or_else(|_| d.path.clone());
+            if !seen.insert(canon) {
+                return Err(Error::Backing {
+                    path: d.path.clone(),
+                    reason: "named twice; each backing device may appear once".into(),
+                });
+            }
+        }
+        let min_size = DATA_OFFSET + PoolLayout::group_bytes_for(&cfg.geometry, cfg.group_blocks);
+        let mut devices: Vec<Box<dyn Storage>> = Vec::new();
+        for d in &cfg.devices {
+            devices.push(Box::new(BackingDevice::create(
+                &d.path, d.size, min_size, cfg.force,
+            )?));
+        }
+        Self::format(cfg, devices)
+    }
+
+    /// Format a new pool over storage the caller opened (an NVMe namespace
+    /// driven from userspace); `cfg.devices` is not used.
+    pub fn create_on(cfg: &PoolConfig, devices: Vec<Box<dyn Storage>>) -> Result<Pool> {
+        Self::check_config(cfg, devices.len())?;
+        let min_size = DATA_OFFSET + PoolLayout::group_bytes_for(&cfg.geometry, cfg.group_blocks);
+        for d in &devices {
+            if d.size() < min_size {
+                return Err(Error::Backing {
+                    path: d.path().to_path_buf(),
+                    reason: format!(
+                        "holds {} bytes; this geometry and group size need at least {min_size}",
+                        d.size()
+                    ),
+                });
+            }
+        }
+        Self::format(cfg, devices)
+    }
+
+    fn check_config(cfg: &PoolConfig, devices: usize) -> Result<()> {
         cfg.geometry.validate()?;
-        if cfg.devices.is_empty() {
+        if devices == 0 {
             return Err(Error::invalid("a pool needs at least one backing device"));
         }
-        if cfg.devices.len() > u16::MAX as usize {
+        if devices > u16::MAX as usize {
             return Err(Error::invalid("too many backing devices"));
         }
         if cfg.group_blocks == 0 || cfg.group_blocks > 4096 {
@@ -204,22 +248,12 @@ impl Pool {
                 cfg.namespace.len()
             )));
         }
-        let mut seen = std::collections::HashSet::new();
-        for d in &cfg.devices {
-            let canon = std::fs::canonicalize(&d.path).unwrap_or_else(|_| d.path.clone());
-            if !seen.insert(canon) {
-                return Err(Error::Backing {
-                    path: d.path.clone(),
-                    reason: "named twice; each backing device may appear once".into(),
-                });
-            }
-        }
+        Ok(())
+    }
+
+    /// Write superblocks and empty header areas on `devices`.
+    fn format(cfg: &PoolConfig, devices: Vec<Box<dyn Storage>>) -> Result<Pool> {
         let g = cfg.geometry;
-        let min_size = DATA_OFFSET + PoolLayout::group_bytes_for(&g, cfg.group_blocks);
-        let mut devices = Vec::new();
-        for d in &cfg.devices {
-            devices.push(BackingDevice::create(&d.path, d.size, min_size, cfg.force)?);
-        }
         let groups: Vec<u32> = devices
             .iter()
             .map(|d| PoolLayout::groups_fitting(&g, cfg.group_blocks, d.size()))
@@ -290,17 +324,28 @@ impl Pool {
         if paths.is_empty() {
             return Err(Error::invalid("name the pool's backing devices to open it"));
         }
-        let mut found: Vec<(Superblock, BackingDevice)> = Vec::new();
+        let mut devices: Vec<Box<dyn Storage>> = Vec::new();
         for p in paths {
-            let dev = BackingDevice::open(p)?;
+            devices.push(Box::new(BackingDevice::open(p)?));
+        }
+        Self::open_on(devices, expect)
+    }
+
+    /// Open an existing pool on storage the caller opened, in any order.
+    pub fn open_on(devices: Vec<Box<dyn Storage>>, expect: &OpenExpect) -> Result<Pool> {
+        if devices.is_empty() {
+            return Err(Error::invalid("name the pool's backing devices to open it"));
+        }
+        let path0 = devices[0].path().to_path_buf();
+        let mut found: Vec<(Superblock, Box<dyn Storage>)> = Vec::new();
+        for dev in devices {
             let mut buf = AlignedBuf::zeroed(4096);
             dev.read_exact_at(&mut buf, 0)?;
             let sb: Superblock = bytemuck::pod_read_unaligned(&buf.as_slice()[..512]);
-            check_superblock(&sb, p)?;
+            check_superblock(&sb, dev.path())?;
             found.push((sb, dev));
         }
         let first = found[0].0;
-        let path0 = paths[0].clone();
         for (sb, dev) in &found {
             if sb.pool_uuid != first.pool_uuid {
                 return Err(Error::GeometryMismatch {
@@ -384,7 +429,7 @@ impl Pool {
         }
         let groups = found.iter().map(|(sb, _)| sb.groups_on_device).collect();
         let layout = PoolLayout::new(geometry, first.group_blocks, groups);
-        let devices: Vec<BackingDevice> = found.into_iter().map(|(_, d)| d).collect();
+        let devices: Vec<Box<dyn Storage>> = found.into_iter().map(|(_, d)| d).collect();
         let mut pool = Pool {
             index: Index::new(layout.total_slots()),
             devices,
@@ -498,8 +543,24 @@ impl Pool {
     pub fn index_mut(&mut self) -> &mut Index {
         &mut self.index
     }
-    pub fn devices(&self) -> &[BackingDevice] {
+    pub fn devices(&self) -> &[Box<dyn Storage>] {
         &self.devices
+    }
+
+    /// The file descriptors of the pool's devices for the io_uring engine,
+    /// or an error naming a device only another engine can drive.
+    pub fn device_fds(&self) -> Result<Vec<(RawFd, String)>> {
+        self.devices
+            .iter()
+            .map(|d| {
+                let name = d.path().display().to_string();
+                d.raw_fd().map(|fd| (fd, name.clone())).ok_or_else(|| {
+                    Error::invalid(format!(
+                        "{name} is not a file or block device; serve this pool with the nvme engine"
+                    ))
+                })
+            })
+            .collect()
     }
     pub fn namespace(&self) -> &str {
         &self.namespace

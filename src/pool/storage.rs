@@ -1,0 +1,61 @@
+//! Where a pool's bytes live: a small storage-backend trait.
+//!
+//! The pool reads and writes its superblocks and block headers through
+//! [`Storage`] (a few synchronous, aligned transfers at create, open and
+//! check time); the hot data path goes through an I/O engine instead. Two
+//! backends exist: [`super::backing::BackingDevice`] (an O_DIRECT file or
+//! block device, driven on the data path by the io_uring engine) and an NVMe
+//! namespace driven from userspace (`crate::engine::nvme::NvmeNamespace`,
+//! with the nvme engine on the data path), so a pool can live directly on a
+//! namespace with no kernel driver or filesystem under it.
+
+use super::backing::{AlignedBuf, BackingDevice};
+use crate::error::Result;
+use std::os::fd::RawFd;
+use std::path::Path;
+
+pub trait Storage: Send {
+    /// Names the device in messages and in `pool info` (a path, or
+    /// `nvme:ADDRESS/nsN` for a namespace driven from userspace).
+    fn path(&self) -> &Path;
+
+    /// Usable bytes.
+    fn size(&self) -> u64;
+
+    /// Fill `buf` from byte `offset`; `offset` and `buf.len()` are multiples
+    /// of 4096. A short read is an error naming the device and the range.
+    fn read_exact_at(&self, buf: &mut AlignedBuf, offset: u64) -> Result<()>;
+
+    /// Write all of `buf` at byte `offset` (same alignment rules).
+    fn write_all_at(&self, buf: &AlignedBuf, offset: u64) -> Result<()>;
+
+    /// Make every completed write durable (fdatasync, NVMe Flush).
+    fn sync_data(&self) -> Result<()>;
+
+    /// The file descriptor the io_uring engine drives, for file and block
+    /// device backends; `None` for storage only another engine can reach.
+    fn raw_fd(&self) -> Option<RawFd> {
+        None
+    }
+}
+
+impl Storage for BackingDevice {
+    fn path(&self) -> &Path {
+        BackingDevice::path(self)
+    }
+    fn size(&self) -> u64 {
+        BackingDevice::size(self)
+    }
+    fn read_exact_at(&self, buf: &mut AlignedBuf, offset: u64) -> Result<()> {
+        BackingDevice::read_exact_at(self, buf, offset)
+    }
+    fn write_all_at(&self, buf: &AlignedBuf, offset: u64) -> Result<()> {
+        BackingDevice::write_all_at(self, buf, offset)
+    }
+    fn sync_data(&self) -> Result<()> {
+        BackingDevice::sync_data(self)
+    }
+    fn raw_fd(&self) -> Option<RawFd> {
+        Some(BackingDevice::raw_fd(self))
+    }
+}
