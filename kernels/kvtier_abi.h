@@ -98,6 +98,12 @@ extern "C" {
  * disagrees with its segments); result is 0.
  */
 #define KVTIER_IOCTX_STATUS_INVALID 0x8002
+/*
+ * The device did not complete the I/O within the engine's poll budget (the
+ * GPU engine's per-batch timeout, or a command the controller dropped);
+ * result holds the bytes of the IOCTX's commands that did complete.
+ */
+#define KVTIER_IOCTX_STATUS_TIMEOUT 0x8003
 
 /* ---------------------------------------------------------- IOCB state -- */
 

@@ -10,6 +10,7 @@ pub mod bench;
 pub mod cli;
 pub mod doctor;
 pub mod engine;
+pub mod gpu;
 pub mod error;
 pub mod json;
 pub mod memory;

@@ -42,6 +42,10 @@ pub const IOCTX_STATUS_SHORT: u16 = 0x8001;
 /// The IOCTX itself is malformed (bad device index, segment range, length
 /// that disagrees with its segments); `result` is 0.
 pub const IOCTX_STATUS_INVALID: u16 = 0x8002;
+/// The device did not complete the I/O within the engine's poll budget (the
+/// GPU engine's per-batch timeout, or a command the controller dropped);
+/// `result` holds the bytes of the IOCTX's commands that did complete.
+pub const IOCTX_STATUS_TIMEOUT: u16 = 0x8003;
 
 /// One I/O: a device extent and the memory it moves to or from.
 ///
@@ -196,6 +200,7 @@ pub fn abi_constants() -> Vec<(&'static str, u64)> {
         ("KVTIER_IOCTX_STATUS_ERRNO", IOCTX_STATUS_ERRNO as u64),
         ("KVTIER_IOCTX_STATUS_SHORT", IOCTX_STATUS_SHORT as u64),
         ("KVTIER_IOCTX_STATUS_INVALID", IOCTX_STATUS_INVALID as u64),
+        ("KVTIER_IOCTX_STATUS_TIMEOUT", IOCTX_STATUS_TIMEOUT as u64),
         ("KVTIER_IOCB_STATE_FREE", IOCB_STATE_FREE as u64),
         ("KVTIER_IOCB_STATE_FILLING", IOCB_STATE_FILLING as u64),
         ("KVTIER_IOCB_STATE_SUBMITTED", IOCB_STATE_SUBMITTED as u64),
