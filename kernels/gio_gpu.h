@@ -51,7 +51,7 @@ extern "C" {
 #define KVTIER_GIO_MODE_PERSISTENT 1
 
 #define KVTIER_GIO_QUEUE_SIZE 128
-#define KVTIER_GIO_RING_SIZE 64
+#define KVTIER_GIO_RING_SIZE 80
 #define KVTIER_GIO_DEV_SIZE 8
 #define KVTIER_GIO_ENGINE_SIZE 48
 
@@ -136,6 +136,12 @@ typedef struct kvtier_gio_ring {
     uint64_t sq;
     /* Kernel pointer to the CQ: entries uint32_t IOCB ids. Kernel writes. */
     uint64_t cq;
+    /* Kernel pointer to iocb_count uint32_t, zeroed by the host once: how
+     * many blocks have passed each IOCB. Every block looks at every IOCB
+     * (it runs the IOCTXs that map to its queue); the block that passes it
+     * last publishes it, so no block can still be reading an IOCB the host
+     * has already reaped and refilled. Kernel. */
+    uint64_t passes;
     /* Slots in each ring, a power of two >= iocb_count (so neither ring can
      * overflow while each IOCB is in flight at most once). Host. */
     uint32_t entries;
@@ -157,7 +163,7 @@ typedef struct kvtier_gio_ring {
     uint32_t stop;
     /* SQ ids past iocb_count that were skipped. Kernel. */
     uint32_t bad_ids;
-    uint32_t reserved;
+    uint32_t reserved[3];
 } kvtier_gio_ring;
 
 /* ---------------------------------------------------------------- devices -- */
@@ -225,15 +231,16 @@ static_assert(sizeof(kvtier_gio_ring) == KVTIER_GIO_RING_SIZE, "kvtier_gio_ring 
 static_assert(offsetof(kvtier_gio_ring, iocbs) == 0, "kvtier_gio_ring.iocbs");
 static_assert(offsetof(kvtier_gio_ring, sq) == 8, "kvtier_gio_ring.sq");
 static_assert(offsetof(kvtier_gio_ring, cq) == 16, "kvtier_gio_ring.cq");
-static_assert(offsetof(kvtier_gio_ring, entries) == 24, "kvtier_gio_ring.entries");
-static_assert(offsetof(kvtier_gio_ring, iocb_count) == 28, "kvtier_gio_ring.iocb_count");
-static_assert(offsetof(kvtier_gio_ring, sq_tail) == 32, "kvtier_gio_ring.sq_tail");
-static_assert(offsetof(kvtier_gio_ring, cq_head) == 36, "kvtier_gio_ring.cq_head");
-static_assert(offsetof(kvtier_gio_ring, cq_tail) == 40, "kvtier_gio_ring.cq_tail");
-static_assert(offsetof(kvtier_gio_ring, cq_reserve) == 44, "kvtier_gio_ring.cq_reserve");
-static_assert(offsetof(kvtier_gio_ring, completed) == 48, "kvtier_gio_ring.completed");
-static_assert(offsetof(kvtier_gio_ring, stop) == 52, "kvtier_gio_ring.stop");
-static_assert(offsetof(kvtier_gio_ring, bad_ids) == 56, "kvtier_gio_ring.bad_ids");
+static_assert(offsetof(kvtier_gio_ring, passes) == 24, "kvtier_gio_ring.passes");
+static_assert(offsetof(kvtier_gio_ring, entries) == 32, "kvtier_gio_ring.entries");
+static_assert(offsetof(kvtier_gio_ring, iocb_count) == 36, "kvtier_gio_ring.iocb_count");
+static_assert(offsetof(kvtier_gio_ring, sq_tail) == 40, "kvtier_gio_ring.sq_tail");
+static_assert(offsetof(kvtier_gio_ring, cq_head) == 44, "kvtier_gio_ring.cq_head");
+static_assert(offsetof(kvtier_gio_ring, cq_tail) == 48, "kvtier_gio_ring.cq_tail");
+static_assert(offsetof(kvtier_gio_ring, cq_reserve) == 52, "kvtier_gio_ring.cq_reserve");
+static_assert(offsetof(kvtier_gio_ring, completed) == 56, "kvtier_gio_ring.completed");
+static_assert(offsetof(kvtier_gio_ring, stop) == 60, "kvtier_gio_ring.stop");
+static_assert(offsetof(kvtier_gio_ring, bad_ids) == 64, "kvtier_gio_ring.bad_ids");
 
 static_assert(sizeof(kvtier_gio_dev) == KVTIER_GIO_DEV_SIZE, "kvtier_gio_dev size");
 static_assert(offsetof(kvtier_gio_dev, first_queue) == 0, "kvtier_gio_dev.first_queue");

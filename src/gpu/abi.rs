@@ -109,6 +109,10 @@ pub struct GioRing {
     pub sq: u64,
     /// Kernel pointer to `entries` CQ ids.
     pub cq: u64,
+    /// Kernel pointer to `iocb_count` `u32`s, zeroed once: blocks that have
+    /// passed each IOCB. The last block to pass an IOCB publishes it, so no
+    /// block still reads an IOCB the host has reaped and refilled.
+    pub passes: u64,
     /// A power of two >= `iocb_count`.
     pub entries: u32,
     pub iocb_count: u32,
@@ -127,7 +131,7 @@ pub struct GioRing {
     pub stop: u32,
     /// SQ ids past `iocb_count` that were skipped.
     pub bad_ids: u32,
-    pub reserved: u32,
+    pub reserved: [u32; 3],
 }
 
 /// The queues of one pool device: `queues[first_queue..first_queue +
@@ -185,19 +189,20 @@ const _: () = {
     assert!(offset_of!(GioQueue, commands) == 96);
     assert!(offset_of!(GioQueue, doorbells) == 104);
 
-    assert!(size_of::<GioRing>() == 64);
+    assert!(size_of::<GioRing>() == 80);
     assert!(offset_of!(GioRing, iocbs) == 0);
     assert!(offset_of!(GioRing, sq) == 8);
     assert!(offset_of!(GioRing, cq) == 16);
-    assert!(offset_of!(GioRing, entries) == 24);
-    assert!(offset_of!(GioRing, iocb_count) == 28);
-    assert!(offset_of!(GioRing, sq_tail) == 32);
-    assert!(offset_of!(GioRing, cq_head) == 36);
-    assert!(offset_of!(GioRing, cq_tail) == 40);
-    assert!(offset_of!(GioRing, cq_reserve) == 44);
-    assert!(offset_of!(GioRing, completed) == 48);
-    assert!(offset_of!(GioRing, stop) == 52);
-    assert!(offset_of!(GioRing, bad_ids) == 56);
+    assert!(offset_of!(GioRing, passes) == 24);
+    assert!(offset_of!(GioRing, entries) == 32);
+    assert!(offset_of!(GioRing, iocb_count) == 36);
+    assert!(offset_of!(GioRing, sq_tail) == 40);
+    assert!(offset_of!(GioRing, cq_head) == 44);
+    assert!(offset_of!(GioRing, cq_tail) == 48);
+    assert!(offset_of!(GioRing, cq_reserve) == 52);
+    assert!(offset_of!(GioRing, completed) == 56);
+    assert!(offset_of!(GioRing, stop) == 60);
+    assert!(offset_of!(GioRing, bad_ids) == 64);
 
     assert!(size_of::<GioDev>() == 8);
     assert!(offset_of!(GioDev, first_queue) == 0);
@@ -245,7 +250,7 @@ pub fn gio_layouts() -> Vec<(&'static str, Option<&'static str>, usize)> {
         desc_dma, timeout_ns, desc_bytes, nsid, max_transfer, page_bytes, qid, depth, lba_shift,
         use_sgl, reserved0, sq_tail, sq_head, cq_head, phase, gen, ring_cursor, timeouts,
         commands, doorbells, reserved1);
-    all.extend(layout!("kvtier_gio_ring", GioRing; iocbs, sq, cq, entries, iocb_count, sq_tail,
+    all.extend(layout!("kvtier_gio_ring", GioRing; iocbs, sq, cq, passes, entries, iocb_count, sq_tail,
         cq_head, cq_tail, cq_reserve, completed, stop, bad_ids, reserved));
     all.extend(layout!("kvtier_gio_dev", GioDev; first_queue, queue_count, reserved));
     all.extend(layout!("kvtier_gio_engine", GioEngine; queues, devs, p2p, ring, p2p_count,
