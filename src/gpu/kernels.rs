@@ -8,7 +8,9 @@
 //! built without nvcc still builds and runs everything else; asking it for
 //! a kernel is an error that says how to get them.
 
-use crate::error::{Error, Result};
+#[cfg(not(kvtier_kernels))]
+use crate::error::Error;
+use crate::error::Result;
 
 /// One compiled kernel file: load `cubin` on sm_90 (Hopper), else `ptx`.
 #[derive(Clone, Copy, Debug)]
