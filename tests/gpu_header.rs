@@ -28,7 +28,10 @@ fn checks_source() -> String {
         ));
     }
     let layouts = gio_layouts();
-    assert!(layouts.len() > 40, "every field of the four structs is listed");
+    assert!(
+        layouts.len() > 40,
+        "every field of the four structs is listed"
+    );
     for (ty, member, value) in layouts {
         let (expr, what) = match member {
             None => (format!("sizeof({ty})"), format!("sizeof {ty}")),

@@ -250,10 +250,14 @@ pub fn gio_layouts() -> Vec<(&'static str, Option<&'static str>, usize)> {
         desc_dma, timeout_ns, desc_bytes, nsid, max_transfer, page_bytes, qid, depth, lba_shift,
         use_sgl, reserved0, sq_tail, sq_head, cq_head, phase, gen, ring_cursor, timeouts,
         commands, doorbells, reserved1);
-    all.extend(layout!("kvtier_gio_ring", GioRing; iocbs, sq, cq, passes, entries, iocb_count, sq_tail,
-        cq_head, cq_tail, cq_reserve, completed, stop, bad_ids, reserved));
+    all.extend(
+        layout!("kvtier_gio_ring", GioRing; iocbs, sq, cq, passes, entries, iocb_count, sq_tail,
+        cq_head, cq_tail, cq_reserve, completed, stop, bad_ids, reserved),
+    );
     all.extend(layout!("kvtier_gio_dev", GioDev; first_queue, queue_count, reserved));
-    all.extend(layout!("kvtier_gio_engine", GioEngine; queues, devs, p2p, ring, p2p_count,
-        queue_count, dev_count));
+    all.extend(
+        layout!("kvtier_gio_engine", GioEngine; queues, devs, p2p, ring, p2p_count,
+        queue_count, dev_count),
+    );
     all
 }
