@@ -975,10 +975,10 @@ fn persistent_kernel_two_devices() {
         assert_eq!(rig.passes[id as usize], 0);
     }
     for j in 0..k {
-        for d in 0..2 {
+        for (d, dev_base) in base.iter().enumerate() {
             let i = 2 * j + d;
             assert_eq!(
-                rig.sim.namespace_bytes(base[d] + (j * len) as u64, len),
+                rig.sim.namespace_bytes(dev_base + (j * len) as u64, len),
                 &data[i * len..(i + 1) * len],
                 "IOCB {j} device {d}"
             );
