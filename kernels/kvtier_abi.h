@@ -98,8 +98,12 @@ extern "C" {
  * disagrees with its segments); result is 0.
  */
 #define KVTIER_IOCTX_STATUS_INVALID 0x8002
-/* The device did not complete the I/O within the engine's timeout (the
- * engine then stops the controller, so the I/O can no longer land). */
+/*
+ * The device did not complete the I/O in time: the nvme engine's I/O timeout
+ * (it then stops the controller, so the I/O can no longer land) or the GPU
+ * engine's per-batch poll budget. result holds the bytes of the IOCTX's
+ * commands that did complete (GPU engine) or 0 (nvme engine).
+ */
 #define KVTIER_IOCTX_STATUS_TIMEOUT 0x8003
 
 /* ---------------------------------------------------------- IOCB state -- */

@@ -24,6 +24,17 @@
 //!
 //! Knobs for error paths QEMU cannot be asked for: [`SimController::drop_next_commands`]
 //! (commands fetched and never completed) and [`SimConfig::never_ready`].
+//!
+//! **Doorbell page mode** ([`SimController::doorbell_page`]): a GPU I/O
+//! kernel rings doorbells with plain stores to memory (a BAR0 mapped into
+//! the GPU, or a doorbell page), never through a Rust method call. For that
+//! the simulator also reads its doorbells from a page of `u32`s in its own
+//! DMA memory, laid out like BAR0's doorbell area (SQ y tail at slot
+//! `2y << DSTRD`, CQ y head at `(2y + 1) << DSTRD`), watched by a host
+//! thread that forwards every changed value to the controller, which then
+//! runs asynchronously to the writer, as a real device does. The page is
+//! also a [`Bar0`] (registers to the controller, doorbells into the page),
+//! so `Controller::bring_up` and the NVMe suite run over it unchanged.
 
 use super::ctrl::{Bar0, DmaAlloc, DmaRegion, HostMapping, MappedChunk};
 use super::spec::{
@@ -32,7 +43,10 @@ use super::spec::{
 };
 use crate::error::{Error, Result};
 use std::alloc::Layout;
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
 
 /// LBA size of the simulated namespace.
 pub const SIM_LBA_BYTES: u64 = 512;
@@ -229,6 +243,26 @@ struct Core {
     ns: Vec<u8>,
     drop_next: u32,
     stats: SimStats,
+    /// The doorbell page, when [`SimController::doorbell_page`] made one.
+    db_page: Option<PageDoorbells>,
+}
+
+/// The doorbell page as the controller sees it: where it is, and the last
+/// value of every slot that was forwarded, so only changes are.
+struct PageDoorbells {
+    addr: usize,
+    slots: usize,
+    seen: Vec<u32>,
+}
+
+impl PageDoorbells {
+    fn slot(&self, i: usize) -> &AtomicU32 {
+        assert!(i < self.slots);
+        // SAFETY: addr is a 4-aligned allocation of `slots` u32s in the
+        // controller's arena, kept alive by the arena the core holds; the
+        // writer side uses 32-bit stores too, so access is atomic.
+        unsafe { &*(self.addr as *const AtomicU32).add(i) }
+    }
 }
 
 /// A simulated NVMe controller (a test double; see the module docs). Clones
@@ -270,6 +304,7 @@ impl SimController {
             cqs: (0..queues).map(|_| None).collect(),
             drop_next: 0,
             stats: SimStats::default(),
+            db_page: None,
             cfg,
         };
         SimController {
@@ -302,6 +337,156 @@ impl SimController {
     pub fn namespace_bytes(&self, offset: u64, len: usize) -> Vec<u8> {
         let core = self.core();
         core.ns[offset as usize..offset as usize + len].to_vec()
+    }
+
+    /// Switches on doorbell page mode (see the module docs): allocates the
+    /// page from this controller's DMA memory and starts the host thread
+    /// that forwards changed doorbells to the controller. Doorbell writes
+    /// through [`Bar0`] on `self` keep working too (the controller does not
+    /// care who rang), but a queue should be rung one way only. Fails if a
+    /// page already exists or the queues' doorbells do not fit in one.
+    ///
+    /// The thread stops and is joined when the last handle of the returned
+    /// page is dropped; dropping it while the page's memory is still being
+    /// written is harmless (the stores land, nobody forwards them).
+    pub fn doorbell_page(&self) -> Result<SimDoorbellPage> {
+        let stride = 4usize << self.core().cfg.dstrd;
+        let queues = self.core().cfg.max_io_queues as usize + 1;
+        let bytes = (2 * queues * stride).next_multiple_of(4096);
+        let region = self.dma().alloc(bytes, 4096)?;
+        region.fill(0);
+        {
+            let mut core = self.core();
+            if core.db_page.is_some() {
+                return Err(Error::invalid(
+                    "this simulated controller already has a doorbell page",
+                ));
+            }
+            core.db_page = Some(PageDoorbells {
+                addr: region.ptr() as usize,
+                slots: bytes / 4,
+                seen: vec![0; bytes / 4],
+            });
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let ctrl = self.clone();
+            let stop = stop.clone();
+            std::thread::Builder::new()
+                .name("sim-nvme-doorbells".into())
+                .spawn(move || {
+                    while !stop.load(Ordering::Acquire) {
+                        if !ctrl.core().forward_page_doorbells() {
+                            // Idle: a short sleep keeps a test machine's
+                            // cores free; a doorbell waits ~0.1 ms at most.
+                            std::thread::sleep(Duration::from_micros(20));
+                        }
+                    }
+                })
+                .map_err(|e| Error::io("start the simulated doorbell thread", e))?
+        };
+        Ok(SimDoorbellPage {
+            inner: Arc::new(PageInner {
+                ctrl: self.clone(),
+                addr: region.ptr() as usize,
+                dma: region.dma(),
+                bytes,
+                stop,
+                thread: Mutex::new(Some(thread)),
+            }),
+        })
+    }
+}
+
+struct PageInner {
+    ctrl: SimController,
+    addr: usize,
+    dma: u64,
+    bytes: usize,
+    stop: Arc<AtomicBool>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Drop for PageInner {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        let thread = self.thread.get_mut().unwrap_or_else(|e| e.into_inner());
+        if let Some(t) = thread.take() {
+            let _ = t.join();
+        }
+        // The controller stops watching (the memory itself belongs to the
+        // arena and is freed with it).
+        self.ctrl.core().db_page = None;
+    }
+}
+
+/// The simulated controller's doorbell page (see the module docs). Clones
+/// share it; the forwarding thread runs while any clone exists.
+///
+/// As a [`Bar0`] it sends register accesses to the controller and stores
+/// doorbell writes into the page, so a `Controller` brought up over it rings
+/// every queue through memory, asynchronously, like a GPU kernel does.
+#[derive(Clone)]
+pub struct SimDoorbellPage {
+    inner: Arc<PageInner>,
+}
+
+impl SimDoorbellPage {
+    /// The controller behind the page.
+    pub fn controller(&self) -> &SimController {
+        &self.inner.ctrl
+    }
+
+    /// Host address of the page's first byte (doorbell offset 0x1000).
+    pub fn ptr(&self) -> *mut u8 {
+        self.inner.addr as *mut u8
+    }
+
+    /// DMA address of the page (the simulator's DMA address = host pointer).
+    pub fn dma(&self) -> u64 {
+        self.inner.dma
+    }
+
+    pub fn len(&self) -> usize {
+        self.inner.bytes
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.inner.bytes == 0
+    }
+
+    /// Where the doorbell at BAR0 offset `bar_off` (>= 0x1000, e.g. from
+    /// `spec::sq_tail_doorbell`) lives in the page. Panics past the page.
+    pub fn doorbell_ptr(&self, bar_off: usize) -> *mut u32 {
+        let off = bar_off
+            .checked_sub(reg::DOORBELL_BASE)
+            .filter(|o| o % 4 == 0 && o + 4 <= self.inner.bytes)
+            .unwrap_or_else(|| {
+                panic!(
+                    "BAR0 offset {bar_off:#x} is not a doorbell of this {}-byte page",
+                    self.inner.bytes
+                )
+            });
+        // SAFETY: in range, checked above.
+        unsafe { self.ptr().add(off) as *mut u32 }
+    }
+}
+
+// SAFETY: register accesses go to the simulated controller (see the impl
+// for SimController); a doorbell write is one 32-bit atomic store (Release,
+// after the caller's fence) into the page, inside its bounds or a panic.
+unsafe impl Bar0 for SimDoorbellPage {
+    fn read32(&self, off: usize) -> u32 {
+        self.inner.ctrl.read32(off)
+    }
+    fn write32(&self, off: usize, v: u32) {
+        if off >= reg::DOORBELL_BASE {
+            let p = self.doorbell_ptr(off);
+            // SAFETY: a 4-aligned u32 of the page, alive while `inner` is.
+            unsafe { (*(p as *const AtomicU32)).store(v, Ordering::Release) };
+        } else {
+            self.inner.ctrl.write32(off, v);
+        }
     }
 }
 
@@ -386,6 +571,38 @@ impl Core {
         self.sqs.iter_mut().for_each(|q| *q = None);
         self.cqs.iter_mut().for_each(|q| *q = None);
         self.csts = 0;
+        // A reset clears the doorbells: values from before it must not be
+        // forwarded to the queues created after it.
+        if let Some(page) = self.db_page.as_mut() {
+            page.seen.iter_mut().for_each(|v| *v = 0);
+            for i in 0..page.slots {
+                page.slot(i).store(0, Ordering::Release);
+            }
+        }
+    }
+
+    /// Forwards every doorbell of the page whose value changed since it was
+    /// last forwarded; runs the controller for each. Returns whether any was
+    /// (so the polling thread knows whether to back off). Called under the
+    /// core lock, so a reset never interleaves with reading the page.
+    fn forward_page_doorbells(&mut self) -> bool {
+        let Some(page) = self.db_page.as_ref() else {
+            return false;
+        };
+        let mut changed = Vec::new();
+        for i in 0..page.slots {
+            let v = page.slot(i).load(Ordering::Acquire);
+            if v != page.seen[i] {
+                changed.push((i, v));
+            }
+        }
+        for &(i, v) in &changed {
+            if let Some(page) = self.db_page.as_mut() {
+                page.seen[i] = v;
+            }
+            self.doorbell(i * 4, v);
+        }
+        !changed.is_empty()
     }
 
     /// CC.EN 0 -> 1: checks the configuration and the admin queue (a bad one
@@ -526,7 +743,17 @@ impl Core {
         if cq.tail == 0 {
             cq.phase = !cq.phase;
         }
-        let _ = self.dma_write(addr, bytemuck::bytes_of(&cqe));
+        // The first 14 bytes, then the status (phase tag) with a Release
+        // store: a host polling the phase tag concurrently (doorbell page
+        // mode) must never see the new phase before the rest of the entry.
+        let bytes = bytemuck::bytes_of(&cqe);
+        if self.arena.contains(addr, 16) && addr % 2 == 0 {
+            let _ = self.dma_write(addr, &bytes[..14]);
+            // SAFETY: the 16-byte entry lies in one live allocation of the
+            // arena (checked above), so the u16 at +14 is in it, 2-aligned.
+            let status = unsafe { &*((addr as usize + 14) as *const AtomicU16) };
+            status.store(cqe.status, Ordering::Release);
+        }
     }
 
     fn dma_read(&self, addr: u64, out: &mut [u8]) -> std::result::Result<(), Status> {

@@ -42,8 +42,10 @@ pub const IOCTX_STATUS_SHORT: u16 = 0x8001;
 /// The IOCTX itself is malformed (bad device index, segment range, length
 /// that disagrees with its segments); `result` is 0.
 pub const IOCTX_STATUS_INVALID: u16 = 0x8002;
-/// The device did not complete the I/O within the engine's timeout (the
-/// engine then stops the controller, so the I/O can no longer land).
+/// The device did not complete the I/O in time: the nvme engine's I/O
+/// timeout (it then stops the controller, so the I/O can no longer land) or
+/// the GPU engine's per-batch poll budget. `result` holds the bytes of the
+/// IOCTX's commands that did complete (GPU engine) or 0 (nvme engine).
 pub const IOCTX_STATUS_TIMEOUT: u16 = 0x8003;
 
 /// One I/O: a device extent and the memory it moves to or from.

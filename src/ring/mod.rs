@@ -119,6 +119,14 @@ impl GioRing {
         &self.iocbs[id as usize]
     }
 
+    /// The whole arena (`depth()` IOCBs, index = id), for an engine that
+    /// reads IOCBs where they are, such as the GPU I/O kernel (or its
+    /// host-run test). While code behind this pointer runs, the ring must
+    /// not be used through `&mut self`.
+    pub fn arena_ptr(&mut self) -> *mut Iocb {
+        self.iocbs.as_mut_ptr()
+    }
+
     /// The IOCB for the engine (to record completions) or the submitter (while filling).
     pub fn iocb_mut(&mut self, id: IocbId) -> &mut Iocb {
         &mut self.iocbs[id as usize]

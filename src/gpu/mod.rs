@@ -1,0 +1,2 @@
+pub mod abi;
+pub mod kernels;
