@@ -11,6 +11,7 @@ pub mod cli;
 pub mod doctor;
 pub mod engine;
 pub mod error;
+pub mod gpu;
 pub mod json;
 pub mod memory;
 pub mod model;
