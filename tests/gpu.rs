@@ -184,7 +184,12 @@ fn green_split_runs_each_partition_on_its_own_sms() {
     assert!(e.contains("multiple of"), "{e}");
 
     let part = SmPartition::split(&dev, 16).unwrap();
-    eprintln!("{:?} io {} compute {}", part.plan, part.io.sm_count(), part.compute.sm_count());
+    eprintln!(
+        "{:?} io {} compute {}",
+        part.plan,
+        part.io.sm_count(),
+        part.compute.sm_count()
+    );
     assert_eq!(part.io.sm_count(), 16);
     assert_eq!(part.io.sm_count() + part.compute.sm_count(), total);
     let mut seen = Vec::new();
@@ -196,7 +201,10 @@ fn green_split_runs_each_partition_on_its_own_sms() {
         let s = g.stream().unwrap();
         let mut args = KernelArgs::new().arg(out.device_ptr());
         // SAFETY: smid(u64 out); out holds one u32 per block; synchronized below.
-        unsafe { s.launch(&f, LaunchConfig::linear(blocks, 32), &mut args).unwrap() };
+        unsafe {
+            s.launch(&f, LaunchConfig::linear(blocks, 32), &mut args)
+                .unwrap()
+        };
         s.synchronize().unwrap();
         let sms: BTreeSet<u32> = words(&out.to_vec().unwrap()).into_iter().collect();
         eprintln!("{name}: {} distinct SMs of {}", sms.len(), g.sm_count());
@@ -231,7 +239,11 @@ fn stream_waits_on_a_counter_until_the_host_writes_it() {
     s.wait_counter(&iocb_done, 3, WaitCond::Geq).unwrap();
     s.write_counter(&layer_ready, 7).unwrap();
     std::thread::sleep(Duration::from_millis(200));
-    assert_eq!(layer_ready.load().unwrap(), 0, "the stream ran past the wait");
+    assert_eq!(
+        layer_ready.load().unwrap(),
+        0,
+        "the stream ran past the wait"
+    );
     assert!(!s.is_idle().unwrap());
     iocb_done.store(2).unwrap();
     std::thread::sleep(Duration::from_millis(100));
@@ -285,7 +297,10 @@ fn iomemory_register_of_a_normal_page_and_devicemap_register() {
             assert!(e.to_string().contains("cuMemHostRegister"), "{e}");
         }
         Ok(r) => {
-            eprintln!("IOMEMORY on a normal page accepted at {:#x}", r.device_ptr());
+            eprintln!(
+                "IOMEMORY on a normal page accepted at {:#x}",
+                r.device_ptr()
+            );
             assert_ne!(r.device_ptr(), 0);
         }
     }
@@ -298,7 +313,10 @@ fn iomemory_register_of_a_normal_page_and_devicemap_register() {
         buf.write(0, &[0x5a; 64]).unwrap();
         let s = ctx.stream().unwrap();
         // SAFETY: both ranges valid until the synchronize below.
-        unsafe { s.memcpy_async(r.device_ptr() + 128, buf.device_ptr(), 64).unwrap() };
+        unsafe {
+            s.memcpy_async(r.device_ptr() + 128, buf.device_ptr(), 64)
+                .unwrap()
+        };
         s.synchronize().unwrap();
         // SAFETY: the page is mapped and the copy has completed.
         let got = unsafe { std::slice::from_raw_parts(page.add(128), 64) }.to_vec();
@@ -400,7 +418,7 @@ fn host_kv_memory_registers_and_translates() {
     };
     let ctx = Context::primary(&dev).unwrap();
     let g = kvtier::model::preset("llama3-8b", 16).unwrap();
-    let cache = kvtier::HostKvCache::new(g.clone(), 4, kvtier::HostLayout::PerLayer).unwrap();
+    let cache = kvtier::HostKvCache::new(g, 4, kvtier::HostLayout::PerLayer).unwrap();
     // SAFETY: `cache` outlives `reg` (dropped first at the end of scope).
     let reg = unsafe { register_kv_memory(&ctx, cache.memory()) }.unwrap();
     assert_eq!(reg.regions().len(), g.layers as usize);

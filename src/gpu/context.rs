@@ -8,7 +8,9 @@
 //! on the calling thread first (`cuCtxSetCurrent`, cheap), so objects can be
 //! used from any thread.
 
-use super::driver::{self, CUcontext, CUdevice, CUevent, CUfunction, CUgreenCtx, CUmodule, CUstream};
+use super::driver::{
+    self, CUcontext, CUdevice, CUevent, CUfunction, CUgreenCtx, CUmodule, CUstream,
+};
 use crate::error::{Error, Result};
 use std::any::Any;
 use std::ffi::c_void;

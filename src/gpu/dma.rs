@@ -346,9 +346,7 @@ fn check_dma_buf(root: &Path) -> PathCheck {
         None => missing.push("kernel version unknown (no /proc/sys/kernel/osrelease)".into()),
     }
     match std::fs::read_to_string(root.join("proc/driver/nvidia/version")) {
-        Ok(v) if v.contains("Open Kernel Module") => {
-            found.push("open NVIDIA kernel module".into())
-        }
+        Ok(v) if v.contains("Open Kernel Module") => found.push("open NVIDIA kernel module".into()),
         Ok(_) => missing.push(
             "the proprietary NVIDIA kernel module is loaded; dma-buf export needs the open one"
                 .into(),
@@ -496,7 +494,10 @@ mod tests {
                 Ok(unsafe { DmaRegion::new(p, 0x1001, bytes, v) })
             }
         }
-        let e = HostBouncePath::new(Odd, None).alloc(4096, 4096).err().unwrap();
+        let e = HostBouncePath::new(Odd, None)
+            .alloc(4096, 4096)
+            .err()
+            .unwrap();
         let s = e.to_string();
         assert!(s.contains("DMA allocator returned"), "{s}");
     }
@@ -526,7 +527,11 @@ mod tests {
         assert!(c.iter().all(|c| !c.available), "{c:?}");
         assert!(c[0].detail.contains("neither vfio-pci"), "{}", c[0].detail);
         assert!(c[1].detail.contains("no /dev/iommu"), "{}", c[1].detail);
-        assert!(c[1].detail.contains("kernel version unknown"), "{}", c[1].detail);
+        assert!(
+            c[1].detail.contains("kernel version unknown"),
+            "{}",
+            c[1].detail
+        );
         assert!(c[2].detail.contains("not loaded"), "{}", c[2].detail);
         std::fs::remove_dir_all(&r).unwrap();
     }
@@ -579,8 +584,16 @@ mod tests {
         assert!(!c[0].available);
         assert!(c[0].detail.contains("but no IOMMU"), "{}", c[0].detail);
         assert!(!c[1].available);
-        assert!(c[1].detail.contains("kernel 5.15 < 6.13"), "{}", c[1].detail);
-        assert!(c[1].detail.contains("needs the open one"), "{}", c[1].detail);
+        assert!(
+            c[1].detail.contains("kernel 5.15 < 6.13"),
+            "{}",
+            c[1].detail
+        );
+        assert!(
+            c[1].detail.contains("needs the open one"),
+            "{}",
+            c[1].detail
+        );
         // uio alone makes the bounce path available.
         mkdir(&r, "sys/module/uio_pci_generic");
         assert!(check_paths(&r)[0].available);
@@ -598,7 +611,11 @@ mod tests {
 
     #[test]
     fn peermem_path_always_explains() {
-        let e = PeermemPath::new().alloc(4096, 4096).err().unwrap().to_string();
+        let e = PeermemPath::new()
+            .alloc(4096, 4096)
+            .err()
+            .unwrap()
+            .to_string();
         assert!(e.contains("kernel module"), "{e}");
     }
 }

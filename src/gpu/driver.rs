@@ -214,7 +214,9 @@ fn load(name: &CStr) -> std::result::Result<Driver, String> {
         // initialisers of libcuda are safe to run.
         unsafe { sys::Lib::new(&path) }.map_err(|e| e.to_string())
     })
-    .map_err(|_| format!("cudarc could not resolve a CUDA 13.0 symbol in {path}; update the NVIDIA driver"))?
+    .map_err(|_| {
+        format!("cudarc could not resolve a CUDA 13.0 symbol in {path}; update the NVIDIA driver")
+    })?
     .map_err(|e| format!("loading {path}: {e}"))?;
     let d = Driver {
         lib,
@@ -336,9 +338,11 @@ pub(crate) fn device_total_mem(dev: CUdevice) -> Result<u64> {
     let d = driver()?;
     let mut v: usize = 0;
     // SAFETY: writes one size_t.
-    check(d, unsafe { (d.lib.cuDeviceTotalMem_v2)(&mut v, dev) }, || {
-        "cuDeviceTotalMem".into()
-    })?;
+    check(
+        d,
+        unsafe { (d.lib.cuDeviceTotalMem_v2)(&mut v, dev) },
+        || "cuDeviceTotalMem".into(),
+    )?;
     Ok(v as u64)
 }
 
@@ -599,7 +603,9 @@ pub(crate) fn module_get_function(m: CUmodule, name: &str) -> Result<CUfunction>
     check(
         d,
         unsafe { (d.lib.cuModuleGetFunction)(&mut f, m, cname.as_ptr()) },
-        || format!("cuModuleGetFunction({name:?}); is the kernel extern \"C\" (or its mangled name given)?"),
+        || {
+            format!("cuModuleGetFunction({name:?}); is the kernel extern \"C\" (or its mangled name given)?")
+        },
     )?;
     Ok(f)
 }
@@ -656,7 +662,10 @@ pub(crate) fn stream_create() -> Result<CUstream> {
     check(
         d,
         unsafe {
-            (d.lib.cuStreamCreate)(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as c_uint)
+            (d.lib.cuStreamCreate)(
+                &mut s,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as c_uint,
+            )
         },
         || "cuStreamCreate".into(),
     )?;
@@ -697,9 +706,7 @@ pub(crate) fn event_create() -> Result<CUevent> {
     // SAFETY: writes one handle; CU_EVENT_DEFAULT keeps timing enabled.
     check(
         d,
-        unsafe {
-            (d.lib.cuEventCreate)(&mut e, sys::CUevent_flags::CU_EVENT_DEFAULT as c_uint)
-        },
+        unsafe { (d.lib.cuEventCreate)(&mut e, sys::CUevent_flags::CU_EVENT_DEFAULT as c_uint) },
         || "cuEventCreate".into(),
     )?;
     Ok(e)
@@ -765,9 +772,11 @@ pub(crate) fn mem_alloc_host(bytes: usize) -> Result<*mut u8> {
     let d = driver()?;
     let mut p: *mut c_void = std::ptr::null_mut();
     // SAFETY: writes one host pointer.
-    check(d, unsafe { (d.lib.cuMemAllocHost_v2)(&mut p, bytes) }, || {
-        format!("cuMemAllocHost({bytes} bytes); is RLIMIT_MEMLOCK large enough?")
-    })?;
+    check(
+        d,
+        unsafe { (d.lib.cuMemAllocHost_v2)(&mut p, bytes) },
+        || format!("cuMemAllocHost({bytes} bytes); is RLIMIT_MEMLOCK large enough?"),
+    )?;
     Ok(p.cast())
 }
 
@@ -885,7 +894,9 @@ pub(crate) fn pointer_device_ordinal(p: CUdeviceptr) -> Result<Option<i32>> {
     if rc == sys::CUresult::CUDA_ERROR_INVALID_VALUE {
         return Ok(None);
     }
-    check(d, rc, || format!("cuPointerGetAttribute({p:#x}, DEVICE_ORDINAL)"))?;
+    check(d, rc, || {
+        format!("cuPointerGetAttribute({p:#x}, DEVICE_ORDINAL)")
+    })?;
     Ok(Some(v))
 }
 
@@ -909,7 +920,11 @@ pub(crate) unsafe fn stream_wait_value32(
 
 /// # Safety
 /// As [`stream_wait_value32`], for a write.
-pub(crate) unsafe fn stream_write_value32(s: CUstream, addr: CUdeviceptr, value: u32) -> Result<()> {
+pub(crate) unsafe fn stream_write_value32(
+    s: CUstream,
+    addr: CUdeviceptr,
+    value: u32,
+) -> Result<()> {
     let d = driver()?;
     // SAFETY: the caller's contract.
     check(
@@ -943,7 +958,9 @@ pub(crate) fn mem_dma_buf_fd(p: CUdeviceptr, len: usize) -> Result<OwnedFd> {
                 0,
             )
         },
-        || format!("cuMemGetHandleForAddressRange({p:#x}, {len} bytes, DMA_BUF_FD); needs the open NVIDIA kernel module and CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED"),
+        || {
+            format!("cuMemGetHandleForAddressRange({p:#x}, {len} bytes, DMA_BUF_FD); needs the open NVIDIA kernel module and CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED")
+        },
     )?;
     if fd < 0 {
         return Err(gpu_err("cuMemGetHandleForAddressRange", "returned no fd"));

@@ -45,7 +45,11 @@ impl SmGranularity {
     pub fn from_resource(reported_min: u32, reported_align: u32, cc_major: i32) -> SmGranularity {
         let t = Self::for_compute_capability(cc_major);
         SmGranularity {
-            min: if reported_min > 0 { reported_min } else { t.min },
+            min: if reported_min > 0 {
+                reported_min
+            } else {
+                t.min
+            },
             align: if reported_align > 0 {
                 reported_align
             } else {
@@ -84,7 +88,10 @@ impl SplitPlan {
             return Err(bad("the I/O partition must have SMs".into()));
         }
         if io < g.min {
-            return Err(bad(format!("{io} is below the minimum group size {}", g.min)));
+            return Err(bad(format!(
+                "{io} is below the minimum group size {}",
+                g.min
+            )));
         }
         if io % g.align != 0 {
             return Err(bad(format!("{io} is not a multiple of {}", g.align)));
@@ -221,7 +228,7 @@ mod tests {
         assert_eq!(p.compute, 124);
         // 120 leaves 12: still a partition (the remainder need not be a multiple of 8).
         assert_eq!(SplitPlan::new(132, 120, HOPPER).unwrap().compute, 12);
-        // 128 SMs (a full H100 PCIe has 114, H200 132): 120 leaves exactly 8.
+        // A 128-SM part: 120 leaves exactly the minimum of 8.
         assert_eq!(SplitPlan::new(128, 120, HOPPER).unwrap().compute, 8);
     }
 

@@ -178,7 +178,9 @@ impl PinnedHostBuffer {
     pub fn atomic_u32(&self, off: usize) -> Result<&AtomicU32> {
         self.check(off, 4)?;
         if off % 4 != 0 {
-            return Err(Error::invalid(format!("atomic word at unaligned offset {off}")));
+            return Err(Error::invalid(format!(
+                "atomic word at unaligned offset {off}"
+            )));
         }
         // SAFETY: in range, 4-byte aligned (the allocation is page-aligned),
         // valid for the life of `self`; AtomicU32 has u32's layout.
@@ -461,7 +463,9 @@ impl Stream {
         self.context().bind()?;
         // SAFETY: a 4-byte aligned GPU-visible word, kept alive by `keep_alive`
         // until the stream has passed the wait.
-        unsafe { driver::stream_wait_value32(self.raw(), counter.device_ptr(), value, cond.bits())? };
+        unsafe {
+            driver::stream_wait_value32(self.raw(), counter.device_ptr(), value, cond.bits())?
+        };
         self.keep_alive(counter.clone());
         Ok(())
     }

@@ -139,10 +139,7 @@ mod tests {
                 // Where dlopen fails (this machine), the loader's first step
                 // is what the error names.
                 if driver::preflight(driver::LIBCUDA).is_err_and(|e| e.contains("not found")) {
-                    assert!(
-                        s.contains("no CUDA driver: libcuda.so.1 not found"),
-                        "{s}"
-                    );
+                    assert!(s.contains("no CUDA driver: libcuda.so.1 not found"), "{s}");
                 }
             }
         }
