@@ -87,7 +87,8 @@ fn item(key: &str, value: impl Into<String>, ok: Option<bool>, note: impl Into<S
 /// Probe the machine, with `dir` as the pool directory (created if missing; a
 /// temporary file in it is written, read and removed).
 pub fn run(dir: &Path) -> Result<Report> {
-    let gpu = probe_gpu();
+    let mut gpu = probe_gpu();
+    gpu.items.extend(dma_path_items(Path::new("/")));
     let iommu = probe_iommu();
     let vfio = probe_vfio();
     let nvme = probe_nvme();
@@ -236,7 +237,7 @@ fn pci_devices(vendor: Option<&str>, class_prefix: &str) -> Option<Vec<PciDev>> 
 
 /// Size of BAR `index` from a PCI device's `resource` file (one "start end
 /// flags" line of hex per resource); `None` when unassigned or unreadable.
-fn bar_size(dev: &Path, index: usize) -> Option<u64> {
+pub(crate) fn bar_size(dev: &Path, index: usize) -> Option<u64> {
     let text = fs::read_to_string(dev.join("resource")).ok()?;
     let line = text.lines().nth(index)?;
     let mut f = line.split_whitespace();
@@ -476,6 +477,28 @@ fn probe_gpu() -> GpuFacts {
         driver_ok,
         why_not,
     }
+}
+
+/// One item per way an NVMe controller can reach GPU-visible memory
+/// (`crate::gpu::dma`): whether the machine under `root` has what the path
+/// needs, whether kvtier implements it, and which deployment uses it.
+fn dma_path_items(root: &Path) -> Vec<Item> {
+    crate::gpu::dma::check_paths(root)
+        .into_iter()
+        .map(|c| {
+            let value = match (c.available, c.implemented) {
+                (true, true) => "available",
+                (true, false) => "prerequisites present, not implemented in kvtier",
+                (false, _) => "unavailable",
+            };
+            item(
+                &format!("DMA path {}", c.kind.name()),
+                value,
+                Some(c.available && c.implemented),
+                format!("{} — {}", c.detail, c.kind.deployment()),
+            )
+        })
+        .collect()
 }
 
 /// `dlopen` libcuda and ask it what it sees. Never panics: a missing library or
@@ -1593,6 +1616,30 @@ mod tests {
         assert_eq!(bar_size(&dir, 2), None);
         assert_eq!(bar_size(&dir, 9), None);
         fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn dma_path_items_name_each_path() {
+        let root = std::env::temp_dir().join(format!("kvtier-doctor-dma-{}", std::process::id()));
+        fs::create_dir_all(root.join("sys/module/nvidia_peermem")).unwrap();
+        let items = dma_path_items(&root);
+        let keys: Vec<&str> = items.iter().map(|i| i.key.as_str()).collect();
+        assert_eq!(
+            keys,
+            [
+                "DMA path host-bounce",
+                "DMA path dma-buf",
+                "DMA path peermem"
+            ]
+        );
+        assert_eq!(items[0].value, "unavailable");
+        assert_eq!(items[0].ok, Some(false));
+        assert_eq!(
+            items[2].value,
+            "prerequisites present, not implemented in kvtier"
+        );
+        assert!(items[2].note.contains("no IOMMU"), "{}", items[2].note);
+        fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]

@@ -66,6 +66,16 @@ pub enum Error {
     #[error("gio_uring: {0}")]
     Ring(String),
 
+    /// The CUDA driver or a GPU resource: `what` names the call or the thing,
+    /// `reason` the driver's error (name and text) and, where there is one,
+    /// the fix; `code` is the raw CUresult when the driver returned one.
+    #[error("GPU: {what}: {reason}")]
+    Gpu {
+        what: String,
+        reason: String,
+        code: Option<u32>,
+    },
+
     /// A plain OS error with what we were doing when it happened.
     #[error("{context}: {source}")]
     Io {
@@ -85,6 +95,23 @@ impl Error {
 
     pub fn invalid(msg: impl Into<String>) -> Self {
         Error::InvalidArgument(msg.into())
+    }
+
+    /// A GPU error that is not a driver return code (a check of ours).
+    pub fn gpu(what: impl Into<String>, reason: impl Into<String>) -> Self {
+        Error::Gpu {
+            what: what.into(),
+            reason: reason.into(),
+            code: None,
+        }
+    }
+
+    /// The CUresult of a failed CUDA driver call, if this is one.
+    pub fn cuda_code(&self) -> Option<u32> {
+        match self {
+            Error::Gpu { code, .. } => *code,
+            _ => None,
+        }
     }
 }
 

@@ -1,2 +1,38 @@
+//! The CUDA driver layer of the GPU engine (issue 5).
+//!
+//! Layers, bottom up:
+//! - [`driver`]: every raw CUDA driver call, through cudarc's `driver::sys`
+//!   function table that kvtier loads itself after probing libcuda with
+//!   `dlopen`/`dlsym` (cudarc's own loader panics without a driver). Nothing
+//!   outside `driver` calls CUDA.
+//! - [`probe`]: what the driver sees ([`probe()`]), never panicking.
+//! - [`context`]: devices, primary contexts, modules, kernels, streams,
+//!   events — RAII types that hold their context alive.
+//! - [`green`]: green contexts and the I/O / compute SM split.
+//! - [`memory`]: device, pinned and registered host memory (BAR0 too),
+//!   KV-pool registration, and the completion counters that a stream waits
+//!   on with `cuStreamWaitValue32` (no CPU in the loop).
+//! - [`dma`]: how an NVMe controller reaches GPU-visible memory
+//!   ([`dma::GpuDmaPath`]) and which of those paths this machine has.
+//!
+//! - [`abi`]: the Rust twin of `kernels/gio_gpu.h` (queue, ring, device and
+//!   engine descriptors the I/O kernel reads), with size/offset asserts.
+//! - [`kernels`]: the embedded cubin/PTX images that `build.rs` compiled.
+
 pub mod abi;
+pub mod context;
+pub mod dma;
+pub mod driver;
+pub mod green;
 pub mod kernels;
+pub mod memory;
+pub mod probe;
+
+pub use context::{Context, Device, Event, Function, KernelArgs, LaunchConfig, Module, Stream};
+pub use dma::{DmaPathKind, GpuDmaPath, GpuDmaRegion, HostBouncePath};
+pub use green::{GreenContext, SmGranularity, SmPartition, SplitPlan};
+pub use memory::{
+    register_kv_memory, CompletionCounter, DeviceBuffer, HostRegistration, KvRegistration,
+    PinnedHostBuffer, RegisterFlags, WaitCond,
+};
+pub use probe::{probe, DeviceInfo, DriverInfo};
