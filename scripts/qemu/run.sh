@@ -25,7 +25,10 @@ if [ -z "${KVTIER_GUEST_BIN:-}" ]; then
   KVTIER_GUEST_BIN=$ROOT/target/$TARGET/release/examples/nvme_guest
 fi
 
-# initramfs: busybox, the guest binary, uio/vfio modules, init.
+# initramfs: busybox, the guest binary, the kernel nvme driver (with its
+# dependencies, in load order: nvme-core needs t10-pi, which needs crc-t10dif
+# and crc64-rocksoft; their crypto backends ride along so nothing has to be
+# requested through modprobe, which the guest lacks), uio/vfio modules, init.
 KV=$(ls "$W/kroot/lib/modules" | head -1)
 KM=$W/kroot/lib/modules/$KV/kernel
 I=$W/initrd.$$
@@ -33,7 +36,10 @@ rm -rf "$I" && mkdir -p "$I/bin" "$I/lib/modules"
 cp /bin/busybox "$I/bin/busybox"
 cp "$KVTIER_GUEST_BIN" "$I/bin/nvme_guest"
 cp "$ROOT/scripts/qemu/init" "$I/init" && chmod +x "$I/init"
-for m in drivers/uio/uio.ko drivers/uio/uio_pci_generic.ko \
+for m in crypto/crct10dif_common.ko crypto/crct10dif_generic.ko lib/crc-t10dif.ko \
+         lib/crc64.ko crypto/crc64_rocksoft_generic.ko lib/crc64-rocksoft.ko block/t10-pi.ko \
+         drivers/nvme/host/nvme-core.ko drivers/nvme/host/nvme.ko \
+         drivers/uio/uio.ko drivers/uio/uio_pci_generic.ko \
          drivers/vfio/vfio.ko drivers/vfio/vfio_iommu_type1.ko drivers/vfio/vfio_virqfd.ko \
          virt/lib/irqbypass.ko drivers/vfio/pci/vfio-pci-core.ko drivers/vfio/pci/vfio-pci.ko; do
   cp "$KM/$m" "$I/lib/modules/"
