@@ -177,6 +177,8 @@ fn run(args: &Args) -> kvtier::error::Result<bool> {
 }
 
 const NAMESPACE: &str = "/dev/nvme0n1";
+/// The kvtier CLI in the guest (run.sh adds it).
+const KVTIER_BIN: &str = "/bin/kvtier";
 
 /// Waits up to 10 s for the kernel nvme driver to (re)create /dev/nvme0n1.
 fn wait_for_namespace() -> bool {
@@ -247,6 +249,32 @@ fn bind_tests(r: &mut Vec<(String, bool)>, addr: &str, driver: BindDriver) -> Op
             "driver_override not cleared"
         );
     });
+    // The CLI, when run.sh put it in the guest: `kvtier nvme bind` runs the
+    // command with the controller bound, and gives it back when a SIGTERM
+    // (passed on to the command) ends the run, exiting 128 + 15.
+    if std::path::Path::new(KVTIER_BIN).exists() {
+        case(r, "bind cli_sigterm_restores", || {
+            let script = format!(
+                "d=$(readlink /sys/bus/pci/devices/$KVTIER_NVME_DEVICE/driver); \
+                 [ \"${{d##*/}}\" = {name} ] || exit 9; kill -TERM $PPID; exec sleep 5"
+            );
+            let start = Instant::now();
+            let status = std::process::Command::new(KVTIER_BIN)
+                .args([
+                    "nvme", "bind", addr, "--driver", name, "--", "/bin/sh", "-c",
+                ])
+                .arg(&script)
+                .status()
+                .expect("running kvtier");
+            assert_eq!(status.code(), Some(128 + 15), "kvtier nvme bind: {status}");
+            assert!(
+                start.elapsed() < Duration::from_secs(4),
+                "the command was not stopped"
+            );
+            assert_eq!(driver_of(addr).as_deref(), Some("nvme"));
+            assert!(wait_for_namespace(), "{NAMESPACE} did not come back");
+        });
+    }
     let mut kept = None;
     case(r, "bind for_suite", || {
         let b = PciBinding::bind(addr, driver, false).expect("bind for the suite");

@@ -6,6 +6,7 @@ use crate::nvme::bind::{list_controllers, BindDriver, PciBinding};
 use crate::pool::backing::Signature;
 use nix::sys::signal::{kill, pthread_sigmask, SigSet, SigmaskHow, Signal};
 use nix::unistd::Pid;
+use std::os::unix::process::CommandExt;
 use std::process::{Command, ExitStatus};
 
 /// Prints the NVMe controllers, their drivers and block devices.
@@ -54,14 +55,28 @@ fn exit_code(status: ExitStatus) -> i32 {
 
 /// Runs `command` to its end with SIGINT, SIGTERM and SIGHUP (blocked in
 /// this thread by the caller, with SIGCHLD) forwarded to it; returns its
-/// exit code. The child starts with an empty signal mask (std resets it).
+/// exit code. The child starts with an empty signal mask.
 fn run_forwarding(command: &[String], env: &[(&str, &str)], signals: &SigSet) -> Result<i32> {
     let (prog, args) = command.split_first().ok_or_else(|| {
         Error::invalid("no command to run: `kvtier nvme bind ADDR -- COMMAND [ARGS...]`")
     })?;
-    let mut child = Command::new(prog)
-        .args(args)
-        .envs(env.iter().copied())
+    let mut cmd = Command::new(prog);
+    cmd.args(args).envs(env.iter().copied());
+    // std does not reset the signal mask of the child (seen: a command
+    // started with SIGTERM blocked, so the SIGTERM passed on to it did
+    // nothing): unblock everything between fork and exec.
+    // SAFETY: sigprocmask is async-signal-safe; nothing else runs there.
+    unsafe {
+        cmd.pre_exec(|| {
+            let mut empty = std::mem::MaybeUninit::<libc::sigset_t>::uninit();
+            libc::sigemptyset(empty.as_mut_ptr());
+            if libc::sigprocmask(libc::SIG_SETMASK, empty.as_ptr(), std::ptr::null_mut()) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd
         .spawn()
         .map_err(|e| Error::io(format!("running {prog}"), e))?;
     let pid = Pid::from_raw(child.id() as i32);
@@ -204,6 +219,10 @@ mod tests {
             run_forwarding(&sh("kill -KILL $$"), &env, &set).unwrap(),
             128 + 9
         );
+        // The command starts with no signal blocked, whatever this thread blocks.
+        let script =
+            "case $(grep SigBlk /proc/$$/status) in *0000000000000000) exit 0;; *) exit 5;; esac";
+        assert_eq!(run_forwarding(&sh(script), &env, &set).unwrap(), 0);
         let e = run_forwarding(&["/nonexistent/cmd".to_string()], &env, &set).unwrap_err();
         assert!(e.to_string().contains("running /nonexistent/cmd"), "{e}");
         pthread_sigmask(SigmaskHow::SIG_SETMASK, Some(&old), None).unwrap();
