@@ -8,8 +8,12 @@
 //! `RUSTFLAGS="-C target-feature=+crt-static" cargo build --release --example nvme_guest --target x86_64-unknown-linux-gnu`
 //!
 //! usage: `nvme_guest [--mode uio|vfio] [--bw-secs S] [--bw-only] [PCI-ADDRESS]`. Without an
-//! address it takes the only NVMe controller (class 0x010802). It refuses a
-//! controller bound to the kernel's nvme driver. One line per test, then
+//! address it takes the only NVMe controller (class 0x010802). The controller
+//! starts bound to the kernel's nvme driver; the `bind` tests hand it to
+//! uio_pci_generic or vfio-pci with `kvtier::nvme::bind` (refusing while
+//! /dev/nvme0n1 holds an ext4 signature, then binding, giving it back, and
+//! binding again for the suite; the controller goes back to nvme at exit).
+//! One line per test, then
 //! `RESULT: PASS` (exit 0) or `RESULT: FAIL` (exit 1). With `--bw-secs S`
 //! (S > 0) it also measures SGL and PRP read bandwidth at QD 32 for 16 KiB
 //! objects scattered over four 4 KiB buffers and for 128 KiB objects.
@@ -18,6 +22,7 @@
 #[path = "../tests/nvme_sim.rs"]
 mod nvme_sim;
 
+use kvtier::nvme::bind::{BindDriver, PciBinding};
 use kvtier::nvme::ctrl::{
     Bar0, Controller, ControllerOptions, DataMode, DmaAlloc, DmaRegion, IoDir,
 };
@@ -26,6 +31,7 @@ use kvtier::nvme::uio::{bound_driver, find_pci_class, pci_device_dir, HugeDma, U
 use kvtier::nvme::vfio::VfioDevice;
 use kvtier::nvme::DataPtr;
 use nvme_sim::suite;
+use std::os::unix::fs::FileExt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -133,19 +139,162 @@ fn run(args: &Args) -> kvtier::error::Result<bool> {
         args.mode,
         driver.as_deref().unwrap_or("none")
     );
-    if args.mode == "vfio" {
-        let dev = VfioDevice::open(&addr)?;
-        Ok(suite_on(args, &addr, dev.bar0(), || dev.dma(32 << 20)))
+    let mut results = Vec::new();
+    let bind_driver = if args.mode == "vfio" {
+        BindDriver::VfioPci
     } else {
-        Ok(suite_on(args, &addr, UioBar0::open(&addr)?, || {
+        BindDriver::UioPciGeneric
+    };
+    let started_on_nvme = driver.as_deref() == Some("nvme");
+    // Held while the suite runs; given back (and checked) at the end.
+    let binding = if started_on_nvme {
+        match bind_tests(&mut results, &addr, bind_driver) {
+            Some(b) => b,
+            None => return Ok(false),
+        }
+    } else {
+        // Started on another driver (a run.sh without the nvme module):
+        // just take it for the suite.
+        PciBinding::bind(&addr, bind_driver, false)?
+    };
+    // Everything that maps the device (VFIO fds, BAR mappings, DMA) is gone
+    // when suite_on returns: vfio-pci's unbind waits for its fds to close.
+    let ok = if args.mode == "vfio" {
+        let dev = VfioDevice::open(&addr)?;
+        suite_on(args, &addr, results, dev.bar0(), || dev.dma(32 << 20))
+    } else {
+        suite_on(args, &addr, results, UioBar0::open(&addr)?, || {
             HugeDma::new(8)
-        }))
+        })
+    };
+    let mut end = Vec::new();
+    case(&mut end, "bind restore_at_exit", || {
+        binding.restore().expect("giving the controller back");
+        if started_on_nvme {
+            assert_eq!(driver_of(&addr).as_deref(), Some("nvme"));
+            assert!(wait_for_namespace(), "{NAMESPACE} did not come back");
+        }
+    });
+    Ok(ok && end[0].1)
+}
+
+const NAMESPACE: &str = "/dev/nvme0n1";
+/// The kvtier CLI in the guest (run.sh adds it).
+const KVTIER_BIN: &str = "/bin/kvtier";
+
+/// Waits up to 10 s for the kernel nvme driver to (re)create /dev/nvme0n1.
+fn wait_for_namespace() -> bool {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(10) {
+        if std::fs::metadata(NAMESPACE).is_ok() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
+    false
+}
+
+/// Writes `head` at byte 0 of /dev/nvme0n1 through the kernel driver.
+fn write_head(head: &[u8]) {
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(NAMESPACE)
+        .expect("open /dev/nvme0n1");
+    f.write_all_at(head, 0).expect("write /dev/nvme0n1");
+    f.sync_all().expect("fsync /dev/nvme0n1");
+}
+
+fn driver_of(addr: &str) -> Option<String> {
+    bound_driver(&pci_device_dir(addr).expect("address"))
+}
+
+/// The `bind` tests, on a controller the kernel nvme driver has: refusal of
+/// a namespace with a filesystem, bind and give back, bind for the suite
+/// (returned; None if that failed).
+fn bind_tests(r: &mut Vec<(String, bool)>, addr: &str, driver: BindDriver) -> Option<PciBinding> {
+    let name = driver.name();
+    case(r, "bind refuses_filesystem", || {
+        assert!(wait_for_namespace(), "{NAMESPACE} did not appear");
+        // ext2/3/4: s_magic 0xEF53 at byte 1080 (probe_signature's check).
+        let mut head = vec![0u8; 4096];
+        head[1080..1082].copy_from_slice(&[0x53, 0xef]);
+        write_head(&head);
+        let e = PciBinding::bind(addr, driver, false)
+            .expect_err("bind must refuse a namespace holding ext4")
+            .to_string();
+        println!("  refused: {e}");
+        assert!(
+            e.contains("/dev/nvme0n1 holds an ext2/3/4 filesystem") && e.contains("--force"),
+            "{e}"
+        );
+        assert_eq!(driver_of(addr).as_deref(), Some("nvme"));
+    });
+    case(r, "bind and_restore", || {
+        // Zero everything probe_signature looks at (earlier runs' data too).
+        write_head(&vec![0u8; 256 << 10]);
+        let b = PciBinding::bind(addr, driver, false).expect("bind an empty namespace");
+        assert_eq!(b.original_driver(), Some("nvme"));
+        assert_eq!(driver_of(addr).as_deref(), Some(name));
+        assert!(
+            std::fs::metadata(NAMESPACE).is_err(),
+            "{NAMESPACE} still there after the nvme driver let go"
+        );
+        drop(b);
+        assert_eq!(driver_of(addr).as_deref(), Some("nvme"));
+        // The kernel driver really works again: its namespace comes back.
+        assert!(wait_for_namespace(), "{NAMESPACE} did not come back");
+        let override_text =
+            std::fs::read_to_string(pci_device_dir(addr).unwrap().join("driver_override")).unwrap();
+        assert_eq!(
+            override_text.trim(),
+            "(null)",
+            "driver_override not cleared"
+        );
+    });
+    // The CLI, when run.sh put it in the guest: `kvtier nvme bind` runs the
+    // command with the controller bound, and gives it back when a SIGTERM
+    // (passed on to the command) ends the run, exiting 128 + 15.
+    if std::path::Path::new(KVTIER_BIN).exists() {
+        case(r, "bind cli_sigterm_restores", || {
+            let script = format!(
+                "d=$(readlink /sys/bus/pci/devices/$KVTIER_NVME_DEVICE/driver); \
+                 [ \"${{d##*/}}\" = {name} ] || exit 9; kill -TERM $PPID; exec sleep 5"
+            );
+            let start = Instant::now();
+            let status = std::process::Command::new(KVTIER_BIN)
+                .args([
+                    "nvme", "bind", addr, "--driver", name, "--", "/bin/sh", "-c",
+                ])
+                .arg(&script)
+                .status()
+                .expect("running kvtier");
+            assert_eq!(status.code(), Some(128 + 15), "kvtier nvme bind: {status}");
+            assert!(
+                start.elapsed() < Duration::from_secs(4),
+                "the command was not stopped"
+            );
+            assert_eq!(driver_of(addr).as_deref(), Some("nvme"));
+            assert!(wait_for_namespace(), "{NAMESPACE} did not come back");
+        });
+    }
+    let mut kept = None;
+    case(r, "bind for_suite", || {
+        let b = PciBinding::bind(addr, driver, false).expect("bind for the suite");
+        assert_eq!(driver_of(addr).as_deref(), Some(name));
+        kept = Some(b);
+    });
+    kept
 }
 
 /// Every test on the controller at `bar`, with DMA memory from allocators
 /// `new_dma` makes (the nvme engine takes one of its own).
-fn suite_on<B, A>(args: &Args, addr: &str, bar: B, new_dma: impl Fn() -> A) -> bool
+fn suite_on<B, A>(
+    args: &Args,
+    addr: &str,
+    mut results: Vec<(String, bool)>,
+    bar: B,
+    new_dma: impl Fn() -> A,
+) -> bool
 where
     B: Bar0 + Clone + Send + Sync + 'static,
     A: DmaAlloc + Send + 'static,
@@ -159,7 +308,6 @@ where
         Controller::bring_up(bar.clone(), dma, opts.clone()).expect("controller bring-up")
     };
 
-    let mut results = Vec::new();
     let r = &mut results;
     case(r, "bring_up_and_identify", || {
         let c = up(&mut dma);

@@ -16,6 +16,7 @@ pub mod json;
 pub mod memory;
 pub mod model;
 pub mod nvme;
+pub mod nvme_cli;
 pub mod p2p;
 pub mod plan;
 pub mod pool;

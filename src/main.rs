@@ -44,9 +44,39 @@ enum Cmd {
         #[arg(long, default_value = "./kvtier-data")]
         dir: PathBuf,
     },
+    /// NVMe controllers for the userspace engine: list them, or bind one to
+    /// vfio-pci/uio_pci_generic for the run of a command.
+    #[command(subcommand)]
+    Nvme(NvmeCmd),
     /// Tools for tests (crash injection).
     #[command(subcommand, hide = true)]
     Debug(DebugCmd),
+}
+
+#[derive(Subcommand)]
+enum NvmeCmd {
+    /// NVMe controllers: address, vendor:device, driver, namespaces'
+    /// block devices and whether they are mounted or hold a filesystem.
+    List,
+    /// Bind one controller to a userspace driver, run COMMAND with
+    /// KVTIER_NVME_DEVICE=ADDR, give the controller back to its driver when
+    /// COMMAND exits (also on Ctrl-C/SIGTERM) and exit with its status.
+    /// Refuses a controller whose namespaces are mounted, swap, held or hold
+    /// a filesystem or partition table, unless --force.
+    Bind {
+        /// Full PCI address, DDDD:BB:DD.F (see `kvtier nvme list`).
+        addr: String,
+        /// vfio-pci (needs an IOMMU) or uio_pci_generic.
+        #[arg(long, default_value = "vfio-pci")]
+        driver: String,
+        /// Bind even a non-NVMe function or one whose namespaces are in use
+        /// or hold data (their users lose them; kvtier may overwrite it).
+        #[arg(long)]
+        force: bool,
+        /// The command to run while the controller is bound.
+        #[arg(last = true, required = true, value_name = "COMMAND")]
+        command: Vec<String>,
+    },
 }
 
 #[derive(Args, Clone)]
@@ -364,6 +394,18 @@ fn run(cli: Cli) -> Result<i32> {
             }
             Ok(0)
         }
+        Cmd::Nvme(NvmeCmd::List) => kvtier::nvme_cli::list(),
+        Cmd::Nvme(NvmeCmd::Bind {
+            addr,
+            driver,
+            force,
+            command,
+        }) => kvtier::nvme_cli::bind_and_run(
+            &addr,
+            kvtier::nvme::bind::BindDriver::parse(&driver)?,
+            force,
+            &command,
+        ),
         Cmd::Debug(DebugCmd::CrashWriter {
             devs,
             start_key,

@@ -10,8 +10,9 @@ ROOT=$(cd "$HERE/../.." && pwd)
 "$HERE/setup.sh"
 TARGET=x86_64-unknown-linux-gnu
 (cd "$ROOT" && RUSTFLAGS="-C target-feature=+crt-static" \
-   cargo build --quiet --release --example nvme_guest --target $TARGET)
+   cargo build --quiet --release --example nvme_guest --bin kvtier --target $TARGET)
 export KVTIER_GUEST_BIN="$ROOT/target/$TARGET/release/examples/nvme_guest"
+export KVTIER_CLI_BIN="$ROOT/target/$TARGET/release/kvtier"
 rc=0
 lane() {
   if "$@" > "${TMPDIR:-/tmp}/kvtier-qemu-lane.log" 2>&1; then

@@ -7,7 +7,10 @@
 #        NVME_MDTS=N      -device nvme,mdts=N (e.g. 3: 32 KiB transfers)
 #        NVME_DRIVE=...   QEMU -drive spec (default file=disk.img,format=raw;
 #                         e.g. driver=null-co,size=1G for no storage)
-#        KVTIER_GUEST_BIN a prebuilt static nvme_guest (else cargo builds it)
+#        KVTIER_GUEST_BIN a prebuilt static nvme_guest (else cargo builds it,
+#                         and the kvtier CLI with it)
+#        KVTIER_CLI_BIN   a static kvtier CLI for the guest (its `nvme bind`
+#                         is tested there when present)
 #        TIMEOUT=seconds  QEMU wall-clock limit (default 300)
 # Exit 0 only if the guest printed "RESULT: PASS".
 set -eu
@@ -21,19 +24,27 @@ case $MODE in uio|vfio) ;; *) echo "run.sh: mode must be uio or vfio" >&2; exit 
 TARGET=x86_64-unknown-linux-gnu
 if [ -z "${KVTIER_GUEST_BIN:-}" ]; then
   (cd "$ROOT" && RUSTFLAGS="-C target-feature=+crt-static" \
-     cargo build --quiet --release --example nvme_guest --target $TARGET)
+     cargo build --quiet --release --example nvme_guest --bin kvtier --target $TARGET)
   KVTIER_GUEST_BIN=$ROOT/target/$TARGET/release/examples/nvme_guest
+  KVTIER_CLI_BIN=${KVTIER_CLI_BIN:-$ROOT/target/$TARGET/release/kvtier}
 fi
 
-# initramfs: busybox, the guest binary, uio/vfio modules, init.
+# initramfs: busybox, the guest binary, the kernel nvme driver (with its
+# dependencies, in load order: nvme-core needs t10-pi, which needs crc-t10dif
+# and crc64-rocksoft; their crypto backends ride along so nothing has to be
+# requested through modprobe, which the guest lacks), uio/vfio modules, init.
 KV=$(ls "$W/kroot/lib/modules" | head -1)
 KM=$W/kroot/lib/modules/$KV/kernel
 I=$W/initrd.$$
 rm -rf "$I" && mkdir -p "$I/bin" "$I/lib/modules"
 cp /bin/busybox "$I/bin/busybox"
 cp "$KVTIER_GUEST_BIN" "$I/bin/nvme_guest"
+if [ -n "${KVTIER_CLI_BIN:-}" ]; then cp "$KVTIER_CLI_BIN" "$I/bin/kvtier"; fi
 cp "$ROOT/scripts/qemu/init" "$I/init" && chmod +x "$I/init"
-for m in drivers/uio/uio.ko drivers/uio/uio_pci_generic.ko \
+for m in crypto/crct10dif_common.ko crypto/crct10dif_generic.ko lib/crc-t10dif.ko \
+         lib/crc64.ko crypto/crc64_rocksoft_generic.ko lib/crc64-rocksoft.ko block/t10-pi.ko \
+         drivers/nvme/host/nvme-core.ko drivers/nvme/host/nvme.ko \
+         drivers/uio/uio.ko drivers/uio/uio_pci_generic.ko \
          drivers/vfio/vfio.ko drivers/vfio/vfio_iommu_type1.ko drivers/vfio/vfio_virqfd.ko \
          virt/lib/irqbypass.ko drivers/vfio/pci/vfio-pci-core.ko drivers/vfio/pci/vfio-pci.ko; do
   cp "$KM/$m" "$I/lib/modules/"

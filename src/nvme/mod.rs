@@ -7,6 +7,7 @@
 //!   doorbells, SQ head tracking, poll timeouts) over a [`queue::QueueMemory`]
 //!   that a real controller (BAR0 + DMA memory) or a simulated one provides.
 
+pub mod bind;
 pub mod ctrl;
 pub mod queue;
 pub mod sim;

@@ -483,7 +483,7 @@ fn unescape_octal(field: &str) -> String {
 
 /// Read up to [`SIGNATURE_PROBE_BYTES`] from the start of `file` (which must not be in
 /// O_DIRECT mode yet) for [`probe_signature`].
-fn read_head(file: &File, len: u64) -> io::Result<Vec<u8>> {
+pub(crate) fn read_head(file: &File, len: u64) -> io::Result<Vec<u8>> {
     let want = usize::try_from(len.min(SIGNATURE_PROBE_BYTES as u64)).unwrap_or(0);
     let mut head = vec![0u8; want];
     let mut done = 0;
@@ -505,16 +505,16 @@ fn read_head(file: &File, len: u64) -> io::Result<Vec<u8>> {
 
 /// How a block device is in use by the system.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct InUse {
+pub(crate) struct InUse {
     /// Mount point, or "[SWAP]" for an active swap area.
-    mount_point: String,
+    pub(crate) mount_point: String,
     /// The related device through which it is in use (a partition or a holder), if not the
     /// named device itself.
     via: Option<String>,
 }
 
 impl InUse {
-    fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         let what = if self.mount_point == "[SWAP]" {
             "is an active swap area".to_string()
         } else {
@@ -529,7 +529,7 @@ impl InUse {
 
 /// The device itself (major, minor) plus, through sysfs, its partitions and the devices
 /// stacked on it (holders: device-mapper, md, bcache), transitively. Each with a name.
-fn related_devices(rdev: u64) -> Vec<((u64, u64), Option<String>)> {
+pub(crate) fn related_devices(rdev: u64) -> Vec<((u64, u64), Option<String>)> {
     let mut out: Vec<((u64, u64), Option<String>)> =
         vec![((dev_major(rdev), dev_minor(rdev)), None)];
     let mut next = 0;
@@ -578,7 +578,7 @@ fn related_devices(rdev: u64) -> Vec<((u64, u64), Option<String>)> {
 
 /// Is any of `devices` mounted (by major:minor, or by a mount source that is that device
 /// node, which catches btrfs's anonymous device numbers) or an active swap area?
-fn find_use(devices: &[((u64, u64), Option<String>)]) -> Result<Option<InUse>> {
+pub(crate) fn find_use(devices: &[((u64, u64), Option<String>)]) -> Result<Option<InUse>> {
     let lookup = |dev: (u64, u64)| devices.iter().find(|(d, _)| *d == dev).map(|(_, n)| n);
     let lookup_source = |source: &str| -> Option<&Option<String>> {
         if !source.starts_with('/') {

@@ -1,0 +1,1317 @@
+//! Handing one NVMe controller from the kernel to a userspace driver
+//! (`vfio-pci` or `uio_pci_generic`) and back, safe by construction.
+//!
+//! [`PciBinding::bind`] touches only the PCI function named by its full
+//! address (`DDDD:BB:DD.F`). Unless forced it refuses a function that is not
+//! an NVMe controller (class `0x0108xx`) and, when the kernel's `nvme` driver
+//! has it, any of its namespaces (and their partitions) that is mounted, an
+//! active swap area, held by a stacked device (md, dm), busy, or that holds a
+//! recognised filesystem, partition table or volume signature
+//! ([`probe_signature`]; a kvtier pool is ours and not refused). Unbinding
+//! the nvme driver makes those block devices vanish under whoever uses them,
+//! so the refusal says which device holds what and how to proceed.
+//!
+//! Then: `driver_override` := new driver (first, so no other driver can
+//! claim the function while it is unbound), unbind from the current driver,
+//! bind to the new one (loading its module with `modprobe` if needed), and
+//! check the function's `driver` link. Dropping the binding, or
+//! [`PciBinding::restore`], puts everything back: unbind from the new
+//! driver, the old `driver_override`, and the original driver bound again
+//! (or none, if it had none).
+//!
+//! All sysfs access goes through a [`Kernel`]: the real one under `/sys`,
+//! or, in the tests, a fake sysfs tree of plain files in a temporary
+//! directory whose "kernel" records each write and moves the `driver` link
+//! the way Linux would.
+
+use crate::error::{Error, Result};
+use crate::pool::backing::{find_use, probe_signature, read_head, related_devices, Signature};
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+/// The driver a controller is handed to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BindDriver {
+    /// `vfio-pci`: DMA through the IOMMU (needs one, `intel_iommu=on`/`amd_iommu=on`).
+    VfioPci,
+    /// `uio_pci_generic`: no IOMMU; DMA to physical addresses (root only).
+    UioPciGeneric,
+}
+
+impl BindDriver {
+    /// The driver's name in `/sys/bus/pci/drivers` (and in `driver_override`).
+    pub fn name(self) -> &'static str {
+        match self {
+            BindDriver::VfioPci => "vfio-pci",
+            BindDriver::UioPciGeneric => "uio_pci_generic",
+        }
+    }
+
+    /// The module that provides the driver.
+    pub fn module(self) -> &'static str {
+        match self {
+            BindDriver::VfioPci => "vfio-pci",
+            BindDriver::UioPciGeneric => "uio_pci_generic",
+        }
+    }
+
+    /// `vfio-pci` / `vfio_pci` / `vfio`, `uio_pci_generic` / `uio-pci-generic` / `uio`.
+    pub fn parse(s: &str) -> Result<BindDriver> {
+        match s.to_ascii_lowercase().replace('_', "-").as_str() {
+            "vfio-pci" | "vfio" => Ok(BindDriver::VfioPci),
+            "uio-pci-generic" | "uio" => Ok(BindDriver::UioPciGeneric),
+            _ => Err(Error::invalid(format!(
+                "driver '{s}': use vfio-pci (with an IOMMU) or uio_pci_generic"
+            ))),
+        }
+    }
+}
+
+/// PCI class of NVMe controllers (mass storage, non-volatile memory), without
+/// the programming interface byte.
+const NVME_CLASS_PREFIX: u32 = 0x0108;
+
+/// Checks that `addr` is a full PCI address, `DDDD:BB:DD.F` (hex domain,
+/// bus, device up to 1f, function up to 7), and returns it lower-cased as
+/// sysfs spells it.
+pub fn parse_pci_address(addr: &str) -> Result<String> {
+    let bad = |why: &str| {
+        Error::invalid(format!(
+            "'{addr}' is not a full PCI address ({why}); name the controller as \
+             DDDD:BB:DD.F, e.g. 0000:01:00.0 (`kvtier nvme list` shows them)"
+        ))
+    };
+    let b = addr.as_bytes();
+    if b.len() != 12 || b[4] != b':' || b[7] != b':' || b[10] != b'.' {
+        return Err(bad("expected the form DDDD:BB:DD.F"));
+    }
+    let hex = |r: std::ops::Range<usize>| -> Option<u32> {
+        let s = &addr[r];
+        if s.bytes().all(|c| c.is_ascii_hexdigit()) {
+            u32::from_str_radix(s, 16).ok()
+        } else {
+            None
+        }
+    };
+    let (Some(_domain), Some(_bus), Some(device), Some(function)) =
+        (hex(0..4), hex(5..7), hex(8..10), hex(11..12))
+    else {
+        return Err(bad("domain, bus, device and function must be hexadecimal"));
+    };
+    if device > 0x1f {
+        return Err(bad("the device number is at most 1f"));
+    }
+    if function > 7 {
+        return Err(bad("the function number is at most 7"));
+    }
+    Ok(addr.to_ascii_lowercase())
+}
+
+/// What kvtier needs from the kernel besides reading sysfs files (which it
+/// reads under [`Kernel::root`] directly).
+trait Kernel: Send {
+    /// The sysfs mount point: `/sys`, or a fake tree in the tests.
+    fn root(&self) -> &Path;
+    /// Writes `value` to the sysfs attribute `path` (one write, as sysfs wants).
+    fn write(&mut self, path: &Path, value: &str) -> io::Result<()>;
+    /// Loads a kernel module.
+    fn modprobe(&mut self, module: &str) -> std::result::Result<(), String>;
+    /// How the block device `name` (sysfs directory `dir`), one of its
+    /// partitions or a device stacked on it is in use: mounted or swap.
+    fn block_use(&self, name: &str, dir: &Path) -> Result<Option<String>>;
+    /// The first bytes of block device `name` (sysfs directory `dir`), read
+    /// through an exclusive open so that a device the kernel holds (mounted,
+    /// swap, md/dm member) shows up as busy.
+    fn block_head(&self, name: &str, dir: &Path) -> Result<Vec<u8>>;
+}
+
+/// The running kernel: `/sys`, `/dev`, `/proc/self/mountinfo`, `modprobe`.
+struct SysKernel {
+    root: PathBuf,
+}
+
+fn sysfs_dev(dir: &Path) -> Result<(u64, u64)> {
+    let p = dir.join("dev");
+    let text =
+        fs::read_to_string(&p).map_err(|e| Error::io(format!("reading {}", p.display()), e))?;
+    text.trim()
+        .split_once(':')
+        .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
+        .ok_or_else(|| {
+            Error::invalid(format!(
+                "{}: '{}' is not MAJOR:MINOR",
+                p.display(),
+                text.trim()
+            ))
+        })
+}
+
+impl Kernel for SysKernel {
+    fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn write(&mut self, path: &Path, value: &str) -> io::Result<()> {
+        // No O_CREAT, no O_TRUNC: sysfs attributes exist or the kernel has no
+        // such knob; a single write(2) is what the attribute's store sees.
+        let mut f = OpenOptions::new().write(true).open(path)?;
+        f.write_all(value.as_bytes())
+    }
+
+    fn modprobe(&mut self, module: &str) -> std::result::Result<(), String> {
+        match std::process::Command::new("modprobe").arg(module).output() {
+            Ok(out) if out.status.success() => Ok(()),
+            Ok(out) => Err(format!(
+                "`modprobe {module}` failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            )),
+            Err(e) => Err(format!("cannot run modprobe: {e}")),
+        }
+    }
+
+    fn block_use(&self, _name: &str, dir: &Path) -> Result<Option<String>> {
+        let (maj, min) = sysfs_dev(dir)?;
+        let devices = related_devices(libc::makedev(maj as u32, min as u32));
+        Ok(find_use(&devices)?.map(|u| u.describe()))
+    }
+
+    fn block_head(&self, name: &str, dir: &Path) -> Result<Vec<u8>> {
+        let node = PathBuf::from(format!("/dev/{name}"));
+        let (maj, min) = sysfs_dev(dir)?;
+        let meta = fs::metadata(&node).map_err(|e| {
+            Error::io(
+                format!(
+                    "cannot check {} for a filesystem (is devtmpfs mounted on /dev?)",
+                    node.display()
+                ),
+                e,
+            )
+        })?;
+        if !meta.file_type().is_block_device()
+            || (
+                libc::major(meta.rdev()) as u64,
+                libc::minor(meta.rdev()) as u64,
+            ) != (maj, min)
+        {
+            return Err(Error::invalid(format!(
+                "{} is not block device {maj}:{min} as sysfs says; cannot check it for a filesystem",
+                node.display()
+            )));
+        }
+        // O_EXCL on a block device: EBUSY when a filesystem, swap, md or dm
+        // (or another program with O_EXCL) has it.
+        let file: File = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_EXCL)
+            .open(&node)
+            .map_err(|e| {
+                if e.raw_os_error() == Some(libc::EBUSY) {
+                    Error::invalid(format!(
+                        "{} is busy: the kernel or a program holds it exclusively (mounted, \
+                         swap, an md/dm member or open with O_EXCL)",
+                        node.display()
+                    ))
+                } else {
+                    Error::io(
+                        format!("opening {} to check for a filesystem", node.display()),
+                        e,
+                    )
+                }
+            })?;
+        read_head(&file, u64::MAX)
+            .map_err(|e| Error::io(format!("reading the head of {}", node.display()), e))
+    }
+}
+
+/// One block device of a controller: a namespace or one of its partitions.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockDevice {
+    /// Kernel name (`nvme0n1`, `nvme0n1p2`).
+    pub name: String,
+    /// The namespace it is, or belongs to.
+    pub namespace: String,
+    /// Why binding must not go ahead without `--force`: mounted, swap,
+    /// held, busy, a filesystem or partition table. Empty when it is free.
+    pub problems: Vec<String>,
+    /// What its first bytes hold, when they could be read.
+    pub signature: Option<Signature>,
+}
+
+/// An NVMe controller (or another PCI function of class 0x0108xx) as `kvtier nvme list` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NvmeController {
+    pub addr: String,
+    /// `vvvv:dddd`.
+    pub id: String,
+    pub class: u32,
+    pub driver: Option<String>,
+    /// Its namespaces' block devices and their partitions (only while the
+    /// kernel nvme driver has it).
+    pub block_devices: Vec<BlockDevice>,
+}
+
+fn read_attr(path: &Path) -> Result<String> {
+    fs::read_to_string(path)
+        .map(|s| s.trim().to_string())
+        .map_err(|e| Error::io(format!("reading {}", path.display()), e))
+}
+
+fn link_name(path: &Path) -> Option<String> {
+    fs::read_link(path)
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+}
+
+fn parse_class(text: &str) -> Option<u32> {
+    u32::from_str_radix(text.trim().trim_start_matches("0x"), 16).ok()
+}
+
+fn sorted_names(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(dir)
+        .map(|it| {
+            it.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// `nvme<digits>n<digits>` (a namespace) or `nvme<digits>c<digits>n<digits>`
+/// (the hidden per-controller path of a multipath namespace, whose visible
+/// block device is `nvme<subsys>n<ns>`). Returns the visible name.
+fn namespace_name(entry: &str) -> Option<String> {
+    let rest = entry.strip_prefix("nvme")?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|c| c.is_ascii_digit());
+    let (head, ns) = rest.split_once('n')?;
+    if !digits(ns) {
+        return None;
+    }
+    match head.split_once('c') {
+        Some((subsys, ctrl)) if digits(subsys) && digits(ctrl) => {
+            Some(format!("nvme{subsys}n{ns}"))
+        }
+        None if digits(head) => Some(format!("nvme{head}n{ns}")),
+        _ => None,
+    }
+}
+
+/// The sysfs directories of the block devices of the namespaces the kernel
+/// nvme driver made for the controller in `dev_dir`: each namespace, then
+/// its partitions. (namespace, name, dir).
+fn namespace_devices(root: &Path, dev_dir: &Path) -> Vec<(String, String, PathBuf)> {
+    let mut namespaces: Vec<(String, PathBuf)> = Vec::new();
+    let nvme_dir = dev_dir.join("nvme");
+    for ctrl in sorted_names(&nvme_dir) {
+        for entry in sorted_names(&nvme_dir.join(&ctrl)) {
+            let Some(name) = namespace_name(&entry) else {
+                continue;
+            };
+            if namespaces.iter().any(|(n, _)| *n == name) {
+                continue;
+            }
+            // /sys/class/block/NAME is the visible disk (for a multipath
+            // path device, the shared head); without it, the entry itself.
+            let class_dir = root.join("class/block").join(&name);
+            let dir = if class_dir.exists() {
+                class_dir
+            } else {
+                nvme_dir.join(&ctrl).join(&entry)
+            };
+            namespaces.push((name, dir));
+        }
+    }
+    let mut out = Vec::new();
+    for (ns, dir) in namespaces {
+        out.push((ns.clone(), ns.clone(), dir.clone()));
+        for part in sorted_names(&dir) {
+            let sub = dir.join(&part);
+            if sub.join("partition").exists() {
+                out.push((ns.clone(), part, sub));
+            }
+        }
+    }
+    out
+}
+
+/// Everything that argues against taking the block device away.
+fn inspect_block(
+    kernel: &dyn Kernel,
+    ns: &str,
+    name: &str,
+    dir: &Path,
+    is_namespace: bool,
+) -> BlockDevice {
+    let mut problems = Vec::new();
+    let holders = sorted_names(&dir.join("holders"));
+    if !holders.is_empty() {
+        problems.push(format!(
+            "/dev/{name} is held by {} (a device stacked on it: md RAID or device-mapper); \
+             stop that device first",
+            holders
+                .iter()
+                .map(|h| format!("/dev/{h}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    // Mounts and swap of the namespace cover its partitions and holders.
+    if is_namespace {
+        match kernel.block_use(name, dir) {
+            Ok(Some(how)) => {
+                problems.push(format!("/dev/{name}: {how}; unmount it (or swapoff) first"))
+            }
+            Ok(None) => {}
+            Err(e) => problems.push(format!("cannot tell whether /dev/{name} is mounted: {e}")),
+        }
+    }
+    let mut signature = None;
+    match kernel.block_head(name, dir) {
+        Ok(head) => {
+            let sig = probe_signature(&head);
+            if let Signature::Filesystem(_) = sig {
+                problems.push(format!(
+                    "/dev/{name} holds {sig}; binding the controller to a userspace driver \
+                     takes it away from the kernel and kvtier will overwrite it"
+                ));
+            }
+            signature = Some(sig);
+        }
+        Err(e) => problems.push(e.to_string()),
+    }
+    BlockDevice {
+        name: name.to_string(),
+        namespace: ns.to_string(),
+        problems,
+        signature,
+    }
+}
+
+fn controller(kernel: &dyn Kernel, addr: &str) -> Result<NvmeController> {
+    let dir = kernel.root().join("bus/pci/devices").join(addr);
+    let class = parse_class(&read_attr(&dir.join("class"))?).unwrap_or(0);
+    let vendor = read_attr(&dir.join("vendor")).unwrap_or_default();
+    let device = read_attr(&dir.join("device")).unwrap_or_default();
+    let driver = link_name(&dir.join("driver"));
+    let block_devices = if driver.as_deref() == Some("nvme") {
+        namespace_devices(kernel.root(), &dir)
+            .into_iter()
+            .map(|(ns, name, bdir)| inspect_block(kernel, &ns, &name, &bdir, ns == name))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    Ok(NvmeController {
+        addr: addr.to_string(),
+        id: format!(
+            "{}:{}",
+            vendor.trim_start_matches("0x"),
+            device.trim_start_matches("0x")
+        ),
+        class,
+        driver,
+        block_devices,
+    })
+}
+
+fn list_in(kernel: &dyn Kernel) -> Result<Vec<NvmeController>> {
+    let devices = kernel.root().join("bus/pci/devices");
+    let entries = fs::read_dir(&devices)
+        .map_err(|e| Error::io(format!("reading {}", devices.display()), e))?;
+    let mut addrs: Vec<String> = entries
+        .flatten()
+        .filter(|e| {
+            fs::read_to_string(e.path().join("class"))
+                .ok()
+                .and_then(|c| parse_class(&c))
+                .is_some_and(|c| c >> 8 == NVME_CLASS_PREFIX)
+        })
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    addrs.sort();
+    addrs.iter().map(|a| controller(kernel, a)).collect()
+}
+
+/// The NVMe controllers of this machine (PCI class 0x0108xx), with their
+/// drivers and, for those the kernel nvme driver has, their block devices
+/// and whether they are mounted or hold a filesystem.
+pub fn list_controllers() -> Result<Vec<NvmeController>> {
+    list_in(&SysKernel {
+        root: PathBuf::from("/sys"),
+    })
+}
+
+/// A PCI function handed to `vfio-pci` or `uio_pci_generic` for as long as
+/// this value lives; dropping it (or [`PciBinding::restore`]) gives it back
+/// to the driver it had.
+pub struct PciBinding {
+    kernel: Box<dyn Kernel>,
+    addr: String,
+    driver: BindDriver,
+    /// The driver the function had before (None: unbound).
+    original: Option<String>,
+    /// `driver_override` before (None: "(null)").
+    original_override: Option<String>,
+    /// It already was bound to `driver`: nothing to undo.
+    unchanged: bool,
+    /// Problems `force` overrode.
+    forced: Vec<String>,
+    /// Something was written to sysfs (a failed bind has something to undo).
+    written: bool,
+    done: bool,
+}
+
+impl std::fmt::Debug for PciBinding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PciBinding")
+            .field("addr", &self.addr)
+            .field("driver", &self.driver)
+            .field("original", &self.original)
+            .field("unchanged", &self.unchanged)
+            .finish()
+    }
+}
+
+fn write_attr(kernel: &mut dyn Kernel, path: &Path, value: &str) -> Result<()> {
+    kernel.write(path, value).map_err(|e| {
+        Error::io(
+            format!("writing '{}' to {}", value.trim_end(), path.display()),
+            e,
+        )
+    })
+}
+
+impl PciBinding {
+    /// Hands the PCI function `addr` (`DDDD:BB:DD.F`) to `driver`, after the
+    /// checks in the module documentation; `force` turns their refusals into
+    /// [`PciBinding::forced`] notes (an invalid address or a missing
+    /// function is refused regardless).
+    pub fn bind(addr: &str, driver: BindDriver, force: bool) -> Result<PciBinding> {
+        Self::bind_with(
+            Box::new(SysKernel {
+                root: PathBuf::from("/sys"),
+            }),
+            addr,
+            driver,
+            force,
+        )
+    }
+
+    fn bind_with(
+        kernel: Box<dyn Kernel>,
+        addr: &str,
+        driver: BindDriver,
+        force: bool,
+    ) -> Result<PciBinding> {
+        let addr = parse_pci_address(addr)?;
+        let dev_dir = kernel.root().join("bus/pci/devices").join(&addr);
+        if !dev_dir.exists() {
+            return Err(Error::invalid(format!(
+                "no PCI function {addr} ({} does not exist); `kvtier nvme list` shows the NVMe controllers",
+                dev_dir.display()
+            )));
+        }
+        let ctrl = controller(kernel.as_ref(), &addr)?;
+        let mut problems = Vec::new();
+        if ctrl.class >> 8 != NVME_CLASS_PREFIX {
+            problems.push(format!(
+                "{addr} is not an NVMe controller (PCI class {:#08x}, NVMe is 0x0108xx)",
+                ctrl.class
+            ));
+        }
+        problems.extend(
+            ctrl.block_devices
+                .iter()
+                .flat_map(|b| b.problems.iter().cloned()),
+        );
+        if !problems.is_empty() && !force {
+            return Err(Error::invalid(format!(
+                "refusing to bind {addr} to {}: {}. Pass --force to bind it anyway{}",
+                driver.name(),
+                problems.join("; "),
+                if ctrl.block_devices.iter().any(|b| !b.problems.is_empty()) {
+                    " (the data on it may be lost), or unmount / stop using the devices first"
+                } else {
+                    ""
+                }
+            )));
+        }
+        let original_override = {
+            let text = read_attr(&dev_dir.join("driver_override"))?;
+            (!text.is_empty() && text != "(null)").then_some(text)
+        };
+        let mut b = PciBinding {
+            kernel,
+            addr,
+            driver,
+            original: ctrl.driver.clone(),
+            original_override,
+            unchanged: ctrl.driver.as_deref() == Some(driver.name()),
+            forced: problems,
+            written: false,
+            done: false,
+        };
+        if b.unchanged {
+            b.done = true;
+            return Ok(b);
+        }
+        if let Err(e) = b.hand_over() {
+            // Undo what was done (best effort) and report both.
+            b.done = true;
+            if !b.written {
+                return Err(e);
+            }
+            return Err(match b.undo() {
+                Ok(()) => e,
+                Err(undo) => {
+                    Error::invalid(format!("{e}; and putting {} back failed: {undo}", b.addr))
+                }
+            });
+        }
+        Ok(b)
+    }
+
+    fn driver_dir(&self, name: &str) -> PathBuf {
+        self.kernel.root().join("bus/pci/drivers").join(name)
+    }
+
+    fn dev_dir(&self) -> PathBuf {
+        self.kernel.root().join("bus/pci/devices").join(&self.addr)
+    }
+
+    fn current_driver(&self) -> Option<String> {
+        link_name(&self.dev_dir().join("driver"))
+    }
+
+    fn ensure_loaded(&mut self, driver: &str, module: &str) -> Result<()> {
+        if self.driver_dir(driver).exists() {
+            return Ok(());
+        }
+        let tried = self.kernel.modprobe(module);
+        if self.driver_dir(driver).exists() {
+            return Ok(());
+        }
+        Err(Error::invalid(format!(
+            "driver {driver} is not loaded ({} does not exist) and loading it failed: {}; \
+             load the kernel module {module} (`modprobe {module}`){}",
+            self.driver_dir(driver).display(),
+            tried
+                .err()
+                .unwrap_or_else(|| "modprobe succeeded but the driver did not appear".into()),
+            if driver == "vfio-pci" {
+                ", which also needs the IOMMU on (intel_iommu=on or amd_iommu=on)"
+            } else {
+                ""
+            }
+        )))
+    }
+
+    /// Binds the function to `driver` and checks that it took.
+    fn bind_to(&mut self, driver: &str) -> Result<()> {
+        let bind = self.driver_dir(driver).join("bind");
+        let addr = self.addr.clone();
+        write_attr(self.kernel.as_mut(), &bind, &addr)?;
+        match self.current_driver() {
+            Some(d) if d == driver => Ok(()),
+            other => Err(Error::invalid(format!(
+                "{addr}: after writing to {} its driver is {}, not {driver}",
+                bind.display(),
+                other.as_deref().unwrap_or("none")
+            ))),
+        }
+    }
+
+    fn unbind_current(&mut self) -> Result<()> {
+        if let Some(cur) = self.current_driver() {
+            let unbind = self.driver_dir(&cur).join("unbind");
+            let addr = self.addr.clone();
+            write_attr(self.kernel.as_mut(), &unbind, &addr)?;
+            if let Some(still) = self.current_driver() {
+                return Err(Error::invalid(format!(
+                    "{addr}: still bound to {still} after writing to {}",
+                    unbind.display()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn hand_over(&mut self) -> Result<()> {
+        let (name, module) = (self.driver.name(), self.driver.module());
+        self.ensure_loaded(name, module)?;
+        let ovr = self.dev_dir().join("driver_override");
+        self.written = true;
+        write_attr(self.kernel.as_mut(), &ovr, name)?;
+        self.unbind_current()?;
+        self.bind_to(name)
+    }
+
+    /// Back to the state before: no userspace driver, the old override, the old driver.
+    fn undo(&mut self) -> Result<()> {
+        match self.current_driver() {
+            Some(d) if d == self.driver.name() => self.unbind_current()?,
+            None => {}
+            Some(other) if Some(&other) == self.original.as_ref() => {}
+            Some(other) => {
+                return Err(Error::invalid(format!(
+                    "{} is bound to {other}, not {} as kvtier left it; leaving it alone",
+                    self.addr,
+                    self.driver.name()
+                )))
+            }
+        }
+        // An empty line clears driver_override.
+        let ovr = self.dev_dir().join("driver_override");
+        let value = format!("{}\n", self.original_override.as_deref().unwrap_or(""));
+        write_attr(self.kernel.as_mut(), &ovr, &value)?;
+        if let Some(orig) = self.original.clone() {
+            if self.current_driver().as_ref() != Some(&orig) {
+                self.ensure_loaded(&orig, &orig)?;
+                self.bind_to(&orig)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Gives the function back to its original driver (or leaves it
+    /// unbound if it had none), reporting what failed.
+    pub fn restore(mut self) -> Result<()> {
+        self.done = true;
+        if self.unchanged {
+            return Ok(());
+        }
+        self.undo()
+    }
+
+    /// The PCI address, lower-cased.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// The driver the function is bound to now.
+    pub fn driver(&self) -> BindDriver {
+        self.driver
+    }
+
+    /// The driver it had before (and gets back), if any.
+    pub fn original_driver(&self) -> Option<&str> {
+        self.original.as_deref()
+    }
+
+    /// It was bound to the requested driver already: nothing was done and
+    /// nothing will be undone.
+    pub fn was_already_bound(&self) -> bool {
+        self.unchanged
+    }
+
+    /// The refusals `force` overrode (empty without force or when there were none).
+    pub fn forced(&self) -> &[String] {
+        &self.forced
+    }
+}
+
+impl Drop for PciBinding {
+    fn drop(&mut self) {
+        if !self.done {
+            self.done = true;
+            if let Err(e) = self.undo() {
+                eprintln!("kvtier: giving {} back to its driver: {e}", self.addr);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+    use std::os::unix::fs::symlink;
+    use std::sync::{Arc, Mutex};
+
+    const ADDR: &str = "0000:00:04.0";
+
+    /// What the fake kernel saw: sysfs writes (path under the root, value)
+    /// and module loads, in order.
+    type Log = Arc<Mutex<Vec<(String, String)>>>;
+
+    /// A sysfs tree of plain files in a temporary directory and a "kernel"
+    /// that reacts to writes to `bind`/`unbind` the way Linux does: moving
+    /// the function's `driver` link, refusing a bind that `driver_override`
+    /// forbids or a bind of a bound function.
+    struct Fake {
+        root: PathBuf,
+        log: Log,
+        /// Block device name -> first bytes (absent: zeros).
+        heads: HashMap<String, Vec<u8>>,
+        /// Block device name -> how it is in use.
+        uses: HashMap<String, String>,
+        /// Modules `modprobe` can load (each provides the driver of its name).
+        loadable: Vec<String>,
+        /// Writes to these files (under the root) fail with EIO.
+        failing: Vec<String>,
+        /// The driver that, like a driver whose probe fails, never takes the function.
+        refuses: Option<String>,
+    }
+
+    struct Tree {
+        root: PathBuf,
+        log: Log,
+    }
+
+    impl Drop for Tree {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.root);
+        }
+    }
+
+    impl Tree {
+        /// One PCI function at ADDR of `class`, bound to `driver`, the
+        /// drivers nvme, vfio-pci and uio_pci_generic loaded.
+        fn new(tag: &str, class: &str, driver: Option<&str>) -> Tree {
+            static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+            let root = std::env::temp_dir().join(format!(
+                "kvtier-bind-{tag}-{}-{}",
+                std::process::id(),
+                N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            ));
+            let _ = fs::remove_dir_all(&root);
+            let t = Tree {
+                root,
+                log: Arc::default(),
+            };
+            for d in ["nvme", "vfio-pci", "uio_pci_generic"] {
+                t.add_driver(d);
+            }
+            let dev = t.dev();
+            fs::create_dir_all(&dev).unwrap();
+            fs::write(dev.join("class"), format!("{class}\n")).unwrap();
+            fs::write(dev.join("vendor"), "0x1b36\n").unwrap();
+            fs::write(dev.join("device"), "0x0010\n").unwrap();
+            fs::write(dev.join("driver_override"), "(null)\n").unwrap();
+            if let Some(d) = driver {
+                symlink(format!("../../drivers/{d}"), dev.join("driver")).unwrap();
+            }
+            t
+        }
+
+        fn add_driver(&self, d: &str) {
+            let dir = self.root.join("bus/pci/drivers").join(d);
+            fs::create_dir_all(&dir).unwrap();
+            fs::write(dir.join("bind"), "").unwrap();
+            fs::write(dir.join("unbind"), "").unwrap();
+        }
+
+        fn dev(&self) -> PathBuf {
+            self.root.join("bus/pci/devices").join(ADDR)
+        }
+
+        /// Namespace `name` of controller nvme0 (sysfs entry `entry`, e.g.
+        /// nvme0c0n1 for a multipath path), with partitions `parts`.
+        fn namespace(&self, entry: &str, name: &str, parts: &[&str]) {
+            fs::create_dir_all(self.dev().join("nvme/nvme0").join(entry)).unwrap();
+            let dir = self.root.join("class/block").join(name);
+            fs::create_dir_all(dir.join("holders")).unwrap();
+            fs::write(dir.join("dev"), "259:0\n").unwrap();
+            for p in parts {
+                fs::create_dir_all(dir.join(p).join("holders")).unwrap();
+                fs::write(dir.join(p).join("partition"), "1\n").unwrap();
+            }
+        }
+
+        fn fake(&self) -> Fake {
+            Fake {
+                root: self.root.clone(),
+                log: self.log.clone(),
+                heads: HashMap::new(),
+                uses: HashMap::new(),
+                loadable: Vec::new(),
+                failing: Vec::new(),
+                refuses: None,
+            }
+        }
+
+        fn driver(&self) -> Option<String> {
+            link_name(&self.dev().join("driver"))
+        }
+
+        fn override_text(&self) -> String {
+            fs::read_to_string(self.dev().join("driver_override")).unwrap()
+        }
+
+        fn writes(&self) -> Vec<(String, String)> {
+            self.log.lock().unwrap().clone()
+        }
+
+        fn clear(&self) {
+            self.log.lock().unwrap().clear();
+        }
+    }
+
+    fn os(code: i32) -> io::Error {
+        io::Error::from_raw_os_error(code)
+    }
+
+    impl Kernel for Fake {
+        fn root(&self) -> &Path {
+            &self.root
+        }
+
+        fn write(&mut self, path: &Path, value: &str) -> io::Result<()> {
+            let rel = path.strip_prefix(&self.root).expect("write under the root");
+            let rel_s = rel.to_string_lossy().into_owned();
+            self.log
+                .lock()
+                .unwrap()
+                .push((rel_s.clone(), value.to_string()));
+            if self.failing.contains(&rel_s) {
+                return Err(os(libc::EIO));
+            }
+            // sysfs attributes exist; writing never creates a file.
+            if !path.is_file() {
+                return Err(os(libc::ENOENT));
+            }
+            let parts: Vec<&str> = rel_s.split('/').collect();
+            match parts.as_slice() {
+                ["bus", "pci", "drivers", drv, op @ ("bind" | "unbind")] => {
+                    let dev = self.root.join("bus/pci/devices").join(value.trim());
+                    let link = dev.join("driver");
+                    let cur = link_name(&link);
+                    if *op == "unbind" {
+                        if cur.as_deref() != Some(*drv) {
+                            return Err(os(libc::ENODEV));
+                        }
+                        fs::remove_file(&link)?;
+                    } else {
+                        let ovr = fs::read_to_string(dev.join("driver_override"))?;
+                        let ovr = ovr.trim();
+                        let allowed = ovr.is_empty() || ovr == "(null)" || ovr == *drv;
+                        if cur.is_some() {
+                            return Err(os(libc::EBUSY));
+                        }
+                        if !allowed || self.refuses.as_deref() == Some(*drv) {
+                            return Err(os(libc::ENODEV));
+                        }
+                        symlink(format!("../../drivers/{drv}"), &link)?;
+                    }
+                    Ok(())
+                }
+                _ => fs::write(path, value),
+            }
+        }
+
+        fn modprobe(&mut self, module: &str) -> std::result::Result<(), String> {
+            self.log
+                .lock()
+                .unwrap()
+                .push(("modprobe".into(), module.to_string()));
+            if !self.loadable.iter().any(|m| m == module) {
+                return Err(format!("modprobe: FATAL: Module {module} not found"));
+            }
+            let dir = self.root.join("bus/pci/drivers").join(module);
+            fs::create_dir_all(&dir).unwrap();
+            fs::write(dir.join("bind"), "").unwrap();
+            fs::write(dir.join("unbind"), "").unwrap();
+            Ok(())
+        }
+
+        fn block_use(&self, name: &str, _dir: &Path) -> Result<Option<String>> {
+            Ok(self.uses.get(name).cloned())
+        }
+
+        fn block_head(&self, name: &str, _dir: &Path) -> Result<Vec<u8>> {
+            Ok(self
+                .heads
+                .get(name)
+                .cloned()
+                .unwrap_or_else(|| vec![0; 4096]))
+        }
+    }
+
+    fn w(path: &str, value: &str) -> (String, String) {
+        (path.to_string(), value.to_string())
+    }
+
+    fn bind(fake: Fake, driver: BindDriver, force: bool) -> Result<PciBinding> {
+        PciBinding::bind_with(Box::new(fake), ADDR, driver, force)
+    }
+
+    fn ext4_head() -> Vec<u8> {
+        let mut h = vec![0u8; 4096];
+        h[1080..1082].copy_from_slice(&[0x53, 0xef]);
+        h
+    }
+
+    const OVR: &str = "bus/pci/devices/0000:00:04.0/driver_override";
+
+    #[test]
+    fn addresses_must_be_full_pci_addresses() {
+        assert_eq!(parse_pci_address("0000:00:04.0").unwrap(), "0000:00:04.0");
+        assert_eq!(parse_pci_address("0000:AF:1F.7").unwrap(), "0000:af:1f.7");
+        for bad in [
+            "00:04.0",
+            "0000:00:04",
+            "0000:00:04.0 ",
+            "0000:00:04.0/",
+            "0000:00:20.0",
+            "0000:00:04.8",
+            "0000:0g:04.0",
+            "../../../dev",
+            "0000/00:04.0",
+            "+000:00:04.0",
+            "",
+        ] {
+            let e = parse_pci_address(bad).unwrap_err().to_string();
+            assert!(
+                e.contains("not a full PCI address") && e.contains("DDDD:BB:DD.F"),
+                "{bad}: {e}"
+            );
+        }
+        // Binding refuses them before touching anything, force or not.
+        let t = Tree::new("addr", "0x010802", Some("nvme"));
+        for bad in ["00:04.0", "0000:00:04.0\n", "0000:00:04.0/../../x"] {
+            let e = PciBinding::bind_with(Box::new(t.fake()), bad, BindDriver::VfioPci, true)
+                .unwrap_err();
+            assert!(e.to_string().contains("not a full PCI address"), "{e}");
+        }
+        let e = PciBinding::bind_with(
+            Box::new(t.fake()),
+            "0000:00:05.0",
+            BindDriver::VfioPci,
+            true,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("no PCI function 0000:00:05.0") && e.contains("kvtier nvme list"),
+            "{e}"
+        );
+        assert!(t.writes().is_empty(), "{:?}", t.writes());
+        assert_eq!(t.driver().as_deref(), Some("nvme"));
+    }
+
+    #[test]
+    fn driver_names() {
+        assert_eq!(BindDriver::parse("vfio-pci").unwrap(), BindDriver::VfioPci);
+        assert_eq!(BindDriver::parse("vfio_pci").unwrap(), BindDriver::VfioPci);
+        assert_eq!(
+            BindDriver::parse("uio_pci_generic").unwrap(),
+            BindDriver::UioPciGeneric
+        );
+        assert_eq!(BindDriver::parse("uio").unwrap(), BindDriver::UioPciGeneric);
+        let e = BindDriver::parse("nvme").unwrap_err().to_string();
+        assert!(
+            e.contains("vfio-pci") && e.contains("uio_pci_generic"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn namespace_names_and_multipath_paths() {
+        assert_eq!(namespace_name("nvme0n1").as_deref(), Some("nvme0n1"));
+        assert_eq!(namespace_name("nvme3c5n12").as_deref(), Some("nvme3n12"));
+        for not in [
+            "ng0n1",
+            "nvme0",
+            "nvme0n",
+            "nvme0n1p1",
+            "nvmexn1",
+            "nvme0c0",
+            "power",
+            "nvme0cn1",
+        ] {
+            assert_eq!(namespace_name(not), None, "{not}");
+        }
+    }
+
+    #[test]
+    fn bind_and_restore_write_the_kernel_sequence() {
+        let t = Tree::new("seq", "0x010802", Some("nvme"));
+        t.namespace("nvme0n1", "nvme0n1", &["nvme0n1p1"]);
+        let b = bind(t.fake(), BindDriver::VfioPci, false).unwrap();
+        assert_eq!(
+            t.writes(),
+            vec![
+                w(OVR, "vfio-pci"),
+                w("bus/pci/drivers/nvme/unbind", ADDR),
+                w("bus/pci/drivers/vfio-pci/bind", ADDR),
+            ]
+        );
+        assert_eq!(t.driver().as_deref(), Some("vfio-pci"));
+        assert_eq!(b.original_driver(), Some("nvme"));
+        assert!(b.forced().is_empty() && !b.was_already_bound());
+        t.clear();
+        b.restore().unwrap();
+        assert_eq!(
+            t.writes(),
+            vec![
+                w("bus/pci/drivers/vfio-pci/unbind", ADDR),
+                w(OVR, "\n"),
+                w("bus/pci/drivers/nvme/bind", ADDR),
+            ]
+        );
+        assert_eq!(t.driver().as_deref(), Some("nvme"));
+    }
+
+    #[test]
+    fn drop_restores_and_an_unbound_function_stays_unbound() {
+        let t = Tree::new("drop", "0x010802", Some("nvme"));
+        {
+            let _b = bind(t.fake(), BindDriver::UioPciGeneric, false).unwrap();
+            assert_eq!(t.driver().as_deref(), Some("uio_pci_generic"));
+        }
+        assert_eq!(t.driver().as_deref(), Some("nvme"));
+        assert_eq!(t.override_text(), "\n");
+
+        let t = Tree::new("unbound", "0x010802", None);
+        let b = bind(t.fake(), BindDriver::UioPciGeneric, false).unwrap();
+        assert_eq!(
+            t.writes(),
+            vec![
+                w(OVR, "uio_pci_generic"),
+                w("bus/pci/drivers/uio_pci_generic/bind", ADDR)
+            ]
+        );
+        assert_eq!(b.original_driver(), None);
+        t.clear();
+        drop(b);
+        assert_eq!(
+            t.writes(),
+            vec![
+                w("bus/pci/drivers/uio_pci_generic/unbind", ADDR),
+                w(OVR, "\n")
+            ]
+        );
+        assert_eq!(t.driver(), None);
+    }
+
+    #[test]
+    fn an_original_driver_override_is_put_back() {
+        let t = Tree::new("ovr", "0x010802", Some("nvme"));
+        fs::write(t.dev().join("driver_override"), "nvme\n").unwrap();
+        bind(t.fake(), BindDriver::VfioPci, false)
+            .unwrap()
+            .restore()
+            .unwrap();
+        assert_eq!(t.override_text(), "nvme\n");
+        assert_eq!(t.driver().as_deref(), Some("nvme"));
+    }
+
+    #[test]
+    fn already_bound_to_the_driver_changes_nothing() {
+        let t = Tree::new("same", "0x010802", Some("vfio-pci"));
+        let b = bind(t.fake(), BindDriver::VfioPci, false).unwrap();
+        assert!(b.was_already_bound());
+        b.restore().unwrap();
+        assert!(t.writes().is_empty(), "{:?}", t.writes());
+        assert_eq!(t.driver().as_deref(), Some("vfio-pci"));
+    }
+
+    #[test]
+    fn not_nvme_is_refused_unless_forced() {
+        let t = Tree::new("class", "0x020000", Some("e1000e"));
+        t.add_driver("e1000e");
+        let e = bind(t.fake(), BindDriver::VfioPci, false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("not an NVMe controller") && e.contains("0x020000") && e.contains("--force"),
+            "{e}"
+        );
+        assert!(t.writes().is_empty(), "{:?}", t.writes());
+        assert_eq!(t.driver().as_deref(), Some("e1000e"));
+        let b = bind(t.fake(), BindDriver::VfioPci, true).unwrap();
+        assert_eq!(b.forced().len(), 1);
+        assert_eq!(t.driver().as_deref(), Some("vfio-pci"));
+        drop(b);
+        assert_eq!(t.driver().as_deref(), Some("e1000e"));
+    }
+
+    #[test]
+    fn mounted_namespace_is_refused_unless_forced() {
+        let t = Tree::new("mounted", "0x010802", Some("nvme"));
+        t.namespace("nvme0n1", "nvme0n1", &["nvme0n1p1"]);
+        let mut f = t.fake();
+        f.uses.insert(
+            "nvme0n1".into(),
+            "its partition /dev/nvme0n1p1 is mounted at /data".into(),
+        );
+        let e = bind(f, BindDriver::VfioPci, false).unwrap_err().to_string();
+        assert!(
+            e.contains("/dev/nvme0n1")
+                && e.contains("mounted at /data")
+                && e.contains("unmount")
+                && e.contains("--force"),
+            "{e}"
+        );
+        assert!(t.writes().is_empty(), "{:?}", t.writes());
+        assert_eq!(t.driver().as_deref(), Some("nvme"));
+
+        let mut f = t.fake();
+        f.uses
+            .insert("nvme0n1".into(), "it is mounted at /data".into());
+        let b = bind(f, BindDriver::VfioPci, true).unwrap();
+        assert!(b.forced()[0].contains("/data"), "{:?}", b.forced());
+        assert_eq!(t.driver().as_deref(), Some("vfio-pci"));
+    }
+
+    #[test]
+    fn signatures_are_refused_naming_the_device_and_what_it_holds() {
+        let t = Tree::new("sig", "0x010802", Some("nvme"));
+        t.namespace("nvme0n1", "nvme0n1", &["nvme0n1p1"]);
+        let mut f = t.fake();
+        f.heads.insert("nvme0n1p1".into(), ext4_head());
+        let e = bind(f, BindDriver::UioPciGeneric, false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("/dev/nvme0n1p1 holds an ext2/3/4 filesystem") && e.contains("--force"),
+            "{e}"
+        );
+        assert!(!e.contains("/dev/nvme0n1 holds"), "{e}");
+        assert!(t.writes().is_empty());
+
+        let mut gpt = vec![0u8; 4096];
+        gpt[512..520].copy_from_slice(b"EFI PART");
+        let mut f = t.fake();
+        f.heads.insert("nvme0n1".into(), gpt);
+        let e = bind(f, BindDriver::UioPciGeneric, false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("/dev/nvme0n1 holds a GPT partition table"),
+            "{e}"
+        );
+
+        // A kvtier pool is ours, and unknown bytes are not a filesystem.
+        let mut pool = vec![0u8; 4096];
+        pool[..8].copy_from_slice(b"KVTIERPL");
+        let mut f = t.fake();
+        f.heads.insert("nvme0n1".into(), pool);
+        f.heads.insert("nvme0n1p1".into(), vec![0xa5; 4096]);
+        let b = bind(f, BindDriver::UioPciGeneric, false).unwrap();
+        assert!(b.forced().is_empty());
+        b.restore().unwrap();
+
+        // Forced: bound, and the note names the filesystem.
+        let mut f = t.fake();
+        f.heads.insert("nvme0n1".into(), ext4_head());
+        let b = bind(f, BindDriver::UioPciGeneric, true).unwrap();
+        assert!(b.forced()[0].contains("ext2/3/4"), "{:?}", b.forced());
+        assert_eq!(t.driver().as_deref(), Some("uio_pci_generic"));
+    }
+
+    #[test]
+    fn held_and_multipath_namespaces_are_checked() {
+        let t = Tree::new("held", "0x010802", Some("nvme"));
+        // A multipath path device: the visible disk is nvme0n1 under class/block.
+        t.namespace("nvme0c0n1", "nvme0n1", &[]);
+        fs::write(t.root.join("class/block/nvme0n1/holders/dm-0"), "").unwrap();
+        let e = bind(t.fake(), BindDriver::VfioPci, false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("/dev/nvme0n1 is held by /dev/dm-0"), "{e}");
+        let list = list_in(&t.fake()).unwrap();
+        assert_eq!(list.len(), 1);
+        assert_eq!(list[0].block_devices.len(), 1);
+        assert_eq!(list[0].block_devices[0].name, "nvme0n1");
+    }
+
+    #[test]
+    fn a_missing_driver_is_loaded_or_named() {
+        let t = Tree::new("modprobe", "0x010802", Some("nvme"));
+        fs::remove_dir_all(t.root.join("bus/pci/drivers/uio_pci_generic")).unwrap();
+        let e = bind(t.fake(), BindDriver::UioPciGeneric, false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("load the kernel module uio_pci_generic") && e.contains("not found"),
+            "{e}"
+        );
+        assert_eq!(t.writes(), vec![w("modprobe", "uio_pci_generic")]);
+        assert_eq!(t.driver().as_deref(), Some("nvme"));
+        t.clear();
+        let mut f = t.fake();
+        f.loadable.push("uio_pci_generic".into());
+        let _b = bind(f, BindDriver::UioPciGeneric, false).unwrap();
+        assert_eq!(t.writes()[0], w("modprobe", "uio_pci_generic"));
+        assert_eq!(t.driver().as_deref(), Some("uio_pci_generic"));
+    }
+
+    #[test]
+    fn a_failed_bind_puts_the_original_driver_back() {
+        let t = Tree::new("fail", "0x010802", Some("nvme"));
+        let mut f = t.fake();
+        f.refuses = Some("vfio-pci".into());
+        let e = bind(f, BindDriver::VfioPci, false).unwrap_err().to_string();
+        assert!(
+            e.contains("drivers/vfio-pci/bind") && e.contains(ADDR),
+            "{e}"
+        );
+        assert_eq!(t.driver().as_deref(), Some("nvme"));
+        assert_eq!(t.override_text(), "\n");
+        assert_eq!(
+            t.writes().last().unwrap(),
+            &w("bus/pci/drivers/nvme/bind", ADDR)
+        );
+    }
+
+    #[test]
+    fn write_errors_name_the_file() {
+        let t = Tree::new("eio", "0x010802", Some("nvme"));
+        let mut f = t.fake();
+        f.failing.push("bus/pci/drivers/nvme/unbind".into());
+        let e = bind(f, BindDriver::VfioPci, false).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("writing '{ADDR}' to "))
+                && e.contains("bus/pci/drivers/nvme/unbind")
+                && e.contains("Input/output error"),
+            "{e}"
+        );
+        // Still bound to nvme; the override kvtier set is cleared again.
+        assert_eq!(t.driver().as_deref(), Some("nvme"));
+        assert_eq!(t.override_text(), "\n");
+
+        // A restore that fails says so, naming the file.
+        let t = Tree::new("eio2", "0x010802", Some("nvme"));
+        let mut f = t.fake();
+        f.failing.push("bus/pci/drivers/vfio-pci/unbind".into());
+        let b = bind(f, BindDriver::VfioPci, false).unwrap();
+        let e = b.restore().unwrap_err().to_string();
+        assert!(e.contains("drivers/vfio-pci/unbind"), "{e}");
+    }
+
+    #[test]
+    fn list_shows_nvme_controllers_with_their_block_devices() {
+        let t = Tree::new("list", "0x010802", Some("nvme"));
+        t.namespace("nvme0n1", "nvme0n1", &["nvme0n1p1", "nvme0n1p2"]);
+        let other = t.root.join("bus/pci/devices/0000:00:03.0");
+        fs::create_dir_all(&other).unwrap();
+        fs::write(other.join("class"), "0x020000\n").unwrap();
+        let mut f = t.fake();
+        f.heads.insert("nvme0n1p2".into(), ext4_head());
+        f.uses.insert(
+            "nvme0n1".into(),
+            "its partition /dev/nvme0n1p2 is mounted at /".into(),
+        );
+        let list = list_in(&f).unwrap();
+        assert_eq!(list.len(), 1, "{list:?}");
+        let c = &list[0];
+        assert_eq!(
+            (c.addr.as_str(), c.id.as_str(), c.class),
+            (ADDR, "1b36:0010", 0x010802)
+        );
+        assert_eq!(c.driver.as_deref(), Some("nvme"));
+        let names: Vec<&str> = c.block_devices.iter().map(|b| b.name.as_str()).collect();
+        assert_eq!(names, ["nvme0n1", "nvme0n1p1", "nvme0n1p2"]);
+        assert!(c.block_devices[0].problems[0].contains("mounted at /"));
+        assert!(c.block_devices[1].problems.is_empty());
+        assert_eq!(
+            c.block_devices[2].signature,
+            Some(Signature::Filesystem("ext2/3/4"))
+        );
+    }
+}
