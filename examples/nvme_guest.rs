@@ -18,9 +18,8 @@
 //! (S > 0) it also measures SGL and PRP read bandwidth at QD 32 for 16 KiB
 //! objects scattered over four 4 KiB buffers and for 128 KiB objects.
 
-#[allow(dead_code, unused_imports)]
-#[path = "../tests/nvme_sim.rs"]
-mod nvme_sim;
+#[path = "../tests/nvme_suite/mod.rs"]
+mod suite;
 
 use kvtier::nvme::bind::{BindDriver, PciBinding};
 use kvtier::nvme::ctrl::{
@@ -30,7 +29,6 @@ use kvtier::nvme::spec::{build_prps, Extent, SglDescriptor, Sqe};
 use kvtier::nvme::uio::{bound_driver, find_pci_class, pci_device_dir, HugeDma, UioBar0};
 use kvtier::nvme::vfio::VfioDevice;
 use kvtier::nvme::DataPtr;
-use nvme_sim::suite;
 use std::os::unix::fs::FileExt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::process::ExitCode;

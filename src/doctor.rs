@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 /// Whether this build contains the GPU engine (`src/engine/gpu.rs`, issue 5).
 /// Its prerequisites are still probed and reported; the verdict never picks
 /// an engine the binary does not have.
-const GPU_ENGINE_BUILT: bool = false;
+const GPU_ENGINE_BUILT: bool = true;
 /// Whether this build contains the userspace NVMe engine (VFIO/uio, issue 4).
 const NVME_ENGINE_BUILT: bool = true;
 
@@ -766,7 +766,6 @@ fn probe_iommu() -> IommuFacts {
 struct VfioFacts {
     items: Vec<Item>,
     noiommu: bool,
-    peermem: bool,
 }
 
 fn probe_vfio() -> VfioFacts {
@@ -783,7 +782,7 @@ fn probe_vfio() -> VfioFacts {
         let present = exists(&p);
         let note = match m {
             "nvidia_peermem" => {
-                "GPU memory physical addresses for devices without an IOMMU".to_string()
+                "GPU memory physical addresses for devices without an IOMMU (not used by this build: its GPU engine keeps queues and data in host-pinned memory)".to_string()
             }
             _ if present => "loaded or built in".to_string(),
             _ => format!("not in /sys/module: modprobe {m}"),
@@ -830,11 +829,7 @@ fn probe_vfio() -> VfioFacts {
             format!("/sys/bus/pci/drivers/{drv}"),
         ));
     }
-    VfioFacts {
-        items,
-        noiommu,
-        peermem: exists("/sys/module/nvidia_peermem"),
-    }
+    VfioFacts { items, noiommu }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1489,12 +1484,15 @@ fn verdict(
         }
         gpu_out.extend(gpu.why_not.iter().cloned());
     }
-    // Host-pinned memory mapped through VFIO (needs a controller on vfio-pci and an
-    // IOMMU), or physical addresses from nvidia-peermem.
-    let reach = (iommu.active && !nvme.vfio.is_empty()) || vfio.peermem;
+    // The GPU engine drives a controller whose queues and data live in
+    // host-pinned memory (src/engine/gpu.rs): it needs a controller on
+    // vfio-pci behind an IOMMU, or on uio (physical addresses). HBM as the
+    // DMA target (dma-buf/iommufd, peermem) is not in this build, so
+    // nvidia_peermem alone does not make the engine usable.
+    let reach = (iommu.active && !nvme.vfio.is_empty()) || !nvme.uio.is_empty();
     if !reach {
         gpu_out.push(
-            "no way for an NVMe controller to reach GPU memory (no controller on vfio-pci with an IOMMU, no nvidia_peermem)"
+            "no NVMe controller for the GPU kernel to drive (none on vfio-pci with an IOMMU, none on uio_pci_generic); bind one with `kvtier nvme bind`"
                 .into(),
         );
     }

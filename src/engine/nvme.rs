@@ -180,6 +180,27 @@ impl<B: Bar0> NvmeNamespace<B> {
         self.shared.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Runs `f` on the controller and its DMA allocator, under the lock the
+    /// metadata path and the nvme engine take too (the GPU engine creates
+    /// its kernel's queues this way).
+    pub(crate) fn with_controller<R>(
+        &self,
+        f: impl FnOnce(&mut Controller<B>, &mut dyn DmaAlloc) -> R,
+    ) -> R {
+        let mut shared = self.lock();
+        let Shared { ctrl, dma, .. } = &mut *shared;
+        f(ctrl, dma.as_mut())
+    }
+
+    /// Stops the controller after a failure of an agent driving it (the GPU
+    /// kernel), so nothing lands in memory later; the metadata path then
+    /// says why.
+    pub(crate) fn fail(&self, why: String) {
+        let mut shared = self.lock();
+        let _ = shared.ctrl.reset_after_failure();
+        shared.failed.get_or_insert(why);
+    }
+
     /// The controller's name (PCI address, `sim`).
     pub fn name(&self) -> String {
         self.lock().ctrl.name().to_string()

@@ -74,6 +74,27 @@ pub unsafe trait Bar0 {
         self.write32(off, v as u32);
         self.write32(off + 4, (v >> 32) as u32);
     }
+    /// Host address and length of the doorbell registers (BAR0 offset
+    /// 0x1000 on) when they are memory another agent can be given to store
+    /// into: an MMIO mapping a GPU registers as I/O memory, or the
+    /// simulator's doorbell page. `None` (the default) when doorbells are
+    /// reached only through `write32`.
+    fn doorbells(&self) -> Option<DoorbellMemory> {
+        None
+    }
+}
+
+/// Where a controller's doorbell registers (BAR0 offset 0x1000 on) live in
+/// this process, for an agent other than the CPU (a GPU kernel) to store
+/// into.
+#[derive(Clone, Copy, Debug)]
+pub struct DoorbellMemory {
+    /// Host address of BAR0 offset 0x1000.
+    pub ptr: *mut u8,
+    pub len: usize,
+    /// An MMIO mapping of a PCI BAR (a GPU registers it as I/O memory);
+    /// false for ordinary memory (the simulator's doorbell page).
+    pub mmio: bool,
 }
 
 /// DMA-able memory: a host virtual pointer and the address the device uses
@@ -414,6 +435,10 @@ pub struct ControllerOptions {
     /// Pages of SGL descriptors per I/O queue for [`Controller::transfer`]
     /// (256 descriptors per 4 KiB page).
     pub sgl_pages: usize,
+    /// Queue pairs to ask for beyond `io_queues` and leave to another
+    /// owner ([`Controller::create_external_queue`]: the GPU engine's
+    /// kernel drives them).
+    pub extra_io_queues: u16,
 }
 
 impl Default for ControllerOptions {
@@ -428,6 +453,7 @@ impl Default for ControllerOptions {
             io_timeout: Duration::from_secs(5),
             max_command_bytes: 4 << 20,
             sgl_pages: 4,
+            extra_io_queues: 0,
         }
     }
 }
@@ -478,6 +504,11 @@ pub struct Controller<B: Bar0> {
     admin_timeout: Duration,
     io_timeout: Duration,
     max_transfer: u64,
+    /// I/O queue pairs the controller granted (Set Features).
+    granted_queues: u16,
+    /// Queue ids created for another owner, deleted by shutdown.
+    external: Vec<u16>,
+    admin_align: usize,
     /// CC.EN is 1 (cleared by shutdown's reset in Drop).
     enabled: bool,
     shut_down: bool,
@@ -714,7 +745,7 @@ impl<B: Bar0> Controller<B> {
         }
 
         // 5. Number of queues.
-        let wanted = opts.io_queues.max(1);
+        let wanted = opts.io_queues.max(1).saturating_add(opts.extra_io_queues);
         let dw0 = admin_command(
             &mut admin,
             &name,
@@ -723,7 +754,8 @@ impl<B: Bar0> Controller<B> {
             admin_timeout,
         )?;
         let (sqa, cqa) = super::spec::allocated_queues(dw0);
-        let queues = (wanted as u32).min(sqa).min(cqa) as u16;
+        let granted = (wanted as u32).min(sqa).min(cqa) as u16;
+        let queues = granted.min(opts.io_queues.max(1));
 
         // Largest transfer of one command.
         let lba = namespace.lba_bytes as u64;
@@ -779,6 +811,9 @@ impl<B: Bar0> Controller<B> {
             admin_timeout,
             io_timeout: opts.io_timeout,
             max_transfer,
+            granted_queues: granted,
+            external: Vec::new(),
+            admin_align: align,
             enabled: true,
             shut_down: false,
             _identify_buf: idbuf,
@@ -1091,6 +1126,80 @@ impl<B: Bar0> Controller<B> {
         Ok(DataPtr::Sgl(pointer(0)))
     }
 
+    /// Creates an I/O queue pair whose rings are `sq` (`depth` 64-byte
+    /// entries) and `cq` (`depth` 16-byte entries, zero-filled here) for
+    /// another owner to drive, on the next free queue id within what the
+    /// controller granted (ask with `ControllerOptions::extra_io_queues`).
+    /// Returns the queue id. The owner must stop using it before
+    /// [`Controller::delete_external_queue`] or shutdown, which deletes it.
+    pub fn create_external_queue(
+        &mut self,
+        depth: u16,
+        sq: &DmaRegion,
+        cq: &DmaRegion,
+    ) -> Result<u16> {
+        let name = self.name.clone();
+        let mqes = self.cap.max_queue_entries().min(4096) as u16;
+        if depth < 2 || depth > mqes {
+            return Err(Error::invalid(format!(
+                "NVMe controller {name}: a queue of {depth} entries; it takes 2 to {mqes}"
+            )));
+        }
+        let align = self.admin_align as u64;
+        if sq.len() < depth as usize * 64
+            || cq.len() < depth as usize * 16
+            || sq.dma() % align != 0
+            || cq.dma() % align != 0
+        {
+            return Err(Error::invalid(format!(
+                "NVMe controller {name}: queue memory must hold {depth} entries and be {align}-byte aligned"
+            )));
+        }
+        let used: Vec<u16> = self
+            .io
+            .iter()
+            .map(|s| s.qp.qid())
+            .chain(self.external.iter().copied())
+            .collect();
+        let qid = (1..=self.granted_queues)
+            .find(|q| !used.contains(q))
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "NVMe controller {name} granted {} I/O queue pair(s), all in use; bring it up with more ControllerOptions::extra_io_queues",
+                    self.granted_queues
+                ))
+            })?;
+        cq.fill(0);
+        sq.fill(0);
+        self.admin_command(
+            Sqe::create_io_cq(0, qid, depth, cq.dma(), None),
+            &format!("Create I/O CQ {qid}"),
+        )?;
+        if let Err(e) = self.admin_command(
+            Sqe::create_io_sq(0, qid, depth, sq.dma(), qid),
+            &format!("Create I/O SQ {qid}"),
+        ) {
+            let _ = self.admin_command(Sqe::delete_io_cq(0, qid), &format!("Delete I/O CQ {qid}"));
+            return Err(e);
+        }
+        self.external.push(qid);
+        Ok(qid)
+    }
+
+    /// Deletes a queue pair made by [`Controller::create_external_queue`].
+    pub fn delete_external_queue(&mut self, qid: u16) -> Result<()> {
+        let Some(i) = self.external.iter().position(|&q| q == qid) else {
+            return Err(Error::invalid(format!(
+                "NVMe controller {}: queue {qid} is not an external queue",
+                self.name
+            )));
+        };
+        self.external.swap_remove(i);
+        let sq = self.admin_command(Sqe::delete_io_sq(0, qid), &format!("Delete I/O SQ {qid}"));
+        let cq = self.admin_command(Sqe::delete_io_cq(0, qid), &format!("Delete I/O CQ {qid}"));
+        sq.and(cq).map(|_| ())
+    }
+
     /// Deletes the I/O queues (each SQ before its CQ) and performs a normal
     /// shutdown: CC.SHN = normal, then CSTS.SHST = complete within CAP.TO.
     /// The controller is reset (CC.EN=0) when dropped.
@@ -1099,6 +1208,12 @@ impl<B: Bar0> Controller<B> {
             return Ok(());
         }
         let mut first_err = None;
+        for qid in std::mem::take(&mut self.external) {
+            self.external.push(qid);
+            if let Err(e) = self.delete_external_queue(qid) {
+                first_err.get_or_insert(e);
+            }
+        }
         let queues: Vec<u16> = self.io.iter().map(|s| s.qp.qid()).collect();
         for qid in queues.into_iter().rev() {
             for (sqe, what) in [
@@ -1134,6 +1249,7 @@ impl<B: Bar0> Controller<B> {
     /// (the controller counts as shut down); bring it up again to go on.
     pub fn reset_after_failure(&mut self) -> Result<()> {
         self.io.clear();
+        self.external.clear();
         self.shut_down = true;
         if !self.enabled {
             return Ok(());

@@ -488,6 +488,13 @@ unsafe impl Bar0 for SimDoorbellPage {
             self.inner.ctrl.write32(off, v);
         }
     }
+    fn doorbells(&self) -> Option<super::ctrl::DoorbellMemory> {
+        Some(super::ctrl::DoorbellMemory {
+            ptr: self.ptr(),
+            len: self.len(),
+            mmio: false,
+        })
+    }
 }
 
 // SAFETY: every access is to the simulated register file (offsets not

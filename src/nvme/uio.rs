@@ -233,6 +233,15 @@ unsafe impl Bar0 for UioBar0 {
         // SAFETY: see `at`.
         unsafe { std::ptr::write_volatile(self.at::<u32>(off), v) }
     }
+    fn doorbells(&self) -> Option<super::ctrl::DoorbellMemory> {
+        let base = super::spec::reg::DOORBELL_BASE;
+        // SAFETY: inside the mapping (checked length).
+        (self.map.len > base).then(|| super::ctrl::DoorbellMemory {
+            ptr: unsafe { self.map.ptr.add(base) },
+            len: self.map.len - base,
+            mmio: true,
+        })
+    }
 }
 
 /// One mapping of hugepages with the physical address of each.

@@ -312,6 +312,16 @@ unsafe impl Bar0 for VfioBar0 {
         // SAFETY: see `at`.
         unsafe { std::ptr::write_volatile(self.at::<u32>(off), v) }
     }
+    fn doorbells(&self) -> Option<super::ctrl::DoorbellMemory> {
+        let base = super::spec::reg::DOORBELL_BASE;
+        let len = self.inner.bar_len;
+        // SAFETY: inside the mapping (checked length).
+        (len > base).then(|| super::ctrl::DoorbellMemory {
+            ptr: unsafe { self.inner.bar_ptr.add(base) },
+            len: len - base,
+            mmio: true,
+        })
+    }
 }
 
 /// One chunk of anonymous memory mapped for DMA at `iova`.

@@ -1,6 +1,8 @@
 //! Shared helpers for the integration tests: temp dirs, small geometries, pools.
 #![allow(dead_code)]
 
+pub mod gio_host;
+
 use kvtier::pool::{DeviceSpec, Pool, PoolConfig};
 use kvtier::{DType, KvGeometry};
 use std::path::{Path, PathBuf};
