@@ -43,6 +43,8 @@ const WATCHED_ENV: &[&str] = &[
     "NVCC_CCBIN",
     "NVCC_PREPEND_FLAGS",
     "NVCC_APPEND_FLAGS",
+    "CXX",
+    "AR",
 ];
 
 /// An nvcc found on this machine, with the include directories it needs.
@@ -230,6 +232,60 @@ fn run_nvcc(
     }
 }
 
+/// Compiles the I/O kernel's logic for the host (`kernels/host/gio_host.cpp`,
+/// libc only) into `out_dir/libkvtier_gio_host.a` with the host C++
+/// compiler (`$CXX`, else c++, g++, clang++). `Ok(None)`: no compiler.
+pub fn compile_host_kernel(kernels_dir: &Path, out_dir: &Path) -> Result<Option<String>, String> {
+    let candidates = nonempty_env("CXX")
+        .map(|c| vec![c.to_string_lossy().into_owned()])
+        .unwrap_or_else(|| vec!["c++".into(), "g++".into(), "clang++".into()]);
+    let Some(cxx) = candidates.into_iter().find(|c| {
+        Command::new(c)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    }) else {
+        return Ok(None);
+    };
+    fs::create_dir_all(out_dir).map_err(|e| format!("create {}: {e}", out_dir.display()))?;
+    let obj = out_dir.join("gio_host.o");
+    let out = Command::new(&cxx)
+        .args(["-std=c++17", "-O2", "-fPIC", "-fno-exceptions", "-fno-rtti"])
+        .args(["-Wall", "-Wextra", "-Werror", "-c"])
+        .arg("-I")
+        .arg(kernels_dir)
+        .arg(kernels_dir.join("host").join("gio_host.cpp"))
+        .arg("-o")
+        .arg(&obj)
+        .output()
+        .map_err(|e| format!("running {cxx}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{cxx} failed on kernels/host/gio_host.cpp:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let ar = nonempty_env("AR")
+        .map(|a| a.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "ar".into());
+    let lib = out_dir.join("libkvtier_gio_host.a");
+    let _ = fs::remove_file(&lib);
+    let out = Command::new(&ar)
+        .arg("crs")
+        .arg(&lib)
+        .arg(&obj)
+        .output()
+        .map_err(|e| format!("running {ar}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{ar} failed on {}:\n{}",
+            obj.display(),
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok(Some(cxx))
+}
+
 fn without_kernels() {
     println!("cargo:rustc-env=KVTIER_KERNELS_DIR=");
 }
@@ -241,6 +297,25 @@ fn main() {
         println!("cargo:rerun-if-env-changed={var}");
     }
     println!("cargo:rustc-check-cfg=cfg(kvtier_kernels)");
+    println!("cargo:rustc-check-cfg=cfg(kvtier_host_gio)");
+
+    // The I/O kernel's logic for the CPU: the GPU engine's host executor.
+    let manifest = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets it"));
+    let host_dir = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets it")).join("host");
+    match compile_host_kernel(&manifest.join("kernels"), &host_dir) {
+        Ok(Some(_)) => {
+            println!("cargo:rustc-link-search=native={}", host_dir.display());
+            println!("cargo:rustc-link-lib=static=kvtier_gio_host");
+            println!("cargo:rustc-cfg=kvtier_host_gio");
+        }
+        Ok(None) => println!(
+            "cargo:warning=no C++ compiler ($CXX, c++, g++, clang++): the GPU engine's host executor is not built (apt-get install g++)"
+        ),
+        Err(message) => {
+            eprintln!("error: {message}");
+            std::process::exit(1);
+        }
+    }
 
     if skip_requested() {
         without_kernels();

@@ -21,6 +21,8 @@
 #[path = "../tests/nvme_suite/mod.rs"]
 mod suite;
 
+use kvtier::engine::gpu::{GpuEngine, GpuEngineConfig, HostGioExecutor};
+use kvtier::engine::nvme::{NvmeConfig, NvmeNamespace};
 use kvtier::nvme::bind::{BindDriver, PciBinding};
 use kvtier::nvme::ctrl::{
     Bar0, Controller, ControllerOptions, DataMode, DmaAlloc, DmaRegion, IoDir,
@@ -437,6 +439,37 @@ fn engine_cases<B, A>(
         case(r, name, || {
             let (c, dma) = up2();
             let line = suite::tier_llama3_8b(c, dma, mode);
+            println!("ENGINE {name}: {line}");
+        });
+    }
+    // The GPU engine with its I/O kernel compiled for the CPU: the kernel's
+    // SQEs, SGLs/PRP lists and doorbell stores (into BAR0, as a GPU's would
+    // be) against QEMU's controller.
+    if HostGioExecutor::new().is_none() {
+        println!("  (skipped: gpu_engine_*: built without the host build of the I/O kernel)");
+        return;
+    }
+    for (name, prefer_sgl) in [
+        ("gpu_engine_tier_sgl", true),
+        ("gpu_engine_tier_prp", false),
+    ] {
+        case(r, name, || {
+            let mut dma = new_dma();
+            let opts = ControllerOptions {
+                io_queues: 2,
+                extra_io_queues: 1,
+                ..opts.clone()
+            };
+            let c = Controller::bring_up(bar.clone(), &mut dma, opts).expect("controller bring-up");
+            let ns = NvmeNamespace::new(c, dma, &NvmeConfig::default()).expect("namespace");
+            let line = suite::tier_llama3_8b_on(ns, &|ns| {
+                let exec = Box::new(HostGioExecutor::new().expect("host kernel"));
+                let cfg = GpuEngineConfig {
+                    prefer_sgl,
+                    ..Default::default()
+                };
+                Box::new(GpuEngine::new(vec![ns.clone()], exec, cfg).expect("GPU engine"))
+            });
             println!("ENGINE {name}: {line}");
         });
     }

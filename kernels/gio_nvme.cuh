@@ -63,9 +63,10 @@
 #endif
 
 #if !defined(__CUDA_ARCH__)
-#include <atomic>
-#include <chrono>
-#include <thread>
+/* Host build: libc and compiler builtins only (no C++ runtime), so the
+ * crate can link it into any binary, static ones included. */
+#include <sched.h>
+#include <time.h>
 #endif
 
 /* ------------------------------------------------------------ primitives -- */
@@ -76,7 +77,7 @@ static KVTIER_HD inline void kvtier_fence_sys(void) {
 #if defined(__CUDA_ARCH__)
     __threadfence_system();
 #else
-    std::atomic_thread_fence(std::memory_order_seq_cst);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
 #endif
 }
 
@@ -125,9 +126,9 @@ static KVTIER_HD inline uint64_t kvtier_now_ns(void) {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 #else
-    return (uint64_t)std::chrono::duration_cast<std::chrono::nanoseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 #endif
 }
 
@@ -137,7 +138,7 @@ static KVTIER_HD inline void kvtier_pause(void) {
 #if defined(__CUDA_ARCH__)
     __nanosleep(256);
 #else
-    std::this_thread::yield();
+    sched_yield();
 #endif
 }
 

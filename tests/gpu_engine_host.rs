@@ -1,8 +1,8 @@
 //! The GPU engine (`kvtier::engine::gpu`) with its I/O kernel run on the
 //! host: the kernel's code (`kernels/gio_nvme.cuh`) compiled for the CPU
-//! (`tests/common/gio_host.rs`) stands in for the GPU through a
-//! [`GioExecutor`] whose kernel addresses are host pointers and whose
-//! "launch" runs the persistent kernel's blocks on host threads. The
+//! stands in for the GPU through `HostGioExecutor`, whose kernel addresses
+//! are host pointers and whose "launch" runs the persistent kernel's blocks
+//! on host threads. The
 //! controller is the simulator with its doorbell page (a test double held
 //! to the QEMU suite), so the kernel's doorbell stores reach it as a GPU's
 //! would reach BAR0. Everything the engine's host side does is real: the
@@ -17,84 +17,19 @@ mod common;
 mod suite;
 
 use common::gio_host::HostLib;
-use kvtier::engine::gpu::{GioExecutor, GpuEngine, GpuEngineConfig};
+use kvtier::engine::gpu::{GioExecutor, GpuEngine, GpuEngineConfig, HostGioExecutor};
 use kvtier::engine::nvme::{NvmeConfig, NvmeNamespace};
 use kvtier::engine::IoEngine;
-use kvtier::gpu::abi::{GioEngine, GIO_MODE_PERSISTENT};
 use kvtier::nvme::ctrl::{Controller, ControllerOptions};
 use kvtier::nvme::sim::{SimConfig, SimController, SimDoorbellPage};
 use kvtier::p2p::P2pTable;
 use kvtier::pool::backing::AlignedBuf;
 use kvtier::ring::abi::{IOCTX_OP_READ, IOCTX_OP_WRITE, IOCTX_STATUS_TIMEOUT};
-use std::any::Any;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// The persistent kernel on host threads (one per block, 64 "threads" each).
-struct HostExecutor {
-    lib: &'static HostLib,
-    running: Option<JoinHandle<()>>,
-    launches: Arc<std::sync::atomic::AtomicU32>,
-}
-
-impl GioExecutor for HostExecutor {
-    fn name(&self) -> &'static str {
-        "host"
-    }
-
-    unsafe fn map_host(
-        &mut self,
-        ptr: *mut u8,
-        _len: usize,
-        _mmio: bool,
-    ) -> kvtier::error::Result<(u64, Box<dyn Any + Send>)> {
-        Ok((ptr as u64, Box::new(())))
-    }
-
-    unsafe fn launch(&mut self, engine: u64, blocks: u32) -> kvtier::error::Result<()> {
-        assert!(self.running.is_none(), "launched twice without a join");
-        let run = self.lib.run_grid;
-        let eng = engine as usize;
-        // SAFETY (in the thread): the engine keeps the descriptor and all it
-        // names alive until join returned (GioExecutor::launch's contract).
-        let e = unsafe { &*(eng as *const GioEngine) };
-        assert_eq!(e.queue_count, blocks);
-        self.launches
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.running = Some(std::thread::spawn(move || unsafe {
-            run(eng as *const GioEngine, 64, GIO_MODE_PERSISTENT)
-        }));
-        Ok(())
-    }
-
-    fn join(&mut self, timeout: Duration) -> kvtier::error::Result<()> {
-        let Some(t) = self.running.take() else {
-            return Ok(());
-        };
-        let start = Instant::now();
-        while !t.is_finished() {
-            if start.elapsed() > timeout {
-                self.running = Some(t);
-                return Err(kvtier::error::Error::invalid("host kernel did not stop"));
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        t.join().expect("host kernel thread");
-        Ok(())
-    }
-}
-
-fn executor(lib: &'static HostLib) -> (Box<dyn GioExecutor>, Arc<std::sync::atomic::AtomicU32>) {
-    let launches = Arc::new(std::sync::atomic::AtomicU32::new(0));
-    (
-        Box::new(HostExecutor {
-            lib,
-            running: None,
-            launches: launches.clone(),
-        }),
-        launches,
-    )
+fn executor(_lib: &'static HostLib) -> Box<dyn GioExecutor> {
+    Box::new(HostGioExecutor::new().expect("host build of the kernel"))
 }
 
 /// A simulated controller reached through its doorbell page, brought up
@@ -127,7 +62,7 @@ fn tier_llama3_8b_through_the_gpu_engine() {
             ..Default::default()
         });
         let line = suite::tier_llama3_8b_on(ns, &move |ns| {
-            let (exec, _launches) = executor(lib);
+            let exec = executor(lib);
             Box::new(
                 GpuEngine::new(
                     vec![ns.clone()],
@@ -157,7 +92,7 @@ fn errors_timeouts_and_teardown() {
     let (sim, ns) = namespace(SimConfig::default());
     let nsze = 32768u64 * 512;
     for round in 0..2 {
-        let (exec, launches) = executor(lib);
+        let exec = executor(lib);
         let mut engine = GpuEngine::new(
             vec![ns.clone()],
             exec,
@@ -209,10 +144,10 @@ fn errors_timeouts_and_teardown() {
         let st = engine.stats();
         assert_eq!(st.errors, 2);
         assert!(st.commands >= 4 && st.doorbells >= 4, "{st:?}");
-        assert_eq!(
-            launches.load(std::sync::atomic::Ordering::Relaxed),
-            1,
-            "one resident kernel serves every IOCB"
+        assert!(
+            engine.describe().contains("1 kernel launch"),
+            "one resident kernel serves every IOCB: {}",
+            engine.describe()
         );
         drop(engine);
     }

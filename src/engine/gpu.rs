@@ -182,6 +182,7 @@ pub struct GpuEngine<B: Bar0> {
     p2p_guard: Option<Box<dyn Any + Send>>,
     arena_mapped: Option<(usize, usize)>,
     running: bool,
+    launches: u32,
     entries: u32,
     sq_tail: u32,
     cq_head: u32,
@@ -318,6 +319,7 @@ impl<B: Bar0 + Send + Sync + 'static> GpuEngine<B> {
             p2p_guard: None,
             arena_mapped: None,
             running: false,
+            launches: 0,
             entries: 0,
             sq_tail: 0,
             cq_head: 0,
@@ -497,11 +499,13 @@ impl<B: Bar0> GpuEngine<B> {
             )?
         };
         self.running = true;
+        self.launches += 1;
         Ok(())
     }
 
     /// Moves finished IOCBs from the kernel's CQ to the tier's ring.
     fn drain(&mut self, ring: &mut GioRing) -> usize {
+        let start = Instant::now();
         let tail = self
             .ring_field(offset_of!(KernelRing, cq_tail))
             .load(Ordering::Acquire);
@@ -536,6 +540,8 @@ impl<B: Bar0> GpuEngine<B> {
             self.ring_field(offset_of!(KernelRing, cq_head))
                 .store(self.cq_head, Ordering::Release);
             self.last_progress = Instant::now();
+            // Host work per IOCB, not per command: the kernel builds those.
+            self.stats.cpu_ns += start.elapsed().as_nanos() as u64;
         }
         n
     }
@@ -694,6 +700,7 @@ impl<B: Bar0 + Send> IoEngine for GpuEngine<B> {
         }
         self.prepare(ring)?;
         self.write_p2p();
+        let start = Instant::now();
         let mask = self.entries - 1;
         let from = self.sq_tail;
         let mut pushed = false;
@@ -723,6 +730,7 @@ impl<B: Bar0 + Send> IoEngine for GpuEngine<B> {
         if pushed {
             self.ring_field(offset_of!(KernelRing, sq_tail))
                 .store(self.sq_tail, Ordering::Release);
+            self.stats.cpu_ns += start.elapsed().as_nanos() as u64;
             self.start_kernel(from)?;
         }
         Ok(())
@@ -752,7 +760,7 @@ impl<B: Bar0 + Send> IoEngine for GpuEngine<B> {
 
     fn describe(&self) -> String {
         format!(
-            "gpu ({} executor): {} namespace(s), {} kernel queue pair(s) of depth {}, {}",
+            "gpu ({} executor): {} namespace(s), {} kernel queue pair(s) of depth {}, {}, {} kernel launch(es)",
             self.exec.name(),
             self.namespaces.len(),
             self.queues.len(),
@@ -761,7 +769,8 @@ impl<B: Bar0 + Send> IoEngine for GpuEngine<B> {
                 "SGL where supported"
             } else {
                 "PRP"
-            }
+            },
+            self.launches
         )
     }
 }
@@ -889,5 +898,84 @@ impl GioExecutor for CudaGioExecutor {
             std::thread::sleep(Duration::from_micros(100));
         }
         Ok(())
+    }
+}
+
+/// Runs the I/O kernel's logic on CPU threads ([`crate::gpu::host_kernel`]):
+/// kernel addresses are host pointers, a launch runs the persistent
+/// kernel's blocks on host threads (64 "threads" per block). For testing the
+/// engine without a GPU — against the simulated controller's doorbell page
+/// or a real controller's BAR0 (uio/VFIO), where its doorbell stores are
+/// plain MMIO writes — never for speed.
+pub struct HostGioExecutor {
+    kernel: &'static crate::gpu::host_kernel::HostKernel,
+    running: Option<std::thread::JoinHandle<()>>,
+    launches: u32,
+}
+
+impl HostGioExecutor {
+    /// `None` in a build without a C++ compiler (no host build of the kernel).
+    pub fn new() -> Option<HostGioExecutor> {
+        crate::gpu::host_kernel::host_kernel().map(|kernel| HostGioExecutor {
+            kernel,
+            running: None,
+            launches: 0,
+        })
+    }
+
+    /// Kernel launches so far (one resident kernel serves every IOCB).
+    pub fn launches(&self) -> u32 {
+        self.launches
+    }
+}
+
+impl GioExecutor for HostGioExecutor {
+    fn name(&self) -> &'static str {
+        "host"
+    }
+
+    unsafe fn map_host(
+        &mut self,
+        ptr: *mut u8,
+        _len: usize,
+        _mmio: bool,
+    ) -> Result<(u64, Box<dyn Any + Send>)> {
+        Ok((ptr as u64, Box::new(())))
+    }
+
+    unsafe fn launch(&mut self, engine: u64, _blocks: u32) -> Result<()> {
+        if self.running.is_some() {
+            return Err(gpu_error("the host I/O kernel is already running"));
+        }
+        let run = self.kernel.run_grid;
+        let eng = engine as usize;
+        self.launches += 1;
+        self.running = Some(
+            std::thread::Builder::new()
+                .name("kvtier-gio-host".into())
+                // SAFETY: the engine keeps the descriptor and everything it
+                // names alive until join returned (launch's contract).
+                .spawn(move || unsafe { run(eng as *const GioEngine, 64, GIO_MODE_PERSISTENT) })
+                .map_err(|e| Error::io("spawning the host I/O kernel", e))?,
+        );
+        Ok(())
+    }
+
+    fn join(&mut self, timeout: Duration) -> Result<()> {
+        let Some(t) = self.running.take() else {
+            return Ok(());
+        };
+        let start = Instant::now();
+        while !t.is_finished() {
+            if start.elapsed() >= timeout {
+                self.running = Some(t);
+                return Err(gpu_error(format!(
+                    "the host I/O kernel did not exit within {timeout:?} of being told to stop"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        t.join()
+            .map_err(|_| gpu_error("the host I/O kernel panicked"))
     }
 }

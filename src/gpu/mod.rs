@@ -18,12 +18,15 @@
 //! - [`abi`]: the Rust twin of `kernels/gio_gpu.h` (queue, ring, device and
 //!   engine descriptors the I/O kernel reads), with size/offset asserts.
 //! - [`kernels`]: the embedded cubin/PTX images that `build.rs` compiled.
+//! - [`host_kernel`]: the same I/O kernel logic compiled for the CPU (the
+//!   GPU engine's host executor).
 
 pub mod abi;
 pub mod context;
 pub mod dma;
 pub mod driver;
 pub mod green;
+pub mod host_kernel;
 pub mod kernels;
 pub mod memory;
 pub mod probe;

@@ -574,6 +574,7 @@ where
     }
     assert!(tier.wait(job).unwrap().all_ok());
     drop(tier);
+    drop(cache); // its hugepages back before the second cache takes some
 
     let expect = OpenExpect {
         geometry: Some(geo),
