@@ -13,6 +13,11 @@ if ! command -v fio >/dev/null 2>&1; then
   # fio is the reference the benchmarks compare against; its runner has tests.
   (apt-get install -y -q fio >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q fio >/dev/null 2>&1) || echo "fio unavailable: its tests will skip" >&2)
 fi
+if ! command -v c++ >/dev/null 2>&1; then
+  # build.rs compiles the GPU I/O kernel's logic for the CPU with it (the GPU
+  # engine's host executor); without one those tests skip, saying why.
+  (apt-get install -y -q g++ >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q g++ >/dev/null 2>&1) || echo "g++ unavailable: the GPU engine's host-run tests will skip" >&2)
+fi
 if ! command -v losetup >/dev/null 2>&1; then
   # Block-device tests use loop devices; they skip (saying why) where losetup is absent.
   (apt-get install -y -q mount >/dev/null 2>&1 || true)
