@@ -452,9 +452,7 @@ mod suite;
 #[test]
 fn gpu_engine_drives_the_simulated_controller() {
     use kvtier::engine::gpu::{CudaGioExecutor, GpuEngine, GpuEngineConfig};
-    use kvtier::engine::nvme::{NvmeConfig, NvmeNamespace};
-    use kvtier::nvme::ctrl::{Controller, ControllerOptions};
-    use kvtier::nvme::sim::{SimConfig, SimController};
+    use kvtier::nvme::sim::SimConfig;
     const NAME: &str = "gpu_engine_drives_the_simulated_controller";
     let Some(dev) = gpu(NAME) else {
         return;
@@ -472,24 +470,13 @@ fn gpu_engine_drives_the_simulated_controller() {
         Some(p) => p.io.context().clone(),
         None => Context::primary(&dev).unwrap(),
     };
-    let sim = SimController::new(SimConfig {
-        lbas: 128 << 11,
-        ..Default::default()
-    });
-    let page = sim.doorbell_page().expect("doorbell page");
-    let mut dma = sim.dma();
-    let c = Controller::bring_up(
-        page,
-        &mut dma,
-        ControllerOptions {
-            name: "sim-gpu".into(),
-            io_queues: 2,
-            extra_io_queues: 1,
+    let (_sim, ns) = suite::sim_namespace(
+        SimConfig {
+            lbas: 128 << 11,
             ..Default::default()
         },
-    )
-    .expect("bring-up");
-    let ns = NvmeNamespace::new(c, dma, &NvmeConfig::default()).expect("namespace");
+        1,
+    );
     let line = suite::tier_llama3_8b_on(ns, &|ns| {
         let exec = CudaGioExecutor::new(ctx.clone()).expect("I/O kernel module");
         Box::new(

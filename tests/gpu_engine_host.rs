@@ -18,10 +18,8 @@ mod suite;
 
 use common::gio_host::HostLib;
 use kvtier::engine::gpu::{GioExecutor, GpuEngine, GpuEngineConfig, HostGioExecutor};
-use kvtier::engine::nvme::{NvmeConfig, NvmeNamespace};
 use kvtier::engine::IoEngine;
-use kvtier::nvme::ctrl::{Controller, ControllerOptions};
-use kvtier::nvme::sim::{SimConfig, SimController, SimDoorbellPage};
+use kvtier::nvme::sim::SimConfig;
 use kvtier::p2p::P2pTable;
 use kvtier::pool::backing::AlignedBuf;
 use kvtier::ring::abi::{IOCTX_OP_READ, IOCTX_OP_WRITE, IOCTX_STATUS_TIMEOUT};
@@ -32,35 +30,17 @@ fn executor(_lib: &'static HostLib) -> Box<dyn GioExecutor> {
     Box::new(HostGioExecutor::new().expect("host build of the kernel"))
 }
 
-/// A simulated controller reached through its doorbell page, brought up
-/// with the host queue pairs of a namespace plus one for the GPU kernel.
-fn namespace(cfg: SimConfig) -> (SimController, NvmeNamespace<SimDoorbellPage>) {
-    let sim = SimController::new(cfg);
-    let page = sim.doorbell_page().expect("doorbell page");
-    let mut dma = sim.dma();
-    let c = Controller::bring_up(
-        page,
-        &mut dma,
-        ControllerOptions {
-            name: "sim-gpu".into(),
-            io_queues: 2,
-            extra_io_queues: 2,
-            ..Default::default()
-        },
-    )
-    .expect("bring-up");
-    let ns = NvmeNamespace::new(c, dma, &NvmeConfig::default()).expect("namespace");
-    (sim, ns)
-}
-
 #[test]
 fn tier_llama3_8b_through_the_gpu_engine() {
     let lib = lib_or_skip!();
     for prefer_sgl in [true, false] {
-        let (_sim, ns) = namespace(SimConfig {
-            lbas: 128 << 11,
-            ..Default::default()
-        });
+        let (_sim, ns) = suite::sim_namespace(
+            SimConfig {
+                lbas: 128 << 11,
+                ..Default::default()
+            },
+            2,
+        );
         let line = suite::tier_llama3_8b_on(ns, &move |ns| {
             let exec = executor(lib);
             Box::new(
@@ -89,7 +69,7 @@ fn tier_llama3_8b_through_the_gpu_engine() {
 #[test]
 fn errors_timeouts_and_teardown() {
     let lib = lib_or_skip!();
-    let (sim, ns) = namespace(SimConfig::default());
+    let (sim, ns) = suite::sim_namespace(SimConfig::default(), 2);
     let nsze = 32768u64 * 512;
     for round in 0..2 {
         let exec = executor(lib);

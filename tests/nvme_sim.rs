@@ -442,23 +442,17 @@ fn doorbell_page_survives_a_reset_and_a_second_bring_up() {
 /// engine's batching and completion polling against a concurrent writer.
 #[test]
 fn tier_llama3_8b_with_doorbells_through_the_page() {
-    let sim = SimController::new(SimConfig {
-        lbas: 128 << 11,
-        ..Default::default()
-    });
-    let page = sim.doorbell_page().expect("doorbell page");
-    let mut dma = sim.dma();
-    let c = Controller::bring_up(
-        page,
-        &mut dma,
-        ControllerOptions {
-            name: "sim-page".into(),
-            io_queues: 2,
+    let (_sim, ns) = suite::sim_namespace(
+        SimConfig {
+            lbas: 128 << 11,
             ..Default::default()
         },
-    )
-    .expect("bring-up through the doorbell page");
-    let line = suite::tier_llama3_8b(c, dma, DataMode::Auto);
+        0,
+    );
+    let cfg = NvmeConfig::default();
+    let line = suite::tier_llama3_8b_on(ns, &|ns| {
+        Box::new(NvmeEngine::new(vec![ns.clone()], cfg.clone()).expect("engine"))
+    });
     eprintln!("{line}");
     assert!(line.contains("40 MiB llama3-8b KV"), "{line}");
 }

@@ -31,6 +31,7 @@
 //! `ControllerOptions::extra_io_queues` >= the engine's queues per device);
 //! the pool's metadata keeps using the namespace's host queue.
 
+use super::mapped::{refuse_if_in_flight, MappedTable};
 use super::nvme::NvmeNamespace;
 use super::{EngineStats, IoEngine};
 use crate::error::{Error, Result};
@@ -39,9 +40,9 @@ use crate::gpu::abi::{
     GIO_MODE_PERSISTENT,
 };
 use crate::memory::MemoryKind;
-use crate::nvme::ctrl::{Bar0, DmaRegion, HostMapping};
+use crate::nvme::ctrl::{Bar0, DmaRegion};
 use crate::nvme::spec::{cq_head_doorbell, reg, sq_tail_doorbell, Extent};
-use crate::p2p::{MemRegion, P2pTable};
+use crate::p2p::P2pTable;
 use crate::pool::backing::AlignedBuf;
 use crate::ring::abi::SglDescriptor;
 use crate::ring::abi::*;
@@ -176,7 +177,7 @@ pub struct GpuEngine<B: Bar0> {
     p2p_entries: u64,
     table: Option<Arc<P2pTable>>,
     /// Host memory mapped for the controllers, kept while the table is.
-    mappings: Vec<(MemRegion, HostMapping)>,
+    mapped: MappedTable,
     /// Executor guards: state, queues, doorbells, arena, P2P table.
     guards: Vec<Box<dyn Any + Send>>,
     p2p_guard: Option<Box<dyn Any + Send>>,
@@ -314,7 +315,7 @@ impl<B: Bar0 + Send + Sync + 'static> GpuEngine<B> {
             p2p_kernel_addr: 0,
             p2p_entries: 0,
             table: None,
-            mappings: Vec::new(),
+            mapped: MappedTable::default(),
             guards,
             p2p_guard: None,
             arena_mapped: None,
@@ -561,34 +562,21 @@ impl<B: Bar0> GpuEngine<B> {
 
 impl<B: Bar0 + Send> GpuEngine<B> {
     fn map_table(&mut self, table: &P2pTable) -> Result<()> {
-        let mut keep: Vec<(MemRegion, HostMapping)> = Vec::new();
-        let mut old = std::mem::take(&mut self.mappings);
-        for r in table.regions() {
-            if let Some(i) = old.iter().position(|(m, _)| m == r) {
-                keep.push(old.swap_remove(i));
-                continue;
-            }
-            // One DMA address space for every controller: map through the
-            // first namespace's allocator, and check the others agree.
-            let m = self.namespaces[0].with_controller(|_, dma| {
+        // One DMA address space for every controller: mapped through the
+        // first namespace's allocator.
+        let ns = self.namespaces[0].clone();
+        self.mapped.remap(table, |r| {
+            ns.with_controller(|_, dma| {
                 // SAFETY: registered memory stays alive and in place while an
                 // engine holds its table (Tier::register_memory's contract).
                 unsafe { dma.map_host(r.addr as *mut u8, r.len as usize) }
-            })?;
-            keep.push((*r, m));
-        }
-        keep.sort_by_key(|(r, _)| r.addr);
-        self.mappings = keep;
+            })
+        })?;
         let mut descs: Vec<SglDescriptor> = Vec::with_capacity(table.entries().len());
         let mut ext: Vec<Extent> = Vec::with_capacity(2);
         for (i, e) in table.entries().iter().enumerate() {
             ext.clear();
-            let at = self.mappings.partition_point(|(r, _)| r.addr <= e.addr);
-            let ok = at > 0
-                && self.mappings[at - 1]
-                    .1
-                    .translate(e.addr, e.len as u64, &mut ext);
-            if !ok {
+            if !self.mapped.translate(e.addr, e.len as u64, &mut ext) {
                 return Err(Error::Registration(format!(
                     "P2P entry {i} ({:#x}, {} bytes) lies outside the memory mapped for the controllers",
                     e.addr, e.len
@@ -669,11 +657,7 @@ impl<B: Bar0 + Send> IoEngine for GpuEngine<B> {
     }
 
     fn register_memory(&mut self, table: Arc<P2pTable>) -> Result<()> {
-        if self.in_flight > 0 {
-            return Err(Error::invalid(
-                "cannot register memory with I/O in flight; wait for every job first",
-            ));
-        }
+        refuse_if_in_flight(self.in_flight)?;
         if table.kind() != MemoryKind::Host {
             return Err(Error::Registration(
                 "KV memory in GPU HBM needs a way for the NVMe controller to reach it (dma-buf through iommufd, or peermem), which this build does not have; register host memory (the host-pinned path: copy to HBM after each layer), see `kvtier doctor`".into(),
@@ -798,7 +782,7 @@ impl<B: Bar0> Drop for GpuEngine<B> {
             std::mem::forget(std::mem::take(&mut self.queues));
             std::mem::forget(std::mem::take(&mut self.guards));
             std::mem::forget(self.p2p_guard.take());
-            std::mem::forget(std::mem::take(&mut self.mappings));
+            std::mem::forget(std::mem::take(&mut self.mapped));
             return;
         }
         for q in &self.queues {

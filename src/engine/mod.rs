@@ -5,6 +5,7 @@
 //! engine whose CUDA kernels consume the same IOCB layout.
 
 pub mod gpu;
+pub mod mapped;
 pub mod nvme;
 pub mod uring;
 

@@ -30,12 +30,13 @@
 //! `IOCTX_STATUS_TIMEOUT`, and `reap` returns an error naming the queue and
 //! command ids; nothing waits forever.
 
+use super::mapped::{refuse_if_in_flight, MappedTable};
 use super::{EngineStats, IoEngine};
 use crate::error::{Error, Result};
 use crate::memory::MemoryKind;
-use crate::nvme::ctrl::{Bar0, Controller, DataMode, DmaAlloc, DmaRegion, HostMapping, IoDir};
+use crate::nvme::ctrl::{Bar0, Controller, DataMode, DmaAlloc, DmaRegion, IoDir};
 use crate::nvme::spec::{build_prps, DataPtr, Extent, SglDescriptor, Sqe, SGL_DESCRIPTOR_LEN};
-use crate::p2p::{MemRegion, P2pTable};
+use crate::p2p::P2pTable;
 use crate::pool::backing::AlignedBuf;
 use crate::pool::Storage;
 use crate::ring::abi::*;
@@ -339,7 +340,7 @@ struct Dev<B: Bar0> {
     commands: usize,
     /// When the oldest unanswered wait began (commands in flight, none done).
     quiet_since: Option<Instant>,
-    mappings: Vec<(MemRegion, HostMapping)>,
+    mapped: MappedTable,
     /// Device extents of P2P entry `i`: `dma_ext[dma_first[i]..dma_first[i + 1]]`.
     dma_first: Vec<u32>,
     dma_ext: Vec<Extent>,
@@ -410,7 +411,7 @@ impl<B: Bar0 + Send + Sync + 'static> NvmeEngine<B> {
                 cur: None,
                 commands: 0,
                 quiet_since: None,
-                mappings: Vec::new(),
+                mapped: MappedTable::default(),
                 dma_first: Vec::new(),
                 dma_ext: Vec::new(),
                 ns,
@@ -454,34 +455,21 @@ impl<B: Bar0> NvmeEngine<B> {
     /// table entry into device extents.
     fn map_table(&mut self, table: &P2pTable) -> Result<()> {
         for dev in &mut self.devs {
-            let mut keep: Vec<(MemRegion, HostMapping)> = Vec::new();
-            let mut old = std::mem::take(&mut dev.mappings);
-            for r in table.regions() {
-                if let Some(i) = old.iter().position(|(m, _)| m == r) {
-                    keep.push(old.swap_remove(i));
-                    continue;
-                }
-                let mut shared = dev.ns.lock();
+            let ns = dev.ns.clone();
+            dev.mapped.remap(table, |r| {
+                let mut shared = ns.lock();
                 // SAFETY: the table's regions are registered memory, which
                 // the tier keeps alive (and in place) for as long as an
                 // engine holds its table (Tier::register_memory's contract);
                 // the mapping is dropped with the engine or the next table.
-                let m = unsafe { shared.dma.map_host(r.addr as *mut u8, r.len as usize)? };
-                keep.push((*r, m));
-            }
-            keep.sort_by_key(|(r, _)| r.addr);
-            dev.mappings = keep;
+                unsafe { shared.dma.map_host(r.addr as *mut u8, r.len as usize) }
+            })?;
             dev.dma_first.clear();
             dev.dma_ext.clear();
             dev.dma_first.reserve(table.entries().len() + 1);
             for (i, e) in table.entries().iter().enumerate() {
                 dev.dma_first.push(dev.dma_ext.len() as u32);
-                let at = dev.mappings.partition_point(|(r, _)| r.addr <= e.addr);
-                let ok = at > 0
-                    && dev.mappings[at - 1]
-                        .1
-                        .translate(e.addr, e.len as u64, &mut dev.dma_ext);
-                if !ok {
+                if !dev.mapped.translate(e.addr, e.len as u64, &mut dev.dma_ext) {
                     return Err(Error::Registration(format!(
                         "P2P entry {i} ({:#x}, {} bytes) lies outside every mapped region of {}",
                         e.addr,
@@ -981,11 +969,7 @@ impl<B: Bar0 + Send> IoEngine for NvmeEngine<B> {
     }
 
     fn register_memory(&mut self, table: Arc<P2pTable>) -> Result<()> {
-        if self.in_flight > 0 {
-            return Err(Error::invalid(
-                "cannot register memory with I/O in flight; wait for every job first",
-            ));
-        }
+        refuse_if_in_flight(self.in_flight)?;
         if table.kind() != MemoryKind::Host {
             return Err(Error::Registration(
                 "the nvme engine moves data to and from host memory; GPU memory needs the gpu engine".into(),

@@ -557,11 +557,7 @@ impl IoEngine for UringEngine {
     }
 
     fn register_memory(&mut self, table: Arc<P2pTable>) -> Result<()> {
-        if self.in_flight > 0 {
-            return Err(Error::invalid(
-                "cannot register memory with I/O in flight; wait for every job first",
-            ));
-        }
+        super::mapped::refuse_if_in_flight(self.in_flight)?;
         self.register_fixed(&table);
         self.table = Some(table);
         Ok(())

@@ -630,3 +630,32 @@ pub fn flush_and_shutdown<B: Bar0, A: DmaAlloc>(c: &mut Controller<B>, dma: &mut
         .to_string();
     assert!(err.contains("shut down"), "{err}");
 }
+
+/// A simulated controller (a test double) reached through its doorbell
+/// page, so it runs asynchronously to the host as a real one does, brought
+/// up for a namespace (two host queue pairs) plus `extra` queue pairs for a
+/// GPU kernel; `cfg.lbas` sizes the namespace.
+pub fn sim_namespace(
+    cfg: kvtier::nvme::sim::SimConfig,
+    extra: u16,
+) -> (
+    kvtier::nvme::sim::SimController,
+    NvmeNamespace<kvtier::nvme::sim::SimDoorbellPage>,
+) {
+    let sim = kvtier::nvme::sim::SimController::new(cfg);
+    let page = sim.doorbell_page().expect("doorbell page");
+    let mut dma = sim.dma();
+    let c = Controller::bring_up(
+        page,
+        &mut dma,
+        kvtier::nvme::ctrl::ControllerOptions {
+            name: "sim-page".into(),
+            io_queues: 2,
+            extra_io_queues: extra,
+            ..Default::default()
+        },
+    )
+    .expect("bring-up through the doorbell page");
+    let ns = NvmeNamespace::new(c, dma, &NvmeConfig::default()).expect("namespace");
+    (sim, ns)
+}

@@ -1,0 +1,58 @@
+//! Registered memory as a controller sees it, shared by the engines that
+//! hand the device addresses (nvme, gpu): the P2P table's regions mapped
+//! through the controller's allocator ([`DmaAlloc::map_host`]: IOMMU
+//! mappings, or locked pages and their frames), and each entry's device
+//! extents looked up in them.
+//!
+//! [`DmaAlloc::map_host`]: crate::nvme::ctrl::DmaAlloc::map_host
+
+use crate::error::{Error, Result};
+use crate::nvme::ctrl::HostMapping;
+use crate::nvme::spec::Extent;
+use crate::p2p::{MemRegion, P2pTable};
+
+/// The mappings of one table's regions for one DMA address space.
+#[derive(Default)]
+pub struct MappedTable {
+    /// Sorted by host address.
+    mappings: Vec<(MemRegion, HostMapping)>,
+}
+
+impl MappedTable {
+    /// Maps the regions of `table` that are not mapped yet with `map`, keeps
+    /// those that are, and drops (unmaps) the ones the table no longer has.
+    pub fn remap(
+        &mut self,
+        table: &P2pTable,
+        mut map: impl FnMut(&MemRegion) -> Result<HostMapping>,
+    ) -> Result<()> {
+        let mut keep = Vec::with_capacity(table.regions().len());
+        let mut old = std::mem::take(&mut self.mappings);
+        for r in table.regions() {
+            match old.iter().position(|(m, _)| m == r) {
+                Some(i) => keep.push(old.swap_remove(i)),
+                None => keep.push((*r, map(r)?)),
+            }
+        }
+        keep.sort_by_key(|(r, _)| r.addr);
+        self.mappings = keep;
+        Ok(())
+    }
+
+    /// Appends the device extents of host `addr..addr + len` to `out`
+    /// (merged among themselves); false if it lies outside every mapping.
+    pub fn translate(&self, addr: u64, len: u64, out: &mut Vec<Extent>) -> bool {
+        let at = self.mappings.partition_point(|(r, _)| r.addr <= addr);
+        at > 0 && self.mappings[at - 1].1.translate(addr, len, out)
+    }
+}
+
+/// Engines swap their view of memory only with nothing in flight.
+pub fn refuse_if_in_flight(in_flight: usize) -> Result<()> {
+    if in_flight > 0 {
+        return Err(Error::invalid(
+            "cannot register memory with I/O in flight; wait for every job first",
+        ));
+    }
+    Ok(())
+}
