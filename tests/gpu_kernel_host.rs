@@ -31,22 +31,12 @@ use kvtier::ring::abi::{
 use kvtier::ring::{GioRing, IocbId};
 
 mod common;
+#[path = "nvme_suite/mod.rs"]
+mod suite;
 use common::gio_host::HostLib;
+use suite::pattern;
 
 // ---------------------------------------------------------------- the rig --
-
-/// Deterministic bytes per seed.
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
 
 #[derive(Clone, Copy)]
 struct QueueSpec {

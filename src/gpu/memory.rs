@@ -57,13 +57,7 @@ impl DeviceBuffer {
     }
 
     fn check(&self, off: usize, len: usize) -> Result<()> {
-        if off.checked_add(len).is_none_or(|e| e > self.len) {
-            return Err(Error::invalid(format!(
-                "device buffer: {len} bytes at offset {off} past its {} bytes",
-                self.len
-            )));
-        }
-        Ok(())
+        check_range("device buffer", off, len, self.len)
     }
 
     /// Synchronous copy from the host into `[off, off + data.len())`.
@@ -151,13 +145,7 @@ impl PinnedHostBuffer {
     }
 
     fn check(&self, off: usize, len: usize) -> Result<()> {
-        if off.checked_add(len).is_none_or(|e| e > self.len) {
-            return Err(Error::invalid(format!(
-                "pinned buffer: {len} bytes at offset {off} past its {} bytes",
-                self.len
-            )));
-        }
-        Ok(())
+        check_range("pinned buffer", off, len, self.len)
     }
 
     pub fn write(&self, off: usize, data: &[u8]) -> Result<()> {
@@ -478,6 +466,16 @@ impl Stream {
         self.keep_alive(counter.clone());
         Ok(())
     }
+}
+
+/// `len` bytes at `off` must lie inside a buffer of `total` bytes.
+fn check_range(what: &str, off: usize, len: usize, total: usize) -> Result<()> {
+    if off.checked_add(len).is_none_or(|e| e > total) {
+        return Err(Error::invalid(format!(
+            "{what}: {len} bytes at offset {off} past its {total} bytes"
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
