@@ -82,11 +82,16 @@ static KVTIER_HD inline void kvtier_fence_sys(void) {
 }
 
 /* Loads of memory another agent writes (CQEs, the gio SQ tail, stop):
- * volatile on the GPU (no caching in L1, one access per load); acquire
- * atomics on the host, where the simulator thread writes concurrently. */
+ * acquire loads at system scope on the GPU (one access, not cached, and
+ * ordering the loads after them); acquire atomics on the host, where the
+ * simulator thread writes concurrently. */
 static KVTIER_HD inline uint32_t kvtier_ld32(const uint32_t* p) {
 #if defined(__CUDA_ARCH__)
-    return *(const volatile uint32_t*)p;
+    /* Acquire at system scope: later loads (the IOCB an SQ id names, the
+     * rest of a CQE) are not served from before this one (sm_70+). */
+    uint32_t v;
+    asm volatile("ld.acquire.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
 #else
     return __atomic_load_n(p, __ATOMIC_ACQUIRE);
 #endif
@@ -94,7 +99,9 @@ static KVTIER_HD inline uint32_t kvtier_ld32(const uint32_t* p) {
 
 static KVTIER_HD inline uint16_t kvtier_ld16(const uint16_t* p) {
 #if defined(__CUDA_ARCH__)
-    return *(const volatile uint16_t*)p;
+    uint16_t v;
+    asm volatile("ld.acquire.sys.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
+    return v;
 #else
     return __atomic_load_n(p, __ATOMIC_ACQUIRE);
 #endif

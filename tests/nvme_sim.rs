@@ -456,3 +456,29 @@ fn tier_llama3_8b_with_doorbells_through_the_page() {
     eprintln!("{line}");
     assert!(line.contains("40 MiB llama3-8b KV"), "{line}");
 }
+
+/// A metadata command (the pool's superblock and header I/O through the
+/// namespace) that never completes: the error names the timeout, and the
+/// controller is stopped, so the lost command cannot later read or write
+/// the bounce buffer while it holds other data; the next call says so.
+#[test]
+fn metadata_timeout_stops_the_controller() {
+    use kvtier::pool::backing::AlignedBuf;
+    use std::time::{Duration, Instant};
+    let (sim, c, dma) = sim_for_engine(SimConfig::default());
+    let cfg = NvmeConfig {
+        io_timeout: Duration::from_millis(100),
+        ..Default::default()
+    };
+    let ns = NvmeNamespace::new(c, dma, &cfg).unwrap();
+    let storage = ns.storage();
+    let mut buf = AlignedBuf::zeroed(8192);
+    storage.read_exact_at(&mut buf, 0).expect("a normal read");
+    sim.drop_next_commands(1);
+    let start = Instant::now();
+    let err = storage.write_all_at(&buf, 4096).unwrap_err().to_string();
+    assert!(start.elapsed() < Duration::from_secs(5));
+    assert!(err.contains("no completion within"), "{err}");
+    let err = storage.read_exact_at(&mut buf, 0).unwrap_err().to_string();
+    assert!(err.contains("controller was stopped"), "{err}");
+}

@@ -44,6 +44,7 @@ use crate::nvme::ctrl::{Bar0, DmaRegion};
 use crate::nvme::spec::{cq_head_doorbell, reg, sq_tail_doorbell, Extent};
 use crate::p2p::P2pTable;
 use crate::pool::backing::AlignedBuf;
+use crate::pool::Storage;
 use crate::ring::abi::SglDescriptor;
 use crate::ring::abi::*;
 use crate::ring::{GioRing, IocbId};
@@ -176,14 +177,16 @@ pub struct GpuEngine<B: Bar0> {
     p2p_kernel_addr: u64,
     p2p_entries: u64,
     table: Option<Arc<P2pTable>>,
-    /// Host memory mapped for the controllers, kept while the table is.
-    mapped: MappedTable,
+    /// Host memory mapped for each controller, kept while the table is.
+    mapped: Vec<MappedTable>,
     /// Executor guards: state, queues, doorbells, arena, P2P table.
     guards: Vec<Box<dyn Any + Send>>,
     p2p_guard: Option<Box<dyn Any + Send>>,
     arena_mapped: Option<(usize, usize)>,
     running: bool,
     launches: u32,
+    /// Kernel-side command timeouts already acted on.
+    timeouts_seen: u64,
     entries: u32,
     sq_tail: u32,
     cq_head: u32,
@@ -255,7 +258,16 @@ impl<B: Bar0 + Send + Sync + 'static> GpuEngine<B> {
                 for _ in 0..cfg.queues_per_device {
                     let sq = dma.alloc(depth as usize * 64, page)?;
                     let cq = dma.alloc(depth as usize * 16, page)?;
-                    let desc_bytes = page;
+                    // Two pages per command: 512 SGL data blocks, or a PRP
+                    // list of 1024 slots (chained at the page boundary).
+                    let desc_bytes = 2 * page;
+                    let use_sgl = cfg.prefer_sgl && ctrl.sgl_supported();
+                    let mut max_transfer = ctrl.max_transfer_bytes();
+                    if !use_sgl {
+                        // Entries the list holds, less the chain slot and
+                        // one page of slack for an unaligned start.
+                        max_transfer = max_transfer.min((desc_bytes as u64 / 8 - 2) * page as u64);
+                    }
                     let desc = dma.alloc(depth as usize * desc_bytes, page)?;
                     let qid = ctrl.create_external_queue(depth, &sq, &cq)?;
                     let mut map = |r: &DmaRegion| -> Result<u64> {
@@ -278,12 +290,12 @@ impl<B: Bar0 + Send + Sync + 'static> GpuEngine<B> {
                         timeout_ns: cfg.batch_timeout.as_nanos() as u64,
                         desc_bytes: desc_bytes as u32,
                         nsid: ctrl.nsid(),
-                        max_transfer: ctrl.max_transfer_bytes().min(u32::MAX as u64) as u32,
+                        max_transfer: max_transfer.min(u32::MAX as u64) as u32,
                         page_bytes: page as u32,
                         qid,
                         depth,
                         lba_shift: ctrl.lba_bytes().trailing_zeros() as u8,
-                        use_sgl: (cfg.prefer_sgl && ctrl.sgl_supported()) as u8,
+                        use_sgl: use_sgl as u8,
                         phase: 1,
                         ..Default::default()
                     });
@@ -315,12 +327,13 @@ impl<B: Bar0 + Send + Sync + 'static> GpuEngine<B> {
             p2p_kernel_addr: 0,
             p2p_entries: 0,
             table: None,
-            mapped: MappedTable::default(),
+            mapped: Vec::new(),
             guards,
             p2p_guard: None,
             arena_mapped: None,
             running: false,
             launches: 0,
+            timeouts_seen: 0,
             entries: 0,
             sq_tail: 0,
             cq_head: 0,
@@ -437,9 +450,10 @@ impl<B: Bar0> GpuEngine<B> {
         Ok(())
     }
 
-    /// Points the kernel's engine descriptor at the current P2P table.
+    /// Points the kernel's engine descriptor at the current P2P table; only
+    /// while the kernel is not running (it reads the descriptor freely).
     fn write_p2p(&mut self) {
-        if self.state_k == 0 {
+        if self.state_k == 0 || self.running {
             return;
         }
         let (addr, count) = match &self.p2p {
@@ -447,13 +461,19 @@ impl<B: Bar0> GpuEngine<B> {
             None => (0, 0),
         };
         let eo = self.layout.engine;
-        let s = self.state.as_mut_slice();
-        s[eo + offset_of!(GioEngine, p2p)..][..8].copy_from_slice(&addr.to_le_bytes());
-        s[eo + offset_of!(GioEngine, p2p_count)..][..8].copy_from_slice(&count.to_le_bytes());
+        // SAFETY: two u64 fields of the engine descriptor inside the state
+        // buffer; no kernel runs, so nothing else accesses them.
+        unsafe {
+            self.at::<u64>(eo + offset_of!(GioEngine, p2p))
+                .write_volatile(addr);
+            self.at::<u64>(eo + offset_of!(GioEngine, p2p_count))
+                .write_volatile(count);
+        }
     }
 
-    /// Stops the kernel (ring.stop, then join); on failure the controllers
-    /// are reset so nothing lands later.
+    /// Stops the kernel (ring.stop, then join). If it does not stop, the
+    /// controllers are reset so nothing more lands, the engine fails, and
+    /// its memory is leaked at drop rather than freed under the kernel.
     fn stop_kernel(&mut self) -> Result<()> {
         if !self.running {
             return Ok(());
@@ -461,18 +481,31 @@ impl<B: Bar0> GpuEngine<B> {
         self.ring_field(offset_of!(KernelRing, stop))
             .store(1, Ordering::Release);
         let timeout = self.cfg.batch_timeout * 2 + Duration::from_secs(2);
-        let r = self.exec.join(timeout);
-        self.running = false;
-        self.ring_field(offset_of!(KernelRing, stop))
-            .store(0, Ordering::Release);
-        if let Err(e) = &r {
-            let why = format!("the GPU I/O kernel did not stop ({e}); the controller was reset");
-            for ns in &self.namespaces {
-                ns.fail(why.clone());
+        match self.exec.join(timeout) {
+            Ok(()) => {
+                self.running = false;
+                self.ring_field(offset_of!(KernelRing, stop))
+                    .store(0, Ordering::Release);
+                Ok(())
             }
-            self.failed = Some(why);
+            Err(e) => {
+                // `running` stays true and `stop` stays set: Drop takes the
+                // leak path.
+                let why =
+                    format!("the GPU I/O kernel did not stop ({e}); the controllers were reset");
+                self.fail_controllers(&why);
+                Err(gpu_error(why))
+            }
         }
-        r
+    }
+
+    /// Stops every controller (CC.EN=0) so no command of this engine can
+    /// land in memory any more, and fails the engine.
+    fn fail_controllers(&mut self, why: &str) {
+        for ns in &self.namespaces {
+            ns.fail(why.to_string());
+        }
+        self.failed.get_or_insert_with(|| why.to_string());
     }
 
     /// Launches the kernel if it is not running; its blocks start reading
@@ -484,6 +517,7 @@ impl<B: Bar0> GpuEngine<B> {
         if let Some(why) = &self.failed {
             return Err(gpu_error(why.clone()));
         }
+        self.write_p2p();
         let tail = from;
         for q in 0..self.queues.len() {
             let off =
@@ -510,6 +544,20 @@ impl<B: Bar0> GpuEngine<B> {
         let tail = self
             .ring_field(offset_of!(KernelRing, cq_tail))
             .load(Ordering::Acquire);
+        if self.cq_head != tail {
+            // A command the kernel timed out may still be executing on the
+            // controller: stop the controllers before the tier gets its
+            // IOCB back and reuses the memory (the kernel counts timeouts
+            // before it publishes the IOCB).
+            let timeouts = self.queue_timeouts();
+            if timeouts > self.timeouts_seen {
+                self.timeouts_seen = timeouts;
+                self.fail_controllers(&format!(
+                    "{timeouts} NVMe command(s) got no completion within the kernel's batch timeout ({:?}); the controllers were stopped (CC.EN=0) so they cannot land later: reopen the pool to go on",
+                    self.cfg.batch_timeout
+                ));
+            }
+        }
         let mut n = 0;
         while self.cq_head != tail {
             let slot = (self.cq_head & (self.entries - 1)) as usize;
@@ -520,7 +568,11 @@ impl<B: Bar0> GpuEngine<B> {
                     .read_volatile()
             };
             self.cq_head = self.cq_head.wrapping_add(1);
-            let count = std::mem::take(&mut self.inflight[id as usize]);
+            let count = match self.inflight.get_mut(id as usize) {
+                Some(c) if *c > 0 => std::mem::take(c),
+                // Failed by the host already (a stall), or not ours.
+                _ => continue,
+            };
             self.in_flight -= count as usize;
             let iocb = ring.iocb(id);
             for c in &iocb.ctx[..iocb.hdr.count as usize] {
@@ -547,6 +599,20 @@ impl<B: Bar0> GpuEngine<B> {
         n
     }
 
+    /// Commands the kernel timed out, over all queues.
+    fn queue_timeouts(&self) -> u64 {
+        (0..self.queues.len())
+            .map(|q| {
+                let off =
+                    self.layout.queues + q * size_of::<GioQueue>() + offset_of!(GioQueue, timeouts);
+                // SAFETY: inside the state buffer; written by the kernel
+                // before the IOCB it affects is published (cq_tail, read
+                // with Acquire first).
+                unsafe { self.at::<u32>(off).read_volatile() as u64 }
+            })
+            .sum()
+    }
+
     /// Sums a kernel-owned u64 counter over the queues.
     fn queue_counter(&self, field: usize) -> u64 {
         (0..self.queues.len())
@@ -561,22 +627,28 @@ impl<B: Bar0> GpuEngine<B> {
 }
 
 impl<B: Bar0 + Send> GpuEngine<B> {
+    /// Maps the table for every controller and builds the kernel's P2P
+    /// table of device addresses; all or nothing. The kernel has one table
+    /// for every queue, so every controller must see the memory at the same
+    /// addresses (uio: physical; one VFIO container), else it is refused.
     fn map_table(&mut self, table: &P2pTable) -> Result<()> {
-        // One DMA address space for every controller: mapped through the
-        // first namespace's allocator.
-        let ns = self.namespaces[0].clone();
-        self.mapped.remap(table, |r| {
-            ns.with_controller(|_, dma| {
-                // SAFETY: registered memory stays alive and in place while an
-                // engine holds its table (Tier::register_memory's contract).
-                unsafe { dma.map_host(r.addr as *mut u8, r.len as usize) }
-            })
-        })?;
+        let mut mapped = Vec::with_capacity(self.namespaces.len());
+        for ns in &self.namespaces {
+            mapped.push(MappedTable::build(table, |r| {
+                ns.with_controller(|_, dma| {
+                    // SAFETY: registered memory stays alive and in place
+                    // while an engine holds its table (Tier::register_memory's
+                    // contract).
+                    unsafe { dma.map_host(r.addr as *mut u8, r.len as usize) }
+                })
+            })?);
+        }
         let mut descs: Vec<SglDescriptor> = Vec::with_capacity(table.entries().len());
         let mut ext: Vec<Extent> = Vec::with_capacity(2);
+        let mut other: Vec<Extent> = Vec::with_capacity(2);
         for (i, e) in table.entries().iter().enumerate() {
             ext.clear();
-            if !self.mapped.translate(e.addr, e.len as u64, &mut ext) {
+            if !mapped[0].translate(e.addr, e.len as u64, &mut ext) {
                 return Err(Error::Registration(format!(
                     "P2P entry {i} ({:#x}, {} bytes) lies outside the memory mapped for the controllers",
                     e.addr, e.len
@@ -590,6 +662,18 @@ impl<B: Bar0 + Send> GpuEngine<B> {
                     ext.len()
                 )));
             }
+            for (d, m) in mapped.iter().enumerate().skip(1) {
+                other.clear();
+                if !m.translate(e.addr, e.len as u64, &mut other) || other != ext {
+                    return Err(Error::Registration(format!(
+                        "{} and {} reach registered memory at different addresses (P2P entry {i}: {:x?} vs {:x?}); the GPU kernel shares one P2P table across controllers: put them in one VFIO container, or serve them with separate engines",
+                        self.namespaces[0].path().display(),
+                        self.namespaces[d].path().display(),
+                        ext,
+                        other
+                    )));
+                }
+            }
             descs.push(SglDescriptor::data_block(ext[0].addr, e.len));
         }
         let mut buf = AlignedBuf::zeroed((descs.len() * 16).max(4096).next_multiple_of(4096));
@@ -601,6 +685,7 @@ impl<B: Bar0 + Send> GpuEngine<B> {
         self.p2p_kernel_addr = k;
         self.p2p_entries = descs.len() as u64;
         self.p2p = Some(buf);
+        self.mapped = mapped;
         Ok(())
     }
 }
@@ -637,16 +722,19 @@ impl<B: Bar0 + Send> GpuEngine<B> {
         let completed = self
             .ring_field(offset_of!(KernelRing, completed))
             .load(Ordering::Acquire);
-        let _ = self.stop_kernel();
         let why = format!(
-            "no IOCB completed for {limit:?} ({} IOCTXs in flight, {} IOCBs submitted, {completed} completed by the kernel); the GPU I/O kernel was stopped and the controllers reset",
+            "no IOCB completed for {limit:?} ({} IOCTXs in flight, {} IOCBs submitted, {completed} completed by the kernel); the controllers were stopped",
             self.in_flight, self.sq_tail
         );
-        for ns in &self.namespaces {
-            ns.fail(why.clone());
+        self.fail_controllers(&why);
+        if self.stop_kernel().is_ok() {
+            // What the kernel published before it stopped goes back as it
+            // finished; the rest fails.
+            self.drain(ring);
+            self.fail_in_flight(ring);
         }
-        self.failed = Some(why.clone());
-        self.fail_in_flight(ring);
+        // If the kernel did not stop, its IOCBs stay in flight: the kernel
+        // may still write them, so they are never handed back.
         Err(gpu_error(why))
     }
 }
@@ -683,7 +771,6 @@ impl<B: Bar0 + Send> IoEngine for GpuEngine<B> {
             ));
         }
         self.prepare(ring)?;
-        self.write_p2p();
         let start = Instant::now();
         let mask = self.entries - 1;
         let from = self.sq_tail;
@@ -761,22 +848,18 @@ impl<B: Bar0 + Send> IoEngine for GpuEngine<B> {
 
 impl<B: Bar0> Drop for GpuEngine<B> {
     fn drop(&mut self) {
-        let stopped = if self.running {
+        if self.running {
             self.ring_field(offset_of!(KernelRing, stop))
                 .store(1, Ordering::Release);
             let timeout = self.cfg.batch_timeout * 2 + Duration::from_secs(2);
-            let r = self.exec.join(timeout);
-            self.running = false;
-            r.is_ok()
-        } else {
-            true
-        };
-        if !stopped {
+            if self.exec.join(timeout).is_ok() {
+                self.running = false;
+            }
+        }
+        if self.running {
             // The kernel may still read or write this memory: stop the
             // controllers and leak it rather than free it under the GPU.
-            for ns in &self.namespaces {
-                ns.fail("the GPU I/O kernel did not stop when its engine was dropped".into());
-            }
+            self.fail_controllers("the GPU I/O kernel did not stop when its engine was dropped");
             std::mem::forget(std::mem::replace(&mut self.state, AlignedBuf::zeroed(0)));
             std::mem::forget(self.p2p.take());
             std::mem::forget(std::mem::take(&mut self.queues));

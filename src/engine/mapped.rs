@@ -19,24 +19,20 @@ pub struct MappedTable {
 }
 
 impl MappedTable {
-    /// Maps the regions of `table` that are not mapped yet with `map`, keeps
-    /// those that are, and drops (unmaps) the ones the table no longer has.
-    pub fn remap(
-        &mut self,
+    /// Maps every region of `table` with `map`. Built whole and only then
+    /// swapped in by the engine, so a failure leaves the mappings in use
+    /// untouched (re-registration maps the memory a second time for a
+    /// moment; it is rare, and never half-done).
+    pub fn build(
         table: &P2pTable,
         mut map: impl FnMut(&MemRegion) -> Result<HostMapping>,
-    ) -> Result<()> {
-        let mut keep = Vec::with_capacity(table.regions().len());
-        let mut old = std::mem::take(&mut self.mappings);
+    ) -> Result<MappedTable> {
+        let mut mappings = Vec::with_capacity(table.regions().len());
         for r in table.regions() {
-            match old.iter().position(|(m, _)| m == r) {
-                Some(i) => keep.push(old.swap_remove(i)),
-                None => keep.push((*r, map(r)?)),
-            }
+            mappings.push((*r, map(r)?));
         }
-        keep.sort_by_key(|(r, _)| r.addr);
-        self.mappings = keep;
-        Ok(())
+        mappings.sort_by_key(|(r, _)| r.addr);
+        Ok(MappedTable { mappings })
     }
 
     /// Appends the device extents of host `addr..addr + len` to `out`

@@ -240,10 +240,29 @@ impl<B: Bar0> NvmeNamespace<B> {
     fn bounce_io(shared: &mut Shared<B>, dir: IoDir, offset: u64, len: usize) -> Result<()> {
         let lba = shared.ctrl.lba_bytes() as u64;
         let mem = [shared.bounce.extent(0, len)];
-        shared
+        let r = shared
             .ctrl
             .transfer(STORAGE_QUEUE, dir, offset / lba, &mem, DataMode::Auto)
-            .map(|_| ())
+            .map(|_| ());
+        Self::stop_if_stuck(shared, r)
+    }
+
+    /// After a failed metadata command: if one is still outstanding (it
+    /// timed out), the controller is stopped, so it cannot read or write the
+    /// bounce buffer later, when it holds other data.
+    fn stop_if_stuck(shared: &mut Shared<B>, r: Result<()>) -> Result<()> {
+        if r.is_err()
+            && shared
+                .ctrl
+                .io_queue(STORAGE_QUEUE)
+                .is_ok_and(|q| q.outstanding() > 0)
+        {
+            let _ = shared.ctrl.reset_after_failure();
+            shared.failed.get_or_insert_with(|| {
+                "the controller was stopped after a metadata command got no completion".into()
+            });
+        }
+        r
     }
 }
 
@@ -289,7 +308,8 @@ impl<B: Bar0 + Send> Storage for NvmeNamespace<B> {
     fn sync_data(&self) -> Result<()> {
         let mut shared = self.lock();
         self.check(&shared, 0, 0, "flush")?;
-        shared.ctrl.flush(STORAGE_QUEUE)
+        let r = shared.ctrl.flush(STORAGE_QUEUE);
+        Self::stop_if_stuck(&mut shared, r)
     }
 }
 
@@ -322,6 +342,8 @@ struct Op {
     cs: usize,
     desc: u16,
     bytes: u64,
+    /// When the command was queued: each command has its own timeout.
+    submitted: Instant,
 }
 
 struct Dev<B: Bar0> {
@@ -338,8 +360,6 @@ struct Dev<B: Bar0> {
     backlog: VecDeque<(IocbId, u32)>,
     cur: Option<Partial>,
     commands: usize,
-    /// When the oldest unanswered wait began (commands in flight, none done).
-    quiet_since: Option<Instant>,
     mapped: MappedTable,
     /// Device extents of P2P entry `i`: `dma_ext[dma_first[i]..dma_first[i + 1]]`.
     dma_first: Vec<u32>,
@@ -358,6 +378,7 @@ pub struct NvmeEngine<B: Bar0> {
     in_flight: usize,
     stats: EngineStats,
     scratch: Vec<Extent>,
+    next_timeout_scan: Instant,
 }
 
 impl<B: Bar0 + Send + Sync + 'static> NvmeEngine<B> {
@@ -410,7 +431,6 @@ impl<B: Bar0 + Send + Sync + 'static> NvmeEngine<B> {
                 backlog: VecDeque::new(),
                 cur: None,
                 commands: 0,
-                quiet_since: None,
                 mapped: MappedTable::default(),
                 dma_first: Vec::new(),
                 dma_ext: Vec::new(),
@@ -428,6 +448,7 @@ impl<B: Bar0 + Send + Sync + 'static> NvmeEngine<B> {
             in_flight: 0,
             stats: EngineStats::default(),
             scratch: Vec::new(),
+            next_timeout_scan: Instant::now(),
         })
     }
 }
@@ -453,10 +474,13 @@ fn slab_put<T>(slab: &mut Vec<Option<T>>, free: &mut Vec<usize>, v: T) -> usize 
 impl<B: Bar0> NvmeEngine<B> {
     /// Maps every table region for every controller and translates each
     /// table entry into device extents.
+    /// Maps the table for every controller and translates every entry;
+    /// all or nothing: on an error the engine keeps its previous view.
     fn map_table(&mut self, table: &P2pTable) -> Result<()> {
-        for dev in &mut self.devs {
+        let mut staged = Vec::with_capacity(self.devs.len());
+        for dev in &self.devs {
             let ns = dev.ns.clone();
-            dev.mapped.remap(table, |r| {
+            let mapped = MappedTable::build(table, |r| {
                 let mut shared = ns.lock();
                 // SAFETY: the table's regions are registered memory, which
                 // the tier keeps alive (and in place) for as long as an
@@ -464,12 +488,11 @@ impl<B: Bar0> NvmeEngine<B> {
                 // the mapping is dropped with the engine or the next table.
                 unsafe { shared.dma.map_host(r.addr as *mut u8, r.len as usize) }
             })?;
-            dev.dma_first.clear();
-            dev.dma_ext.clear();
-            dev.dma_first.reserve(table.entries().len() + 1);
+            let mut first = Vec::with_capacity(table.entries().len() + 1);
+            let mut ext = Vec::with_capacity(table.entries().len());
             for (i, e) in table.entries().iter().enumerate() {
-                dev.dma_first.push(dev.dma_ext.len() as u32);
-                if !dev.mapped.translate(e.addr, e.len as u64, &mut dev.dma_ext) {
+                first.push(ext.len() as u32);
+                if !mapped.translate(e.addr, e.len as u64, &mut ext) {
                     return Err(Error::Registration(format!(
                         "P2P entry {i} ({:#x}, {} bytes) lies outside every mapped region of {}",
                         e.addr,
@@ -478,7 +501,13 @@ impl<B: Bar0> NvmeEngine<B> {
                     )));
                 }
             }
-            dev.dma_first.push(dev.dma_ext.len() as u32);
+            first.push(ext.len() as u32);
+            staged.push((mapped, first, ext));
+        }
+        for (dev, (mapped, first, ext)) in self.devs.iter_mut().zip(staged) {
+            dev.mapped = mapped;
+            dev.dma_first = first;
+            dev.dma_ext = ext;
         }
         Ok(())
     }
@@ -735,7 +764,7 @@ impl<B: Bar0> NvmeEngine<B> {
                     }
                     continue;
                 };
-                let nlb = (want >> dev.lba_shift) as u16 - 1;
+                let nlb = ((want >> dev.lba_shift) - 1) as u16;
                 let slba = p.slba + (p.done >> dev.lba_shift);
                 p.idx = idx;
                 p.within = within;
@@ -765,6 +794,7 @@ impl<B: Bar0> NvmeEngine<B> {
                     cs,
                     desc,
                     bytes,
+                    submitted: Instant::now(),
                 },
             );
             let qp = shared.ctrl.io_queue(DATA_QUEUE).expect("checked above");
@@ -774,9 +804,6 @@ impl<B: Bar0> NvmeEngine<B> {
             st.outstanding += 1;
             st.all_issued = finished;
             let dev = &mut self.devs[d];
-            if dev.commands == 0 {
-                dev.quiet_since = Some(Instant::now());
-            }
             dev.commands += 1;
             issued += 1;
         }
@@ -818,7 +845,6 @@ impl<B: Bar0> NvmeEngine<B> {
             let dev = &mut self.devs[op.dev];
             dev.free_desc.push(op.desc);
             dev.commands -= 1;
-            dev.quiet_since = (dev.commands > 0).then(Instant::now);
             let st = self.ctxs[op.cs].as_mut().expect("live IOCTX state");
             st.outstanding -= 1;
             if c.status.is_success() {
@@ -867,6 +893,12 @@ impl<B: Bar0> NvmeEngine<B> {
         );
         shared.failed = Some(reason.clone());
         drop(shared);
+        if reset.is_err() {
+            // The controller may still DMA: never hand its descriptor pages
+            // or the mapped memory back.
+            std::mem::forget(self.devs[d].desc.clone());
+            std::mem::forget(std::mem::take(&mut self.devs[d].mapped));
+        }
         // Fail every command of this device, then what was waiting.
         for i in 0..self.ops.len() {
             if self.ops[i].as_ref().is_some_and(|o| o.dev == d) {
@@ -883,7 +915,6 @@ impl<B: Bar0> NvmeEngine<B> {
             }
         }
         self.devs[d].commands = 0;
-        self.devs[d].quiet_since = None;
         if let Some(p) = self.devs[d].cur.take() {
             if let Some(st) = self.ctxs[p.cs].as_mut() {
                 st.status = IOCTX_STATUS_TIMEOUT;
@@ -945,19 +976,27 @@ impl<B: Bar0> NvmeEngine<B> {
         }
     }
 
-    /// Fails a device whose commands have gone unanswered past the timeout.
+    /// Fails a device with a command unanswered past the I/O timeout (each
+    /// command is timed from its submission, so one lost command is found
+    /// even while others keep completing). Scans at most every millisecond.
     fn check_timeouts(&mut self, ring: &mut GioRing) -> Result<()> {
-        for d in 0..self.devs.len() {
-            let late = self.devs[d]
-                .quiet_since
-                .is_some_and(|t| t.elapsed() >= self.cfg.io_timeout);
-            if late {
-                let why = format!(
-                    "no completion within {:?} (the I/O timeout)",
-                    self.cfg.io_timeout
-                );
-                return Err(self.fail_device(ring, d, why));
-            }
+        let now = Instant::now();
+        if self.in_flight == 0 || now < self.next_timeout_scan {
+            return Ok(());
+        }
+        self.next_timeout_scan = now + Duration::from_millis(1);
+        let late = self
+            .ops
+            .iter()
+            .flatten()
+            .find(|o| now.duration_since(o.submitted) >= self.cfg.io_timeout)
+            .map(|o| o.dev);
+        if let Some(d) = late {
+            let why = format!(
+                "a command got no completion within {:?} (the I/O timeout)",
+                self.cfg.io_timeout
+            );
+            return Err(self.fail_device(ring, d, why));
         }
         Ok(())
     }

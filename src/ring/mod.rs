@@ -228,8 +228,11 @@ impl GioRing {
 
 /// A ring paired with the engine that executes it: the submitter's interface.
 pub struct GioUring {
-    ring: GioRing,
+    // Field order is drop order: the engine first, so an engine whose
+    // device or kernel still reads the IOCB arena (the GPU engine) is
+    // stopped before the arena is freed.
     engine: Box<dyn IoEngine>,
+    ring: GioRing,
 }
 
 impl GioUring {
