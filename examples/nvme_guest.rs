@@ -147,14 +147,15 @@ fn run(args: &Args) -> kvtier::error::Result<bool> {
     };
     let started_on_nvme = driver.as_deref() == Some("nvme");
     // Held while the suite runs; given back (and checked) at the end.
-    let binding = if started_on_nvme {
+    let binding = if started_on_nvme && !args.bw_only {
         match bind_tests(&mut results, &addr, bind_driver) {
             Some(b) => b,
             None => return Ok(false),
         }
     } else {
-        // Started on another driver (a run.sh without the nvme module):
-        // just take it for the suite.
+        // Started on another driver (a run.sh without the nvme module), or
+        // a backend without storage (--bw-only, null-co: a signature written
+        // there reads back as zeros): just take it for the suite.
         PciBinding::bind(&addr, bind_driver, false)?
     };
     // Everything that maps the device (VFIO fds, BAR mappings, DMA) is gone
