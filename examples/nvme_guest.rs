@@ -278,6 +278,50 @@ fn bind_tests(r: &mut Vec<(String, bool)>, addr: &str, driver: BindDriver) -> Op
             assert!(wait_for_namespace(), "{NAMESPACE} did not come back");
         });
     }
+    // The whole user path: the CLI binds the controller for one command, a
+    // KV benchmark with the pool on the namespace through each userspace
+    // engine, verified byte for byte, then gives the controller back.
+    if std::path::Path::new(KVTIER_BIN).exists() {
+        for engine in ["nvme", "gpu-host"] {
+            case(r, &format!("cli_bench_{engine}"), || {
+                let json = format!("/tmp/bench-{engine}.json");
+                let out = std::process::Command::new(KVTIER_BIN)
+                    .args(["nvme", "bind", addr, "--driver", name, "--", KVTIER_BIN])
+                    .args(["bench", "--engine", engine, "--model", "llama3-8b"])
+                    .args(["--contexts", "256,1024", "--force", "--dir", "/tmp/kv"])
+                    .args(["--json", &json])
+                    .output()
+                    .expect("running kvtier");
+                assert!(
+                    out.status.success(),
+                    "kvtier bench --engine {engine}: {}\n{}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                let text = std::fs::read_to_string(&json).expect("bench JSON");
+                let v: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+                let results = v["results"].as_array().expect("results");
+                assert_eq!(results.len(), 2, "{text}");
+                assert!(results.iter().all(|c| c["verified"] == true), "{text}");
+                let described = v["engine"].as_str().unwrap_or_default();
+                let want = if engine == "nvme" {
+                    "nvme:"
+                } else {
+                    "gpu (host executor)"
+                };
+                assert!(described.contains(want), "{described}");
+                for c in results {
+                    println!(
+                        "ENGINE cli_bench_{engine}: {} tokens: store {:.2} GiB/s, retrieve {:.2} GiB/s",
+                        c["tokens"], c["store_gib_s"].as_f64().unwrap_or(0.0),
+                        c["retrieve_gib_s"].as_f64().unwrap_or(0.0)
+                    );
+                }
+                assert_eq!(driver_of(addr).as_deref(), Some("nvme"));
+                assert!(wait_for_namespace(), "{NAMESPACE} did not come back");
+            });
+        }
+    }
     let mut kept = None;
     case(r, "bind for_suite", || {
         let b = PciBinding::bind(addr, driver, false).expect("bind for the suite");

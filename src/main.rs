@@ -156,6 +156,20 @@ struct BenchArgs {
     /// Directory for the pool files (and the --pattern test file).
     #[arg(long, default_value = "./kvtier-data")]
     dir: PathBuf,
+    /// Engine: uring (pool files in --dir), or one that drives the NVMe
+    /// controller --nvme from userspace with the pool on its namespace 1:
+    /// nvme (CPU-polled queues), gpu (the CUDA I/O kernel), gpu-host (the
+    /// kernel's logic on CPU threads, for testing without a GPU).
+    #[arg(long, default_value = "uring", value_parser = ["uring", "nvme", "gpu", "gpu-host"])]
+    engine: String,
+    /// PCI address of the controller for --engine nvme/gpu/gpu-host, bound
+    /// to vfio-pci or uio_pci_generic; defaults to $KVTIER_NVME_DEVICE,
+    /// which `kvtier nvme bind ADDR -- kvtier bench ...` sets.
+    #[arg(long)]
+    nvme: Option<String>,
+    /// Format a namespace that holds a filesystem or other data (its contents are lost).
+    #[arg(long)]
+    force: bool,
     #[command(flatten)]
     model: ModelArgs,
     /// Context lengths in tokens, comma-separated; those that do not fit --capacity are skipped.
@@ -482,10 +496,17 @@ fn run_bench(a: BenchArgs) -> Result<i32> {
         verify: !a.no_verify,
         cross_layer: a.cross_layer,
         store_job_blocks: 4096,
+        nvme: userspace_target(&a)?,
+        force: a.force,
     };
+    if cfg.nvme.is_some() && a.against_fio {
+        return Err(kvtier::Error::invalid(
+            "--against-fio needs the pool on files; fio cannot reach a controller bound to a userspace driver (drop --against-fio, or use --engine uring)",
+        ));
+    }
     let bar = Progress::new();
     let result = bench::run(&cfg, |msg| bar.say(msg));
-    if !a.keep {
+    if !a.keep && cfg.nvme.is_none() {
         for i in 0..cfg.devices {
             let _ = std::fs::remove_file(cfg.dir.join(format!("bench{i}.pool")));
         }
@@ -503,6 +524,37 @@ fn run_bench(a: BenchArgs) -> Result<i32> {
     }
     write_json(&a.json, &report)?;
     Ok(0)
+}
+
+/// The controller and engine of `--engine nvme|gpu|gpu-host --nvme ADDR`.
+fn userspace_target(
+    a: &BenchArgs,
+) -> Result<Option<(String, kvtier::engine::open::UserspaceEngine)>> {
+    use kvtier::engine::open::UserspaceEngine;
+    let engine = match a.engine.as_str() {
+        "uring" => {
+            if a.nvme.is_some() {
+                return Err(kvtier::Error::invalid(
+                    "--nvme names a controller for --engine nvme, gpu or gpu-host; the uring engine uses pool files in --dir",
+                ));
+            }
+            return Ok(None);
+        }
+        "nvme" => UserspaceEngine::Nvme,
+        "gpu" => UserspaceEngine::Gpu,
+        _ => UserspaceEngine::GpuHost,
+    };
+    let addr = a
+        .nvme
+        .clone()
+        .or_else(|| std::env::var("KVTIER_NVME_DEVICE").ok())
+        .ok_or_else(|| {
+        kvtier::Error::invalid(format!(
+            "--engine {} needs --nvme ADDR (the PCI address of an NVMe controller bound to vfio-pci or uio_pci_generic; `kvtier nvme list` shows them)",
+            a.engine
+        ))
+    })?;
+    Ok(Some((addr, engine)))
 }
 
 fn bar_fn(bar: &Progress) -> impl Fn(&str) + '_ {

@@ -179,3 +179,42 @@ fn against_fio_reports_ratios_when_fio_is_installed() {
     assert!(v["runs"][0]["fio"]["read_bw"].as_f64().unwrap() > 0.0);
     assert!(v["fio_version"].as_str().unwrap().starts_with("fio"));
 }
+
+/// The userspace engines need a controller, named or from
+/// $KVTIER_NVME_DEVICE, that exists and is bound to a userspace driver;
+/// fio cannot be the reference there; --nvme means nothing to uring.
+#[test]
+fn userspace_engine_arguments_are_named() {
+    let dir = TempDir::new("benchnvme");
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+            .arg("bench")
+            .args(args)
+            .arg("--dir")
+            .arg(dir.path())
+            .env_remove("KVTIER_NVME_DEVICE")
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} should fail");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = run(&["--engine", "nvme"]);
+    assert!(err.contains("--engine nvme needs --nvme ADDR"), "{err}");
+    let err = run(&["--engine", "gpu-host", "--nvme", "0000:ff:1f.7"]);
+    assert!(err.contains("there is no PCI device 0000:ff:1f.7"), "{err}");
+    let err = run(&[
+        "--engine",
+        "nvme",
+        "--nvme",
+        "0000:ff:1f.7",
+        "--against-fio",
+    ]);
+    assert!(
+        err.contains("--against-fio needs the pool on files"),
+        "{err}"
+    );
+    let err = run(&["--nvme", "0000:ff:1f.7"]);
+    assert!(err.contains("the uring engine uses pool files"), "{err}");
+    let err = run(&["--engine", "nvme", "--nvme", "not-an-address"]);
+    assert!(err.contains("not a PCI address"), "{err}");
+}

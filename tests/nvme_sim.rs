@@ -482,3 +482,38 @@ fn metadata_timeout_stops_the_controller() {
     let err = storage.read_exact_at(&mut buf, 0).unwrap_err().to_string();
     assert!(err.contains("controller was stopped"), "{err}");
 }
+
+/// A pool is formatted onto a namespace only if it holds nothing foreign:
+/// an ext4 signature is refused, naming the device and `--force`; forced,
+/// it is overwritten; a kvtier pool is reformatted without asking.
+#[test]
+fn pool_on_a_namespace_refuses_a_filesystem_unless_forced() {
+    use kvtier::pool::backing::AlignedBuf;
+    use kvtier::pool::{Pool, PoolConfig};
+    let (_sim, c, dma) = sim_for_engine(SimConfig {
+        lbas: 64 << 11,
+        ..Default::default()
+    });
+    let ns = NvmeNamespace::new(c, dma, &NvmeConfig::default()).unwrap();
+    let mut head = AlignedBuf::zeroed(4096);
+    head.as_mut_slice()[1080..1082].copy_from_slice(&[0x53, 0xef]); // ext2/3/4 magic
+    ns.storage().write_all_at(&head, 0).unwrap();
+    let mut cfg = PoolConfig {
+        geometry: kvtier::model::preset("llama3-8b", 16).unwrap(),
+        model: "llama3-8b".into(),
+        namespace: "t".into(),
+        group_blocks: 4,
+        devices: Vec::new(),
+        force: false,
+    };
+    let err = Pool::create_on(&cfg, vec![ns.storage()])
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(err.contains("ext2/3/4") && err.contains("--force"), "{err}");
+    assert!(err.contains("nvme:sim/ns1"), "{err}");
+    cfg.force = true;
+    Pool::create_on(&cfg, vec![ns.storage()]).expect("forced");
+    cfg.force = false;
+    Pool::create_on(&cfg, vec![ns.storage()]).expect("a kvtier pool is ours to reformat");
+}

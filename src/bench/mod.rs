@@ -37,6 +37,11 @@ pub struct BenchConfig {
     pub cross_layer: bool,
     /// Largest store job, in blocks.
     pub store_job_blocks: u32,
+    /// The pool on namespace 1 of this NVMe controller (PCI address),
+    /// served by this userspace engine, instead of pool files in `dir`.
+    pub nvme: Option<(String, crate::engine::open::UserspaceEngine)>,
+    /// Format storage that holds other data.
+    pub force: bool,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -147,27 +152,44 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
     let geo = cfg.geometry;
     std::fs::create_dir_all(&cfg.dir)
         .map_err(|e| Error::io(format!("creating {}", cfg.dir.display()), e))?;
-    let per_dev = (cfg.capacity / cfg.devices as u64) & !4095;
-    let devices: Vec<DeviceSpec> = (0..cfg.devices)
-        .map(|i| DeviceSpec {
-            path: cfg.dir.join(format!("bench{i}.pool")),
-            size: Some(per_dev),
-        })
-        .collect();
-    progress(&format!(
-        "formatting {} pool file(s) of {} in {}",
-        cfg.devices,
-        human_bytes(per_dev),
-        cfg.dir.display()
-    ));
-    let pool = Pool::create(&PoolConfig {
+    let pool_cfg = |devices: Vec<DeviceSpec>| PoolConfig {
         geometry: geo,
         model: cfg.model.clone(),
         namespace: format!("bench/{}", cfg.model),
         group_blocks: cfg.group_blocks,
         devices,
-        force: false,
-    })?;
+        force: cfg.force,
+    };
+    let (pool, engine) = match &cfg.nvme {
+        Some((addr, which)) => {
+            progress(&format!(
+                "formatting a pool on namespace 1 of NVMe controller {addr} ({which:?} engine)"
+            ));
+            let (pool, engine) = crate::engine::open::pool_on_nvme(
+                addr,
+                *which,
+                Some(&pool_cfg(Vec::new())),
+                &Default::default(),
+            )?;
+            (pool, Some(engine))
+        }
+        None => {
+            let per_dev = (cfg.capacity / cfg.devices as u64) & !4095;
+            let devices: Vec<DeviceSpec> = (0..cfg.devices)
+                .map(|i| DeviceSpec {
+                    path: cfg.dir.join(format!("bench{i}.pool")),
+                    size: Some(per_dev),
+                })
+                .collect();
+            progress(&format!(
+                "formatting {} pool file(s) of {} in {}",
+                cfg.devices,
+                human_bytes(per_dev),
+                cfg.dir.display()
+            ));
+            (Pool::create(&pool_cfg(devices))?, None)
+        }
+    };
     let slots = pool.index().total_slots();
     let mut skipped = Vec::new();
     let contexts: Vec<u64> = cfg
@@ -190,7 +212,10 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
         .map(|&t| geo.tokens_to_blocks(t))
         .max()
         .unwrap_or(0);
-    let mut tier = Tier::open(pool, cfg.tier.clone())?;
+    let mut tier = match engine {
+        Some(e) => Tier::with_engine(pool, cfg.tier.clone(), e)?,
+        None => Tier::open(pool, cfg.tier.clone())?,
+    };
     let mut results = Vec::new();
     if max_blocks == 0 {
         return Ok(BenchReport {

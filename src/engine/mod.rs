@@ -7,6 +7,7 @@
 pub mod gpu;
 pub mod mapped;
 pub mod nvme;
+pub mod open;
 pub mod uring;
 
 use crate::error::Result;

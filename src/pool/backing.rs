@@ -846,7 +846,7 @@ fn file_logical_block_size(path: &Path, file: &File) -> Result<u32> {
 }
 
 /// Refuse a foreign signature unless forced.
-fn check_signature(path: &Path, sig: &Signature, force: bool) -> Result<()> {
+pub(crate) fn check_signature(path: &Path, sig: &Signature, force: bool) -> Result<()> {
     match sig {
         Signature::Empty | Signature::KvtierPool => Ok(()),
         _ if force => Ok(()),

@@ -211,10 +211,20 @@ impl Pool {
 
     /// Format a new pool over storage the caller opened (an NVMe namespace
     /// driven from userspace); `cfg.devices` is not used.
+    /// Like [`Pool::create`], it refuses storage that holds a filesystem,
+    /// a partition table or data that is not a kvtier pool, unless
+    /// `cfg.force`.
     pub fn create_on(cfg: &PoolConfig, devices: Vec<Box<dyn Storage>>) -> Result<Pool> {
         Self::check_config(cfg, devices.len())?;
         let min_size = DATA_OFFSET + PoolLayout::group_bytes_for(&cfg.geometry, cfg.group_blocks);
         for d in &devices {
+            let probe = (backing::SIGNATURE_PROBE_BYTES as u64).min(d.size()) as usize & !4095;
+            if probe > 0 {
+                let mut head = AlignedBuf::zeroed(probe);
+                d.read_exact_at(&mut head, 0)?;
+                let sig = backing::probe_signature(head.as_slice());
+                backing::check_signature(d.path(), &sig, cfg.force)?;
+            }
             if d.size() < min_size {
                 return Err(Error::Backing {
                     path: d.path().to_path_buf(),
