@@ -12,7 +12,8 @@ pub mod uring;
 
 use crate::error::Result;
 use crate::p2p::P2pTable;
-use crate::ring::GioRing;
+use crate::ring::abi::IOCTX_STATUS_INVALID;
+use crate::ring::{GioRing, IocbId};
 use std::sync::Arc;
 
 /// Counters every engine keeps; the benchmarks report them per layer.
@@ -77,4 +78,36 @@ pub trait IoEngine: Send {
     /// A line for `kvtier pool info` / bench output: queue depth, fixed
     /// buffers, SQPOLL, and why an optional feature is off.
     fn describe(&self) -> String;
+}
+
+/// Moves every IOCB in the ring's SQ to a CPU-driven engine: an empty IOCB
+/// completes at once; each IOCTX is offered to `queue(iocb, ctx, dev)`,
+/// which keeps it and returns true, or returns false when the engine has no
+/// device `dev`: that IOCTX completes as `IOCTX_STATUS_INVALID` (an error).
+/// Returns (IOCTXs kept, IOCTXs rejected).
+pub(crate) fn accept_iocbs(
+    ring: &mut GioRing,
+    stats: &mut EngineStats,
+    mut queue: impl FnMut(IocbId, u32, usize) -> bool,
+) -> (usize, usize) {
+    let (mut kept, mut rejected) = (0, 0);
+    while let Some(id) = ring.pop_sq() {
+        stats.iocbs += 1;
+        let count = ring.iocb(id).hdr.count;
+        if count == 0 {
+            ring.finish(id);
+            continue;
+        }
+        for c in 0..count {
+            let dev = ring.iocb(id).ctx[c as usize].dev as usize;
+            if queue(id, c, dev) {
+                kept += 1;
+            } else {
+                stats.errors += 1;
+                ring.complete_ctx(id, c, IOCTX_STATUS_INVALID, 0);
+                rejected += 1;
+            }
+        }
+    }
+    (kept, rejected)
 }

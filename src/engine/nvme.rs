@@ -936,23 +936,14 @@ impl<B: Bar0> NvmeEngine<B> {
     }
 
     fn accept(&mut self, ring: &mut GioRing) {
-        while let Some(id) = ring.pop_sq() {
-            self.stats.iocbs += 1;
-            let count = ring.iocb(id).hdr.count;
-            if count == 0 {
-                ring.finish(id);
-                continue;
-            }
-            for c in 0..count {
-                let dev = ring.iocb(id).ctx[c as usize].dev as usize;
-                self.in_flight += 1;
-                self.stats.ios += 1;
-                match self.devs.get_mut(dev) {
-                    Some(d) => d.backlog.push_back((id, c)),
-                    None => self.reject(ring, id, c, IOCTX_STATUS_INVALID),
-                }
-            }
-        }
+        let devs = &mut self.devs;
+        let (kept, rejected) = super::accept_iocbs(ring, &mut self.stats, |id, c, dev| {
+            devs.get_mut(dev)
+                .map(|d| d.backlog.push_back((id, c)))
+                .is_some()
+        });
+        self.in_flight += kept;
+        self.stats.ios += (kept + rejected) as u64;
     }
 
     /// One pass: completions, then new commands. Returns completions seen.

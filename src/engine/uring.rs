@@ -499,28 +499,13 @@ impl UringEngine {
     /// Move every IOCB in the SQ into the per-device backlogs. Returns how
     /// many IOCTXs completed at once (malformed).
     fn accept(&mut self, ring: &mut GioRing) -> usize {
-        let mut rejected = 0;
-        while let Some(id) = ring.pop_sq() {
-            self.stats.iocbs += 1;
-            let count = ring.iocb(id).hdr.count;
-            if count == 0 {
-                ring.finish(id);
-                continue;
-            }
-            for c in 0..count {
-                let dev = ring.iocb(id).ctx[c as usize].dev as usize;
-                self.in_flight += 1;
-                match self.devs.get_mut(dev) {
-                    Some(d) => d.backlog.push_back((id, c)),
-                    None => {
-                        self.stats.errors += 1;
-                        self.in_flight -= 1;
-                        ring.complete_ctx(id, c, IOCTX_STATUS_INVALID, 0);
-                        rejected += 1;
-                    }
-                }
-            }
-        }
+        let devs = &mut self.devs;
+        let (kept, rejected) = super::accept_iocbs(ring, &mut self.stats, |id, c, dev| {
+            devs.get_mut(dev)
+                .map(|d| d.backlog.push_back((id, c)))
+                .is_some()
+        });
+        self.in_flight += kept;
         rejected
     }
 
