@@ -167,6 +167,9 @@ pub struct GpuEngine<B: Bar0> {
     exec: Box<dyn GioExecutor>,
     namespaces: Vec<NvmeNamespace<B>>,
     queues: Vec<KernelQueue>,
+    /// What the kernel's queue and device descriptors start as.
+    queue_descs: Vec<GioQueue>,
+    dev_descs: Vec<GioDev>,
     /// The kernel's state: engine descriptor, ring, queues, devs, id rings.
     state: AlignedBuf,
     layout: StateLayout,
@@ -320,7 +323,9 @@ impl<B: Bar0 + Send + Sync + 'static> GpuEngine<B> {
             exec,
             namespaces,
             queues,
-            state: AlignedBuf::zeroed(layout.bytes),
+            queue_descs,
+            dev_descs: devs,
+            state: AlignedBuf::zeroed(4096), // replaced by build_state below
             layout,
             state_k: 0,
             p2p: None,
@@ -343,7 +348,9 @@ impl<B: Bar0 + Send + Sync + 'static> GpuEngine<B> {
             stats: EngineStats::default(),
             failed: None,
         };
-        engine.write_static(&queue_descs, &devs);
+        // A state with one-entry id rings until the tier's ring is known
+        // (stats and teardown read it before any submit).
+        engine.build_state(1);
         Ok(engine)
     }
 
@@ -370,13 +377,17 @@ impl<B: Bar0> GpuEngine<B> {
         unsafe { &*self.at::<AtomicU32>(self.layout.ring + off) }
     }
 
-    /// Writes the queue and device descriptors (host-owned fields).
-    fn write_static(&mut self, queues: &[GioQueue], devs: &[GioDev]) {
+    /// A fresh state buffer for id rings of `entries` slots, holding the
+    /// queue and device descriptors (host-owned fields).
+    fn build_state(&mut self, entries: usize) {
+        self.layout = StateLayout::new(self.queue_descs.len(), self.dev_descs.len(), entries);
+        self.state = AlignedBuf::zeroed(self.layout.bytes);
+        let (qo, d) = (self.layout.queues, self.layout.devs);
         let s = self.state.as_mut_slice();
-        let qb = bytemuck::cast_slice::<GioQueue, u8>(queues);
-        s[self.layout.queues..self.layout.queues + qb.len()].copy_from_slice(qb);
-        let db = bytemuck::cast_slice::<GioDev, u8>(devs);
-        s[self.layout.devs..self.layout.devs + db.len()].copy_from_slice(db);
+        let qb = bytemuck::cast_slice::<GioQueue, u8>(&self.queue_descs);
+        s[qo..qo + qb.len()].copy_from_slice(qb);
+        let db = bytemuck::cast_slice::<GioDev, u8>(&self.dev_descs);
+        s[d..d + db.len()].copy_from_slice(db);
     }
 
     /// Sizes the id rings for the tier's ring and maps the state and the
@@ -395,21 +406,8 @@ impl<B: Bar0> GpuEngine<B> {
             }
             return Ok(());
         }
-        // Re-layout with the ring's depth, keeping the queue/dev descriptors.
-        let qn = self.queues.len();
-        let dn = self.namespaces.len();
-        let old_q: Vec<GioQueue> = bytemuck::cast_slice::<u8, GioQueue>(
-            &self.state.as_slice()
-                [self.layout.queues..self.layout.queues + qn * size_of::<GioQueue>()],
-        )
-        .to_vec();
-        let old_d: Vec<GioDev> = bytemuck::cast_slice::<u8, GioDev>(
-            &self.state.as_slice()[self.layout.devs..self.layout.devs + dn * size_of::<GioDev>()],
-        )
-        .to_vec();
-        self.layout = StateLayout::new(qn, dn, entries as usize);
-        self.state = AlignedBuf::zeroed(self.layout.bytes);
-        self.write_static(&old_q, &old_d);
+        self.build_state(entries as usize);
+        let (qn, dn) = (self.queue_descs.len(), self.dev_descs.len());
         // SAFETY: the state buffer lives until Drop, which stops the kernel
         // before dropping the guard; the arena belongs to the tier's ring,
         // which outlives its engine (GioUring drops the engine first).
@@ -860,7 +858,7 @@ impl<B: Bar0> Drop for GpuEngine<B> {
             // The kernel may still read or write this memory: stop the
             // controllers and leak it rather than free it under the GPU.
             self.fail_controllers("the GPU I/O kernel did not stop when its engine was dropped");
-            std::mem::forget(std::mem::replace(&mut self.state, AlignedBuf::zeroed(0)));
+            std::mem::forget(std::mem::replace(&mut self.state, AlignedBuf::zeroed(4096)));
             std::mem::forget(self.p2p.take());
             std::mem::forget(std::mem::take(&mut self.queues));
             std::mem::forget(std::mem::take(&mut self.guards));
