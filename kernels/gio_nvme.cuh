@@ -107,6 +107,18 @@ static KVTIER_HD inline uint16_t kvtier_ld16(const uint16_t* p) {
 #endif
 }
 
+/* The second half of a CQE (sq_head, sq_id, cid, status) in one access, so
+ * the phase tag and the fields it validates come from the same write. */
+static KVTIER_HD inline uint64_t kvtier_ld64(const uint64_t* p) {
+#if defined(__CUDA_ARCH__)
+    uint64_t v;
+    asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+#else
+    return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+#endif
+}
+
 /* Stores another agent polls (doorbells, the gio CQ and its counters). */
 static KVTIER_HD inline void kvtier_st32(uint32_t* p, uint32_t v) {
 #if defined(__CUDA_ARCH__)
@@ -139,6 +151,14 @@ static KVTIER_HD inline uint64_t kvtier_now_ns(void) {
 #endif
 }
 
+/* Nanoseconds since start, 0 if the clock reads earlier than start. A
+ * %globaltimer read on another SM may step back a little; an unsigned
+ * difference would read that as ~584 years and time a batch out at once. */
+static KVTIER_HD inline uint64_t kvtier_elapsed_ns(uint64_t start) {
+    const int64_t d = (int64_t)(kvtier_now_ns() - start);
+    return d > 0 ? (uint64_t)d : 0u;
+}
+
 /* Backs off an idle wait: the GPU thread sleeps briefly (the other warps of
  * the SM partition run), a host "block" yields its core to the simulator. */
 static KVTIER_HD inline void kvtier_pause(void) {
@@ -147,6 +167,22 @@ static KVTIER_HD inline void kvtier_pause(void) {
 #else
     sched_yield();
 #endif
+}
+
+/* Backs off an idle wait that may last long (a persistent kernel with no
+ * IOCB to run): sleeps double each time up to KVTIER_GIO_IDLE_MAX_NS, so an
+ * idle I/O kernel polls host memory rarely instead of every few hundred
+ * nanoseconds, at the cost of at most that much latency on the next IOCB. */
+#define KVTIER_GIO_IDLE_MAX_NS 4096u
+static KVTIER_HD inline void kvtier_idle_backoff(uint32_t* ns) {
+#if defined(__CUDA_ARCH__)
+    __nanosleep(*ns);
+#else
+    sched_yield();
+#endif
+    if (*ns < KVTIER_GIO_IDLE_MAX_NS) {
+        *ns *= 2u;
+    }
 }
 
 /* ----------------------------------------------------- block composition -- */
@@ -170,6 +206,7 @@ static KVTIER_HD inline void kvtier_pause(void) {
         __syncthreads();           \
     } while (0)
 #define KVTIER_GIO_SHARED_ADD(p, v) atomicAdd((unsigned int*)(p), (unsigned int)(v))
+#define KVTIER_GIO_SHARED_MIN(p, v) atomicMin((unsigned int*)(p), (unsigned int)(v))
 #else
 #define KVTIER_GIO_EACH_THREAD(tid, n, ...)           \
     do {                                              \
@@ -182,6 +219,12 @@ static KVTIER_HD inline void kvtier_pause(void) {
         __VA_ARGS__;               \
     } while (0)
 #define KVTIER_GIO_SHARED_ADD(p, v) (*(p) += (v))
+#define KVTIER_GIO_SHARED_MIN(p, v) \
+    do {                            \
+        if ((v) < *(p)) {           \
+            *(p) = (v);             \
+        }                           \
+    } while (0)
 #endif
 
 /* A command slot not yet completed, in kvtier_gio_block.cmd_status. */
@@ -208,6 +251,11 @@ typedef struct kvtier_gio_block {
     /* IOCTXs this block finished / finished with an error, for this IOCB. */
     uint32_t finished;
     uint32_t errors;
+    /* The batch's CQ poll: when it started, completions of this batch seen,
+     * and the first of the batch's CQ slots not posted in time. */
+    uint64_t poll_start;
+    uint32_t seen;
+    uint32_t first_miss;
     uint8_t mine[KVTIER_GIO_BLOCK_THREADS];
     uint16_t st[KVTIER_GIO_BLOCK_THREADS];
     uint32_t remaining[KVTIER_GIO_BLOCK_THREADS];
@@ -234,17 +282,19 @@ static KVTIER_HD inline kvtier_gio_queue* kvtier_gio_queue_of(const kvtier_gio_e
 }
 
 /* The queue IOCTX i of an IOCB goes to; *valid = 0 when its device has no
- * queue (the IOCTX is then owned, and failed as invalid, by block 0). */
+ * queue (the IOCTX is then owned, and failed as invalid, by block
+ * i % queue_count, the block that visits it in kvtier_gio_stride's walk). */
 static KVTIER_HD inline uint32_t kvtier_gio_owner(const kvtier_gio_engine* eng, uint16_t dev,
                                                   uint32_t i, int* valid) {
     const kvtier_gio_dev* devs = (const kvtier_gio_dev*)(uintptr_t)eng->devs;
     *valid = 0;
+    const uint32_t fallback = eng->queue_count ? i % eng->queue_count : 0u;
     if (dev >= eng->dev_count || devs[dev].queue_count == 0) {
-        return 0;
+        return fallback;
     }
     const uint32_t q = (uint32_t)devs[dev].first_queue + i % devs[dev].queue_count;
     if (q >= eng->queue_count) {
-        return 0;
+        return fallback;
     }
     *valid = 1;
     return q;
@@ -546,6 +596,7 @@ static KVTIER_HD inline void kvtier_gio_next(const kvtier_gio_engine* eng, kvtie
     sh->errors = 0;
     sh->count = 0;
     sh->oversize = 0;
+    uint32_t idle_ns = 128u;
     for (;;) {
         const uint32_t tail = kvtier_ld32(&ring->sq_tail);
         if (q->ring_cursor != tail) {
@@ -573,7 +624,7 @@ static KVTIER_HD inline void kvtier_gio_next(const kvtier_gio_engine* eng, kvtie
             sh->action = KVTIER_GIO_ACT_STOP;
             return;
         }
-        kvtier_pause();
+        kvtier_idle_backoff(&idle_ns);
     }
 }
 
@@ -672,43 +723,101 @@ static KVTIER_HD inline void kvtier_gio_build(const kvtier_gio_engine* eng,
     kvtier_fence_sys();
 }
 
-/* One thread: one SQ doorbell for the batch, poll the CQ, one CQ doorbell. */
-static KVTIER_HD inline void kvtier_gio_submit_poll(kvtier_gio_queue* q, kvtier_gio_block* sh) {
+/* Records one posted CQE (its second half, read at once with the phase tag)
+ * against the batch: a command of this batch not yet completed takes its
+ * status; a late completion of an earlier batch's timed-out command has
+ * another generation and is dropped. Returns 1 when it completed one. */
+static KVTIER_HD inline uint32_t kvtier_gio_take_cqe(kvtier_gio_block* sh, uint64_t half) {
+    const uint16_t cid = (uint16_t)(half >> 32);
+    const uint16_t status = (uint16_t)(half >> 48);
+    const uint32_t index = cid & ((1u << KVTIER_GIO_CID_INDEX_BITS) - 1u);
+    const uint32_t gen = (uint32_t)cid >> KVTIER_GIO_CID_INDEX_BITS;
+    if (gen == sh->gen && index < sh->batch_n && sh->cmd_status[index] == KVTIER_GIO_PENDING) {
+        sh->cmd_status[index] = KVTIER_NVME_STATUS_CODE(KVTIER_NVME_CQE_STATUS(status));
+        return 1u;
+    }
+    return 0u;
+}
+
+static KVTIER_HD inline const uint64_t* kvtier_gio_cqe_half(const kvtier_gio_queue* q,
+                                                            uint32_t slot) {
+    return (const uint64_t*)(uintptr_t)(q->cq + (uint64_t)slot * sizeof(kvtier_nvme_cqe) + 8u);
+}
+
+/* One thread: one SQ doorbell for the batch. */
+static KVTIER_HD inline void kvtier_gio_ring_sq(kvtier_gio_queue* q, kvtier_gio_block* sh) {
     const uint32_t n = sh->batch_n;
-    const uint16_t depth = q->depth;
     kvtier_fence_sys();
-    q->sq_tail = (uint16_t)((q->sq_tail + n) % depth);
+    q->sq_tail = (uint16_t)((q->sq_tail + n) % q->depth);
     kvtier_st32((uint32_t*)(uintptr_t)q->sq_doorbell, q->sq_tail);
     q->doorbells++;
+    sh->poll_start = kvtier_now_ns();
+    sh->seen = 0;
+    sh->first_miss = n;
+}
 
-    kvtier_nvme_cqe* cq = (kvtier_nvme_cqe*)(uintptr_t)q->cq;
-    const uint64_t start = kvtier_now_ns();
-    uint32_t seen = 0, consumed = 0, spins = 0;
+/* Every thread: waits for the CQ slots cq_head + tid, + tid + nthreads, ...
+ * below cq_head + batch_n, all at once. A controller posts CQEs in slot
+ * order, so the batch's completions fill exactly those slots unless a late
+ * completion of an earlier batch took one (then the serial pass in
+ * kvtier_gio_reap takes the rest). Polling them in parallel costs one
+ * round trip to the CQ's memory per batch instead of one per command. */
+static KVTIER_HD inline void kvtier_gio_poll_slots(const kvtier_gio_queue* q,
+                                                   kvtier_gio_block* sh, uint32_t tid,
+                                                   uint32_t nthreads) {
+    const uint32_t n = sh->batch_n, depth = q->depth;
+    for (uint32_t k = tid; k < n; k += nthreads) {
+        const uint32_t pos = (uint32_t)q->cq_head + k;
+        const uint32_t slot = pos % depth;
+        const uint32_t phase = (uint32_t)q->phase ^ (pos >= depth ? 1u : 0u);
+        const uint64_t* half = kvtier_gio_cqe_half(q, slot);
+        uint32_t spins = 0;
+        for (;;) {
+            const uint64_t h = kvtier_ld64(half);
+            if (((uint32_t)(h >> 48) & KVTIER_NVME_CQE_STATUS_PHASE) == phase) {
+                if (kvtier_gio_take_cqe(sh, h)) {
+                    KVTIER_GIO_SHARED_ADD(&sh->seen, 1u);
+                }
+                break;
+            }
+            if ((++spins & 63u) == 0 && kvtier_elapsed_ns(sh->poll_start) >= q->timeout_ns) {
+                KVTIER_GIO_SHARED_MIN(&sh->first_miss, k);
+                return; /* later slots of this thread cannot be posted either */
+            }
+            kvtier_pause();
+        }
+    }
+}
+
+/* One thread: consumes the slots the parallel poll saw, takes any
+ * completions still missing one by one (a late CQE of an earlier batch in
+ * the way), rings the CQ doorbell once, and times out what never came. */
+static KVTIER_HD inline void kvtier_gio_reap(kvtier_gio_queue* q, kvtier_gio_block* sh) {
+    const uint32_t n = sh->batch_n;
+    const uint16_t depth = q->depth;
+    uint32_t seen = sh->seen, consumed = sh->first_miss, spins = 0;
+    if (consumed > 0) {
+        const uint32_t pos = (uint32_t)q->cq_head + consumed;
+        if (pos >= depth) {
+            q->phase ^= 1u;
+        }
+        q->cq_head = (uint16_t)(pos % depth);
+        const uint64_t last = kvtier_ld64(kvtier_gio_cqe_half(q, (q->cq_head + depth - 1u) % depth));
+        q->sq_head = (uint16_t)last;
+    }
     while (seen < n) {
-        kvtier_nvme_cqe* e = &cq[q->cq_head];
-        const uint16_t status = kvtier_ld16(&e->status);
-        if ((status & KVTIER_NVME_CQE_STATUS_PHASE) == q->phase) {
-            /* The phase tag is read first (acquire): the rest of the entry
-             * is valid once it matches. */
-            const uint16_t cid = kvtier_ld16(&e->cid);
-            const uint16_t sq_head = kvtier_ld16(&e->sq_head);
+        const uint64_t h = kvtier_ld64(kvtier_gio_cqe_half(q, q->cq_head));
+        if (((uint32_t)(h >> 48) & KVTIER_NVME_CQE_STATUS_PHASE) == q->phase) {
             if (++q->cq_head == depth) {
                 q->cq_head = 0;
                 q->phase ^= 1u;
             }
             consumed++;
-            q->sq_head = sq_head;
-            const uint32_t index = cid & ((1u << KVTIER_GIO_CID_INDEX_BITS) - 1u);
-            const uint32_t gen = (uint32_t)cid >> KVTIER_GIO_CID_INDEX_BITS;
-            /* A late completion of an earlier batch's timed-out command has
-             * another generation: consumed and dropped. */
-            if (gen == sh->gen && index < n && sh->cmd_status[index] == KVTIER_GIO_PENDING) {
-                sh->cmd_status[index] = KVTIER_NVME_STATUS_CODE(KVTIER_NVME_CQE_STATUS(status));
-                seen++;
-            }
+            q->sq_head = (uint16_t)h;
+            seen += kvtier_gio_take_cqe(sh, h);
             continue;
         }
-        if ((++spins & 63u) == 0 && kvtier_now_ns() - start >= q->timeout_ns) {
+        if ((++spins & 63u) == 0 && kvtier_elapsed_ns(sh->poll_start) >= q->timeout_ns) {
             break;
         }
         kvtier_pause();
@@ -801,6 +910,23 @@ static KVTIER_HD inline void kvtier_gio_account(const kvtier_gio_engine* eng,
     q->ring_cursor++;
 }
 
+/* Which IOCTXs block b must look at: i = *first + k * *stride. With one
+ * device served by every queue, IOCTX i belongs to block i % queue_count
+ * (valid or not), so each block walks only its own and fills whole windows
+ * of its threads; otherwise ownership depends on each IOCTX's device and
+ * every block walks them all. */
+static KVTIER_HD inline void kvtier_gio_stride(const kvtier_gio_engine* eng, uint32_t b,
+                                               uint32_t* first, uint32_t* stride) {
+    const kvtier_gio_dev* devs = (const kvtier_gio_dev*)(uintptr_t)eng->devs;
+    *first = 0;
+    *stride = 1;
+    if (eng->dev_count == 1 && devs[0].first_queue == 0 &&
+        devs[0].queue_count == eng->queue_count && eng->queue_count > 0) {
+        *first = b;
+        *stride = eng->queue_count;
+    }
+}
+
 /* -------------------------------------------------------- the program -- */
 
 /*
@@ -820,25 +946,30 @@ KVTIER_BLOCK_FN static inline void kvtier_gio_run_block(const kvtier_gio_engine*
         nthreads = KVTIER_GIO_BLOCK_THREADS;
     }
     kvtier_gio_queue* q = kvtier_gio_queue_of(eng, b);
+    uint32_t first, stride;
+    kvtier_gio_stride(eng, b, &first, &stride);
     for (;;) {
         KVTIER_GIO_ONE_THREAD(kvtier_gio_next(eng, q, b, mode, sh));
         if (sh->action == KVTIER_GIO_ACT_STOP) {
             break;
         }
-        for (uint32_t win = 0; win < sh->count; win += nthreads) {
-            KVTIER_GIO_EACH_THREAD(tid, nthreads, kvtier_gio_prepare(eng, q, b, sh, win + tid, tid));
+        for (uint32_t win = 0; first + win * stride < sh->count; win += nthreads) {
+            KVTIER_GIO_EACH_THREAD(tid, nthreads,
+                                   kvtier_gio_prepare(eng, q, b, sh, first + (win + tid) * stride, tid));
             for (;;) {
                 KVTIER_GIO_ONE_THREAD(kvtier_gio_plan(q, sh, nthreads));
                 if (sh->all_done) {
                     break;
                 }
                 if (!sh->stuck) {
-                    KVTIER_GIO_EACH_THREAD(tid, nthreads, kvtier_gio_build(eng, q, sh, win + tid, tid));
-                    KVTIER_GIO_ONE_THREAD(kvtier_gio_submit_poll(q, sh));
+                    KVTIER_GIO_EACH_THREAD(tid, nthreads, kvtier_gio_build(eng, q, sh, first + (win + tid) * stride, tid));
+                    KVTIER_GIO_ONE_THREAD(kvtier_gio_ring_sq(q, sh));
+                    KVTIER_GIO_EACH_THREAD(tid, nthreads, kvtier_gio_poll_slots(q, sh, tid, nthreads));
+                    KVTIER_GIO_ONE_THREAD(kvtier_gio_reap(q, sh));
                 }
-                KVTIER_GIO_EACH_THREAD(tid, nthreads, kvtier_gio_collect(eng, q, sh, win + tid, tid));
+                KVTIER_GIO_EACH_THREAD(tid, nthreads, kvtier_gio_collect(eng, q, sh, first + (win + tid) * stride, tid));
             }
-            KVTIER_GIO_EACH_THREAD(tid, nthreads, kvtier_gio_finish(eng, sh, win + tid, tid));
+            KVTIER_GIO_EACH_THREAD(tid, nthreads, kvtier_gio_finish(eng, sh, first + (win + tid) * stride, tid));
         }
         KVTIER_GIO_ONE_THREAD(kvtier_gio_account(eng, q, sh));
     }
@@ -857,7 +988,7 @@ static KVTIER_HD inline int kvtier_gio_wait(const uint32_t* counter, uint32_t ta
                                             uint64_t timeout_ns) {
     const uint64_t start = kvtier_now_ns();
     while (!kvtier_counter_reached(kvtier_ld32(counter), target)) {
-        if (timeout_ns != 0 && kvtier_now_ns() - start >= timeout_ns) {
+        if (timeout_ns != 0 && kvtier_elapsed_ns(start) >= timeout_ns) {
             return 0;
         }
         kvtier_pause();

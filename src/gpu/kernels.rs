@@ -67,6 +67,21 @@ pub fn gio_kernel() -> Result<KernelImage> {
     }
 }
 
+/// The GPU-resident null NVMe controller `kvtier_null_nvme` (a test double
+/// that completes every command at once, for measuring the I/O kernel's
+/// command rate) and the isolation workloads `kvtier_spin_compute` and
+/// `kvtier_stream_copy` (`kernels/null_nvme.cu`).
+pub fn null_nvme() -> Result<KernelImage> {
+    #[cfg(kvtier_kernels)]
+    {
+        Ok(image!("null_nvme"))
+    }
+    #[cfg(not(kvtier_kernels))]
+    {
+        Err(without_kernels("null_nvme"))
+    }
+}
+
 /// The IOCB validation kernels (`kernels/abi_check.cu`).
 pub fn abi_check() -> Result<KernelImage> {
     #[cfg(kvtier_kernels)]
@@ -92,6 +107,10 @@ mod tests {
                 assert!(k.ptx.contains(".entry kvtier_gio_kernel("));
                 assert!(k.ptx.contains(".entry kvtier_wait_counter("));
                 assert!(abi_check().unwrap().ptx.contains(".target sm_90"));
+                assert!(null_nvme()
+                    .unwrap()
+                    .ptx
+                    .contains(".entry kvtier_null_nvme("));
             }
             Err(e) => {
                 assert!(!built_with_kernels());

@@ -189,7 +189,7 @@ impl Drop for PinnedHostBuffer {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RegisterFlags {
     /// Ordinary memory, mapped into the GPU's address space
-    /// (`CU_MEMHOSTREGISTER_DEVICEMAP`).
+    /// (`CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_PORTABLE`).
     DeviceMap,
     /// An mmap of a PCI BAR (e.g. an NVMe controller's BAR0 with its
     /// doorbells, from VFIO): `CU_MEMHOSTREGISTER_IOMEMORY |
@@ -202,9 +202,17 @@ pub enum RegisterFlags {
 impl RegisterFlags {
     fn bits(self) -> u32 {
         match self {
-            RegisterFlags::DeviceMap => sys::CU_MEMHOSTREGISTER_DEVICEMAP,
+            // PORTABLE: the pages are pinned for every context, the green
+            // contexts and a serving engine's primary context alike, so a copy
+            // on any of their streams runs at pinned speed. (With unified
+            // addressing the driver does this anyway; say it, not rely on it.)
+            RegisterFlags::DeviceMap => {
+                sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE
+            }
             RegisterFlags::IoMemory => {
-                sys::CU_MEMHOSTREGISTER_IOMEMORY | sys::CU_MEMHOSTREGISTER_DEVICEMAP
+                sys::CU_MEMHOSTREGISTER_IOMEMORY
+                    | sys::CU_MEMHOSTREGISTER_DEVICEMAP
+                    | sys::CU_MEMHOSTREGISTER_PORTABLE
             }
         }
     }
