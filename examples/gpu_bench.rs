@@ -712,6 +712,57 @@ fn isolation(args: &[String]) -> Res<()> {
         let total_cmds = rig.queue_sum(std::mem::offset_of!(GioQueue, commands), 8);
         rig.stop(total_cmds)?;
     }
+    // What polling host memory from the I/O partition costs the compute
+    // partition, same run: 8 pollers, acquire (a fence per poll) vs relaxed.
+    {
+        let (p, part) = placement(&dev, io_sms, "io")?;
+        let part = part.unwrap();
+        let cctx = part.compute.context().clone();
+        let w = Workloads::new(&cctx, part.compute.sm_count())?;
+        let s = cctx.stream().map_err(e("stream"))?;
+        let m = load(&p.io, kernels::null_nvme().map_err(e("image"))?)?;
+        let f = m.function("kvtier_poll_probe").map_err(e("fn"))?;
+        let flag = PinnedHostBuffer::alloc(&p.io, 64).map_err(e("flag"))?;
+        flag.write(0, &[0u8; 64]).map_err(e("flag"))?;
+        let ps = p.io.stream().map_err(e("stream"))?;
+        for (mode, sleep) in [
+            (0u32, 0u32),
+            (1, 0),
+            (0, 256),
+            (1, 256),
+            (0, 4096),
+            (1, 4096),
+        ] {
+            flag.atomic_u32(4)
+                .unwrap()
+                .store(0, std::sync::atomic::Ordering::Release);
+            let mut a = KernelArgs::new()
+                .arg(flag.device_ptr())
+                .arg(mode)
+                .arg(sleep)
+                .arg(flag.device_ptr() + 4);
+            // SAFETY: kvtier_poll_probe(flag, mode, sleep, stop): two u32 of
+            // a pinned buffer that outlives the synchronize below.
+            unsafe {
+                ps.launch(&f, LaunchConfig::linear(8, 32), &mut a)
+                    .map_err(e("launch poller"))?
+            };
+            std::thread::sleep(Duration::from_millis(20));
+            let (a, b) = w.measure(&s, reps)?;
+            flag.atomic_u32(4)
+                .unwrap()
+                .store(1, std::sync::atomic::Ordering::Release);
+            ps.synchronize().map_err(e("poller exit"))?;
+            rows.push((
+                format!(
+                    "compute partition, 8 pollers of pinned memory on the I/O SMs: {} every {sleep} ns",
+                    if mode == 0 { "ld.acquire.sys" } else { "ld.relaxed.sys" }
+                ),
+                a,
+                b,
+            ));
+        }
+    }
     // 5. no partition: I/O kernel busy on the primary context beside compute.
     {
         let (p, _) = placement(&dev, 0, "io")?;

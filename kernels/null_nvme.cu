@@ -147,3 +147,37 @@ extern "C" __global__ void kvtier_stream_copy(const float4* __restrict__ src,
         dst[i] = src[i];
     }
 }
+
+// kvtier_poll_probe(const uint32_t* flag, uint32_t mode, uint32_t sleep_ns,
+//                   const uint32_t* stop)
+//   What an idle poll loop costs the rest of the GPU: thread 0 of each block
+//   polls `flag` (pinned host memory) until *stop, sleeping sleep_ns between
+//   polls, with mode 0: ld.acquire.sys (a system-scope fence per poll) or
+//   mode 1: ld.relaxed.sys (no fence). Launch on the I/O partition beside a
+//   copy kernel on the compute partition.
+extern "C" __global__ void kvtier_poll_probe(const uint32_t* __restrict__ flag, uint32_t mode,
+                                             uint32_t sleep_ns, const uint32_t* __restrict__ stop) {
+    if (threadIdx.x != 0) {
+        return;
+    }
+    uint32_t sink = 0;
+    for (uint32_t i = 0;; ++i) {
+        uint32_t v;
+        if (mode == 0) {
+            asm volatile("ld.acquire.sys.u32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+        } else {
+            asm volatile("ld.relaxed.sys.u32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+        }
+        sink += v;
+        if ((i & 15u) == 0 && null_ld_acquire_sys(stop) != 0) {
+            break;
+        }
+        if (sleep_ns) {
+            __nanosleep(sleep_ns);
+        }
+    }
+    if (sink == 0xffffffffu) {
+        // Never true for a zero flag; keeps the loads.
+        *(volatile uint32_t*)stop = sink;
+    }
+}

@@ -488,3 +488,75 @@ fn gpu_engine_drives_the_simulated_controller() {
     assert!(line.contains("gpu (cuda executor)"), "{line}");
     drop(part);
 }
+
+/// The GPU engine stops its I/O kernel once nothing is in flight, so a
+/// serving engine in the same process can free memory while kvtier is idle:
+/// measured on an H100, cuMemFree waits for any resident kernel to exit,
+/// in every context of the device. A kept-resident kernel (idle_exit None)
+/// must hold such a call; a stopped one must not.
+#[test]
+fn idle_gpu_engine_does_not_hold_cumemfree() {
+    use kvtier::engine::gpu::{CudaGioExecutor, GpuEngine, GpuEngineConfig};
+    use kvtier::nvme::sim::SimConfig;
+    use kvtier::p2p::P2pTable;
+    use kvtier::pool::backing::AlignedBuf;
+    use kvtier::ring::abi::IOCTX_OP_WRITE;
+    const NAME: &str = "idle_gpu_engine_does_not_hold_cumemfree";
+    let Some(dev) = gpu(NAME) else {
+        return;
+    };
+    if !kvtier::gpu::kernels::built_with_kernels() {
+        skip(NAME, "kvtier was built without CUDA kernels (no nvcc)");
+        return;
+    }
+    let primary = Context::primary(&dev).unwrap();
+    // Frees a 1 MiB device buffer of the primary context on another thread;
+    // true when it returned within 3 s.
+    let free_returns = |ctx: &Context| {
+        let buf = DeviceBuffer::alloc(ctx, 1 << 20).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let h = std::thread::spawn(move || {
+            drop(buf);
+            let _ = tx.send(());
+        });
+        let quick = rx.recv_timeout(Duration::from_secs(3)).is_ok();
+        (quick, h)
+    };
+    for idle_exit in [Some(Duration::ZERO), None] {
+        let (_sim, ns) = suite::sim_namespace(SimConfig::default(), 1);
+        let exec = CudaGioExecutor::new(primary.clone()).expect("I/O kernel module");
+        let mut engine = GpuEngine::new(
+            vec![ns.clone()],
+            Box::new(exec),
+            GpuEngineConfig {
+                idle_exit,
+                ..Default::default()
+            },
+        )
+        .expect("GPU engine");
+        let mut ring = kvtier::ring::GioRing::new(4).unwrap();
+        let mut mem = AlignedBuf::zeroed(4 * 16384);
+        let table = P2pTable::for_buffers(mem.as_mut_ptr() as u64, 16384, 4).unwrap();
+        kvtier::engine::IoEngine::register_memory(&mut engine, Arc::new(table)).unwrap();
+        let r = suite::run_iocb(
+            &mut engine,
+            &mut ring,
+            &[(suite::ioctx(IOCTX_OP_WRITE, 1 << 20, 16384), vec![0])],
+        );
+        assert_eq!(r, vec![(0, 16384)]);
+        let (quick, h) = free_returns(&primary);
+        if idle_exit.is_some() {
+            assert!(!engine.kernel_resident(), "stopped once idle");
+            assert!(
+                quick,
+                "cuMemFree waited although the I/O kernel was stopped"
+            );
+            h.join().unwrap();
+        } else {
+            assert!(engine.kernel_resident());
+            eprintln!("{NAME}: resident kernel held cuMemFree: {}", !quick);
+            drop(engine); // stops the kernel: the free goes through
+            h.join().unwrap();
+        }
+    }
+}

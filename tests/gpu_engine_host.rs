@@ -79,6 +79,12 @@ fn errors_timeouts_and_teardown() {
             exec,
             GpuEngineConfig {
                 batch_timeout: Duration::from_millis(200),
+                // Round 1 keeps the kernel resident between IOCBs.
+                idle_exit: if round == 0 {
+                    Some(Duration::ZERO)
+                } else {
+                    None
+                },
                 ..Default::default()
             },
         )
@@ -109,9 +115,18 @@ fn errors_timeouts_and_teardown() {
         let st = engine.stats();
         assert_eq!(st.errors, 1);
         assert!(st.commands >= 3 && st.doorbells >= 2, "{st:?}");
+        // Stopped once nothing is in flight (the default idle_exit), so a
+        // serving engine's cuMemFree never waits behind an idle kernel; the
+        // next submit launches it again.
+        let (resident, launches) = if round == 0 {
+            (false, "2 kernel launch")
+        } else {
+            (true, "1 kernel launch")
+        };
+        assert_eq!(engine.kernel_resident(), resident, "round {round}");
         assert!(
-            engine.describe().contains("1 kernel launch"),
-            "one resident kernel serves every IOCB: {}",
+            engine.describe().contains(launches),
+            "round {round}: one launch per busy period, or one in all when kept resident: {}",
             engine.describe()
         );
         if round == 0 {

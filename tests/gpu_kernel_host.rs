@@ -658,6 +658,52 @@ fn nvme_errors_and_invalid_ioctxs_per_ioctx() {
     );
 }
 
+/// With one device served by two queues, each block walks only the IOCTXs
+/// it owns (i % 2), invalid ones included: an IOCTX naming no device is
+/// failed by the block that visits it, and the IOCB still completes with
+/// every IOCTX accounted for.
+#[test]
+fn two_queues_of_one_device_split_the_ioctxs_invalid_ones_too() {
+    let lib = lib_or_skip!();
+    let mut rig = Rig::new(
+        SimConfig::default(),
+        &[QueueSpec::default(), QueueSpec::default()],
+        &[2],
+    );
+    let buf = rig.buffer(4 * 8192);
+    rig.set_p2p(
+        (0..4)
+            .map(|i| SglDescriptor::data_block(buf.dma() + i * 8192, 8192))
+            .collect(),
+    );
+    let id = rig.run(
+        lib,
+        &[
+            (0, 8192, 0, IOCTX_OP_READ, vec![0]),
+            (8192, 8192, 7, IOCTX_OP_READ, vec![1]), // no device 7: block 1's
+            (16384, 8192, 0, IOCTX_OP_READ, vec![2]),
+            (24576, 8192, 9, IOCTX_OP_READ, vec![3]), // no device 9: block 1's
+            (32768, 8192, 0, IOCTX_OP_READ, vec![3]),
+        ],
+    );
+    assert_complete(&rig, id, 2);
+    assert_eq!(
+        statuses(rig.iocb(id)),
+        [
+            IOCTX_STATUS_OK,
+            IOCTX_STATUS_INVALID,
+            IOCTX_STATUS_OK,
+            IOCTX_STATUS_INVALID,
+            IOCTX_STATUS_OK
+        ]
+    );
+    assert_eq!(rig.queues[0].commands, 3, "block 0 ran IOCTXs 0, 2 and 4");
+    assert_eq!(
+        rig.queues[1].commands, 0,
+        "block 1 owned only invalid IOCTXs"
+    );
+}
+
 /// A command the controller fetches and never completes ends in the timeout
 /// status within the poll budget instead of hanging; its IOCB completes, and
 /// the queue keeps working afterwards.
