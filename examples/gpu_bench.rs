@@ -519,7 +519,9 @@ fn rate(args: &[String]) -> Res<()> {
     let queues = parse_list(&arg(args, "--queues", "1,2,4,8"));
     let sizes = parse_list(&arg(args, "--bs", "4k,128k,512k"));
     let prp = args.iter().any(|a| a == "--prp");
-    let p2p_hbm = arg(args, "--p2p", "host") == "hbm";
+    // The engine uploads its P2P table to GPU memory; --p2p host measures the
+    // table read over PCIe instead.
+    let p2p_hbm = arg(args, "--p2p", "hbm") == "hbm";
     let (p, _part) = placement(&dev, io_sms, &null_on)?;
     println!(
         "rate: {}; {} descriptors; P2P table in {}",
@@ -1167,7 +1169,7 @@ fn main() {
         Some("isolation") => isolation(&args[2..]),
         Some("restore") => restore(&args[2..]),
         Some("blocking") => blocking(&args[2..]),
-        _ => Err("usage: gpu_bench rate [--io-sms 8] [--null-on compute|io] [--queues 1,2,4,8] [--bs 4k,128k,512k] [--seconds 1] [--prp] [--p2p host|hbm]\n       gpu_bench isolation [--io-sms 8] [--queues 8] [--bs 128k] [--reps 15]\n       gpu_bench restore [--dir ./kvtier-data] [--model llama3-8b] [--contexts 4096,16384] [--reps 3]\n       gpu_bench blocking [--io-sms 8]".into()),
+        _ => Err("usage: gpu_bench rate [--io-sms 8] [--null-on compute|io] [--queues 1,2,4,8] [--bs 4k,128k,512k] [--seconds 1] [--prp] [--p2p hbm|host]\n       gpu_bench isolation [--io-sms 8] [--queues 8] [--bs 128k] [--reps 15]\n       gpu_bench restore [--dir ./kvtier-data] [--model llama3-8b] [--contexts 4096,16384] [--reps 3]\n       gpu_bench blocking [--io-sms 8]".into()),
     };
     if let Err(msg) = r {
         eprintln!("gpu_bench: {msg}");
