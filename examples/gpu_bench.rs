@@ -1162,6 +1162,179 @@ fn blocking(args: &[String]) -> Res<()> {
     Ok(())
 }
 
+/// The staged HBM path's copies for one llama3-8b layer: scatter of the
+/// layer's objects from pinned staging into permuted HBM blocks (one
+/// launch) beside one contiguous pinned H2D copy of the same bytes (the
+/// ceiling) and one cuMemcpyAsync per object; gather with crc32c on the GPU
+/// beside the same gather without checksums (the crc's cost). Median of
+/// `--reps`; bytes and checksums checked once.
+fn staging(args: &[String]) -> Res<()> {
+    use kvtier::gpu::staging::{CopyDesc, CudaCopier, DeviceCopier};
+    let tokens: usize = arg(args, "--tokens", "4096")
+        .parse()
+        .map_err(e("--tokens"))?;
+    let reps: usize = arg(args, "--reps", "21").parse().map_err(e("--reps"))?;
+    let obj = 32 * 1024usize; // llama3-8b, 16-token blocks
+    let n = tokens.div_ceil(16) * 2; // K and V of each block: one layer
+    let bytes = n * obj;
+    let dev = Device::get(0).map_err(e("device 0"))?;
+    let ctx = Context::primary(&dev).map_err(e("primary"))?;
+    let staging = PinnedHostBuffer::alloc(&ctx, bytes).map_err(e("staging"))?;
+    let back = PinnedHostBuffer::alloc(&ctx, bytes).map_err(e("staging"))?;
+    // The KV cache: 4x the layer's blocks, the layer's objects at permuted places.
+    let hbm = DeviceBuffer::zeroed(&ctx, 4 * bytes).map_err(e("HBM"))?;
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let data: Vec<u8> = (0..bytes / 8)
+        .flat_map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x.to_le_bytes()
+        })
+        .collect();
+    staging.write(0, &data).map_err(e("staging"))?;
+    let place = |i: usize| (i * 2654435761usize) % (4 * n);
+    let down: Vec<CopyDesc> = (0..n)
+        .map(|i| CopyDesc {
+            src: staging.device_ptr() + (i * obj) as u64,
+            dst: hbm.device_ptr() + (place(i) * obj) as u64,
+            len: obj as u32,
+            reserved: 0,
+        })
+        .collect();
+    let up: Vec<CopyDesc> = (0..n)
+        .map(|i| CopyDesc {
+            src: down[i].dst,
+            dst: back.device_ptr() + (i * obj) as u64,
+            len: obj as u32,
+            reserved: 0,
+        })
+        .collect();
+    let mut c = CudaCopier::new(&ctx, n).map_err(e("copier"))?;
+    let s = c.stream();
+    let timed = |f: &mut dyn FnMut() -> Res<()>, s: &Stream| -> Res<f64> {
+        let mut v = Vec::new();
+        for r in 0..reps + 2 {
+            s.synchronize().map_err(e("sync"))?;
+            let t0 = Instant::now();
+            f()?;
+            s.synchronize().map_err(e("sync"))?;
+            if r >= 2 {
+                v.push(t0.elapsed().as_secs_f64());
+            }
+        }
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        Ok(v[v.len() / 2])
+    };
+    let copy_stream = ctx.stream().map_err(e("stream"))?;
+    let h2d = timed(
+        &mut || unsafe {
+            // SAFETY: pinned staging and the HBM buffer outlive the sync.
+            copy_stream
+                .memcpy_async(hbm.device_ptr(), staging.device_ptr(), bytes)
+                .map_err(e("H2D"))
+        },
+        &copy_stream,
+    )?;
+    let per_object = timed(
+        &mut || {
+            for d in &down {
+                // SAFETY: as above.
+                unsafe {
+                    copy_stream
+                        .memcpy_async(d.dst, d.src, d.len as usize)
+                        .map_err(e("H2D"))?
+                };
+            }
+            Ok(())
+        },
+        &copy_stream,
+    )?;
+    let _ = s;
+    let scatter = {
+        let mut v = Vec::new();
+        for r in 0..reps + 2 {
+            let t0 = Instant::now();
+            c.scatter(&down).map_err(e("scatter"))?;
+            c.finish().map_err(e("scatter"))?;
+            if r >= 2 {
+                v.push(t0.elapsed().as_secs_f64());
+            }
+        }
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        v[v.len() / 2]
+    };
+    let got = hbm.to_vec().map_err(e("D2H"))?;
+    for i in 0..n {
+        let d = place(i) * obj;
+        if got[d..d + obj] != data[i * obj..(i + 1) * obj] {
+            return Err(format!("scatter: object {i} differs in HBM"));
+        }
+    }
+    let (mut gather_plain, mut gather_crc) = (Vec::new(), Vec::new());
+    let mut crcs = Vec::new();
+    for r in 0..reps + 2 {
+        let t0 = Instant::now();
+        c.scatter(&up).map_err(e("gather"))?;
+        c.finish().map_err(e("gather"))?;
+        let plain = t0.elapsed().as_secs_f64();
+        let t0 = Instant::now();
+        c.gather_crc32c(&up).map_err(e("gather"))?;
+        crcs = c.finish().map_err(e("gather"))?;
+        let with = t0.elapsed().as_secs_f64();
+        if r >= 2 {
+            gather_plain.push(plain);
+            gather_crc.push(with);
+        }
+    }
+    let mut back_bytes = vec![0u8; bytes];
+    back.read(0, &mut back_bytes).map_err(e("read back"))?;
+    if back_bytes != data {
+        return Err("gather: bytes back in staging differ".into());
+    }
+    for (i, crc) in crcs.iter().enumerate() {
+        if *crc != crc32c::crc32c(&data[i * obj..(i + 1) * obj]) {
+            return Err(format!(
+                "gather: crc32c of object {i} differs from the CPU's"
+            ));
+        }
+    }
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        v[v.len() / 2]
+    };
+    let (gp, gc) = (med(&mut gather_plain), med(&mut gather_crc));
+    let gbs = |t: f64| bytes as f64 / t / 1e9;
+    println!("staging: one llama3-8b layer at {tokens} tokens: {n} objects of 32 KiB ({} MiB), median of {reps}", bytes >> 20);
+    println!("  H2D one contiguous copy (ceiling) {:8.1} GB/s", gbs(h2d));
+    println!(
+        "  H2D one cuMemcpyAsync per object  {:8.1} GB/s",
+        gbs(per_object)
+    );
+    println!(
+        "  scatter kernel, permuted blocks   {:8.1} GB/s ({:.2}x the ceiling)",
+        gbs(scatter),
+        h2d / scatter
+    );
+    println!("  gather (D2H) kernel               {:8.1} GB/s", gbs(gp));
+    println!(
+        "  gather + crc32c on the GPU        {:8.1} GB/s (crc costs {:+.1}%)",
+        gbs(gc),
+        (gc / gp - 1.0) * 100.0
+    );
+    println!(
+        "FIG staging tokens={tokens} h2d_gbs={:.1} per_object_gbs={:.1} scatter_gbs={:.1} scatter_vs_h2d={:.3} gather_gbs={:.1} gather_crc_gbs={:.1} crc_cost_pct={:.1} verified=yes",
+        gbs(h2d),
+        gbs(per_object),
+        gbs(scatter),
+        h2d / scatter,
+        gbs(gp),
+        gbs(gc),
+        (gc / gp - 1.0) * 100.0
+    );
+    Ok(())
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let r = match args.get(1).map(String::as_str) {
@@ -1169,7 +1342,8 @@ fn main() {
         Some("isolation") => isolation(&args[2..]),
         Some("restore") => restore(&args[2..]),
         Some("blocking") => blocking(&args[2..]),
-        _ => Err("usage: gpu_bench rate [--io-sms 8] [--null-on compute|io] [--queues 1,2,4,8] [--bs 4k,128k,512k] [--seconds 1] [--prp] [--p2p hbm|host]\n       gpu_bench isolation [--io-sms 8] [--queues 8] [--bs 128k] [--reps 15]\n       gpu_bench restore [--dir ./kvtier-data] [--model llama3-8b] [--contexts 4096,16384] [--reps 3]\n       gpu_bench blocking [--io-sms 8]".into()),
+        Some("staging") => staging(&args[2..]),
+        _ => Err("usage: gpu_bench rate [--io-sms 8] [--null-on compute|io] [--queues 1,2,4,8] [--bs 4k,128k,512k] [--seconds 1] [--prp] [--p2p hbm|host]\n       gpu_bench isolation [--io-sms 8] [--queues 8] [--bs 128k] [--reps 15]\n       gpu_bench restore [--dir ./kvtier-data] [--model llama3-8b] [--contexts 4096,16384] [--reps 3]\n       gpu_bench blocking [--io-sms 8]\n       gpu_bench staging [--tokens 4096] [--reps 21]".into()),
     };
     if let Err(msg) = r {
         eprintln!("gpu_bench: {msg}");

@@ -586,7 +586,13 @@ static KVTIER_HD inline uint16_t kvtier_gio_check(const kvtier_gio_engine* eng,
         return KVTIER_IOCTX_STATUS_INVALID;
     }
     const uint32_t n = (uint32_t)((c->len + (uint64_t)mt - 1) / mt);
-    for (uint32_t k = 0; k < n; ++k) {
+    /* The dry run catches what only the built command shows (PRP alignment,
+     * more SGL pieces than a descriptor slot holds). A command's SGL has at
+     * most one piece per segment, so with SGLs and few enough segments
+     * there is nothing to catch: skipping it saves a pass over the
+     * segments and the P2P table (host reads) per IOCTX. */
+    const int dry_run = !q->use_sgl || c->seg_count > q->desc_bytes / KVTIER_SGL_DESC_SIZE;
+    for (uint32_t k = 0; dry_run && k < n; ++k) {
         const uint16_t st = kvtier_gio_describe(eng, q, iocb, c, k, (kvtier_nvme_sqe*)0,
                                                 (uint8_t*)0, 0, 0);
         if (st != KVTIER_IOCTX_STATUS_OK) {

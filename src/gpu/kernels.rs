@@ -82,6 +82,19 @@ pub fn null_nvme() -> Result<KernelImage> {
     }
 }
 
+/// The staging copies `kvtier_scatter` and `kvtier_gather_crc32c`
+/// (`kernels/staging.cu`).
+pub fn staging() -> Result<KernelImage> {
+    #[cfg(kvtier_kernels)]
+    {
+        Ok(image!("staging"))
+    }
+    #[cfg(not(kvtier_kernels))]
+    {
+        Err(without_kernels("staging"))
+    }
+}
+
 /// The IOCB validation kernels (`kernels/abi_check.cu`).
 pub fn abi_check() -> Result<KernelImage> {
     #[cfg(kvtier_kernels)]

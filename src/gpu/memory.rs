@@ -492,9 +492,10 @@ mod tests {
 
     #[test]
     fn flag_bits_are_the_cuda_values() {
-        // From cuda.h: DEVICEMAP 0x02, IOMEMORY 0x04; wait GEQ 0, EQ 1, AND 2.
-        assert_eq!(RegisterFlags::DeviceMap.bits(), 0x02);
-        assert_eq!(RegisterFlags::IoMemory.bits(), 0x06);
+        // From cuda.h: PORTABLE 0x01, DEVICEMAP 0x02, IOMEMORY 0x04; wait GEQ 0,
+        // EQ 1, AND 2.
+        assert_eq!(RegisterFlags::DeviceMap.bits(), 0x03);
+        assert_eq!(RegisterFlags::IoMemory.bits(), 0x07);
         assert_eq!(WaitCond::Geq.bits(), 0);
         assert_eq!(WaitCond::Eq.bits(), 1);
         assert_eq!(WaitCond::And.bits(), 2);

@@ -20,6 +20,8 @@
 //! - [`kernels`]: the embedded cubin/PTX images that `build.rs` compiled.
 //! - [`host_kernel`]: the same I/O kernel logic compiled for the CPU (the
 //!   GPU engine's host executor).
+//! - [`staging`]: scatter/gather between pinned staging and paged KV blocks
+//!   in GPU memory, with crc32c on the GPU (the staged HBM path).
 
 pub mod abi;
 pub mod context;
@@ -30,6 +32,7 @@ pub mod host_kernel;
 pub mod kernels;
 pub mod memory;
 pub mod probe;
+pub mod staging;
 
 pub use context::{Context, Device, Event, Function, KernelArgs, LaunchConfig, Module, Stream};
 pub use dma::{DmaPathKind, GpuDmaPath, GpuDmaRegion, HostBouncePath};

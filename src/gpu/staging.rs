@@ -1,0 +1,251 @@
+//! Copies between pinned staging memory and a serving engine's paged KV
+//! blocks in GPU memory, for the staged HBM path (no GPUDirect needed).
+//!
+//! A restore reads a layer's objects from the SSDs into pinned staging, then
+//! one [`DeviceCopier::scatter`] puts each object at its block's place in
+//! HBM; a store runs [`DeviceCopier::gather_crc32c`], which copies each
+//! object from HBM into staging and returns its crc32c, so blocks stored
+//! from GPU memory carry a data checksum like blocks stored from host memory.
+//!
+//! Two copiers, held to the same tests: [`CudaCopier`] (the kernels of
+//! `kernels/staging.cu`, one launch per call, on its own stream) and
+//! [`HostCopier`], a test double that does the same copies with the CPU on
+//! host memory (for machines without a GPU).
+
+use bytemuck::{Pod, Zeroable};
+
+use super::{
+    kernels, Context, Function, KernelArgs, LaunchConfig, Module, PinnedHostBuffer, Stream,
+};
+use crate::error::{Error, Result};
+
+/// One copy: `len` bytes from `src` to `dst` (unified addresses: device
+/// pointers or the device view of pinned host memory). Twin of
+/// `kvtier_copy` in `kernels/staging.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct CopyDesc {
+    pub src: u64,
+    pub dst: u64,
+    pub len: u32,
+    pub reserved: u32,
+}
+
+const _: () = assert!(size_of::<CopyDesc>() == 24);
+const _: () = assert!(std::mem::offset_of!(CopyDesc, len) == 16);
+
+/// Threads per block of the gather kernel (`KVTIER_STAGING_THREADS`).
+const STAGING_THREADS: u32 = 256;
+
+/// Scatter and gather between staging and KV memory.
+pub trait DeviceCopier: Send {
+    /// Starts every copy of `list`; returns once they are queued.
+    fn scatter(&mut self, list: &[CopyDesc]) -> Result<()>;
+    /// Starts every copy of `list` and the crc32c of each copy's bytes;
+    /// [`Self::finish`] returns the checksums, in `list` order.
+    fn gather_crc32c(&mut self, list: &[CopyDesc]) -> Result<()>;
+    /// Waits for everything started; returns the checksums of the last
+    /// gather (empty after a scatter).
+    fn finish(&mut self) -> Result<Vec<u32>>;
+}
+
+/// The test double: the same copies done by the CPU on host addresses.
+#[derive(Default)]
+pub struct HostCopier {
+    crcs: Vec<u32>,
+}
+
+impl HostCopier {
+    fn copy(c: &CopyDesc) {
+        if c.len == 0 {
+            return;
+        }
+        // SAFETY: the caller of scatter/gather names host memory it owns
+        // for these ranges (the double's contract, as the kernel's is GPU-
+        // visible memory); the ranges of one copy do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(c.src as *const u8, c.dst as *mut u8, c.len as usize)
+        };
+    }
+}
+
+impl DeviceCopier for HostCopier {
+    fn scatter(&mut self, list: &[CopyDesc]) -> Result<()> {
+        self.crcs.clear();
+        list.iter().for_each(HostCopier::copy);
+        Ok(())
+    }
+
+    fn gather_crc32c(&mut self, list: &[CopyDesc]) -> Result<()> {
+        self.crcs.clear();
+        for c in list {
+            HostCopier::copy(c);
+            // SAFETY: as in `copy`: the source range is the caller's memory.
+            let bytes = unsafe { std::slice::from_raw_parts(c.src as *const u8, c.len as usize) };
+            self.crcs.push(crc32c::crc32c(bytes));
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self) -> Result<Vec<u32>> {
+        Ok(std::mem::take(&mut self.crcs))
+    }
+}
+
+/// The copier on a GPU: `kvtier_scatter` / `kvtier_gather_crc32c`, one
+/// launch per call on a stream of its own; the copy list and the checksums
+/// travel through pinned memory.
+pub struct CudaCopier {
+    stream: Stream,
+    scatter_fn: Function,
+    gather_fn: Function,
+    list: PinnedHostBuffer,
+    crcs: PinnedHostBuffer,
+    capacity: usize,
+    last_gather: usize,
+    sms: u32,
+    _module: Module,
+    _ctx: Context,
+}
+
+// SAFETY: CUDA objects are used from one thread at a time (&mut self), each
+// call binds the context first.
+unsafe impl Send for CudaCopier {}
+
+impl CudaCopier {
+    /// A copier for up to `capacity` copies per call in `ctx`.
+    pub fn new(ctx: &Context, capacity: usize) -> Result<CudaCopier> {
+        if capacity == 0 {
+            return Err(Error::invalid("a staging copier for 0 copies per call"));
+        }
+        let image = kernels::staging()?;
+        let module = if ctx.device().compute_capability()? == (9, 0) {
+            ctx.load_module(image.cubin)?
+        } else {
+            let mut ptx = image.ptx.as_bytes().to_vec();
+            ptx.push(0);
+            ctx.load_module(&ptx)?
+        };
+        Ok(CudaCopier {
+            stream: ctx.stream()?,
+            scatter_fn: module.function("kvtier_scatter")?,
+            gather_fn: module.function("kvtier_gather_crc32c")?,
+            list: PinnedHostBuffer::alloc(ctx, capacity * size_of::<CopyDesc>())?,
+            crcs: PinnedHostBuffer::alloc(ctx, capacity * 4)?,
+            capacity,
+            last_gather: 0,
+            sms: ctx.device().sm_count()?,
+            _module: module,
+            _ctx: ctx.clone(),
+        })
+    }
+
+    /// The stream the copies run on (to order other work after them).
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    fn load_list(&mut self, list: &[CopyDesc]) -> Result<u32> {
+        if list.len() > self.capacity {
+            return Err(Error::invalid(format!(
+                "{} copies in one call; this copier takes at most {}",
+                list.len(),
+                self.capacity
+            )));
+        }
+        // The list buffer is reused: the previous launch must be done with it.
+        self.stream.synchronize()?;
+        self.list.write(0, bytemuck::cast_slice(list))?;
+        Ok(list.len() as u32)
+    }
+
+    fn grid(&self, n: u32) -> u32 {
+        n.clamp(1, 4 * self.sms)
+    }
+}
+
+impl DeviceCopier for CudaCopier {
+    fn scatter(&mut self, list: &[CopyDesc]) -> Result<()> {
+        let n = self.load_list(list)?;
+        self.last_gather = 0;
+        if n == 0 {
+            return Ok(());
+        }
+        let mut a = KernelArgs::new().arg(self.list.device_ptr()).arg(n);
+        // SAFETY: kvtier_scatter(list, n): the list lives in self.list until
+        // the next call synchronizes; the copies' ranges are the caller's
+        // GPU-visible memory.
+        unsafe {
+            self.stream.launch(
+                &self.scatter_fn,
+                LaunchConfig::linear(self.grid(n), STAGING_THREADS),
+                &mut a,
+            )
+        }
+    }
+
+    fn gather_crc32c(&mut self, list: &[CopyDesc]) -> Result<()> {
+        let n = self.load_list(list)?;
+        self.last_gather = n as usize;
+        if n == 0 {
+            return Ok(());
+        }
+        let mut a = KernelArgs::new()
+            .arg(self.list.device_ptr())
+            .arg(n)
+            .arg(self.crcs.device_ptr());
+        // SAFETY: kvtier_gather_crc32c(list, n, crc): list and crc live in
+        // self until the next call synchronizes; ranges as in scatter.
+        unsafe {
+            self.stream.launch(
+                &self.gather_fn,
+                LaunchConfig::linear(self.grid(n), STAGING_THREADS),
+                &mut a,
+            )
+        }
+    }
+
+    fn finish(&mut self) -> Result<Vec<u32>> {
+        self.stream.synchronize()?;
+        let mut out = vec![0u8; self.last_gather * 4];
+        self.crcs.read(0, &mut out)?;
+        self.last_gather = 0;
+        Ok(bytemuck::cast_slice(&out).to_vec())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The double: scattered copies land where named, the gather's
+    /// checksums are crc32c of the bytes (the same checks the GPU test runs
+    /// against CudaCopier).
+    #[test]
+    fn host_copier_scatters_and_checksums() {
+        let src: Vec<u8> = (0..64 * 1024u32).map(|i| (i * 7 + 3) as u8).collect();
+        let mut dst = vec![0u8; 64 * 1024];
+        let list: Vec<CopyDesc> = (0..16u64)
+            .map(|i| CopyDesc {
+                src: src.as_ptr() as u64 + i * 4096,
+                dst: dst.as_mut_ptr() as u64 + (15 - i) * 4096,
+                len: 4096,
+                reserved: 0,
+            })
+            .collect();
+        let mut c = HostCopier::default();
+        c.scatter(&list).unwrap();
+        assert!(c.finish().unwrap().is_empty());
+        for i in 0..16 {
+            assert_eq!(
+                dst[(15 - i) * 4096..(16 - i) * 4096],
+                src[i * 4096..(i + 1) * 4096]
+            );
+        }
+        c.gather_crc32c(&list).unwrap();
+        let crcs = c.finish().unwrap();
+        for (i, crc) in crcs.iter().enumerate() {
+            assert_eq!(*crc, crc32c::crc32c(&src[i * 4096..(i + 1) * 4096]));
+        }
+    }
+}
