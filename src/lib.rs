@@ -23,6 +23,7 @@ pub mod pool;
 pub mod replay;
 pub mod ring;
 pub mod sched;
+pub mod scratch;
 pub mod slack;
 pub mod tier;
 

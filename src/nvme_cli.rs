@@ -11,13 +11,18 @@ use std::process::{Command, ExitStatus};
 
 /// Prints the NVMe controllers, their drivers and block devices.
 pub fn list() -> Result<i32> {
+    use std::fmt::Write;
     let ctrls = list_controllers()?;
     if ctrls.is_empty() {
-        println!("no NVMe controllers (no PCI function of class 0x0108xx)");
+        crate::cli::out("no NVMe controllers (no PCI function of class 0x0108xx)\n")?;
         return Ok(0);
     }
+    // One write at the end: a reader that goes away (`| head -1`) is then
+    // one error the caller handles, not a panic in println!.
+    let mut text = String::new();
     for c in &ctrls {
-        println!(
+        let _ = writeln!(
+            text,
             "{}  {}  class {:#08x}  driver {}",
             c.addr,
             c.id,
@@ -25,7 +30,7 @@ pub fn list() -> Result<i32> {
             c.driver.as_deref().unwrap_or("none")
         );
         if c.driver.as_deref() == Some("nvme") && c.block_devices.is_empty() {
-            println!("    no namespaces (yet)");
+            let _ = writeln!(text, "    no namespaces (yet)");
         }
         for b in &c.block_devices {
             let what = match &b.signature {
@@ -38,9 +43,10 @@ pub fn list() -> Result<i32> {
             } else {
                 b.problems.join("; ")
             };
-            println!("    /dev/{:<12} {what}; {state}", b.name);
+            let _ = writeln!(text, "    /dev/{:<12} {what}; {state}", b.name);
         }
     }
+    crate::cli::out(&text)?;
     Ok(0)
 }
 
