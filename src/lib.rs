@@ -11,6 +11,8 @@ pub mod cli;
 pub mod doctor;
 pub mod engine;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod gpu;
 pub mod json;
 pub mod memory;

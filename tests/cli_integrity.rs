@@ -109,8 +109,7 @@ fn bench_refuses_a_file_in_its_way_and_leaves_it_alone() {
     let out = run_bounded(
         {
             let mut c = kvtier();
-            c.args(SMALL_BENCH).arg("--dir")
-                .arg(dir.path());
+            c.args(SMALL_BENCH).arg("--dir").arg(dir.path());
             c
         },
         120,
@@ -140,8 +139,7 @@ fn bench_never_writes_through_a_planted_symlink() {
     let out = run_bounded(
         {
             let mut c = kvtier();
-            c.args(SMALL_BENCH).arg("--dir")
-                .arg(dir.path());
+            c.args(SMALL_BENCH).arg("--dir").arg(dir.path());
             c
         },
         120,
@@ -167,7 +165,15 @@ fn bench_removes_only_the_files_it_created_when_it_fails() {
         {
             let mut c = kvtier();
             c.args(&SMALL_BENCH[..3])
-                .args(["--capacity", "16m", "--group-blocks", "1", "--devices", "2", "--dir"])
+                .args([
+                    "--capacity",
+                    "16m",
+                    "--group-blocks",
+                    "1",
+                    "--devices",
+                    "2",
+                    "--dir",
+                ])
                 .arg(dir.path());
             c
         },
@@ -230,7 +236,11 @@ fn replay_never_formats_a_planted_symlink_or_an_existing_file() {
     };
     let out = replay(dir.path());
     assert_refused(&out, &["replay.pool", "already exists"]);
-    assert_eq!(std::fs::read(&victim).unwrap(), bytes, "the image was wiped");
+    assert_eq!(
+        std::fs::read(&victim).unwrap(),
+        bytes,
+        "the image was wiped"
+    );
     assert!(std::fs::symlink_metadata(dir.file("replay.pool")).is_ok());
 
     // A plain file of the same name: refused and kept too.
@@ -244,7 +254,11 @@ fn replay_never_formats_a_planted_symlink_or_an_existing_file() {
     std::fs::remove_file(dir.file("replay.pool")).unwrap();
     let out = replay(dir.path());
     assert!(out.status.success(), "{}", text(&out));
-    assert!(files_in(dir.path()).is_empty(), "{:?}", files_in(dir.path()));
+    assert!(
+        files_in(dir.path()).is_empty(),
+        "{:?}",
+        files_in(dir.path())
+    );
 }
 
 #[test]
@@ -356,7 +370,11 @@ fn a_huge_table_grid_with_few_entries_is_refused_without_allocating_it() {
         .arg(dir.path());
     let out = run_bounded(c, 60);
     assert_refused(&out, &["entries has no entry for grid point", "found 1"]);
-    assert!(text(&out).len() < 1000, "long message: {}", text(&out).len());
+    assert!(
+        text(&out).len() < 1000,
+        "long message: {}",
+        text(&out).len()
+    );
 }
 
 #[test]
@@ -391,7 +409,10 @@ fn error_messages_quote_input_briefly() {
         .arg("--dev")
         .arg(dir.file("p.pool"));
     let out = run_bounded(c, 20);
-    assert_refused(&out, &["\"num_hidden_layers\" is [12345,", "more characters"]);
+    assert_refused(
+        &out,
+        &["\"num_hidden_layers\" is [12345,", "more characters"],
+    );
     assert!(text(&out).len() < 1000, "{} bytes", text(&out).len());
 
     // A 20 KB preset name.
@@ -421,31 +442,92 @@ fn every_numeric_flag_is_range_checked() {
         (vec!["replay", "--layer-us", "1e300"], "--layer-us"),
         (vec!["replay", "--layer-us", "nan"], "--layer-us"),
         (vec!["replay", "--layer-us=-5"], "--layer-us"),
-        (vec!["replay", "--prefix", "18446744073709551615"], "--prefix"),
+        (
+            vec!["replay", "--prefix", "18446744073709551615"],
+            "--prefix",
+        ),
         (vec!["replay", "--prefix", "0"], "--prefix"),
-        (vec!["replay", "--pending-writes", "4294967296"], "--pending-writes"),
+        (
+            vec!["replay", "--pending-writes", "4294967296"],
+            "--pending-writes",
+        ),
         (vec!["replay", "--input", "1000000000000"], "--input"),
         (vec!["replay", "--block-size", "0"], "--block-size"),
-        (vec!["bench", "--runtime", "inf", "--pattern", "read"], "--runtime"),
-        (vec!["bench", "--runtime", "NaN", "--pattern", "read"], "--runtime"),
-        (vec!["bench", "--runtime=-1", "--pattern", "read"], "--runtime"),
+        (
+            vec!["bench", "--runtime", "inf", "--pattern", "read"],
+            "--runtime",
+        ),
+        (
+            vec!["bench", "--runtime", "NaN", "--pattern", "read"],
+            "--runtime",
+        ),
+        (
+            vec!["bench", "--runtime=-1", "--pattern", "read"],
+            "--runtime",
+        ),
         (vec!["bench", "--capacity", "1e30"], "--capacity"),
         (vec!["bench", "--devices", "0"], "--devices"),
         (vec!["bench", "--devices", "100000"], "--devices"),
         (vec!["bench", "--contexts", "1024,0"], "--contexts"),
-        (vec!["bench", "--contexts", "18446744073709551615"], "--contexts"),
+        (
+            vec!["bench", "--contexts", "18446744073709551615"],
+            "--contexts",
+        ),
         (vec!["bench", "--iodepth", "0"], "--iodepth"),
-        (vec!["bench", "--rwmixread", "101", "--pattern", "randrw"], "--rwmixread"),
-        (vec!["bench", "--repeat", "0", "--pattern", "read"], "--repeat"),
-        (vec!["bench", "--size", "1e30", "--pattern", "read"], "--size"),
-        (vec!["bench", "--bs", "16777216t", "--pattern", "read"], "--bs"),
+        (
+            vec!["bench", "--rwmixread", "101", "--pattern", "randrw"],
+            "--rwmixread",
+        ),
+        (
+            vec!["bench", "--repeat", "0", "--pattern", "read"],
+            "--repeat",
+        ),
+        (
+            vec!["bench", "--size", "1e30", "--pattern", "read"],
+            "--size",
+        ),
+        (
+            vec!["bench", "--bs", "16777216t", "--pattern", "read"],
+            "--bs",
+        ),
         (vec!["bench", "--max-io", "0"], "--max-io"),
         (vec!["bench", "--group-blocks", "0"], "--group-blocks"),
-        (vec!["pool", "create", "--dev", pool, "--size", "1e30"], "--size"),
-        (vec!["pool", "create", "--dev", pool, "--size", "16777216t"], "--size"),
-        (vec!["pool", "create", "--dev", pool, "--size", "99999999999999999999"], "--size"),
-        (vec!["pool", "create", "--dev", pool, "--size", "2048"], "--size"),
-        (vec!["pool", "create", "--dev", pool, "--size", "64m", "--group-blocks", "4294967295"], "--group-blocks"),
+        (
+            vec!["pool", "create", "--dev", pool, "--size", "1e30"],
+            "--size",
+        ),
+        (
+            vec!["pool", "create", "--dev", pool, "--size", "16777216t"],
+            "--size",
+        ),
+        (
+            vec![
+                "pool",
+                "create",
+                "--dev",
+                pool,
+                "--size",
+                "99999999999999999999",
+            ],
+            "--size",
+        ),
+        (
+            vec!["pool", "create", "--dev", pool, "--size", "2048"],
+            "--size",
+        ),
+        (
+            vec![
+                "pool",
+                "create",
+                "--dev",
+                pool,
+                "--size",
+                "64m",
+                "--group-blocks",
+                "4294967295",
+            ],
+            "--group-blocks",
+        ),
     ];
     for (args, flag) in cases {
         let mut c = kvtier();
@@ -457,14 +539,21 @@ fn every_numeric_flag_is_range_checked() {
         let t = text(&out);
         assert!(!t.contains("panicked"), "{args:?} panicked: {t}");
         assert_eq!(out.status.code(), Some(2), "{args:?}: {t}");
-        assert!(t.contains(flag), "{args:?}: the error does not name {flag}: {t}");
+        assert!(
+            t.contains(flag),
+            "{args:?}: the error does not name {flag}: {t}"
+        );
         assert!(
             t.contains("range") || t.contains("is not in") || t.contains("larger than"),
             "{args:?}: the error gives no range: {t}"
         );
     }
     assert!(!Path::new(pool).exists());
-    assert!(files_in(dir.path()).is_empty(), "{:?}", files_in(dir.path()));
+    assert!(
+        files_in(dir.path()).is_empty(),
+        "{:?}",
+        files_in(dir.path())
+    );
 }
 
 // ---------------------------------------------------------------------------
@@ -479,7 +568,8 @@ fn with_closed_stdout(args: &[&str]) -> Output {
     // SAFETY: closing the read end we own.
     unsafe { libc::close(fds[0]) };
     // SAFETY: fds[1] is an open descriptor nobody else owns.
-    let write_end = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fds[1]) };
+    let write_end =
+        unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fds[1]) };
     let out = kvtier()
         .args(args)
         .stdin(Stdio::null())
@@ -512,7 +602,14 @@ fn a_closed_stdout_ends_every_command_quietly() {
     let pool = dir.file("p.pool");
     let pool_s = pool.to_str().unwrap();
     let out = with_closed_stdout(&[
-        "pool", "create", "--dev", pool_s, "--size", "8m", "--group-blocks", "1",
+        "pool",
+        "create",
+        "--dev",
+        pool_s,
+        "--size",
+        "8m",
+        "--group-blocks",
+        "1",
     ]);
     assert_quiet_sigpipe(&out, "pool create");
     assert!(pool.exists(), "the pool was made before the output");
@@ -576,7 +673,15 @@ fn write_config(dir: &Path, name_or_path: Option<&str>, rope_theta: f64) -> Path
 fn namespace_of(dir: &TempDir, config: &Path, tag: &str) -> (String, String) {
     let pool = dir.file(&format!("{tag}.pool"));
     let out = kvtier()
-        .args(["pool", "create", "--size", "8m", "--group-blocks", "1", "--model"])
+        .args([
+            "pool",
+            "create",
+            "--size",
+            "8m",
+            "--group-blocks",
+            "1",
+            "--model",
+        ])
         .arg(config)
         .arg("--dev")
         .arg(&pool)
@@ -611,7 +716,10 @@ fn config_json_models_get_their_own_namespace() {
         ns_a.starts_with("meta-llama/Meta-Llama-3-8B@") && ns_a.ends_with("/bfloat16/bs16/tp0"),
         "{ns_a}"
     );
-    assert!(model_a.starts_with("meta-llama/Meta-Llama-3-8B@"), "{model_a}");
+    assert!(
+        model_a.starts_with("meta-llama/Meta-Llama-3-8B@"),
+        "{model_a}"
+    );
     assert!(model_c.starts_with("llama-LlamaForCausalLM@"), "{model_c}");
     // Four configs, all named config.json: four namespaces, none "config".
     let all = [&ns_a, &ns_b, &ns_c, &ns_d];
