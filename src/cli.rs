@@ -2,6 +2,16 @@
 
 use crate::error::{Error, Result};
 
+/// `eprintln!` that never panics: a closed stderr (`kvtier ... 2>&1 | head`)
+/// is no reason to stop, least of all half way through giving a device back.
+macro_rules! note {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+pub(crate) use note;
+
 /// Parse a size like `4096`, `80k`, `512m`, `4g`, `1t`, `1.5g` (binary units).
 /// A size past 2^64 bytes is an error, never saturated.
 pub fn parse_size(s: &str) -> Result<u64> {

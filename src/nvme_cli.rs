@@ -142,16 +142,16 @@ pub fn bind_and_run(
     let result = (|| {
         let binding = PciBinding::bind(addr, driver, force)?;
         for note in binding.forced() {
-            eprintln!("kvtier: warning (--force): {note}");
+            crate::cli::note!("kvtier: warning (--force): {note}");
         }
         let addr = binding.addr().to_string();
         if binding.was_already_bound() {
-            eprintln!(
+            crate::cli::note!(
                 "kvtier: {addr} is already bound to {}; leaving it so",
                 driver.name()
             );
         } else {
-            eprintln!(
+            crate::cli::note!(
                 "kvtier: {addr} bound to {} (was {})",
                 driver.name(),
                 binding.original_driver().unwrap_or("unbound")
@@ -169,8 +169,8 @@ pub fn bind_and_run(
         let original = binding.original_driver().unwrap_or("no driver").to_string();
         let restored = binding.restore();
         match &restored {
-            Ok(()) => eprintln!("kvtier: {addr} given back to {original}"),
-            Err(e) => eprintln!("kvtier: error: giving {addr} back to {original}: {e}"),
+            Ok(()) => crate::cli::note!("kvtier: {addr} given back to {original}"),
+            Err(e) => crate::cli::note!("kvtier: error: giving {addr} back to {original}: {e}"),
         }
         let code = code?;
         Ok(if restored.is_err() && code == 0 {
