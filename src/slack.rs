@@ -1100,7 +1100,7 @@ fn check_time(v: f64, path: &str, src: &str) -> Result<()> {
             "{src}: {path} is negative ({v:?}); times are ≥ 0 µs"
         )));
     }
-    if !(v <= MAX_TIME_US) {
+    if v.is_nan() || v > MAX_TIME_US {
         return Err(Error::invalid(format!(
             "{src}: {path} is {v:?}; times are at most {MAX_TIME_US:e} µs (a day)"
         )));
