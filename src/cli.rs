@@ -15,7 +15,7 @@ pub(crate) use note;
 /// Parse a size like `4096`, `80k`, `512m`, `4g`, `1t`, `1.5g` (binary units).
 /// A size past 2^64 bytes is an error, never saturated.
 pub fn parse_size(s: &str) -> Result<u64> {
-    parse_size_str(s).map_err(|why| Error::invalid(format!("size {}: {why}", excerpt(s, 40))))
+    parse_size_str(s).map_err(|why| Error::invalid(format!("size {:?}: {why}", excerpt(s, 40))))
 }
 
 /// [`parse_size`] with the reason alone (clap prefixes the value and flag).

@@ -1344,7 +1344,7 @@ fn probe_pool_dir(dir: &Path) -> Result<PoolFacts> {
     // Created new and removed by the guard: a file already at that name is
     // reported, never written or removed.
     let (direct, dio) = match crate::scratch::ScratchFile::create_new(&tmp, "kvtier doctor") {
-        Ok((scratch, _)) => {
+        Ok(scratch) => {
             let r = (direct_io_check(&tmp), statx_dio_align(&tmp));
             drop(scratch);
             r

@@ -117,7 +117,7 @@ impl ReplayRig {
             .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
         // Created new, never forced: a file or symlink already at this name
         // is refused rather than formatted.
-        let (pool_file, _) = ScratchFile::create_new(&dir.join("replay.pool"), "kvtier replay")?;
+        let pool_file = ScratchFile::create_new(&dir.join("replay.pool"), "kvtier replay")?;
         let pool = Pool::create(&PoolConfig {
             geometry: g,
             model: "replay".into(),

@@ -7,7 +7,8 @@
 //!   reused, truncated or followed;
 //! - only the file this process created is removed: at removal the name
 //!   must still be a regular file with the device and inode that were
-//!   created, so a file someone put in its place is left alone;
+//!   created, so a file someone put in its place is left alone (the file is
+//!   held open until then, so its inode number cannot be reused by another);
 //! - removal happens on drop (success and error paths alike) and, for
 //!   SIGINT, SIGTERM and SIGHUP, from a signal handler before the process
 //!   dies of the signal as it would have.
@@ -29,12 +30,15 @@ pub struct ScratchFile {
     ino: u64,
     keep: bool,
     slot: Option<usize>,
+    /// Held open so no other file can get this inode number while the name
+    /// may still be removed.
+    file: File,
 }
 
 impl ScratchFile {
     /// Creates `path` new (mode 0600), refusing an existing file or symlink.
     /// `what` names the command for the error ("kvtier bench").
-    pub fn create_new(path: &Path, what: &str) -> Result<(ScratchFile, File)> {
+    pub fn create_new(path: &Path, what: &str) -> Result<ScratchFile> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -66,9 +70,15 @@ impl ScratchFile {
             ino: meta.ino(),
             keep: false,
             slot: None,
+            file,
         };
         s.slot = register(&s.path, s.dev, s.ino);
-        Ok((s, file))
+        Ok(s)
+    }
+
+    /// The file, open read-write.
+    pub fn file(&self) -> &File {
+        &self.file
     }
 
     pub fn path(&self) -> &Path {
@@ -231,8 +241,8 @@ mod tests {
     fn created_new_and_removed_on_drop() {
         let d = dir("drop");
         let p = d.join("a.pool");
-        let (s, f) = ScratchFile::create_new(&p, "test").unwrap();
-        assert!(s.is(&f));
+        let s = ScratchFile::create_new(&p, "test").unwrap();
+        assert!(s.is(s.file()));
         assert!(p.exists());
         drop(s);
         assert!(!p.exists());
@@ -260,8 +270,7 @@ mod tests {
     fn a_replaced_file_is_not_removed() {
         let d = dir("replaced");
         let p = d.join("a.pool");
-        let (s, f) = ScratchFile::create_new(&p, "test").unwrap();
-        drop(f);
+        let s = ScratchFile::create_new(&p, "test").unwrap();
         std::fs::remove_file(&p).unwrap();
         std::fs::write(&p, b"someone else's").unwrap();
         drop(s);

@@ -75,7 +75,7 @@ pub fn measure(
     let file = dir.join(format!(".kvtier-profile-{}.tmp", std::process::id()));
     // Created new and removed however the measurement ends; a file already
     // at that name (or a symlink planted there) is refused, not overwritten.
-    let (_scratch, _) = kvtier::scratch::ScratchFile::create_new(&file, "kvtier-profile")?;
+    let _scratch = kvtier::scratch::ScratchFile::create_new(&file, "kvtier-profile")?;
     progress(&format!(
         "laying out {} MiB in {}",
         size >> 20,

@@ -186,7 +186,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
             // exactly the files made here.
             for i in 0..cfg.devices {
                 let path = cfg.dir.join(format!("bench{i}.pool"));
-                scratch.push(ScratchFile::create_new(&path, "kvtier bench")?.0);
+                scratch.push(ScratchFile::create_new(&path, "kvtier bench")?);
             }
             let devices: Vec<DeviceSpec> = scratch
                 .iter()
@@ -385,7 +385,7 @@ pub fn fio_references(cfg: &BenchConfig, progress: &dyn Fn(&str)) -> Result<FioR
     let version = fio::fio_available().ok_or_else(|| {
         Error::invalid("--against-fio needs fio: install it (apt-get install fio)")
     })?;
-    let (scratch, _) = ScratchFile::create_new(&cfg.dir.join("fio-reference.dat"), "kvtier bench")?;
+    let scratch = ScratchFile::create_new(&cfg.dir.join("fio-reference.dat"), "kvtier bench")?;
     let file = scratch.path().to_path_buf();
     let size = cfg.capacity.clamp(1 << 30, 4 << 30) & !((1 << 20) - 1);
     progress(&format!(
@@ -509,7 +509,7 @@ pub fn raw_suite(
     } else {
         None
     };
-    let (mut scratch, _) = ScratchFile::create_new(&w.file, "kvtier bench")?;
+    let mut scratch = ScratchFile::create_new(&w.file, "kvtier bench")?;
     if keep {
         scratch.keep();
     }
