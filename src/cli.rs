@@ -2,8 +2,24 @@
 
 use crate::error::{Error, Result};
 
+/// `eprintln!` that never panics: a closed stderr (`kvtier ... 2>&1 | head`)
+/// is no reason to stop, least of all half way through giving a device back.
+macro_rules! note {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+pub(crate) use note;
+
 /// Parse a size like `4096`, `80k`, `512m`, `4g`, `1t`, `1.5g` (binary units).
+/// A size past 2^64 bytes is an error, never saturated.
 pub fn parse_size(s: &str) -> Result<u64> {
+    parse_size_str(s).map_err(|why| Error::invalid(format!("size {:?}: {why}", excerpt(s, 40))))
+}
+
+/// [`parse_size`] with the reason alone (clap prefixes the value and flag).
+fn parse_size_str(s: &str) -> std::result::Result<u64, String> {
     let t = s.trim().to_ascii_lowercase();
     let t = t
         .strip_suffix("ib")
@@ -16,24 +32,110 @@ pub fn parse_size(s: &str) -> Result<u64> {
         Some('t') => (&t[..t.len() - 1], 1 << 40),
         _ => (t, 1),
     };
-    let bad = || {
-        Error::invalid(format!(
-            "size {s:?} is not a number with an optional k/m/g/t suffix (e.g. 80k, 4g)"
-        ))
-    };
+    let bad = || "is not a number with an optional k/m/g/t suffix (e.g. 80k, 4g)".to_string();
+    let too_big = || "is larger than 16 EiB".to_string();
     if let Ok(n) = num.parse::<u64>() {
-        return n.checked_mul(mult).ok_or_else(bad);
+        return n.checked_mul(mult).ok_or_else(too_big);
+    }
+    if num.bytes().all(|b| b.is_ascii_digit()) && !num.is_empty() {
+        return Err(too_big());
     }
     let f: f64 = num.parse().map_err(|_| bad())?;
     if !f.is_finite() || f < 0.0 {
         return Err(bad());
     }
-    Ok((f * mult as f64) as u64)
+    let bytes = f * mult as f64;
+    // 2^64 itself rounds to u64::MAX in a cast: refuse it and anything above.
+    if bytes >= 18_446_744_073_709_551_616.0 {
+        return Err(too_big());
+    }
+    Ok(bytes as u64)
+}
+
+/// A clap value parser: a size within `[min, max]` bytes.
+pub fn size_in(s: &str, min: u64, max: u64) -> std::result::Result<u64, String> {
+    let range = || {
+        format!(
+            "give a size from {} to {} (e.g. 64g)",
+            human_bytes(min),
+            human_bytes(max)
+        )
+    };
+    let v = parse_size_str(s).map_err(|why| format!("{why}; {}", range()))?;
+    if v < min || v > max {
+        return Err(format!("out of range; {}", range()));
+    }
+    Ok(v)
+}
+
+/// A clap value parser: a finite number within `[min, max]` (NaN, infinities
+/// and anything out of range are refused: they would reach durations and
+/// allocations).
+pub fn f64_in(s: &str, min: f64, max: f64) -> std::result::Result<f64, String> {
+    let range = || format!("give a number from {min} to {max}");
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("not a number; {}", range()))?;
+    if !v.is_finite() || v < min || v > max {
+        return Err(format!("out of range; {}", range()));
+    }
+    Ok(v)
+}
+
+/// At most `max` characters of user input for an error message, with the
+/// length of what was cut: a message quoting a 20 KB value helps nobody.
+pub fn excerpt(s: &str, max: usize) -> String {
+    crate::json::excerpt(s, max)
+}
+
+/// Write `text` to stdout, flushed. A closed pipe (`kvtier ... | head -1`)
+/// is an error [`is_broken_pipe`] recognises, so the command can stop
+/// quietly once its own cleanup has run, instead of panicking in `println!`.
+pub fn out(text: &str) -> Result<()> {
+    use std::io::Write;
+    let mut o = std::io::stdout().lock();
+    o.write_all(text.as_bytes())
+        .and_then(|()| o.flush())
+        .map_err(|e| Error::io(STDOUT, e))
+}
+
+const STDOUT: &str = "writing to stdout";
+
+/// Whether `e` is stdout's reader having gone away.
+pub fn is_broken_pipe(e: &Error) -> bool {
+    matches!(e, Error::Io { context, source }
+        if context == STDOUT && source.kind() == std::io::ErrorKind::BrokenPipe)
+}
+
+/// Refuse to allocate more host memory than the machine has available: the
+/// KV caches are faulted in up front, so an impossible size would end in
+/// the OOM killer rather than an error.
+pub fn check_host_memory(bytes: u64, what: &str, fix: &str) -> Result<()> {
+    let Some(avail) = mem_available() else {
+        return Ok(());
+    };
+    if bytes > avail {
+        return Err(Error::invalid(format!(
+            "{what} needs {} of host memory but {} is available; {fix}",
+            human_bytes(bytes),
+            human_bytes(avail)
+        )));
+    }
+    Ok(())
+}
+
+/// MemAvailable from /proc/meminfo, bytes.
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
 }
 
 /// Human bytes: 1.5 GiB, 32 KiB, 512 B.
 pub fn human_bytes(b: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
     let mut v = b as f64;
     let mut u = 0;
     while v >= 1024.0 && u < UNITS.len() - 1 {
@@ -62,6 +164,21 @@ mod tests {
         assert_eq!(parse_size("1.5g").unwrap(), 3 << 29);
         let e = parse_size("lots").unwrap_err().to_string();
         assert!(e.contains("\"lots\"") && e.contains("suffix"), "{e}");
+        for huge in ["1e30", "16777216t", "99999999999999999999", "17179869184g"] {
+            let e = parse_size(huge).unwrap_err().to_string();
+            assert!(e.contains("larger than 16 EiB"), "{huge}: {e}");
+        }
+        assert_eq!(parse_size("16777215t").unwrap(), 16777215 << 40);
+        assert!(size_in("1e30", 4096, 1 << 50).is_err());
+        assert!(size_in("2p", 4096, 1 << 50).is_err());
+        assert_eq!(size_in("64g", 4096, 1 << 50).unwrap(), 64 << 30);
+        assert!(size_in("2048", 4096, 1 << 50)
+            .unwrap_err()
+            .contains("4 KiB to 1 PiB"));
+        for bad in ["inf", "NaN", "-1", "1e300", "-inf"] {
+            assert!(f64_in(bad, 0.0, 1e4).is_err(), "{bad}");
+        }
+        assert_eq!(f64_in("2.5", 0.0, 1e4).unwrap(), 2.5);
         assert_eq!(human_bytes(32768), "32 KiB");
         assert_eq!(human_bytes(3 << 29), "1.50 GiB");
     }

@@ -1341,9 +1341,16 @@ fn probe_pool_dir(dir: &Path) -> Result<PoolFacts> {
 
     // O_DIRECT: create, write, read back, statx, remove.
     let tmp = path.join(format!(".kvtier-doctor-{}.tmp", std::process::id()));
-    let direct = direct_io_check(&tmp);
-    let dio = statx_dio_align(&tmp);
-    let _ = fs::remove_file(&tmp);
+    // Created new and removed by the guard: a file already at that name is
+    // reported, never written or removed.
+    let (direct, dio) = match crate::scratch::ScratchFile::create_new(&tmp, "kvtier doctor") {
+        Ok(scratch) => {
+            let r = (direct_io_check(&tmp), statx_dio_align(&tmp));
+            drop(scratch);
+            r
+        }
+        Err(e) => (Err(e.to_string()), Err(e.to_string())),
+    };
     let (direct_ok, why_not) = match &direct {
         Ok(()) => (true, None),
         Err(e) => (
@@ -1422,8 +1429,7 @@ fn direct_io_check(tmp: &Path) -> std::result::Result<(), String> {
     let f = fs::OpenOptions::new()
         .read(true)
         .write(true)
-        .create_new(true)
-        .custom_flags(libc::O_DIRECT)
+        .custom_flags(libc::O_DIRECT | libc::O_NOFOLLOW)
         .open(tmp)
         .map_err(|e| format!("open(O_DIRECT): {e}"))?;
     let mut out = AlignedBuf::zeroed(4096);

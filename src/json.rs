@@ -2,6 +2,97 @@
 //! errors that say where and what: one place for both readers.
 
 use serde_json::{Map, Value};
+use std::io::Read;
+use std::path::Path;
+
+/// At most `max` characters of `s` (user input quoted in an error message),
+/// with how much was cut: a message quoting a 20 KB array helps nobody.
+pub fn excerpt(s: &str, max: usize) -> String {
+    let n = s.chars().count();
+    if n <= max {
+        return s.to_string();
+    }
+    let head: String = s.chars().take(max).collect();
+    format!("{head}... ({} more characters)", n - max)
+}
+
+/// A JSON value for an error message, shortened by [`excerpt`].
+pub fn value_excerpt(v: &Value) -> String {
+    excerpt(&v.to_string(), 60)
+}
+
+/// A list of numbers for an error message: the first and last few when long.
+pub fn list_excerpt(v: &[u64]) -> String {
+    if v.len() <= 8 {
+        return format!("{v:?}");
+    }
+    let head: Vec<String> = v[..4].iter().map(u64::to_string).collect();
+    let tail: Vec<String> = v[v.len() - 2..].iter().map(u64::to_string).collect();
+    format!(
+        "[{}, ... {} more ..., {}]",
+        head.join(", "),
+        v.len() - 6,
+        tail.join(", ")
+    )
+}
+
+/// Reads a document a user named (config.json, a slack table), refusing
+/// what could hang or exhaust memory: only a regular file of at most
+/// `max_bytes` is read. The file is opened non-blocking, so a FIFO cannot
+/// hang the open, and checked with fstat on the opened descriptor, so
+/// `/dev/zero`, `/dev/urandom`, a FIFO or a socket is refused by kind
+/// before a byte is read. Errors are the reason alone; the caller names
+/// the file and the fix.
+pub fn read_user_file(path: &Path, max_bytes: u64) -> Result<String, String> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| format!("cannot read it ({e})"))?;
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("cannot read it ({e})"))?;
+    let ft = meta.file_type();
+    if !ft.is_file() {
+        let kind = if ft.is_dir() {
+            "a directory"
+        } else if ft.is_fifo() {
+            "a FIFO"
+        } else if ft.is_char_device() {
+            "a character device"
+        } else if ft.is_block_device() {
+            "a block device"
+        } else if ft.is_socket() {
+            "a socket"
+        } else {
+            "not a regular file"
+        };
+        return Err(format!("it is {kind}, not a regular file"));
+    }
+    let too_big = |len: u64| {
+        format!(
+            "it is {len} bytes, more than the {max_bytes} this kind of file can be; is it the right file?"
+        )
+    };
+    if meta.len() > max_bytes {
+        return Err(too_big(meta.len()));
+    }
+    // The file may grow while it is read: read one byte past the cap to see.
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.take(max_bytes + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("cannot read it ({e})"))?;
+    if bytes.len() as u64 > max_bytes {
+        return Err(too_big(bytes.len() as u64));
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        format!(
+            "it is not UTF-8 text (invalid byte at offset {})",
+            e.utf8_error().valid_up_to()
+        )
+    })
+}
 
 /// What kind of JSON value `v` is, for messages ("an array", "null").
 pub fn json_kind(v: &Value) -> &'static str {

@@ -11,6 +11,8 @@ pub mod cli;
 pub mod doctor;
 pub mod engine;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod gpu;
 pub mod json;
 pub mod memory;
@@ -23,6 +25,7 @@ pub mod pool;
 pub mod replay;
 pub mod ring;
 pub mod sched;
+pub mod scratch;
 pub mod slack;
 pub mod tier;
 

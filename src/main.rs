@@ -2,7 +2,7 @@
 
 use clap::{Args, Parser, Subcommand};
 use kvtier::bench::{self, BenchConfig};
-use kvtier::cli::{human_bytes, parse_size};
+use kvtier::cli::{f64_in, human_bytes, size_in};
 use kvtier::engine::uring::UringConfig;
 use kvtier::model::{self, DType, KvGeometry};
 use kvtier::pool::{DeviceSpec, Key, OpenExpect, Pool, PoolConfig, DEFAULT_GROUP_BLOCKS};
@@ -11,6 +11,54 @@ use kvtier::{HostKvCache, HostLayout, Result};
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
+
+/// Writes a line to stdout; a reader that went away (`| head -1`) ends the
+/// command quietly through `main` (see `kvtier::cli::out`).
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        kvtier::cli::out(&format!("{}\n", format_args!($($arg)*)))?
+    };
+}
+
+// Ranges of the numeric flags: wide enough for any real use, narrow enough
+// that no product, duration or allocation built from them overflows.
+const KIB: u64 = 1 << 10;
+const GIB: u64 = 1 << 30;
+const PIB: u64 = 1 << 50;
+/// Tokens: contexts of the longest-context models are a few million.
+const MAX_TOKENS: u64 = 1 << 24;
+
+fn parse_pool_size(s: &str) -> Result<u64, String> {
+    size_in(s, 4 * KIB, PIB)
+}
+fn parse_capacity(s: &str) -> Result<u64, String> {
+    size_in(s, 1 << 20, PIB)
+}
+fn parse_io_size(s: &str) -> Result<u64, String> {
+    size_in(s, 1, GIB)
+}
+fn parse_runtime(s: &str) -> Result<f64, String> {
+    f64_in(s, 0.0, 86_400.0).map_err(|e| format!("{e} seconds"))
+}
+fn parse_layer_us(s: &str) -> Result<f64, String> {
+    f64_in(s, 0.0, 10_000_000.0).map_err(|e| format!("{e} microseconds"))
+}
+
+/// `--time-scale`: `auto`, or a factor.
+#[derive(Clone, Copy, Debug)]
+enum TimeScale {
+    Auto,
+    Fixed(f64),
+}
+
+fn parse_time_scale(s: &str) -> Result<TimeScale, String> {
+    if s.trim() == "auto" {
+        return Ok(TimeScale::Auto);
+    }
+    f64_in(s, 0.0, 10_000.0)
+        .map(TimeScale::Fixed)
+        .map_err(|e| format!("{e}, or auto"))
+}
 
 #[derive(Parser)]
 #[command(
@@ -85,7 +133,7 @@ struct ModelArgs {
     #[arg(long, default_value = "llama3-8b")]
     model: String,
     /// Tokens per KV block.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1 << 20))]
     block_size: u32,
     /// Override the model's dtype (bfloat16, float16, float32, fp8).
     #[arg(long)]
@@ -94,22 +142,22 @@ struct ModelArgs {
 
 impl ModelArgs {
     fn geometry(&self) -> Result<KvGeometry> {
+        Ok(self.resolve()?.geometry)
+    }
+
+    /// The geometry and the model's name (a preset's, or for a config.json
+    /// its own identity: never "config", the file's name).
+    fn resolve(&self) -> Result<model::NamedGeometry> {
         let dtype = match &self.dtype {
             Some(d) => Some(DType::parse(d).ok_or_else(|| {
                 kvtier::Error::invalid(format!(
-                    "unknown --dtype {d:?}; use bfloat16, float16, float32, float8_e4m3fn or float8_e5m2"
+                    "unknown --dtype {:?}; use bfloat16, float16, float32, float8_e4m3fn or float8_e5m2",
+                    kvtier::cli::excerpt(d, 40)
                 ))
             })?),
             None => None,
         };
-        model::resolve(&self.model, self.block_size, dtype)
-    }
-
-    fn name(&self) -> String {
-        std::path::Path::new(&self.model)
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| self.model.clone())
+        model::resolve_named(&self.model, self.block_size, dtype)
     }
 }
 
@@ -120,13 +168,13 @@ enum PoolCmd {
         /// A backing file or block device; repeat for several SSDs.
         #[arg(long = "dev", required = true)]
         devs: Vec<PathBuf>,
-        /// Size of each backing file (e.g. 64g); block devices default to their whole size.
-        #[arg(long)]
-        size: Option<String>,
+        /// Size of each backing file (e.g. 64g, 4 KiB to 1 PiB); block devices default to their whole size.
+        #[arg(long, value_parser = parse_pool_size)]
+        size: Option<u64>,
         #[command(flatten)]
         model: ModelArgs,
         /// Blocks per extent group (a layer of G consecutive blocks is one I/O).
-        #[arg(long, default_value_t = DEFAULT_GROUP_BLOCKS)]
+        #[arg(long, default_value_t = DEFAULT_GROUP_BLOCKS, value_parser = clap::value_parser!(u32).range(1..=4096))]
         group_blocks: u32,
         /// Key namespace (model, dtype, layout, TP rank); default from the model.
         #[arg(long)]
@@ -167,34 +215,37 @@ struct BenchArgs {
     /// which `kvtier nvme bind ADDR -- kvtier bench ...` sets.
     #[arg(long)]
     nvme: Option<String>,
-    /// Format a namespace that holds a filesystem or other data (its contents are lost).
+    /// Format an NVMe namespace that holds a filesystem or other data (its
+    /// contents are lost). Pool files in --dir are always created new, so
+    /// this never applies to them.
     #[arg(long)]
     force: bool,
     #[command(flatten)]
     model: ModelArgs,
     /// Context lengths in tokens, comma-separated; those that do not fit --capacity are skipped.
-    #[arg(long, value_delimiter = ',', default_values_t = vec![4096u64, 16384, 65536, 131072])]
+    #[arg(long, value_delimiter = ',', default_values_t = vec![4096u64, 16384, 65536, 131072],
+          value_parser = clap::value_parser!(u64).range(1..=MAX_TOKENS))]
     contexts: Vec<u64>,
     /// Total pool size over all devices.
-    #[arg(long, default_value = "12g")]
-    capacity: String,
+    #[arg(long, default_value = "12g", value_parser = parse_capacity)]
+    capacity: u64,
     /// Pool files ("SSDs") to stripe over.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     devices: u32,
-    #[arg(long, default_value_t = DEFAULT_GROUP_BLOCKS)]
+    #[arg(long, default_value_t = DEFAULT_GROUP_BLOCKS, value_parser = clap::value_parser!(u32).range(1..=4096))]
     group_blocks: u32,
     /// In-flight I/Os per device (default 64 for the KV bench, 32 for --pattern).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
     iodepth: Option<u32>,
     /// Use SQPOLL with this idle time in ms.
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=60_000))]
     sqpoll: Option<u32>,
     /// io_uring DEFER_TASKRUN + SINGLE_ISSUER (single device, no SQPOLL).
     #[arg(long)]
     defer_taskrun: bool,
     /// Largest coalesced I/O.
-    #[arg(long, default_value = "4m")]
-    max_io: String,
+    #[arg(long, default_value = "4m", value_parser = parse_io_size)]
+    max_io: u64,
     /// Engine memory in vLLM's cross-layer layout instead of per-layer tensors.
     #[arg(long)]
     cross_layer: bool,
@@ -214,16 +265,16 @@ struct BenchArgs {
     #[arg(long)]
     pattern: Option<String>,
     /// Block size for --pattern.
-    #[arg(long, default_value = "80k")]
-    bs: String,
+    #[arg(long, default_value = "80k", value_parser = parse_io_size)]
+    bs: u64,
     /// File size for --pattern (the test file under --dir).
-    #[arg(long, default_value = "4g")]
-    size: String,
+    #[arg(long, default_value = "4g", value_parser = parse_pool_size)]
+    size: u64,
     /// Seconds per --pattern run (0: one pass over --size).
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(long, default_value = "10", value_parser = parse_runtime)]
     runtime: f64,
     /// Read percentage for randrw.
-    #[arg(long, default_value_t = 50)]
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(0..=100))]
     rwmixread: u32,
     /// Run fio (io_uring, direct=1) with the same workload on the same file and print kvtier/fio ratios.
     #[arg(long)]
@@ -233,7 +284,7 @@ struct BenchArgs {
     contention: bool,
     /// Run each --pattern measurement this many times (kvtier and fio
     /// alternating) and report the medians.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
     repeat: u32,
 }
 
@@ -248,22 +299,22 @@ struct ReplayArgs {
     #[command(flatten)]
     model: ModelArgs,
     /// New tokens of the request.
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(0..=MAX_TOKENS))]
     input: u64,
     /// Cached prefix tokens, loaded from the pool.
-    #[arg(long, default_value_t = 16384)]
+    #[arg(long, default_value_t = 16384, value_parser = clap::value_parser!(u64).range(1..=MAX_TOKENS))]
     prefix: u64,
     /// slack, naive, sync, or all (read alone, then each policy with writes pending).
     #[arg(long, default_value = "all")]
     policy: String,
     /// Multiply compute times; `auto` makes total compute equal the measured read-alone time.
-    #[arg(long, default_value = "auto")]
-    time_scale: String,
+    #[arg(long, default_value = "auto", value_parser = parse_time_scale)]
+    time_scale: TimeScale,
     /// Compute time per layer without a table, in microseconds.
-    #[arg(long, default_value_t = 1000.0)]
+    #[arg(long, default_value = "1000", value_parser = parse_layer_us)]
     layer_us: f64,
     /// Blocks of new KV waiting to be written when the prefill starts (default: the input's blocks).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=MAX_TOKENS))]
     pending_writes: Option<u64>,
     #[arg(long, default_value = "./kvtier-data")]
     dir: PathBuf,
@@ -284,7 +335,7 @@ enum DebugCmd {
         /// First key; keys count up from here.
         #[arg(long)]
         start_key: u64,
-        #[arg(long, default_value_t = 8)]
+        #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=4096))]
         blocks_per_job: u32,
         /// Stop after this many keys (then sleep until killed).
         #[arg(long, default_value_t = u64::MAX)]
@@ -296,12 +347,25 @@ fn main() {
     let cli = Cli::parse();
     let code = match run(cli) {
         Ok(code) => code,
+        Err(e) if kvtier::cli::is_broken_pipe(&e) => die_of_sigpipe(),
         Err(e) => {
-            eprintln!("kvtier: error: {e}");
+            let _ = writeln!(std::io::stderr(), "kvtier: error: {e}");
             2
         }
     };
     std::process::exit(code);
+}
+
+/// Stdout's reader went away (`kvtier doctor | head -1`): end the way
+/// coreutils do, silently, killed by SIGPIPE (a shell sees 141). `run` has
+/// returned, so its scratch files are already removed.
+fn die_of_sigpipe() -> ! {
+    // SAFETY: restoring the default action and raising a signal.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        libc::raise(libc::SIGPIPE);
+    }
+    std::process::exit(141)
 }
 
 fn run(cli: Cli) -> Result<i32> {
@@ -314,19 +378,19 @@ fn run(cli: Cli) -> Result<i32> {
             namespace,
             force,
         }) => {
-            let geometry = model.geometry()?;
-            let size = size.as_deref().map(parse_size).transpose()?;
+            let named = model.resolve()?;
+            let geometry = named.geometry;
             let namespace = namespace.unwrap_or_else(|| {
                 format!(
                     "{}/{}/bs{}/tp0",
-                    model.name(),
+                    named.name,
                     geometry.dtype.name(),
                     geometry.block_size
                 )
             });
             let pool = Pool::create(&PoolConfig {
                 geometry,
-                model: model.name(),
+                model: named.name.clone(),
                 namespace,
                 group_blocks,
                 devices: devs
@@ -338,18 +402,18 @@ fn run(cli: Cli) -> Result<i32> {
                     .collect(),
                 force,
             })?;
-            print_info(&pool);
+            print_info(&pool)?;
             Ok(0)
         }
         Cmd::Pool(PoolCmd::Info { devs, json }) => {
             let pool = Pool::open(&devs, &OpenExpect::default())?;
             if json {
-                println!(
+                outln!(
                     "{}",
                     serde_json::to_string_pretty(&pool.info()).expect("serializable")
                 );
             } else {
-                print_info(&pool);
+                print_info(&pool)?;
             }
             Ok(0)
         }
@@ -358,35 +422,35 @@ fn run(cli: Cli) -> Result<i32> {
             let mut last = std::time::Instant::now();
             let report = pool.check(|done, total| {
                 if last.elapsed().as_millis() > 500 || done == total {
-                    eprint!("\rchecking groups {done}/{total}");
+                    let _ = write!(std::io::stderr(), "\rchecking groups {done}/{total}");
                     last = std::time::Instant::now();
                 }
             })?;
-            eprintln!();
+            let _ = writeln!(std::io::stderr());
             if json {
-                println!(
+                outln!(
                     "{}",
                     serde_json::to_string_pretty(&report).expect("serializable")
                 );
             } else {
-                println!(
+                outln!(
                     "{} live block(s) checked, {} ok, {} read",
                     report.blocks_checked,
                     report.blocks_ok,
                     human_bytes(report.bytes_read)
                 );
                 for s in &report.damaged_headers {
-                    println!("damaged header: slot {s} (its block is not visible)");
+                    outln!("damaged header: slot {s} (its block is not visible)");
                 }
                 for (s, k) in &report.bad_data {
-                    println!("bad data: slot {s} key {k} does not match its checksum");
+                    outln!("bad data: slot {s} key {k} does not match its checksum");
                 }
             }
             if report.is_clean() {
-                println!("pool is clean");
+                outln!("pool is clean");
                 Ok(0)
             } else {
-                println!(
+                outln!(
                     "pool is DAMAGED: {} damaged header(s), {} block(s) with bad data",
                     report.damaged_headers.len(),
                     report.bad_data.len()
@@ -399,12 +463,12 @@ fn run(cli: Cli) -> Result<i32> {
         Cmd::Doctor { json, dir } => {
             let report = kvtier::doctor::run(&dir)?;
             if json {
-                println!(
+                outln!(
                     "{}",
                     serde_json::to_string_pretty(&report).expect("serializable")
                 );
             } else {
-                print!("{}", kvtier::doctor::render(&report));
+                kvtier::cli::out(&kvtier::doctor::render(&report))?;
             }
             Ok(0)
         }
@@ -429,27 +493,29 @@ fn run(cli: Cli) -> Result<i32> {
     }
 }
 
-fn print_info(pool: &Pool) {
+fn print_info(pool: &Pool) -> Result<()> {
     let i = pool.info();
-    println!(
+    outln!(
         "pool {}  model {}  namespace {}",
-        i.uuid, i.model, i.namespace
+        i.uuid,
+        i.model,
+        i.namespace
     );
-    println!("  geometry: {}", i.geometry.describe());
-    println!(
+    outln!("  geometry: {}", i.geometry.describe());
+    outln!(
         "  extent groups of {} blocks ({} each)",
         i.group_blocks,
         human_bytes(i.group_bytes)
     );
     for (n, d) in i.devices.iter().enumerate() {
-        println!(
+        outln!(
             "  device {n}: {} ({}, {} groups)",
             d.path.display(),
             human_bytes(d.size),
             d.groups
         );
     }
-    println!(
+    outln!(
         "  blocks: {} total, {} live, {} free, {} pinned; {} of {} used",
         i.total_slots,
         i.live_blocks,
@@ -459,11 +525,12 @@ fn print_info(pool: &Pool) {
         human_bytes(i.capacity_bytes)
     );
     if i.damaged_headers > 0 {
-        println!(
+        outln!(
             "  WARNING: {} damaged header(s); run `kvtier pool check`",
             i.damaged_headers
         );
     }
+    Ok(())
 }
 
 fn uring_cfg(a: &BenchArgs, default_depth: u32) -> UringConfig {
@@ -479,18 +546,18 @@ fn run_bench(a: BenchArgs) -> Result<i32> {
     if a.pattern.is_some() || a.contention {
         return run_raw_bench(&a);
     }
-    let geometry = a.model.geometry()?;
+    let named = a.model.resolve()?;
     let cfg = BenchConfig {
         dir: a.dir.clone(),
-        model: a.model.name(),
-        geometry,
+        model: named.name,
+        geometry: named.geometry,
         contexts: a.contexts.clone(),
-        capacity: parse_size(&a.capacity)?,
-        devices: a.devices.max(1),
+        capacity: a.capacity,
+        devices: a.devices,
         group_blocks: a.group_blocks,
         tier: TierConfig {
             uring: uring_cfg(&a, 64),
-            max_io_bytes: parse_size(&a.max_io)?,
+            max_io_bytes: a.max_io,
             ..TierConfig::default()
         },
         verify: !a.no_verify,
@@ -498,6 +565,7 @@ fn run_bench(a: BenchArgs) -> Result<i32> {
         store_job_blocks: 4096,
         nvme: userspace_target(&a)?,
         force: a.force,
+        keep: a.keep,
     };
     if cfg.nvme.is_some() && a.against_fio {
         return Err(kvtier::Error::invalid(
@@ -505,22 +573,18 @@ fn run_bench(a: BenchArgs) -> Result<i32> {
         ));
     }
     let bar = Progress::new();
-    let result = bench::run(&cfg, |msg| bar.say(msg));
-    if !a.keep && cfg.nvme.is_none() {
-        for i in 0..cfg.devices {
-            let _ = std::fs::remove_file(cfg.dir.join(format!("bench{i}.pool")));
-        }
-    }
-    let mut report = result?;
+    // bench::run removes the pool files it created (unless --keep), and
+    // only those, whichever way it returns.
+    let mut report = bench::run(&cfg, |msg| bar.say(msg))?;
     if a.against_fio {
         bar.say("fio: sequential and random read references on the same directory");
         report.fio = Some(bench::fio_references(&cfg, &bar_fn(&bar))?);
     }
     bar.finish();
-    print!("{}", bench::render(&report));
+    kvtier::cli::out(&bench::render(&report))?;
     if let Some(path) = &a.plot {
         bench::plot(&report, path)?;
-        eprintln!("wrote {}", path.display());
+        note(&format!("wrote {}", path.display()));
     }
     write_json(&a.json, &report)?;
     Ok(0)
@@ -566,9 +630,14 @@ fn write_json<T: serde::Serialize>(path: &Option<PathBuf>, report: &T) -> Result
         let text = serde_json::to_string_pretty(report).expect("serializable");
         std::fs::write(path, text)
             .map_err(|e| kvtier::Error::io(format!("writing {}", path.display()), e))?;
-        eprintln!("wrote {}", path.display());
+        note(&format!("wrote {}", path.display()));
     }
     Ok(())
+}
+
+/// A line on stderr; a closed stderr is no reason to fail (or panic).
+fn note(msg: &str) {
+    let _ = writeln!(std::io::stderr(), "{msg}");
 }
 
 fn run_raw_bench(a: &BenchArgs) -> Result<i32> {
@@ -576,7 +645,8 @@ fn run_raw_bench(a: &BenchArgs) -> Result<i32> {
     let pattern = match &a.pattern {
         Some(p) => Pattern::parse(p).ok_or_else(|| {
             kvtier::Error::invalid(format!(
-                "unknown --pattern {p:?}; use read, write, randread, randwrite or randrw"
+                "unknown --pattern {:?}; use read, write, randread, randwrite or randrw",
+                kvtier::cli::excerpt(p, 40)
             ))
         })?,
         None => Pattern::Read,
@@ -585,12 +655,12 @@ fn run_raw_bench(a: &BenchArgs) -> Result<i32> {
         .map_err(|e| kvtier::Error::io(format!("creating {}", a.dir.display()), e))?;
     let w = Workload {
         pattern,
-        bs: parse_size(&a.bs)?,
+        bs: a.bs,
         iodepth: a.iodepth.unwrap_or(32),
-        size: parse_size(&a.size)?,
+        size: a.size,
         runtime_secs: a.runtime,
         file: a.dir.join("kvtier-bench.dat"),
-        rwmix_read: a.rwmixread.min(100),
+        rwmix_read: a.rwmixread,
         numjobs: 1,
     };
     let bar = Progress::new();
@@ -600,14 +670,11 @@ fn run_raw_bench(a: &BenchArgs) -> Result<i32> {
         a.against_fio,
         a.repeat,
         &uring_cfg(a, 32),
+        a.keep,
         &bar_fn(&bar),
-    );
-    if !a.keep {
-        let _ = std::fs::remove_file(&w.file);
-    }
-    let report = report?;
+    )?;
     bar.finish();
-    print!("{}", bench::render_raw(&report));
+    kvtier::cli::out(&bench::render_raw(&report))?;
     write_json(&a.json, &report)?;
     Ok(0)
 }
@@ -645,7 +712,10 @@ impl Progress {
                 ));
                 b.set_message(msg.to_string());
             }
-            None => eprintln!("[{:6.1}s] {msg}", self.started.elapsed().as_secs_f64()),
+            None => note(&format!(
+                "[{:6.1}s] {msg}",
+                self.started.elapsed().as_secs_f64()
+            )),
         }
     }
     fn finish(&self) {
@@ -667,7 +737,8 @@ fn run_replay(a: ReplayArgs) -> Result<i32> {
         "all" => vec![Policy::Slack, Policy::Naive, Policy::Sync],
         p => vec![Policy::parse(p).ok_or_else(|| {
             kvtier::Error::invalid(format!(
-                "unknown --policy {p:?}; use slack, naive, sync or all"
+                "unknown --policy {:?}; use slack, naive, sync or all",
+                kvtier::cli::excerpt(p, 40)
             ))
         })?],
     };
@@ -683,14 +754,9 @@ fn run_replay(a: ReplayArgs) -> Result<i32> {
     rig.set_time_scale(0.0);
     bar.say("read alone");
     let alone = rig.run(Policy::Slack, false)?;
-    let scale = match a.time_scale.as_str() {
-        "auto" => {
-            let compute: f64 = plan.layer_compute_us.iter().sum();
-            alone.total_us / compute.max(1e-9)
-        }
-        s => s.parse::<f64>().map_err(|_| {
-            kvtier::Error::invalid(format!("--time-scale {s:?} is not a number or `auto`"))
-        })?,
+    let scale = match a.time_scale {
+        TimeScale::Auto => auto_scale(alone.total_us, &plan)?,
+        TimeScale::Fixed(s) => s,
     };
     rig.set_time_scale(scale);
     let mut results = vec![("read alone".to_string(), alone.clone())];
@@ -703,7 +769,7 @@ fn run_replay(a: ReplayArgs) -> Result<i32> {
         results.push((format!("{p:?}").to_lowercase(), r));
     }
     bar.finish();
-    println!(
+    outln!(
         "replay: {} layers, input {} tokens, prefix {} tokens ({}), compute x{scale:.4} ({:.1} ms per prefill)",
         geometry.layers,
         a.input,
@@ -711,7 +777,7 @@ fn run_replay(a: ReplayArgs) -> Result<i32> {
         human_bytes(geometry.tokens_to_blocks(a.prefix) * geometry.block_bytes()),
         plan.layer_compute_us.iter().sum::<f64>() * scale / 1e3
     );
-    println!(
+    outln!(
         "{:<11} {:>10} {:>11} {:>12} {:>13} {:>14} {:>14}",
         "policy",
         "read GiB/s",
@@ -722,7 +788,7 @@ fn run_replay(a: ReplayArgs) -> Result<i32> {
         "writes in reads"
     );
     for (name, r) in &results {
-        println!(
+        outln!(
             "{:<11} {:>10.2} {:>10.2}x {:>12.2} {:>13.2} {:>14.2} {:>14}",
             name,
             r.read_gib_s,
@@ -735,7 +801,7 @@ fn run_replay(a: ReplayArgs) -> Result<i32> {
     }
     let get = |n: &str| results.iter().find(|(k, _)| k == n).map(|(_, r)| r);
     if let (Some(s), Some(n)) = (get("slack"), get("naive")) {
-        println!(
+        outln!(
             "slack/naive bubble: {:.2}; slack keeps {:.0}% of read-alone bandwidth, naive {:.0}%",
             s.bubble_us / n.bubble_us.max(1e-9),
             100.0 * s.read_gib_s / alone.read_gib_s,
@@ -743,14 +809,31 @@ fn run_replay(a: ReplayArgs) -> Result<i32> {
         );
     }
     if plan.recompute_us > 0.0 {
-        println!(
+        outln!(
             "recomputing the prefix instead: {:.2} ms (scaled)",
             plan.recompute_us * scale / 1e3
         );
     }
     write_json(&a.json, &results)?;
-    let _ = std::fs::remove_file(a.dir.join("replay.pool"));
     Ok(0)
+}
+
+/// `--time-scale auto`: the factor that makes the prefill's compute equal
+/// the measured read time; refused when it would be absurd (a table or
+/// --layer-us of all but zero compute), which no replay can be run at.
+fn auto_scale(read_us: f64, plan: &kvtier::replay::ReplayPlan) -> Result<f64> {
+    let compute: f64 = plan.layer_compute_us.iter().sum();
+    if compute <= 0.0 {
+        // Nothing to scale: every layer computes for zero time.
+        return Ok(1.0);
+    }
+    let scale = read_us / compute;
+    if !(scale.is_finite() && scale <= 1e6) {
+        return Err(kvtier::Error::invalid(format!(
+            "--time-scale auto would multiply compute by {scale:e} to match the read time ({read_us:.1} us for {compute:e} us of compute); give --time-scale a factor, or a table / --layer-us with real compute times"
+        )));
+    }
+    Ok(scale)
 }
 
 /// The replay plan for (input, prefix): from the table, or flat times.
@@ -803,17 +886,15 @@ fn run_replay_sweep(a: ReplayArgs) -> Result<i32> {
         total - (total as f64 * 0.875) as u64,
         (total as f64 * 0.875) as u64,
     )?;
-    let scale = match a.time_scale.as_str() {
-        "auto" => {
+    let scale = match a.time_scale {
+        TimeScale::Auto => {
             bar.say("measuring the read time at 87.5% hits for the compute scale");
             let mut rig = ReplayRig::new(&a.dir, mid.clone(), TierConfig::default())?;
             rig.set_time_scale(0.0);
             let alone = rig.run(Policy::Slack, false)?;
-            alone.total_us / mid.layer_compute_us.iter().sum::<f64>().max(1e-9)
+            auto_scale(alone.total_us, &mid)?
         }
-        s => s.parse::<f64>().map_err(|_| {
-            kvtier::Error::invalid(format!("--time-scale {s:?} is not a number or `auto`"))
-        })?,
+        TimeScale::Fixed(s) => s,
     };
     let policies = [Policy::Slack, Policy::Naive, Policy::Sync];
     let mut series: Vec<Series> = policies
@@ -824,9 +905,14 @@ fn run_replay_sweep(a: ReplayArgs) -> Result<i32> {
         })
         .collect();
     let mut rows = Vec::new();
-    println!(
+    outln!(
         "{:>9} {:>9} {:>9} {:>12} {:>12} {:>12}",
-        "hit rate", "prefix", "input", "slack ms", "naive ms", "sync ms"
+        "hit rate",
+        "prefix",
+        "input",
+        "slack ms",
+        "naive ms",
+        "sync ms"
     );
     for &h in &rates {
         let prefix = ((total as f64 * h) as u64).max(1);
@@ -845,7 +931,7 @@ fn run_replay_sweep(a: ReplayArgs) -> Result<i32> {
             bubbles.push(r.bubble_us / 1e3);
             rows.push((h, *p, r));
         }
-        println!(
+        outln!(
             "{:>8.2}% {:>9} {:>9} {:>12.2} {:>12.2} {:>12.2}",
             h * 100.0,
             prefix,
@@ -864,9 +950,8 @@ fn run_replay_sweep(a: ReplayArgs) -> Result<i32> {
         "bubble time per prefill (ms)",
         &series,
     )?;
-    eprintln!("wrote {}", path.display());
+    note(&format!("wrote {}", path.display()));
     write_json(&a.json, &rows)?;
-    let _ = std::fs::remove_file(a.dir.join("replay.pool"));
     Ok(0)
 }
 
@@ -884,7 +969,10 @@ fn crash_writer(devs: &[PathBuf], start_key: u64, per_job: u32, max_keys: u64) -
     let _ = out.flush();
     let mut next = start_key;
     while next - start_key < max_keys {
-        let keys: Vec<u64> = (next..next + per_job as u64).collect();
+        let Some(end) = next.checked_add(per_job as u64) else {
+            break;
+        };
+        let keys: Vec<u64> = (next..end).collect();
         for (i, &k) in keys.iter().enumerate() {
             cache.fill_block(i as u32, crash_seed(k));
         }

@@ -123,6 +123,11 @@ const MAX_BLOCK_SIZE: u32 = 1 << 20;
 /// size is surely a mistake.
 const MAX_OBJECT_BYTES: u64 = 1 << 30;
 
+/// The largest config.json read. Real ones are a few KB (the largest, with
+/// label maps, well under 1 MiB); the cap keeps `--model /dev/zero`-like
+/// mistakes from reading without end.
+pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
+
 /// The generic validate() has no file or preset to name; constructors pass their own.
 const GEOMETRY_SOURCE: &str = "kv geometry";
 
@@ -425,21 +430,9 @@ impl KvGeometry {
         block_size: u32,
         dtype_override: Option<DType>,
     ) -> Result<KvGeometry> {
-        let path = if path.is_dir() {
-            path.join("config.json")
-        } else {
-            path.to_path_buf()
-        };
+        let path = config_file_of(path);
         let source_name = path.display().to_string();
-        let text = std::fs::read_to_string(&path).map_err(|e| {
-            config_err(
-                &source_name,
-                format!(
-                    "cannot read it ({e}); pass the path of a model's config.json or a preset name ({})",
-                    preset_names()
-                ),
-            )
-        })?;
+        let text = read_config(&path, &source_name)?;
         Self::from_hf_config_str(&text, &source_name, block_size, dtype_override)
     }
 
@@ -486,8 +479,9 @@ impl Section<'_> {
             config_err(
                 source_name,
                 format!(
-                    "{} is {value} ({why}); it must be a positive integer",
-                    self.quoted(key)
+                    "{} is {} ({why}); it must be a positive integer",
+                    self.quoted(key),
+                    crate::json::value_excerpt(value)
                 ),
             )
         };
@@ -510,8 +504,9 @@ impl Section<'_> {
             config_err(
                 source_name,
                 format!(
-                    "{} is {value}, which is not a known KV dtype; use one of {} or pass --dtype",
+                    "{} is {}, which is not a known KV dtype; use one of {} or pass --dtype",
                     self.quoted(key),
+                    crate::json::value_excerpt(value),
                     DType::choices()
                 ),
             )
@@ -611,7 +606,7 @@ pub fn preset(name: &str, block_size: u32) -> Result<KvGeometry> {
         .find(|p| p.name.eq_ignore_ascii_case(name.trim()))
         .ok_or_else(|| {
             config_err(
-                name,
+                &crate::json::excerpt(name, 64),
                 format!(
                     "unknown model preset; known presets: {}; or pass the path of a model's config.json",
                     preset_names()
@@ -629,12 +624,167 @@ pub fn preset(name: &str, block_size: u32) -> Result<KvGeometry> {
     Ok(geometry)
 }
 
+/// A resolved `--model`: its geometry and the name a pool records and
+/// derives its key namespace from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NamedGeometry {
+    pub geometry: KvGeometry,
+    /// A preset's name, or for a config.json its own model identity plus a
+    /// hash of the config and the geometry (see [`config_identity`]).
+    pub name: String,
+}
+
+/// Like [`resolve`], with the model's name: never the file's name, which
+/// is `config` for every Hugging Face model.
+pub fn resolve_named(
+    spec: &str,
+    block_size: u32,
+    dtype_override: Option<DType>,
+) -> Result<NamedGeometry> {
+    if !is_config_path(spec) {
+        let geometry = resolve(spec, block_size, dtype_override)?;
+        let p = PRESETS
+            .iter()
+            .find(|p| p.name.eq_ignore_ascii_case(spec.trim()))
+            .expect("resolve found the preset");
+        return Ok(NamedGeometry {
+            geometry,
+            name: p.name.to_string(),
+        });
+    }
+    let path = config_file_of(Path::new(spec));
+    let source_name = path.display().to_string();
+    let text = read_config(&path, &source_name)?;
+    let geometry = KvGeometry::from_hf_config_str(&text, &source_name, block_size, dtype_override)?;
+    let root: Value = serde_json::from_str(&text).expect("parsed above");
+    Ok(NamedGeometry {
+        geometry,
+        name: config_identity(&root, &geometry),
+    })
+}
+
+/// The name of a model given by its config.json: the config's own identity
+/// (`_name_or_path`, else `model_type` and the first of `architectures`),
+/// then `@` and 12 hex digits of a hash of the whole config (keys sorted,
+/// the `transformers_version` stamp left out) and the geometry. Two
+/// different configs so get different names, and so different pool
+/// namespaces: KV of one model is never served to another that happens to
+/// share a file name or an architecture.
+pub fn config_identity(root: &Value, geometry: &KvGeometry) -> String {
+    let get = |k: &str| {
+        root.get(k)
+            .and_then(Value::as_str)
+            .filter(|s| !s.is_empty())
+    };
+    let arch = root
+        .get("architectures")
+        .and_then(|a| a.get(0))
+        .and_then(Value::as_str);
+    let base = match (get("_name_or_path"), get("model_type"), arch) {
+        (Some(n), _, _) => n.to_string(),
+        (None, Some(t), Some(a)) => format!("{t}-{a}"),
+        (None, Some(t), None) => t.to_string(),
+        (None, None, Some(a)) => a.to_string(),
+        (None, None, None) => "hf-model".to_string(),
+    };
+    // Names go into the superblock (64 bytes) and the namespace (128): keep
+    // the tail of long ones (the last path components name the model).
+    let clean: String = base
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "._-/".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    let clean = clean.trim_start_matches(['/', '.']);
+    let tail: String = {
+        let n = clean.chars().count();
+        clean.chars().skip(n.saturating_sub(40)).collect()
+    };
+    let mut canon = String::new();
+    canonical_json(root, &mut canon, true);
+    canon.push('\n');
+    canon.push_str(&geometry.describe());
+    let hash = crate::pool::namespace_hash(&canon) & 0xffff_ffff_ffff;
+    format!(
+        "{}@{hash:012x}",
+        if tail.is_empty() { "hf-model" } else { &tail }
+    )
+}
+
+/// JSON with object keys sorted, whatever map order serde_json was built
+/// with; the top-level `transformers_version` (a stamp of the tool that
+/// saved the file, not of the model) is left out.
+fn canonical_json(v: &Value, out: &mut String, top: bool) {
+    match v {
+        Value::Object(m) => {
+            let mut keys: Vec<&String> = m.keys().collect();
+            keys.sort();
+            out.push('{');
+            let mut first = true;
+            for k in keys {
+                if top && k == "transformers_version" {
+                    continue;
+                }
+                if !first {
+                    out.push(',');
+                }
+                first = false;
+                out.push_str(&Value::String(k.clone()).to_string());
+                out.push(':');
+                canonical_json(&m[k], out, false);
+            }
+            out.push('}');
+        }
+        Value::Array(a) => {
+            out.push('[');
+            for (i, x) in a.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                canonical_json(x, out, false);
+            }
+            out.push(']');
+        }
+        other => out.push_str(&other.to_string()),
+    }
+}
+
+/// Whether `spec` names a config file rather than a preset.
+fn is_config_path(spec: &str) -> bool {
+    spec.ends_with(".json") || spec.contains('/') || Path::new(spec).is_file()
+}
+
+/// A directory is a model snapshot: its config.json.
+fn config_file_of(path: &Path) -> std::path::PathBuf {
+    if path.is_dir() {
+        path.join("config.json")
+    } else {
+        path.to_path_buf()
+    }
+}
+
+fn read_config(path: &Path, source_name: &str) -> Result<String> {
+    crate::json::read_user_file(path, MAX_CONFIG_BYTES).map_err(|why| {
+        config_err(
+            source_name,
+            format!(
+                "{why}; pass the path of a model's config.json or a preset name ({})",
+                preset_names()
+            ),
+        )
+    })
+}
+
 /// `spec` is a preset name or a path to a config.json: a path if it ends with ".json",
 /// contains '/', or exists as a file; otherwise a preset. `dtype_override` replaces the
 /// preset's or config's dtype (e.g. an fp8 KV cache for bf16 weights).
 pub fn resolve(spec: &str, block_size: u32, dtype_override: Option<DType>) -> Result<KvGeometry> {
     let path = Path::new(spec);
-    if spec.ends_with(".json") || spec.contains('/') || path.is_file() {
+    if is_config_path(spec) {
         return KvGeometry::from_hf_config_file(path, block_size, dtype_override);
     }
     let mut geometry = preset(spec, block_size)?;
@@ -990,6 +1140,38 @@ mod tests {
             want
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn configs_are_named_by_their_identity_not_their_file_name() {
+        let g = parse(GLM4_9B).unwrap();
+        let glm: Value = serde_json::from_str(GLM4_9B).unwrap();
+        let name = config_identity(&glm, &g);
+        assert!(name.starts_with("THUDM/glm-4-9b@"), "{name}");
+        let llama: Value = serde_json::from_str(LLAMA3_8B).unwrap();
+        let a = config_identity(&llama, &parse(LLAMA3_8B).unwrap());
+        assert!(a.starts_with("llama-LlamaForCausalLM@"), "{a}");
+        // Another config of the same architecture and shape: another name.
+        let tuned = LLAMA3_8B.replace("\"rope_theta\": 500000.0", "\"rope_theta\": 10000.0");
+        let b = config_identity(
+            &serde_json::from_str(&tuned).unwrap(),
+            &parse(&tuned).unwrap(),
+        );
+        assert_ne!(a, b);
+        // The same config saved by another transformers, keys reordered: same name.
+        let resaved = LLAMA3_8B
+            .replace("4.40.0.dev0", "4.57.1")
+            .replace("\"architectures\": [\"LlamaForCausalLM\"],", "")
+            .replace("}", ", \"architectures\": [\"LlamaForCausalLM\"]}");
+        let c = config_identity(
+            &serde_json::from_str(&resaved).unwrap(),
+            &parse(&resaved).unwrap(),
+        );
+        assert_eq!(a, c);
+        // The geometry (block size) is part of it too.
+        let g32 = KvGeometry::from_hf_config_str(LLAMA3_8B, "x", 32, None).unwrap();
+        assert_ne!(a, config_identity(&llama, &g32));
+        assert!(a.len() <= 64 && name.len() <= 64);
     }
 
     #[test]

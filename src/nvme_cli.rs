@@ -11,13 +11,18 @@ use std::process::{Command, ExitStatus};
 
 /// Prints the NVMe controllers, their drivers and block devices.
 pub fn list() -> Result<i32> {
+    use std::fmt::Write;
     let ctrls = list_controllers()?;
     if ctrls.is_empty() {
-        println!("no NVMe controllers (no PCI function of class 0x0108xx)");
+        crate::cli::out("no NVMe controllers (no PCI function of class 0x0108xx)\n")?;
         return Ok(0);
     }
+    // One write at the end: a reader that goes away (`| head -1`) is then
+    // one error the caller handles, not a panic in println!.
+    let mut text = String::new();
     for c in &ctrls {
-        println!(
+        let _ = writeln!(
+            text,
             "{}  {}  class {:#08x}  driver {}",
             c.addr,
             c.id,
@@ -25,7 +30,7 @@ pub fn list() -> Result<i32> {
             c.driver.as_deref().unwrap_or("none")
         );
         if c.driver.as_deref() == Some("nvme") && c.block_devices.is_empty() {
-            println!("    no namespaces (yet)");
+            let _ = writeln!(text, "    no namespaces (yet)");
         }
         for b in &c.block_devices {
             let what = match &b.signature {
@@ -38,9 +43,10 @@ pub fn list() -> Result<i32> {
             } else {
                 b.problems.join("; ")
             };
-            println!("    /dev/{:<12} {what}; {state}", b.name);
+            let _ = writeln!(text, "    /dev/{:<12} {what}; {state}", b.name);
         }
     }
+    crate::cli::out(&text)?;
     Ok(0)
 }
 
@@ -136,16 +142,16 @@ pub fn bind_and_run(
     let result = (|| {
         let binding = PciBinding::bind(addr, driver, force)?;
         for note in binding.forced() {
-            eprintln!("kvtier: warning (--force): {note}");
+            crate::cli::note!("kvtier: warning (--force): {note}");
         }
         let addr = binding.addr().to_string();
         if binding.was_already_bound() {
-            eprintln!(
+            crate::cli::note!(
                 "kvtier: {addr} is already bound to {}; leaving it so",
                 driver.name()
             );
         } else {
-            eprintln!(
+            crate::cli::note!(
                 "kvtier: {addr} bound to {} (was {})",
                 driver.name(),
                 binding.original_driver().unwrap_or("unbound")
@@ -163,8 +169,8 @@ pub fn bind_and_run(
         let original = binding.original_driver().unwrap_or("no driver").to_string();
         let restored = binding.restore();
         match &restored {
-            Ok(()) => eprintln!("kvtier: {addr} given back to {original}"),
-            Err(e) => eprintln!("kvtier: error: giving {addr} back to {original}: {e}"),
+            Ok(()) => crate::cli::note!("kvtier: {addr} given back to {original}"),
+            Err(e) => crate::cli::note!("kvtier: error: giving {addr} back to {original}: {e}"),
         }
         let code = code?;
         Ok(if restored.is_err() && code == 0 {

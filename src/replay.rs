@@ -14,8 +14,8 @@ use crate::memory::{HostKvCache, HostLayout};
 use crate::model::KvGeometry;
 use crate::pool::{DeviceSpec, Key, Pool, PoolConfig};
 use crate::sched::{Policy, Scheduler, Window};
+use crate::scratch::ScratchFile;
 use crate::tier::{Tier, TierConfig};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -56,8 +56,9 @@ pub struct ReplayResult {
 }
 
 pub struct ReplayRig {
-    _tier_dir: PathBuf,
     tier: Option<Tier>,
+    /// The rig's pool file: created new, removed when the rig is dropped.
+    _pool_file: ScratchFile,
     prefix: Vec<Key>,
     prefix_mem: Vec<u32>,
     write_mem: Vec<u32>,
@@ -85,26 +86,51 @@ impl ReplayRig {
             ));
         }
         let writes = plan.pending_write_blocks;
+        let too_big = || {
+            Error::invalid(format!(
+                "a replay of {} prefix blocks with {writes} blocks of pending writes is too large; give a smaller --prefix, --input or --pending-writes",
+                prefix_blocks
+            ))
+        };
+        let mem_blocks = prefix_blocks
+            .checked_add(writes)
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(too_big)?;
+        crate::cli::check_host_memory(
+            (mem_blocks as u64).saturating_mul(g.block_bytes()),
+            &format!(
+                "replaying {prefix_blocks} prefix blocks and {writes} blocks of pending writes"
+            ),
+            "give a smaller --prefix, --input or --pending-writes",
+        )?;
         let group = 64u32;
-        let groups = (prefix_blocks + 4 * writes).div_ceil(group as u64) + 2;
-        let size = crate::pool::layout::DATA_OFFSET
-            + groups * crate::pool::layout::PoolLayout::group_bytes_for(&g, group);
+        let groups = writes
+            .checked_mul(4)
+            .and_then(|w| w.checked_add(prefix_blocks))
+            .map(|b| b.div_ceil(group as u64) + 2)
+            .ok_or_else(too_big)?;
+        let size = groups
+            .checked_mul(crate::pool::layout::PoolLayout::group_bytes_for(&g, group))
+            .and_then(|b| b.checked_add(crate::pool::layout::DATA_OFFSET))
+            .ok_or_else(too_big)?;
         std::fs::create_dir_all(dir)
             .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
-        let path = dir.join("replay.pool");
+        // Created new, never forced: a file or symlink already at this name
+        // is refused rather than formatted.
+        let pool_file = ScratchFile::create_new(&dir.join("replay.pool"), "kvtier replay")?;
         let pool = Pool::create(&PoolConfig {
             geometry: g,
             model: "replay".into(),
             namespace: "replay".into(),
             group_blocks: group,
             devices: vec![DeviceSpec {
-                path: path.clone(),
+                path: pool_file.path().to_path_buf(),
                 size: Some(size),
             }],
-            force: true,
+            force: false,
         })?;
+        crate::bench::check_scratch_pool(&pool, std::slice::from_ref(&pool_file))?;
         let mut tier = Tier::open(pool, tier_cfg)?;
-        let mem_blocks = (prefix_blocks + writes) as u32;
         let cache = Arc::new(HostKvCache::new(g, mem_blocks, HostLayout::PerLayer)?);
         tier.register_host_cache(cache.clone())?;
         let prefix: Vec<Key> = (0..prefix_blocks)
@@ -123,8 +149,8 @@ impl ReplayRig {
         }
         let write_mem = (prefix_blocks as u32..mem_blocks).collect();
         Ok(ReplayRig {
-            _tier_dir: path,
             tier: Some(tier),
+            _pool_file: pool_file,
             prefix,
             prefix_mem,
             write_mem,
@@ -233,7 +259,15 @@ impl ReplayRig {
 /// "Compute" for `us` microseconds, polling the tier so the I/O it has
 /// queued keeps flowing, the way a GPU computes while the SSD works.
 fn spin(sched: &mut Scheduler, us: f64) -> Result<()> {
-    let end = Instant::now() + Duration::from_secs_f64(us.max(0.0) * 1e-6);
+    let span = Duration::try_from_secs_f64(us.max(0.0) * 1e-6)
+        .ok()
+        .filter(|d| d.as_secs() < 86_400)
+        .ok_or_else(|| {
+            Error::invalid(format!(
+                "a compute time of {us:e} us is too long to replay; give a smaller --time-scale or --layer-us"
+            ))
+        })?;
+    let end = Instant::now() + span;
     loop {
         sched.tier_mut().poll()?;
         let now = Instant::now();

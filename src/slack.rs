@@ -128,6 +128,11 @@ pub const SM_BUDGET_MIN: u32 = 2;
 /// small operators spilling onto free SMs still find them (Tutti §3.3).
 pub const SM_BUDGET_MAX_PER_132: u32 = 8;
 
+/// The largest table file read: the tables kvtier-profile writes are well
+/// under 1 MiB for an 8 x 8 grid; 64 MiB leaves room for grids 64 times
+/// larger while a wrong file (a disk image, /dev/zero) is refused unread.
+pub const MAX_TABLE_BYTES: u64 = 64 << 20;
+
 /// Tolerance when checking a table's times against the rules: files keep
 /// times to the nanosecond (0.001 µs).
 const TIME_TOLERANCE_US: f64 = 0.002;
@@ -527,9 +532,9 @@ impl SlackTable {
     pub fn load(path: impl AsRef<Path>) -> Result<SlackTable> {
         let path = path.as_ref();
         let source = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| {
+        let text = crate::json::read_user_file(path, MAX_TABLE_BYTES).map_err(|why| {
             Error::invalid(format!(
-                "{source}: cannot read the slack table ({e}); pass a table made by kvtier-profile, e.g. tables/llama3-8b.h100.json"
+                "{source}: cannot read the slack table: {why}; pass a table made by kvtier-profile, e.g. tables/llama3-8b.h100.json"
             ))
         })?;
         Self::from_json_str(&text, &source)
@@ -555,7 +560,8 @@ impl SlackTable {
             Some(Value::String(s)) if s == SCHEMA => {}
             Some(other) => {
                 return Err(err(format!(
-                    "schema is {other}, not \"{SCHEMA}\"; this kvtier reads {SCHEMA} tables only: regenerate the table with this version's kvtier-profile"
+                    "schema is {}, not \"{SCHEMA}\"; this kvtier reads {SCHEMA} tables only: regenerate the table with this version's kvtier-profile",
+                    crate::json::value_excerpt(other)
                 )))
             }
         }
@@ -563,7 +569,8 @@ impl SlackTable {
         check_shape(&value, TABLE_TY, "", source_name)?;
         let file: TableFile = serde_json::from_value(value).map_err(|e| {
             err(format!(
-                "does not match the slack table schema ({e}); regenerate it with kvtier-profile"
+                "does not match the slack table schema ({}); regenerate it with kvtier-profile",
+                crate::json::excerpt(&e.to_string(), 200)
             ))
         })?;
         Self::validate(file, source_name)
@@ -665,7 +672,7 @@ impl SlackTable {
         if !is_date(&file.provenance.date) {
             return Err(err(format!(
                 "provenance.date is {:?}; write it as YYYY-MM-DD",
-                file.provenance.date
+                crate::json::excerpt(&file.provenance.date, 40)
             )));
         }
         if file.provenance.command.trim().is_empty() {
@@ -676,31 +683,37 @@ impl SlackTable {
         check_grid(&file.input_lengths, "input_lengths", 1, src)?;
         check_grid(&file.prefix_lengths, "prefix_lengths", 0, src)?;
 
-        // Entries: each on the grid, once, all of them.
+        // Entries: each on the grid, once, all of them. The grid's size
+        // comes from two short lists and can be huge (60000 x 60000) while
+        // the entries are few, so nothing is allocated per grid point before
+        // the entries are known to cover it: a sparse map of the points seen,
+        // and a dense table only when there are as many entries as points.
         let np = file.prefix_lengths.len();
         let ni = file.input_lengths.len();
-        let mut cells = vec![usize::MAX; ni * np];
+        let points = ni.checked_mul(np);
+        let mut seen: std::collections::HashMap<usize, usize> =
+            std::collections::HashMap::with_capacity(file.entries.len());
         for (k, e) in file.entries.iter().enumerate() {
             let i = file.input_lengths.binary_search(&e.input).map_err(|_| {
                 err(format!(
-                    "entries[{k}].input is {}, which is not in input_lengths {:?}; every entry must be a grid point",
-                    e.input, file.input_lengths
+                    "entries[{k}].input is {}, which is not in input_lengths {}; every entry must be a grid point",
+                    e.input,
+                    crate::json::list_excerpt(&file.input_lengths)
                 ))
             })?;
             let p = file.prefix_lengths.binary_search(&e.prefix).map_err(|_| {
                 err(format!(
-                    "entries[{k}].prefix is {}, which is not in prefix_lengths {:?}; every entry must be a grid point",
-                    e.prefix, file.prefix_lengths
+                    "entries[{k}].prefix is {}, which is not in prefix_lengths {}; every entry must be a grid point",
+                    e.prefix,
+                    crate::json::list_excerpt(&file.prefix_lengths)
                 ))
             })?;
-            let cell = &mut cells[i * np + p];
-            if *cell != usize::MAX {
+            if let Some(first) = seen.insert(i * np + p, k) {
                 return Err(err(format!(
-                    "entries[{k}] repeats grid point (input {}, prefix {}) of entries[{}]; keep one entry per grid point",
-                    e.input, e.prefix, *cell
+                    "entries[{k}] repeats grid point (input {}, prefix {}) of entries[{first}]; keep one entry per grid point",
+                    e.input, e.prefix
                 )));
             }
-            *cell = k;
             if e.layers.len() != geometry.layers as usize {
                 return Err(err(format!(
                     "entries[{k}].layers has {} rows but model.layers is {}; a table has one row per layer (was it made for another model?)",
@@ -713,16 +726,26 @@ impl SlackTable {
                 check_layer(&geometry, &file, e.input, e.prefix, row, &path, src)?;
             }
         }
-        if let Some(missing) = cells.iter().position(|&c| c == usize::MAX) {
+        if points != Some(seen.len()) {
+            // Every entry is a distinct grid point, so there are fewer
+            // entries than points and one of the first `entries + 1` points
+            // (in row-major order) is missing: the search is bounded.
+            let missing = (0..)
+                .find(|c| !seen.contains_key(c))
+                .expect("fewer entries than grid points");
             return Err(err(format!(
                 "entries has no entry for grid point (input {}, prefix {}); a table needs one entry per pair of input_lengths x prefix_lengths ({} x {} = {}, found {})",
                 file.input_lengths[missing / np],
                 file.prefix_lengths[missing % np],
                 ni,
                 np,
-                ni * np,
+                points.map_or_else(|| "too many".to_string(), |n| n.to_string()),
                 file.entries.len()
             )));
+        }
+        let mut cells = vec![usize::MAX; seen.len()];
+        for (cell, k) in seen {
+            cells[cell] = k;
         }
 
         // Decode profile.
@@ -994,7 +1017,7 @@ fn model_geometry(m: &ModelInfo, src: &str) -> Result<KvGeometry> {
     let dtype = DType::parse(&m.dtype).ok_or_else(|| {
         Error::invalid(format!(
             "{src}: model.dtype is {:?}, not a known KV dtype; use one of {}",
-            m.dtype,
+            crate::json::excerpt(&m.dtype, 40),
             DType::ALL.map(DType::name).join(", ")
         ))
     })?;
@@ -1036,7 +1059,7 @@ fn check_storage(s: &StorageInfo, src: &str) -> Result<()> {
     if !(s.source.starts_with("measured on ") || s.source.starts_with("assumed")) {
         return Err(Error::invalid(format!(
             "{src}: storage.source is {:?}; it must say how the numbers were obtained: \"measured on <pool dir> ...\" or \"assumed: ...\"",
-            s.source
+            crate::json::excerpt(&s.source, 60)
         )));
     }
     Ok(())
@@ -1067,10 +1090,19 @@ fn check_grid(grid: &[u64], name: &str, min: u64, src: &str) -> Result<()> {
     Ok(())
 }
 
+/// The longest time a table may hold, µs (a day): past it a value is a
+/// mistake, and it would overflow the durations a replay sleeps for.
+const MAX_TIME_US: f64 = 86_400e6;
+
 fn check_time(v: f64, path: &str, src: &str) -> Result<()> {
     if v < 0.0 {
         return Err(Error::invalid(format!(
             "{src}: {path} is negative ({v:?}); times are ≥ 0 µs"
+        )));
+    }
+    if v.is_nan() || v > MAX_TIME_US {
+        return Err(Error::invalid(format!(
+            "{src}: {path} is {v:?}; times are at most {MAX_TIME_US:e} µs (a day)"
         )));
     }
     Ok(())
@@ -1499,7 +1531,7 @@ fn check_shape(v: &Value, ty: Ty, path: &str, src: &str) -> Result<()> {
                 if !fields.iter().any(|f| f.name == key) {
                     return Err(Error::invalid(format!(
                         "{src}: {} is not a field of a {SCHEMA} table; remove it or correct its name (the fields here are {})",
-                        join(key),
+                        crate::json::excerpt(&join(key), 80),
                         fields.iter().map(|f| f.name).collect::<Vec<_>>().join(", ")
                     )));
                 }

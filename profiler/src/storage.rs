@@ -14,7 +14,7 @@ use kvtier::bench::raw;
 use kvtier::engine::uring::UringConfig;
 use kvtier::slack::StorageInfo;
 use kvtier::{Error, KvGeometry, Result};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// The default assumption: one PCIe Gen4 x4 NVMe SSD's sequential bandwidth,
 /// and a typical QD1 read latency of a few tens of KiB on such a drive.
@@ -46,15 +46,6 @@ pub fn assumed(read_gbs: Option<f64>, write_gbs: Option<f64>, iocb_us: Option<f6
     }
 }
 
-/// Removes the measurement file however the measurement ends.
-struct Scratch(PathBuf);
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
 /// Measures reads alone, writes alone and the IOCB service time on a file of
 /// `size` bytes in `dir`, spending about `seconds` in all.
 pub fn measure(
@@ -82,7 +73,9 @@ pub fn measure(
         )));
     }
     let file = dir.join(format!(".kvtier-profile-{}.tmp", std::process::id()));
-    let _scratch = Scratch(file.clone());
+    // Created new and removed however the measurement ends; a file already
+    // at that name (or a symlink planted there) is refused, not overwritten.
+    let _scratch = kvtier::scratch::ScratchFile::create_new(&file, "kvtier-profile")?;
     progress(&format!(
         "laying out {} MiB in {}",
         size >> 20,
@@ -136,6 +129,7 @@ fn round3(x: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
 
     #[test]
     fn assumed_says_so() {

@@ -489,9 +489,13 @@ pub fn prepare_file(path: &Path, size: u64, reuse: bool) -> Result<()> {
     let open = |direct: bool| {
         let mut o = std::fs::OpenOptions::new();
         o.write(true).create(true).truncate(false);
-        if direct {
-            o.custom_flags(libc::O_DIRECT);
-        }
+        // Never write through a symlink planted at the test file's name.
+        let nofollow = libc::O_NOFOLLOW;
+        o.custom_flags(if direct {
+            libc::O_DIRECT | nofollow
+        } else {
+            nofollow
+        });
         o.open(path)
     };
     let (file, direct) = match open(true) {

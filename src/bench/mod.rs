@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::memory::{HostKvCache, HostLayout};
 use crate::model::KvGeometry;
 use crate::pool::{DeviceSpec, Key, Pool, PoolConfig};
+use crate::scratch::ScratchFile;
 use crate::tier::{Tier, TierConfig};
 use fio::{IoResult, Pattern, Workload};
 use std::path::PathBuf;
@@ -40,8 +41,11 @@ pub struct BenchConfig {
     /// The pool on namespace 1 of this NVMe controller (PCI address),
     /// served by this userspace engine, instead of pool files in `dir`.
     pub nvme: Option<(String, crate::engine::open::UserspaceEngine)>,
-    /// Format storage that holds other data.
+    /// Format an NVMe namespace that holds other data. Pool files are
+    /// scratch files, created new: never forced.
     pub force: bool,
+    /// Leave the pool files in `dir` afterwards.
+    pub keep: bool,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -152,14 +156,15 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
     let geo = cfg.geometry;
     std::fs::create_dir_all(&cfg.dir)
         .map_err(|e| Error::io(format!("creating {}", cfg.dir.display()), e))?;
-    let pool_cfg = |devices: Vec<DeviceSpec>| PoolConfig {
+    let pool_cfg = |devices: Vec<DeviceSpec>, force: bool| PoolConfig {
         geometry: geo,
         model: cfg.model.clone(),
         namespace: format!("bench/{}", cfg.model),
         group_blocks: cfg.group_blocks,
         devices,
-        force: cfg.force,
+        force,
     };
+    let mut scratch: Vec<ScratchFile> = Vec::new();
     let (pool, engine) = match &cfg.nvme {
         Some((addr, which)) => {
             progress(&format!(
@@ -168,16 +173,25 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
             let (pool, engine) = crate::engine::open::pool_on_nvme(
                 addr,
                 *which,
-                Some(&pool_cfg(Vec::new())),
+                Some(&pool_cfg(Vec::new(), cfg.force)),
                 &Default::default(),
             )?;
             (pool, Some(engine))
         }
         None => {
             let per_dev = (cfg.capacity / cfg.devices as u64) & !4095;
-            let devices: Vec<DeviceSpec> = (0..cfg.devices)
-                .map(|i| DeviceSpec {
-                    path: cfg.dir.join(format!("bench{i}.pool")),
+            // Created new here, so a file already at one of these names
+            // (or a symlink planted there) is refused, never formatted;
+            // dropped on every way out of this function, which removes
+            // exactly the files made here.
+            for i in 0..cfg.devices {
+                let path = cfg.dir.join(format!("bench{i}.pool"));
+                scratch.push(ScratchFile::create_new(&path, "kvtier bench")?);
+            }
+            let devices: Vec<DeviceSpec> = scratch
+                .iter()
+                .map(|s| DeviceSpec {
+                    path: s.path().to_path_buf(),
                     size: Some(per_dev),
                 })
                 .collect();
@@ -187,9 +201,14 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
                 human_bytes(per_dev),
                 cfg.dir.display()
             ));
-            (Pool::create(&pool_cfg(devices))?, None)
+            let pool = Pool::create(&pool_cfg(devices, false))?;
+            check_scratch_pool(&pool, &scratch)?;
+            (pool, None)
         }
     };
+    if cfg.keep {
+        scratch.iter_mut().for_each(ScratchFile::keep);
+    }
     let slots = pool.index().total_slots();
     let mut skipped = Vec::new();
     let contexts: Vec<u64> = cfg
@@ -227,6 +246,11 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
             fio: None,
         });
     }
+    crate::cli::check_host_memory(
+        max_blocks.saturating_mul(geo.block_bytes()),
+        &format!("a {max_blocks}-block context"),
+        "give smaller --contexts",
+    )?;
     progress(&format!(
         "allocating {} of host KV memory ({max_blocks} blocks)",
         human_bytes(max_blocks * geo.block_bytes())
@@ -338,12 +362,31 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
     })
 }
 
+/// The pool must be on the very files created for it: a file swapped in
+/// under one of their names between creation and formatting would
+/// otherwise be benchmarked (and then left behind).
+pub(crate) fn check_scratch_pool(pool: &Pool, scratch: &[ScratchFile]) -> Result<()> {
+    for ((fd, name), s) in pool.device_fds()?.into_iter().zip(scratch) {
+        if !s.is_fd(fd) {
+            return Err(Error::Backing {
+                path: s.path().to_path_buf(),
+                reason: format!(
+                    "was replaced while being formatted ({name} is another file); \
+                     something else writes to this directory: pick another --dir"
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Run fio's sequential and random read on a file beside the pool.
 pub fn fio_references(cfg: &BenchConfig, progress: &dyn Fn(&str)) -> Result<FioReferences> {
     let version = fio::fio_available().ok_or_else(|| {
         Error::invalid("--against-fio needs fio: install it (apt-get install fio)")
     })?;
-    let file = cfg.dir.join("fio-reference.dat");
+    let scratch = ScratchFile::create_new(&cfg.dir.join("fio-reference.dat"), "kvtier bench")?;
+    let file = scratch.path().to_path_buf();
     let size = cfg.capacity.clamp(1 << 30, 4 << 30) & !((1 << 20) - 1);
     progress(&format!(
         "fio: laying out a {} test file",
@@ -375,7 +418,7 @@ pub fn fio_references(cfg: &BenchConfig, progress: &dyn Fn(&str)) -> Result<FioR
         cfg.tier.uring.queue_depth,
     );
     let r = run(Pattern::RandRead, cfg.geometry.object_bytes(), 32);
-    let _ = std::fs::remove_file(&file);
+    drop(scratch);
     let (a, b, r) = (a?, b?, r?);
     let seq = if a.0.read_bw >= b.0.read_bw { a } else { b };
     Ok(FioReferences {
@@ -448,12 +491,15 @@ pub struct RawReport {
 
 /// `--pattern` (and `--contention`): kvtier's engine on a file, and fio with
 /// the same workload on the same file when `against_fio`.
+/// `w.file` is created new for the run and removed after it unless `keep`.
+#[allow(clippy::too_many_arguments)]
 pub fn raw_suite(
     w: &Workload,
     contention: bool,
     against_fio: bool,
     repeat: u32,
     engine: &UringConfig,
+    keep: bool,
     progress: &dyn Fn(&str),
 ) -> Result<RawReport> {
     let fio_version = if against_fio {
@@ -463,6 +509,10 @@ pub fn raw_suite(
     } else {
         None
     };
+    let mut scratch = ScratchFile::create_new(&w.file, "kvtier bench")?;
+    if keep {
+        scratch.keep();
+    }
     progress(&format!(
         "laying out {} at {}",
         human_bytes(w.size),

@@ -719,7 +719,7 @@ impl Drop for PciBinding {
         if !self.done {
             self.done = true;
             if let Err(e) = self.undo() {
-                eprintln!("kvtier: giving {} back to its driver: {e}", self.addr);
+                crate::cli::note!("kvtier: giving {} back to its driver: {e}", self.addr);
             }
         }
     }
