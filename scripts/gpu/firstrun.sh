@@ -2,12 +2,7 @@
 # First run of kvtier on a GPU machine: bash firstrun.sh   (binaries in $BIN, results in $OUT)
 # $BIN (default .gpu/) holds: gpu-tests, nvme-sim-tests, kvtier, kvtier-profile (stripped), probe (from probe.cu).
 # Every step is timeboxed; the whole script ends by ~540 s. Output: at most 8 files in $OUT.
-set -u; export RUST_BACKTRACE=1 KVTIER_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
-G=${BIN:-.gpu}; O=${OUT:-/tmp/kvtier-gpu-out}; mkdir -p "$O"; S=$O/summary.txt; END=$((SECONDS+540))
-left() { echo $((END-SECONDS)); }
-fig() { echo "FIG $*" | tee -a "$S"; }
-step() { local name=$1 t=$2; shift 2; local l; l=$(left); [ "$l" -lt 20 ] && { fig "$name SKIPPED(no time)"; return; }
-         [ "$t" -gt "$l" ] && t=$l; local t0=$SECONDS; timeout -k 5 "$t" "$@"; local rc=$?; fig "$name rc=$rc s=$((SECONDS-t0))"; }
+. "$(dirname "$0")/lib.sh"
 
 # 0. Facts (env.txt). libcuda must be on the loader path for kvtier's dlopen.
 { date; uname -a; head -2 /etc/os-release; nproc; free -g; nvidia-smi; nvidia-smi -q | grep -iE "driver version|cuda version|persistence|compute mode|mig mode|bar1|link (gen|width)|clocks_throttle|addressing"

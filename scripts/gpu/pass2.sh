@@ -3,13 +3,7 @@
 # rate against the GPU-resident null controller, green-context isolation, the
 # staged restore (io_uring -> pinned -> HBM) beside its ceilings, and the CPU
 # per-command comparator, all in one run. Binaries in $BIN (default .gpu/).
-set -u; export RUST_BACKTRACE=1 KVTIER_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
-G=${BIN:-.gpu}; O=${OUT:-/tmp/kvtier-gpu-out}; mkdir -p "$O"; S=$O/summary.txt; END=$((SECONDS+${BUDGET_S:-500}))
-left() { echo $((END-SECONDS)); }
-fig() { echo "FIG $*" | tee -a "$S"; }
-step() { local name=$1 t=$2; shift 2; local l; l=$(left); [ "$l" -lt 15 ] && { fig "$name SKIPPED(no time)"; return; }
-         [ "$t" -gt "$l" ] && t=$l; local t0=$SECONDS; timeout -k 5 "$t" "$@"; local rc=$?; fig "$name rc=$rc s=$((SECONDS-t0))"; }
-ldconfig -p | grep -q "libcuda\.so\.1" || export LD_LIBRARY_PATH=/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
+. "$(dirname "$0")/lib.sh"
 D=$PWD/kvtier-data; mkdir -p "$D"; fig "pool_dir=$D fs=$(stat -f -c %T "$D") gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 
 PROBE_BUDGET_S=12 step probe 17 $G/probe > "$O/probe.txt" 2>&1

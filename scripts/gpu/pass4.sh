@@ -3,13 +3,7 @@
 # loading), the GPU tests again, the command rate three times with the CPU comparator
 # beside each (medians for the README), isolation, the staged restore up to 64K tokens,
 # and torch slack tables. Binaries in $BIN (default .gpu/).
-set -u; export RUST_BACKTRACE=1 KVTIER_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
-G=${BIN:-.gpu}; O=${OUT:-/tmp/kvtier-gpu-out}; mkdir -p "$O"; S=$O/summary.txt; END=$((SECONDS+${BUDGET_S:-540}))
-left() { echo $((END-SECONDS)); }
-fig() { echo "FIG $*" | tee -a "$S"; }
-step() { local name=$1 t=$2; shift 2; local l; l=$(left); [ "$l" -lt 15 ] && { fig "$name SKIPPED(no time)"; return; }
-         [ "$t" -gt "$l" ] && t=$l; local t0=$SECONDS; timeout -k 5 "$t" "$@"; local rc=$?; fig "$name rc=$rc s=$((SECONDS-t0))"; }
-ldconfig -p | grep -q "libcuda\.so\.1" || export LD_LIBRARY_PATH=/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
+. "$(dirname "$0")/lib.sh"
 D=$PWD/kvtier-data; mkdir -p "$D"; fig "pool_dir=$D gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 
 step blocking_lazy 40 $G/gpu_bench blocking > "$O/blocking.txt" 2>&1

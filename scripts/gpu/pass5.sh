@@ -2,13 +2,7 @@
 # Fifth GPU pass: isolation with acquire vs relaxed pollers (same run), the GPU tests
 # (an idle engine does not hold cuMemFree), and the command rate three times with the CPU
 # comparator beside each, after the relaxed polls and the SGL dry-run skip.
-set -u; export RUST_BACKTRACE=1 KVTIER_REQUIRE_GPU=1
-G=${BIN:-.gpu}; O=${OUT:-/tmp/kvtier-gpu-out}; mkdir -p "$O"; S=$O/summary.txt; END=$((SECONDS+${BUDGET_S:-300}))
-left() { echo $((END-SECONDS)); }
-fig() { echo "FIG $*" | tee -a "$S"; }
-step() { local name=$1 t=$2; shift 2; local l; l=$(left); [ "$l" -lt 15 ] && { fig "$name SKIPPED(no time)"; return; }
-         [ "$t" -gt "$l" ] && t=$l; local t0=$SECONDS; timeout -k 5 "$t" "$@"; local rc=$?; fig "$name rc=$rc s=$((SECONDS-t0))"; }
-ldconfig -p | grep -q "libcuda\.so\.1" || export LD_LIBRARY_PATH=/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
+. "$(dirname "$0")/lib.sh"
 fig "gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 step isolation 60 $G/gpu_bench isolation --io-sms 8 --queues 8 --bs 128k --reps 21 > "$O/isolation.txt" 2>&1
 grep "^FIG" "$O/isolation.txt" >> "$S"
