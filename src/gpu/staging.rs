@@ -210,7 +210,11 @@ impl DeviceCopier for CudaCopier {
         let mut out = vec![0u8; self.last_gather * 4];
         self.crcs.read(0, &mut out)?;
         self.last_gather = 0;
-        Ok(bytemuck::cast_slice(&out).to_vec())
+        // A byte buffer has no u32 alignment: decode, do not cast.
+        Ok(out
+            .chunks_exact(4)
+            .map(|w| u32::from_ne_bytes([w[0], w[1], w[2], w[3]]))
+            .collect())
     }
 }
 
