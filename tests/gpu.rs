@@ -92,6 +92,17 @@ fn gpu(test: &str) -> Option<Device> {
     None
 }
 
+/// Device 0 when this build carries the CUDA kernels, or `None` after
+/// saying why the test is skipped.
+fn gpu_with_kernels(test: &str) -> Option<Device> {
+    let dev = gpu(test)?;
+    if !kvtier::gpu::kernels::built_with_kernels() {
+        skip(test, "kvtier was built without CUDA kernels (no nvcc)");
+        return None;
+    }
+    Some(dev)
+}
+
 fn skip(test: &str, why: &str) {
     if std::env::var("KVTIER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
         panic!("{test}: KVTIER_REQUIRE_GPU=1 but the test would be skipped: {why}");
@@ -454,13 +465,9 @@ fn gpu_engine_drives_the_simulated_controller() {
     use kvtier::engine::gpu::{CudaGioExecutor, GpuEngine, GpuEngineConfig};
     use kvtier::nvme::sim::SimConfig;
     const NAME: &str = "gpu_engine_drives_the_simulated_controller";
-    let Some(dev) = gpu(NAME) else {
+    let Some(dev) = gpu_with_kernels(NAME) else {
         return;
     };
-    if !kvtier::gpu::kernels::built_with_kernels() {
-        skip(NAME, "kvtier was built without CUDA kernels (no nvcc)");
-        return;
-    }
     let part = if dev.compute_capability().unwrap().0 >= 9 {
         Some(SmPartition::split(&dev, 8).expect("8 SMs for I/O"))
     } else {
@@ -502,13 +509,9 @@ fn idle_gpu_engine_does_not_hold_cumemfree() {
     use kvtier::pool::backing::AlignedBuf;
     use kvtier::ring::abi::IOCTX_OP_WRITE;
     const NAME: &str = "idle_gpu_engine_does_not_hold_cumemfree";
-    let Some(dev) = gpu(NAME) else {
+    let Some(dev) = gpu_with_kernels(NAME) else {
         return;
     };
-    if !kvtier::gpu::kernels::built_with_kernels() {
-        skip(NAME, "kvtier was built without CUDA kernels (no nvcc)");
-        return;
-    }
     let primary = Context::primary(&dev).unwrap();
     // Frees a 1 MiB device buffer of the primary context on another thread;
     // true when it returned within 3 s.
@@ -571,13 +574,9 @@ fn idle_gpu_engine_does_not_hold_cumemfree() {
 fn staging_scatter_and_gather_crc32c_match_the_cpu() {
     use kvtier::gpu::staging::{CopyDesc, CudaCopier, DeviceCopier};
     const NAME: &str = "staging_scatter_and_gather_crc32c_match_the_cpu";
-    let Some(dev) = gpu(NAME) else {
+    let Some(dev) = gpu_with_kernels(NAME) else {
         return;
     };
-    if !kvtier::gpu::kernels::built_with_kernels() {
-        skip(NAME, "kvtier was built without CUDA kernels (no nvcc)");
-        return;
-    }
     let ctx = Context::primary(&dev).unwrap();
     let sizes = [32768usize, 4096, 4096 + 13, 100, 1, 65536 + 4000];
     let slot = 128 * 1024usize;
