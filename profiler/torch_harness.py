@@ -7,11 +7,18 @@ output fed to `kvtier-profile --compute trace FILE`.
 What it does:
   * builds the model's decoder layers from a Hugging Face config.json with
     random bf16 weights (transformers' own layer classes: Llama, Qwen3, GLM, ...);
-  * for every (input, prefix) grid point, runs a prefill of `input` new tokens
-    over `prefix` cached tokens through every layer and times each layer with
-    CUDA events (median over --repeats after --warmup passes);
+  * for every (input, prefix) grid point, a prefill of `input` new tokens
+    over `prefix` cached tokens through the built layers, captured once as a
+    CUDA graph and timed by replaying it between CUDA events (median over
+    --repeats after --warmup replays): GPU time, not Python launch time,
+    which per-layer eager timing measured instead (on an H100 it made a
+    llama3-8b decode step read 39 ms; GPU time is a few ms). A layer's time
+    is the graph's time over the layers in it. --timing eager keeps the old
+    per-layer eager timing (for a torch that cannot capture);
   * for every decode context C, one decode step (1 new token over C-1 cached),
-    every layer timed the same way;
+    timed the same way;
+  * asserts the timed attention ran: once per layer per pass, over exactly
+    prefix + input keys;
   * writes the kvtier-trace/1 JSON (see profiler/src/trace.rs) to --out or stdout.
 
 The KV cache is a preallocated buffer, as in a serving engine's paged cache:
@@ -20,8 +27,8 @@ attention runs over the prefix plus the new tokens, causally aligned to the
 bottom right (new token i sees the whole prefix and new tokens <= i):
   * flash_attn.flash_attn_func when flash-attn is installed (what vLLM's
     FlashAttention backend runs; GQA native);
-  * else torch SDPA with torch.nn.attention.bias.causal_lower_right (KV heads
-    repeated for GQA in prefill; enable_gqa for decode when torch has it).
+  * else torch SDPA with torch.nn.attention.bias.causal_lower_right, GQA
+    through SDPA's enable_gqa (torch >= 2.5; KV heads repeated otherwise).
 --attention picks one explicitly.
 
 Only `--layers` distinct layers are built (by default as many as fit in half
@@ -61,20 +68,27 @@ def int_list(s):
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", required=True, help="Hugging Face config.json of the model")
+    ap.add_argument("--config", default=None,
+                    help="Hugging Face config.json of the model (--check: a tiny built-in llama if absent)")
     ap.add_argument("--name", default=None, help="model name written into the trace")
-    ap.add_argument("--inputs", required=True, help="input lengths, e.g. 512,1024")
-    ap.add_argument("--prefixes", required=True, help="prefix lengths, e.g. 0,2048")
-    ap.add_argument("--contexts", required=True, help="decode context lengths, e.g. 1024,4096")
+    ap.add_argument("--inputs", default=None, help="input lengths, e.g. 512,1024")
+    ap.add_argument("--prefixes", default=None, help="prefix lengths, e.g. 0,2048")
+    ap.add_argument("--contexts", default=None, help="decode context lengths, e.g. 1024,4096")
     ap.add_argument("--layers", type=int, default=0,
                     help="distinct layers to build (0: as many as fit in half the free memory, at most 8)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed passes per grid point")
-    ap.add_argument("--repeats", type=int, default=1, help="timed passes per grid point (median taken)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed passes per grid point")
+    ap.add_argument("--repeats", type=int, default=5, help="timed passes per grid point (median taken)")
+    ap.add_argument("--timing", choices=["graph", "eager"], default="graph",
+                    help="graph: replay a CUDA graph of the layers (GPU time); eager: events around each layer")
     ap.add_argument("--attention", choices=["auto", "flash", "sdpa"], default="auto")
     ap.add_argument("--out", default=None, help="write the trace here (default: stdout)")
     ap.add_argument("--check", action="store_true",
-                    help="only check that torch, transformers and CUDA are usable")
-    return ap.parse_args()
+                    help="check torch, transformers and CUDA, and the timed attention against a reference, then exit")
+    args = ap.parse_args()
+    if not args.check and (args.config is None or args.inputs is None or args.prefixes is None
+                           or args.contexts is None):
+        fail(2, "give --config, --inputs, --prefixes and --contexts (or --check alone)")
+    return args
 
 
 def import_stack(which_attention):
@@ -109,6 +123,10 @@ class KvState:
     k = None  # (1, T, kv_heads, head_dim)
     v = None
     prefix = 0
+    # What the attention saw, so a pass that skipped it (or attended over the
+    # wrong keys) fails instead of timing something else.
+    calls = 0
+    keys_seen = -1
 
 
 def make_attention(torch, flash):
@@ -127,6 +145,8 @@ def make_attention(torch, flash):
         p = KvState.prefix
         q_len = query.shape[2]
         total = p + q_len
+        KvState.calls += 1
+        KvState.keys_seen = total
         KvState.k[:, p:total].copy_(key.transpose(1, 2))
         KvState.v[:, p:total].copy_(value.transpose(1, 2))
         k = KvState.k[:, :total]
@@ -146,15 +166,21 @@ def make_attention(torch, flash):
                     v = v.repeat_interleave(groups, dim=1)
                 out = F.scaled_dot_product_attention(query, k, v, scale=scaling)
         else:
-            if groups > 1:
+            gqa = {}
+            if groups > 1 and gqa_kw:
+                gqa = {"enable_gqa": True}
+            elif groups > 1:
                 k = k.repeat_interleave(groups, dim=1)
                 v = v.repeat_interleave(groups, dim=1)
             if p == 0:
-                out = F.scaled_dot_product_attention(query, k, v, is_causal=True, scale=scaling)
+                out = F.scaled_dot_product_attention(query, k, v, is_causal=True, scale=scaling, **gqa)
             elif lower_right is not None:
                 mask = lower_right(q_len, total)
-                out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling)
+                out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling, **gqa)
             elif q_len * total <= (1 << 28):
+                if gqa:
+                    k = k.repeat_interleave(groups, dim=1)
+                    v = v.repeat_interleave(groups, dim=1)
                 mask = torch.ones(q_len, total, dtype=torch.bool, device=query.device).tril(diagonal=p)
                 out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling)
             else:
@@ -200,20 +226,74 @@ def layer_bytes(cfg):
     return 2 * (h * (heads * hd + 2 * kvh * hd) + heads * hd * h + 3 * h * inter)
 
 
+TINY_CONFIG = {
+    # A two-layer llama for --check without --config: GQA (4 query heads over
+    # 2 KV heads), small enough to build anywhere in a second.
+    "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
+}
+
+
+def check_attention(torch, attention, kv_heads, heads, head_dim):
+    """The timed attention against a float32 reference: prefill over a
+    prefix, prefill without one, and a decode step."""
+    dev = "cuda"
+    for prefix, q_len in ((64, 32), (0, 48), (95, 1)):
+        total = prefix + q_len
+        KvState.k = torch.randn((1, total, kv_heads, head_dim), dtype=torch.bfloat16, device=dev)
+        KvState.v = torch.randn_like(KvState.k)
+        KvState.prefix = prefix
+        q = torch.randn((1, heads, q_len, head_dim), dtype=torch.bfloat16, device=dev)
+        k_new = KvState.k[:, prefix:].transpose(1, 2).clone()
+        v_new = KvState.v[:, prefix:].transpose(1, 2).clone()
+        KvState.k[:, prefix:].zero_()  # the attention must write the new keys itself
+        KvState.v[:, prefix:].zero_()
+        scale = head_dim ** -0.5
+        out, _ = attention(None, q, k_new, v_new, None, scaling=scale)
+        k = torch.cat([KvState.k[:, :prefix].transpose(1, 2), k_new], dim=2).float()
+        v = torch.cat([KvState.v[:, :prefix].transpose(1, 2), v_new], dim=2).float()
+        g = heads // kv_heads
+        k = k.repeat_interleave(g, dim=1)
+        v = v.repeat_interleave(g, dim=1)
+        w = (q.float() @ k.transpose(-1, -2)) * scale
+        # New token i sees the prefix and new tokens <= i (bottom-right causal).
+        mask = torch.ones(q_len, total, dtype=torch.bool, device=dev).tril(diagonal=prefix)
+        w = w.masked_fill(~mask, float("-inf")).softmax(-1)
+        ref = (w @ v).transpose(1, 2)
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        if not (err < 2e-2):
+            fail(2, f"the timed attention differs from the reference at prefix {prefix}, "
+                    f"{q_len} new tokens: relative error {err:.3g}")
+    KvState.k = KvState.v = None
+
+
+def build_model(torch, transformers, cfg, built):
+    from transformers import AutoModel
+    cfg.num_hidden_layers = built
+    cfg.vocab_size = 256  # embeddings are never used; keep them small
+    # ...and a padding id from the real vocabulary would point past them.
+    if getattr(cfg, "pad_token_id", None) is not None and cfg.pad_token_id >= cfg.vocab_size:
+        cfg.pad_token_id = None
+    cfg.use_cache = False
+    torch.manual_seed(0)
+    # Built with SDPA (every version accepts it), then switched to the
+    # registered "kvtier" attention: the layers look it up in their config
+    # at every forward. transformers 5 names the dtype argument `dtype`.
+    with torch.device("cuda"):
+        try:
+            model = AutoModel.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+        except TypeError:
+            model = AutoModel.from_config(cfg, torch_dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.config._attn_implementation = "kvtier"
+    model.eval()
+    return model
+
+
 def main():
     args = parse_args()
     torch, transformers, flash = import_stack(args.attention)
-    if args.check:
-        print(f"ok: torch {torch.__version__}, transformers {transformers.__version__}, "
-              f"{torch.cuda.get_device_name()}, attention {'flash_attn' if flash else 'sdpa'}")
-        return
-    inputs = int_list(args.inputs)
-    prefixes = int_list(args.prefixes)
-    contexts = int_list(args.contexts)
-    if min(inputs) < 1 or min(contexts) < 1:
-        fail(2, "input lengths and decode contexts must be >= 1")
-
-    from transformers import AutoModel
     attention = make_attention(torch, flash)
     try:
         from transformers import AttentionInterface  # 4.50+
@@ -222,29 +302,35 @@ def main():
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
         ALL_ATTENTION_FUNCTIONS["kvtier"] = attention
 
-    cfg, raw = load_config(transformers, args.config)
+    if args.check and args.config is None:
+        cfg = transformers.AutoConfig.for_model("llama", **{k: v for k, v in TINY_CONFIG.items()
+                                                            if k != "model_type"})
+        raw = dict(TINY_CONFIG)
+    else:
+        cfg, raw = load_config(transformers, args.config)
     total_layers = int(raw["num_hidden_layers"])
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
 
-    free, _ = torch.cuda.mem_get_info()
-    per_layer = layer_bytes(cfg)
-    built = args.layers or max(1, min(8, int(free * 0.5 // per_layer)))
+    if args.check:
+        with torch.inference_mode():
+            check_attention(torch, attention, kv_heads, heads, head_dim)
+        inputs, prefixes, contexts = [16], [32], [64]
+        built = 1
+    else:
+        inputs = int_list(args.inputs)
+        prefixes = int_list(args.prefixes)
+        contexts = int_list(args.contexts)
+        if min(inputs) < 1 or min(contexts) < 1:
+            fail(2, "input lengths and decode contexts must be >= 1")
+        free, _ = torch.cuda.mem_get_info()
+        built = args.layers or max(1, min(8, int(free * 0.5 // layer_bytes(cfg))))
     built = min(built, total_layers)
-    cfg.num_hidden_layers = built
-    cfg.vocab_size = 256  # embeddings are never used; keep them small
-    cfg.use_cache = False
-    torch.manual_seed(0)
     print(f"torch_harness: building {built} of {total_layers} layers of {raw.get('model_type')} "
-          f"({per_layer / 2**30:.2f} GiB each) on {torch.cuda.get_device_name()}", file=sys.stderr)
-    # Built with SDPA (every version accepts it), then switched to the
-    # registered "kvtier" attention: the layers look it up in their config
-    # at every forward.
-    with torch.device("cuda"):
-        model = AutoModel.from_config(cfg, torch_dtype=torch.bfloat16, attn_implementation="sdpa")
-    model.config._attn_implementation = "kvtier"
-    model.eval()
+          f"({layer_bytes(cfg) / 2**30:.2f} GiB each) on {torch.cuda.get_device_name()}, "
+          f"{args.timing} timing", file=sys.stderr)
+    model = build_model(torch, transformers, cfg, built)
     layers = getattr(model, "layers", None)
     rotary = getattr(model, "rotary_emb", None)
     if layers is None or rotary is None:
@@ -255,6 +341,8 @@ def main():
         out = layer(hidden_states=hidden, attention_mask=None, position_ids=pos_ids,
                     position_embeddings=pos_emb, use_cache=False)
         return out[0] if isinstance(out, tuple) else out
+
+    spreads = []
 
     def time_point(n_new, n_prefix):
         total = n_prefix + n_new
@@ -267,22 +355,70 @@ def main():
         hidden = torch.randn((1, n_new, cfg.hidden_size), dtype=torch.bfloat16, device="cuda")
         pos_ids = torch.arange(n_prefix, total, device="cuda").unsqueeze(0)
         pos_emb = rotary(hidden, pos_ids)
-        for _ in range(max(0, args.warmup)):
-            run_layer(layers[0], hidden, pos_ids, pos_emb)
-        runs = []
-        for _ in range(max(1, args.repeats)):
-            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                      for _ in range(total_layers)]
-            for l in range(total_layers):
-                start, end = events[l]
+
+        def one_pass():
+            for l in range(built):
+                run_layer(layers[l], hidden, pos_ids, pos_emb)
+
+        # The attention must run once per layer, over prefix + new keys.
+        KvState.calls, KvState.keys_seen = 0, -1
+        one_pass()
+        torch.cuda.synchronize()
+        if KvState.calls != built or KvState.keys_seen != total:
+            fail(2, f"the timed attention ran {KvState.calls} times over {KvState.keys_seen} keys "
+                    f"for {built} layers and {total} keys: the layers do not call it")
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph = None
+        if args.timing == "graph":
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(max(1, args.warmup)):
+                    one_pass()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    one_pass()
+            except RuntimeError as e:
+                # Said, not hidden: the trace's provenance says eager from here on.
+                print(f"torch_harness: CUDA graph capture failed ({e}); timing eagerly from here on",
+                      file=sys.stderr)
+                args.timing = "eager"
+                graph = None
+                torch.cuda.synchronize()
+        if graph is not None:
+            for _ in range(max(1, args.warmup)):
+                graph.replay()
+            runs = []
+            for _ in range(max(1, args.repeats)):
                 start.record()
-                run_layer(layers[l % built], hidden, pos_ids, pos_emb)
+                graph.replay()
                 end.record()
-            torch.cuda.synchronize()
-            runs.append([s.elapsed_time(e) * 1000.0 for s, e in events])
+                end.synchronize()
+                runs.append(start.elapsed_time(end) * 1000.0 / built)
+            del graph
+            per_layer = statistics.median(runs)
+            spreads.append((max(runs) - min(runs)) / per_layer if per_layer > 0 else 0.0)
+            times = [round(per_layer, 3)] * total_layers
+        else:
+            for _ in range(max(0, args.warmup)):
+                run_layer(layers[0], hidden, pos_ids, pos_emb)
+            runs = []
+            for _ in range(max(1, args.repeats)):
+                events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                          for _ in range(total_layers)]
+                for l in range(total_layers):
+                    s, e = events[l]
+                    s.record()
+                    run_layer(layers[l % built], hidden, pos_ids, pos_emb)
+                    e.record()
+                torch.cuda.synchronize()
+                runs.append([s.elapsed_time(e) * 1000.0 for s, e in events])
+            times = [round(statistics.median(r[l] for r in runs), 3) for l in range(total_layers)]
         KvState.k = KvState.v = None
         del hidden, pos_emb
-        return [round(statistics.median(r[l] for r in runs), 3) for l in range(total_layers)]
+        return times
 
     prefill = []
     decode = []
@@ -306,6 +442,13 @@ def main():
                   f"{sum(times) / 1e3:.3f} ms", file=sys.stderr)
             torch.cuda.empty_cache()
 
+    if args.check:
+        print(f"ok: torch {torch.__version__}, transformers {transformers.__version__}, "
+              f"{torch.cuda.get_device_name()}, attention {'flash_attn' if flash else 'sdpa'} "
+              f"(matches a float32 reference), {args.timing} timing: a tiny prefill "
+              f"{sum(prefill[0]['layer_us']):.0f} us, decode {sum(decode[0]['layer_us']):.0f} us")
+        return
+    spread = f", max spread {100 * max(spreads):.1f}% of the median" if spreads else ""
     trace = {
         "schema": "kvtier-trace/1",
         "model": args.name or raw.get("_name_or_path") or raw.get("model_type"),
@@ -313,7 +456,8 @@ def main():
         "device": torch.cuda.get_device_name(),
         "software": (f"torch {torch.__version__}, transformers {transformers.__version__}, "
                      f"attention {'flash_attn' if flash else 'sdpa'}, {built} distinct layers, "
-                     f"median of {max(1, args.repeats)} after {max(0, args.warmup)} warmup"),
+                     f"{args.timing} timing, median of {max(1, args.repeats)} after "
+                     f"{max(0, args.warmup)} warmup{spread}"),
         "prefill": prefill,
         "decode": decode,
     }

@@ -97,15 +97,23 @@ fn every_table_loads_and_fits_its_model() {
             t.storage().source.starts_with("assumed")
                 || t.storage().source.starts_with("measured on ")
         );
-        assert_eq!(t.input_lengths().len(), 8);
-        assert_eq!(t.prefix_lengths().len(), 8);
+        // Analytic tables span 8 x 8 points; measured ones a smaller grid.
+        let (ni, np) = (t.input_lengths().len(), t.prefix_lengths().len());
+        assert!(ni >= 2 && np >= 2, "{}: a {ni} x {np} grid", f.display());
+        if t.mode() == Mode::Analytic {
+            assert_eq!((ni, np), (8, 8));
+        }
         // Reading more prefix takes longer; more input computes longer.
-        for i in 0..8 {
-            for p in 1..8 {
+        for i in 0..ni {
+            for p in 1..np {
                 let (a, b) = (t.entry(i, p - 1), t.entry(i, p));
                 assert!(b.layers[0].read_us > a.layers[0].read_us);
                 assert!(b.layers[0].compute_us >= a.layers[0].compute_us);
-                let (a, b) = (t.entry(p - 1, i), t.entry(p, i));
+            }
+        }
+        for p in 0..np {
+            for i in 1..ni {
+                let (a, b) = (t.entry(i - 1, p), t.entry(i, p));
                 assert!(b.layers[0].compute_us > a.layers[0].compute_us);
             }
         }
