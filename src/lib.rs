@@ -12,6 +12,7 @@ pub mod doctor;
 pub mod engine;
 pub mod error;
 pub mod gpu;
+pub mod handle;
 pub mod json;
 pub mod memory;
 pub mod model;

@@ -198,6 +198,13 @@ impl Scheduler {
         self.issue_up_to(max)
     }
 
+    /// Remove every deferred store without issuing it (a shutdown that does
+    /// not flush); returns their tickets. Nothing of them was acknowledged.
+    pub fn take_backlog(&mut self) -> Vec<u64> {
+        self.backlog_blocks = 0;
+        self.backlog.drain(..).map(|p| p.ticket).collect()
+    }
+
     /// Issue every deferred store now, whatever the policy.
     pub fn flush_ready(&mut self) -> Vec<(u64, Result<JobId>)> {
         self.issue_up_to(usize::MAX)
