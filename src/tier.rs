@@ -1250,6 +1250,13 @@ impl Tier {
         self.defer_engine_calls = on;
     }
 
+    /// Completed IOCBs the next `poll` will account (an engine can
+    /// complete an IOCB while accepting it, with nothing for a thread that
+    /// sleeps on the engine's fds to wake up for).
+    pub fn completions_pending(&self) -> bool {
+        self.io.ring().cq_len() > 0
+    }
+
     /// Jobs not yet finished (loads and stores).
     pub fn jobs_in_flight(&self) -> usize {
         self.jobs.len()

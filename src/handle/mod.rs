@@ -784,6 +784,9 @@ struct Turn {
     finished: Vec<JobResult>,
     failed_backlog: Vec<u64>,
     error: Option<Error>,
+    /// Look again before sleeping: this turn moved something, and what it
+    /// started may already be complete.
+    again: bool,
 }
 
 fn io_main(shared: Arc<Shared>) -> Result<()> {
@@ -801,6 +804,7 @@ fn io_main(shared: Arc<Shared>) -> Result<()> {
                 finished: Vec::new(),
                 failed_backlog: Vec::new(),
                 error: None,
+                again: false,
             };
             match closing {
                 CLOSE_FLUSH => turn.released = s.flush_ready(),
@@ -821,6 +825,10 @@ fn io_main(shared: Arc<Shared>) -> Result<()> {
             turn.layer_events = s.tier_mut().layer_events();
             turn.finished = s.tier_mut().get_finished();
             let t = s.tier();
+            turn.again = t.completions_pending()
+                || !turn.released.is_empty()
+                || !turn.layer_events.is_empty()
+                || !turn.finished.is_empty();
             (
                 turn,
                 t.jobs_in_flight(),
@@ -829,13 +837,16 @@ fn io_main(shared: Arc<Shared>) -> Result<()> {
             )
         };
         let fatal_now = turn.error.is_some();
+        let again = turn.again;
         apply_turn(&shared, turn, &mut first_error);
         let done = closing != RUNNING && in_flight == 0 && backlog == 0;
         // A broken engine will not finish what it holds: stop rather than spin.
         if done || (closing != RUNNING && fatal_now) {
             break;
         }
-        sleep(&shared, in_flight > 0, &fds, fatal_now);
+        if !again || fatal_now {
+            sleep(&shared, in_flight > 0, &fds, fatal_now);
+        }
     }
     // Drop the tier here, on its own thread (its engine may be bound to it).
     let sched = lock(&shared.core).take();
