@@ -855,6 +855,14 @@ impl Tier {
             return Ok(false);
         }
         if job.kind == JobKind::Load && job.items[ix].next == 0 {
+            // The first layer goes alone: the compute waits for it first, and
+            // a later layer issued beside it would take a share of the
+            // device's bandwidth (4 layers at once made layer 0 take 4x the
+            // average layer time at 4K tokens). After it, the look-ahead
+            // below keeps the device busy.
+            if ix > 0 && !job.items[0].complete() {
+                return Ok(false);
+            }
             let in_flight: Vec<&Item> = job.items[..ix].iter().filter(|i| !i.complete()).collect();
             let bytes: u64 = in_flight.iter().map(|i| i.bytes()).sum();
             if in_flight.len() >= 2 && bytes + job.items[ix].bytes() > self.cfg.load_lookahead_bytes
