@@ -89,7 +89,9 @@ fn builder_opens_files_with_uring_and_auto_and_round_trips() {
     cache.clear();
     let target: Vec<u32> = (0..40).map(|i| 63 - i).collect();
     assert_eq!(h.lookup_and_pin(&keys(100..140)), 40);
-    let job = h.submit_load(&keys(100..140), &target, 0..geo.layers).unwrap();
+    let job = h
+        .submit_load(&keys(100..140), &target, 0..geo.layers)
+        .unwrap();
     for layer in 0..geo.layers {
         h.wait_layer(job, layer).unwrap();
         for (i, &k) in ks.iter().enumerate() {
@@ -101,7 +103,11 @@ fn builder_opens_files_with_uring_and_auto_and_round_trips() {
     let mut layers = Vec::new();
     while let Some(e) = events.recv_timeout(Duration::from_secs(5)) {
         match e {
-            Event::Layer { job: j, layer, error } if j == job => {
+            Event::Layer {
+                job: j,
+                layer,
+                error,
+            } if j == job => {
                 assert!(error.is_none());
                 layers.push(layer);
             }
@@ -167,11 +173,18 @@ fn lookups_and_other_jobs_do_not_wait_behind_a_held_load() {
     cache.fill_block(20, seed_of(50));
     let st = h.submit_store(&keys(50..51), &[20]).unwrap();
     assert!(h.try_result(st).unwrap().is_none());
-    assert_eq!(h.usage().unwrap().deferred_stores, 1, "read first: the store waits");
+    assert_eq!(
+        h.usage().unwrap().deferred_stores,
+        1,
+        "read first: the store waits"
+    );
     assert!(!waiter.is_finished());
     faults.lock().unwrap().hold = false;
     assert!(waiter.join().unwrap().unwrap());
-    assert!(h.wait(st).unwrap().all_ok(), "released once the read is done");
+    assert!(
+        h.wait(st).unwrap().all_ok(),
+        "released once the read is done"
+    );
     assert!(h.contains(&Key::from_u64(50)));
     h.close().unwrap();
 }
@@ -183,7 +196,10 @@ fn completions_eventfd_wakes_poll() {
     store_ok(&h, &cache, &[1, 2], &[0, 1]);
     let comp = h.completions().unwrap();
     let poll_once = |ms: u16| {
-        let mut fds = [nix::poll::PollFd::new(comp.as_fd(), nix::poll::PollFlags::POLLIN)];
+        let mut fds = [nix::poll::PollFd::new(
+            comp.as_fd(),
+            nix::poll::PollFlags::POLLIN,
+        )];
         nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(ms)).unwrap()
     };
     assert_eq!(poll_once(0), 0, "nothing queued: not readable");
@@ -286,5 +302,8 @@ fn drop_without_close_does_not_hang_and_keeps_acknowledged_stores() {
         .build()
         .unwrap();
     assert!(h.contains(&Key::from_u64(1)), "acknowledged store kept");
-    assert!(!h.contains(&Key::from_u64(2)), "a never-issued store left nothing");
+    assert!(
+        !h.contains(&Key::from_u64(2)),
+        "a never-issued store left nothing"
+    );
 }

@@ -31,9 +31,8 @@ fn rig(dir: &TempDir, threads: u32) -> (TierHandle, Arc<HostKvCache>, Arc<Mutex<
     let f = faults.clone();
     // 2 devices x 3 groups x 4 blocks = 24 slots.
     let pcfg = pool_config(geo, 4, &[dir.file("a.pool"), dir.file("b.pool")], 3);
-    let cache = Arc::new(
-        HostKvCache::new(geo, MEM_PER_THREAD * threads, HostLayout::PerLayer).unwrap(),
-    );
+    let cache =
+        Arc::new(HostKvCache::new(geo, MEM_PER_THREAD * threads, HostLayout::PerLayer).unwrap());
     let h = TierBuilder::default()
         .custom_engine(move || {
             let pool = Pool::create(&pcfg)?;
@@ -197,9 +196,19 @@ fn sequential_ops_match_the_model() {
                     let k = (0..KEYS)
                         .find(|&k| key(k).to_string() == e)
                         .expect("an evicted key was stored");
-                    assert!(before.contains(&k), "step {step}: evicted {k} was not stored");
-                    assert_eq!(pins.get(&k).copied().unwrap_or(0), 0, "step {step}: evicted pinned key {k}");
-                    assert!(!ks.contains(&k), "step {step}: a store evicted its own key {k}");
+                    assert!(
+                        before.contains(&k),
+                        "step {step}: evicted {k} was not stored"
+                    );
+                    assert_eq!(
+                        pins.get(&k).copied().unwrap_or(0),
+                        0,
+                        "step {step}: evicted pinned key {k}"
+                    );
+                    assert!(
+                        !ks.contains(&k),
+                        "step {step}: a store evicted its own key {k}"
+                    );
                     present.remove(&k);
                 }
                 for (i, o) in r.outcomes.iter().enumerate() {
@@ -221,7 +230,11 @@ fn sequential_ops_match_the_model() {
                     }
                 }
                 for &k in &ks {
-                    assert_eq!(h.contains(&key(k)), present.contains(&k), "step {step}: key {k}");
+                    assert_eq!(
+                        h.contains(&key(k)),
+                        present.contains(&k),
+                        "step {step}: key {k}"
+                    );
                 }
             }
             _ => {
@@ -259,7 +272,11 @@ fn sequential_ops_match_the_model() {
         h.unpin(&g.iter().map(|&k| key(k)).collect::<Vec<_>>());
     }
     for k in 0..KEYS {
-        assert_eq!(h.contains(&key(k)), present.contains(&k), "key {k} at the end");
+        assert_eq!(
+            h.contains(&key(k)),
+            present.contains(&k),
+            "key {k} at the end"
+        );
         if present.contains(&k) {
             assert!(load_and_check(&h, &cache, &mut rng, 0, &[k], false));
         }
@@ -267,8 +284,14 @@ fn sequential_ops_match_the_model() {
     assert_eq!(h.usage().unwrap().tier.pinned_blocks, 0);
     let injected = faults.lock().unwrap().injected;
     assert!(stats[0] > 50 && stats[2] > 50, "the mix ran: {stats:?}");
-    assert!(injected.iter().all(|&n| n > 0), "faults were injected: {injected:?}");
-    assert!(stats[1] > 0 && stats[3] > 0, "faults showed up in outcomes: {stats:?}");
+    assert!(
+        injected.iter().all(|&n| n > 0),
+        "faults were injected: {injected:?}"
+    );
+    assert!(
+        stats[1] > 0 && stats[3] > 0,
+        "faults showed up in outcomes: {stats:?}"
+    );
     h.close().unwrap();
 }
 
@@ -330,8 +353,11 @@ fn concurrent_callers_keep_every_acknowledged_store_and_every_byte() {
                             let m = h.lookup_and_pin(&keys);
                             if m > 0 {
                                 let mut seen = HashSet::new();
-                                let ks: Vec<u64> =
-                                    ks[..m].iter().copied().filter(|k| seen.insert(*k)).collect();
+                                let ks: Vec<u64> = ks[..m]
+                                    .iter()
+                                    .copied()
+                                    .filter(|k| seen.insert(*k))
+                                    .collect();
                                 load_and_check(&h, &cache, &mut rng, base, &ks, true);
                                 loads += 1;
                             }
@@ -352,7 +378,10 @@ fn concurrent_callers_keep_every_acknowledged_store_and_every_byte() {
     let mut live = 0;
     for k in 0..KEYS {
         if acked.contains(&k) && !evicted.contains(&key(k).to_string()) {
-            assert!(h.contains(&key(k)), "acknowledged key {k} lost without eviction");
+            assert!(
+                h.contains(&key(k)),
+                "acknowledged key {k} lost without eviction"
+            );
         }
         if h.contains(&key(k)) {
             live += 1;

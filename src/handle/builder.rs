@@ -214,7 +214,9 @@ impl TierBuilder {
                     jobs: Mutex::new(Jobs::default()),
                     cond: Condvar::new(),
                     doorbell: EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)
-                        .map_err(|e| Error::io("creating the I/O thread's eventfd", e.into()))?,
+                        .map_err(|e| {
+                        Error::io("creating the I/O thread's eventfd", e.into())
+                    })?,
                     closing: AtomicU8::new(super::RUNNING),
                     geometry,
                     mem_blocks,

@@ -483,9 +483,7 @@ impl TierHandle {
             cond: Condvar::new(),
             fd,
         });
-        lock(&self.shared.jobs)
-            .subscribers
-            .push(Arc::downgrade(&q));
+        lock(&self.shared.jobs).subscribers.push(Arc::downgrade(&q));
         Ok(Completions { q })
     }
 
@@ -523,7 +521,12 @@ impl TierHandle {
     /// `lookup_prefix` or `lookup_and_pin`) into `mem_blocks` for `layers`.
     /// Returns at once; layers complete in layer order (`wait_layer`,
     /// [`Event::Layer`]). The keys stay pinned until the load finishes.
-    pub fn submit_load(&self, keys: &[Key], mem_blocks: &[u32], layers: Range<u32>) -> Result<JobId> {
+    pub fn submit_load(
+        &self,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        layers: Range<u32>,
+    ) -> Result<JobId> {
         self.check_blocks(keys, mem_blocks)?;
         let id = {
             let mut core = lock(&self.shared.core);
