@@ -3,7 +3,14 @@
 //! Every variant's message names the thing that is wrong and, where there is one,
 //! the fix: a user of a storage engine should never have to read the source to
 //! learn why a pool did not open.
+//!
+//! A program acts on [`Error::kind`] (and, for I/O, on [`IoFailure`]), never on
+//! the text: retry later on [`ErrorKind::Backpressure`], fix the call on
+//! [`ErrorKind::Usage`], treat the blocks as missing on [`ErrorKind::Io`] and
+//! [`ErrorKind::Corrupt`]. Per-key outcomes and per-layer events carry the same
+//! structure as a [`Failure`].
 
+use std::fmt;
 use std::path::PathBuf;
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -83,6 +90,171 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+
+    /// Try again later: a bounded queue (the write backlog, header staging)
+    /// is full. Nothing of the refused request was accepted.
+    #[error("{0}")]
+    Backpressure(String),
+
+    /// What was asked for is not available with this build, engine or machine.
+    #[error("{0}")]
+    Unsupported(String),
+
+    /// Data that reached memory but does not match what was stored (a
+    /// checksum mismatch): the block must be treated as missing.
+    #[error("corrupt data for key {key} on device {device} at offset {offset}: {message}")]
+    CorruptData {
+        key: String,
+        device: String,
+        offset: u64,
+        message: String,
+    },
+
+    /// A job's I/O (or a whole job) failed; the failure says which and why.
+    #[error("{0}")]
+    Failed(Failure),
+
+    /// The handle was closed, or its I/O thread is gone.
+    #[error("{0}")]
+    Closed(String),
+}
+
+/// What a program can do about an error; see [`Error::kind`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+pub enum ErrorKind {
+    /// The call was wrong (an argument, a key that is not stored, a state
+    /// that does not allow it): fix the call; retrying unchanged fails again.
+    Usage,
+    /// A bounded resource is full (write backlog, every block pinned, header
+    /// staging): retry after jobs finish or pins are dropped.
+    Backpressure,
+    /// A device, the kernel or the driver failed an I/O or a system call.
+    Io,
+    /// Stored data or metadata fails its checks.
+    Corrupt,
+    /// Not available with this build, engine or machine.
+    Unsupported,
+    /// The handle is closed.
+    Closed,
+    /// kvtier's own bookkeeping failed (a bug): report it.
+    Internal,
+}
+
+/// Why one device I/O failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum IoCause {
+    /// The kernel returned this errno.
+    Errno(i32),
+    /// The I/O moved `done` of its bytes.
+    Short { done: u64 },
+    /// The NVMe controller completed the command with this status
+    /// (status code type and code, as the engine reports them).
+    NvmeStatus(u32),
+    /// The command did not complete within the engine's timeout.
+    Timeout,
+    /// The engine could not build the I/O (bad segment, unknown device).
+    Malformed,
+}
+
+/// One failed device I/O: where, how much, and why.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct IoFailure {
+    /// The device's path or name.
+    pub device: String,
+    pub offset: u64,
+    pub len: u64,
+    /// "read", "write" or "flush".
+    pub op: &'static str,
+    pub cause: IoCause,
+}
+
+impl fmt::Display for IoFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let op = self.op;
+        write!(
+            f,
+            "I/O error on device {} at offset {} ({} bytes): {op} failed: ",
+            self.device, self.offset, self.len
+        )?;
+        match self.cause {
+            IoCause::Errno(e) => write!(f, "{}", std::io::Error::from_raw_os_error(e)),
+            IoCause::Short { done } => write!(f, "short {op}: {done} of {} bytes", self.len),
+            IoCause::NvmeStatus(s) => write!(f, "NVMe status {s:#x}"),
+            IoCause::Timeout => write!(f, "timed out"),
+            IoCause::Malformed => write!(f, "malformed I/O (bad segment or device)"),
+        }
+    }
+}
+
+/// The failure of one key of a job, or of one layer of a load: a kind to act
+/// on, the I/O that failed (when one did), and a message for people.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Failure {
+    pub kind: ErrorKind,
+    /// The device I/O behind it, for I/O failures.
+    pub io: Option<IoFailure>,
+    pub message: String,
+}
+
+impl Failure {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Failure {
+        Failure {
+            kind,
+            io: None,
+            message: message.into(),
+        }
+    }
+
+    pub fn from_io(io: IoFailure) -> Failure {
+        Failure {
+            kind: ErrorKind::Io,
+            message: io.to_string(),
+            io: Some(io),
+        }
+    }
+
+    /// Data that fails its checksum after a load.
+    pub fn corrupt(key: &str, device: &str, offset: u64, message: &str) -> Failure {
+        Failure::from(&Error::CorruptData {
+            key: key.into(),
+            device: device.into(),
+            offset,
+            message: message.into(),
+        })
+    }
+
+    /// The same failure, with `context` put in front of its message.
+    pub fn context(&self, context: impl fmt::Display) -> Failure {
+        Failure {
+            kind: self.kind,
+            io: self.io.clone(),
+            message: format!("{context}: {}", self.message),
+        }
+    }
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl From<&Error> for Failure {
+    fn from(e: &Error) -> Failure {
+        match e {
+            Error::Failed(f) => f.clone(),
+            other => Failure::new(other.kind(), other.to_string()),
+        }
+    }
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Failure {
+        match e {
+            Error::Failed(f) => f,
+            other => Failure::from(&other),
+        }
+    }
 }
 
 impl Error {
@@ -103,6 +275,35 @@ impl Error {
             what: what.into(),
             reason: reason.into(),
             code: None,
+        }
+    }
+
+    /// What a program can do about this error.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::ModelConfig { .. }
+            | Error::GeometryMismatch { .. }
+            | Error::Backing { .. }
+            | Error::Registration(_)
+            | Error::UnknownKey { .. }
+            | Error::InvalidArgument(_) => ErrorKind::Usage,
+            Error::PoolFull { .. } | Error::Backpressure(_) => ErrorKind::Backpressure,
+            Error::Device { .. } | Error::Io { .. } => ErrorKind::Io,
+            Error::Corrupt { .. } | Error::CorruptData { .. } => ErrorKind::Corrupt,
+            // A missing or too old driver is the usual GPU error; a failed
+            // call on a working GPU still leaves nothing to retry.
+            Error::Gpu { .. } | Error::Unsupported(_) => ErrorKind::Unsupported,
+            Error::Ring(_) => ErrorKind::Internal,
+            Error::Failed(f) => f.kind,
+            Error::Closed(_) => ErrorKind::Closed,
+        }
+    }
+
+    /// The failed device I/O behind this error, when there is one.
+    pub fn io_failure(&self) -> Option<&IoFailure> {
+        match self {
+            Error::Failed(f) => f.io.as_ref(),
+            _ => None,
         }
     }
 

@@ -2,9 +2,11 @@
 //!
 //! Rooms (see DESIGN.md): `model` (KV geometry), `pool` (key → GPU file on the
 //! SSDs), `memory` + `p2p` (registered KV memory → SGL descriptors), `ring`
-//! (gio_uring: IOCBs of IOCTXs), `engine` (who executes IOCBs: io_uring now;
-//! VFIO NVMe and GPU later), `tier` (the API engines call). Raw syscalls live
-//! only in `engine::uring` and `pool::backing`.
+//! (gio_uring: IOCBs of IOCTXs), `engine` (who executes IOCBs: io_uring,
+//! userspace NVMe, the GPU kernel), `tier` (the single-threaded core),
+//! `handle` (the thread-safe front door serving engines call: [`TierHandle`],
+//! opened with [`TierBuilder`]). Raw syscalls live only in `engine::uring`
+//! and `pool::backing`.
 
 pub mod bench;
 pub mod cli;
@@ -14,6 +16,7 @@ pub mod error;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod gpu;
+pub mod handle;
 pub mod json;
 pub mod memory;
 pub mod model;
@@ -29,7 +32,8 @@ pub mod scratch;
 pub mod slack;
 pub mod tier;
 
-pub use error::{Error, Result};
+pub use error::{Error, ErrorKind, Failure, IoCause, IoFailure, Result};
+pub use handle::{EngineChoice, Event, HandleConfig, TierBuilder, TierHandle};
 pub use memory::{HostKvCache, HostLayout, KvLayout, KvMemory, MemoryKind};
 pub use model::{DType, KvGeometry};
 pub use pool::{DeviceSpec, Key, OpenExpect, Pool, PoolConfig};

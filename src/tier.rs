@@ -21,7 +21,7 @@
 
 use crate::engine::uring::{UringConfig, UringDevice, UringEngine};
 use crate::engine::{EngineStats, IoEngine};
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Failure, IoCause, IoFailure, Result};
 use crate::memory::{DmaBuffer, HostKvCache, KvMemory, MemoryKind};
 use crate::p2p::P2pTable;
 use crate::plan::{self, PlannedIo};
@@ -76,7 +76,7 @@ pub struct LayerDone {
     pub job: JobId,
     pub layer: u32,
     /// Why some of the layer's reads failed; its memory must not be used.
-    pub error: Option<String>,
+    pub error: Option<Failure>,
 }
 
 /// The outcome of one key of a job.
@@ -86,7 +86,7 @@ pub enum KeyOutcome {
     Done,
     /// Store of a key the pool already held (or another job stored): no I/O.
     AlreadyStored,
-    Failed(String),
+    Failed(Failure),
 }
 
 impl KeyOutcome {
@@ -109,12 +109,12 @@ impl JobResult {
     pub fn all_ok(&self) -> bool {
         self.outcomes.iter().all(KeyOutcome::is_ok)
     }
-    pub fn failures(&self) -> impl Iterator<Item = (&Key, &str)> {
+    pub fn failures(&self) -> impl Iterator<Item = (&Key, &Failure)> {
         self.keys
             .iter()
             .zip(&self.outcomes)
             .filter_map(|(k, o)| match o {
-                KeyOutcome::Failed(m) => Some((k, m.as_str())),
+                KeyOutcome::Failed(f) => Some((k, f)),
                 _ => None,
             })
     }
@@ -158,7 +158,7 @@ struct Item {
     next: usize,
     iocbs_out: u32,
     /// The first failure among the item's I/Os.
-    failed: Option<String>,
+    failed: Option<Failure>,
 }
 
 impl Item {
@@ -196,7 +196,7 @@ struct StoreState {
     waiting_on: Vec<(usize, JobId)>,
     evicted: Vec<Key>,
     /// Set once a failure makes the remaining steps pointless.
-    abandoned: Option<String>,
+    abandoned: Option<Failure>,
 }
 
 struct Job {
@@ -216,10 +216,10 @@ struct Job {
 }
 
 impl Job {
-    fn fail_run(&mut self, run: u32, msg: &str) {
+    fn fail_run(&mut self, run: u32, why: &Failure) {
         for &p in &self.runs[run as usize] {
             if self.outcomes[p as usize].is_none() {
-                self.outcomes[p as usize] = Some(KeyOutcome::Failed(msg.to_string()));
+                self.outcomes[p as usize] = Some(KeyOutcome::Failed(why.clone()));
             }
         }
     }
@@ -277,6 +277,9 @@ pub struct Tier {
     /// that waits or polls.
     engine_error: Option<Error>,
     next_job: JobId,
+    /// Submissions only plan; I/O reaches the engine in `poll` (the handle's
+    /// I/O thread), never on the submitting thread.
+    defer_engine_calls: bool,
 }
 
 impl Tier {
@@ -320,6 +323,7 @@ impl Tier {
             layer_events: VecDeque::new(),
             engine_error: None,
             next_job: 1,
+            defer_engine_calls: false,
         })
     }
 
@@ -358,11 +362,12 @@ impl Tier {
                 self.pool.geometry().describe()
             )));
         }
-        if mem.kind != MemoryKind::Host && self.io.engine().name() == "uring" {
-            return Err(Error::Registration(
-                "GPU memory cannot be reached by the io_uring engine; use the gpu engine or host memory"
-                    .into(),
-            ));
+        if !self.io.engine().reaches(mem.kind) {
+            return Err(Error::Unsupported(format!(
+                "the {} engine cannot reach {:?} memory; register host memory, or use an engine that reaches it (`kvtier doctor` says which this machine has)",
+                self.io.engine().name(),
+                mem.kind
+            )));
         }
         let mut table = P2pTable::build(&mem)?;
         let n = self.cfg.header_staging;
@@ -534,6 +539,22 @@ impl Tier {
     /// least-recently-used unpinned blocks when the pool is full; refuses with
     /// `PoolFull` if everything is pinned.
     pub fn submit_store(&mut self, keys: &[Key], mem_blocks: &[u32]) -> Result<JobId> {
+        self.submit_store_with_crcs(keys, mem_blocks, None)
+    }
+
+    /// `submit_store` with the data checksums of some blocks already taken
+    /// (`crcs[i]` for `keys[i]`, by [`Tier::block_crc`] on another thread), so
+    /// that the thread that owns the tier does not spend its time hashing.
+    /// Missing ones (`None`) are computed here.
+    pub fn submit_store_with_crcs(
+        &mut self,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        crcs: Option<&[Option<u32>]>,
+    ) -> Result<JobId> {
+        if crcs.is_some_and(|c| c.len() != keys.len()) {
+            return Err(Error::invalid("one checksum slot per key is needed"));
+        }
         self.check_mem_blocks(keys, mem_blocks)?;
         let geo = *self.pool.geometry();
         let mut outcomes = vec![None; keys.len()];
@@ -659,7 +680,9 @@ impl Tier {
             let slot = slots[p as usize].expect("new key");
             // Device memory is not readable here: such blocks carry no data
             // checksum (`pool check` says so rather than report bad data).
+            let given = crcs.and_then(|c| c[p as usize]);
             let crc = match table.kind() {
+                MemoryKind::Host if given.is_some() => given,
                 MemoryKind::Host => Some(block_crc(&table, mem_blocks[p as usize], geo.layers)),
                 MemoryKind::Gpu { .. } => None,
             };
@@ -766,6 +789,9 @@ impl Tier {
     /// After a job is created its id must reach the caller, so an engine
     /// failure here is kept and reported by the next wait or poll.
     fn pump_after_submit(&mut self) {
+        if self.defer_engine_calls {
+            return;
+        }
         if let Err(e) = self.pump() {
             self.engine_error.get_or_insert(e);
         }
@@ -829,6 +855,14 @@ impl Tier {
             return Ok(false);
         }
         if job.kind == JobKind::Load && job.items[ix].next == 0 {
+            // The first layer goes alone: the compute waits for it first, and
+            // a later layer issued beside it would take a share of the
+            // device's bandwidth (4 layers at once made layer 0 take 4x the
+            // average layer time at 4K tokens). After it, the look-ahead
+            // below keeps the device busy.
+            if ix > 0 && !job.items[0].complete() {
+                return Ok(false);
+            }
             let in_flight: Vec<&Item> = job.items[..ix].iter().filter(|i| !i.complete()).collect();
             let bytes: u64 = in_flight.iter().map(|i| i.bytes()).sum();
             if in_flight.len() >= 2 && bytes + job.items[ix].bytes() > self.cfg.load_lookahead_bytes
@@ -900,11 +934,11 @@ impl Tier {
         };
         let ring = self.io.ring();
         let b = ring.iocb(iocb);
-        let mut failures: Vec<(u32, String)> = Vec::new();
+        let mut failures: Vec<(u32, Failure)> = Vec::new();
         if b.hdr.errors > 0 {
             for c in &b.ctx[..b.hdr.count as usize] {
                 if c.status != IOCTX_STATUS_OK {
-                    failures.push((c.tag, describe_failure(c, &self.pool)));
+                    failures.push((c.tag, Failure::from_io(describe_failure(c, &self.pool))));
                 }
             }
         }
@@ -990,10 +1024,9 @@ impl Tier {
                             self.pool.index_mut().abort(slot);
                             self.pool.index_mut().mark_stale_header(slot);
                             if job.outcomes[i].is_none() {
-                                let why = st
-                                    .abandoned
-                                    .clone()
-                                    .unwrap_or_else(|| "store failed".into());
+                                let why = st.abandoned.clone().unwrap_or_else(|| {
+                                    Failure::new(ErrorKind::Internal, "store failed")
+                                });
                                 job.outcomes[i] = Some(KeyOutcome::Failed(why));
                             }
                         }
@@ -1003,9 +1036,10 @@ impl Tier {
                     job.outcomes[p] = Some(if self.pool.index().get(&job.keys[p]).is_some() {
                         KeyOutcome::AlreadyStored
                     } else {
-                        KeyOutcome::Failed(
-                            "another job storing the same key failed; store it again".into(),
-                        )
+                        KeyOutcome::Failed(Failure::new(
+                            ErrorKind::Io,
+                            "another job storing the same key failed; store it again",
+                        ))
                     });
                 }
                 if let Some(staging) = self.staging.as_mut() {
@@ -1119,9 +1153,9 @@ impl Tier {
         loop {
             let failed = |items: &[Item], first: u32| -> Result<()> {
                 match &items[(layer - first) as usize].failed {
-                    Some(m) => Err(Error::invalid(format!(
-                        "layer {layer} of job {id} failed: {m}"
-                    ))),
+                    Some(f) => Err(Error::Failed(
+                        f.context(format_args!("layer {layer} of job {id} failed")),
+                    )),
                     None => Ok(()),
                 }
             };
@@ -1130,9 +1164,9 @@ impl Tier {
                     // Finished: its result says which keys failed.
                     let r = self.finished.get(&id).expect("checked");
                     return match r.failures().next() {
-                        Some((k, m)) if r.kind == JobKind::Load => Err(Error::invalid(format!(
-                            "job {id} failed to load key {k}: {m}"
-                        ))),
+                        Some((k, f)) if r.kind == JobKind::Load => Err(Error::Failed(
+                            f.context(format_args!("job {id} failed to load key {k}")),
+                        )),
                         _ => Ok(()),
                     };
                 }
@@ -1215,6 +1249,42 @@ impl Tier {
     pub fn config(&self) -> &TierConfig {
         &self.cfg
     }
+
+    /// After this, `submit_load` and `submit_store` only plan their I/O and
+    /// `poll` hands it to the engine: the handle's I/O thread polls, so an
+    /// engine bound to one thread (io_uring with DEFER_TASKRUN) is only ever
+    /// entered there.
+    pub fn defer_engine_calls(&mut self, on: bool) {
+        self.defer_engine_calls = on;
+    }
+
+    /// Completed IOCBs the next `poll` will account (an engine can
+    /// complete an IOCB while accepting it, with nothing for a thread that
+    /// sleeps on the engine's fds to wake up for).
+    pub fn completions_pending(&self) -> bool {
+        self.io.ring().cq_len() > 0
+    }
+
+    /// Jobs not yet finished (loads and stores).
+    pub fn jobs_in_flight(&self) -> usize {
+        self.jobs.len()
+    }
+
+    /// The P2P table of the registered memory, if any.
+    pub fn p2p_table(&self) -> Option<&Arc<P2pTable>> {
+        self.table.as_ref()
+    }
+
+    /// The data checksum a store of `mem_block` records in its header, or
+    /// None when the memory is not readable by the CPU (GPU memory).
+    pub fn block_crc(table: &P2pTable, mem_block: u32, layers: u32) -> Option<u32> {
+        match table.kind() {
+            MemoryKind::Host if mem_block < table.num_blocks() => {
+                Some(block_crc(table, mem_block, layers))
+            }
+            _ => None,
+        }
+    }
 }
 
 impl Drop for Tier {
@@ -1226,7 +1296,7 @@ impl Drop for Tier {
 }
 
 /// crc32c of a block's 2L objects in (layer, K|V) order, read from host memory.
-fn block_crc(table: &P2pTable, mem_block: u32, layers: u32) -> u32 {
+pub(crate) fn block_crc(table: &P2pTable, mem_block: u32, layers: u32) -> u32 {
     let mut crc = 0;
     for layer in 0..layers {
         for kv in 0..2 {
@@ -1242,8 +1312,8 @@ fn block_crc(table: &P2pTable, mem_block: u32, layers: u32) -> u32 {
     crc
 }
 
-fn describe_failure(c: &IoCtx, pool: &Pool) -> String {
-    let dev = pool
+fn describe_failure(c: &IoCtx, pool: &Pool) -> IoFailure {
+    let device = pool
         .devices()
         .get(c.dev as usize)
         .map(|d| d.path().display().to_string())
@@ -1253,17 +1323,20 @@ fn describe_failure(c: &IoCtx, pool: &Pool) -> String {
         IOCTX_OP_WRITE => "write",
         _ => "flush",
     };
-    let what = match c.status {
-        IOCTX_STATUS_ERRNO => format!("{}", std::io::Error::from_raw_os_error(c.result as i32)),
-        IOCTX_STATUS_SHORT => format!("short {op}: {} of {} bytes", c.result, c.len),
-        IOCTX_STATUS_INVALID => "malformed I/O (bad segment or device)".into(),
-        s => format!("NVMe status {s:#x}"),
+    let cause = match c.status {
+        IOCTX_STATUS_ERRNO => IoCause::Errno(c.result as i32),
+        IOCTX_STATUS_SHORT => IoCause::Short {
+            done: c.result as u64,
+        },
+        IOCTX_STATUS_INVALID => IoCause::Malformed,
+        IOCTX_STATUS_TIMEOUT => IoCause::Timeout,
+        s => IoCause::NvmeStatus(s as u32),
     };
-    Error::Device {
-        device: dev,
+    IoFailure {
+        device,
         offset: c.dev_offset,
         len: c.len as u64,
-        reason: format!("{op} failed: {what}"),
+        op,
+        cause,
     }
-    .to_string()
 }

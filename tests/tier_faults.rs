@@ -124,11 +124,11 @@ fn concurrent_stores_of_one_key_never_wait_on_each_other() {
     let rb = tier.wait(b).unwrap();
     let rc = tier.wait(c).unwrap();
     assert!(
-        matches!(ra.outcomes[0], KeyOutcome::Failed(ref m) if m.contains("Input/output error")),
+        matches!(ra.outcomes[0], KeyOutcome::Failed(ref m) if m.message.contains("Input/output error")),
         "{ra:?}"
     );
     assert!(
-        matches!(rb.outcomes[0], KeyOutcome::Failed(ref m) if m.contains("same key failed")),
+        matches!(rb.outcomes[0], KeyOutcome::Failed(ref m) if m.message.contains("same key failed")),
         "{rb:?}"
     );
     assert_eq!(rb.outcomes[1], KeyOutcome::Done);

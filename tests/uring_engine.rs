@@ -220,7 +220,7 @@ fn a_short_read_fails_the_keys_it_serves_with_a_message() {
         } else {
             match o {
                 KeyOutcome::Failed(m) => assert!(
-                    m.contains("short read") && m.contains(path.to_str().unwrap()),
+                    m.message.contains("short read") && m.message.contains(path.to_str().unwrap()),
                     "{m}"
                 ),
                 other => panic!("key {i}: {other:?}"),

@@ -768,6 +768,13 @@ impl<B: Bar0 + Send> IoEngine for GpuEngine<B> {
         "gpu"
     }
 
+    fn reaches(&self, kind: MemoryKind) -> bool {
+        // The controller DMAs into host-pinned memory the GPU also maps; HBM
+        // as its target needs dma-buf through iommufd or peermem, which this
+        // build does not have (the register_memory check below says so too).
+        kind == MemoryKind::Host
+    }
+
     fn register_memory(&mut self, table: Arc<P2pTable>) -> Result<()> {
         refuse_if_in_flight(self.in_flight)?;
         if table.kind() != MemoryKind::Host {

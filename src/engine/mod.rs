@@ -11,9 +11,11 @@ pub mod open;
 pub mod uring;
 
 use crate::error::Result;
+use crate::memory::MemoryKind;
 use crate::p2p::P2pTable;
 use crate::ring::abi::IOCTX_STATUS_INVALID;
 use crate::ring::{GioRing, IocbId};
+use std::os::fd::RawFd;
 use std::sync::Arc;
 
 /// Counters every engine keeps; the benchmarks report them per layer.
@@ -72,6 +74,22 @@ pub trait IoEngine: Send {
 
     /// IOCTXs accepted and not yet completed.
     fn in_flight(&self) -> usize;
+
+    /// Whether this engine's devices can move data to and from memory of
+    /// `kind`. The tier refuses a registration the engine cannot reach with
+    /// this answer, instead of the engine failing later. Host memory by
+    /// default: every engine here reaches it.
+    fn reaches(&self, kind: MemoryKind) -> bool {
+        kind == MemoryKind::Host
+    }
+
+    /// File descriptors that poll readable when `reap` has a completion to
+    /// find, so a thread can sleep in poll(2) on them together with its own
+    /// wake-up fd. Empty when the engine cannot say (CPU- or GPU-polled
+    /// queues): callers then poll `reap` without waiting.
+    fn completion_fds(&self) -> Vec<RawFd> {
+        Vec::new()
+    }
 
     fn stats(&self) -> EngineStats;
 

@@ -618,6 +618,13 @@ impl IoEngine for UringEngine {
         self.in_flight
     }
 
+    fn completion_fds(&self) -> Vec<RawFd> {
+        // An io_uring fd polls readable while its CQ holds entries (and, with
+        // DEFER_TASKRUN, while completions wait as task work): `reap` uses
+        // the same property when several rings are busy.
+        self.devs.iter().map(|d| d.ring.as_raw_fd()).collect()
+    }
+
     fn stats(&self) -> EngineStats {
         self.stats
     }

@@ -181,6 +181,11 @@ impl GioRing {
         Ok(())
     }
 
+    /// Completed IOCBs not yet taken by the submitter.
+    pub fn cq_len(&self) -> usize {
+        self.cq.len() as usize
+    }
+
     /// Engine side: the next submitted IOCB.
     pub fn pop_sq(&mut self) -> Option<IocbId> {
         self.sq.pop()

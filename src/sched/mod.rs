@@ -55,6 +55,9 @@ struct Pending {
     ticket: u64,
     keys: Vec<Key>,
     mem_blocks: Vec<u32>,
+    /// Data checksums taken when the store was accepted (see
+    /// `Tier::submit_store_with_crcs`).
+    crcs: Option<Vec<Option<u32>>>,
 }
 
 /// The outcome of a store handed to the scheduler.
@@ -130,9 +133,35 @@ impl Scheduler {
             self.issued.push((ticket, job));
             return Ok((ticket, StoreState::Issued(job)));
         }
+        self.defer(ticket, keys, mem_blocks, None)?;
+        Ok((ticket, StoreState::Deferred))
+    }
+
+    /// Accept a store into the backlog whatever the policy; `release_ready`
+    /// or `flush_ready` issue it later, on the thread that owns the tier.
+    /// A full backlog refuses with `Error::Backpressure` and accepts nothing.
+    pub fn enqueue_store(
+        &mut self,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        crcs: Option<Vec<Option<u32>>>,
+    ) -> Result<u64> {
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        self.defer(ticket, keys, mem_blocks, crcs)?;
+        Ok(ticket)
+    }
+
+    fn defer(
+        &mut self,
+        ticket: u64,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        crcs: Option<Vec<Option<u32>>>,
+    ) -> Result<()> {
         let n = keys.len() as u64;
         if self.backlog_blocks + n > self.backlog_limit_blocks {
-            return Err(Error::invalid(format!(
+            return Err(Error::Backpressure(format!(
                 "write backlog full ({} of {} blocks deferred); the store of {n} blocks was not accepted and nothing of it is stored: retry after decode steps drain the backlog, or raise the backlog limit",
                 self.backlog_blocks, self.backlog_limit_blocks
             )));
@@ -142,8 +171,58 @@ impl Scheduler {
             ticket,
             keys: keys.to_vec(),
             mem_blocks: mem_blocks.to_vec(),
+            crcs,
         });
-        Ok((ticket, StoreState::Deferred))
+        Ok(())
+    }
+
+    /// Deferred stores in the backlog.
+    pub fn backlog_len(&self) -> usize {
+        self.backlog.len()
+    }
+
+    /// Issue the deferred stores the policy allows now, at most `max`: Slack
+    /// only while no load is in flight, Naive always, Sync never (see
+    /// `flush_ready`). Each store's own result comes back with its ticket, so
+    /// a store the tier refuses (the pool full of pinned blocks) is reported,
+    /// never dropped. Does not poll the tier.
+    pub fn release_ready(&mut self, max: usize) -> Vec<(u64, Result<JobId>)> {
+        let allowed = match self.policy {
+            Policy::Slack => self.tier.loads_in_flight() == 0,
+            Policy::Naive => true,
+            Policy::Sync => false,
+        };
+        if !allowed {
+            return Vec::new();
+        }
+        self.issue_up_to(max)
+    }
+
+    /// Remove every deferred store without issuing it (a shutdown that does
+    /// not flush); returns their tickets. Nothing of them was acknowledged.
+    pub fn take_backlog(&mut self) -> Vec<u64> {
+        self.backlog_blocks = 0;
+        self.backlog.drain(..).map(|p| p.ticket).collect()
+    }
+
+    /// Issue every deferred store now, whatever the policy.
+    pub fn flush_ready(&mut self) -> Vec<(u64, Result<JobId>)> {
+        self.issue_up_to(usize::MAX)
+    }
+
+    fn issue_up_to(&mut self, max: usize) -> Vec<(u64, Result<JobId>)> {
+        let mut out = Vec::new();
+        while out.len() < max {
+            let Some(p) = self.backlog.pop_front() else {
+                break;
+            };
+            self.backlog_blocks -= p.keys.len() as u64;
+            let r = self
+                .tier
+                .submit_store_with_crcs(&p.keys, &p.mem_blocks, p.crcs.as_deref());
+            out.push((p.ticket, r));
+        }
+        out
     }
 
     /// A slack window opened (a layer's compute, or a decode step): issue
@@ -181,7 +260,9 @@ impl Scheduler {
 
     fn issue(&mut self, p: Pending) -> Result<()> {
         self.backlog_blocks -= p.keys.len() as u64;
-        let job = self.tier.submit_store(&p.keys, &p.mem_blocks)?;
+        let job = self
+            .tier
+            .submit_store_with_crcs(&p.keys, &p.mem_blocks, p.crcs.as_deref())?;
         self.issued.push((p.ticket, job));
         Ok(())
     }

@@ -1,0 +1,361 @@
+//! Opening (or creating) a pool and choosing the engine that serves it.
+
+use super::{HandleConfig, Jobs, Owner, Shared, TierHandle};
+use crate::engine::open::{pool_on_nvme, UserspaceEngine};
+use crate::engine::IoEngine;
+use crate::error::{Error, Result};
+use crate::memory::{HostKvCache, KvMemory};
+use crate::pool::{OpenExpect, Pool, PoolConfig};
+use crate::sched::Scheduler;
+use crate::tier::Tier;
+use nix::sys::eventfd::{EfdFlags, EventFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU8;
+use std::sync::{mpsc, Arc, Condvar, Mutex};
+
+/// Which engine serves the pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum EngineChoice {
+    /// The engine `kvtier doctor` names for this machine (the same
+    /// decision, [`crate::doctor::run`]), within what the pool's location
+    /// allows: files and block devices are served by io_uring; a controller
+    /// by the gpu engine where the doctor says it is usable, else nvme.
+    #[default]
+    Auto,
+    /// io_uring on files or block devices.
+    Uring,
+    /// Userspace NVMe on a controller bound to vfio-pci or uio_pci_generic.
+    Nvme,
+    /// The CUDA I/O kernel driving a controller.
+    Gpu,
+    /// The I/O kernel's logic on CPU threads (tests without a GPU).
+    GpuHost,
+}
+
+impl EngineChoice {
+    pub fn parse(s: &str) -> Option<EngineChoice> {
+        Some(match s {
+            "auto" => EngineChoice::Auto,
+            "uring" => EngineChoice::Uring,
+            "nvme" => EngineChoice::Nvme,
+            "gpu" => EngineChoice::Gpu,
+            "gpu-host" => EngineChoice::GpuHost,
+            _ => return None,
+        })
+    }
+}
+
+/// Opens a pool and an engine for it, on the I/O thread.
+type EngineFactory = Box<dyn FnOnce() -> Result<(Pool, Box<dyn IoEngine>)> + Send>;
+
+enum Location {
+    Unset,
+    Files(Vec<PathBuf>),
+    Controller(String),
+    Custom(EngineFactory),
+}
+
+enum Memory {
+    Host(Arc<HostKvCache>),
+    Raw(KvMemory),
+}
+
+/// Builds a [`TierHandle`]: where the pool is, whether to create it, which
+/// engine, which KV memory, and the scheduling policy.
+///
+/// ```no_run
+/// # use kvtier::handle::{TierBuilder, EngineChoice};
+/// # use kvtier::{HostKvCache, HostLayout, KvGeometry, DType};
+/// # use std::sync::Arc;
+/// # fn main() -> kvtier::Result<()> {
+/// # let geometry = KvGeometry { layers: 32, kv_heads: 8, head_dim: 128, dtype: DType::BF16, block_size: 16 };
+/// let cache = Arc::new(HostKvCache::new(geometry, 1024, HostLayout::PerLayer)?);
+/// let tier = TierBuilder::default()
+///     .files(["/data/a.pool", "/data/b.pool"])
+///     .engine(EngineChoice::Auto)
+///     .host_cache(cache)
+///     .build()?;
+/// # Ok(()) }
+/// ```
+#[derive(Default)]
+pub struct TierBuilder {
+    location: Option<Location>,
+    create: Option<PoolConfig>,
+    expect: OpenExpect,
+    engine: EngineChoice,
+    config: HandleConfig,
+    memory: Option<Memory>,
+}
+
+impl TierBuilder {
+    /// Open the pool on these files or block devices.
+    pub fn files<P: Into<PathBuf>>(mut self, paths: impl IntoIterator<Item = P>) -> Self {
+        self.location = Some(Location::Files(paths.into_iter().map(Into::into).collect()));
+        self
+    }
+
+    /// Open the pool on namespace 1 of the NVMe controller at this PCI
+    /// address (bound to vfio-pci or uio_pci_generic, e.g. by `kvtier nvme
+    /// bind`).
+    pub fn controller(mut self, pci_addr: impl Into<String>) -> Self {
+        self.location = Some(Location::Controller(pci_addr.into()));
+        self
+    }
+
+    /// A pool and engine of the caller's making (a test double of a device,
+    /// an engine kvtier does not know): `open` runs on the I/O thread, so
+    /// whatever it creates is used only there.
+    pub fn custom_engine(
+        mut self,
+        open: impl FnOnce() -> Result<(Pool, Box<dyn IoEngine>)> + Send + 'static,
+    ) -> Self {
+        self.location = Some(Location::Custom(Box::new(open)));
+        self
+    }
+
+    /// Create the pool instead of opening it. Without a location set, the
+    /// pool goes on `cfg.devices` (files or block devices).
+    pub fn create(mut self, cfg: PoolConfig) -> Self {
+        self.create = Some(cfg);
+        self
+    }
+
+    /// What the opened pool must match (geometry, namespace).
+    pub fn expect(mut self, expect: OpenExpect) -> Self {
+        self.expect = expect;
+        self
+    }
+
+    pub fn engine(mut self, engine: EngineChoice) -> Self {
+        self.engine = engine;
+        self
+    }
+
+    pub fn config(mut self, config: HandleConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Serve a KV cache kvtier allocated; the handle keeps it alive.
+    pub fn host_cache(mut self, cache: Arc<HostKvCache>) -> Self {
+        self.memory = Some(Memory::Host(cache));
+        self
+    }
+
+    /// Serve the engine's own KV memory.
+    ///
+    /// # Safety
+    /// Every byte `mem` describes must stay allocated until `close` returns
+    /// (or the last clone of the handle is dropped), and must not be written
+    /// by anyone else while a job that uses it is in flight.
+    pub unsafe fn memory(mut self, mem: KvMemory) -> Self {
+        self.memory = Some(Memory::Raw(mem));
+        self
+    }
+
+    /// Open the pool, start the engine and the I/O thread, register the
+    /// memory. Everything engine-side is created on the I/O thread itself.
+    pub fn build(self) -> Result<TierHandle> {
+        let location = match self.location {
+            Some(l) => l,
+            None => match &self.create {
+                Some(c) => Location::Files(c.devices.iter().map(|d| d.path.clone()).collect()),
+                None => Location::Unset,
+            },
+        };
+        let (engine, reason) = resolve_engine(self.engine, &location)?;
+        let memory = self.memory.ok_or_else(|| {
+            Error::invalid(
+                "no KV memory: give the builder host_cache(..) or memory(..) before build()",
+            )
+        })?;
+        let (geometry, mem_blocks) = match &memory {
+            Memory::Host(c) => (c.memory().geometry, c.num_blocks()),
+            Memory::Raw(m) => (m.geometry, m.num_blocks),
+        };
+        let host_cache = match &memory {
+            Memory::Host(c) => Some(c.clone()),
+            Memory::Raw(_) => None,
+        };
+        let create = self.create;
+        let expect = self.expect;
+        let config = self.config;
+        let tier_cfg = config.tier.clone();
+        let policy = config.policy;
+        let backlog = config.backlog_limit_blocks;
+
+        let (tx, rx) = mpsc::channel::<Result<Arc<Shared>>>();
+        let (go_tx, go_rx) = mpsc::channel::<Arc<Shared>>();
+        let thread = std::thread::Builder::new()
+            .name("kvtier-io".into())
+            .spawn(move || -> Result<()> {
+                let opened = (move || -> Result<Scheduler> {
+                    let mut tier = open_tier(location, engine, create.as_ref(), &expect, tier_cfg)?;
+                    match memory {
+                        Memory::Host(c) => tier.register_host_cache(c)?,
+                        // SAFETY: the caller of `TierBuilder::memory` promised
+                        // the memory outlives the handle's tier.
+                        Memory::Raw(m) => unsafe { tier.register_memory(m)? },
+                    }
+                    tier.defer_engine_calls(true);
+                    Ok(Scheduler::new(tier, policy, backlog))
+                })();
+                let sched = match opened {
+                    Ok(s) => s,
+                    Err(e) => {
+                        let _ = tx.send(Err(e));
+                        return Ok(());
+                    }
+                };
+                let crc_table = sched.tier().p2p_table().cloned();
+                let engine_name = sched.tier().engine().name().to_string();
+                let shared = Arc::new(Shared {
+                    core: Mutex::new(Some(sched)),
+                    jobs: Mutex::new(Jobs::default()),
+                    cond: Condvar::new(),
+                    doorbell: EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)
+                        .map_err(|e| {
+                        Error::io("creating the I/O thread's eventfd", e.into())
+                    })?,
+                    closing: AtomicU8::new(super::RUNNING),
+                    geometry,
+                    mem_blocks,
+                    crc_table,
+                    _host_cache: host_cache,
+                    cfg: config,
+                    engine: engine_name,
+                    engine_reason: reason,
+                    io_thread: std::thread::current().id(),
+                });
+                if tx.send(Ok(shared)).is_err() {
+                    return Ok(());
+                }
+                // The builder hands the same Arc back once it holds the thread.
+                match go_rx.recv() {
+                    Ok(shared) => super::io_main(shared),
+                    Err(_) => Ok(()),
+                }
+            })
+            .map_err(|e| Error::io("starting the kvtier I/O thread", e))?;
+        let shared = match rx.recv() {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                return Err(e);
+            }
+            Err(_) => {
+                let _ = thread.join();
+                return Err(Error::Closed(
+                    "the kvtier I/O thread stopped while opening the pool".into(),
+                ));
+            }
+        };
+        let owner = Arc::new(Owner {
+            shared: shared.clone(),
+            thread: Mutex::new(Some(thread)),
+        });
+        let _ = go_tx.send(shared.clone());
+        Ok(TierHandle { shared, owner })
+    }
+}
+
+fn engine_label(e: EngineChoice) -> &'static str {
+    match e {
+        EngineChoice::Auto | EngineChoice::Uring => "uring",
+        EngineChoice::Nvme => "nvme",
+        EngineChoice::Gpu => "gpu",
+        EngineChoice::GpuHost => "gpu-host",
+    }
+}
+
+/// The engine for `location`, with the reason. `Auto` asks the doctor.
+fn resolve_engine(choice: EngineChoice, location: &Location) -> Result<(EngineChoice, String)> {
+    match (choice, location) {
+        (_, Location::Unset) => Err(Error::invalid(
+            "no pool location: call files(..), controller(..) or create(..) on the builder",
+        )),
+        (_, Location::Custom(_)) => Ok((EngineChoice::Uring, "a custom engine".into())),
+        (EngineChoice::Uring, Location::Files(_)) => Ok((choice, "asked for".into())),
+        (EngineChoice::Uring, Location::Controller(addr)) => Err(Error::Unsupported(format!(
+            "io_uring serves files and block devices, not controller {addr} driven from userspace; give the namespace's block device (/dev/nvmeXnY, controller on the kernel's nvme driver) with files(..), or pick the nvme or gpu engine"
+        ))),
+        (_, Location::Controller(_)) if choice != EngineChoice::Auto => {
+            Ok((choice, "asked for".into()))
+        }
+        (_, Location::Files(_)) if choice != EngineChoice::Auto => Err(Error::Unsupported(format!(
+            "the {} engine drives an NVMe controller from userspace, not files or block devices; name the controller with controller(PCI_ADDR) after `kvtier nvme bind`, or use the uring engine",
+            engine_label(choice)
+        ))),
+        (_, loc) => {
+            let dir = match loc {
+                Location::Files(p) => doctor_dir(p),
+                _ => std::env::temp_dir(),
+            };
+            let report = crate::doctor::run(&dir)?;
+            let verdict = report.engine.as_str();
+            let why = report.engine_reason.clone();
+            match (verdict, loc) {
+                ("gpu", Location::Controller(_)) => Ok((EngineChoice::Gpu, why)),
+                ("nvme", Location::Controller(_)) => Ok((EngineChoice::Nvme, why)),
+                ("gpu" | "nvme", Location::Files(_)) => Ok((
+                    EngineChoice::Uring,
+                    format!(
+                        "the pool is on files or block devices, which io_uring serves (kvtier doctor would pick {verdict} for a pool on a controller: {why})"
+                    ),
+                )),
+                ("uring", Location::Files(_)) => Ok((EngineChoice::Uring, why)),
+                _ => Err(Error::Unsupported(format!(
+                    "no engine can serve this pool here: kvtier doctor says {verdict}: {why}"
+                ))),
+            }
+        }
+    }
+}
+
+/// The directory the doctor probes for O_DIRECT: the first device's.
+fn doctor_dir(paths: &[PathBuf]) -> PathBuf {
+    paths
+        .first()
+        .and_then(|p| p.parent())
+        .filter(|p| !p.as_os_str().is_empty())
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+fn open_tier(
+    location: Location,
+    engine: EngineChoice,
+    create: Option<&PoolConfig>,
+    expect: &OpenExpect,
+    cfg: crate::tier::TierConfig,
+) -> Result<Tier> {
+    match location {
+        Location::Files(paths) => {
+            let pool = match create {
+                Some(c) => Pool::create(c)?,
+                None => Pool::open(&paths, expect)?,
+            };
+            Tier::open(pool, cfg)
+        }
+        Location::Controller(addr) => {
+            let ue = match engine {
+                EngineChoice::Nvme => UserspaceEngine::Nvme,
+                EngineChoice::Gpu => UserspaceEngine::Gpu,
+                EngineChoice::GpuHost => UserspaceEngine::GpuHost,
+                other => {
+                    return Err(Error::Unsupported(format!(
+                        "the {} engine does not drive a controller",
+                        engine_label(other)
+                    )))
+                }
+            };
+            let (pool, eng) = pool_on_nvme(&addr, ue, create, expect)?;
+            Tier::with_engine(pool, cfg, eng)
+        }
+        Location::Custom(open) => {
+            let (pool, eng) = open()?;
+            Tier::with_engine(pool, cfg, eng)
+        }
+        Location::Unset => Err(Error::invalid("no pool location")),
+    }
+}

@@ -1,0 +1,972 @@
+//! `TierHandle`: kvtier's front door for serving engines.
+//!
+//! A handle owns one [`Tier`] on its own I/O thread and is `Send + Sync +
+//! Clone`: vLLM's scheduler and workers, or LMCache's store and prefetch
+//! controllers, call one handle from as many threads as they like.
+//!
+//! # Threading contract
+//!
+//! - The tier, its engine and the engine's rings are created, polled and
+//!   dropped on the I/O thread only. An io_uring set up with
+//!   `SINGLE_ISSUER | DEFER_TASKRUN` therefore never sees another thread; no
+//!   method of the handle enters the engine.
+//! - `lookup_prefix`, `lookup_and_pin`, `unpin`, `contains` and `usage` read
+//!   or update the pool's index under a short lock that the I/O thread never
+//!   holds while it sleeps or waits for a device; they never wait behind a
+//!   load, a store or another caller's `wait`.
+//! - `submit_load` plans its reads on the calling thread under the same lock
+//!   and returns at once; the I/O thread issues them. `submit_store` takes
+//!   the data checksums on the calling thread (outside every lock) and puts
+//!   the store in the write backlog; the I/O thread issues it when the
+//!   policy allows (read first, write deferred: [`crate::sched`]). A full
+//!   backlog refuses with [`ErrorKind::Backpressure`] and stores nothing.
+//! - `wait`, `wait_layer`, `try_result` and `get_finished` wait on the job
+//!   table only, never on the tier: a blocked waiter holds up nobody.
+//! - Completions arrive three ways: blocking waits by job id; per-layer and
+//!   per-job [`Event`]s through [`Completions`] (a channel with an eventfd
+//!   that polls readable while events are queued, for epoll or asyncio); and
+//!   `get_finished` for a step loop.
+//! - Every job's result must be collected once (`wait`, `try_result` or
+//!   `get_finished`); events only say that it is there.
+//! - `close` issues the write backlog, waits for every job, stops the thread
+//!   and reports the first failure. Dropping the last clone without `close`
+//!   fails the stores still in the backlog (they were never acknowledged),
+//!   waits only for I/O already in flight (the memory it targets must not be
+//!   freed under it), and never waits for anything else.
+//!
+//! # Memory contract
+//!
+//! The memory blocks of a job must not be written by the caller until the job
+//! finishes (a store's checksums are taken when it is submitted, and a load
+//! writes them). The handle refuses a load into blocks that a store in the
+//! backlog or in flight reads, and a store from blocks a load is writing.
+
+mod builder;
+
+pub use builder::{EngineChoice, TierBuilder};
+
+use crate::error::{Error, ErrorKind, Failure, Result};
+use crate::memory::HostKvCache;
+use crate::model::KvGeometry;
+use crate::p2p::P2pTable;
+use crate::pool::Key;
+use crate::sched::{Policy, Scheduler};
+use crate::tier::{self, JobKind, JobResult, KeyOutcome, Tier, TierConfig, Usage};
+use nix::poll::{PollFd, PollFlags, PollTimeout};
+use nix::sys::eventfd::{EfdFlags, EventFd};
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::thread::{JoinHandle, ThreadId};
+use std::time::{Duration, Instant};
+
+/// A job of a handle (its own numbering, not the tier's).
+pub type JobId = u64;
+
+/// How the handle schedules work; see [`crate::sched`].
+#[derive(Clone, Debug)]
+pub struct HandleConfig {
+    pub tier: TierConfig,
+    /// `Slack` (default): stores wait while any load is in flight. `Naive`:
+    /// stores go as soon as the I/O thread sees them. `Sync`: stores wait
+    /// for `flush_stores` or `close`.
+    pub policy: Policy,
+    /// Most blocks the write backlog holds before `submit_store` refuses
+    /// with backpressure.
+    pub backlog_limit_blocks: u64,
+    /// Stores the I/O thread releases from the backlog per turn, so a long
+    /// backlog cannot delay a load submitted meanwhile by more than that.
+    pub stores_per_turn: usize,
+}
+
+impl Default for HandleConfig {
+    fn default() -> Self {
+        HandleConfig {
+            tier: TierConfig::default(),
+            policy: Policy::Slack,
+            backlog_limit_blocks: 1 << 16,
+            stores_per_turn: 4,
+        }
+    }
+}
+
+/// A completion, in the order the I/O thread saw it; per load, layers in
+/// layer order and all of them before the job's `Finished`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// Layer `layer` of load `job` is in memory, or failed (`error`: its
+    /// memory must not be used).
+    Layer {
+        job: JobId,
+        layer: u32,
+        error: Option<Failure>,
+    },
+    /// `job` finished; `ok` when every key is done. Collect its result with
+    /// `wait` / `try_result` (returns at once now) or `get_finished`.
+    Finished { job: JobId, kind: JobKind, ok: bool },
+}
+
+/// What the handle holds, for monitoring.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct HandleUsage {
+    pub tier: Usage,
+    /// Stores accepted and not yet issued, and their blocks.
+    pub deferred_stores: usize,
+    pub deferred_blocks: u64,
+}
+
+/// A stream of [`Event`]s from one handle, for one consumer. Each
+/// `Completions` gets every event from its creation on. Its eventfd polls
+/// readable exactly while events are queued, so an epoll loop (or asyncio's
+/// `add_reader`) can sleep on it and then drain with `try_recv`.
+pub struct Completions {
+    q: Arc<EventQueue>,
+}
+
+struct EventQueue {
+    events: Mutex<VecDeque<Event>>,
+    cond: Condvar,
+    /// Non-zero exactly while `events` is non-empty (both change under the lock).
+    fd: EventFd,
+}
+
+impl EventQueue {
+    fn push(&self, evs: &[Event]) {
+        if evs.is_empty() {
+            return;
+        }
+        let mut q = lock(&self.events);
+        let was_empty = q.is_empty();
+        q.extend(evs.iter().cloned());
+        if was_empty {
+            // Cannot fail: the counter is 0 or 1, far from overflow.
+            let _ = self.fd.write(1);
+        }
+        self.cond.notify_all();
+    }
+}
+
+impl Completions {
+    /// The next event, if one is queued.
+    pub fn try_recv(&self) -> Option<Event> {
+        let mut q = lock(&self.q.events);
+        let e = q.pop_front();
+        if e.is_some() && q.is_empty() {
+            // Reset the counter: the fd stops polling readable.
+            let _ = self.q.fd.read();
+        }
+        e
+    }
+
+    /// The next event, waiting at most `timeout`.
+    pub fn recv_timeout(&self, timeout: Duration) -> Option<Event> {
+        let deadline = Instant::now() + timeout;
+        let mut q = lock(&self.q.events);
+        while q.is_empty() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            q = self
+                .q
+                .cond
+                .wait_timeout(q, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        let e = q.pop_front();
+        if q.is_empty() {
+            let _ = self.q.fd.read();
+        }
+        e
+    }
+
+    /// Everything queued now.
+    pub fn drain(&self) -> Vec<Event> {
+        let mut q = lock(&self.q.events);
+        if !q.is_empty() {
+            let _ = self.q.fd.read();
+        }
+        q.drain(..).collect()
+    }
+}
+
+impl AsFd for Completions {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.q.fd.as_fd()
+    }
+}
+
+impl AsRawFd for Completions {
+    fn as_raw_fd(&self) -> RawFd {
+        self.q.fd.as_fd().as_raw_fd()
+    }
+}
+
+enum Phase {
+    /// In the write backlog.
+    Deferred,
+    /// A tier job in flight.
+    Running,
+    Finished(JobResult),
+}
+
+struct Entry {
+    kind: JobKind,
+    phase: Phase,
+    keys: Vec<Key>,
+    mem_blocks: Vec<u32>,
+    layers: Range<u32>,
+    /// Next layer (absolute) not yet reported.
+    layers_done: u32,
+    layer_errors: Vec<Option<Failure>>,
+}
+
+#[derive(Default)]
+struct Jobs {
+    entries: HashMap<JobId, Entry>,
+    by_tier: HashMap<tier::JobId, JobId>,
+    by_ticket: HashMap<u64, JobId>,
+    finished_order: VecDeque<JobId>,
+    next: JobId,
+    /// Memory blocks read by stores not yet finished / written by loads not
+    /// yet finished (count per block).
+    store_mem: HashMap<u32, u32>,
+    load_mem: HashMap<u32, u32>,
+    /// An engine failure that stops jobs from finishing: waits on unfinished
+    /// jobs return it instead of blocking forever.
+    fatal: Option<Failure>,
+    /// Set once the I/O thread has exited.
+    stopped: bool,
+    subscribers: Vec<Weak<EventQueue>>,
+}
+
+impl Jobs {
+    fn add(&mut self, e: Entry) -> JobId {
+        self.next += 1;
+        let id = self.next;
+        let map = match e.kind {
+            JobKind::Load => &mut self.load_mem,
+            JobKind::Store => &mut self.store_mem,
+        };
+        for &b in &e.mem_blocks {
+            *map.entry(b).or_default() += 1;
+        }
+        self.entries.insert(id, e);
+        id
+    }
+
+    /// Record a result and release the job's memory blocks.
+    fn finish(&mut self, id: JobId, mut r: JobResult, events: &mut Vec<Event>) {
+        let Some(e) = self.entries.get_mut(&id) else {
+            return;
+        };
+        if matches!(e.phase, Phase::Finished(_)) {
+            return;
+        }
+        let map = match e.kind {
+            JobKind::Load => &mut self.load_mem,
+            JobKind::Store => &mut self.store_mem,
+        };
+        for b in &e.mem_blocks {
+            if let Some(c) = map.get_mut(b) {
+                *c -= 1;
+                if *c == 0 {
+                    map.remove(b);
+                }
+            }
+        }
+        r.job = id;
+        events.push(Event::Finished {
+            job: id,
+            kind: e.kind,
+            ok: r.all_ok(),
+        });
+        e.phase = Phase::Finished(r);
+        self.finished_order.push_back(id);
+    }
+
+    fn take(&mut self, id: JobId) -> Option<JobResult> {
+        if !matches!(self.entries.get(&id)?.phase, Phase::Finished(_)) {
+            return None;
+        }
+        let e = self.entries.remove(&id)?;
+        self.finished_order.retain(|&j| j != id);
+        match e.phase {
+            Phase::Finished(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    fn broadcast(&mut self, events: &[Event]) {
+        self.subscribers.retain(|w| match w.upgrade() {
+            Some(q) => {
+                q.push(events);
+                true
+            }
+            None => false,
+        });
+    }
+}
+
+/// A store that never reached the tier: every key failed with `why`.
+fn failed_result(keys: Vec<Key>, why: &Failure) -> JobResult {
+    JobResult {
+        job: 0,
+        kind: JobKind::Store,
+        outcomes: vec![KeyOutcome::Failed(why.clone()); keys.len()],
+        keys,
+        evicted: Vec::new(),
+    }
+}
+
+const RUNNING: u8 = 0;
+/// `close`: issue the backlog, finish every job, then stop.
+const CLOSE_FLUSH: u8 = 1;
+/// Last clone dropped: fail the backlog, finish I/O in flight, then stop.
+const CLOSE_DROP: u8 = 2;
+
+struct Shared {
+    /// The scheduler and the tier inside it. `None` once the I/O thread has
+    /// dropped them. Held only for index operations and planning, never
+    /// while anyone sleeps.
+    core: Mutex<Option<Scheduler>>,
+    jobs: Mutex<Jobs>,
+    cond: Condvar,
+    /// Wakes the I/O thread: new work, or close.
+    doorbell: EventFd,
+    closing: AtomicU8,
+    geometry: KvGeometry,
+    mem_blocks: u32,
+    /// To take store checksums on the caller's thread.
+    crc_table: Option<Arc<P2pTable>>,
+    /// Keeps a kvtier-allocated KV cache alive for those checksums.
+    _host_cache: Option<Arc<HostKvCache>>,
+    cfg: HandleConfig,
+    engine: String,
+    engine_reason: String,
+    io_thread: ThreadId,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic on another thread must not turn every later call into one:
+    // the data behind these locks stays consistent between statements.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Shared {
+    fn ring(&self) {
+        let _ = self.doorbell.write(1);
+    }
+
+    fn closed_error() -> Error {
+        Error::Closed("the tier handle is closed; open a new one".into())
+    }
+}
+
+/// Stops the I/O thread when the last clone of a handle goes away.
+struct Owner {
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<Result<()>>>>,
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        let Some(t) = lock(&self.thread).take() else {
+            return;
+        };
+        let _ = self.shared.closing.compare_exchange(
+            RUNNING,
+            CLOSE_DROP,
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+        );
+        self.shared.ring();
+        // Joining from the I/O thread itself would deadlock; it cannot hold
+        // a handle today, but a detached thread still finishes on its own.
+        if std::thread::current().id() != self.shared.io_thread {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The thread-safe front door of a tier; see the module docs for the
+/// threading and memory contracts. Open one with [`TierBuilder`].
+#[derive(Clone)]
+pub struct TierHandle {
+    shared: Arc<Shared>,
+    owner: Arc<Owner>,
+}
+
+impl std::fmt::Debug for TierHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TierHandle")
+            .field("engine", &self.shared.engine)
+            .field("geometry", &self.shared.geometry)
+            .finish()
+    }
+}
+
+impl TierHandle {
+    pub fn builder() -> TierBuilder {
+        TierBuilder::default()
+    }
+
+    /// The engine serving the pool (`uring`, `nvme`, `gpu`, ...).
+    pub fn engine(&self) -> &str {
+        &self.shared.engine
+    }
+
+    /// Why that engine (the `auto` verdict, or "asked for").
+    pub fn engine_reason(&self) -> &str {
+        &self.shared.engine_reason
+    }
+
+    pub fn geometry(&self) -> &KvGeometry {
+        &self.shared.geometry
+    }
+
+    /// Blocks in the registered KV memory.
+    pub fn memory_blocks(&self) -> u32 {
+        self.shared.mem_blocks
+    }
+
+    /// How many leading keys the pool holds. No side effects. 0 once closed.
+    pub fn lookup_prefix(&self, keys: &[Key]) -> usize {
+        match lock(&self.shared.core).as_ref() {
+            Some(s) => s.tier().lookup_prefix(keys),
+            None => 0,
+        }
+    }
+
+    /// Like `lookup_prefix`, and pins the keys it counts so that no store
+    /// evicts them before the load that needs them. Undo with `unpin`.
+    pub fn lookup_and_pin(&self, keys: &[Key]) -> usize {
+        match lock(&self.shared.core).as_mut() {
+            Some(s) => s.tier_mut().lookup_and_pin(keys),
+            None => 0,
+        }
+    }
+
+    /// Drop one pin per key. Never fails: unknown or unpinned keys (and a
+    /// closed handle) are ignored.
+    pub fn unpin(&self, keys: &[Key]) {
+        if let Some(s) = lock(&self.shared.core).as_mut() {
+            s.tier_mut().unpin(keys);
+        }
+    }
+
+    pub fn contains(&self, key: &Key) -> bool {
+        lock(&self.shared.core)
+            .as_ref()
+            .is_some_and(|s| s.tier().contains(key))
+    }
+
+    pub fn usage(&self) -> Result<HandleUsage> {
+        let core = lock(&self.shared.core);
+        let s = core.as_ref().ok_or_else(Shared::closed_error)?;
+        Ok(HandleUsage {
+            tier: s.tier().usage(),
+            deferred_stores: s.backlog_len(),
+            deferred_blocks: s.backlog_blocks(),
+        })
+    }
+
+    /// A new stream of this handle's events (see [`Completions`]).
+    pub fn completions(&self) -> Result<Completions> {
+        let fd = EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)
+            .map_err(|e| Error::io("creating an eventfd for completions", e.into()))?;
+        let q = Arc::new(EventQueue {
+            events: Mutex::new(VecDeque::new()),
+            cond: Condvar::new(),
+            fd,
+        });
+        lock(&self.shared.jobs).subscribers.push(Arc::downgrade(&q));
+        Ok(Completions { q })
+    }
+
+    fn check_blocks(&self, keys: &[Key], mem_blocks: &[u32]) -> Result<()> {
+        if keys.is_empty() {
+            return Err(Error::invalid("a job needs at least one key"));
+        }
+        if keys.len() != mem_blocks.len() {
+            return Err(Error::invalid(format!(
+                "{} keys but {} memory blocks: give one memory block per key",
+                keys.len(),
+                mem_blocks.len()
+            )));
+        }
+        let n = self.shared.mem_blocks;
+        if let Some(&b) = mem_blocks.iter().find(|&&b| b >= n) {
+            return Err(Error::invalid(format!(
+                "memory block {b} is out of range: the registered KV memory has {n} blocks (0..{n})"
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_open(&self, jobs: &Jobs) -> Result<()> {
+        if jobs.stopped || self.shared.closing.load(Ordering::SeqCst) != RUNNING {
+            return Err(Shared::closed_error());
+        }
+        if let Some(f) = &jobs.fatal {
+            return Err(Error::Failed(f.context("the tier's engine failed")));
+        }
+        Ok(())
+    }
+
+    /// Start loading `keys` (all in the pool: count them with
+    /// `lookup_prefix` or `lookup_and_pin`) into `mem_blocks` for `layers`.
+    /// Returns at once; layers complete in layer order (`wait_layer`,
+    /// [`Event::Layer`]). The keys stay pinned until the load finishes.
+    pub fn submit_load(
+        &self,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        layers: Range<u32>,
+    ) -> Result<JobId> {
+        self.check_blocks(keys, mem_blocks)?;
+        let id = {
+            let mut core = lock(&self.shared.core);
+            let s = core.as_mut().ok_or_else(Shared::closed_error)?;
+            let mut jobs = lock(&self.shared.jobs);
+            self.check_open(&jobs)?;
+            if let Some(b) = mem_blocks.iter().find(|b| jobs.store_mem.contains_key(b)) {
+                return Err(Error::invalid(format!(
+                    "memory block {b} is read by a store not yet finished; wait for that store before loading into it"
+                )));
+            }
+            let tier_job = s.submit_load(keys, mem_blocks, layers.clone())?;
+            let id = jobs.add(Entry {
+                kind: JobKind::Load,
+                phase: Phase::Running,
+                keys: keys.to_vec(),
+                mem_blocks: mem_blocks.to_vec(),
+                layers_done: layers.start,
+                layer_errors: vec![None; layers.len()],
+                layers,
+            });
+            jobs.by_tier.insert(tier_job, id);
+            id
+        };
+        self.shared.ring();
+        Ok(id)
+    }
+
+    /// Accept a store of `keys` from `mem_blocks` (all layers). Returns at
+    /// once; the store is issued when no load is in flight (per the policy)
+    /// and is durable when its outcome says `Done`. Keys already stored cost
+    /// no I/O. A full write backlog refuses with `ErrorKind::Backpressure`.
+    pub fn submit_store(&self, keys: &[Key], mem_blocks: &[u32]) -> Result<JobId> {
+        self.check_blocks(keys, mem_blocks)?;
+        // Checksums of the blocks not stored yet, here and without locks, so
+        // neither the I/O thread nor lookups wait for the hashing.
+        let crcs = match &self.shared.crc_table {
+            Some(table) => {
+                let present: Vec<bool> = {
+                    let core = lock(&self.shared.core);
+                    let s = core.as_ref().ok_or_else(Shared::closed_error)?;
+                    keys.iter().map(|k| s.tier().contains(k)).collect()
+                };
+                let layers = self.shared.geometry.layers;
+                Some(
+                    mem_blocks
+                        .iter()
+                        .zip(present)
+                        .map(|(&b, p)| {
+                            if p {
+                                None
+                            } else {
+                                Tier::block_crc(table, b, layers)
+                            }
+                        })
+                        .collect(),
+                )
+            }
+            None => None,
+        };
+        let id = {
+            let mut core = lock(&self.shared.core);
+            let s = core.as_mut().ok_or_else(Shared::closed_error)?;
+            let mut jobs = lock(&self.shared.jobs);
+            self.check_open(&jobs)?;
+            if let Some(b) = mem_blocks.iter().find(|b| jobs.load_mem.contains_key(b)) {
+                return Err(Error::invalid(format!(
+                    "memory block {b} is the target of a load not yet finished; wait for that load before storing from it"
+                )));
+            }
+            let ticket = s.enqueue_store(keys, mem_blocks, crcs)?;
+            let id = jobs.add(Entry {
+                kind: JobKind::Store,
+                phase: Phase::Deferred,
+                keys: keys.to_vec(),
+                mem_blocks: mem_blocks.to_vec(),
+                layers: 0..0,
+                layers_done: 0,
+                layer_errors: Vec::new(),
+            });
+            jobs.by_ticket.insert(ticket, id);
+            id
+        };
+        self.shared.ring();
+        Ok(id)
+    }
+
+    /// Issue every store in the backlog now, whatever the policy (the end
+    /// of a prefill under `Policy::Sync`, before a planned shutdown).
+    pub fn flush_stores(&self) -> Result<()> {
+        let released = {
+            let mut core = lock(&self.shared.core);
+            let s = core.as_mut().ok_or_else(Shared::closed_error)?;
+            s.flush_ready()
+        };
+        let mut events = Vec::new();
+        {
+            let mut jobs = lock(&self.shared.jobs);
+            apply_released(&mut jobs, released, &mut events);
+            jobs.broadcast(&events);
+        }
+        self.shared.cond.notify_all();
+        self.shared.ring();
+        Ok(())
+    }
+
+    /// Block until `job` finishes and return (remove) its result.
+    pub fn wait(&self, job: JobId) -> Result<JobResult> {
+        let mut jobs = lock(&self.shared.jobs);
+        loop {
+            if !jobs.entries.contains_key(&job) {
+                return Err(Error::invalid(format!(
+                    "job {job} is unknown or its result was already taken"
+                )));
+            }
+            if let Some(r) = jobs.take(job) {
+                return Ok(r);
+            }
+            if let Some(f) = &jobs.fatal {
+                return Err(Error::Failed(f.context(format_args!("job {job}"))));
+            }
+            if jobs.stopped {
+                return Err(Shared::closed_error());
+            }
+            jobs = self
+                .shared
+                .cond
+                .wait(jobs)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// The result of `job` if it has finished (then removed), else None.
+    pub fn try_result(&self, job: JobId) -> Result<Option<JobResult>> {
+        let mut jobs = lock(&self.shared.jobs);
+        if !jobs.entries.contains_key(&job) {
+            return Err(Error::invalid(format!(
+                "job {job} is unknown or its result was already taken"
+            )));
+        }
+        Ok(jobs.take(job))
+    }
+
+    /// Block until layer `layer` of load `job` is in memory. An error (with
+    /// the failed I/O in its [`Failure`]) means the layer must not be used.
+    pub fn wait_layer(&self, job: JobId, layer: u32) -> Result<()> {
+        let mut jobs = lock(&self.shared.jobs);
+        loop {
+            let Some(e) = jobs.entries.get(&job) else {
+                return Err(Error::invalid(format!(
+                    "job {job} is unknown or its result was already taken"
+                )));
+            };
+            if e.kind != JobKind::Load || !e.layers.contains(&layer) {
+                return Err(Error::invalid(format!(
+                    "job {job} is not a load of layer {layer}"
+                )));
+            }
+            if e.layers_done > layer {
+                return match &e.layer_errors[(layer - e.layers.start) as usize] {
+                    Some(f) => Err(Error::Failed(
+                        f.context(format_args!("layer {layer} of job {job} failed")),
+                    )),
+                    None => Ok(()),
+                };
+            }
+            if let Phase::Finished(r) = &e.phase {
+                // Finished without this layer's event: only when it failed.
+                return match r.failures().next() {
+                    Some((k, f)) => Err(Error::Failed(
+                        f.context(format_args!("job {job} failed to load key {k}")),
+                    )),
+                    None => Ok(()),
+                };
+            }
+            if let Some(f) = &jobs.fatal {
+                return Err(Error::Failed(f.context(format_args!("job {job}"))));
+            }
+            if jobs.stopped {
+                return Err(Shared::closed_error());
+            }
+            jobs = self
+                .shared
+                .cond
+                .wait(jobs)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Results of every finished job not yet collected, in finishing order.
+    pub fn get_finished(&self) -> Vec<JobResult> {
+        let mut jobs = lock(&self.shared.jobs);
+        let ids: Vec<JobId> = jobs.finished_order.iter().copied().collect();
+        ids.into_iter().filter_map(|id| jobs.take(id)).collect()
+    }
+
+    /// Issue the write backlog, wait for every job, stop the I/O thread and
+    /// drop the tier on it. Returns the first engine failure, if any. Later
+    /// calls on any clone fail with `ErrorKind::Closed` (lookups return 0,
+    /// `unpin` does nothing). Results not yet collected stay collectable.
+    pub fn close(&self) -> Result<()> {
+        let t = lock(&self.owner.thread).take();
+        let Some(t) = t else {
+            return Ok(());
+        };
+        let _ = self.shared.closing.compare_exchange(
+            RUNNING,
+            CLOSE_FLUSH,
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+        );
+        self.shared.ring();
+        match t.join() {
+            Ok(r) => r,
+            Err(_) => Err(Error::Closed(
+                "the tier's I/O thread panicked; its jobs did not finish".into(),
+            )),
+        }
+    }
+}
+
+/// Move released stores from the backlog into the job table.
+fn apply_released(
+    jobs: &mut Jobs,
+    released: Vec<(u64, Result<tier::JobId>)>,
+    events: &mut Vec<Event>,
+) {
+    for (ticket, r) in released {
+        let Some(id) = jobs.by_ticket.remove(&ticket) else {
+            continue;
+        };
+        match r {
+            Ok(tj) => {
+                if let Some(e) = jobs.entries.get_mut(&id) {
+                    e.phase = Phase::Running;
+                }
+                jobs.by_tier.insert(tj, id);
+            }
+            Err(err) => {
+                let f = Failure::from(err);
+                // The tier refused it at issue time (every block pinned, say):
+                // nothing was written; the keys are reported as not stored.
+                let keys = jobs
+                    .entries
+                    .get(&id)
+                    .map(|e| e.keys.clone())
+                    .unwrap_or_default();
+                jobs.finish(id, failed_result(keys, &f), events);
+            }
+        }
+    }
+}
+
+/// Everything the I/O thread learned in one turn, applied under the job lock.
+struct Turn {
+    released: Vec<(u64, Result<tier::JobId>)>,
+    layer_events: Vec<tier::LayerDone>,
+    finished: Vec<JobResult>,
+    failed_backlog: Vec<u64>,
+    error: Option<Error>,
+    /// Look again before sleeping: this turn moved something, and what it
+    /// started may already be complete.
+    again: bool,
+}
+
+fn io_main(shared: Arc<Shared>) -> Result<()> {
+    let mut first_error: Option<Error> = None;
+    loop {
+        // Consume wake-ups first: one that arrives after this is seen next turn.
+        let _ = shared.doorbell.read();
+        let closing = shared.closing.load(Ordering::SeqCst);
+        let (turn, in_flight, backlog, fds) = {
+            let mut core = lock(&shared.core);
+            let s = core.as_mut().expect("only this thread takes the scheduler");
+            let mut turn = Turn {
+                released: Vec::new(),
+                layer_events: Vec::new(),
+                finished: Vec::new(),
+                failed_backlog: Vec::new(),
+                error: None,
+                again: false,
+            };
+            match closing {
+                CLOSE_FLUSH => turn.released = s.flush_ready(),
+                CLOSE_DROP => turn.failed_backlog = s.take_backlog(),
+                _ => turn.released = s.release_ready(shared.cfg.stores_per_turn),
+            }
+            let mut r = s.tier_mut().poll();
+            if r.is_ok() && closing == RUNNING {
+                // Loads that just finished may let deferred stores go now.
+                let more = s.release_ready(shared.cfg.stores_per_turn);
+                if !more.is_empty() {
+                    turn.released.extend(more);
+                    r = s.tier_mut().poll();
+                }
+            }
+            turn.error = r.err();
+            // Layer events before results: collecting a result drops its events.
+            turn.layer_events = s.tier_mut().layer_events();
+            turn.finished = s.tier_mut().get_finished();
+            let t = s.tier();
+            turn.again = t.completions_pending()
+                || !turn.released.is_empty()
+                || !turn.layer_events.is_empty()
+                || !turn.finished.is_empty();
+            (
+                turn,
+                t.jobs_in_flight(),
+                s.backlog_len(),
+                t.engine().completion_fds(),
+            )
+        };
+        let fatal_now = turn.error.is_some();
+        let again = turn.again;
+        apply_turn(&shared, turn, &mut first_error);
+        let done = closing != RUNNING && in_flight == 0 && backlog == 0;
+        // A broken engine will not finish what it holds: stop rather than spin.
+        if done || (closing != RUNNING && fatal_now) {
+            break;
+        }
+        if !again || fatal_now {
+            sleep(&shared, in_flight > 0, &fds, fatal_now);
+        }
+    }
+    // Drop the tier here, on its own thread (its engine may be bound to it).
+    let sched = lock(&shared.core).take();
+    if let Some(s) = sched {
+        let mut tier = s.into_tier();
+        if let Err(e) = tier.drain() {
+            first_error.get_or_insert(e);
+        }
+        let mut events = Vec::new();
+        let finished = tier.get_finished();
+        drop(tier);
+        let mut jobs = lock(&shared.jobs);
+        for r in finished {
+            if let Some(id) = jobs.by_tier.remove(&r.job) {
+                jobs.finish(id, r, &mut events);
+            }
+        }
+        jobs.broadcast(&events);
+    }
+    {
+        let mut jobs = lock(&shared.jobs);
+        jobs.stopped = true;
+        // Whatever did not finish never will: say so instead of blocking.
+        let open: Vec<JobId> = jobs
+            .entries
+            .iter()
+            .filter(|(_, e)| !matches!(e.phase, Phase::Finished(_)))
+            .map(|(&id, _)| id)
+            .collect();
+        let why = Failure::new(
+            ErrorKind::Closed,
+            "the handle was closed before this job finished",
+        );
+        let mut events = Vec::new();
+        for id in open {
+            let keys = jobs.entries[&id].keys.clone();
+            let kind = jobs.entries[&id].kind;
+            let mut r = failed_result(keys, &why);
+            r.kind = kind;
+            jobs.finish(id, r, &mut events);
+        }
+        jobs.broadcast(&events);
+    }
+    shared.cond.notify_all();
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+fn apply_turn(shared: &Shared, turn: Turn, first_error: &mut Option<Error>) {
+    let mut events = Vec::new();
+    let mut jobs = lock(&shared.jobs);
+    apply_released(&mut jobs, turn.released, &mut events);
+    for ticket in turn.failed_backlog {
+        if let Some(id) = jobs.by_ticket.remove(&ticket) {
+            let keys = jobs.entries[&id].keys.clone();
+            let why = Failure::new(
+                ErrorKind::Closed,
+                "the tier handle was dropped before this store was issued; nothing of it is stored",
+            );
+            jobs.finish(id, failed_result(keys, &why), &mut events);
+        }
+    }
+    for ev in turn.layer_events {
+        let Some(&id) = jobs.by_tier.get(&ev.job) else {
+            continue;
+        };
+        if let Some(e) = jobs.entries.get_mut(&id) {
+            let li = (ev.layer - e.layers.start) as usize;
+            if let Some(slot) = e.layer_errors.get_mut(li) {
+                *slot = ev.error.clone();
+            }
+            e.layers_done = e.layers_done.max(ev.layer + 1);
+        }
+        events.push(Event::Layer {
+            job: id,
+            layer: ev.layer,
+            error: ev.error,
+        });
+    }
+    for r in turn.finished {
+        if let Some(id) = jobs.by_tier.remove(&r.job) {
+            jobs.finish(id, r, &mut events);
+        }
+    }
+    if let Some(e) = turn.error {
+        let f = Failure::from(&e);
+        jobs.fatal.get_or_insert(f);
+        first_error.get_or_insert(e);
+    }
+    jobs.broadcast(&events);
+    drop(jobs);
+    shared.cond.notify_all();
+}
+
+/// Sleep until the doorbell rings or (with I/O in flight) the engine has a
+/// completion. Engines without completion fds are polled: yield instead.
+fn sleep(shared: &Shared, busy: bool, fds: &[RawFd], failing: bool) {
+    if failing {
+        std::thread::sleep(Duration::from_millis(1));
+        return;
+    }
+    if busy && fds.is_empty() {
+        // CPU- or GPU-polled queues: a completion shows only by looking.
+        std::thread::yield_now();
+        return;
+    }
+    let mut pfds = vec![PollFd::new(shared.doorbell.as_fd(), PollFlags::POLLIN)];
+    if busy {
+        for &fd in fds {
+            // SAFETY: the engine owns these fds and outlives this call: the
+            // tier is dropped only by this thread, after the loop.
+            let b = unsafe { BorrowedFd::borrow_raw(fd) };
+            pfds.push(PollFd::new(b, PollFlags::POLLIN));
+        }
+    }
+    // The timeout only bounds the cost of a missed wake-up; none is expected.
+    let _ = nix::poll::poll(&mut pfds, PollTimeout::from(100u16));
+}

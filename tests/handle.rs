@@ -1,0 +1,309 @@
+//! `TierHandle` end to end on the io_uring engine over pool files: several
+//! threads at once, completions through the eventfd, errors by kind.
+
+mod common;
+#[path = "common/faulty.rs"]
+mod faulty;
+
+use common::*;
+use faulty::{Faults, FaultyEngine};
+use kvtier::engine::uring::{UringDevice, UringEngine};
+use kvtier::error::ErrorKind;
+use kvtier::handle::{EngineChoice, Event, HandleConfig, TierBuilder, TierHandle};
+use kvtier::pool::{Key, Pool};
+use kvtier::sched::Policy;
+use kvtier::tier::KeyOutcome;
+use kvtier::{HostKvCache, HostLayout, KvGeometry};
+use std::os::fd::AsFd;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+fn keys(r: std::ops::Range<u64>) -> Vec<Key> {
+    r.map(Key::from_u64).collect()
+}
+
+fn uring_of(pool: &Pool) -> Box<dyn kvtier::engine::IoEngine> {
+    let devs: Vec<UringDevice> = pool
+        .device_fds()
+        .unwrap()
+        .into_iter()
+        .map(|(fd, name)| UringDevice { fd, name })
+        .collect();
+    Box::new(UringEngine::new(&devs, Default::default()).unwrap())
+}
+
+/// A handle on a fresh pool of `slots` blocks behind the faulty double.
+fn faulty_handle(
+    dir: &TempDir,
+    groups: u64,
+    mem_blocks: u32,
+    cfg: HandleConfig,
+) -> (TierHandle, Arc<HostKvCache>, Arc<Mutex<Faults>>) {
+    let geo = tiny_geometry();
+    let faults = Arc::new(Mutex::new(Faults::default()));
+    let f = faults.clone();
+    let devs = vec![dir.file("a.pool"), dir.file("b.pool")];
+    let pcfg = pool_config(geo, 4, &devs, groups);
+    let cache = Arc::new(HostKvCache::new(geo, mem_blocks, HostLayout::PerLayer).unwrap());
+    let h = TierBuilder::default()
+        .custom_engine(move || {
+            let pool = Pool::create(&pcfg)?;
+            let eng = uring_of(&pool);
+            Ok((pool, Box::new(FaultyEngine::new(eng, f)) as _))
+        })
+        .config(cfg)
+        .host_cache(cache.clone())
+        .build()
+        .unwrap();
+    (h, cache, faults)
+}
+
+fn store_ok(h: &TierHandle, cache: &HostKvCache, ks: &[u64], mem: &[u32]) {
+    for (&k, &b) in ks.iter().zip(mem) {
+        cache.fill_block(b, seed_of(k));
+    }
+    let keys: Vec<Key> = ks.iter().map(|&k| Key::from_u64(k)).collect();
+    let job = h.submit_store(&keys, mem).unwrap();
+    let r = h.wait(job).unwrap();
+    assert!(r.all_ok(), "{:?}", r.failures().collect::<Vec<_>>());
+}
+
+#[test]
+fn builder_opens_files_with_uring_and_auto_and_round_trips() {
+    let dir = TempDir::new("handle-rt");
+    let geo = tiny_geometry();
+    let devs = vec![dir.file("a.pool"), dir.file("b.pool")];
+    let cache = Arc::new(HostKvCache::new(geo, 64, HostLayout::CrossLayer).unwrap());
+    let h = TierBuilder::default()
+        .create(pool_config(geo, 8, &devs, 4))
+        .engine(EngineChoice::Uring)
+        .host_cache(cache.clone())
+        .build()
+        .unwrap();
+    assert_eq!(h.engine(), "uring");
+    let ks: Vec<u64> = (100..140).collect();
+    let mem: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 64).collect();
+    store_ok(&h, &cache, &ks, &mem);
+    assert_eq!(h.lookup_prefix(&keys(100..150)), 40);
+    let events = h.completions().unwrap();
+    cache.clear();
+    let target: Vec<u32> = (0..40).map(|i| 63 - i).collect();
+    assert_eq!(h.lookup_and_pin(&keys(100..140)), 40);
+    let job = h
+        .submit_load(&keys(100..140), &target, 0..geo.layers)
+        .unwrap();
+    for layer in 0..geo.layers {
+        h.wait_layer(job, layer).unwrap();
+        for (i, &k) in ks.iter().enumerate() {
+            assert!(cache.block_matches(target[i], seed_of(k), 0..layer + 1));
+        }
+    }
+    assert!(h.wait(job).unwrap().all_ok());
+    h.unpin(&keys(100..140));
+    let mut layers = Vec::new();
+    while let Some(e) = events.recv_timeout(Duration::from_secs(5)) {
+        match e {
+            Event::Layer {
+                job: j,
+                layer,
+                error,
+            } if j == job => {
+                assert!(error.is_none());
+                layers.push(layer);
+            }
+            Event::Finished { job: j, ok, .. } if j == job => {
+                assert!(ok);
+                break;
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(layers, (0..geo.layers).collect::<Vec<_>>(), "layer order");
+    assert_eq!(h.usage().unwrap().tier.pinned_blocks, 0);
+    h.close().unwrap();
+    assert_eq!(h.lookup_prefix(&keys(100..101)), 0, "closed: lookups say 0");
+    let err = h.submit_store(&keys(1..2), &[0]).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Closed, "{err}");
+
+    // Reopen with auto: on files the verdict is io_uring.
+    let h = TierBuilder::default()
+        .files(devs.clone())
+        .engine(EngineChoice::Auto)
+        .host_cache(cache.clone())
+        .build()
+        .unwrap();
+    assert_eq!(h.engine(), "uring", "{}", h.engine_reason());
+    assert_eq!(h.lookup_prefix(&keys(100..140)), 40, "stores were durable");
+    drop(h);
+
+    // Engines that drive controllers refuse files, by kind.
+    let err = TierBuilder::default()
+        .files(devs)
+        .engine(EngineChoice::Nvme)
+        .host_cache(cache)
+        .build()
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
+    assert!(err.to_string().contains("controller("), "{err}");
+}
+
+#[test]
+fn lookups_and_other_jobs_do_not_wait_behind_a_held_load() {
+    let dir = TempDir::new("handle-held");
+    let (h, cache, faults) = faulty_handle(&dir, 4, 32, HandleConfig::default());
+    store_ok(&h, &cache, &[1, 2, 3, 4], &[0, 1, 2, 3]);
+    faults.lock().unwrap().hold = true;
+    let load = h.submit_load(&keys(1..5), &[10, 11, 12, 13], 0..4).unwrap();
+    // Another thread blocks on the held load.
+    let h2 = h.clone();
+    let waiter = std::thread::spawn(move || h2.wait(load).map(|r| r.all_ok()));
+    std::thread::sleep(Duration::from_millis(50));
+    let t = Instant::now();
+    for _ in 0..1000 {
+        assert_eq!(h.lookup_prefix(&keys(1..9)), 4);
+        assert_eq!(h.lookup_and_pin(&keys(1..3)), 2);
+        h.unpin(&keys(1..3));
+    }
+    let took = t.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "3000 index calls took {took:?} while a load was held"
+    );
+    // A store accepted meanwhile is deferred (a read is in flight), not refused.
+    cache.fill_block(20, seed_of(50));
+    let st = h.submit_store(&keys(50..51), &[20]).unwrap();
+    assert!(h.try_result(st).unwrap().is_none());
+    assert_eq!(
+        h.usage().unwrap().deferred_stores,
+        1,
+        "read first: the store waits"
+    );
+    assert!(!waiter.is_finished());
+    faults.lock().unwrap().hold = false;
+    assert!(waiter.join().unwrap().unwrap());
+    assert!(
+        h.wait(st).unwrap().all_ok(),
+        "released once the read is done"
+    );
+    assert!(h.contains(&Key::from_u64(50)));
+    h.close().unwrap();
+}
+
+#[test]
+fn completions_eventfd_wakes_poll() {
+    let dir = TempDir::new("handle-efd");
+    let (h, cache, faults) = faulty_handle(&dir, 4, 32, HandleConfig::default());
+    store_ok(&h, &cache, &[1, 2], &[0, 1]);
+    let comp = h.completions().unwrap();
+    let poll_once = |ms: u16| {
+        let mut fds = [nix::poll::PollFd::new(
+            comp.as_fd(),
+            nix::poll::PollFlags::POLLIN,
+        )];
+        nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(ms)).unwrap()
+    };
+    assert_eq!(poll_once(0), 0, "nothing queued: not readable");
+    faults.lock().unwrap().hold = true;
+    let job = h.submit_load(&keys(1..3), &[5, 6], 0..4).unwrap();
+    std::thread::sleep(Duration::from_millis(30));
+    assert_eq!(poll_once(0), 0, "a held load completes nothing");
+    faults.lock().unwrap().hold = false;
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !seen.iter().any(|e| matches!(e, Event::Finished { .. })) {
+        assert!(Instant::now() < deadline, "no completion: {seen:?}");
+        // Sleep in poll(2) until the eventfd says there is something.
+        if poll_once(1000) == 1 {
+            while let Some(e) = comp.try_recv() {
+                seen.push(e);
+            }
+            assert_eq!(poll_once(0), 0, "drained: not readable any more");
+        }
+    }
+    let layers: Vec<u32> = seen
+        .iter()
+        .filter_map(|e| match e {
+            Event::Layer { job: j, layer, .. } if *j == job => Some(*layer),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(layers, vec![0, 1, 2, 3]);
+    assert!(h.try_result(job).unwrap().unwrap().all_ok());
+    h.close().unwrap();
+}
+
+#[test]
+fn errors_carry_kinds_backpressure_io_usage() {
+    let dir = TempDir::new("handle-kinds");
+    let cfg = HandleConfig {
+        policy: Policy::Sync,
+        backlog_limit_blocks: 4,
+        ..Default::default()
+    };
+    let (h, cache, faults) = faulty_handle(&dir, 4, 32, cfg);
+    h.submit_store(&keys(1..4), &[0, 1, 2]).unwrap();
+    let err = h.submit_store(&keys(10..12), &[3, 4]).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Backpressure, "{err}");
+    let err = h.submit_load(&keys(77..78), &[9], 0..4).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Usage, "{err}");
+    let err = h.submit_load(&keys(1..2), &[999], 0..4).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Usage, "{err}");
+    h.flush_stores().unwrap();
+    // Device faults: every read fails, as an I/O failure with its device.
+    cache.fill_block(7, seed_of(20));
+    let st = h.submit_store(&keys(20..21), &[7]).unwrap();
+    h.flush_stores().unwrap();
+    h.wait(st).unwrap();
+    faults.lock().unwrap().fail_read_permille = 1000;
+    let load = h.submit_load(&keys(20..21), &[8], 0..4).unwrap();
+    let err = h.wait_layer(load, 0).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Io, "{err}");
+    let io = err.io_failure().expect("the failed I/O is named");
+    assert_eq!(io.op, "read");
+    assert!(io.len > 0);
+    let r = h.wait(load).unwrap();
+    match &r.outcomes[0] {
+        KeyOutcome::Failed(f) => assert_eq!(f.kind, ErrorKind::Io),
+        o => panic!("expected a failed load, got {o:?}"),
+    }
+    h.close().unwrap();
+}
+
+#[test]
+fn drop_without_close_does_not_hang_and_keeps_acknowledged_stores() {
+    let dir = TempDir::new("handle-drop");
+    let geo: KvGeometry = tiny_geometry();
+    let devs = vec![dir.file("a.pool")];
+    let cache = Arc::new(HostKvCache::new(geo, 16, HostLayout::PerLayer).unwrap());
+    let cfg = HandleConfig {
+        policy: Policy::Sync,
+        ..Default::default()
+    };
+    let h = TierBuilder::default()
+        .create(pool_config(geo, 4, &devs, 4))
+        .config(cfg.clone())
+        .host_cache(cache.clone())
+        .build()
+        .unwrap();
+    cache.fill_block(0, seed_of(1));
+    let a = h.submit_store(&keys(1..2), &[0]).unwrap();
+    h.flush_stores().unwrap();
+    assert!(h.wait(a).unwrap().all_ok());
+    let _never = h.submit_store(&keys(2..3), &[1]).unwrap(); // stays in the backlog
+    let h2 = h.clone();
+    let t = Instant::now();
+    drop(h);
+    drop(h2);
+    assert!(t.elapsed() < Duration::from_secs(5));
+    let h = TierBuilder::default()
+        .files(devs)
+        .config(cfg)
+        .host_cache(cache)
+        .build()
+        .unwrap();
+    assert!(h.contains(&Key::from_u64(1)), "acknowledged store kept");
+    assert!(
+        !h.contains(&Key::from_u64(2)),
+        "a never-issued store left nothing"
+    );
+}
