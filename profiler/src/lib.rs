@@ -120,9 +120,16 @@ pub struct Args {
     /// Torch: the Python interpreter.
     #[arg(long, default_value = "python3")]
     pub python: String,
-    /// Torch: the harness (default: torch_harness.py next to the profiler's sources).
+    /// Torch: the harness (default: $KVTIER_TORCH_HARNESS, else torch_harness.py next to this
+    /// executable, else ./profiler/torch_harness.py, else the one in the sources it was built from).
     #[arg(long)]
     pub harness: Option<PathBuf>,
+    /// Torch: seconds the harness may take in all (0: no limit). It estimates every grid point's
+    /// cost, leaves out the largest inputs/prefixes/contexts that would not fit (saying so up
+    /// front), and if it still runs short writes a partial trace: the table then covers the
+    /// largest complete grid measured, and its provenance says PARTIAL.
+    #[arg(long, default_value_t = 420.0)]
+    pub budget_s: f64,
     /// Torch: an extra harness argument, e.g. --torch-arg=--repeats=3 (repeatable).
     #[arg(long = "torch-arg", allow_hyphen_values = true)]
     pub torch_args: Vec<String>,
@@ -358,7 +365,7 @@ pub fn run(a: &Args, command_line: &str) -> Result<Outcome> {
         }
         Compute::Trace(file) => {
             let t = Trace::load(file, shape.geometry.layers)?;
-            let (i, p, c, d) = from_trace(a, &t)?;
+            let (i, p, c, d) = from_trace(&partial_grid(a, &t)?, &t)?;
             (Mode::Trace, false, t.describe("trace"), i, p, c, d)
         }
         Compute::Torch => {
@@ -371,8 +378,13 @@ pub fn run(a: &Args, command_line: &str) -> Result<Outcome> {
                 .contexts
                 .clone()
                 .unwrap_or_else(|| DEFAULT_CONTEXTS.to_vec());
+            if !(a.budget_s >= 0.0 && a.budget_s.is_finite()) {
+                return Err(Error::invalid(
+                    "--budget-s must be a number of seconds ≥ 0 (0: no limit)",
+                ));
+            }
             let work = std::env::temp_dir().join(format!("kvtier-profile-{}", std::process::id()));
-            let harness = a.harness.clone().unwrap_or_else(torch::default_harness);
+            let harness = torch::resolve_harness(a.harness.as_deref())?;
             let result = torch::run(&torch::TorchRun {
                 python: &a.python,
                 harness: &harness,
@@ -380,6 +392,7 @@ pub fn run(a: &Args, command_line: &str) -> Result<Outcome> {
                 inputs: &inputs,
                 prefixes: &prefixes,
                 contexts: &contexts,
+                budget_s: a.budget_s,
                 work_dir: &work,
                 extra_args: &a.torch_args,
             });
@@ -391,11 +404,18 @@ pub fn run(a: &Args, command_line: &str) -> Result<Outcome> {
                 contexts: Some(contexts),
                 ..a.clone()
             };
+            let picked = partial_grid(&picked, &t)?;
             let (i, p, c, d) = from_trace(&picked, &t)?;
+            let timing = match t.file.timing.as_deref() {
+                Some("graph") => "CUDA-graph replays",
+                Some("eager") => "eager, CUDA events per layer",
+                Some("cpu") => "CPU wall clock, a harness test",
+                _ => "CUDA events",
+            };
             (
                 Mode::Torch,
                 false,
-                t.describe_from("torch", "profiler/torch_harness.py (CUDA events)"),
+                t.describe_from("torch", &format!("{} ({timing})", harness.display())),
                 i,
                 p,
                 c,
@@ -426,6 +446,49 @@ pub fn run(a: &Args, command_line: &str) -> Result<Outcome> {
 }
 
 type Grid = (Vec<u64>, Vec<u64>, Vec<Vec<f64>>, Vec<(u64, f64)>);
+
+/// For a partial trace (its run cut short by the harness's budget or
+/// memory), `a` with the grid narrowed to the largest complete one among
+/// the points asked for (or the trace's own), said on stderr; `a` as it is
+/// for a complete trace.
+fn partial_grid(a: &Args, t: &Trace) -> Result<Args> {
+    if !t.partial() {
+        return Ok(a.clone());
+    }
+    let inputs = a.inputs.clone().unwrap_or_else(|| t.inputs());
+    let prefixes = a.prefixes.clone().unwrap_or_else(|| t.prefixes());
+    let contexts = a.contexts.clone().unwrap_or_else(|| t.contexts());
+    let why = t.file.note.as_deref().unwrap_or("no reason given");
+    let (i, p) = t.complete_grid(&inputs, &prefixes).ok_or_else(|| {
+        Error::invalid(format!(
+            "{}: the trace is partial ({why}) and has none of the prefill points asked for",
+            t.source
+        ))
+    })?;
+    let have = t.contexts();
+    let c: Vec<u64> = contexts
+        .iter()
+        .copied()
+        .filter(|c| have.contains(c))
+        .collect();
+    if c.is_empty() {
+        return Err(Error::invalid(format!(
+            "{}: the trace is partial ({why}) and has none of the decode contexts asked for",
+            t.source
+        )));
+    }
+    if (i.len(), p.len(), c.len()) != (inputs.len(), prefixes.len(), contexts.len()) {
+        eprintln!(
+            "kvtier-profile: PARTIAL: {why}; the table covers inputs {i:?} x prefixes {p:?} and contexts {c:?} of inputs {inputs:?} x prefixes {prefixes:?} and contexts {contexts:?}"
+        );
+    }
+    Ok(Args {
+        inputs: Some(i),
+        prefixes: Some(p),
+        contexts: Some(c),
+        ..a.clone()
+    })
+}
 
 /// The grid and times of a trace, restricted to `--inputs/--prefixes/--contexts` when given.
 fn from_trace(a: &Args, t: &Trace) -> Result<Grid> {
