@@ -934,6 +934,49 @@ echo "{\"schema\":\"kvtier-trace/1\",\"layers\":32,\"device\":\"fake\",\"prefill
         assert_eq!(t.mode(), Mode::Torch);
         assert_eq!(t.entry(0, 0).layers[0].compute_us, 100.0);
         assert_eq!(t.file().decode[0].step_us, 3200.0);
+        // What kvtier-profile hands the harness: the grid, --budget-s, then
+        // the --torch-arg extras (last, so that they win).
+        let argv = dir.join("argv.txt");
+        let recorder = dir.join("recorder.sh");
+        std::fs::write(
+            &recorder,
+            format!(
+                "printf '%s\\n' \"$@\" > {}\nexec sh {} \"$@\"\n",
+                argv.display(),
+                fake.display()
+            ),
+        )
+        .unwrap();
+        let mut v = common.to_vec();
+        v.extend([
+            "--python",
+            "sh",
+            "--harness",
+            recorder.to_str().unwrap(),
+            "--budget-s",
+            "90",
+            "--torch-arg=--repeats=3",
+            "--out",
+            out_file.to_str().unwrap(),
+        ]);
+        let out = run(&args(&v), "cmd").unwrap();
+        assert!(out.table.provenance().method.contains("recorder.sh"));
+        let seen = std::fs::read_to_string(&argv).unwrap();
+        let seen: Vec<&str> = seen.lines().collect();
+        let at = |a: &str| seen.iter().position(|s| *s == a);
+        assert!(at("--budget-s=90").is_some(), "{seen:?}");
+        assert!(
+            at("--repeats=3").unwrap() > at("--budget-s=90").unwrap(),
+            "{seen:?}"
+        );
+        // A --harness that is not there is named, not replaced by another.
+        let mut v = common.to_vec();
+        v.extend(["--harness", "/nonexistent/torch_harness.py"]);
+        let msg = run(&args(&v), "cmd").err().unwrap().to_string();
+        assert!(
+            msg.contains("--harness /nonexistent/torch_harness.py does not exist"),
+            "{msg}"
+        );
         // The real harness: without torch or CUDA here it must say so.
         let mut v = common.to_vec();
         v.extend(["--out", out_file.to_str().unwrap()]);
@@ -944,6 +987,86 @@ echo "{\"schema\":\"kvtier-trace/1\",\"layers\":32,\"device\":\"fake\",\"prefill
                 assert!(msg.contains("--compute torch needs"), "{msg}");
             }
         }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The real harness end to end on the CPU (a tiny two-layer Llama),
+    /// where torch is importable: a table, then a partial one when the
+    /// budget cannot fit the largest input.
+    #[test]
+    fn torch_mode_on_the_cpu_with_a_tiny_model() {
+        let Some(py) = torch::torch_python("torch_mode_on_the_cpu_with_a_tiny_model") else {
+            return;
+        };
+        let dir = scratch("torch-cpu");
+        let config = dir.join("config.json");
+        std::fs::write(
+            &config,
+            r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                "num_hidden_layers": 2, "vocab_size": 256, "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0, "max_position_embeddings": 16384, "torch_dtype": "bfloat16"}"#,
+        )
+        .unwrap();
+        let out_file = dir.join("tiny.json");
+        let base = [
+            "--model",
+            config.to_str().unwrap(),
+            "--name",
+            "tiny",
+            "--block-size",
+            "64",
+            "--gpu",
+            "h100",
+            "--quiet",
+            "--compute",
+            "torch",
+            "--python",
+            py.as_str(),
+            "--torch-arg=--device=cpu",
+            "--torch-arg=--repeats=3",
+            "--torch-arg=--warmup=1",
+            "--prefixes",
+            "0,64",
+            "--contexts",
+            "64,256",
+            "--out",
+            out_file.to_str().unwrap(),
+        ];
+        let mut v = base.to_vec();
+        v.extend(["--inputs", "16,32"]);
+        let out = run(&args(&v), "cmd").unwrap();
+        let t = SlackTable::load(&out.path).unwrap();
+        assert_eq!(t.mode(), Mode::Torch);
+        assert_eq!(
+            (t.input_lengths(), t.prefix_lengths()),
+            (&[16, 32][..], &[0, 64][..])
+        );
+        let m = &t.provenance().method;
+        assert!(
+            m.contains("CPU wall clock") && m.contains("median of 3 after 1 warmup"),
+            "{m}"
+        );
+        assert!(!m.contains("PARTIAL"), "{m}");
+        assert!(t.entry(1, 1).layers[1].compute_us > 0.0);
+        // Rates assumed slow enough that input 8192 cannot fit 60 s: it is
+        // left out up front, and the table says so.
+        let mut v = base.to_vec();
+        v.extend([
+            "--inputs",
+            "16,8192",
+            "--budget-s",
+            "60",
+            "--torch-arg=--assume-rates=0.001,10",
+        ]);
+        let out = run(&args(&v), "cmd").unwrap();
+        let t = SlackTable::load(&out.path).unwrap();
+        assert_eq!(
+            (t.input_lengths(), t.prefix_lengths()),
+            (&[16][..], &[0, 64][..])
+        );
+        let m = &t.provenance().method;
+        assert!(m.contains("PARTIAL") && m.contains("input 8192"), "{m}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -193,6 +193,18 @@ pub fn run(r: &TorchRun) -> Result<Trace> {
 /// on stderr as a skip.
 #[cfg(test)]
 pub(crate) fn torch_python(test: &str) -> Option<String> {
+    static FOUND: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    let found = FOUND.get_or_init(find_torch_python).clone();
+    if found.is_none() {
+        eprintln!(
+            "SKIPPED {test}: no Python with torch and transformers (set KVTIER_TORCH_PYTHON, or make the CPU venv ~/.cache/kvtier-torch-cpu)"
+        );
+    }
+    found
+}
+
+#[cfg(test)]
+fn find_torch_python() -> Option<String> {
     let mut candidates: Vec<String> = Vec::new();
     if let Some(p) = std::env::var_os("KVTIER_TORCH_PYTHON") {
         candidates.push(p.to_string_lossy().into_owned());
@@ -215,9 +227,6 @@ pub(crate) fn torch_python(test: &str) -> Option<String> {
             return Some(py);
         }
     }
-    eprintln!(
-        "SKIPPED {test}: no Python with torch and transformers (set KVTIER_TORCH_PYTHON, or make the CPU venv ~/.cache/kvtier-torch-cpu)"
-    );
     None
 }
 
@@ -267,19 +276,22 @@ mod tests {
         let gone = dir.join("nowhere").join(HARNESS_FILE);
         // --harness wins, and must exist.
         assert_eq!(
-            resolve_harness_in(Some(&here), Some(&gone), &[gone.clone()]).unwrap(),
+            resolve_harness_in(Some(&here), Some(&gone), std::slice::from_ref(&gone)).unwrap(),
             here
         );
-        let msg = resolve_harness_in(Some(&gone), Some(&here), &[here.clone()])
+        let msg = resolve_harness_in(Some(&gone), Some(&here), std::slice::from_ref(&here))
             .unwrap_err()
             .to_string();
-        assert!(msg.contains("--harness") && msg.contains("does not exist"), "{msg}");
+        assert!(
+            msg.contains("--harness") && msg.contains("does not exist"),
+            "{msg}"
+        );
         // Then $KVTIER_TORCH_HARNESS, which must exist too.
         assert_eq!(
-            resolve_harness_in(None, Some(&here), &[gone.clone()]).unwrap(),
+            resolve_harness_in(None, Some(&here), std::slice::from_ref(&gone)).unwrap(),
             here
         );
-        let msg = resolve_harness_in(None, Some(&gone), &[here.clone()])
+        let msg = resolve_harness_in(None, Some(&gone), std::slice::from_ref(&here))
             .unwrap_err()
             .to_string();
         assert!(msg.contains("$KVTIER_TORCH_HARNESS names"), "{msg}");
@@ -297,7 +309,10 @@ mod tests {
         }
         assert!(msg.contains("$KVTIER_TORCH_HARNESS (not set)"), "{msg}");
         // The candidates: next to the executable, ./profiler, the sources.
-        let c = harness_candidates(Some(Path::new("/opt/bin/kvtier-profile")), Some(Path::new("/w")));
+        let c = harness_candidates(
+            Some(Path::new("/opt/bin/kvtier-profile")),
+            Some(Path::new("/w")),
+        );
         assert_eq!(
             c,
             vec![
@@ -425,7 +440,10 @@ print("ok")
             .output()
             .unwrap();
         let has_cuda = Command::new(&py)
-            .args(["-c", "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"])
+            .args([
+                "-c",
+                "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)",
+            ])
             .status()
             .is_ok_and(|s| s.success());
         if !has_cuda {

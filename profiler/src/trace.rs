@@ -340,6 +340,55 @@ mod tests {
     }
 
     #[test]
+    fn partial_traces_keep_their_largest_complete_grid() {
+        let row = |i: u64, p: u64| {
+            format!(
+                r#"{{"input": {i}, "prefix": {p}, "layer_us": [1.0], "repeats": 5, "pass_layers": 1, "spread_us": {{"min": 0.9, "p10": 0.95, "median": 1.0, "p90": 1.1, "max": 1.2}}}}"#
+            )
+        };
+        // Cheapest first, cut short: a staircase of points.
+        let rows = [
+            row(16, 0),
+            row(16, 64),
+            row(16, 1024),
+            row(64, 0),
+            row(64, 64),
+            row(256, 0),
+        ];
+        let text = format!(
+            r#"{{"schema": "kvtier-trace/1", "layers": 1, "timing": "graph", "partial": true,
+                "missing_prefill": [[64, 1024], [256, 64], [256, 1024]], "missing_decode": [4096],
+                "note": "stopped by --budget-s 420", "prefill": [{}],
+                "decode": [{{"context": 64, "layer_us": [0.5], "repeats": 5}}]}}"#,
+            rows.join(",")
+        );
+        let t = Trace::parse(&text, "p.json", 1).unwrap();
+        assert!(t.partial());
+        assert_eq!(t.file.missing_decode, vec![4096]);
+        assert_eq!(t.file.prefill[0].spread_us.as_ref().unwrap().p90, 1.1);
+        // 2 x 2 (16, 64 x 0, 64) beats 3 x 1 and 1 x 3 (ties go to more inputs).
+        assert_eq!(
+            t.complete_grid(&[16, 64, 256], &[0, 64, 1024]),
+            Some((vec![16, 64], vec![0, 64]))
+        );
+        assert_eq!(
+            t.complete_grid(&[16, 64, 256], &[0]),
+            Some((vec![16, 64, 256], vec![0]))
+        );
+        assert_eq!(t.complete_grid(&[4096], &[0]), None);
+        assert!(
+            t.describe("trace").contains("PARTIAL"),
+            "{}",
+            t.describe("trace")
+        );
+        // Round trip: what serializes parses back the same.
+        let again = serde_json::to_string(&t.file).unwrap();
+        assert_eq!(Trace::parse(&again, "q.json", 1).unwrap().file, t.file);
+        let bad = text.replace("\"p90\": 1.1", "\"p95\": 1.1");
+        assert!(Trace::parse(&bad, "p.json", 1).is_err());
+    }
+
+    #[test]
     fn rejects_bad_traces() {
         let msg = Trace::parse(GOOD, "t.json", 3).unwrap_err().to_string();
         assert!(msg.contains("layers is 2 but the model has 3"), "{msg}");
