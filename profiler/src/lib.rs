@@ -120,9 +120,16 @@ pub struct Args {
     /// Torch: the Python interpreter.
     #[arg(long, default_value = "python3")]
     pub python: String,
-    /// Torch: the harness (default: torch_harness.py next to the profiler's sources).
+    /// Torch: the harness (default: $KVTIER_TORCH_HARNESS, else torch_harness.py next to this
+    /// executable, else ./profiler/torch_harness.py, else the one in the sources it was built from).
     #[arg(long)]
     pub harness: Option<PathBuf>,
+    /// Torch: seconds the harness may take in all (0: no limit). It estimates every grid point's
+    /// cost, leaves out the largest inputs/prefixes/contexts that would not fit (saying so up
+    /// front), and if it still runs short writes a partial trace: the table then covers the
+    /// largest complete grid measured, and its provenance says PARTIAL.
+    #[arg(long, default_value_t = 420.0)]
+    pub budget_s: f64,
     /// Torch: an extra harness argument, e.g. --torch-arg=--repeats=3 (repeatable).
     #[arg(long = "torch-arg", allow_hyphen_values = true)]
     pub torch_args: Vec<String>,
@@ -358,7 +365,7 @@ pub fn run(a: &Args, command_line: &str) -> Result<Outcome> {
         }
         Compute::Trace(file) => {
             let t = Trace::load(file, shape.geometry.layers)?;
-            let (i, p, c, d) = from_trace(a, &t)?;
+            let (i, p, c, d) = from_trace(&partial_grid(a, &t)?, &t)?;
             (Mode::Trace, false, t.describe("trace"), i, p, c, d)
         }
         Compute::Torch => {
@@ -371,8 +378,13 @@ pub fn run(a: &Args, command_line: &str) -> Result<Outcome> {
                 .contexts
                 .clone()
                 .unwrap_or_else(|| DEFAULT_CONTEXTS.to_vec());
+            if !(a.budget_s >= 0.0 && a.budget_s.is_finite()) {
+                return Err(Error::invalid(
+                    "--budget-s must be a number of seconds ≥ 0 (0: no limit)",
+                ));
+            }
             let work = std::env::temp_dir().join(format!("kvtier-profile-{}", std::process::id()));
-            let harness = a.harness.clone().unwrap_or_else(torch::default_harness);
+            let harness = torch::resolve_harness(a.harness.as_deref())?;
             let result = torch::run(&torch::TorchRun {
                 python: &a.python,
                 harness: &harness,
@@ -380,6 +392,7 @@ pub fn run(a: &Args, command_line: &str) -> Result<Outcome> {
                 inputs: &inputs,
                 prefixes: &prefixes,
                 contexts: &contexts,
+                budget_s: a.budget_s,
                 work_dir: &work,
                 extra_args: &a.torch_args,
             });
@@ -391,11 +404,18 @@ pub fn run(a: &Args, command_line: &str) -> Result<Outcome> {
                 contexts: Some(contexts),
                 ..a.clone()
             };
+            let picked = partial_grid(&picked, &t)?;
             let (i, p, c, d) = from_trace(&picked, &t)?;
+            let timing = match t.file.timing.as_deref() {
+                Some("graph") => "CUDA-graph replays",
+                Some("eager") => "eager, CUDA events per layer",
+                Some("cpu") => "CPU wall clock, a harness test",
+                _ => "CUDA events",
+            };
             (
                 Mode::Torch,
                 false,
-                t.describe_from("torch", "profiler/torch_harness.py (CUDA events)"),
+                t.describe_from("torch", &format!("{} ({timing})", harness.display())),
                 i,
                 p,
                 c,
@@ -426,6 +446,49 @@ pub fn run(a: &Args, command_line: &str) -> Result<Outcome> {
 }
 
 type Grid = (Vec<u64>, Vec<u64>, Vec<Vec<f64>>, Vec<(u64, f64)>);
+
+/// For a partial trace (its run cut short by the harness's budget or
+/// memory), `a` with the grid narrowed to the largest complete one among
+/// the points asked for (or the trace's own), said on stderr; `a` as it is
+/// for a complete trace.
+fn partial_grid(a: &Args, t: &Trace) -> Result<Args> {
+    if !t.partial() {
+        return Ok(a.clone());
+    }
+    let inputs = a.inputs.clone().unwrap_or_else(|| t.inputs());
+    let prefixes = a.prefixes.clone().unwrap_or_else(|| t.prefixes());
+    let contexts = a.contexts.clone().unwrap_or_else(|| t.contexts());
+    let why = t.file.note.as_deref().unwrap_or("no reason given");
+    let (i, p) = t.complete_grid(&inputs, &prefixes).ok_or_else(|| {
+        Error::invalid(format!(
+            "{}: the trace is partial ({why}) and has none of the prefill points asked for",
+            t.source
+        ))
+    })?;
+    let have = t.contexts();
+    let c: Vec<u64> = contexts
+        .iter()
+        .copied()
+        .filter(|c| have.contains(c))
+        .collect();
+    if c.is_empty() {
+        return Err(Error::invalid(format!(
+            "{}: the trace is partial ({why}) and has none of the decode contexts asked for",
+            t.source
+        )));
+    }
+    if (i.len(), p.len(), c.len()) != (inputs.len(), prefixes.len(), contexts.len()) {
+        eprintln!(
+            "kvtier-profile: PARTIAL: {why}; the table covers inputs {i:?} x prefixes {p:?} and contexts {c:?} of inputs {inputs:?} x prefixes {prefixes:?} and contexts {contexts:?}"
+        );
+    }
+    Ok(Args {
+        inputs: Some(i),
+        prefixes: Some(p),
+        contexts: Some(c),
+        ..a.clone()
+    })
+}
 
 /// The grid and times of a trace, restricted to `--inputs/--prefixes/--contexts` when given.
 fn from_trace(a: &Args, t: &Trace) -> Result<Grid> {
@@ -871,6 +934,49 @@ echo "{\"schema\":\"kvtier-trace/1\",\"layers\":32,\"device\":\"fake\",\"prefill
         assert_eq!(t.mode(), Mode::Torch);
         assert_eq!(t.entry(0, 0).layers[0].compute_us, 100.0);
         assert_eq!(t.file().decode[0].step_us, 3200.0);
+        // What kvtier-profile hands the harness: the grid, --budget-s, then
+        // the --torch-arg extras (last, so that they win).
+        let argv = dir.join("argv.txt");
+        let recorder = dir.join("recorder.sh");
+        std::fs::write(
+            &recorder,
+            format!(
+                "printf '%s\\n' \"$@\" > {}\nexec sh {} \"$@\"\n",
+                argv.display(),
+                fake.display()
+            ),
+        )
+        .unwrap();
+        let mut v = common.to_vec();
+        v.extend([
+            "--python",
+            "sh",
+            "--harness",
+            recorder.to_str().unwrap(),
+            "--budget-s",
+            "90",
+            "--torch-arg=--repeats=3",
+            "--out",
+            out_file.to_str().unwrap(),
+        ]);
+        let out = run(&args(&v), "cmd").unwrap();
+        assert!(out.table.provenance().method.contains("recorder.sh"));
+        let seen = std::fs::read_to_string(&argv).unwrap();
+        let seen: Vec<&str> = seen.lines().collect();
+        let at = |a: &str| seen.iter().position(|s| *s == a);
+        assert!(at("--budget-s=90").is_some(), "{seen:?}");
+        assert!(
+            at("--repeats=3").unwrap() > at("--budget-s=90").unwrap(),
+            "{seen:?}"
+        );
+        // A --harness that is not there is named, not replaced by another.
+        let mut v = common.to_vec();
+        v.extend(["--harness", "/nonexistent/torch_harness.py"]);
+        let msg = run(&args(&v), "cmd").err().unwrap().to_string();
+        assert!(
+            msg.contains("--harness /nonexistent/torch_harness.py does not exist"),
+            "{msg}"
+        );
         // The real harness: without torch or CUDA here it must say so.
         let mut v = common.to_vec();
         v.extend(["--out", out_file.to_str().unwrap()]);
@@ -881,6 +987,86 @@ echo "{\"schema\":\"kvtier-trace/1\",\"layers\":32,\"device\":\"fake\",\"prefill
                 assert!(msg.contains("--compute torch needs"), "{msg}");
             }
         }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The real harness end to end on the CPU (a tiny two-layer Llama),
+    /// where torch is importable: a table, then a partial one when the
+    /// budget cannot fit the largest input.
+    #[test]
+    fn torch_mode_on_the_cpu_with_a_tiny_model() {
+        let Some(py) = torch::torch_python("torch_mode_on_the_cpu_with_a_tiny_model") else {
+            return;
+        };
+        let dir = scratch("torch-cpu");
+        let config = dir.join("config.json");
+        std::fs::write(
+            &config,
+            r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                "num_hidden_layers": 2, "vocab_size": 256, "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0, "max_position_embeddings": 16384, "torch_dtype": "bfloat16"}"#,
+        )
+        .unwrap();
+        let out_file = dir.join("tiny.json");
+        let base = [
+            "--model",
+            config.to_str().unwrap(),
+            "--name",
+            "tiny",
+            "--block-size",
+            "64",
+            "--gpu",
+            "h100",
+            "--quiet",
+            "--compute",
+            "torch",
+            "--python",
+            py.as_str(),
+            "--torch-arg=--device=cpu",
+            "--torch-arg=--repeats=3",
+            "--torch-arg=--warmup=1",
+            "--prefixes",
+            "0,64",
+            "--contexts",
+            "64,256",
+            "--out",
+            out_file.to_str().unwrap(),
+        ];
+        let mut v = base.to_vec();
+        v.extend(["--inputs", "16,32"]);
+        let out = run(&args(&v), "cmd").unwrap();
+        let t = SlackTable::load(&out.path).unwrap();
+        assert_eq!(t.mode(), Mode::Torch);
+        assert_eq!(
+            (t.input_lengths(), t.prefix_lengths()),
+            (&[16, 32][..], &[0, 64][..])
+        );
+        let m = &t.provenance().method;
+        assert!(
+            m.contains("CPU wall clock") && m.contains("median of 3 after 1 warmup"),
+            "{m}"
+        );
+        assert!(!m.contains("PARTIAL"), "{m}");
+        assert!(t.entry(1, 1).layers[1].compute_us > 0.0);
+        // Rates assumed slow enough that input 8192 cannot fit 60 s: it is
+        // left out up front, and the table says so.
+        let mut v = base.to_vec();
+        v.extend([
+            "--inputs",
+            "16,8192",
+            "--budget-s",
+            "60",
+            "--torch-arg=--assume-rates=0.001,10",
+        ]);
+        let out = run(&args(&v), "cmd").unwrap();
+        let t = SlackTable::load(&out.path).unwrap();
+        assert_eq!(
+            (t.input_lengths(), t.prefix_lengths()),
+            (&[16][..], &[0, 64][..])
+        );
+        let m = &t.provenance().method;
+        assert!(m.contains("PARTIAL") && m.contains("input 8192"), "{m}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -7,14 +7,22 @@
 //!   "layers": 32,                    // must equal the model's layers
 //!   "device": "NVIDIA H100 80GB HBM3",          // optional: what ran it
 //!   "software": "torch 2.5.1, transformers 4.51.3, attention flash_attn",  // optional
-//!   "prefill": [ {"input": 512, "prefix": 0, "layer_us": [412.5, ... one per layer]}, ... ],
+//!   "timing": "graph",               // optional: graph | eager | cpu (how the harness timed)
+//!   "prefill": [ {"input": 512, "prefix": 0, "layer_us": [412.5, ... one per layer],
+//!                 "repeats": 5, "pass_layers": 8,                            // optional
+//!                 "spread_us": {"min": 410.2, "p10": 411.0, "median": 412.5, "p90": 413.9, "max": 415.0}}, ... ],
 //!   "decode":  [ {"context": 1024, "layer_us": [150.1, ...]}            // per layer, summed
-//!              | {"context": 1024, "step_us": 4803.2}, ... ] }         // or the whole step
+//!              | {"context": 1024, "step_us": 4803.2}, ... ],        // or the whole step
+//!   "partial": true,                                  // optional: the run was cut short
+//!   "missing_prefill": [[65536, 131072]], "missing_decode": [131072],  // what it lacks
+//!   "note": "stopped by --budget-s 420 ..." }                          // optional: why
 //! ```
 //!
-//! Times are µs. The table's grid is the trace's (input, prefix) points
-//! unless `--inputs`/`--prefixes` pick some of them; every grid point must be
-//! in the trace. Decode rows likewise (`--contexts` picks).
+//! Times are µs; `spread_us` is over the repeats of a row's mean layer time.
+//! The table's grid is the trace's (input, prefix) points unless
+//! `--inputs`/`--prefixes` pick some of them; every grid point must be in the
+//! trace. Decode rows likewise (`--contexts` picks). A partial trace's grid
+//! is the largest complete one among its points ([`Trace::complete_grid`]).
 
 use kvtier::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -34,8 +42,29 @@ pub struct TraceFile {
     pub device: Option<String>,
     #[serde(default)]
     pub software: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timing: Option<String>,
     pub prefill: Vec<PrefillRow>,
     pub decode: Vec<DecodeTraceRow>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub partial: bool,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub missing_prefill: Vec<[u64; 2]>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub missing_decode: Vec<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
+/// How a row's mean layer time spread over the repeats, µs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Spread {
+    pub min: f64,
+    pub p10: f64,
+    pub median: f64,
+    pub p90: f64,
+    pub max: f64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -44,6 +73,12 @@ pub struct PrefillRow {
     pub input: u64,
     pub prefix: u64,
     pub layer_us: Vec<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repeats: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pass_layers: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spread_us: Option<Spread>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -54,6 +89,12 @@ pub struct DecodeTraceRow {
     pub layer_us: Option<Vec<f64>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub step_us: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repeats: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pass_layers: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spread_us: Option<Spread>,
 }
 
 /// A checked trace: per-layer times by grid point, step times by context.
@@ -206,6 +247,49 @@ impl Trace {
         })
     }
 
+    /// Whether the run that wrote the trace was cut short (by its time
+    /// budget or memory), so that it lacks points it was asked for.
+    pub fn partial(&self) -> bool {
+        self.file.partial
+    }
+
+    /// The largest grid among `inputs` x `prefixes` whose every point the
+    /// trace has: for each set of prefixes some input has in full, the inputs
+    /// that have them all; the one with the most points (then the most
+    /// inputs). `None` when no point is in the trace.
+    pub fn complete_grid(&self, inputs: &[u64], prefixes: &[u64]) -> Option<(Vec<u64>, Vec<u64>)> {
+        let has = |i: u64| -> Vec<u64> {
+            prefixes
+                .iter()
+                .copied()
+                .filter(|&p| self.prefill.contains_key(&(i, p)))
+                .collect()
+        };
+        let mut best: Option<(Vec<u64>, Vec<u64>)> = None;
+        for &i in inputs {
+            let cols = has(i);
+            if cols.is_empty() {
+                continue;
+            }
+            let rows: Vec<u64> = inputs
+                .iter()
+                .copied()
+                .filter(|&r| cols.iter().all(|&p| self.prefill.contains_key(&(r, p))))
+                .collect();
+            let better = match &best {
+                None => true,
+                Some((br, bc)) => {
+                    let (a, b) = (rows.len() * cols.len(), br.len() * bc.len());
+                    a > b || (a == b && rows.len() > br.len())
+                }
+            };
+            if better {
+                best = Some((rows, cols));
+            }
+        }
+        best
+    }
+
     /// The method line of the table's provenance.
     pub fn describe(&self, what: &str) -> String {
         self.describe_from(what, &self.source)
@@ -219,6 +303,12 @@ impl Trace {
         }
         if let Some(sw) = &self.file.software {
             s.push_str(&format!(" ({sw})"));
+        }
+        if self.file.partial {
+            s.push_str("; PARTIAL: the run was cut short");
+            if let Some(n) = &self.file.note {
+                s.push_str(&format!(" ({n})"));
+            }
         }
         s
     }
@@ -247,6 +337,55 @@ mod tests {
             msg.contains("t.json: no prefill row for grid point (input 32, prefix 16)"),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn partial_traces_keep_their_largest_complete_grid() {
+        let row = |i: u64, p: u64| {
+            format!(
+                r#"{{"input": {i}, "prefix": {p}, "layer_us": [1.0], "repeats": 5, "pass_layers": 1, "spread_us": {{"min": 0.9, "p10": 0.95, "median": 1.0, "p90": 1.1, "max": 1.2}}}}"#
+            )
+        };
+        // Cheapest first, cut short: a staircase of points.
+        let rows = [
+            row(16, 0),
+            row(16, 64),
+            row(16, 1024),
+            row(64, 0),
+            row(64, 64),
+            row(256, 0),
+        ];
+        let text = format!(
+            r#"{{"schema": "kvtier-trace/1", "layers": 1, "timing": "graph", "partial": true,
+                "missing_prefill": [[64, 1024], [256, 64], [256, 1024]], "missing_decode": [4096],
+                "note": "stopped by --budget-s 420", "prefill": [{}],
+                "decode": [{{"context": 64, "layer_us": [0.5], "repeats": 5}}]}}"#,
+            rows.join(",")
+        );
+        let t = Trace::parse(&text, "p.json", 1).unwrap();
+        assert!(t.partial());
+        assert_eq!(t.file.missing_decode, vec![4096]);
+        assert_eq!(t.file.prefill[0].spread_us.as_ref().unwrap().p90, 1.1);
+        // 2 x 2 (16, 64 x 0, 64) beats 3 x 1 and 1 x 3 (ties go to more inputs).
+        assert_eq!(
+            t.complete_grid(&[16, 64, 256], &[0, 64, 1024]),
+            Some((vec![16, 64], vec![0, 64]))
+        );
+        assert_eq!(
+            t.complete_grid(&[16, 64, 256], &[0]),
+            Some((vec![16, 64, 256], vec![0]))
+        );
+        assert_eq!(t.complete_grid(&[4096], &[0]), None);
+        assert!(
+            t.describe("trace").contains("PARTIAL"),
+            "{}",
+            t.describe("trace")
+        );
+        // Round trip: what serializes parses back the same.
+        let again = serde_json::to_string(&t.file).unwrap();
+        assert_eq!(Trace::parse(&again, "q.json", 1).unwrap().file, t.file);
+        let bad = text.replace("\"p90\": 1.1", "\"p95\": 1.1");
+        assert!(Trace::parse(&bad, "p.json", 1).is_err());
     }
 
     #[test]
