@@ -154,6 +154,30 @@ fn blocks_of(blocks: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     })
 }
 
+/// A byte view of any C-contiguous buffer: pyo3 refuses formats such as
+/// ctypes' "<B" (LMCache's memoryviews) as u8, so cast them to "B" first.
+fn byte_buffer(o: &Bound<'_, PyAny>, what: &str) -> PyResult<PyBuffer<u8>> {
+    if let Ok(b) = PyBuffer::<u8>::get(o) {
+        return Ok(b);
+    }
+    let mv = o
+        .py()
+        .import("builtins")?
+        .getattr("memoryview")?
+        .call1((o,))
+        .map_err(|_| {
+            PyTypeError::new_err(format!(
+                "{what} must be a buffer (bytes, bytearray, memoryview, numpy array)"
+            ))
+        })?;
+    let cast = mv.call_method1("cast", ("B",)).map_err(|_| {
+        usage(format!(
+            "{what} must be C-contiguous to be copied as bytes; pass a contiguous buffer"
+        ))
+    })?;
+    PyBuffer::<u8>::get(&cast)
+}
+
 fn key_bytes<'py>(py: Python<'py>, k: &Key) -> Bound<'py, PyBytes> {
     PyBytes::new(py, k.as_bytes())
 }
@@ -1009,7 +1033,8 @@ impl TierHandle {
     /// Copy `data` (bytes-like, at most one block) into memory block
     /// `block`, object by object; the rest of the block is zeroed. For
     /// staging through kvtier-allocated memory.
-    fn write_block(&self, py: Python<'_>, block: u32, data: PyBuffer<u8>) -> PyResult<()> {
+    fn write_block(&self, py: Python<'_>, block: u32, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let data = byte_buffer(data, "data")?;
         self.check_block(block)?;
         let g = self.memory.geometry;
         let obj = g.object_bytes() as usize;
@@ -1047,7 +1072,8 @@ impl TierHandle {
 
     /// Copy memory block `block` into `out` (a writable buffer of at most
     /// one block: its first len(out) bytes, objects in (layer, K|V) order).
-    fn read_block_into(&self, py: Python<'_>, block: u32, out: PyBuffer<u8>) -> PyResult<()> {
+    fn read_block_into(&self, py: Python<'_>, block: u32, out: &Bound<'_, PyAny>) -> PyResult<()> {
+        let out = byte_buffer(out, "out")?;
         self.check_block(block)?;
         let g = self.memory.geometry;
         let obj = g.object_bytes() as usize;
@@ -1085,7 +1111,7 @@ impl TierHandle {
         self.check_block(block)?;
         let n = self.memory.geometry.block_bytes() as usize;
         let buf = pyo3::types::PyByteArray::new(py, &vec![0u8; n]);
-        self.read_block_into(py, block, PyBuffer::get(&buf)?)?;
+        self.read_block_into(py, block, buf.as_any())?;
         Ok(PyBytes::new(py, &buf.to_vec()))
     }
 
