@@ -16,7 +16,7 @@ use pyo3::buffer::PyBuffer;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyRange, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyRange, PyTuple};
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -1190,6 +1190,49 @@ fn resolve_model<'py>(
     Ok((d, n.name))
 }
 
+/// Median nanoseconds of `iters` calls of `op` on the handle's Rust
+/// TierHandle, with no Python between calls: the baseline the Python
+/// bindings are compared against (scripts/py-latency.py). `op`: "lookup"
+/// (`keys` all), "store" (one new key per call, from block 0, waited),
+/// "load" (`keys[0]` into block 1, all layers, waited).
+#[pyfunction]
+fn rust_latency(
+    py: Python<'_>,
+    handle: &TierHandle,
+    op: &str,
+    keys: &Bound<'_, PyAny>,
+    iters: usize,
+    key_base: u64,
+) -> PyResult<u64> {
+    let keys = keys_of(keys)?;
+    let h = handle.h();
+    let layers = h.geometry().layers;
+    let op = op.to_string();
+    py.allow_threads(|| -> kvtier::Result<u64> {
+        let mut t = Vec::with_capacity(iters);
+        for i in 0..iters {
+            let s = std::time::Instant::now();
+            match op.as_str() {
+                "lookup" => {
+                    std::hint::black_box(h.lookup_prefix(&keys));
+                }
+                "store" => {
+                    let j = h.submit_store(&[Key::from_u64(key_base + i as u64)], &[0])?;
+                    h.wait(j)?;
+                }
+                _ => {
+                    let j = h.submit_load(&keys[..1], &[1], 0..layers)?;
+                    h.wait(j)?;
+                }
+            }
+            t.push(s.elapsed().as_nanos() as u64);
+        }
+        t.sort_unstable();
+        Ok(t.get(t.len() / 2).copied().unwrap_or(0))
+    })
+    .map_err(to_py)
+}
+
 #[pymodule]
 fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -1198,6 +1241,7 @@ fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("JobResult", py.get_type::<JobResultPy>())?;
     m.add("Event", py.get_type::<EventPy>())?;
     m.add_function(wrap_pyfunction!(resolve_model, m)?)?;
+    m.add_function(wrap_pyfunction!(rust_latency, m)?)?;
     m.add("KvtierError", py.get_type::<KvtierError>())?;
     m.add("UsageError", py.get_type::<UsageError>())?;
     m.add("BackpressureError", py.get_type::<BackpressureError>())?;
@@ -1206,6 +1250,5 @@ fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("UnsupportedError", py.get_type::<UnsupportedError>())?;
     m.add("ClosedError", py.get_type::<ClosedError>())?;
     m.add("InternalError", py.get_type::<InternalError>())?;
-    let _ = PyList::empty(py);
     Ok(())
 }
