@@ -2,6 +2,7 @@
 # The test command: sets up what a fresh Debian 12 machine lacks, then runs
 # formatting, lints and every test. `.ci/run` calls this.
 #   KVTIER_SKIP_KERNELS=1  skip installing nvcc and compiling the CUDA kernels
+#   KVTIER_SKIP_PYTHON=1   skip the Python lane (the kvtier wheel, LMCache)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,6 +27,17 @@ fi
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace --all-targets
+# The Python lane: the kvtier wheel built from this tree (python/, its own
+# cargo workspace) and its tests against the real torch and LMCache, in a
+# venv cached under ~/.cache (scripts/python-env.sh: ~6.6 GB, ~4 min once).
+if [ "${KVTIER_SKIP_PYTHON:-0}" != 1 ]; then
+  cargo fmt --manifest-path python/Cargo.toml -- --check
+  cargo clippy --manifest-path python/Cargo.toml --all-targets -- -D warnings
+  PYV="$(scripts/python-env.sh)"
+  "$PYV/bin/pip" install -q --force-reinstall --no-deps ./python
+  # From python/tests, so `import kvtier` is the installed wheel, not the source dir.
+  (cd python/tests && HF_HUB_OFFLINE=1 "$PYV/bin/python" -m pytest -q -p no:warnings -p no:cacheprovider .)
+fi
 # Each criterion bench once, unmeasured: they must keep building and running.
 cargo bench -- --test
 # The userspace NVMe suite against QEMU's emulated controller in a TCG guest

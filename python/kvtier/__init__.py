@@ -1,0 +1,50 @@
+"""kvtier: a GPU-centric NVMe SSD tier for LLM KV caches, from Python.
+
+Open a pool with :class:`TierBuilder`, get a thread-safe :class:`TierHandle`:
+
+    tier = (kvtier.TierBuilder()
+            .directory("/data/kvtier").capacity("64g")
+            .model("llama3-8b", block_size=16)
+            .kv_memory(layer_tensors)          # or .host_cache(blocks)
+            .build())
+    n = tier.lookup_and_pin(keys)
+    job = tier.submit_load(keys[:n], blocks[:n])
+    for layer in range(layers):
+        tier.wait_layer(job, layer)            # GIL released while waiting
+    tier.wait(job); tier.unpin(keys[:n])
+
+Adapters for serving engines live in :mod:`kvtier.vllm` and
+:mod:`kvtier.lmcache` (imported on demand: they need those packages).
+"""
+
+from ._kvtier import (
+    BackpressureError,
+    ClosedError,
+    CorruptError,
+    Event,
+    InternalError,
+    IoError,
+    JobResult,
+    KvtierError,
+    TierBuilder,
+    TierHandle,
+    UnsupportedError,
+    UsageError,
+    resolve_model,
+)
+
+__all__ = [
+    "BackpressureError",
+    "ClosedError",
+    "CorruptError",
+    "Event",
+    "InternalError",
+    "IoError",
+    "JobResult",
+    "KvtierError",
+    "TierBuilder",
+    "TierHandle",
+    "UnsupportedError",
+    "UsageError",
+    "resolve_model",
+]

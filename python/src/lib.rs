@@ -1,0 +1,1254 @@
+//! `kvtier._kvtier`: the Python face of [`kvtier::TierHandle`].
+//!
+//! Everything that can wait (loads, stores, waits, close) releases the GIL,
+//! so a vLLM worker's forward pass or LMCache's other threads run while
+//! kvtier does I/O. Errors become one Python exception class per
+//! [`ErrorKind`], carrying the kind and, for device failures, the I/O.
+
+use kvtier::error::{Error, ErrorKind, Failure};
+use kvtier::handle::{Completions, EngineChoice, Event, HandleConfig, TierBuilder as RsBuilder};
+use kvtier::memory::{HostKvCache, HostLayout, KvLayout, KvMemory, MemoryKind};
+use kvtier::model::{resolve_named, DType, KvGeometry};
+use kvtier::pool::{DeviceSpec, Key, OpenExpect, PoolConfig, DEFAULT_GROUP_BLOCKS};
+use kvtier::sched::Policy;
+use kvtier::tier::{JobKind, JobResult, KeyOutcome};
+use pyo3::buffer::PyBuffer;
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyTypeError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyRange, PyTuple};
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+create_exception!(
+    _kvtier,
+    KvtierError,
+    PyException,
+    "Base of every kvtier error."
+);
+create_exception!(
+    _kvtier,
+    UsageError,
+    KvtierError,
+    "The call was wrong: fix it; retrying unchanged fails again."
+);
+create_exception!(
+    _kvtier,
+    BackpressureError,
+    KvtierError,
+    "A bounded queue is full; nothing was accepted: retry after jobs finish or pins are dropped."
+);
+create_exception!(
+    _kvtier,
+    IoError,
+    KvtierError,
+    "A device, the kernel or the driver failed an I/O; `io` says which."
+);
+create_exception!(
+    _kvtier,
+    CorruptError,
+    KvtierError,
+    "Stored data or metadata fails its checks: treat the blocks as missing."
+);
+create_exception!(
+    _kvtier,
+    UnsupportedError,
+    KvtierError,
+    "Not available with this build, engine or machine."
+);
+create_exception!(_kvtier, ClosedError, KvtierError, "The handle is closed.");
+create_exception!(
+    _kvtier,
+    InternalError,
+    KvtierError,
+    "kvtier's own bookkeeping failed (a bug): report it."
+);
+
+fn kind_name(k: ErrorKind) -> &'static str {
+    match k {
+        ErrorKind::Usage => "usage",
+        ErrorKind::Backpressure => "backpressure",
+        ErrorKind::Io => "io",
+        ErrorKind::Corrupt => "corrupt",
+        ErrorKind::Unsupported => "unsupported",
+        ErrorKind::Closed => "closed",
+        ErrorKind::Internal => "internal",
+    }
+}
+
+fn exception_for(kind: ErrorKind, msg: String) -> PyErr {
+    match kind {
+        ErrorKind::Usage => UsageError::new_err(msg),
+        ErrorKind::Backpressure => BackpressureError::new_err(msg),
+        ErrorKind::Io => IoError::new_err(msg),
+        ErrorKind::Corrupt => CorruptError::new_err(msg),
+        ErrorKind::Unsupported => UnsupportedError::new_err(msg),
+        ErrorKind::Closed => ClosedError::new_err(msg),
+        ErrorKind::Internal => InternalError::new_err(msg),
+    }
+}
+
+/// The failure as a Python exception with `kind` and `io` attributes.
+fn failure_err(py: Python<'_>, f: &Failure) -> PyErr {
+    let err = exception_for(f.kind, f.message.clone());
+    let v = err.value(py);
+    let _ = v.setattr("kind", kind_name(f.kind));
+    let io = f.io.as_ref().map(|io| {
+        let d = PyDict::new(py);
+        let _ = d.set_item("device", &io.device);
+        let _ = d.set_item("offset", io.offset);
+        let _ = d.set_item("len", io.len);
+        let _ = d.set_item("op", io.op);
+        let _ = d.set_item("cause", format!("{:?}", io.cause));
+        d
+    });
+    let _ = v.setattr("io", io);
+    err
+}
+
+fn to_py(e: Error) -> PyErr {
+    Python::with_gil(|py| failure_err(py, &Failure::from(e)))
+}
+
+fn usage(msg: impl Into<String>) -> PyErr {
+    to_py(Error::invalid(msg))
+}
+
+/// Keys are content hashes: `bytes` of 1 to 32 bytes (vLLM BlockHash,
+/// LMCache chunk hash), or non-negative ints below 2**64.
+fn key_of(o: &Bound<'_, PyAny>, i: usize) -> PyResult<Key> {
+    if let Ok(b) = o.downcast::<PyBytes>() {
+        return Key::new(b.as_bytes()).map_err(|e| usage(format!("key {i}: {e}")));
+    }
+    if let Ok(x) = o.extract::<u64>() {
+        return Ok(Key::from_u64(x));
+    }
+    Err(PyTypeError::new_err(format!(
+        "key {i} is a {}; a key is bytes (1 to 32 bytes of content hash) or an int in 0..2**64",
+        o.get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_default()
+    )))
+}
+
+fn keys_of(keys: &Bound<'_, PyAny>) -> PyResult<Vec<Key>> {
+    if keys.downcast::<PyBytes>().is_ok() {
+        return Err(PyTypeError::new_err(
+            "keys is one bytes object; pass a list of keys, e.g. [key]",
+        ));
+    }
+    keys.try_iter()
+        .map_err(|_| PyTypeError::new_err("keys must be a sequence of bytes or ints"))?
+        .enumerate()
+        .map(|(i, k)| key_of(&k?, i))
+        .collect()
+}
+
+fn blocks_of(blocks: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    blocks.extract::<Vec<u32>>().map_err(|_| {
+        PyTypeError::new_err(
+            "blocks must be a sequence of ints in 0..2**32 (block indexes of the registered KV memory)",
+        )
+    })
+}
+
+/// A byte view of any C-contiguous buffer: pyo3 refuses formats such as
+/// ctypes' "<B" (LMCache's memoryviews) as u8, so cast them to "B" first.
+fn byte_buffer(o: &Bound<'_, PyAny>, what: &str) -> PyResult<PyBuffer<u8>> {
+    if let Ok(b) = PyBuffer::<u8>::get(o) {
+        return Ok(b);
+    }
+    let mv = o
+        .py()
+        .import("builtins")?
+        .getattr("memoryview")?
+        .call1((o,))
+        .map_err(|_| {
+            PyTypeError::new_err(format!(
+                "{what} must be a buffer (bytes, bytearray, memoryview, numpy array)"
+            ))
+        })?;
+    let cast = mv.call_method1("cast", ("B",)).map_err(|_| {
+        usage(format!(
+            "{what} must be C-contiguous to be copied as bytes; pass a contiguous buffer"
+        ))
+    })?;
+    PyBuffer::<u8>::get(&cast)
+}
+
+fn key_bytes<'py>(py: Python<'py>, k: &Key) -> Bound<'py, PyBytes> {
+    PyBytes::new(py, k.as_bytes())
+}
+
+/// A size in bytes: an int, or a string with a k/m/g/t suffix (powers of 1024).
+fn parse_size(o: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
+    if let Ok(n) = o.extract::<u64>() {
+        return Ok(n);
+    }
+    let s: String = o.extract().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{what} must be bytes as an int or a string like \"8g\""
+        ))
+    })?;
+    let t = s.trim().to_ascii_lowercase();
+    let t = t
+        .strip_suffix("ib")
+        .or_else(|| t.strip_suffix('b'))
+        .unwrap_or(&t);
+    let (num, mul) = match t.chars().last() {
+        Some('k') => (&t[..t.len() - 1], 1u64 << 10),
+        Some('m') => (&t[..t.len() - 1], 1 << 20),
+        Some('g') => (&t[..t.len() - 1], 1 << 30),
+        Some('t') => (&t[..t.len() - 1], 1 << 40),
+        _ => (t, 1),
+    };
+    num.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|v| v.is_finite() && *v > 0.0)
+        .map(|v| (v * mul as f64) as u64)
+        .ok_or_else(|| {
+            usage(format!(
+                "{what} {s:?} is not a size; write bytes or e.g. \"512m\", \"8g\""
+            ))
+        })
+}
+
+enum Where {
+    Files(Vec<PathBuf>),
+    Dir(PathBuf, u32),
+}
+
+/// What the KV memory is, before `build`.
+enum Mem {
+    Host {
+        blocks: u32,
+        layout: HostLayout,
+    },
+    Regions {
+        regions: Vec<(u64, u64)>,
+        layout: String,
+    },
+}
+
+/// Opens (or creates) a pool and serves KV memory from it. Every setter
+/// returns the builder, so calls chain; `build()` opens the tier.
+#[pyclass(module = "kvtier._kvtier")]
+pub struct TierBuilder {
+    place: Option<Where>,
+    capacity: Option<u64>,
+    create: String,
+    model: Option<(String, u32, Option<String>)>,
+    namespace: Option<String>,
+    tp_rank: u32,
+    engine: String,
+    policy: String,
+    backlog_blocks: Option<u64>,
+    group_blocks: u32,
+    mem: Option<Mem>,
+    owners: Vec<Py<PyAny>>,
+    buffers: Vec<PyBuffer<u8>>,
+}
+
+#[pymethods]
+impl TierBuilder {
+    #[new]
+    fn new() -> Self {
+        TierBuilder {
+            place: None,
+            capacity: None,
+            create: "auto".into(),
+            model: None,
+            namespace: None,
+            tp_rank: 0,
+            engine: "auto".into(),
+            policy: "slack".into(),
+            backlog_blocks: None,
+            group_blocks: DEFAULT_GROUP_BLOCKS,
+            mem: None,
+            owners: Vec::new(),
+            buffers: Vec::new(),
+        }
+    }
+
+    /// The pool's backing files or block devices.
+    fn files(mut slf: PyRefMut<'_, Self>, paths: Vec<PathBuf>) -> PyResult<PyRefMut<'_, Self>> {
+        if paths.is_empty() {
+            return Err(usage("files([]) names no file; give at least one path"));
+        }
+        slf.place = Some(Where::Files(paths));
+        Ok(slf)
+    }
+
+    /// A pool of `devices` files (`kvtier-<i>.pool`) in `path`; the
+    /// directory is created when the pool is.
+    #[pyo3(signature = (path, devices = 1))]
+    fn directory(
+        mut slf: PyRefMut<'_, Self>,
+        path: PathBuf,
+        devices: u32,
+    ) -> PyResult<PyRefMut<'_, Self>> {
+        if devices == 0 || devices > 64 {
+            return Err(usage(format!(
+                "directory(devices={devices}): give 1 to 64 pool files"
+            )));
+        }
+        slf.place = Some(Where::Dir(path, devices));
+        Ok(slf)
+    }
+
+    /// Bytes of pool to create (split over the files): an int or "8g".
+    fn capacity<'a>(
+        mut slf: PyRefMut<'a, Self>,
+        size: &Bound<'_, PyAny>,
+    ) -> PyResult<PyRefMut<'a, Self>> {
+        slf.capacity = Some(parse_size(size, "capacity")?);
+        Ok(slf)
+    }
+
+    /// "auto" (default): open the pool if its files exist, else create it
+    /// (needs `capacity`); "always": create anew over whatever is there;
+    /// "never": open only.
+    fn create(mut slf: PyRefMut<'_, Self>, mode: String) -> PyResult<PyRefMut<'_, Self>> {
+        if !matches!(mode.as_str(), "auto" | "always" | "never") {
+            return Err(usage(format!(
+                "create({mode:?}): say \"auto\", \"always\" or \"never\""
+            )));
+        }
+        slf.create = mode;
+        Ok(slf)
+    }
+
+    /// The model: a preset name (llama3-8b, ...) or a Hugging Face
+    /// config.json (or its directory); `block_size` tokens per block; `dtype`
+    /// overrides the KV dtype ("bfloat16", "float16", "fp8", ...).
+    #[pyo3(signature = (spec, block_size = 16, dtype = None))]
+    fn model(
+        mut slf: PyRefMut<'_, Self>,
+        spec: String,
+        block_size: u32,
+        dtype: Option<String>,
+    ) -> PyResult<PyRefMut<'_, Self>> {
+        slf.model = Some((spec, block_size, dtype));
+        Ok(slf)
+    }
+
+    /// The key namespace (default: model/dtype/block size/TP rank). A pool
+    /// serves one namespace; opening it for another is refused.
+    fn namespace(mut slf: PyRefMut<'_, Self>, ns: String) -> PyRefMut<'_, Self> {
+        slf.namespace = Some(ns);
+        slf
+    }
+
+    /// The tensor-parallel rank, part of the default namespace: ranks hold
+    /// different heads, so their blocks differ under the same hash.
+    fn tp_rank(mut slf: PyRefMut<'_, Self>, rank: u32) -> PyRefMut<'_, Self> {
+        slf.tp_rank = rank;
+        slf
+    }
+
+    /// "auto" (the engine `kvtier doctor` names), "uring", "nvme", "gpu".
+    fn engine(mut slf: PyRefMut<'_, Self>, name: String) -> PyResult<PyRefMut<'_, Self>> {
+        if EngineChoice::parse(&name).is_none() {
+            return Err(usage(format!(
+                "engine {name:?} is unknown; say auto, uring, nvme, gpu or gpu-host"
+            )));
+        }
+        slf.engine = name;
+        Ok(slf)
+    }
+
+    /// When stores go: "slack" (default: while no load is in flight),
+    /// "naive" (at once), "sync" (at `flush_stores` or `close`).
+    fn policy(mut slf: PyRefMut<'_, Self>, name: String) -> PyResult<PyRefMut<'_, Self>> {
+        if policy_of(&name).is_none() {
+            return Err(usage(format!(
+                "policy {name:?} is unknown; say slack, naive or sync"
+            )));
+        }
+        slf.policy = name;
+        Ok(slf)
+    }
+
+    /// Most blocks of accepted, not yet issued stores before `submit_store`
+    /// raises BackpressureError.
+    fn backlog_limit_blocks(mut slf: PyRefMut<'_, Self>, n: u64) -> PyRefMut<'_, Self> {
+        slf.backlog_blocks = Some(n);
+        slf
+    }
+
+    /// KV memory kvtier allocates (page-aligned, for direct I/O):
+    /// `blocks` blocks, "cross_layer" (a block's bytes contiguous: LMCache
+    /// chunks, staging) or "per_layer".
+    #[pyo3(signature = (blocks, layout = "cross_layer"))]
+    fn host_cache<'a>(
+        mut slf: PyRefMut<'a, Self>,
+        blocks: u32,
+        layout: &str,
+    ) -> PyResult<PyRefMut<'a, Self>> {
+        let layout = match layout {
+            "cross_layer" => HostLayout::CrossLayer,
+            "per_layer" => HostLayout::PerLayer,
+            other => {
+                return Err(usage(format!(
+                    "host_cache layout {other:?} is unknown; say \"cross_layer\" or \"per_layer\""
+                )))
+            }
+        };
+        slf.mem = Some(Mem::Host { blocks, layout });
+        Ok(slf)
+    }
+
+    /// The engine's own KV memory: CPU torch tensors or writable buffers
+    /// (memoryview, bytearray, numpy), kept alive by the handle until it is
+    /// closed. "per_layer": one per layer, each `(2, blocks, block_size,
+    /// heads, dim)`; "cross_layer": one, `(blocks, layers, 2, block_size,
+    /// heads, dim)`. Each must be 4096-byte aligned for direct I/O.
+    #[pyo3(signature = (tensors, layout = String::from("per_layer")))]
+    fn kv_memory<'a>(
+        mut slf: PyRefMut<'a, Self>,
+        tensors: &Bound<'_, PyAny>,
+        layout: String,
+    ) -> PyResult<PyRefMut<'a, Self>> {
+        if !matches!(layout.as_str(), "per_layer" | "cross_layer") {
+            return Err(usage(format!(
+                "kv_memory layout {layout:?} is unknown; say \"per_layer\" or \"cross_layer\""
+            )));
+        }
+        let items: Vec<Bound<'_, PyAny>> = if tensors.hasattr("data_ptr")? {
+            vec![tensors.clone()]
+        } else {
+            tensors
+                .try_iter()
+                .map_err(|_| PyTypeError::new_err("kv_memory takes a list of tensors or buffers"))?
+                .collect::<PyResult<_>>()?
+        };
+        let mut regions = Vec::new();
+        let mut owners = Vec::new();
+        let mut buffers = Vec::new();
+        for (i, t) in items.iter().enumerate() {
+            let (addr, len) = if t.hasattr("data_ptr")? {
+                tensor_region(t, i)?
+            } else {
+                let b = PyBuffer::<u8>::get(t).map_err(|_| {
+                    PyTypeError::new_err(format!(
+                        "KV memory {i} is neither a torch tensor nor a buffer (memoryview, bytearray, numpy array)"
+                    ))
+                })?;
+                if b.readonly() {
+                    return Err(usage(format!(
+                        "KV memory {i} is a read-only buffer; loads write into it: pass a writable one (bytearray, a writable memoryview)"
+                    )));
+                }
+                if !b.is_c_contiguous() {
+                    return Err(usage(format!(
+                        "KV memory {i} is not C-contiguous; pass one contiguous buffer per layer"
+                    )));
+                }
+                let r = (b.buf_ptr() as u64, b.len_bytes() as u64);
+                buffers.push(b);
+                r
+            };
+            regions.push((addr, len));
+            owners.push(t.clone().unbind());
+        }
+        slf.mem = Some(Mem::Regions { regions, layout });
+        slf.owners = owners;
+        slf.buffers = buffers;
+        Ok(slf)
+    }
+
+    /// Open the pool, start its engine and I/O thread, register the memory.
+    fn build(mut slf: PyRefMut<'_, Self>, py: Python<'_>) -> PyResult<TierHandle> {
+        let (spec, block_size, dtype) = slf.model.clone().ok_or_else(|| {
+            usage("no model: call model(\"llama3-8b\" or \"path/to/config.json\", block_size=16) before build()")
+        })?;
+        let dtype = match dtype {
+            Some(d) => Some(DType::parse(&d).ok_or_else(|| {
+                usage(format!(
+                    "dtype {d:?} is unknown; say bfloat16, float16, float32, fp8 or fp8_e5m2"
+                ))
+            })?),
+            None => None,
+        };
+        let named = py
+            .allow_threads(|| resolve_named(&spec, block_size, dtype))
+            .map_err(to_py)?;
+        let g = named.geometry;
+        let namespace = slf.namespace.clone().unwrap_or_else(|| {
+            format!(
+                "{}/{}/bs{}/tp{}",
+                named.name,
+                g.dtype.name(),
+                g.block_size,
+                slf.tp_rank
+            )
+        });
+        let paths = match slf.place.as_ref() {
+            None => {
+                return Err(usage(
+                    "no pool: call directory(path) or files([paths]) before build()",
+                ))
+            }
+            Some(Where::Files(p)) => p.clone(),
+            Some(Where::Dir(d, n)) => (0..*n)
+                .map(|i| d.join(format!("kvtier-{i}.pool")))
+                .collect(),
+        };
+        let present = paths.iter().filter(|p| p.exists()).count();
+        let create = match slf.create.as_str() {
+            "always" => true,
+            "never" => false,
+            _ if present == paths.len() => false,
+            _ if present == 0 => true,
+            _ => {
+                return Err(usage(format!(
+                    "{present} of the pool's {} files exist: the pool is incomplete; restore the missing ones, or create(\"always\") to format anew",
+                    paths.len()
+                )))
+            }
+        };
+        let mut b = RsBuilder::default();
+        if create {
+            let cap = slf.capacity.ok_or_else(|| {
+                usage(format!(
+                    "the pool at {} does not exist and no capacity was given: call capacity(\"8g\") to create it",
+                    paths[0].display()
+                ))
+            })?;
+            if let Some(Where::Dir(d, _)) = slf.place.as_ref() {
+                std::fs::create_dir_all(d).map_err(|e| {
+                    to_py(Error::io(
+                        format!("creating the pool directory {}", d.display()),
+                        e,
+                    ))
+                })?;
+            }
+            let per = (cap / paths.len() as u64) & !4095;
+            b = b.create(PoolConfig {
+                geometry: g,
+                model: named.name.clone(),
+                namespace: namespace.clone(),
+                group_blocks: slf.group_blocks,
+                devices: paths
+                    .iter()
+                    .map(|p| DeviceSpec {
+                        path: p.clone(),
+                        size: Some(per),
+                    })
+                    .collect(),
+                force: slf.create == "always",
+            });
+        } else {
+            b = b.files(paths.clone()).expect(OpenExpect {
+                geometry: Some(g),
+                namespace: Some(namespace.clone()),
+            });
+        }
+        b = b.engine(EngineChoice::parse(&slf.engine).expect("checked by engine()"));
+        let mut cfg = HandleConfig {
+            policy: policy_of(&slf.policy).expect("checked by policy()"),
+            ..HandleConfig::default()
+        };
+        if let Some(n) = slf.backlog_blocks {
+            cfg.backlog_limit_blocks = n;
+        }
+        b = b.config(cfg);
+        let (memory, host) =
+            match slf.mem.take() {
+                None => return Err(usage(
+                    "no KV memory: call host_cache(blocks) or kv_memory([tensors]) before build()",
+                )),
+                Some(Mem::Host { blocks, layout }) => {
+                    let c = Arc::new(
+                        py.allow_threads(|| HostKvCache::new(g, blocks, layout))
+                            .map_err(to_py)?,
+                    );
+                    let m = c.memory().clone();
+                    b = b.host_cache(c.clone());
+                    (m, Some(c))
+                }
+                Some(Mem::Regions { regions, layout }) => {
+                    let m = memory_of(g, &regions, &layout)?;
+                    // SAFETY: the handle object keeps every tensor and buffer
+                    // (`owners`, `buffers`) alive until the tier is closed and
+                    // dropped, and the memory contract (no writes while a job
+                    // uses a block) is the caller's, as documented on the class.
+                    b = unsafe { b.memory(m.clone()) };
+                    (m, None)
+                }
+            };
+        let handle = py.allow_threads(|| b.build()).map_err(to_py)?;
+        let completions = handle.completions().map_err(to_py)?;
+        Ok(TierHandle {
+            inner: Some(handle),
+            completions,
+            memory,
+            host,
+            namespace,
+            model_name: named.name,
+            owners: Mutex::new(std::mem::take(&mut slf.owners)),
+            buffers: Mutex::new(std::mem::take(&mut slf.buffers)),
+        })
+    }
+}
+
+fn policy_of(s: &str) -> Option<Policy> {
+    Some(match s {
+        "slack" => Policy::Slack,
+        "naive" => Policy::Naive,
+        "sync" => Policy::Sync,
+        _ => return None,
+    })
+}
+
+/// Address and length of a CPU torch tensor, refusing what cannot be DMA'd.
+fn tensor_region(t: &Bound<'_, PyAny>, i: usize) -> PyResult<(u64, u64)> {
+    let device: String = t.getattr("device")?.getattr("type")?.extract()?;
+    if device != "cpu" {
+        return Err(to_py(Error::Unsupported(format!(
+            "KV tensor {i} is on {device}; this build registers CPU tensors only (CUDA tensors need the HBM path): pass CPU tensors, or stage through host_cache"
+        ))));
+    }
+    if !t.call_method0("is_contiguous")?.extract::<bool>()? {
+        return Err(usage(format!(
+            "KV tensor {i} is not contiguous; pass the cache tensor itself, not a strided view"
+        )));
+    }
+    let addr: u64 = t.call_method0("data_ptr")?.extract()?;
+    let numel: u64 = t.call_method0("numel")?.extract()?;
+    let esz: u64 = t.call_method0("element_size")?.extract()?;
+    Ok((addr, numel * esz))
+}
+
+/// The KvMemory these regions describe, checking sizes against the model.
+fn memory_of(g: KvGeometry, regions: &[(u64, u64)], layout: &str) -> PyResult<KvMemory> {
+    let obj = g.object_bytes();
+    let (layout, per_block, got) = match layout {
+        "per_layer" => {
+            if regions.len() != g.layers as usize {
+                return Err(usage(format!(
+                    "per_layer KV memory has {} tensors but the model has {} layers; pass one tensor per layer",
+                    regions.len(),
+                    g.layers
+                )));
+            }
+            let first = regions[0].1;
+            if let Some((i, r)) = regions.iter().enumerate().find(|(_, r)| r.1 != first) {
+                return Err(usage(format!(
+                    "KV tensor {i} has {} bytes but tensor 0 has {first}; every layer's tensor must be the same size",
+                    r.1
+                )));
+            }
+            (
+                KvLayout::PerLayer {
+                    layer_bases: regions.iter().map(|r| r.0).collect(),
+                },
+                2 * obj,
+                first,
+            )
+        }
+        _ => {
+            if regions.len() != 1 {
+                return Err(usage(format!(
+                    "cross_layer KV memory is one tensor; got {}",
+                    regions.len()
+                )));
+            }
+            (
+                KvLayout::CrossLayer { base: regions[0].0 },
+                g.block_bytes(),
+                regions[0].1,
+            )
+        }
+    };
+    if got == 0 || got % per_block != 0 {
+        return Err(usage(format!(
+            "a KV tensor of {got} bytes is not a whole number of blocks of {per_block} bytes ({}); check the model, block_size and dtype given to model()",
+            g.describe()
+        )));
+    }
+    let num_blocks = u32::try_from(got / per_block).map_err(|_| {
+        usage(format!(
+            "{} blocks is more than kvtier indexes",
+            got / per_block
+        ))
+    })?;
+    let m = KvMemory {
+        geometry: g,
+        num_blocks,
+        layout,
+        kind: MemoryKind::Host,
+    };
+    m.validate().map_err(to_py)?;
+    Ok(m)
+}
+
+/// A finished job: per-key outcomes, and the keys a store evicted.
+#[pyclass(module = "kvtier._kvtier", frozen, get_all)]
+pub struct JobResultPy {
+    job: u64,
+    /// "load" or "store".
+    kind: &'static str,
+    keys: Vec<Py<PyBytes>>,
+    /// Per key: "done", "already_stored" or "failed".
+    outcomes: Vec<&'static str>,
+    /// Per key: None, or the failure as an exception (not raised).
+    errors: Vec<Option<PyObject>>,
+    evicted: Vec<Py<PyBytes>>,
+}
+
+#[pymethods]
+impl JobResultPy {
+    /// Every key done (or already stored).
+    #[getter]
+    fn ok(&self) -> bool {
+        self.errors.iter().all(Option::is_none)
+    }
+
+    /// Raise the first key's failure, if any.
+    fn raise_for_failure(&self, py: Python<'_>) -> PyResult<()> {
+        match self.errors.iter().flatten().next() {
+            Some(e) => Err(PyErr::from_value(e.bind(py).clone())),
+            None => Ok(()),
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        let failed = self.errors.iter().filter(|e| e.is_some()).count();
+        format!(
+            "JobResult(job={}, kind={}, keys={}, failed={failed}, evicted={})",
+            self.job,
+            self.kind,
+            self.keys.len(),
+            self.evicted.len()
+        )
+    }
+}
+
+fn result_py(py: Python<'_>, r: JobResult) -> JobResultPy {
+    JobResultPy {
+        job: r.job,
+        kind: match r.kind {
+            JobKind::Load => "load",
+            JobKind::Store => "store",
+        },
+        keys: r.keys.iter().map(|k| key_bytes(py, k).unbind()).collect(),
+        outcomes: r
+            .outcomes
+            .iter()
+            .map(|o| match o {
+                KeyOutcome::Done => "done",
+                KeyOutcome::AlreadyStored => "already_stored",
+                KeyOutcome::Failed(_) => "failed",
+            })
+            .collect(),
+        errors: r
+            .outcomes
+            .iter()
+            .map(|o| match o {
+                KeyOutcome::Failed(f) => Some(failure_err(py, f).into_value(py).into_any()),
+                _ => None,
+            })
+            .collect(),
+        evicted: r
+            .evicted
+            .iter()
+            .map(|k| key_bytes(py, k).unbind())
+            .collect(),
+    }
+}
+
+/// A completion: layer `layer` of load `job` is in memory (or failed), or
+/// `job` finished.
+#[pyclass(module = "kvtier._kvtier", frozen, get_all)]
+pub struct EventPy {
+    /// "layer" or "finished".
+    kind: &'static str,
+    job: u64,
+    /// The layer, for "layer" events.
+    layer: Option<u32>,
+    /// "load" or "store", for "finished" events.
+    job_kind: Option<&'static str>,
+    ok: bool,
+    /// The failure as an exception (not raised), when not ok.
+    error: Option<PyObject>,
+}
+
+#[pymethods]
+impl EventPy {
+    fn __repr__(&self) -> String {
+        match self.kind {
+            "layer" => format!(
+                "Event(layer {} of job {}, ok={})",
+                self.layer.unwrap_or(0),
+                self.job,
+                self.ok
+            ),
+            _ => format!("Event(job {} finished, ok={})", self.job, self.ok),
+        }
+    }
+}
+
+fn event_py(py: Python<'_>, e: Event) -> EventPy {
+    match e {
+        Event::Layer { job, layer, error } => EventPy {
+            kind: "layer",
+            job,
+            layer: Some(layer),
+            job_kind: None,
+            ok: error.is_none(),
+            error: error.map(|f| failure_err(py, &f).into_value(py).into_any()),
+        },
+        Event::Finished { job, kind, ok } => EventPy {
+            kind: "finished",
+            job,
+            layer: None,
+            job_kind: Some(match kind {
+                JobKind::Load => "load",
+                JobKind::Store => "store",
+            }),
+            ok,
+            error: None,
+        },
+    }
+}
+
+/// An open tier: thread-safe; every method may be called from any thread.
+/// The memory of a job's blocks must not be written until the job finishes.
+#[pyclass(module = "kvtier._kvtier", frozen)]
+pub struct TierHandle {
+    // Field order is drop order: the tier (and its I/O) goes before the
+    // memory it reads and writes.
+    inner: Option<kvtier::TierHandle>,
+    completions: Completions,
+    memory: KvMemory,
+    host: Option<Arc<HostKvCache>>,
+    namespace: String,
+    model_name: String,
+    owners: Mutex<Vec<Py<PyAny>>>,
+    buffers: Mutex<Vec<PyBuffer<u8>>>,
+}
+
+impl TierHandle {
+    fn h(&self) -> &kvtier::TierHandle {
+        self.inner.as_ref().expect("set at build")
+    }
+
+    fn check_block(&self, block: u32) -> PyResult<()> {
+        if block >= self.memory.num_blocks {
+            return Err(usage(format!(
+                "memory block {block} is out of range: the registered KV memory has {n} blocks (0..{n})",
+                n = self.memory.num_blocks
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl TierHandle {
+    /// The engine serving the pool and why it was picked.
+    #[getter]
+    fn engine(&self) -> String {
+        self.h().engine().to_string()
+    }
+
+    #[getter]
+    fn engine_reason(&self) -> String {
+        self.h().engine_reason().to_string()
+    }
+
+    #[getter]
+    fn namespace(&self) -> String {
+        self.namespace.clone()
+    }
+
+    #[getter]
+    fn model_name(&self) -> String {
+        self.model_name.clone()
+    }
+
+    /// layers, kv_heads, head_dim, dtype, block_size, object_bytes, block_bytes.
+    #[getter]
+    fn geometry<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let g = self.h().geometry();
+        let d = PyDict::new(py);
+        d.set_item("layers", g.layers)?;
+        d.set_item("kv_heads", g.kv_heads)?;
+        d.set_item("head_dim", g.head_dim)?;
+        d.set_item("dtype", g.dtype.name())?;
+        d.set_item("block_size", g.block_size)?;
+        d.set_item("object_bytes", g.object_bytes())?;
+        d.set_item("block_bytes", g.block_bytes())?;
+        Ok(d)
+    }
+
+    /// Blocks in the registered KV memory.
+    #[getter]
+    fn memory_blocks(&self) -> u32 {
+        self.memory.num_blocks
+    }
+
+    /// Bytes of one block (all layers, K and V).
+    #[getter]
+    fn block_bytes(&self) -> u64 {
+        self.memory.geometry.block_bytes()
+    }
+
+    /// How many leading keys the pool holds. No side effects.
+    fn lookup(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let keys = keys_of(keys)?;
+        Ok(py.allow_threads(|| self.h().lookup_prefix(&keys)))
+    }
+
+    /// Like lookup, and pins the counted keys against eviction until `unpin`.
+    fn lookup_and_pin(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let keys = keys_of(keys)?;
+        Ok(py.allow_threads(|| self.h().lookup_and_pin(&keys)))
+    }
+
+    /// Drop one pin per key; unknown keys are ignored.
+    fn unpin(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        let keys = keys_of(keys)?;
+        py.allow_threads(|| self.h().unpin(&keys));
+        Ok(())
+    }
+
+    fn contains(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let k = key_of(key, 0)?;
+        Ok(py.allow_threads(|| self.h().contains(&k)))
+    }
+
+    /// Accept a store of `keys` from memory `blocks` (all layers); returns a
+    /// job id at once. Raises BackpressureError when the backlog is full.
+    fn submit_store(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        blocks: &Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
+        let keys = keys_of(keys)?;
+        let blocks = blocks_of(blocks)?;
+        py.allow_threads(|| self.h().submit_store(&keys, &blocks))
+            .map_err(to_py)
+    }
+
+    /// Start loading `keys` (all in the pool) into memory `blocks` for
+    /// `layers` (a range; default all); returns a job id at once.
+    #[pyo3(signature = (keys, blocks, layers = None))]
+    fn submit_load(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        blocks: &Bound<'_, PyAny>,
+        layers: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<u64> {
+        let keys = keys_of(keys)?;
+        let blocks = blocks_of(blocks)?;
+        let n = self.memory.geometry.layers;
+        let range = match layers {
+            None => 0..n,
+            Some(r) => {
+                let r = r.downcast::<PyRange>().map_err(|_| {
+                    PyTypeError::new_err("layers must be a range, e.g. range(0, layers)")
+                })?;
+                let (s, e, st): (i64, i64, i64) = (
+                    r.getattr("start")?.extract()?,
+                    r.getattr("stop")?.extract()?,
+                    r.getattr("step")?.extract()?,
+                );
+                if st != 1 || s < 0 || e <= s || e > n as i64 {
+                    return Err(usage(format!(
+                        "layers range({s}, {e}, {st}) is not a non-empty step-1 range within 0..{n}"
+                    )));
+                }
+                s as u32..e as u32
+            }
+        };
+        py.allow_threads(|| self.h().submit_load(&keys, &blocks, range))
+            .map_err(to_py)
+    }
+
+    /// Block (GIL released) until `job` finishes; returns its result once.
+    fn wait(&self, py: Python<'_>, job: u64) -> PyResult<JobResultPy> {
+        let r = py.allow_threads(|| self.h().wait(job)).map_err(to_py)?;
+        Ok(result_py(py, r))
+    }
+
+    /// Block (GIL released) until `layer` of load `job` is in memory;
+    /// raises the layer's failure (its memory must not be used).
+    fn wait_layer(&self, py: Python<'_>, job: u64, layer: u32) -> PyResult<()> {
+        py.allow_threads(|| self.h().wait_layer(job, layer))
+            .map_err(to_py)
+    }
+
+    /// The result of `job` if it finished (then taken), else None.
+    fn try_result(&self, py: Python<'_>, job: u64) -> PyResult<Option<JobResultPy>> {
+        Ok(self
+            .h()
+            .try_result(job)
+            .map_err(to_py)?
+            .map(|r| result_py(py, r)))
+    }
+
+    /// Results of every finished job not yet collected, in finishing order.
+    fn get_finished(&self, py: Python<'_>) -> Vec<JobResultPy> {
+        self.h()
+            .get_finished()
+            .into_iter()
+            .map(|r| result_py(py, r))
+            .collect()
+    }
+
+    /// Issue every store in the backlog now, whatever the policy.
+    fn flush_stores(&self, py: Python<'_>) -> PyResult<()> {
+        py.allow_threads(|| self.h().flush_stores()).map_err(to_py)
+    }
+
+    /// An eventfd that polls readable while completions are queued (for
+    /// select/epoll/asyncio's add_reader); then call drain_completions().
+    fn event_fd(&self) -> i32 {
+        self.completions.as_raw_fd()
+    }
+
+    /// Every queued completion event (layer done, job finished), oldest first.
+    fn drain_completions(&self, py: Python<'_>) -> Vec<EventPy> {
+        self.completions
+            .drain()
+            .into_iter()
+            .map(|e| event_py(py, e))
+            .collect()
+    }
+
+    /// Pool and backlog occupancy, engine counters.
+    fn usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let u = self.h().usage().map_err(to_py)?;
+        let text = serde_json::to_string(&u).map_err(|e| to_py(Error::invalid(e.to_string())))?;
+        py.import("json")?.call_method1("loads", (text,))
+    }
+
+    /// Copy `data` (bytes-like, at most one block) into memory block
+    /// `block`, object by object; the rest of the block is zeroed. For
+    /// staging through kvtier-allocated memory.
+    fn write_block(&self, py: Python<'_>, block: u32, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let data = byte_buffer(data, "data")?;
+        self.check_block(block)?;
+        let g = self.memory.geometry;
+        let obj = g.object_bytes() as usize;
+        let n = data.len_bytes();
+        if n as u64 > g.block_bytes() {
+            return Err(usage(format!(
+                "{n} bytes do not fit a block of {} bytes ({})",
+                g.block_bytes(),
+                g.describe()
+            )));
+        }
+        if !data.is_c_contiguous() {
+            return Err(usage("write_block needs a contiguous buffer"));
+        }
+        let src = data.buf_ptr() as usize;
+        let mem = &self.memory;
+        py.allow_threads(|| {
+            for layer in 0..g.layers {
+                for kv in 0..2 {
+                    let i = (layer * 2 + kv) as usize * obj;
+                    let dst = mem.object_addr(block, layer, kv) as *mut u8;
+                    let take = n.saturating_sub(i).min(obj);
+                    // SAFETY: dst is one object inside the registered memory
+                    // (block checked above); src+i..+take is inside `data`,
+                    // which the held PyBuffer keeps exported.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping((src + i) as *const u8, dst, take);
+                        std::ptr::write_bytes(dst.add(take), 0, obj - take);
+                    }
+                }
+            }
+        });
+        Ok(())
+    }
+
+    /// Copy memory block `block` into `out` (a writable buffer of at most
+    /// one block: its first len(out) bytes, objects in (layer, K|V) order).
+    fn read_block_into(&self, py: Python<'_>, block: u32, out: &Bound<'_, PyAny>) -> PyResult<()> {
+        let out = byte_buffer(out, "out")?;
+        self.check_block(block)?;
+        let g = self.memory.geometry;
+        let obj = g.object_bytes() as usize;
+        let n = out.len_bytes();
+        if out.readonly() || !out.is_c_contiguous() {
+            return Err(usage("read_block_into needs a writable, contiguous buffer"));
+        }
+        if n as u64 > g.block_bytes() {
+            return Err(usage(format!(
+                "a buffer of {n} bytes is larger than a block ({} bytes)",
+                g.block_bytes()
+            )));
+        }
+        let dst = out.buf_ptr() as usize;
+        let mem = &self.memory;
+        py.allow_threads(|| {
+            for layer in 0..g.layers {
+                for kv in 0..2 {
+                    let i = (layer * 2 + kv) as usize * obj;
+                    let take = n.saturating_sub(i).min(obj);
+                    if take == 0 {
+                        return;
+                    }
+                    let src = mem.object_addr(block, layer, kv) as *const u8;
+                    // SAFETY: as in write_block, in the other direction.
+                    unsafe { std::ptr::copy_nonoverlapping(src, (dst + i) as *mut u8, take) };
+                }
+            }
+        });
+        Ok(())
+    }
+
+    /// Block `block` as bytes (copy).
+    fn read_block<'py>(&self, py: Python<'py>, block: u32) -> PyResult<Bound<'py, PyBytes>> {
+        self.check_block(block)?;
+        let n = self.memory.geometry.block_bytes() as usize;
+        let buf = pyo3::types::PyByteArray::new(py, &vec![0u8; n]);
+        self.read_block_into(py, block, buf.as_any())?;
+        Ok(PyBytes::new(py, &buf.to_vec()))
+    }
+
+    /// Address and length of kvtier-allocated memory (host_cache), for
+    /// building a tensor over it; valid while this handle object lives.
+    fn host_memory(&self) -> PyResult<(u64, u64)> {
+        match (&self.host, &self.memory.layout) {
+            (Some(_), KvLayout::CrossLayer { base }) => Ok((*base, self.memory.total_bytes())),
+            _ => Err(usage(
+                "host_memory() is for a host_cache(..., layout=\"cross_layer\"); this handle serves other memory",
+            )),
+        }
+    }
+
+    /// Issue the write backlog, wait for every job (GIL released), stop the
+    /// I/O thread; raise the first engine failure. Later calls raise ClosedError.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        py.allow_threads(|| self.h().close()).map_err(to_py)
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "TierHandle(engine={}, namespace={:?}, memory_blocks={})",
+            self.h().engine(),
+            self.namespace,
+            self.memory.num_blocks
+        )
+    }
+}
+
+impl Drop for TierHandle {
+    fn drop(&mut self) {
+        // The tier first (waits for I/O in flight), then the memory: the
+        // tensors must outlive every DMA into them. Dropping Python objects
+        // needs no GIL with pyo3 (they are queued until it is held).
+        drop(self.inner.take());
+        self.owners.get_mut().map(|v| v.clear()).ok();
+        self.buffers.get_mut().map(|v| v.clear()).ok();
+    }
+}
+
+/// Parse a model spec as kvtier does, for tools that size memory before
+/// opening a pool: returns the geometry dict and the model's name.
+#[pyfunction]
+#[pyo3(signature = (spec, block_size = 16, dtype = None))]
+fn resolve_model<'py>(
+    py: Python<'py>,
+    spec: String,
+    block_size: u32,
+    dtype: Option<String>,
+) -> PyResult<(Bound<'py, PyDict>, String)> {
+    let dtype = match dtype {
+        Some(d) => Some(DType::parse(&d).ok_or_else(|| usage(format!("dtype {d:?} is unknown")))?),
+        None => None,
+    };
+    let n = resolve_named(&spec, block_size, dtype).map_err(to_py)?;
+    let g = n.geometry;
+    let d = PyDict::new(py);
+    d.set_item("layers", g.layers)?;
+    d.set_item("kv_heads", g.kv_heads)?;
+    d.set_item("head_dim", g.head_dim)?;
+    d.set_item("dtype", g.dtype.name())?;
+    d.set_item("block_size", g.block_size)?;
+    d.set_item("object_bytes", g.object_bytes())?;
+    d.set_item("block_bytes", g.block_bytes())?;
+    Ok((d, n.name))
+}
+
+/// Median nanoseconds of `iters` calls of `op` on the handle's Rust
+/// TierHandle, with no Python between calls: the baseline the Python
+/// bindings are compared against (scripts/py-latency.py). `op`: "lookup"
+/// (`keys` all), "store" (one new key per call, from block 0, waited),
+/// "load" (`keys[0]` into block 1, all layers, waited).
+#[pyfunction]
+fn rust_latency(
+    py: Python<'_>,
+    handle: &TierHandle,
+    op: &str,
+    keys: &Bound<'_, PyAny>,
+    iters: usize,
+    key_base: u64,
+) -> PyResult<u64> {
+    let keys = keys_of(keys)?;
+    let h = handle.h();
+    let layers = h.geometry().layers;
+    let op = op.to_string();
+    py.allow_threads(|| -> kvtier::Result<u64> {
+        let mut t = Vec::with_capacity(iters);
+        for i in 0..iters {
+            let s = std::time::Instant::now();
+            match op.as_str() {
+                "lookup" => {
+                    std::hint::black_box(h.lookup_prefix(&keys));
+                }
+                "store" => {
+                    let j = h.submit_store(&[Key::from_u64(key_base + i as u64)], &[0])?;
+                    h.wait(j)?;
+                }
+                _ => {
+                    let j = h.submit_load(&keys[..1], &[1], 0..layers)?;
+                    h.wait(j)?;
+                }
+            }
+            t.push(s.elapsed().as_nanos() as u64);
+        }
+        t.sort_unstable();
+        Ok(t.get(t.len() / 2).copied().unwrap_or(0))
+    })
+    .map_err(to_py)
+}
+
+#[pymodule]
+fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<TierBuilder>()?;
+    m.add_class::<TierHandle>()?;
+    m.add("JobResult", py.get_type::<JobResultPy>())?;
+    m.add("Event", py.get_type::<EventPy>())?;
+    m.add_function(wrap_pyfunction!(resolve_model, m)?)?;
+    m.add_function(wrap_pyfunction!(rust_latency, m)?)?;
+    m.add("KvtierError", py.get_type::<KvtierError>())?;
+    m.add("UsageError", py.get_type::<UsageError>())?;
+    m.add("BackpressureError", py.get_type::<BackpressureError>())?;
+    m.add("IoError", py.get_type::<IoError>())?;
+    m.add("CorruptError", py.get_type::<CorruptError>())?;
+    m.add("UnsupportedError", py.get_type::<UnsupportedError>())?;
+    m.add("ClosedError", py.get_type::<ClosedError>())?;
+    m.add("InternalError", py.get_type::<InternalError>())?;
+    Ok(())
+}

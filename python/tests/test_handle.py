@@ -1,0 +1,200 @@
+"""The kvtier module against a real pool on files (io_uring engine)."""
+
+import os
+import select
+import threading
+
+import pytest
+
+import kvtier
+
+LAYERS = 2
+OBJ = 16 * 2 * 64 * 2  # block_size x kv_heads x head_dim x bf16
+BLOCK = 2 * LAYERS * OBJ
+
+
+def open_tier(tmp_path, model, blocks=8, **kw):
+    b = (
+        kvtier.TierBuilder()
+        .directory(tmp_path / "pool")
+        .capacity("16m")
+        .model(model, block_size=16)
+        .engine("auto")
+    )
+    for k, v in kw.items():
+        getattr(b, k)(v)
+    return b.host_cache(blocks).build()
+
+
+def test_round_trip_layer_by_layer(tmp_path, tiny_model):
+    tier = open_tier(tmp_path, tiny_model)
+    assert tier.engine == "uring"
+    assert tier.block_bytes == BLOCK
+    data = [os.urandom(BLOCK) for _ in range(4)]
+    keys = [bytes([i]) * 32 for i in range(4)]
+    for b, d in enumerate(data):
+        tier.write_block(b, d)
+    assert tier.lookup(keys) == 0
+    r = tier.wait(tier.submit_store(keys, [0, 1, 2, 3]))
+    assert r.ok and r.kind == "store" and r.outcomes == ["done"] * 4
+    assert r.keys == keys
+    # Stored again: no I/O, reported as such.
+    assert tier.wait(tier.submit_store(keys[:1], [0])).outcomes == ["already_stored"]
+
+    assert tier.lookup(keys + [b"\xff" * 32]) == 4
+    n = tier.lookup_and_pin(keys)
+    assert n == 4 and tier.usage()["tier"]["pinned_blocks"] == 4
+    job = tier.submit_load(keys, [7, 6, 5, 4])
+    for layer in range(LAYERS):
+        tier.wait_layer(job, layer)
+    r = tier.wait(job)
+    assert r.ok and r.kind == "load"
+    tier.unpin(keys)
+    assert tier.usage()["tier"]["pinned_blocks"] == 0
+    for b, d in zip([7, 6, 5, 4], data):
+        assert tier.read_block(b) == d
+    tier.close()
+
+
+def test_restart_keeps_every_stored_prefix(tmp_path, tiny_model):
+    keys = [i * 7919 for i in range(1, 7)]
+    with open_tier(tmp_path, tiny_model) as tier:
+        for b in range(6):
+            tier.write_block(b, bytes([b + 1]) * BLOCK)
+        assert tier.wait(tier.submit_store(keys, range(6))).ok
+    # A fresh handle on the same files (the pool is opened, not formatted).
+    tier = open_tier(tmp_path, tiny_model, create="never")
+    assert tier.lookup(keys) == 6
+    r = tier.wait(tier.submit_load(keys[2:4], [0, 1]))
+    assert r.ok
+    assert tier.read_block(0) == bytes([3]) * BLOCK
+    assert tier.read_block(1) == bytes([4]) * BLOCK
+    tier.close()
+
+
+def test_one_layer_range_and_eventfd(tmp_path, tiny_model):
+    tier = open_tier(tmp_path, tiny_model)
+    tier.write_block(0, b"\x5a" * BLOCK)
+    tier.wait(tier.submit_store([b"k"], [0]))
+    tier.drain_completions()
+    fd = tier.event_fd()
+    assert select.select([fd], [], [], 0)[0] == []
+    job = tier.submit_load([b"k"], [3], layers=range(1, 2))
+    assert select.select([fd], [], [], 10)[0] == [fd]
+    events = []
+    while not any(e.kind == "finished" and e.job == job for e in events):
+        select.select([fd], [], [], 10)
+        events += tier.drain_completions()
+    layers = [e.layer for e in events if e.kind == "layer" and e.job == job]
+    assert layers == [1]
+    assert all(e.ok for e in events)
+    assert tier.try_result(job).ok
+    got = tier.read_block(3)
+    # Only layer 1's K and V came back; layer 0 of block 3 is still zero.
+    assert got[: 2 * OBJ] == bytes(2 * OBJ)
+    assert got[2 * OBJ :] == b"\x5a" * (2 * OBJ)
+    tier.close()
+
+
+def test_wait_releases_the_gil(tmp_path, tiny_model):
+    # Under the sync policy a store waits for flush_stores: a thread blocked
+    # in wait() must let this thread run to call it.
+    tier = open_tier(tmp_path, tiny_model, policy="sync")
+    tier.write_block(0, b"\x01" * BLOCK)
+    job = tier.submit_store([b"g"], [0])
+    out = []
+    t = threading.Thread(target=lambda: out.append(tier.wait(job)))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive(), "the store finished before flush_stores"
+    tier.flush_stores()
+    t.join(10)
+    assert not t.is_alive() and out[0].ok
+    tier.close()
+
+
+def aligned_layers(torch, blocks, dtype):
+    """Per-layer (2, blocks, 16, 2, 64) tensors at 4096-byte-aligned addresses."""
+    n = 2 * blocks * OBJ
+    out, keep = [], []
+    for _ in range(LAYERS):
+        raw = torch.zeros(n + 4096, dtype=torch.uint8)
+        off = (-raw.data_ptr()) % 4096
+        t = raw[off : off + n].view(dtype).view(2, blocks, 16, 2, 64)
+        out.append(t)
+        keep.append(raw)
+    return out
+
+
+def test_torch_tensors_registered_in_place(tmp_path, tiny_model):
+    torch = pytest.importorskip("torch")
+    layers = aligned_layers(torch, 4, torch.bfloat16)
+    for t in layers:
+        t.copy_(torch.randn(t.shape, dtype=torch.float32).to(torch.bfloat16))
+    want = [t.clone() for t in layers]
+    tier = (
+        kvtier.TierBuilder()
+        .directory(tmp_path / "pool")
+        .capacity("16m")
+        .model(tiny_model)
+        .kv_memory(layers)
+        .build()
+    )
+    assert tier.memory_blocks == 4
+    assert tier.wait(tier.submit_store([1, 2], [0, 1])).ok
+    for t in layers:
+        t.zero_()
+    job = tier.submit_load([1, 2], [2, 3])
+    tier.wait_layer(job, 0)
+    tier.wait_layer(job, 1)
+    assert tier.wait(job).ok
+    for t, w in zip(layers, want):
+        assert torch.equal(t[:, 2:4], w[:, 0:2])
+        assert not t[:, 0:2].any()
+    tier.close()
+
+
+def test_bad_input_raises_clear_errors(tmp_path, tiny_model):
+    with pytest.raises(kvtier.UsageError, match="no model"):
+        kvtier.TierBuilder().directory(tmp_path).host_cache(1).build()
+    with pytest.raises(kvtier.UsageError, match="capacity"):
+        kvtier.TierBuilder().directory(tmp_path / "p").model(tiny_model).host_cache(1).build()
+    with pytest.raises(kvtier.UsageError, match="engine"):
+        kvtier.TierBuilder().engine("warp")
+    with pytest.raises(kvtier.UsageError, match="model config"):
+        kvtier.TierBuilder().directory(tmp_path / "p").capacity("1g").model("no-such-model").host_cache(1).build()
+    torch = pytest.importorskip("torch")
+    layers = aligned_layers(torch, 4, torch.bfloat16)
+    with pytest.raises(kvtier.UsageError, match="2 layers"):
+        kvtier.TierBuilder().directory(tmp_path / "p").capacity("16m").model(tiny_model).kv_memory(layers[:1]).build()
+    raw = torch.zeros(2 * 4 * OBJ + 4096, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % 4096 + 64
+    bad = [raw[off : off + 2 * 4 * OBJ - 4096], layers[1]]
+    with pytest.raises(kvtier.UsageError, match="same size|aligned"):
+        kvtier.TierBuilder().directory(tmp_path / "p").capacity("16m").model(tiny_model).kv_memory(bad).build()
+    with pytest.raises(kvtier.UsageError, match="not aligned to 4096"):
+        mis = [raw[64 : 64 + 2 * 4 * OBJ], raw[64 : 64 + 2 * 4 * OBJ]]
+        kvtier.TierBuilder().directory(tmp_path / "p2").capacity("16m").model(tiny_model).kv_memory(mis).build()
+
+    tier = open_tier(tmp_path, tiny_model, blocks=2)
+    with pytest.raises(TypeError, match="key 1"):
+        tier.lookup([b"a", 1.5])
+    with pytest.raises(TypeError, match="list of keys"):
+        tier.lookup(b"abc")
+    with pytest.raises(kvtier.UsageError, match="1 to 32 bytes"):
+        tier.lookup([b"x" * 33])
+    with pytest.raises(kvtier.UsageError, match="out of range"):
+        tier.submit_store([b"a"], [2])
+    with pytest.raises(kvtier.UsageError, match="one memory block per key"):
+        tier.submit_store([b"a", b"b"], [0])
+    with pytest.raises(kvtier.UsageError) as e:
+        tier.submit_load([b"never stored"], [0])
+    assert e.value.kind == "usage"
+    with pytest.raises(kvtier.UsageError, match="range"):
+        tier.submit_load([b"a"], [0], layers=range(0, 5))
+    with pytest.raises(kvtier.UsageError, match="do not fit"):
+        tier.write_block(0, bytes(BLOCK + 1))
+    tier.close()
+    with pytest.raises(kvtier.ClosedError):
+        tier.submit_store([b"a"], [0])
+    assert tier.lookup([b"a"]) == 0
