@@ -1104,8 +1104,8 @@ fn in_use_error(path: &Path, access: Access, holders: &[LockHolder]) -> Error {
     };
     let reason = if holders.iter().any(|h| h.pid == me) {
         format!(
-            "it is already open in {who}; a pool may be opened once at a time: drop the \
-             other Pool (or Tier) first"
+            "it is in use: already open in {who}; a pool may be opened once at a time: drop \
+             the other Pool (or Tier) first"
         )
     } else if access == Access::Shared || !writers.is_empty() {
         format!(
@@ -2090,10 +2090,110 @@ mod tests {
         assert_eq!(back.as_slice(), pattern(8192, 2).as_slice());
         assert_eq!(fs::metadata(&path).unwrap().len(), size);
         drop(dev);
-        // Re-creating over an existing pool needs no force and keeps the size exact.
-        let dev = BackingDevice::create(&path, Some(size), MIB, false).unwrap();
+        // Re-creating over an existing pool needs force (its blocks would be lost) and
+        // keeps the size exact.
+        let reason =
+            backing_reason(BackingDevice::create(&path, Some(size), MIB, false).unwrap_err());
+        assert!(
+            reason.contains("holds a kvtier pool") && reason.contains("--force"),
+            "{reason}"
+        );
+        let dev = BackingDevice::create(&path, Some(size), MIB, true).unwrap();
         assert_eq!(dev.size(), size);
         assert_eq!(fs::metadata(&path).unwrap().len(), size);
+    }
+
+    #[test]
+    fn a_second_opener_is_refused_naming_the_holder() {
+        let dir = TempDir::new("lock");
+        let path = dir.path("pool.img");
+        let dev = BackingDevice::create(&path, Some(8 * MIB), MIB, false).unwrap();
+        write_magic(&dev);
+        let me = std::process::id();
+        // A writer holds it: no second writer, no reader, no re-create (even forced).
+        for err in [
+            BackingDevice::open(&path).unwrap_err(),
+            BackingDevice::open_with(&path, Access::Shared).unwrap_err(),
+            BackingDevice::create(&path, Some(8 * MIB), MIB, true).unwrap_err(),
+        ] {
+            let text = err.to_string();
+            assert!(
+                text.contains("pool.img") && text.contains("in use") && text.contains(&format!("pid {me}")),
+                "{text}"
+            );
+        }
+        drop(dev);
+        // Readers share; a writer waits for them to go.
+        let r1 = BackingDevice::open_with(&path, Access::Shared).unwrap();
+        let r2 = BackingDevice::open_with(&path, Access::Shared).unwrap();
+        let mut buf = AlignedBuf::zeroed(4096);
+        r1.read_exact_at(&mut buf, 0).unwrap();
+        assert!(r1.write_all_at(&buf, 0).is_err(), "a reader cannot write");
+        let text = BackingDevice::open(&path).unwrap_err().to_string();
+        assert!(text.contains("in use") && text.contains(&format!("pid {me}")), "{text}");
+        drop((r1, r2));
+        BackingDevice::open(&path).unwrap();
+    }
+
+    #[test]
+    fn lock_holders_are_parsed_from_proc_locks() {
+        let text = "1: FLOCK  ADVISORY  WRITE 4242 00:2a:1234 0 EOF\n\
+                    1: -> FLOCK  ADVISORY  WRITE 99 00:2a:1234 0 EOF\n\
+                    2: POSIX  ADVISORY  WRITE 7 00:2a:1234 0 EOF\n\
+                    3: FLOCK  ADVISORY  READ 17 fd:01:1234 0 EOF\n\
+                    4: FLOCK  ADVISORY  READ 18 00:2a:1234 0 EOF\n";
+        assert_eq!(
+            parse_lock_holders(text, 0, 0x2a, 1234),
+            vec![
+                LockHolder { pid: 4242, exclusive: true },
+                LockHolder { pid: 18, exclusive: false }
+            ]
+        );
+        assert_eq!(parse_lock_holders(text, 0xfd, 1, 1234).len(), 1);
+        assert!(!process_alive(-1) && process_alive(std::process::id() as i32));
+    }
+
+    #[test]
+    fn dangling_symlink_sparse_files_and_identities_are_named() {
+        let dir = TempDir::new("names");
+        let link = dir.path("link.pool");
+        std::os::unix::fs::symlink(dir.path("missing/target.pool"), &link).unwrap();
+        let reason =
+            backing_reason(BackingDevice::create(&link, Some(8 * MIB), MIB, false).unwrap_err());
+        assert!(
+            reason.contains("symbolic link") && reason.contains("does not exist"),
+            "{reason}"
+        );
+        let reason = backing_reason(check_sparse_ok(&link, false).unwrap_err());
+        assert!(reason.contains("fallocate") && reason.contains("--force"), "{reason}");
+        check_sparse_ok(&link, true).unwrap();
+
+        let a = dir.path("a.pool");
+        write_file(&a, &[0u8; 4096]);
+        fs::hard_link(&a, dir.path("b.pool")).unwrap();
+        assert_eq!(device_identity(&a), device_identity(&dir.path("b.pool")));
+        assert_eq!(
+            device_identity(&dir.path("new.pool")),
+            device_identity(&dir.0.join(".").join("new.pool"))
+        );
+        assert_ne!(device_identity(&a), device_identity(&dir.path("new.pool")));
+    }
+
+    #[test]
+    fn data_past_the_first_256_kib_is_foreign_data() {
+        let dir = TempDir::new("deep");
+        let path = dir.path("image.bin");
+        let mut img = vec![0u8; 8 * MIB as usize];
+        img[5 * MIB as usize + 77] = 1;
+        write_file(&path, &img);
+        let reason =
+            backing_reason(BackingDevice::create(&path, Some(8 * MIB), MIB, false).unwrap_err());
+        assert!(reason.contains("not a kvtier pool") && reason.contains("--force"), "{reason}");
+        assert_eq!(fs::read(&path).unwrap(), img, "untouched");
+        // A sparse or zero file is still fine.
+        let zero = dir.path("zero.bin");
+        fs::File::create(&zero).unwrap().set_len(8 * MIB).unwrap();
+        BackingDevice::create(&zero, Some(8 * MIB), MIB, false).unwrap();
     }
 
     #[test]
@@ -2103,7 +2203,7 @@ mod tests {
         let dev = BackingDevice::create(&path, Some(4 * MIB), MIB, false).unwrap();
         write_magic(&dev);
         drop(dev);
-        let dev = BackingDevice::create(&path, Some(6 * MIB), MIB, false).unwrap();
+        let dev = BackingDevice::create(&path, Some(6 * MIB), MIB, true).unwrap();
         assert_eq!(dev.size(), 6 * MIB);
         assert_eq!(fs::metadata(&path).unwrap().len(), 6 * MIB);
     }
@@ -2186,7 +2286,6 @@ mod tests {
         let dir = TempDir::new("shrink");
         let path = dir.path("pool.img");
         let dev = BackingDevice::create(&path, Some(8 * MIB), MIB, false).unwrap();
-        write_magic(&dev);
         drop(dev);
 
         let reason =
@@ -2441,8 +2540,12 @@ mod tests {
         drop(dev);
         let reason = backing_reason(BackingDevice::open(&path).unwrap_err());
         assert!(reason.contains("not a kvtier pool"), "{reason}");
+        // The data at 1 MiB is someone's, though the head is all zero.
+        let reason =
+            backing_reason(BackingDevice::create(&path, Some(8 * MIB), MIB, false).unwrap_err());
+        assert!(reason.contains("--force"), "{reason}");
 
-        let dev = BackingDevice::create(&path, Some(8 * MIB), MIB, false).unwrap();
+        let dev = BackingDevice::create(&path, Some(8 * MIB), MIB, true).unwrap();
         assert_eq!(dev.size(), 8 * MIB);
         write_magic(&dev);
         drop(dev);
