@@ -1091,6 +1091,11 @@ impl Tier {
             }
             JobKind::Store => {
                 let st = job.store.take().expect("store state");
+                // Slots are retired only when the device still completed the
+                // job's flushes: a device that fails everything (gone, or
+                // power lost) would otherwise retire every slot it was asked
+                // to write, for a fault that is not in those sectors.
+                let retire = st.abandoned.is_none();
                 for (i, k) in job.keys.iter().enumerate() {
                     if let Some(slot) = st.slots[i] {
                         self.storing.remove(k);
@@ -1103,7 +1108,7 @@ impl Tier {
                             // later failure: treat it as stale until rewritten.
                             self.pool.index_mut().abort(slot);
                             self.pool.index_mut().mark_stale_header(slot);
-                            if st.bad_slots.contains(&slot) {
+                            if retire && st.bad_slots.contains(&slot) {
                                 self.pool.index_mut().retire(slot);
                             }
                             if job.outcomes[i].is_none() {
@@ -1125,7 +1130,7 @@ impl Tier {
                         )
                     });
                 }
-                if !st.bad_slots.is_empty() {
+                if retire && !st.bad_slots.is_empty() {
                     // Retired in memory whatever happens; if the bad table
                     // cannot be written the slots fail again after a reopen
                     // and are retired again, which loses nothing stored.
