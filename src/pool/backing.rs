@@ -2118,7 +2118,9 @@ mod tests {
         ] {
             let text = err.to_string();
             assert!(
-                text.contains("pool.img") && text.contains("in use") && text.contains(&format!("pid {me}")),
+                text.contains("pool.img")
+                    && text.contains("in use")
+                    && text.contains(&format!("pid {me}")),
                 "{text}"
             );
         }
@@ -2130,7 +2132,10 @@ mod tests {
         r1.read_exact_at(&mut buf, 0).unwrap();
         assert!(r1.write_all_at(&buf, 0).is_err(), "a reader cannot write");
         let text = BackingDevice::open(&path).unwrap_err().to_string();
-        assert!(text.contains("in use") && text.contains(&format!("pid {me}")), "{text}");
+        assert!(
+            text.contains("in use") && text.contains(&format!("pid {me}")),
+            "{text}"
+        );
         drop((r1, r2));
         BackingDevice::open(&path).unwrap();
     }
@@ -2145,8 +2150,14 @@ mod tests {
         assert_eq!(
             parse_lock_holders(text, 0, 0x2a, 1234),
             vec![
-                LockHolder { pid: 4242, exclusive: true },
-                LockHolder { pid: 18, exclusive: false }
+                LockHolder {
+                    pid: 4242,
+                    exclusive: true
+                },
+                LockHolder {
+                    pid: 18,
+                    exclusive: false
+                }
             ]
         );
         assert_eq!(parse_lock_holders(text, 0xfd, 1, 1234).len(), 1);
@@ -2165,7 +2176,10 @@ mod tests {
             "{reason}"
         );
         let reason = backing_reason(check_sparse_ok(&link, false).unwrap_err());
-        assert!(reason.contains("fallocate") && reason.contains("--force"), "{reason}");
+        assert!(
+            reason.contains("fallocate") && reason.contains("--force"),
+            "{reason}"
+        );
         check_sparse_ok(&link, true).unwrap();
 
         let a = dir.path("a.pool");
@@ -2188,7 +2202,10 @@ mod tests {
         write_file(&path, &img);
         let reason =
             backing_reason(BackingDevice::create(&path, Some(8 * MIB), MIB, false).unwrap_err());
-        assert!(reason.contains("not a kvtier pool") && reason.contains("--force"), "{reason}");
+        assert!(
+            reason.contains("not a kvtier pool") && reason.contains("--force"),
+            "{reason}"
+        );
         assert_eq!(fs::read(&path).unwrap(), img, "untouched");
         // A sparse or zero file is still fine.
         let zero = dir.path("zero.bin");
