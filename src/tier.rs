@@ -830,10 +830,17 @@ impl Tier {
         }
     }
 
-    /// Put planned I/O into IOCBs while IOCBs are free, then hand them to the engine.
+    /// Put planned I/O into IOCBs while IOCBs are free, then hand them to the
+    /// engine; then announce (and verify) loaded layers, and finish the jobs
+    /// that completes.
     fn pump(&mut self) -> Result<()> {
         self.fill_iocbs()?;
-        self.io.kick()
+        self.io.kick()?;
+        if self.advance_loads() {
+            self.fill_iocbs()?;
+            self.io.kick()?;
+        }
+        Ok(())
     }
 
     /// Put planned I/O into IOCBs and finish completed jobs, without
@@ -854,10 +861,14 @@ impl Tier {
                     .is_some_and(|j| j.items.iter().any(|i| !i.issued()))
             });
             // Jobs whose work is done (or that had none) finish here.
+            // A load finishes once its every layer was announced (verified).
             let done: Vec<JobId> = self
                 .jobs
                 .iter()
-                .filter(|(_, j)| j.all_items_complete())
+                .filter(|(_, j)| {
+                    j.all_items_complete()
+                        && (j.kind != JobKind::Load || j.layers_done == j.layers.end)
+                })
                 .map(|(&id, _)| id)
                 .collect();
             for id in done {
@@ -1029,9 +1040,23 @@ impl Tier {
                 }
             }
         }
-        if job.kind == JobKind::Load {
-            // Layers complete in order: advance over every complete layer,
-            // verifying each before it is announced.
+    }
+
+    /// Announce the layers of loads that are in memory, in order, each
+    /// verified first. Runs after new I/O was handed to the engine, so the
+    /// checksum work overlaps the reads of later layers. True if any layer
+    /// was announced.
+    fn advance_loads(&mut self) -> bool {
+        let mut any = false;
+        let mut ids: Vec<JobId> = self
+            .jobs
+            .iter()
+            .filter(|(_, j)| j.kind == JobKind::Load && j.layers_done < j.layers.end)
+            .map(|(&id, _)| id)
+            .collect();
+        ids.sort_unstable();
+        for id in ids {
+            let job = self.jobs.get_mut(&id).expect("live job");
             while job.layers_done < job.layers.end {
                 let li = (job.layers_done - job.layers.start) as usize;
                 if !job.items[li].complete() {
@@ -1050,8 +1075,10 @@ impl Tier {
                     error: job.items[li].failed.clone(),
                 });
                 job.layers_done += 1;
+                any = true;
             }
         }
+        any
     }
 
     /// Finish a job whose items are complete. False if it still waits on
@@ -1196,7 +1223,8 @@ impl Tier {
         self.take_engine_error()?;
         self.fill_iocbs()?;
         if self.iocb_owner.is_empty() {
-            return Ok(());
+            // Nothing to wait for, but loaded layers may wait to be announced.
+            return self.pump();
         }
         let iocb = self.io.wait_cqe()?;
         self.on_iocb(iocb);
@@ -1353,20 +1381,22 @@ impl Drop for Tier {
     }
 }
 
+/// The bytes of one object of a memory block.
+fn object_bytes(table: &P2pTable, mem_block: u32, layer: u32, kv: u32) -> &[u8] {
+    let d = table
+        .entry(table.index(mem_block, layer, kv))
+        .expect("in table");
+    // SAFETY: the descriptor addresses registered host memory the caller
+    // keeps alive (register_memory's contract), and no I/O writes it now: a
+    // store reads it, or the load that wrote this layer has completed.
+    unsafe { std::slice::from_raw_parts(d.addr as *const u8, d.len as usize) }
+}
+
 /// crc32c of layer `layer` of a memory block: its K object, then its V object.
 fn layer_crc(table: &P2pTable, mem_block: u32, layer: u32) -> u32 {
-    let mut crc = 0;
-    for kv in 0..2 {
-        let d = table
-            .entry(table.index(mem_block, layer, kv))
-            .expect("in table");
-        // SAFETY: the descriptor addresses registered host memory the caller
-        // keeps alive (register_memory's contract), and no I/O writes it now:
-        // a store reads it, or the load that wrote this layer has completed.
-        let bytes = unsafe { std::slice::from_raw_parts(d.addr as *const u8, d.len as usize) };
-        crc = crc32c::crc32c_append(crc, bytes);
-    }
-    crc
+    (0..2).fold(0, |crc, kv| {
+        crc32c::crc32c_append(crc, object_bytes(table, mem_block, layer, kv))
+    })
 }
 
 /// One crc32c per layer of a block in host memory (what its header records).
@@ -1394,20 +1424,16 @@ fn verify_layer(
         }
         let check = job.load.as_mut().expect("a load");
         let slot = check.slots[p];
-        let got = layer_crc(table, job.mem_blocks[p], layer);
-        check.running[p] = if layer == job.layers.start {
-            got
-        } else {
-            crc32c::crc32c_combine(
-                check.running[p],
-                got,
-                2 * pool.geometry().object_bytes() as usize,
-            )
-        };
+        let mem = job.mem_blocks[p];
         let ok = match pool.layer_crc(slot, layer) {
-            Some(want) => got == want,
+            Some(want) => layer_crc(table, mem, layer) == want,
             // Only a whole-block checksum: checkable once every layer is in.
-            None => !last || pool.block_crc(slot).is_none_or(|w| w == check.running[p]),
+            None => {
+                check.running[p] = (0..2).fold(check.running[p], |crc, kv| {
+                    crc32c::crc32c_append(crc, object_bytes(table, mem, layer, kv))
+                });
+                !last || pool.block_crc(slot).is_none_or(|w| w == check.running[p])
+            }
         };
         if ok {
             continue;

@@ -812,6 +812,8 @@ pub enum Access {
 /// has already exited: the kernel releases a dead process's files when its io_uring
 /// rings are torn down, which may be tens of milliseconds after the exit.
 const RELEASE_GRACE: std::time::Duration = std::time::Duration::from_millis(1500);
+/// How long an open waits for a lock this very process holds (see `lock_device`).
+const SELF_GRACE: std::time::Duration = std::time::Duration::from_millis(300);
 
 /// Removes a file this module created if creating the pool device fails half way.
 struct RemoveOnError<'a> {
@@ -1148,8 +1150,13 @@ fn lock_device(path: &Path, file: &File, access: Access) -> Result<()> {
             .context(|| format!("stat {}", path.display()))?;
         let holders = lock_holders(&meta);
         let me = std::process::id() as i32;
-        let live = holders.iter().any(|h| h.pid == me || process_alive(h.pid));
-        if live || std::time::Instant::now() >= deadline {
+        let other = holders.iter().any(|h| h.pid != me && process_alive(h.pid));
+        // A lock this process holds may be a child's inherited copy of our
+        // descriptor for the moment between its fork and exec: wait that out
+        // briefly before calling it a second open.
+        let mine = holders.iter().any(|h| h.pid == me);
+        let now = std::time::Instant::now();
+        if other || now >= deadline || (mine && now + RELEASE_GRACE - SELF_GRACE >= deadline) {
             return Err(in_use_error(path, access, &holders));
         }
         std::thread::sleep(std::time::Duration::from_millis(10));

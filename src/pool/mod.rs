@@ -121,6 +121,8 @@ pub struct Pool {
     writable: bool,
     layout: PoolLayout,
     crcs: SlotCrcs,
+    /// Appends one layer's checksum to a block's running checksum.
+    layer_concat: CrcConcat,
     /// Slots whose header sector could not be read at open: their blocks are lost.
     unreadable_headers: Vec<u64>,
     uuid: [u8; 16],
@@ -249,16 +251,48 @@ impl SlotCrcs {
     }
 }
 
+/// crc32c(A ‖ B) from crc32c(A) and crc32c(B), for B of one fixed length.
+/// Appending B shifts A's checksum by a linear map that depends only on B's
+/// length, so it is built once here: `crc32c_combine` rebuilds it on every
+/// call (tens of microseconds), too slow for once per layer of every block.
+#[derive(Clone, Copy, Debug)]
+pub struct CrcConcat {
+    cols: [u32; 32],
+}
+
+impl CrcConcat {
+    pub fn new(len_b: u64) -> CrcConcat {
+        let mut cols = [0u32; 32];
+        for (i, c) in cols.iter_mut().enumerate() {
+            *c = crc32c::crc32c_combine(1 << i, 0, len_b as usize);
+        }
+        CrcConcat { cols }
+    }
+
+    pub fn apply(&self, crc_a: u32, crc_b: u32) -> u32 {
+        let mut out = crc_b;
+        let mut a = crc_a;
+        let mut i = 0;
+        while a != 0 {
+            if a & 1 != 0 {
+                out ^= self.cols[i];
+            }
+            a >>= 1;
+            i += 1;
+        }
+        out
+    }
+}
+
 /// crc32c of a whole block from its per-layer checksums (each over the layer's
-/// K then V object, `layer_bytes` long): the block's (layer, K|V) order.
-pub fn combine_layer_crcs(layer_crcs: &[u32], layer_bytes: u64) -> u32 {
+/// K then V object; `concat` built for that length): the block's (layer,
+/// K|V) order.
+pub fn combine_layer_crcs(layer_crcs: &[u32], concat: &CrcConcat) -> u32 {
     let mut it = layer_crcs.iter();
     let Some(&first) = it.next() else {
         return 0;
     };
-    it.fold(first, |acc, &c| {
-        crc32c::crc32c_combine(acc, c, layer_bytes as usize)
-    })
+    it.fold(first, |acc, &c| concat.apply(acc, c))
 }
 
 /// The range of slots one device of a pool holds, for its bad table.
@@ -425,6 +459,7 @@ impl Pool {
         Ok(Pool {
             index: Index::new(layout.total_slots()),
             crcs: SlotCrcs::new(layout.total_slots(), g.layers),
+            layer_concat: CrcConcat::new(2 * g.object_bytes()),
             device_sizes: devices.iter().map(|d| d.size()).collect(),
             writable: true,
             devices,
@@ -582,6 +617,7 @@ impl Pool {
         let mut pool = Pool {
             index: Index::new(layout.total_slots()),
             crcs: SlotCrcs::new(layout.total_slots(), geometry.layers),
+            layer_concat: CrcConcat::new(2 * geometry.object_bytes()),
             device_sizes,
             writable: true,
             unreadable_headers: Vec::new(),
@@ -766,8 +802,7 @@ impl Pool {
                 .chunks(4)
                 .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
                 .collect();
-            let layer_bytes = 2 * self.layout.geometry.object_bytes();
-            if combine_layer_crcs(&crcs, layer_bytes) != h.data_crc {
+            if combine_layer_crcs(&crcs, &self.layer_concat) != h.data_crc {
                 return HeaderKind::Damaged;
             }
             layer_crcs = Some(crcs);
@@ -790,8 +825,7 @@ impl Pool {
         generation: u64,
         layer_crcs: Option<&[u32]>,
     ) {
-        let layer_bytes = 2 * self.layout.geometry.object_bytes();
-        let data_crc = layer_crcs.map(|l| combine_layer_crcs(l, layer_bytes));
+        let data_crc = layer_crcs.map(|l| combine_layer_crcs(l, &self.layer_concat));
         let mut h = self.make_header(key, slot, generation, data_crc);
         sector.fill(0);
         if let Some(l) = layer_crcs.filter(|l| l.len() as u32 <= MAX_LAYER_CRCS) {
@@ -1123,6 +1157,24 @@ fn check_named_once(paths: &[PathBuf]) -> Result<()> {
         seen.push((id, p));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_layer_checksums_combine_to_the_whole_block_checksum() {
+        let layer = 3 * 4096;
+        let data: Vec<u8> = (0..5 * layer).map(|i| (i * 31 % 251) as u8).collect();
+        let per: Vec<u32> = data.chunks(layer).map(crc32c::crc32c).collect();
+        let concat = CrcConcat::new(layer as u64);
+        assert_eq!(combine_layer_crcs(&per, &concat), crc32c::crc32c(&data));
+        assert_eq!(
+            concat.apply(per[0], per[1]),
+            crc32c::crc32c(&data[..2 * layer])
+        );
+    }
 }
 
 fn truncate(s: &str, max: usize) -> String {
