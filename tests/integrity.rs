@@ -633,7 +633,8 @@ fn forged_superblocks_with_valid_checksums_are_refused_by_field() {
     let dir = TempDir::new("forged");
     let paths = stored_pool(&dir, 2, 2);
     let pristine = std::fs::read(&paths[0]).unwrap();
-    let cases: Vec<(&str, Box<dyn Fn(&mut Superblock)>)> = vec![
+    type Edit = Box<dyn Fn(&mut Superblock)>;
+    let cases: Vec<(&str, Edit)> = vec![
         (
             "groups_on_device",
             Box::new(|s| s.groups_on_device = u32::MAX),

@@ -1159,24 +1159,6 @@ fn check_named_once(paths: &[PathBuf]) -> Result<()> {
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn per_layer_checksums_combine_to_the_whole_block_checksum() {
-        let layer = 3 * 4096;
-        let data: Vec<u8> = (0..5 * layer).map(|i| (i * 31 % 251) as u8).collect();
-        let per: Vec<u32> = data.chunks(layer).map(crc32c::crc32c).collect();
-        let concat = CrcConcat::new(layer as u64);
-        assert_eq!(combine_layer_crcs(&per, &concat), crc32c::crc32c(&data));
-        assert_eq!(
-            concat.apply(per[0], per[1]),
-            crc32c::crc32c(&data[..2 * layer])
-        );
-    }
-}
-
 fn truncate(s: &str, max: usize) -> String {
     let mut end = s.len().min(max);
     while !s.is_char_boundary(end) {
@@ -1362,4 +1344,22 @@ fn check_same_pool(sb: &Superblock, first: &Superblock, path: &Path) -> Result<(
         what: "superblock".into(),
         reason: "its geometry, group size, device count or namespace differs from the other devices' of the same pool; recreate the pool with `kvtier pool create --force`".into(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_layer_checksums_combine_to_the_whole_block_checksum() {
+        let layer = 3 * 4096;
+        let data: Vec<u8> = (0..5 * layer).map(|i| (i * 31 % 251) as u8).collect();
+        let per: Vec<u32> = data.chunks(layer).map(crc32c::crc32c).collect();
+        let concat = CrcConcat::new(layer as u64);
+        assert_eq!(combine_layer_crcs(&per, &concat), crc32c::crc32c(&data));
+        assert_eq!(
+            concat.apply(per[0], per[1]),
+            crc32c::crc32c(&data[..2 * layer])
+        );
+    }
 }
