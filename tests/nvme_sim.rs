@@ -520,7 +520,10 @@ fn pool_on_a_namespace_refuses_a_filesystem_unless_forced() {
         .err()
         .expect("refused")
         .to_string();
-    assert!(err.contains("holds a kvtier pool") && err.contains("--force"), "{err}");
+    assert!(
+        err.contains("holds a kvtier pool") && err.contains("--force"),
+        "{err}"
+    );
     cfg.force = true;
     Pool::create_on(&cfg, vec![ns.storage()]).expect("forced reformat");
 }
