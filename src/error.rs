@@ -171,11 +171,20 @@ pub struct IoFailure {
 impl fmt::Display for IoFailure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let op = self.op;
-        write!(
-            f,
-            "I/O error on device {} at offset {} ({} bytes): {op} failed: ",
-            self.device, self.offset, self.len
-        )?;
+        if op == "flush" {
+            // A flush covers the device's whole write cache, not a range.
+            write!(
+                f,
+                "I/O error on device {}: flush of its write cache failed (writes since the last flush may not be durable): ",
+                self.device
+            )?;
+        } else {
+            write!(
+                f,
+                "I/O error on device {} at offset {} ({} bytes): {op} failed: ",
+                self.device, self.offset, self.len
+            )?;
+        }
         match self.cause {
             IoCause::Errno(e) => write!(f, "{}", std::io::Error::from_raw_os_error(e)),
             IoCause::Short { done } => write!(f, "short {op}: {done} of {} bytes", self.len),

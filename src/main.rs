@@ -190,12 +190,17 @@ enum PoolCmd {
         #[arg(long)]
         json: bool,
     },
-    /// Verify every header and block checksum; exits 1 on damage.
+    /// Verify every header and block checksum; exits 1 on damage (or on
+    /// blocks that carry no checksum to verify).
     Check {
         #[arg(long = "dev", required = true)]
         devs: Vec<PathBuf>,
         #[arg(long)]
         json: bool,
+        /// Drop every damaged or unreadable block (its header is cleared) so
+        /// the pool is clean again; says how many. Needs the pool to itself.
+        #[arg(long)]
+        repair: bool,
     },
 }
 
@@ -406,7 +411,7 @@ fn run(cli: Cli) -> Result<i32> {
             Ok(0)
         }
         Cmd::Pool(PoolCmd::Info { devs, json }) => {
-            let pool = Pool::open(&devs, &OpenExpect::default())?;
+            let pool = Pool::open_read_only(&devs, &OpenExpect::default())?;
             if json {
                 outln!(
                     "{}",
@@ -417,8 +422,12 @@ fn run(cli: Cli) -> Result<i32> {
             }
             Ok(0)
         }
-        Cmd::Pool(PoolCmd::Check { devs, json }) => {
-            let pool = Pool::open(&devs, &OpenExpect::default())?;
+        Cmd::Pool(PoolCmd::Check { devs, json, repair }) => {
+            let mut pool = if repair {
+                Pool::open(&devs, &OpenExpect::default())?
+            } else {
+                Pool::open_read_only(&devs, &OpenExpect::default())?
+            };
             let mut last = std::time::Instant::now();
             let report = pool.check(|done, total| {
                 if last.elapsed().as_millis() > 500 || done == total {
@@ -427,6 +436,11 @@ fn run(cli: Cli) -> Result<i32> {
                 }
             })?;
             let _ = writeln!(std::io::stderr());
+            let repaired = if repair && !report.is_undamaged() {
+                Some(pool.repair(&report)?)
+            } else {
+                None
+            };
             if json {
                 outln!(
                     "{}",
@@ -434,26 +448,60 @@ fn run(cli: Cli) -> Result<i32> {
                 );
             } else {
                 outln!(
-                    "{} live block(s) checked, {} ok, {} read",
+                    "{} live block(s) checked, {} ok, {} unverifiable, {} read",
                     report.blocks_checked,
                     report.blocks_ok,
+                    report.blocks_unverifiable,
                     human_bytes(report.bytes_read)
                 );
                 for s in &report.damaged_headers {
                     outln!("damaged header: slot {s} (its block is not visible)");
                 }
+                for s in &report.unreadable_headers {
+                    outln!("unreadable header: slot {s} (its block, if any, is lost)");
+                }
                 for (s, k) in &report.bad_data {
                     outln!("bad data: slot {s} key {k} does not match its checksum");
                 }
+                for (s, k) in &report.unreadable_data {
+                    outln!("unreadable data: slot {s} key {k} cannot be read");
+                }
+                if report.bad_slots > 0 {
+                    outln!(
+                        "{} slot(s) retired after write errors (capacity lost, no data)",
+                        report.bad_slots
+                    );
+                }
+                if report.blocks_unverifiable > 0 {
+                    outln!(
+                        "{} block(s) were stored from memory the host could not read (GPU memory) and carry no data checksum: they cannot be verified",
+                        report.blocks_unverifiable
+                    );
+                }
+            }
+            if let Some(n) = repaired {
+                outln!(
+                    "repaired: dropped {n} damaged block(s) and cleared {} damaged header(s); the pool now holds only blocks that verify",
+                    report.damaged_headers.len()
+                );
+                return Ok(0);
             }
             if report.is_clean() {
                 outln!("pool is clean");
                 Ok(0)
+            } else if report.is_undamaged() {
+                outln!(
+                    "pool is NOT VERIFIED: no damage found, but {} block(s) carry no checksum",
+                    report.blocks_unverifiable
+                );
+                Ok(1)
             } else {
                 outln!(
-                    "pool is DAMAGED: {} damaged header(s), {} block(s) with bad data",
+                    "pool is DAMAGED: {} damaged header(s), {} unreadable header(s), {} block(s) with bad data, {} unreadable; `kvtier pool check --repair` drops them",
                     report.damaged_headers.len(),
-                    report.bad_data.len()
+                    report.unreadable_headers.len(),
+                    report.bad_data.len(),
+                    report.unreadable_data.len()
                 );
                 Ok(1)
             }
@@ -508,8 +556,13 @@ fn print_info(pool: &Pool) -> Result<()> {
         human_bytes(i.group_bytes)
     );
     for (n, d) in i.devices.iter().enumerate() {
+        let backing = if d.backing_size > d.size {
+            format!(" of its {}", human_bytes(d.backing_size))
+        } else {
+            String::new()
+        };
         outln!(
-            "  device {n}: {} ({}, {} groups)",
+            "  device {n}: {} ({}{backing}, {} groups)",
             d.path.display(),
             human_bytes(d.size),
             d.groups
@@ -529,6 +582,15 @@ fn print_info(pool: &Pool) -> Result<()> {
             "  WARNING: {} damaged header(s); run `kvtier pool check`",
             i.damaged_headers
         );
+    }
+    if i.unreadable_headers > 0 {
+        outln!(
+            "  WARNING: {} header sector(s) could not be read; their blocks are lost",
+            i.unreadable_headers
+        );
+    }
+    if i.bad_slots > 0 {
+        outln!("  {} slot(s) retired after write errors", i.bad_slots);
     }
     Ok(())
 }

@@ -18,6 +18,13 @@
 //! keys enter the index and the job report success. A crash at any point
 //! leaves either the old state or the new one visible, never a header over
 //! data it does not describe.
+//!
+//! Loads into host memory verify every layer against the crc32c its header
+//! recorded before the layer is announced: a block whose bytes differ from what
+//! was stored (a flipped bit, a write the device acknowledged but lost) fails
+//! with `KeyOutcome::Corrupt` and is dropped from the pool, never returned.
+//! A write that fails with an I/O error retires the slots it covered, so one
+//! bad region costs its capacity, not the cache.
 
 use crate::engine::uring::{UringConfig, UringDevice, UringEngine};
 use crate::engine::{EngineStats, IoEngine};
@@ -48,6 +55,14 @@ pub struct TierConfig {
     /// device's bandwidth, not a share of it (two layers are always allowed
     /// in flight so the device never idles between layers).
     pub load_lookahead_bytes: u64,
+    /// Verify the checksum of every block loaded into host memory (on by
+    /// default; off only to measure what it costs).
+    #[serde(default = "verify_loads_default")]
+    pub verify_loads: bool,
+}
+
+fn verify_loads_default() -> bool {
+    true
 }
 
 impl Default for TierConfig {
@@ -58,6 +73,7 @@ impl Default for TierConfig {
             max_io_bytes: 4 << 20,
             header_staging: 8192,
             load_lookahead_bytes: 64 << 20,
+            verify_loads: true,
         }
     }
 }
@@ -87,11 +103,16 @@ pub enum KeyOutcome {
     /// Store of a key the pool already held (or another job stored): no I/O.
     AlreadyStored,
     Failed(Failure),
+    /// Loaded bytes did not match the checksum stored with the block: the
+    /// failure (kind Corrupt) names the device, offset and key. The block was
+    /// dropped from the pool (its header invalidated) and is never served
+    /// again.
+    Corrupt(Failure),
 }
 
 impl KeyOutcome {
     pub fn is_ok(&self) -> bool {
-        !matches!(self, KeyOutcome::Failed(_))
+        !matches!(self, KeyOutcome::Failed(_) | KeyOutcome::Corrupt(_))
     }
 }
 
@@ -114,7 +135,7 @@ impl JobResult {
             .iter()
             .zip(&self.outcomes)
             .filter_map(|(k, o)| match o {
-                KeyOutcome::Failed(f) => Some((k, f)),
+                KeyOutcome::Failed(f) | KeyOutcome::Corrupt(f) => Some((k, f)),
                 _ => None,
             })
     }
@@ -197,6 +218,21 @@ struct StoreState {
     evicted: Vec<Key>,
     /// Set once a failure makes the remaining steps pointless.
     abandoned: Option<Failure>,
+    /// Slots whose writes failed with an I/O error: retired when the job ends.
+    bad_slots: Vec<u64>,
+}
+
+/// What a load checks its bytes against.
+struct LoadCheck {
+    /// The slot each key position reads (the index may drop or move a key
+    /// while the load runs; the job still owns what it read).
+    slots: Vec<u64>,
+    /// Verify layers as they land (host memory, `verify_loads`).
+    verify: bool,
+    /// Per key: running crc32c over the layers loaded so far, for blocks whose
+    /// headers carry only a whole-block checksum (checked after the last layer
+    /// when the load covers them all).
+    running: Vec<u32>,
 }
 
 struct Job {
@@ -213,6 +249,7 @@ struct Job {
     layers: Range<u32>,
     layers_done: u32,
     store: Option<StoreState>,
+    load: Option<LoadCheck>,
 }
 
 impl Job {
@@ -224,7 +261,10 @@ impl Job {
         }
     }
     fn failed(&self, pos: usize) -> bool {
-        matches!(self.outcomes[pos], Some(KeyOutcome::Failed(_)))
+        matches!(
+            self.outcomes[pos],
+            Some(KeyOutcome::Failed(_) | KeyOutcome::Corrupt(_))
+        )
     }
     fn all_items_complete(&self) -> bool {
         self.items.iter().all(Item::complete)
@@ -305,6 +345,11 @@ impl Tier {
         }
         if cfg.header_staging < 2 {
             return Err(Error::invalid("header_staging must be at least 2"));
+        }
+        if !pool.is_writable() {
+            return Err(Error::invalid(
+                "the pool was opened read-only (Pool::open_read_only); open it with Pool::open to serve it",
+            ));
         }
         Ok(Tier {
             io: GioUring::new(cfg.ring_depth, engine)?,
@@ -517,6 +562,7 @@ impl Tier {
                 self.coalesce(IOCTX_OP_READ, &objects),
             ));
         }
+        let verify = self.cfg.verify_loads && table.kind() == MemoryKind::Host;
         let id = self.new_job(Job {
             id: 0,
             kind: JobKind::Load,
@@ -529,6 +575,11 @@ impl Tier {
             layers_done: layers.start,
             layers,
             store: None,
+            load: Some(LoadCheck {
+                running: vec![0; slots.len()],
+                slots,
+                verify,
+            }),
         });
         self.pump_after_submit();
         Ok(id)
@@ -543,14 +594,14 @@ impl Tier {
     }
 
     /// `submit_store` with the data checksums of some blocks already taken
-    /// (`crcs[i]` for `keys[i]`, by [`Tier::block_crc`] on another thread), so
+    /// (`crcs[i]` for `keys[i]`, by [`Tier::layer_crcs`] on another thread), so
     /// that the thread that owns the tier does not spend its time hashing.
     /// Missing ones (`None`) are computed here.
     pub fn submit_store_with_crcs(
         &mut self,
         keys: &[Key],
         mem_blocks: &[u32],
-        crcs: Option<&[Option<u32>]>,
+        crcs: Option<&[Option<Vec<u32>>]>,
     ) -> Result<JobId> {
         if crcs.is_some_and(|c| c.len() != keys.len()) {
             return Err(Error::invalid("one checksum slot per key is needed"));
@@ -673,31 +724,31 @@ impl Tier {
         }
         let data = self.coalesce(IOCTX_OP_WRITE, &objects);
         items.push(self.flush_after(Step::Data, data, all_run, FlushAfter::Data));
-        // (3) Headers, one per block, with the data checksum taken now.
-        let staging = self.staging.as_ref().expect("registered");
+        // (3) Headers, one per block, with the data checksums taken now.
         let mut header_ios = Vec::with_capacity(n);
+        let mut sector = vec![0u8; SLOT_HEADER_BYTES as usize];
         for (j, &p) in new_pos.iter().enumerate() {
             let slot = slots[p as usize].expect("new key");
             // Device memory is not readable here: such blocks carry no data
-            // checksum (`pool check` says so rather than report bad data).
-            let given = crcs.and_then(|c| c[p as usize]);
-            let crc = match table.kind() {
+            // checksum (`pool check` counts them as unverifiable).
+            let given = crcs.and_then(|c| c[p as usize].clone());
+            let crcs = match table.kind() {
                 MemoryKind::Host if given.is_some() => given,
-                MemoryKind::Host => Some(block_crc(&table, mem_blocks[p as usize], geo.layers)),
+                MemoryKind::Host => Some(layer_crcs(&table, mem_blocks[p as usize], geo.layers)),
                 MemoryKind::Gpu { .. } => None,
             };
-            let h = self
-                .pool
-                .make_header(&keys[p as usize], slot, generations[p as usize], crc);
+            self.pool.write_header_sector(
+                &mut sector,
+                &keys[p as usize],
+                slot,
+                generations[p as usize],
+                crcs.as_deref(),
+            );
+            let staging = self.staging.as_ref().expect("registered");
             let ptr = staging.entry_ptr(stage[j]);
             // SAFETY: a staging entry is 4 KiB owned by this job until it finishes.
             unsafe {
-                std::ptr::write_bytes(ptr, 0, SLOT_HEADER_BYTES as usize);
-                std::ptr::copy_nonoverlapping(
-                    bytemuck::bytes_of(&h).as_ptr(),
-                    ptr,
-                    std::mem::size_of_val(&h),
-                );
+                std::ptr::copy_nonoverlapping(sector.as_ptr(), ptr, sector.len());
             }
             let (dev, off) = self.pool.layout().header_offset(slot);
             runs.push(vec![p]);
@@ -706,7 +757,7 @@ impl Tier {
                 dev,
                 offset: off,
                 len: SLOT_HEADER_BYTES as u32,
-                segs: vec![staging.first_index + stage[j]],
+                segs: vec![self.staging.as_ref().expect("registered").first_index + stage[j]],
                 run: runs.len() as u32 - 1,
             });
         }
@@ -732,7 +783,9 @@ impl Tier {
                 waiting_on,
                 evicted: alloc.evicted,
                 abandoned: None,
+                bad_slots: Vec::new(),
             }),
+            load: None,
         });
         debug_assert_eq!(id, this_job);
         self.pump_after_submit();
@@ -804,10 +857,17 @@ impl Tier {
         }
     }
 
-    /// Put planned I/O into IOCBs while IOCBs are free, then hand them to the engine.
+    /// Put planned I/O into IOCBs while IOCBs are free, then hand them to the
+    /// engine; then announce (and verify) loaded layers, and finish the jobs
+    /// that completes.
     fn pump(&mut self) -> Result<()> {
         self.fill_iocbs()?;
-        self.io.kick()
+        self.io.kick()?;
+        if self.advance_loads() {
+            self.fill_iocbs()?;
+            self.io.kick()?;
+        }
+        Ok(())
     }
 
     /// Put planned I/O into IOCBs and finish completed jobs, without
@@ -828,10 +888,14 @@ impl Tier {
                     .is_some_and(|j| j.items.iter().any(|i| !i.issued()))
             });
             // Jobs whose work is done (or that had none) finish here.
+            // A load finishes once its every layer was announced (verified).
             let done: Vec<JobId> = self
                 .jobs
                 .iter()
-                .filter(|(_, j)| j.all_items_complete())
+                .filter(|(_, j)| {
+                    j.all_items_complete()
+                        && (j.kind != JobKind::Load || j.layers_done == j.layers.end)
+                })
                 .map(|(&id, _)| id)
                 .collect();
             for id in done {
@@ -935,10 +999,14 @@ impl Tier {
         let ring = self.io.ring();
         let b = ring.iocb(iocb);
         let mut failures: Vec<(u32, Failure)> = Vec::new();
+        let mut media_failures: Vec<IoCtx> = Vec::new();
         if b.hdr.errors > 0 {
             for c in &b.ctx[..b.hdr.count as usize] {
                 if c.status != IOCTX_STATUS_OK {
                     failures.push((c.tag, Failure::from_io(describe_failure(c, &self.pool))));
+                    if is_media_error(c) {
+                        media_failures.push(*c);
+                    }
                 }
             }
         }
@@ -959,6 +1027,47 @@ impl Tier {
                 }
             }
         }
+        if let Some(st) = &mut job.store {
+            // A write the device refused with an I/O error marks the slots it
+            // covered as bad, so the allocator stops handing them out.
+            for c in &media_failures {
+                if c.op != IOCTX_OP_WRITE {
+                    continue;
+                }
+                let layout = self.pool.layout();
+                let end = c.dev_offset + c.len as u64;
+                let hit = |dev: u16, off: u64, len: u64| {
+                    dev == c.dev && off < end && c.dev_offset < off + len
+                };
+                let obj = self.pool.geometry().object_bytes();
+                let layers = self.pool.geometry().layers;
+                for &p in &job.runs[c.tag as usize] {
+                    let Some(slot) = st.slots[p as usize] else {
+                        continue;
+                    };
+                    let (hd, ho) = layout.header_offset(slot);
+                    let touched = hit(hd, ho, SLOT_HEADER_BYTES)
+                        || (0..layers).any(|l| {
+                            (0..2).any(|kv| {
+                                let (d, o) = layout.object_offset(slot, l, kv);
+                                hit(d, o, obj)
+                            })
+                        });
+                    if touched && !st.bad_slots.contains(&slot) {
+                        st.bad_slots.push(slot);
+                    }
+                }
+                // An invalidation covers slots that are not this job's keys.
+                if step == Step::Invalidate {
+                    for &s in &st.invalidated {
+                        let (hd, ho) = layout.header_offset(s);
+                        if hit(hd, ho, SLOT_HEADER_BYTES) && !st.bad_slots.contains(&s) {
+                            st.bad_slots.push(s);
+                        }
+                    }
+                }
+            }
+        }
         if let (Some(st), Step::Flush(FlushAfter::Invalidate)) = (&mut job.store, step) {
             if job.items[ix].complete() && st.abandoned.is_none() {
                 for &s in &st.invalidated {
@@ -966,21 +1075,45 @@ impl Tier {
                 }
             }
         }
-        if job.kind == JobKind::Load {
-            // Layers complete in order: advance over every complete layer.
+    }
+
+    /// Announce the layers of loads that are in memory, in order, each
+    /// verified first. Runs after new I/O was handed to the engine, so the
+    /// checksum work overlaps the reads of later layers. True if any layer
+    /// was announced.
+    fn advance_loads(&mut self) -> bool {
+        let mut any = false;
+        let mut ids: Vec<JobId> = self
+            .jobs
+            .iter()
+            .filter(|(_, j)| j.kind == JobKind::Load && j.layers_done < j.layers.end)
+            .map(|(&id, _)| id)
+            .collect();
+        ids.sort_unstable();
+        for id in ids {
+            let job = self.jobs.get_mut(&id).expect("live job");
             while job.layers_done < job.layers.end {
                 let li = (job.layers_done - job.layers.start) as usize;
                 if !job.items[li].complete() {
                     break;
                 }
+                let layer = job.layers_done;
+                if job.load.as_ref().is_some_and(|l| l.verify) {
+                    if let Some(msg) = verify_layer(job, layer, &mut self.pool, self.table.as_ref())
+                    {
+                        job.items[li].failed.get_or_insert(msg);
+                    }
+                }
                 self.layer_events.push_back(LayerDone {
                     job: id,
-                    layer: job.layers_done,
+                    layer,
                     error: job.items[li].failed.clone(),
                 });
                 job.layers_done += 1;
+                any = true;
             }
         }
+        any
     }
 
     /// Finish a job whose items are complete. False if it still waits on
@@ -1002,8 +1135,17 @@ impl Tier {
         let mut evicted = Vec::new();
         match job.kind {
             JobKind::Load => {
+                let slots = job.load.take().map(|l| l.slots).unwrap_or_default();
                 for (i, k) in job.keys.iter().enumerate() {
-                    self.pool.index_mut().unpin_job(k);
+                    let slot = slots.get(i).copied();
+                    let ix = self.pool.index_mut();
+                    if slot.is_none() || ix.get(k).map(|e| e.slot) == slot {
+                        ix.unpin_job(k);
+                    } else if let Some(s) = slot {
+                        // The key was dropped (its block failed verification)
+                        // while this load read it.
+                        ix.release_condemned(s);
+                    }
                     if job.outcomes[i].is_none() {
                         job.outcomes[i] = Some(KeyOutcome::Done);
                     }
@@ -1011,6 +1153,11 @@ impl Tier {
             }
             JobKind::Store => {
                 let st = job.store.take().expect("store state");
+                // Slots are retired only when the device still completed the
+                // job's flushes: a device that fails everything (gone, or
+                // power lost) would otherwise retire every slot it was asked
+                // to write, for a fault that is not in those sectors.
+                let retire = st.abandoned.is_none();
                 for (i, k) in job.keys.iter().enumerate() {
                     if let Some(slot) = st.slots[i] {
                         self.storing.remove(k);
@@ -1023,6 +1170,9 @@ impl Tier {
                             // later failure: treat it as stale until rewritten.
                             self.pool.index_mut().abort(slot);
                             self.pool.index_mut().mark_stale_header(slot);
+                            if retire && st.bad_slots.contains(&slot) {
+                                self.pool.index_mut().retire(slot);
+                            }
                             if job.outcomes[i].is_none() {
                                 let why = st.abandoned.clone().unwrap_or_else(|| {
                                     Failure::new(ErrorKind::Internal, "store failed")
@@ -1041,6 +1191,12 @@ impl Tier {
                             "another job storing the same key failed; store it again",
                         ))
                     });
+                }
+                if retire && !st.bad_slots.is_empty() {
+                    // Retired in memory whatever happens; if the bad table
+                    // cannot be written the slots fail again after a reopen
+                    // and are retired again, which loses nothing stored.
+                    let _ = self.pool.retire_slots(&st.bad_slots);
                 }
                 if let Some(staging) = self.staging.as_mut() {
                     staging.free.extend(st.staging);
@@ -1102,7 +1258,8 @@ impl Tier {
         self.take_engine_error()?;
         self.fill_iocbs()?;
         if self.iocb_owner.is_empty() {
-            return Ok(());
+            // Nothing to wait for, but loaded layers may wait to be announced.
+            return self.pump();
         }
         let iocb = self.io.wait_cqe()?;
         self.on_iocb(iocb);
@@ -1275,12 +1432,13 @@ impl Tier {
         self.table.as_ref()
     }
 
-    /// The data checksum a store of `mem_block` records in its header, or
-    /// None when the memory is not readable by the CPU (GPU memory).
-    pub fn block_crc(table: &P2pTable, mem_block: u32, layers: u32) -> Option<u32> {
+    /// The data checksums a store of `mem_block` records in its header (one
+    /// crc32c per layer, K then V), or None when the memory is not readable
+    /// by the CPU (GPU memory).
+    pub fn layer_crcs(table: &P2pTable, mem_block: u32, layers: u32) -> Option<Vec<u32>> {
         match table.kind() {
             MemoryKind::Host if mem_block < table.num_blocks() => {
-                Some(block_crc(table, mem_block, layers))
+                Some(layer_crcs(table, mem_block, layers))
             }
             _ => None,
         }
@@ -1295,21 +1453,105 @@ impl Drop for Tier {
     }
 }
 
-/// crc32c of a block's 2L objects in (layer, K|V) order, read from host memory.
-pub(crate) fn block_crc(table: &P2pTable, mem_block: u32, layers: u32) -> u32 {
-    let mut crc = 0;
-    for layer in 0..layers {
-        for kv in 0..2 {
-            let d = table
-                .entry(table.index(mem_block, layer, kv))
-                .expect("in table");
-            // SAFETY: the descriptor addresses registered host memory the
-            // caller keeps alive (register_memory's contract).
-            let bytes = unsafe { std::slice::from_raw_parts(d.addr as *const u8, d.len as usize) };
-            crc = crc32c::crc32c_append(crc, bytes);
+/// The bytes of one object of a memory block.
+fn object_bytes(table: &P2pTable, mem_block: u32, layer: u32, kv: u32) -> &[u8] {
+    let d = table
+        .entry(table.index(mem_block, layer, kv))
+        .expect("in table");
+    // SAFETY: the descriptor addresses registered host memory the caller
+    // keeps alive (register_memory's contract), and no I/O writes it now: a
+    // store reads it, or the load that wrote this layer has completed.
+    unsafe { std::slice::from_raw_parts(d.addr as *const u8, d.len as usize) }
+}
+
+/// crc32c of layer `layer` of a memory block: its K object, then its V object.
+fn layer_crc(table: &P2pTable, mem_block: u32, layer: u32) -> u32 {
+    (0..2).fold(0, |crc, kv| {
+        crc32c::crc32c_append(crc, object_bytes(table, mem_block, layer, kv))
+    })
+}
+
+/// One crc32c per layer of a block in host memory (what its header records).
+fn layer_crcs(table: &P2pTable, mem_block: u32, layers: u32) -> Vec<u32> {
+    (0..layers)
+        .map(|l| layer_crc(table, mem_block, l))
+        .collect()
+}
+
+/// Verify layer `layer` of every key a load has not already failed; a key
+/// whose bytes differ from its stored checksum becomes `Corrupt` and leaves
+/// the pool. Returns the first mismatch's message (the layer's error).
+fn verify_layer(
+    job: &mut Job,
+    layer: u32,
+    pool: &mut Pool,
+    table: Option<&Arc<P2pTable>>,
+) -> Option<Failure> {
+    let table = table?;
+    let last = layer + 1 == pool.geometry().layers && job.layers.start == 0;
+    let mut first = None;
+    for p in 0..job.keys.len() {
+        if job.failed(p) {
+            continue;
         }
+        let check = job.load.as_mut().expect("a load");
+        let slot = check.slots[p];
+        let mem = job.mem_blocks[p];
+        let ok = match pool.layer_crc(slot, layer) {
+            Some(want) => layer_crc(table, mem, layer) == want,
+            // Only a whole-block checksum: checkable once every layer is in.
+            None => {
+                check.running[p] = (0..2).fold(check.running[p], |crc, kv| {
+                    crc32c::crc32c_append(crc, object_bytes(table, mem, layer, kv))
+                });
+                !last || pool.block_crc(slot).is_none_or(|w| w == check.running[p])
+            }
+        };
+        if ok {
+            continue;
+        }
+        let key = job.keys[p];
+        let (dev, off) = pool.layout().object_offset(slot, layer, 0);
+        let device = pool
+            .devices()
+            .get(dev as usize)
+            .map(|d| d.path().display().to_string())
+            .unwrap_or_else(|| format!("#{dev}"));
+        // Only drop the key if the index still maps it to the slot this load
+        // read (it may have been dropped and stored anew meanwhile).
+        let dropped = if pool.index().get(&key).map(|e| e.slot) == Some(slot) {
+            match pool.drop_damaged(&key) {
+                Ok(_) => "it was dropped from the pool; store it again".to_string(),
+                Err(e) => format!(
+                    "it was dropped from the index, but its header could not be cleared ({e})"
+                ),
+            }
+        } else {
+            "it was already dropped from the pool".to_string()
+        };
+        let failure = Failure::corrupt(
+            &key.to_string(),
+            &device,
+            off,
+            &format!(
+                "layer {layer} (slot {slot}) does not match the checksum stored with it; {dropped}"
+            ),
+        );
+        job.outcomes[p] = Some(KeyOutcome::Corrupt(failure.clone()));
+        first.get_or_insert(failure);
     }
-    crc
+    first
+}
+
+/// An I/O error that says the device's media failed there (rather than a
+/// malformed request, a short transfer or a full filesystem).
+fn is_media_error(c: &IoCtx) -> bool {
+    match c.status {
+        IOCTX_STATUS_ERRNO => c.result as i32 == libc::EIO,
+        // NVMe: Media and Data Integrity Errors (status code type 2).
+        s if s != IOCTX_STATUS_OK && s < IOCTX_STATUS_ERRNO => (s >> 8) & 0x7 == 2,
+        _ => false,
+    }
 }
 
 fn describe_failure(c: &IoCtx, pool: &Pool) -> IoFailure {

@@ -287,7 +287,6 @@ fn unsealed_superblocks_are_refused() {
 /// layers or block size, groups past the end of the device). Each must be
 /// refused by name or opened within bounds.
 #[test]
-#[ignore = "needs the pool's superblock field validation (the integrity-pool branch); until then forged fields allocate without bound"]
 fn forged_superblocks_are_refused_or_bounded() {
     limit_address_space();
     let seeds = corpus("superblock");

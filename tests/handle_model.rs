@@ -227,6 +227,7 @@ fn sequential_ops_match_the_model() {
                             let pool_full = f.kind == ErrorKind::Backpressure;
                             assert!(faulty || pool_full, "step {step}: store of {k} failed: {f}");
                         }
+                        KeyOutcome::Corrupt(f) => panic!("step {step}: a store said corrupt: {f}"),
                     }
                 }
                 for &k in &ks {
@@ -341,6 +342,7 @@ fn concurrent_callers_keep_every_acknowledged_store_and_every_byte() {
                                         matches!(f.kind, ErrorKind::Io | ErrorKind::Backpressure),
                                         "{f}"
                                     ),
+                                    KeyOutcome::Corrupt(f) => panic!("a store said corrupt: {f}"),
                                 }
                             }
                             evicted

@@ -514,6 +514,16 @@ fn pool_on_a_namespace_refuses_a_filesystem_unless_forced() {
     assert!(err.contains("nvme:sim/ns1"), "{err}");
     cfg.force = true;
     Pool::create_on(&cfg, vec![ns.storage()]).expect("forced");
+    // Reformatting a kvtier pool loses its blocks: that takes --force too.
     cfg.force = false;
-    Pool::create_on(&cfg, vec![ns.storage()]).expect("a kvtier pool is ours to reformat");
+    let err = Pool::create_on(&cfg, vec![ns.storage()])
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains("holds a kvtier pool") && err.contains("--force"),
+        "{err}"
+    );
+    cfg.force = true;
+    Pool::create_on(&cfg, vec![ns.storage()]).expect("forced reformat");
 }

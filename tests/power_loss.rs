@@ -584,7 +584,7 @@ fn power_loss_during_stores_loses_nothing_acknowledged() {
                         already += 1;
                         ok_keys.push(*k);
                     }
-                    KeyOutcome::Failed(_) => {}
+                    KeyOutcome::Failed(_) | KeyOutcome::Corrupt(_) => {}
                 }
             }
             acked += ok_keys.len() as u64;

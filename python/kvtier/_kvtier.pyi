@@ -25,7 +25,7 @@ class JobResult:
     job: int
     kind: Literal["load", "store"]
     keys: list[bytes]
-    outcomes: list[Literal["done", "already_stored", "failed"]]
+    outcomes: list[Literal["done", "already_stored", "failed", "corrupt"]]
     errors: list[KvtierError | None]
     evicted: list[bytes]
     @property

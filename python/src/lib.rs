@@ -743,13 +743,16 @@ fn result_py(py: Python<'_>, r: JobResult) -> JobResultPy {
                 KeyOutcome::Done => "done",
                 KeyOutcome::AlreadyStored => "already_stored",
                 KeyOutcome::Failed(_) => "failed",
+                KeyOutcome::Corrupt(_) => "corrupt",
             })
             .collect(),
         errors: r
             .outcomes
             .iter()
             .map(|o| match o {
-                KeyOutcome::Failed(f) => Some(failure_err(py, f).into_value(py).into_any()),
+                KeyOutcome::Failed(f) | KeyOutcome::Corrupt(f) => {
+                    Some(failure_err(py, f).into_value(py).into_any())
+                }
                 _ => None,
             })
             .collect(),

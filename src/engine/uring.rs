@@ -679,6 +679,12 @@ impl Drop for UringEngine {
                 let n = dev.ring.completion().count() as u32;
                 dev.in_flight = dev.in_flight.saturating_sub(n);
             }
+            // Let go of the registered descriptors now: the kernel tears a
+            // closed ring down asynchronously, and until then its registered
+            // files stay open, so their locks (and a block device's exclusive
+            // claim) would outlive this engine and refuse the next opener.
+            let _ = dev.ring.submitter().unregister_files();
+            let _ = dev.ring.submitter().unregister_buffers();
         }
     }
 }

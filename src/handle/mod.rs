@@ -579,7 +579,7 @@ impl TierHandle {
                             if p {
                                 None
                             } else {
-                                Tier::block_crc(table, b, layers)
+                                Tier::layer_crcs(table, b, layers)
                             }
                         })
                         .collect(),

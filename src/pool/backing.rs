@@ -10,8 +10,11 @@
 //!   refused, with or without `force`. A regular file that backs a loop device or is an
 //!   active swap file is refused the same way.
 //! * A device or file that holds a recognised filesystem, partition table or volume
-//!   signature, or any other non-zero data that is not a kvtier pool, is refused unless
-//!   `force` is set; the error names the device, what was found, and the fix.
+//!   signature, any other non-zero data (anywhere, not only in its head), or a kvtier pool
+//!   (reformatting loses its blocks) is refused unless `force` is set; the error names the
+//!   device, what was found, and the fix.
+//! * Every open device carries a `flock` while it is open (exclusive to create or serve,
+//!   shared to inspect): a second process is refused with the holder's pid.
 //! * A backing file is never made larger than asked, and never truncated without `force`.
 //!
 //! All I/O on an open [`BackingDevice`] is positional direct I/O (`O_DIRECT`) through
@@ -499,6 +502,97 @@ pub(crate) fn read_head(file: &File, len: u64) -> io::Result<Vec<u8>> {
     Ok(head)
 }
 
+/// Bytes of a device past its head that [`data_beyond_head`] reads at most: all of it when
+/// the data there is smaller, else evenly spread 1 MiB samples plus the last MiB (where
+/// GPT backups and md 0.90/1.0 superblocks live).
+const DATA_SCAN_BUDGET: u64 = 64 << 20;
+const DATA_SCAN_CHUNK: u64 = 1 << 20;
+
+/// The next data extent of a regular file at or after `from` (SEEK_DATA / SEEK_HOLE), or
+/// the whole rest when the filesystem cannot say.
+fn next_data_extent(file: &File, from: u64, len: u64) -> Option<(u64, u64)> {
+    let fd = file.as_raw_fd();
+    let at = libc::off_t::try_from(from).ok()?;
+    // SAFETY: lseek only moves the offset of an open descriptor (kvtier reads and writes
+    // it positionally, so the offset is not used elsewhere).
+    let start = unsafe { libc::lseek(fd, at, libc::SEEK_DATA) };
+    if start < 0 {
+        return match io::Error::last_os_error().raw_os_error() {
+            Some(libc::ENXIO) => None,
+            _ => Some((from, len)),
+        };
+    }
+    // SAFETY: as above.
+    let end = unsafe { libc::lseek(fd, start, libc::SEEK_HOLE) };
+    let end = if end < 0 { len } else { (end as u64).min(len) };
+    let start = start as u64;
+    (start < end).then_some((start, end))
+}
+
+/// Does `file` (not in O_DIRECT mode) hold non-zero bytes in `[SIGNATURE_PROBE_BYTES,
+/// len)`? A head of zeros says nothing about what follows: a disk image, a database file
+/// or a filesystem that keeps its first sectors empty is still someone's data. Holes of
+/// regular files are skipped; beyond [`DATA_SCAN_BUDGET`] of data the scan samples.
+fn data_beyond_head(file: &File, kind: BackingKind, len: u64) -> io::Result<Option<u64>> {
+    let head = SIGNATURE_PROBE_BYTES as u64;
+    if len <= head {
+        return Ok(None);
+    }
+    let mut extents = Vec::new();
+    match kind {
+        BackingKind::BlockDevice => extents.push((head, len)),
+        BackingKind::File => {
+            let mut at = head;
+            while at < len && extents.len() < 4096 {
+                let Some((start, end)) = next_data_extent(file, at, len) else {
+                    break;
+                };
+                extents.push((start.max(at), end));
+                at = end;
+            }
+            if at < len && extents.len() >= 4096 {
+                extents.push((at, len));
+            }
+        }
+    }
+    let total: u64 = extents.iter().map(|(a, b)| b - a).sum();
+    // Read every byte when it fits the budget, else one chunk every `stride` bytes.
+    let stride = if total <= DATA_SCAN_BUDGET {
+        DATA_SCAN_CHUNK
+    } else {
+        (total / (DATA_SCAN_BUDGET / DATA_SCAN_CHUNK)).max(DATA_SCAN_CHUNK)
+    };
+    let mut buf = vec![0u8; DATA_SCAN_CHUNK as usize];
+    let mut read_chunk = |off: u64, n: u64| -> io::Result<Option<u64>> {
+        let n = n as usize;
+        let mut done = 0;
+        while done < n {
+            match file.read_at(&mut buf[done..n], off + done as u64) {
+                Ok(0) => break,
+                Ok(k) => done += k,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(buf[..done]
+            .iter()
+            .position(|&b| b != 0)
+            .map(|p| off + p as u64))
+    };
+    for &(start, end) in &extents {
+        let mut off = start;
+        while off < end {
+            let n = DATA_SCAN_CHUNK.min(end - off);
+            if let Some(at) = read_chunk(off, n)? {
+                return Ok(Some(at));
+            }
+            off = off.saturating_add(stride);
+        }
+    }
+    let tail = len.saturating_sub(DATA_SCAN_CHUNK).max(head);
+    read_chunk(tail, len - tail)
+}
+
 // ---------------------------------------------------------------------------------------
 // Who else is using a device
 // ---------------------------------------------------------------------------------------
@@ -690,9 +784,11 @@ pub fn mounted_at(path: &Path) -> Result<Option<String>> {
 // BackingDevice
 // ---------------------------------------------------------------------------------------
 
-/// An open backing device: an `O_RDWR | O_DIRECT | O_CLOEXEC` file descriptor (block
-/// devices are also opened `O_EXCL`, so nobody can mount or claim them while the pool is
-/// open), its usable size and kind.
+/// An open backing device: an `O_DIRECT | O_CLOEXEC` file descriptor (block devices are
+/// also opened `O_EXCL`, so nobody can mount or claim them while the pool is open), its
+/// usable size and kind. The descriptor carries a `flock` for as long as it is open
+/// (exclusive for a writer, shared for a reader), so two processes never serve one pool
+/// file at once, nor does `pool check` read a pool another process is writing.
 #[derive(Debug)]
 pub struct BackingDevice {
     path: PathBuf,
@@ -700,7 +796,24 @@ pub struct BackingDevice {
     size: u64,
     kind: BackingKind,
     logical_block_size: u32,
+    access: Access,
 }
+
+/// How an open backing device is held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// Read-write and alone: create, serve, repair.
+    Exclusive,
+    /// Read-only, beside other readers but never beside a writer: `pool info`, `check`.
+    Shared,
+}
+
+/// How long an open waits for a lock (or an exclusive block-device claim) whose holder
+/// has already exited: the kernel releases a dead process's files when its io_uring
+/// rings are torn down, which may be tens of milliseconds after the exit.
+const RELEASE_GRACE: std::time::Duration = std::time::Duration::from_millis(1500);
+/// How long an open waits for a lock this very process holds (see `lock_device`).
+const SELF_GRACE: std::time::Duration = std::time::Duration::from_millis(300);
 
 /// Removes a file this module created if creating the pool device fails half way.
 struct RemoveOnError<'a> {
@@ -782,7 +895,7 @@ fn direct_io_error(path: &Path, e: Errno) -> Error {
 /// Open an existing block device read-write and exclusively (not yet O_DIRECT) after
 /// checking that nothing has it mounted. Returns the file, its byte size and logical
 /// block size.
-fn open_block_device(path: &Path, meta: &fs::Metadata) -> Result<(File, u64, u32)> {
+fn open_block_device(path: &Path, meta: &fs::Metadata, access: Access) -> Result<(File, u64, u32)> {
     if let Some(in_use) = block_device_use(meta)? {
         return Err(backing_error(
             path,
@@ -798,12 +911,33 @@ fn open_block_device(path: &Path, meta: &fs::Metadata) -> Result<(File, u64, u32
             ),
         ));
     }
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_EXCL)
-        .open(path)
-        .map_err(|e| open_error(path, BackingKind::BlockDevice, e))?;
+    let deadline = std::time::Instant::now() + RELEASE_GRACE;
+    let file = loop {
+        match OpenOptions::new()
+            .read(true)
+            .write(access == Access::Exclusive)
+            .custom_flags(libc::O_EXCL)
+            .open(path)
+        {
+            Ok(file) => break file,
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                // Another kvtier process names itself through its lock; a process that
+                // just exited may still hold the claim until its io_uring rings are torn
+                // down, so that is waited out briefly rather than reported as "in use".
+                let holders = lock_holders(meta);
+                let me = std::process::id() as i32;
+                if holders.iter().any(|h| h.pid == me || process_alive(h.pid)) {
+                    return Err(in_use_error(path, access, &holders));
+                }
+                if std::time::Instant::now() >= deadline {
+                    return Err(open_error(path, BackingKind::BlockDevice, e));
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            Err(e) => return Err(open_error(path, BackingKind::BlockDevice, e)),
+        }
+    };
+    lock_device(path, &file, access)?;
     if !file
         .metadata()
         .context(|| format!("stat {}", path.display()))?
@@ -815,7 +949,9 @@ fn open_block_device(path: &Path, meta: &fs::Metadata) -> Result<(File, u64, u32
             "it changed while being opened; try again",
         ));
     }
-    if block_device_read_only(&file).context(|| format!("BLKROGET on {}", path.display()))? {
+    if access == Access::Exclusive
+        && block_device_read_only(&file).context(|| format!("BLKROGET on {}", path.display()))?
+    {
         return Err(backing_error(path, "the block device is read-only"));
     }
     let size =
@@ -848,16 +984,21 @@ fn file_logical_block_size(path: &Path, file: &File) -> Result<u32> {
 /// Refuse a foreign signature unless forced.
 pub(crate) fn check_signature(path: &Path, sig: &Signature, force: bool) -> Result<()> {
     match sig {
-        Signature::Empty | Signature::KvtierPool => Ok(()),
+        Signature::Empty => Ok(()),
         _ if force => Ok(()),
+        Signature::KvtierPool => Err(backing_error(
+            path,
+            "it holds a kvtier pool; pass --force to reformat it (every block stored in it \
+             will be lost), or open it with `kvtier pool info` to see what it holds",
+        )),
         Signature::Filesystem(_) => Err(backing_error(
             path,
             format!("it holds {sig}; pass --force to overwrite it (its contents will be lost)"),
         )),
         Signature::Unknown => Err(backing_error(
             path,
-            "it holds data that is not a kvtier pool (its first bytes are not all zero, do not \
-             begin with the kvtier pool magic and match no known filesystem); pass --force to \
+            "it holds data that is not a kvtier pool (it is not all zero, does not begin with \
+             the kvtier pool magic and matches no known filesystem); pass --force to \
              overwrite it (its contents will be lost)",
         )),
     }
@@ -867,15 +1008,211 @@ fn min_size_hint() -> &'static str {
     "one superblock and one extent group"
 }
 
+/// A process holding a `flock` on a file: its pid and whether the lock is exclusive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct LockHolder {
+    pub(crate) pid: i32,
+    pub(crate) exclusive: bool,
+}
+
+/// Who holds a `flock` on the file with metadata `meta`, from /proc/locks (the only place
+/// the kernel names the owner of a flock). Empty when /proc/locks is unreadable.
+pub(crate) fn lock_holders(meta: &fs::Metadata) -> Vec<LockHolder> {
+    let Ok(text) = fs::read_to_string("/proc/locks") else {
+        return Vec::new();
+    };
+    parse_lock_holders(
+        &text,
+        dev_major(meta.dev()),
+        dev_minor(meta.dev()),
+        meta.ino(),
+    )
+}
+
+/// /proc/locks lines look like `1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF`
+/// (device major:minor in hex, inode in decimal); `1: -> FLOCK ...` lines are waiters.
+fn parse_lock_holders(text: &str, major: u64, minor: u64, ino: u64) -> Vec<LockHolder> {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 6 || f[1] != "FLOCK" {
+            continue;
+        }
+        let mut id = f[5].splitn(3, ':');
+        let (Some(maj), Some(min), Some(i)) = (id.next(), id.next(), id.next()) else {
+            continue;
+        };
+        let same = u64::from_str_radix(maj, 16) == Ok(major)
+            && u64::from_str_radix(min, 16) == Ok(minor)
+            && i.parse::<u64>() == Ok(ino);
+        if !same {
+            continue;
+        }
+        if let Ok(pid) = f[4].parse::<i32>() {
+            out.push(LockHolder {
+                pid,
+                exclusive: f[3] == "WRITE",
+            });
+        }
+    }
+    out
+}
+
+/// Is `pid` a running process (not gone, not a zombie)?
+fn process_alive(pid: i32) -> bool {
+    if pid <= 0 {
+        return false;
+    }
+    match fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state is the first field after the parenthesised command name.
+        Ok(stat) => stat
+            .rsplit_once(") ")
+            .and_then(|(_, rest)| rest.chars().next())
+            .is_some_and(|state| state != 'Z' && state != 'X'),
+        Err(_) => false,
+    }
+}
+
+fn describe_holders(holders: &[LockHolder]) -> String {
+    let me = std::process::id() as i32;
+    let mut pids: Vec<String> = Vec::new();
+    for h in holders {
+        let what = if h.pid == me {
+            format!("this process (pid {})", h.pid)
+        } else if process_alive(h.pid) {
+            format!("pid {}", h.pid)
+        } else {
+            format!("pid {}, which has exited", h.pid)
+        };
+        if !pids.contains(&what) {
+            pids.push(what);
+        }
+    }
+    pids.join(", ")
+}
+
+/// The error for a device another kvtier process (or this one) holds.
+fn in_use_error(path: &Path, access: Access, holders: &[LockHolder]) -> Error {
+    let me = std::process::id() as i32;
+    let writers: Vec<LockHolder> = holders.iter().copied().filter(|h| h.exclusive).collect();
+    let who = if holders.is_empty() {
+        "another process".to_string()
+    } else {
+        describe_holders(if writers.is_empty() {
+            holders
+        } else {
+            &writers
+        })
+    };
+    let reason = if holders.iter().any(|h| h.pid == me) {
+        format!(
+            "it is in use: already open in {who}; a pool may be opened once at a time: drop \
+             the other Pool (or Tier) first"
+        )
+    } else if access == Access::Shared || !writers.is_empty() {
+        format!(
+            "it is in use: {who} has it open for writing (serving, creating or repairing the \
+             pool); stop that process first. Two processes on one pool would return each \
+             other's bytes"
+        )
+    } else {
+        format!(
+            "it is in use: {who} has it open for reading (`kvtier pool info` or `check`); \
+             wait for it to finish"
+        )
+    };
+    backing_error(path, reason)
+}
+
+/// Take the lock that goes with `access` on an open backing device. A conflicting lock
+/// whose holders have all exited is waited out for [`RELEASE_GRACE`]; one held by a live
+/// process (or by this one) is refused at once, naming it.
+fn lock_device(path: &Path, file: &File, access: Access) -> Result<()> {
+    let op = match access {
+        Access::Exclusive => libc::LOCK_EX,
+        Access::Shared => libc::LOCK_SH,
+    } | libc::LOCK_NB;
+    let deadline = std::time::Instant::now() + RELEASE_GRACE;
+    loop {
+        // SAFETY: flock takes an open descriptor and flags; `file` is open for the call.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), op) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EWOULDBLOCK) => {}
+            _ => return Err(Error::io(format!("locking {}", path.display()), e)),
+        }
+        let meta = file
+            .metadata()
+            .context(|| format!("stat {}", path.display()))?;
+        let holders = lock_holders(&meta);
+        let me = std::process::id() as i32;
+        let other = holders.iter().any(|h| h.pid != me && process_alive(h.pid));
+        // A lock this process holds may be a child's inherited copy of our
+        // descriptor for the moment between its fork and exec: wait that out
+        // briefly before calling it a second open.
+        let mine = holders.iter().any(|h| h.pid == me);
+        let now = std::time::Instant::now();
+        if other || now >= deadline || (mine && now + RELEASE_GRACE - SELF_GRACE >= deadline) {
+            return Err(in_use_error(path, access, &holders));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+/// What identifies a backing device whatever path names it: the device number for block
+/// devices (two nodes of one disk are one disk), else the file's device and inode (a hard
+/// link, `./`, or a symlink name the same file).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum DeviceIdentity {
+    Block(u64),
+    File(u64, u64),
+    /// Not there yet: its canonical directory and file name.
+    New(PathBuf),
+}
+
+pub fn device_identity(path: &Path) -> DeviceIdentity {
+    match fs::metadata(path) {
+        Ok(m) if m.file_type().is_block_device() => DeviceIdentity::Block(m.rdev()),
+        Ok(m) => DeviceIdentity::File(m.dev(), m.ino()),
+        Err(_) => {
+            let parent = path
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(Path::new("."));
+            let dir = fs::canonicalize(parent).unwrap_or_else(|_| parent.to_path_buf());
+            DeviceIdentity::New(dir.join(path.file_name().unwrap_or_default()))
+        }
+    }
+}
+
+/// A filesystem that cannot preallocate: the pool file would be sparse, and a store
+/// could fail later when the filesystem fills up. Refused unless forced.
+fn check_sparse_ok(path: &Path, force: bool) -> Result<()> {
+    if force {
+        return Ok(());
+    }
+    Err(backing_error(
+        path,
+        "its filesystem cannot preallocate space (fallocate is not supported), so the pool \
+         file would be sparse and stores could fail later when the filesystem fills up; put \
+         it on ext4, xfs, btrfs or tmpfs, or pass --force to create it sparse anyway",
+    ))
+}
+
 impl BackingDevice {
     /// Format-time open.
     ///
     /// * Regular file: created (mode 0600) if missing; `size` is required and must be a
     ///   multiple of [`DIRECT_IO_ALIGN`]. The file is fallocated to exactly `size` bytes,
     ///   never larger. An existing file larger than `size` is an error unless `force`, in
-    ///   which case it is truncated to `size`. An existing file that is not all zero in
-    ///   its first [`SIGNATURE_PROBE_BYTES`] and is not a kvtier pool is refused unless
-    ///   `force`. A file backing a loop device or serving as swap is always refused.
+    ///   which case it is truncated to `size`. An existing file that is not all zero, or
+    ///   that holds a kvtier pool, is refused unless `force`. A file backing a loop device
+    ///   or serving as swap is always refused, as is one another process holds open.
+    ///   A filesystem that cannot preallocate (the file would be sparse) needs `force`.
     /// * Block device: `size` None uses the whole device (rounded down to
     ///   [`DIRECT_IO_ALIGN`]); `Some(s)` must be a multiple of it and at most the device
     ///   size. A mounted device (or mounted partition / stacked device) is always refused;
@@ -891,6 +1228,20 @@ impl BackingDevice {
         force: bool,
     ) -> Result<BackingDevice> {
         let min_size = min_size.max(DIRECT_IO_ALIGN as u64);
+        if let Ok(link) = fs::symlink_metadata(path) {
+            if link.file_type().is_symlink() && fs::metadata(path).is_err() {
+                let target = fs::read_link(path)
+                    .map(|t| t.display().to_string())
+                    .unwrap_or_else(|_| "?".into());
+                return Err(backing_error(
+                    path,
+                    format!(
+                        "it is a symbolic link to {target}, which does not exist; kvtier does \
+                         not create files through a dangling link: name the file itself"
+                    ),
+                ));
+            }
+        }
         match fs::metadata(path) {
             Ok(meta) => match backing_kind(path, &meta)? {
                 BackingKind::File => Self::create_file(path, Some(meta), size, min_size, force),
@@ -979,6 +1330,9 @@ impl BackingDevice {
             guard.armed = true;
             file
         };
+        // Lock before looking at (or truncating) anything: a live pool's writer or reader
+        // holds it, and formatting under it would corrupt both.
+        lock_device(path, &file, Access::Exclusive)?;
         let meta = file
             .metadata()
             .context(|| format!("stat {}", path.display()))?;
@@ -990,12 +1344,20 @@ impl BackingDevice {
         }
         let len = meta.len();
 
-        let sig = if len == 0 {
+        let mut sig = if len == 0 {
             Signature::Empty
         } else {
             let head = read_head(&file, len).context(|| format!("reading {}", path.display()))?;
             probe_signature(&head)
         };
+        if sig == Signature::Empty
+            && !force
+            && data_beyond_head(&file, BackingKind::File, len)
+                .context(|| format!("reading {}", path.display()))?
+                .is_some()
+        {
+            sig = Signature::Unknown;
+        }
         check_signature(path, &sig, force)?;
 
         if len > size {
@@ -1019,7 +1381,8 @@ impl BackingDevice {
         match allocate_file(&file, size) {
             Ok(()) => {}
             Err(Errno::EOPNOTSUPP) => {
-                // The filesystem cannot preallocate: extend (sparsely) instead.
+                check_sparse_ok(path, force)?;
+                // Forced: extend (sparsely) instead.
                 if len < size {
                     file.set_len(size)
                         .context(|| format!("extending {} to {size} bytes", path.display()))?;
@@ -1071,6 +1434,7 @@ impl BackingDevice {
             size,
             kind: BackingKind::File,
             logical_block_size,
+            access: Access::Exclusive,
         };
         if !matches!(sig, Signature::Empty | Signature::KvtierPool) {
             dev.wipe_head()?;
@@ -1086,7 +1450,8 @@ impl BackingDevice {
         min_size: u64,
         force: bool,
     ) -> Result<BackingDevice> {
-        let (file, device_size, logical_block_size) = open_block_device(path, meta)?;
+        let (file, device_size, logical_block_size) =
+            open_block_device(path, meta, Access::Exclusive)?;
         let usable = match size {
             None => round_down(device_size),
             Some(s) => {
@@ -1139,7 +1504,15 @@ impl BackingDevice {
 
         let head =
             read_head(&file, device_size).context(|| format!("reading {}", path.display()))?;
-        let sig = probe_signature(&head);
+        let mut sig = probe_signature(&head);
+        if sig == Signature::Empty
+            && !force
+            && data_beyond_head(&file, BackingKind::BlockDevice, device_size)
+                .context(|| format!("reading {}", path.display()))?
+                .is_some()
+        {
+            sig = Signature::Unknown;
+        }
         check_signature(path, &sig, force)?;
 
         enable_direct_io(&file).map_err(|e| direct_io_error(path, e))?;
@@ -1149,6 +1522,7 @@ impl BackingDevice {
             size: usable,
             kind: BackingKind::BlockDevice,
             logical_block_size,
+            access: Access::Exclusive,
         };
         if !matches!(sig, Signature::Empty | Signature::KvtierPool) {
             dev.wipe_head()?;
@@ -1179,6 +1553,12 @@ impl BackingDevice {
     /// [`DIRECT_IO_ALIGN`] (the superblock records how much of it the pool uses); a file's
     /// is its length, likewise rounded down.
     pub fn open(path: &Path) -> Result<BackingDevice> {
+        Self::open_with(path, Access::Exclusive)
+    }
+
+    /// [`BackingDevice::open`] for `access`: `Shared` opens read-only (writes fail) under
+    /// a shared lock, for inspecting a pool no process is writing.
+    pub fn open_with(path: &Path, access: Access) -> Result<BackingDevice> {
         let meta = match fs::metadata(path) {
             Ok(meta) => meta,
             Err(e) if e.kind() == ErrorKind::NotFound => {
@@ -1191,16 +1571,17 @@ impl BackingDevice {
         };
         let kind = backing_kind(path, &meta)?;
         let (file, raw_size, lbs) = match kind {
-            BackingKind::BlockDevice => open_block_device(path, &meta)?,
+            BackingKind::BlockDevice => open_block_device(path, &meta, access)?,
             BackingKind::File => {
                 if let Some(why) = regular_file_use(&meta) {
                     return Err(backing_error(path, why));
                 }
                 let file = OpenOptions::new()
                     .read(true)
-                    .write(true)
+                    .write(access == Access::Exclusive)
                     .open(path)
                     .map_err(|e| open_error(path, kind, e))?;
+                lock_device(path, &file, access)?;
                 let meta = file
                     .metadata()
                     .context(|| format!("stat {}", path.display()))?;
@@ -1241,6 +1622,7 @@ impl BackingDevice {
             size,
             kind,
             logical_block_size: lbs,
+            access,
         })
     }
 
@@ -1256,6 +1638,10 @@ impl BackingDevice {
 
     pub fn kind(&self) -> BackingKind {
         self.kind
+    }
+
+    pub fn access(&self) -> Access {
+        self.access
     }
 
     /// BLKSSZGET for block devices; for files the filesystem's direct I/O offset alignment
@@ -1711,10 +2097,127 @@ mod tests {
         assert_eq!(back.as_slice(), pattern(8192, 2).as_slice());
         assert_eq!(fs::metadata(&path).unwrap().len(), size);
         drop(dev);
-        // Re-creating over an existing pool needs no force and keeps the size exact.
-        let dev = BackingDevice::create(&path, Some(size), MIB, false).unwrap();
+        // Re-creating over an existing pool needs force (its blocks would be lost) and
+        // keeps the size exact.
+        let reason =
+            backing_reason(BackingDevice::create(&path, Some(size), MIB, false).unwrap_err());
+        assert!(
+            reason.contains("holds a kvtier pool") && reason.contains("--force"),
+            "{reason}"
+        );
+        let dev = BackingDevice::create(&path, Some(size), MIB, true).unwrap();
         assert_eq!(dev.size(), size);
         assert_eq!(fs::metadata(&path).unwrap().len(), size);
+    }
+
+    #[test]
+    fn a_second_opener_is_refused_naming_the_holder() {
+        let dir = TempDir::new("lock");
+        let path = dir.path("pool.img");
+        let dev = BackingDevice::create(&path, Some(8 * MIB), MIB, false).unwrap();
+        write_magic(&dev);
+        let me = std::process::id();
+        // A writer holds it: no second writer, no reader, no re-create (even forced).
+        for err in [
+            BackingDevice::open(&path).unwrap_err(),
+            BackingDevice::open_with(&path, Access::Shared).unwrap_err(),
+            BackingDevice::create(&path, Some(8 * MIB), MIB, true).unwrap_err(),
+        ] {
+            let text = err.to_string();
+            assert!(
+                text.contains("pool.img")
+                    && text.contains("in use")
+                    && text.contains(&format!("pid {me}")),
+                "{text}"
+            );
+        }
+        drop(dev);
+        // Readers share; a writer waits for them to go.
+        let r1 = BackingDevice::open_with(&path, Access::Shared).unwrap();
+        let r2 = BackingDevice::open_with(&path, Access::Shared).unwrap();
+        let mut buf = AlignedBuf::zeroed(4096);
+        r1.read_exact_at(&mut buf, 0).unwrap();
+        assert!(r1.write_all_at(&buf, 0).is_err(), "a reader cannot write");
+        let text = BackingDevice::open(&path).unwrap_err().to_string();
+        assert!(
+            text.contains("in use") && text.contains(&format!("pid {me}")),
+            "{text}"
+        );
+        drop((r1, r2));
+        BackingDevice::open(&path).unwrap();
+    }
+
+    #[test]
+    fn lock_holders_are_parsed_from_proc_locks() {
+        let text = "1: FLOCK  ADVISORY  WRITE 4242 00:2a:1234 0 EOF\n\
+                    1: -> FLOCK  ADVISORY  WRITE 99 00:2a:1234 0 EOF\n\
+                    2: POSIX  ADVISORY  WRITE 7 00:2a:1234 0 EOF\n\
+                    3: FLOCK  ADVISORY  READ 17 fd:01:1234 0 EOF\n\
+                    4: FLOCK  ADVISORY  READ 18 00:2a:1234 0 EOF\n";
+        assert_eq!(
+            parse_lock_holders(text, 0, 0x2a, 1234),
+            vec![
+                LockHolder {
+                    pid: 4242,
+                    exclusive: true
+                },
+                LockHolder {
+                    pid: 18,
+                    exclusive: false
+                }
+            ]
+        );
+        assert_eq!(parse_lock_holders(text, 0xfd, 1, 1234).len(), 1);
+        assert!(!process_alive(-1) && process_alive(std::process::id() as i32));
+    }
+
+    #[test]
+    fn dangling_symlink_sparse_files_and_identities_are_named() {
+        let dir = TempDir::new("names");
+        let link = dir.path("link.pool");
+        std::os::unix::fs::symlink(dir.path("missing/target.pool"), &link).unwrap();
+        let reason =
+            backing_reason(BackingDevice::create(&link, Some(8 * MIB), MIB, false).unwrap_err());
+        assert!(
+            reason.contains("symbolic link") && reason.contains("does not exist"),
+            "{reason}"
+        );
+        let reason = backing_reason(check_sparse_ok(&link, false).unwrap_err());
+        assert!(
+            reason.contains("fallocate") && reason.contains("--force"),
+            "{reason}"
+        );
+        check_sparse_ok(&link, true).unwrap();
+
+        let a = dir.path("a.pool");
+        write_file(&a, &[0u8; 4096]);
+        fs::hard_link(&a, dir.path("b.pool")).unwrap();
+        assert_eq!(device_identity(&a), device_identity(&dir.path("b.pool")));
+        assert_eq!(
+            device_identity(&dir.path("new.pool")),
+            device_identity(&dir.0.join(".").join("new.pool"))
+        );
+        assert_ne!(device_identity(&a), device_identity(&dir.path("new.pool")));
+    }
+
+    #[test]
+    fn data_past_the_first_256_kib_is_foreign_data() {
+        let dir = TempDir::new("deep");
+        let path = dir.path("image.bin");
+        let mut img = vec![0u8; 8 * MIB as usize];
+        img[5 * MIB as usize + 77] = 1;
+        write_file(&path, &img);
+        let reason =
+            backing_reason(BackingDevice::create(&path, Some(8 * MIB), MIB, false).unwrap_err());
+        assert!(
+            reason.contains("not a kvtier pool") && reason.contains("--force"),
+            "{reason}"
+        );
+        assert_eq!(fs::read(&path).unwrap(), img, "untouched");
+        // A sparse or zero file is still fine.
+        let zero = dir.path("zero.bin");
+        fs::File::create(&zero).unwrap().set_len(8 * MIB).unwrap();
+        BackingDevice::create(&zero, Some(8 * MIB), MIB, false).unwrap();
     }
 
     #[test]
@@ -1724,7 +2227,7 @@ mod tests {
         let dev = BackingDevice::create(&path, Some(4 * MIB), MIB, false).unwrap();
         write_magic(&dev);
         drop(dev);
-        let dev = BackingDevice::create(&path, Some(6 * MIB), MIB, false).unwrap();
+        let dev = BackingDevice::create(&path, Some(6 * MIB), MIB, true).unwrap();
         assert_eq!(dev.size(), 6 * MIB);
         assert_eq!(fs::metadata(&path).unwrap().len(), 6 * MIB);
     }
@@ -1807,7 +2310,6 @@ mod tests {
         let dir = TempDir::new("shrink");
         let path = dir.path("pool.img");
         let dev = BackingDevice::create(&path, Some(8 * MIB), MIB, false).unwrap();
-        write_magic(&dev);
         drop(dev);
 
         let reason =
@@ -2062,8 +2564,12 @@ mod tests {
         drop(dev);
         let reason = backing_reason(BackingDevice::open(&path).unwrap_err());
         assert!(reason.contains("not a kvtier pool"), "{reason}");
+        // The data at 1 MiB is someone's, though the head is all zero.
+        let reason =
+            backing_reason(BackingDevice::create(&path, Some(8 * MIB), MIB, false).unwrap_err());
+        assert!(reason.contains("--force"), "{reason}");
 
-        let dev = BackingDevice::create(&path, Some(8 * MIB), MIB, false).unwrap();
+        let dev = BackingDevice::create(&path, Some(8 * MIB), MIB, true).unwrap();
         assert_eq!(dev.size(), 8 * MIB);
         write_magic(&dev);
         drop(dev);

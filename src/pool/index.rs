@@ -29,6 +29,11 @@ enum SlotState {
     Free,
     Reserved,
     Live,
+    /// Its sectors failed a write (or its header could not be read): never handed out.
+    Bad,
+    /// Its block failed verification and left the index; loads in flight still read
+    /// it, so it is not free until the last of them finishes.
+    Condemned,
 }
 
 /// Slots handed out for a store.
@@ -54,6 +59,9 @@ pub struct Index {
     tick: u64,
     cursor: u64,
     pinned: u64,
+    bad: u64,
+    /// Condemned slots: the job pins still reading them.
+    condemned: HashMap<u64, u32>,
 }
 
 impl Index {
@@ -68,6 +76,8 @@ impl Index {
             tick: 0,
             cursor: 0,
             pinned: 0,
+            bad: 0,
+            condemned: HashMap::new(),
         }
     }
 
@@ -85,7 +95,69 @@ impl Index {
         self.pinned
     }
     pub fn reserved(&self) -> u64 {
-        self.total_slots() - self.live() - self.free_slots()
+        self.total_slots()
+            - self.live()
+            - self.free_slots()
+            - self.bad
+            - self.condemned.len() as u64
+    }
+    /// Slots retired because their sectors failed.
+    pub fn bad_slots(&self) -> u64 {
+        self.bad
+    }
+    pub fn is_bad(&self, slot: u64) -> bool {
+        self.slots.get(slot as usize) == Some(&SlotState::Bad)
+    }
+
+    /// Retire a free or reserved slot for good: its sectors fail, so no store may
+    /// use it again. Its header is left as it is (it could not be written, or
+    /// describes no block).
+    pub fn retire(&mut self, slot: u64) {
+        let s = slot as usize;
+        match self.slots.get(s) {
+            Some(SlotState::Free) => {
+                self.free.remove(&slot);
+            }
+            Some(SlotState::Reserved) => {}
+            _ => return,
+        }
+        self.slots[s] = SlotState::Bad;
+        self.bad += 1;
+    }
+
+    /// A block failed verification: take its key out of the index at once so it
+    /// is never served again. Returns its slot. The slot stays out of the free
+    /// list while loads hold it (`release_condemned` once each finishes), then
+    /// is free with its header marked stale unless `header_cleared`.
+    pub fn condemn(&mut self, key: &Key, header_cleared: bool) -> Option<u64> {
+        let e = self.map.remove(key)?;
+        self.lru.remove(&(e.tick, e.slot));
+        self.slot_key.remove(&e.slot);
+        if e.pins + e.job_pins > 0 {
+            self.pinned -= 1;
+        }
+        self.stale_header[e.slot as usize] = !header_cleared;
+        if e.job_pins > 0 {
+            self.slots[e.slot as usize] = SlotState::Condemned;
+            self.condemned.insert(e.slot, e.job_pins);
+        } else {
+            self.slots[e.slot as usize] = SlotState::Free;
+            self.free.insert(e.slot);
+        }
+        Some(e.slot)
+    }
+
+    /// A load that held a condemned slot finished.
+    pub fn release_condemned(&mut self, slot: u64) {
+        let Some(n) = self.condemned.get_mut(&slot) else {
+            return;
+        };
+        *n -= 1;
+        if *n == 0 {
+            self.condemned.remove(&slot);
+            self.slots[slot as usize] = SlotState::Free;
+            self.free.insert(slot);
+        }
     }
 
     pub fn get(&self, key: &Key) -> Option<&Entry> {

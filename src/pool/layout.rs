@@ -30,6 +30,22 @@ pub const BLOCK_STATE_LIVE: u32 = 1;
 /// `BlockHeader::flags`: the block was stored from memory the host cannot
 /// read (GPU memory), so `data_crc` is not set and `check` cannot verify it.
 pub const BLOCK_FLAG_NO_DATA_CRC: u16 = 1;
+/// `BlockHeader::flags`: the header sector also holds one crc32c per layer (of
+/// the layer's K then V object) right after the header, so a load verifies each
+/// layer as it lands rather than only the whole block.
+pub const BLOCK_FLAG_LAYER_CRCS: u16 = 2;
+/// Where the per-layer checksums start in a header sector.
+pub const LAYER_CRCS_OFFSET: usize = 128;
+/// The most layers whose checksums fit in a header sector; deeper models are
+/// verified per block.
+pub const MAX_LAYER_CRCS: u32 = ((SLOT_HEADER_BYTES as usize - LAYER_CRCS_OFFSET) / 4) as u32;
+/// Where a device's table of retired (bad) slots lives, inside the reserved area
+/// before the first group, and its size.
+pub const BAD_TABLE_OFFSET: u64 = 512 << 10;
+pub const BAD_TABLE_BYTES: usize = 64 << 10;
+pub const BAD_TABLE_MAGIC: [u8; 8] = *b"KVBADSL1";
+/// Slots one device's bad table can record (after its 32-byte head).
+pub const BAD_TABLE_MAX: usize = (BAD_TABLE_BYTES - 32) / 8;
 /// The longest namespace and model name a superblock records.
 pub const NAMESPACE_MAX: usize = 128;
 pub const MODEL_NAME_MAX: usize = 64;
@@ -100,7 +116,10 @@ pub struct BlockHeader {
     pub data_crc: u32,
     /// `BLOCK_STATE_LIVE`.
     pub state: u32,
-    pub reserved: [u8; 20],
+    /// crc32c of the per-layer checksum table that follows the header in its
+    /// sector (`BLOCK_FLAG_LAYER_CRCS`).
+    pub layer_crcs_crc: u32,
+    pub reserved: [u8; 16],
     /// crc32c of every byte before it.
     pub header_crc: u32,
 }
@@ -119,6 +138,9 @@ const _: () = {
     assert!(offset_of!(BlockHeader, key) == 40);
     assert!(offset_of!(BlockHeader, namespace_hash) == 80);
     assert!(offset_of!(BlockHeader, data_crc) == 96);
+    assert!(offset_of!(BlockHeader, layer_crcs_crc) == 104);
+    assert!(LAYER_CRCS_OFFSET >= size_of::<BlockHeader>());
+    assert!(BAD_TABLE_OFFSET + BAD_TABLE_BYTES as u64 <= DATA_OFFSET);
     assert!(offset_of!(BlockHeader, header_crc) == 124);
 };
 

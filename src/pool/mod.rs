@@ -13,6 +13,7 @@ pub mod storage;
 
 use crate::error::{Error, Result};
 use crate::model::{DType, KvGeometry};
+pub use backing::Access;
 use backing::{AlignedBuf, BackingDevice, POOL_MAGIC};
 use bytemuck::Zeroable;
 use index::Index;
@@ -114,7 +115,16 @@ pub struct OpenExpect {
 
 pub struct Pool {
     devices: Vec<Box<dyn Storage>>,
+    /// Bytes of each device the pool uses (its superblock's `device_size`).
+    device_sizes: Vec<u64>,
+    /// Opened to write (create, serve, repair), not only to inspect.
+    writable: bool,
     layout: PoolLayout,
+    crcs: SlotCrcs,
+    /// Appends one layer's checksum to a block's running checksum.
+    layer_concat: CrcConcat,
+    /// Slots whose header sector could not be read at open: their blocks are lost.
+    unreadable_headers: Vec<u64>,
     uuid: [u8; 16],
     namespace: String,
     namespace_hash: u64,
@@ -128,7 +138,10 @@ pub struct Pool {
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct DeviceInfo {
     pub path: PathBuf,
+    /// Bytes of the device the pool uses.
     pub size: u64,
+    /// Bytes of the file or block device (at least `size`).
+    pub backing_size: u64,
     pub groups: u32,
 }
 
@@ -150,6 +163,10 @@ pub struct PoolInfo {
     pub capacity_bytes: u64,
     pub used_bytes: u64,
     pub damaged_headers: u64,
+    /// Slots whose header sector could not be read at open.
+    pub unreadable_headers: u64,
+    /// Slots retired because their sectors failed a write.
+    pub bad_slots: u64,
 }
 
 /// What `check` found.
@@ -157,19 +174,135 @@ pub struct PoolInfo {
 pub struct CheckReport {
     pub blocks_checked: u64,
     pub blocks_ok: u64,
-    /// Blocks stored from GPU memory, which carry no data checksum.
+    /// Blocks stored from memory the host could not read (GPU memory), which
+    /// carry no data checksum: nobody can say whether their bytes are right.
     pub blocks_unverifiable: u64,
     /// Slots whose header is ours but fails its checksum.
     pub damaged_headers: Vec<u64>,
+    /// Slots whose header sector could not be read (their blocks are lost).
+    pub unreadable_headers: Vec<u64>,
     /// (slot, key) of live blocks whose data does not match the header's checksum.
     pub bad_data: Vec<(u64, String)>,
+    /// (slot, key) of live blocks whose data could not be read.
+    pub unreadable_data: Vec<(u64, String)>,
+    /// Slots retired because their sectors failed a write (capacity lost, no data).
+    pub bad_slots: u64,
     pub bytes_read: u64,
 }
 
 impl CheckReport {
+    /// Nothing damaged and every block verified.
     pub fn is_clean(&self) -> bool {
-        self.damaged_headers.is_empty() && self.bad_data.is_empty()
+        self.is_undamaged() && self.blocks_unverifiable == 0
     }
+    /// Nothing found damaged (unverifiable blocks may remain).
+    pub fn is_undamaged(&self) -> bool {
+        self.damaged_headers.is_empty()
+            && self.unreadable_headers.is_empty()
+            && self.bad_data.is_empty()
+            && self.unreadable_data.is_empty()
+    }
+    /// Live blocks a repair drops.
+    pub fn damaged_keys(&self) -> usize {
+        self.bad_data.len() + self.unreadable_data.len()
+    }
+}
+
+/// What a load can verify each slot's data against, kept in memory so that a
+/// load costs no extra header reads.
+struct SlotCrcs {
+    /// Layers per slot in `per_layer`; 0 when the model is too deep to keep them.
+    layers: u32,
+    per_layer: Vec<u32>,
+    whole: Vec<u32>,
+    kind: Vec<CrcKind>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum CrcKind {
+    /// Stored from memory the host could not read: nothing to verify against.
+    None,
+    Whole,
+    Layers,
+}
+
+impl SlotCrcs {
+    fn new(slots: u64, layers: u32) -> SlotCrcs {
+        let layers = if layers <= MAX_LAYER_CRCS { layers } else { 0 };
+        SlotCrcs {
+            layers,
+            per_layer: vec![0; (slots * layers as u64) as usize],
+            whole: vec![0; slots as usize],
+            kind: vec![CrcKind::None; slots as usize],
+        }
+    }
+    fn set(&mut self, slot: u64, whole: Option<u32>, layers: Option<&[u32]>) {
+        let s = slot as usize;
+        self.kind[s] = match (whole, layers) {
+            (None, _) => CrcKind::None,
+            (Some(_), Some(l)) if self.layers > 0 && l.len() == self.layers as usize => {
+                let n = self.layers as usize;
+                self.per_layer[s * n..(s + 1) * n].copy_from_slice(l);
+                CrcKind::Layers
+            }
+            (Some(_), _) => CrcKind::Whole,
+        };
+        self.whole[s] = whole.unwrap_or(0);
+    }
+}
+
+/// crc32c(A ‖ B) from crc32c(A) and crc32c(B), for B of one fixed length.
+/// Appending B shifts A's checksum by a linear map that depends only on B's
+/// length, so it is built once here: `crc32c_combine` rebuilds it on every
+/// call (tens of microseconds), too slow for once per layer of every block.
+#[derive(Clone, Copy, Debug)]
+pub struct CrcConcat {
+    cols: [u32; 32],
+}
+
+impl CrcConcat {
+    pub fn new(len_b: u64) -> CrcConcat {
+        let mut cols = [0u32; 32];
+        for (i, c) in cols.iter_mut().enumerate() {
+            *c = crc32c::crc32c_combine(1 << i, 0, len_b as usize);
+        }
+        CrcConcat { cols }
+    }
+
+    pub fn apply(&self, crc_a: u32, crc_b: u32) -> u32 {
+        let mut out = crc_b;
+        let mut a = crc_a;
+        let mut i = 0;
+        while a != 0 {
+            if a & 1 != 0 {
+                out ^= self.cols[i];
+            }
+            a >>= 1;
+            i += 1;
+        }
+        out
+    }
+}
+
+/// crc32c of a whole block from its per-layer checksums (each over the layer's
+/// K then V object; `concat` built for that length): the block's (layer,
+/// K|V) order.
+pub fn combine_layer_crcs(layer_crcs: &[u32], concat: &CrcConcat) -> u32 {
+    let mut it = layer_crcs.iter();
+    let Some(&first) = it.next() else {
+        return 0;
+    };
+    it.fold(first, |acc, &c| concat.apply(acc, c))
+}
+
+/// The range of slots one device of a pool holds, for its bad table.
+fn device_slots(layout: &PoolLayout, dev: usize) -> impl Iterator<Item = u64> + '_ {
+    (0..layout.total_groups())
+        .filter(move |&g| layout.group_place(g).dev as usize == dev)
+        .flat_map(move |g| {
+            let n = layout.group_blocks as u64;
+            g as u64 * n..(g as u64 + 1) * n
+        })
 }
 
 fn random_uuid() -> Result<[u8; 16]> {
@@ -189,16 +322,8 @@ impl Pool {
     /// Format a new pool over the given devices (files or block devices).
     pub fn create(cfg: &PoolConfig) -> Result<Pool> {
         Self::check_config(cfg, cfg.devices.len())?;
-        let mut seen = std::collections::HashSet::new();
-        for d in &cfg.devices {
-            let canon = std::fs::canonicalize(&d.path).unwrap_or_else(|_| d.path.clone());
-            if !seen.insert(canon) {
-                return Err(Error::Backing {
-                    path: d.path.clone(),
-                    reason: "named twice; each backing device may appear once".into(),
-                });
-            }
-        }
+        let paths: Vec<PathBuf> = cfg.devices.iter().map(|d| d.path.clone()).collect();
+        check_named_once(&paths)?;
         let min_size = DATA_OFFSET + PoolLayout::group_bytes_for(&cfg.geometry, cfg.group_blocks);
         let mut devices: Vec<Box<dyn Storage>> = Vec::new();
         for d in &cfg.devices {
@@ -262,8 +387,21 @@ impl Pool {
     }
 
     /// Write superblocks and empty header areas on `devices`.
+    ///
+    /// A device may hold an older pool (reformatting needs `force`). Its
+    /// superblock goes first, durably, on every device: a crash after that
+    /// leaves no pool at all rather than the old superblock and headers over
+    /// a half-written new layout (whose header zeroing lands on the old
+    /// pool's data, so old keys would read back zeros as if stored).
     fn format(cfg: &PoolConfig, devices: Vec<Box<dyn Storage>>) -> Result<Pool> {
         let g = cfg.geometry;
+        let zero_sb = AlignedBuf::zeroed(4096);
+        for dev in &devices {
+            dev.write_all_at(&zero_sb, 0)?;
+        }
+        for dev in &devices {
+            dev.sync_data()?;
+        }
         let groups: Vec<u32> = devices
             .iter()
             .map(|d| PoolLayout::groups_fitting(&g, cfg.group_blocks, d.size()))
@@ -282,6 +420,8 @@ impl Pool {
             // check would already refuse them; zeroing makes `check` quiet).
             let zero_headers =
                 AlignedBuf::zeroed((cfg.group_blocks as u64 * SLOT_HEADER_BYTES) as usize);
+            // The bad-slot table of an earlier pool describes another layout.
+            dev.write_all_at(&AlignedBuf::zeroed(BAD_TABLE_BYTES), BAD_TABLE_OFFSET)?;
             for local in 0..groups[i] {
                 let off = DATA_OFFSET + local as u64 * layout.group_bytes();
                 dev.write_all_at(&zero_headers, off)?;
@@ -318,6 +458,10 @@ impl Pool {
         }
         Ok(Pool {
             index: Index::new(layout.total_slots()),
+            crcs: SlotCrcs::new(layout.total_slots(), g.layers),
+            layer_concat: CrcConcat::new(2 * g.object_bytes()),
+            device_sizes: devices.iter().map(|d| d.size()).collect(),
+            writable: true,
             devices,
             layout,
             uuid,
@@ -326,19 +470,34 @@ impl Pool {
             model,
             next_generation: 1,
             damaged_headers: Vec::new(),
+            unreadable_headers: Vec::new(),
         })
     }
 
-    /// Open an existing pool: all of its devices, in any order.
+    /// Open an existing pool to serve it: all of its devices, in any order,
+    /// held exclusively until the pool is dropped.
     pub fn open(paths: &[PathBuf], expect: &OpenExpect) -> Result<Pool> {
+        Self::open_with(paths, expect, Access::Exclusive)
+    }
+
+    /// Open a pool to inspect it (`info`, `check`): read-only, beside other
+    /// readers, refused while a process writes it.
+    pub fn open_read_only(paths: &[PathBuf], expect: &OpenExpect) -> Result<Pool> {
+        Self::open_with(paths, expect, Access::Shared)
+    }
+
+    fn open_with(paths: &[PathBuf], expect: &OpenExpect, access: Access) -> Result<Pool> {
         if paths.is_empty() {
             return Err(Error::invalid("name the pool's backing devices to open it"));
         }
+        check_named_once(paths)?;
         let mut devices: Vec<Box<dyn Storage>> = Vec::new();
         for p in paths {
-            devices.push(Box::new(BackingDevice::open(p)?));
+            devices.push(Box::new(BackingDevice::open_with(p, access)?));
         }
-        Self::open_on(devices, expect)
+        let mut pool = Self::open_on(devices, expect)?;
+        pool.writable = access == Access::Exclusive;
+        Ok(pool)
     }
 
     /// Open an existing pool on storage the caller opened, in any order.
@@ -352,7 +511,7 @@ impl Pool {
             let mut buf = AlignedBuf::zeroed(4096);
             dev.read_exact_at(&mut buf, 0)?;
             let sb: Superblock = bytemuck::pod_read_unaligned(&buf.as_slice()[..512]);
-            check_superblock(&sb, dev.path())?;
+            check_superblock(&sb, dev.path(), dev.size())?;
             found.push((sb, dev));
         }
         let first = found[0].0;
@@ -378,6 +537,9 @@ impl Pool {
                     found.len()
                 ),
             });
+        }
+        for (sb, dev) in &found {
+            check_same_pool(sb, &first, dev.path())?;
         }
         found.sort_by_key(|(sb, _)| sb.device_index);
         for (i, (sb, dev)) in found.iter().enumerate() {
@@ -437,11 +599,28 @@ impl Pool {
                 });
             }
         }
-        let groups = found.iter().map(|(sb, _)| sb.groups_on_device).collect();
+        let groups: Vec<u32> = found.iter().map(|(sb, _)| sb.groups_on_device).collect();
+        let sum = groups.iter().map(|&n| n as u64).sum::<u64>();
+        if sum != first.total_groups as u64 {
+            return Err(Error::Corrupt {
+                path: path0,
+                what: "superblock".into(),
+                reason: format!(
+                    "field total_groups is {} but the devices' groups_on_device add up to {sum}; recreate the pool with `kvtier pool create --force`",
+                    first.total_groups
+                ),
+            });
+        }
         let layout = PoolLayout::new(geometry, first.group_blocks, groups);
+        let device_sizes = found.iter().map(|(sb, _)| sb.device_size).collect();
         let devices: Vec<Box<dyn Storage>> = found.into_iter().map(|(_, d)| d).collect();
         let mut pool = Pool {
             index: Index::new(layout.total_slots()),
+            crcs: SlotCrcs::new(layout.total_slots(), geometry.layers),
+            layer_concat: CrcConcat::new(2 * geometry.object_bytes()),
+            device_sizes,
+            writable: true,
+            unreadable_headers: Vec::new(),
             devices,
             layout,
             uuid: first.pool_uuid,
@@ -455,23 +634,33 @@ impl Pool {
         Ok(pool)
     }
 
-    /// Read every header and make each whole, newest block visible.
+    /// Read every header and make each whole, newest block visible. A group
+    /// whose headers cannot be read in one I/O is read sector by sector; the
+    /// slots of unreadable sectors are lost (reported, never handed out) and
+    /// the rest of the pool opens.
     fn rebuild_index(&mut self) -> Result<()> {
+        self.load_bad_tables();
         let g = self.layout.group_blocks as u64;
         let mut max_gen = 0;
         for group in 0..self.layout.total_groups() {
-            let (dev, off, len) = self.layout.group_headers(group);
-            let mut buf = AlignedBuf::zeroed(len as usize);
-            self.devices[dev as usize].read_exact_at(&mut buf, off)?;
-            for i in 0..g {
-                let slot = group as u64 * g + i;
-                let at = (i * SLOT_HEADER_BYTES) as usize;
-                let h: BlockHeader = bytemuck::pod_read_unaligned(
-                    &buf.as_slice()[at..at + std::mem::size_of::<BlockHeader>()],
-                );
-                match self.classify(&h, slot) {
-                    HeaderKind::Live(key) => {
+            let sectors = self.read_group_headers(group);
+            for (i, sector) in sectors.iter().enumerate() {
+                let slot = group as u64 * g + i as u64;
+                if self.index.is_bad(slot) {
+                    continue;
+                }
+                let Some(sector) = sector else {
+                    self.unreadable_headers.push(slot);
+                    self.index.retire(slot);
+                    continue;
+                };
+                let h: BlockHeader =
+                    bytemuck::pod_read_unaligned(&sector[..std::mem::size_of::<BlockHeader>()]);
+                match self.classify(&h, slot, sector) {
+                    HeaderKind::Live(key, layer_crcs) => {
                         max_gen = max_gen.max(h.generation);
+                        let whole = (h.flags & BLOCK_FLAG_NO_DATA_CRC == 0).then_some(h.data_crc);
+                        self.crcs.set(slot, whole, layer_crcs.as_deref());
                         self.index.load_header(key, slot, h.generation);
                     }
                     HeaderKind::Damaged => self.damaged_headers.push(slot),
@@ -484,7 +673,105 @@ impl Pool {
         Ok(())
     }
 
-    fn classify(&self, h: &BlockHeader, slot: u64) -> HeaderKind {
+    /// A group's header sectors; `None` for each sector that cannot be read.
+    fn read_group_headers(&self, group: u32) -> Vec<Option<Vec<u8>>> {
+        let (dev, off, len) = self.layout.group_headers(group);
+        let dev = &self.devices[dev as usize];
+        let n = (len / SLOT_HEADER_BYTES) as usize;
+        let sector = SLOT_HEADER_BYTES as usize;
+        let mut buf = AlignedBuf::zeroed(len as usize);
+        if dev.read_exact_at(&mut buf, off).is_ok() {
+            return buf
+                .as_slice()
+                .chunks(sector)
+                .map(|c| Some(c.to_vec()))
+                .collect();
+        }
+        let mut one = AlignedBuf::zeroed(sector);
+        (0..n)
+            .map(|i| {
+                dev.read_exact_at(&mut one, off + (i * sector) as u64)
+                    .ok()
+                    .map(|_| one.as_slice().to_vec())
+            })
+            .collect()
+    }
+
+    /// Retire the slots every device's bad table lists. A table that cannot be
+    /// read or fails its checksum retires nothing (its slots fail again and are
+    /// retired again).
+    fn load_bad_tables(&mut self) {
+        for dev in 0..self.devices.len() {
+            let mut buf = AlignedBuf::zeroed(BAD_TABLE_BYTES);
+            if self.devices[dev]
+                .read_exact_at(&mut buf, BAD_TABLE_OFFSET)
+                .is_err()
+            {
+                continue;
+            }
+            let b = buf.as_slice();
+            if b[..8] != BAD_TABLE_MAGIC || b[8..24] != self.uuid {
+                continue;
+            }
+            let count = u32::from_le_bytes(b[24..28].try_into().expect("4 bytes")) as usize;
+            let crc = u32::from_le_bytes(b[28..32].try_into().expect("4 bytes"));
+            if count > BAD_TABLE_MAX || crc32c::crc32c(&b[32..32 + 8 * count]) != crc {
+                continue;
+            }
+            let total = self.layout.total_slots();
+            for e in b[32..32 + 8 * count].chunks(8) {
+                let slot = u64::from_le_bytes(e.try_into().expect("8 bytes"));
+                if slot < total && self.layout.header_offset(slot).0 as usize == dev {
+                    self.index.retire(slot);
+                }
+            }
+        }
+    }
+
+    /// Retire `slots` (their sectors failed a write) and record them in their
+    /// devices' bad tables, durably where the table itself can be written, so
+    /// a reopened pool routes around them too. Returns the first error of
+    /// persisting; the slots are retired in memory regardless.
+    pub fn retire_slots(&mut self, slots: &[u64]) -> Result<()> {
+        for &s in slots {
+            self.index.retire(s);
+        }
+        if !self.writable {
+            return Ok(());
+        }
+        let mut devs: Vec<usize> = slots
+            .iter()
+            .map(|&s| self.layout.header_offset(s).0 as usize)
+            .collect();
+        devs.sort_unstable();
+        devs.dedup();
+        let mut first_err = None;
+        for dev in devs {
+            let bad: Vec<u64> = device_slots(&self.layout, dev)
+                .filter(|&s| self.index.is_bad(s) && !self.unreadable_headers.contains(&s))
+                .take(BAD_TABLE_MAX)
+                .collect();
+            let mut buf = AlignedBuf::zeroed(BAD_TABLE_BYTES);
+            let b = buf.as_mut_slice();
+            b[..8].copy_from_slice(&BAD_TABLE_MAGIC);
+            b[8..24].copy_from_slice(&self.uuid);
+            b[24..28].copy_from_slice(&(bad.len() as u32).to_le_bytes());
+            for (i, s) in bad.iter().enumerate() {
+                b[32 + 8 * i..40 + 8 * i].copy_from_slice(&s.to_le_bytes());
+            }
+            let crc = crc32c::crc32c(&b[32..32 + 8 * bad.len()]);
+            b[28..32].copy_from_slice(&crc.to_le_bytes());
+            let r = self.devices[dev]
+                .write_all_at(&buf, BAD_TABLE_OFFSET)
+                .and_then(|_| self.devices[dev].sync_data());
+            if let Err(e) = r {
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    fn classify(&self, h: &BlockHeader, slot: u64, sector: &[u8]) -> HeaderKind {
         if h.magic != BLOCK_HEADER_MAGIC || h.pool_uuid != self.uuid {
             return HeaderKind::Empty;
         }
@@ -500,10 +787,73 @@ impl Pool {
         if h.namespace_hash != self.namespace_hash {
             return HeaderKind::Empty;
         }
+        let mut layer_crcs = None;
+        if h.flags & BLOCK_FLAG_LAYER_CRCS != 0 {
+            let n = self.layout.geometry.layers as usize;
+            if self.layout.geometry.layers > MAX_LAYER_CRCS || h.flags & BLOCK_FLAG_NO_DATA_CRC != 0
+            {
+                return HeaderKind::Damaged;
+            }
+            let table = &sector[LAYER_CRCS_OFFSET..LAYER_CRCS_OFFSET + 4 * n];
+            if crc32c::crc32c(table) != h.layer_crcs_crc {
+                return HeaderKind::Damaged;
+            }
+            let crcs: Vec<u32> = table
+                .chunks(4)
+                .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+                .collect();
+            if combine_layer_crcs(&crcs, &self.layer_concat) != h.data_crc {
+                return HeaderKind::Damaged;
+            }
+            layer_crcs = Some(crcs);
+        }
         match Key::new(&h.key[..h.key_len as usize]) {
-            Ok(k) => HeaderKind::Live(k),
+            Ok(k) => HeaderKind::Live(k, layer_crcs),
             Err(_) => HeaderKind::Damaged,
         }
+    }
+
+    /// The header sector a committed store writes for `key` in `slot`, into
+    /// `sector` (4 KiB), and what loads of the slot verify against from now
+    /// on. `layer_crcs` (one crc32c per layer of its K then V object) is
+    /// `None` for data the host could not read (GPU memory).
+    pub fn write_header_sector(
+        &mut self,
+        sector: &mut [u8],
+        key: &Key,
+        slot: u64,
+        generation: u64,
+        layer_crcs: Option<&[u32]>,
+    ) {
+        let data_crc = layer_crcs.map(|l| combine_layer_crcs(l, &self.layer_concat));
+        let mut h = self.make_header(key, slot, generation, data_crc);
+        sector.fill(0);
+        if let Some(l) = layer_crcs.filter(|l| l.len() as u32 <= MAX_LAYER_CRCS) {
+            let table = &mut sector[LAYER_CRCS_OFFSET..LAYER_CRCS_OFFSET + 4 * l.len()];
+            for (c, v) in table.chunks_mut(4).zip(l) {
+                c.copy_from_slice(&v.to_le_bytes());
+            }
+            h.flags |= BLOCK_FLAG_LAYER_CRCS;
+            h.layer_crcs_crc = crc32c::crc32c(table);
+            h.seal();
+        }
+        sector[..std::mem::size_of::<BlockHeader>()].copy_from_slice(bytemuck::bytes_of(&h));
+        self.crcs.set(slot, data_crc, layer_crcs);
+    }
+
+    /// The checksum a load verifies layer `layer` of `slot` against (crc32c of
+    /// its K then V object), when the slot's header carries per-layer checksums.
+    pub fn layer_crc(&self, slot: u64, layer: u32) -> Option<u32> {
+        let s = slot as usize;
+        (self.crcs.kind.get(s) == Some(&CrcKind::Layers))
+            .then(|| self.crcs.per_layer[s * self.crcs.layers as usize + layer as usize])
+    }
+
+    /// The crc32c of the whole block in `slot`, if it has one (blocks stored
+    /// from memory the host could not read have none).
+    pub fn block_crc(&self, slot: u64) -> Option<u32> {
+        let s = slot as usize;
+        (self.crcs.kind.get(s).is_some_and(|k| *k != CrcKind::None)).then(|| self.crcs.whole[s])
     }
 
     /// The header a committed store writes for `key` in `slot`.
@@ -578,6 +928,73 @@ impl Pool {
     pub fn damaged_headers(&self) -> &[u64] {
         &self.damaged_headers
     }
+    pub fn unreadable_headers(&self) -> &[u64] {
+        &self.unreadable_headers
+    }
+    /// Opened to write (create, `open`), not read-only (`open_read_only`).
+    pub fn is_writable(&self) -> bool {
+        self.writable
+    }
+
+    /// Take a block that failed verification out of the pool for good: out of
+    /// the index now, its header invalidated on the device (and that made
+    /// durable) so a reopened pool does not serve it either. Returns its slot,
+    /// or None if the key was not live. If the header cannot be cleared the
+    /// slot keeps a stale mark, so the next store into it clears it first.
+    pub fn drop_damaged(&mut self, key: &Key) -> Result<Option<u64>> {
+        let Some(e) = self.index.get(key).copied() else {
+            return Ok(None);
+        };
+        let cleared = self.clear_header(e.slot);
+        self.index.condemn(key, cleared.is_ok());
+        cleared.map(|_| Some(e.slot))
+    }
+
+    /// Zero the header sector of `slot`, durably.
+    fn clear_header(&self, slot: u64) -> Result<()> {
+        if !self.writable {
+            return Err(Error::invalid(
+                "the pool is open read-only; open it for writing to change it",
+            ));
+        }
+        let (dev, off) = self.layout.header_offset(slot);
+        let d = &self.devices[dev as usize];
+        d.write_all_at(&AlignedBuf::zeroed(SLOT_HEADER_BYTES as usize), off)?;
+        d.sync_data()
+    }
+
+    /// Drop every block `report` (from `check`) found damaged or unreadable,
+    /// and clear damaged headers, so the pool checks clean afterwards. Returns
+    /// how many blocks were dropped. Needs a pool opened for writing.
+    pub fn repair(&mut self, report: &CheckReport) -> Result<u64> {
+        if !self.writable {
+            return Err(Error::invalid(
+                "the pool is open read-only; open it with Pool::open to repair it",
+            ));
+        }
+        let mut dropped = 0;
+        let mut lost_slots = Vec::new();
+        for (slot, _) in report.bad_data.iter().chain(&report.unreadable_data) {
+            let Some(key) = self.index.key_of_slot(*slot).copied() else {
+                continue;
+            };
+            if self.drop_damaged(&key).is_err() {
+                // The header cannot even be written: the slot's sectors fail.
+                lost_slots.push(*slot);
+            }
+            dropped += 1;
+        }
+        let damaged = std::mem::take(&mut self.damaged_headers);
+        for slot in damaged {
+            if self.clear_header(slot).is_err() {
+                lost_slots.push(slot);
+            }
+        }
+        if !lost_slots.is_empty() {
+            self.retire_slots(&lost_slots)?;
+        }
+        Ok(dropped)
+    }
 
     pub fn info(&self) -> PoolInfo {
         let g = &self.layout.geometry;
@@ -594,9 +1011,11 @@ impl Pool {
                 .devices
                 .iter()
                 .zip(&self.layout.groups_per_device)
-                .map(|(d, &n)| DeviceInfo {
+                .zip(&self.device_sizes)
+                .map(|((d, &n), &size)| DeviceInfo {
                     path: d.path().to_path_buf(),
-                    size: d.size(),
+                    size,
+                    backing_size: d.size(),
                     groups: n,
                 })
                 .collect(),
@@ -607,6 +1026,8 @@ impl Pool {
             capacity_bytes: self.index.total_slots() * g.block_bytes(),
             used_bytes: self.index.live() * g.block_bytes(),
             damaged_headers: self.damaged_headers.len() as u64,
+            unreadable_headers: self.unreadable_headers.len() as u64,
+            bad_slots: self.index.bad_slots() - self.unreadable_headers.len() as u64,
         }
     }
 
@@ -616,52 +1037,80 @@ impl Pool {
     pub fn check(&self, mut progress: impl FnMut(u32, u32)) -> Result<CheckReport> {
         let mut report = CheckReport {
             damaged_headers: self.damaged_headers.clone(),
+            unreadable_headers: self.unreadable_headers.clone(),
+            bad_slots: self.index.bad_slots() - self.unreadable_headers.len() as u64,
             ..Default::default()
         };
         let g = self.layout.group_blocks as u64;
         let geo = self.layout.geometry;
         let obj = geo.object_bytes() as usize;
         let total = self.layout.total_groups();
-        let mut live_by_group: Vec<Vec<(u64, Key, u64)>> = vec![Vec::new(); total as usize];
+        let mut live_by_group: Vec<Vec<(u64, Key)>> = vec![Vec::new(); total as usize];
         for (k, e) in self.index.entries() {
-            live_by_group[(e.slot / g) as usize].push((e.slot, *k, e.generation));
+            live_by_group[(e.slot / g) as usize].push((e.slot, *k));
         }
-        for (group, live) in live_by_group.iter().enumerate() {
+        for (group, live) in live_by_group.iter_mut().enumerate() {
             progress(group as u32, total);
             if live.is_empty() {
                 continue;
             }
-            // Headers again: their crc was checked at open; re-read to get data_crc.
-            let (dev, hoff, hlen) = self.layout.group_headers(group as u32);
-            let mut hbuf = AlignedBuf::zeroed(hlen as usize);
-            self.devices[dev as usize].read_exact_at(&mut hbuf, hoff)?;
-            let mut crcs = vec![0u32; g as usize];
+            live.sort();
+            // Per live slot: running whole-block crc, per-layer crc, and whether
+            // a layer already failed (bad or unreadable).
+            let mut whole = vec![0u32; g as usize];
+            let mut bad = vec![false; g as usize];
+            let mut unreadable = vec![false; g as usize];
             let mut run = AlignedBuf::zeroed(g as usize * obj);
+            let mut one = AlignedBuf::zeroed(obj);
             for layer in 0..geo.layers {
+                let mut layer_crc = vec![0u32; g as usize];
                 for kv in 0..2 {
                     let (dev, off) = self.layout.object_offset(group as u64 * g, layer, kv);
-                    self.devices[dev as usize].read_exact_at(&mut run, off)?;
-                    report.bytes_read += run.len() as u64;
-                    for &(slot, _, _) in live {
+                    let dev = &self.devices[dev as usize];
+                    let whole_run = dev.read_exact_at(&mut run, off).is_ok();
+                    if whole_run {
+                        report.bytes_read += run.len() as u64;
+                    }
+                    for &(slot, _) in live.iter() {
                         let i = (slot % g) as usize;
-                        crcs[i] =
-                            crc32c::crc32c_append(crcs[i], &run.as_slice()[i * obj..(i + 1) * obj]);
+                        if unreadable[i] {
+                            continue;
+                        }
+                        let bytes = if whole_run {
+                            &run.as_slice()[i * obj..(i + 1) * obj]
+                        } else {
+                            // Go on past an unreadable sector: read object by
+                            // object so every damaged key is named.
+                            let (_, o) = self.layout.object_offset(slot, layer, kv);
+                            if dev.read_exact_at(&mut one, o).is_err() {
+                                unreadable[i] = true;
+                                continue;
+                            }
+                            report.bytes_read += obj as u64;
+                            one.as_slice()
+                        };
+                        whole[i] = crc32c::crc32c_append(whole[i], bytes);
+                        layer_crc[i] = crc32c::crc32c_append(layer_crc[i], bytes);
+                    }
+                }
+                for &(slot, _) in live.iter() {
+                    let i = (slot % g) as usize;
+                    if let Some(want) = self.layer_crc(slot, layer) {
+                        bad[i] |= !unreadable[i] && layer_crc[i] != want;
                     }
                 }
             }
-            for &(slot, key, _) in live {
+            for &(slot, key) in live.iter() {
                 report.blocks_checked += 1;
                 let i = (slot % g) as usize;
-                let at = i * SLOT_HEADER_BYTES as usize;
-                let h: BlockHeader = bytemuck::pod_read_unaligned(
-                    &hbuf.as_slice()[at..at + std::mem::size_of::<BlockHeader>()],
-                );
-                if h.crc_ok() && h.flags & BLOCK_FLAG_NO_DATA_CRC != 0 {
-                    report.blocks_unverifiable += 1;
-                } else if h.crc_ok() && h.data_crc == crcs[i] {
-                    report.blocks_ok += 1;
-                } else {
-                    report.bad_data.push((slot, key.to_string()));
+                if unreadable[i] {
+                    report.unreadable_data.push((slot, key.to_string()));
+                    continue;
+                }
+                match self.block_crc(slot) {
+                    None => report.blocks_unverifiable += 1,
+                    Some(want) if want == whole[i] && !bad[i] => report.blocks_ok += 1,
+                    Some(_) => report.bad_data.push((slot, key.to_string())),
                 }
             }
         }
@@ -680,7 +1129,34 @@ impl Pool {
 enum HeaderKind {
     Empty,
     Damaged,
-    Live(Key),
+    /// A live block, with its per-layer checksums when its header has them.
+    Live(Key, Option<Vec<u32>>),
+}
+
+/// Refuse a device named twice, however it is named: a hard link, `./`, a
+/// symlink or a second node of one block device is the same device, and two
+/// "devices" on one file would overwrite each other's groups.
+fn check_named_once(paths: &[PathBuf]) -> Result<()> {
+    let mut seen: Vec<(backing::DeviceIdentity, &PathBuf)> = Vec::new();
+    for p in paths {
+        let id = backing::device_identity(p);
+        if let Some((_, first)) = seen.iter().find(|(i, _)| *i == id) {
+            return Err(Error::Backing {
+                path: p.clone(),
+                reason: format!(
+                    "is the same {} as {}; each backing device may appear once",
+                    if matches!(id, backing::DeviceIdentity::Block(_)) {
+                        "block device"
+                    } else {
+                        "file"
+                    },
+                    first.display()
+                ),
+            });
+        }
+        seen.push((id, p));
+    }
+    Ok(())
 }
 
 fn truncate(s: &str, max: usize) -> String {
@@ -691,7 +1167,7 @@ fn truncate(s: &str, max: usize) -> String {
     s[..end].to_string()
 }
 
-fn check_superblock(sb: &Superblock, path: &Path) -> Result<()> {
+fn check_superblock(sb: &Superblock, path: &Path, backing_size: u64) -> Result<()> {
     let corrupt = |reason: String| Error::Corrupt {
         path: path.to_path_buf(),
         what: "superblock".into(),
@@ -715,11 +1191,175 @@ fn check_superblock(sb: &Superblock, path: &Path) -> Result<()> {
             sb.version
         )));
     }
-    if sb.data_offset != DATA_OFFSET
-        || sb.slot_header_bytes as u64 != SLOT_HEADER_BYTES
-        || sb.group_blocks == 0
-    {
-        return Err(corrupt("inconsistent layout fields".into()));
+    // Every field below sizes an allocation or an offset: a superblock with a
+    // valid checksum but impossible values (written by a bug, or forged) must
+    // be refused here, by name, before anything trusts it.
+    let field = |name: &str, value: String, why: &str| {
+        corrupt(format!(
+            "field {name} is {value}, {why}; recreate the pool with `kvtier pool create --force`"
+        ))
+    };
+    if sb.sb_bytes as usize != std::mem::size_of::<Superblock>() {
+        return Err(field("sb_bytes", sb.sb_bytes.to_string(), "not 512"));
+    }
+    if sb.data_offset != DATA_OFFSET {
+        return Err(field(
+            "data_offset",
+            sb.data_offset.to_string(),
+            &format!("not {DATA_OFFSET}"),
+        ));
+    }
+    if sb.slot_header_bytes as u64 != SLOT_HEADER_BYTES {
+        return Err(field(
+            "slot_header_bytes",
+            sb.slot_header_bytes.to_string(),
+            &format!("not {SLOT_HEADER_BYTES}"),
+        ));
+    }
+    if sb.device_count == 0 || sb.device_count > u16::MAX as u32 {
+        return Err(field(
+            "device_count",
+            sb.device_count.to_string(),
+            "not between 1 and 65535",
+        ));
+    }
+    if sb.device_index >= sb.device_count {
+        return Err(field(
+            "device_index",
+            sb.device_index.to_string(),
+            &format!("not below device_count {}", sb.device_count),
+        ));
+    }
+    if sb.group_blocks == 0 || sb.group_blocks > 4096 {
+        return Err(field(
+            "group_blocks",
+            sb.group_blocks.to_string(),
+            "not between 1 and 4096",
+        ));
+    }
+    if sb.namespace_len as usize > NAMESPACE_MAX {
+        return Err(field(
+            "namespace_len",
+            sb.namespace_len.to_string(),
+            &format!("more than {NAMESPACE_MAX}"),
+        ));
+    }
+    if sb.model_len as usize > MODEL_NAME_MAX {
+        return Err(field(
+            "model_len",
+            sb.model_len.to_string(),
+            &format!("more than {MODEL_NAME_MAX}"),
+        ));
+    }
+    let dtype = DType::from_code(sb.dtype)
+        .ok_or_else(|| field("dtype", sb.dtype.to_string(), "no known dtype code"))?;
+    let geometry = KvGeometry {
+        layers: sb.layers,
+        kv_heads: sb.kv_heads,
+        head_dim: sb.head_dim,
+        dtype,
+        block_size: sb.block_size,
+    };
+    for (name, value) in [
+        ("layers", sb.layers),
+        ("kv_heads", sb.kv_heads),
+        ("head_dim", sb.head_dim),
+        ("block_size", sb.block_size),
+    ] {
+        if value == 0 {
+            return Err(field(name, "0".into(), "but a model has at least one"));
+        }
+    }
+    if let Err(e) = geometry.validate() {
+        return Err(corrupt(format!(
+            "its geometry ({} layers, {} kv heads, head_dim {}, block_size {}) is not one kvtier accepts: {e}",
+            sb.layers, sb.kv_heads, sb.head_dim, sb.block_size
+        )));
+    }
+    if sb.object_bytes != geometry.object_bytes() {
+        return Err(field(
+            "object_bytes",
+            sb.object_bytes.to_string(),
+            &format!(
+                "but its geometry makes objects of {} bytes",
+                geometry.object_bytes()
+            ),
+        ));
+    }
+    if sb.device_size < DATA_OFFSET || sb.device_size % 4096 != 0 {
+        return Err(field(
+            "device_size",
+            sb.device_size.to_string(),
+            "not a multiple of 4096 holding at least the reserved first MiB",
+        ));
+    }
+    if sb.device_size > backing_size {
+        return Err(Error::Backing {
+            path: path.to_path_buf(),
+            reason: format!(
+                "is {backing_size} bytes but the pool was formatted with {}; it was truncated",
+                sb.device_size
+            ),
+        });
+    }
+    let fit = PoolLayout::groups_fitting(&geometry, sb.group_blocks, sb.device_size);
+    if sb.groups_on_device == 0 || sb.groups_on_device > fit {
+        return Err(field(
+            "groups_on_device",
+            sb.groups_on_device.to_string(),
+            &format!(
+                "but {} bytes hold 1 to {fit} groups of {} blocks",
+                sb.device_size, sb.group_blocks
+            ),
+        ));
+    }
+    if sb.total_groups < sb.groups_on_device {
+        return Err(field(
+            "total_groups",
+            sb.total_groups.to_string(),
+            &format!("fewer than this device's {} groups", sb.groups_on_device),
+        ));
     }
     Ok(())
+}
+
+/// The fields every device of one pool must agree on.
+fn check_same_pool(sb: &Superblock, first: &Superblock, path: &Path) -> Result<()> {
+    let same = sb.device_count == first.device_count
+        && sb.total_groups == first.total_groups
+        && sb.group_blocks == first.group_blocks
+        && sb.layers == first.layers
+        && sb.kv_heads == first.kv_heads
+        && sb.head_dim == first.head_dim
+        && sb.dtype == first.dtype
+        && sb.block_size == first.block_size
+        && sb.object_bytes == first.object_bytes
+        && sb.namespace_len == first.namespace_len
+        && sb.namespace == first.namespace;
+    if same {
+        return Ok(());
+    }
+    Err(Error::Corrupt {
+        path: path.to_path_buf(),
+        what: "superblock".into(),
+        reason: "its geometry, group size, device count or namespace differs from the other devices' of the same pool; recreate the pool with `kvtier pool create --force`".into(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_layer_checksums_combine_to_the_whole_block_checksum() {
+        let layer = 3 * 4096;
+        let data: Vec<u8> = (0..5 * layer).map(|i| (i * 31 % 251) as u8).collect();
+        let per: Vec<u32> = data.chunks(layer).map(crc32c::crc32c).collect();
+        let concat = CrcConcat::new(layer as u64);
+        assert_eq!(combine_layer_crcs(&per, &concat), crc32c::crc32c(&data));
+        assert_eq!(
+            concat.apply(per[0], per[1]),
+            crc32c::crc32c(&data[..2 * layer])
+        );
+    }
 }

@@ -57,7 +57,7 @@ struct Pending {
     mem_blocks: Vec<u32>,
     /// Data checksums taken when the store was accepted (see
     /// `Tier::submit_store_with_crcs`).
-    crcs: Option<Vec<Option<u32>>>,
+    crcs: Option<Vec<Option<Vec<u32>>>>,
 }
 
 /// The outcome of a store handed to the scheduler.
@@ -144,7 +144,7 @@ impl Scheduler {
         &mut self,
         keys: &[Key],
         mem_blocks: &[u32],
-        crcs: Option<Vec<Option<u32>>>,
+        crcs: Option<Vec<Option<Vec<u32>>>>,
     ) -> Result<u64> {
         let ticket = self.next_ticket;
         self.next_ticket += 1;
@@ -157,7 +157,7 @@ impl Scheduler {
         ticket: u64,
         keys: &[Key],
         mem_blocks: &[u32],
-        crcs: Option<Vec<Option<u32>>>,
+        crcs: Option<Vec<Option<Vec<u32>>>>,
     ) -> Result<()> {
         let n = keys.len() as u64;
         if self.backlog_blocks + n > self.backlog_limit_blocks {
