@@ -645,18 +645,28 @@ impl TierHandle {
             if let Some(r) = jobs.take(job) {
                 return Ok(r);
             }
-            if let Some(f) = &jobs.fatal {
-                return Err(Error::Failed(f.context(format_args!("job {job}"))));
-            }
-            if jobs.stopped {
-                return Err(Shared::closed_error());
-            }
-            jobs = self
-                .shared
-                .cond
-                .wait(jobs)
-                .unwrap_or_else(|e| e.into_inner());
+            jobs = self.wait_for_change(jobs, job)?;
         }
+    }
+
+    /// Sleeps until the job table changes, unless the handle can no longer
+    /// finish `job` (a fatal engine error, or closed): then that error.
+    fn wait_for_change<'a>(
+        &'a self,
+        jobs: MutexGuard<'a, Jobs>,
+        job: JobId,
+    ) -> Result<MutexGuard<'a, Jobs>> {
+        if let Some(f) = &jobs.fatal {
+            return Err(Error::Failed(f.context(format_args!("job {job}"))));
+        }
+        if jobs.stopped {
+            return Err(Shared::closed_error());
+        }
+        Ok(self
+            .shared
+            .cond
+            .wait(jobs)
+            .unwrap_or_else(|e| e.into_inner()))
     }
 
     /// The result of `job` if it has finished (then removed), else None.
@@ -702,17 +712,7 @@ impl TierHandle {
                     None => Ok(()),
                 };
             }
-            if let Some(f) = &jobs.fatal {
-                return Err(Error::Failed(f.context(format_args!("job {job}"))));
-            }
-            if jobs.stopped {
-                return Err(Shared::closed_error());
-            }
-            jobs = self
-                .shared
-                .cond
-                .wait(jobs)
-                .unwrap_or_else(|e| e.into_inner());
+            jobs = self.wait_for_change(jobs, job)?;
         }
     }
 
