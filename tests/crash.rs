@@ -27,17 +27,6 @@ const PER_JOB: u64 = 8;
 /// The writer's last output lines, printed when an iteration fails.
 static LAST_LINES: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
 
-/// xorshift: kill delays that differ per iteration but repeat per run.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
-
 /// When a kill's delay starts counting.
 #[derive(Clone, Copy)]
 enum KillFrom {

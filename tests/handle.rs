@@ -2,11 +2,9 @@
 //! threads at once, completions through the eventfd, errors by kind.
 
 mod common;
-#[path = "common/faulty.rs"]
-mod faulty;
 
+use common::fault::{FaultEngine, Faults};
 use common::*;
-use faulty::{Faults, FaultyEngine};
 use kvtier::engine::uring::{UringDevice, UringEngine};
 use kvtier::error::ErrorKind;
 use kvtier::handle::{EngineChoice, Event, HandleConfig, TierBuilder, TierHandle};
@@ -49,7 +47,7 @@ fn faulty_handle(
         .custom_engine(move || {
             let pool = Pool::create(&pcfg)?;
             let eng = uring_of(&pool);
-            Ok((pool, Box::new(FaultyEngine::new(eng, f)) as _))
+            Ok((pool, Box::new(FaultEngine::wrap(eng, f)) as _))
         })
         .config(cfg)
         .host_cache(cache.clone())

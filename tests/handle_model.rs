@@ -7,11 +7,9 @@
 //! checks what holds under every interleaving.
 
 mod common;
-#[path = "common/faulty.rs"]
-mod faulty;
 
+use common::fault::{FaultEngine, Faults};
 use common::*;
-use faulty::{Faults, FaultyEngine, Rng};
 use kvtier::engine::uring::{UringDevice, UringEngine};
 use kvtier::error::ErrorKind;
 use kvtier::handle::{HandleConfig, TierBuilder, TierHandle};
@@ -42,7 +40,7 @@ fn rig(dir: &TempDir, threads: u32) -> (TierHandle, Arc<HostKvCache>, Arc<Mutex<
                 .map(|(fd, name)| UringDevice { fd, name })
                 .collect();
             let eng = Box::new(UringEngine::new(&devs, Default::default())?);
-            Ok((pool, Box::new(FaultyEngine::new(eng, f)) as _))
+            Ok((pool, Box::new(FaultEngine::wrap(eng, f)) as _))
         })
         .config(HandleConfig::default())
         .host_cache(cache.clone())

@@ -817,3 +817,85 @@ fn a_failed_flush_names_no_offset_and_info_shows_the_pool_size() {
     assert_eq!(info.devices[0].size, pool_bytes);
     assert_eq!(info.devices[0].backing_size, pool_bytes + (64 << 20));
 }
+
+// ---------------------------------------------------------------------------
+// Torn writes and a full device, through the shared fault double
+
+/// A data write the device acknowledged whole but kept only half of (a torn
+/// write under a lying cache) is caught at load as Corrupt and never served;
+/// a write refused with ENOSPC fails its store as an I/O error (errno
+/// ENOSPC), and no key is acknowledged that was not stored.
+#[test]
+fn torn_writes_load_as_corrupt_and_enospc_fails_the_store() {
+    let dir = TempDir::new("torn-enospc");
+    let geo = tiny_geometry();
+    let pool = create_pool(&dir, geo, 8, 1, 4); // 32 slots
+    let paths = pool.paths();
+    let layout = pool.layout().clone();
+    let faults = Arc::new(Mutex::new(Faults::default()));
+    let engine = FaultEngine::open(&paths, faults.clone());
+    let mut tier = Tier::with_engine(pool, TierConfig::default(), Box::new(engine)).unwrap();
+    let cache = Arc::new(HostKvCache::new(geo, 8, HostLayout::PerLayer).unwrap());
+    tier.register_host_cache(cache.clone()).unwrap();
+
+    // The whole device tears its writes: the store is acknowledged...
+    let dev_bytes = std::fs::metadata(&paths[0]).unwrap().len();
+    let (_, first_obj) = layout.object_offset(0, 0, 0);
+    faults.lock().unwrap().torn_writes = vec![(0, first_obj..dev_bytes)];
+    for b in 0..2 {
+        cache.fill_block(b, seed_of(b as u64));
+    }
+    let job = tier.submit_store(&ks(0..2), &[0, 1]).unwrap();
+    assert!(
+        tier.wait(job).unwrap().all_ok(),
+        "the device acknowledged it"
+    );
+    faults.lock().unwrap().torn_writes.clear();
+    // ...and the load finds out. Each torn write kept its first object of
+    // two (block 0's), so block 1 is Corrupt, dropped and never served again;
+    // whatever loads Done is byte for byte what was stored.
+    assert_eq!(tier.lookup_and_pin(&ks(0..2)), 2);
+    let job = tier.submit_load(&ks(0..2), &[4, 5], 0..geo.layers).unwrap();
+    let r = tier.wait(job).unwrap();
+    tier.unpin(&ks(0..2));
+    let mut corrupt = 0;
+    for (i, o) in r.outcomes.iter().enumerate() {
+        match o {
+            KeyOutcome::Corrupt(f) => {
+                assert_eq!(f.kind, kvtier::ErrorKind::Corrupt, "{f}");
+                assert!(
+                    !tier.contains(&Key::from_u64(i as u64)),
+                    "never served again"
+                );
+                corrupt += 1;
+            }
+            KeyOutcome::Done => assert!(
+                cache.block_matches(4 + i as u32, seed_of(i as u64), 0..geo.layers),
+                "key {i} loaded Done with bytes it was not stored with"
+            ),
+            o => panic!("key {i}: {o:?}"),
+        }
+    }
+    assert!(corrupt >= 1, "a torn block went unnoticed: {r:?}");
+
+    // A full device: the store fails with ENOSPC, nothing is acknowledged.
+    faults.lock().unwrap().enospc_writes = vec![(0, first_obj..dev_bytes)];
+    for b in 0..2 {
+        cache.fill_block(b, seed_of(10 + b as u64));
+    }
+    let job = tier.submit_store(&ks(10..12), &[0, 1]).unwrap();
+    let r = tier.wait(job).unwrap();
+    let (_, f) = r.failures().next().expect("the store failed");
+    assert_eq!(f.kind, kvtier::ErrorKind::Io, "{f}");
+    assert!(
+        matches!(
+            f.io.as_ref().map(|io| &io.cause),
+            Some(kvtier::IoCause::Errno(e)) if *e == libc::ENOSPC
+        ),
+        "{f:?}"
+    );
+    assert_eq!(tier.lookup_prefix(&ks(10..12)), 0, "nothing acknowledged");
+    faults.lock().unwrap().enospc_writes.clear();
+    let job = tier.submit_store(&ks(10..12), &[0, 1]).unwrap();
+    assert!(tier.wait(job).unwrap().all_ok(), "room again: stored");
+}

@@ -38,22 +38,6 @@ const SECTOR: u64 = 4096;
 /// Keys per store job, at most.
 const MAX_JOB: u64 = 8;
 
-/// xorshift64*: deterministic choices that differ per iteration but repeat per run.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    /// Uniform in 0..n (n > 0).
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 /// What the test controls and observes of the simulated device's power.
 #[derive(Default)]
 struct PowerState {

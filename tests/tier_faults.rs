@@ -1,98 +1,24 @@
-//! Tier behaviour under device failures and awkward call orders, driven by a
-//! controllable engine. `GatedEngine` is a test double of a device: it holds
-//! each job's IOCBs until the test opens that job's gate, and can fail a
-//! job's reads or writes with EIO. It checks the tier's bookkeeping, not
-//! I/O; the same tier code runs on the real io_uring engine in tests/tier.rs.
+//! Tier behaviour under device failures and awkward call orders, driven by
+//! the shared fault double (tests/common/fault.rs) without I/O: it holds each
+//! job's IOCBs until the test opens that job's gate, and can fail a job's
+//! reads or writes with EIO. It checks the tier's bookkeeping, not bytes; the
+//! same tier code runs on the real io_uring engine in tests/tier.rs.
 
 mod common;
 
+use common::fault::{FaultEngine, Faults};
 use common::*;
-use kvtier::engine::{EngineStats, IoEngine};
-use kvtier::p2p::P2pTable;
 use kvtier::pool::Key;
-use kvtier::ring::abi::*;
-use kvtier::ring::{GioRing, IocbId};
-use kvtier::tier::{JobId, KeyOutcome, Tier, TierConfig};
+use kvtier::tier::{KeyOutcome, Tier, TierConfig};
 use kvtier::{HostKvCache, HostLayout};
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
-#[derive(Default)]
-struct Gates {
-    /// None: every job may complete; Some(set): only these.
-    open: Option<HashSet<JobId>>,
-    fail_writes: HashSet<JobId>,
-    fail_reads: HashSet<JobId>,
-}
-
-struct GatedEngine {
-    gates: Arc<Mutex<Gates>>,
-    held: Vec<IocbId>,
-    in_flight: usize,
-}
-
-impl IoEngine for GatedEngine {
-    fn name(&self) -> &'static str {
-        "gated-double"
-    }
-    fn register_memory(&mut self, _t: Arc<P2pTable>) -> kvtier::Result<()> {
-        Ok(())
-    }
-    fn submit(&mut self, ring: &mut GioRing) -> kvtier::Result<()> {
-        while let Some(id) = ring.pop_sq() {
-            self.in_flight += ring.iocb(id).hdr.count as usize;
-            self.held.push(id);
-        }
-        Ok(())
-    }
-    fn reap(&mut self, ring: &mut GioRing, _wait: bool) -> kvtier::Result<()> {
-        let g = self.gates.lock().unwrap();
-        let mut keep = Vec::new();
-        for id in std::mem::take(&mut self.held) {
-            let job = ring.iocb(id).hdr.user_data;
-            if g.open.as_ref().is_some_and(|o| !o.contains(&job)) {
-                keep.push(id);
-                continue;
-            }
-            let n = ring.iocb(id).hdr.count;
-            if n == 0 {
-                ring.finish(id);
-            }
-            for c in 0..n {
-                let ctx = ring.iocb(id).ctx[c as usize];
-                let fail = (ctx.op == IOCTX_OP_WRITE && g.fail_writes.contains(&job))
-                    || (ctx.op == IOCTX_OP_READ && g.fail_reads.contains(&job));
-                if fail {
-                    ring.complete_ctx(id, c, IOCTX_STATUS_ERRNO, libc::EIO as u32);
-                } else {
-                    ring.complete_ctx(id, c, IOCTX_STATUS_OK, ctx.len);
-                }
-                self.in_flight -= 1;
-            }
-        }
-        self.held = keep;
-        Ok(())
-    }
-    fn in_flight(&self) -> usize {
-        self.in_flight
-    }
-    fn stats(&self) -> EngineStats {
-        EngineStats::default()
-    }
-    fn describe(&self) -> String {
-        "gated test double".into()
-    }
-}
-
-fn rig(dir: &TempDir, groups: u64) -> (Tier, Arc<Mutex<Gates>>) {
+fn rig(dir: &TempDir, groups: u64) -> (Tier, Arc<Mutex<Faults>>) {
     let geo = tiny_geometry();
     let pool = create_pool(dir, geo, 4, 1, groups);
-    let gates = Arc::new(Mutex::new(Gates::default()));
-    let engine = GatedEngine {
-        gates: gates.clone(),
-        held: Vec::new(),
-        in_flight: 0,
-    };
+    let gates = Arc::new(Mutex::new(Faults::default()));
+    let engine = FaultEngine::bookkeeping(gates.clone());
     let mut tier = Tier::with_engine(pool, TierConfig::default(), Box::new(engine)).unwrap();
     let cache = Arc::new(HostKvCache::new(geo, 16, HostLayout::PerLayer).unwrap());
     tier.register_host_cache(cache).unwrap();
@@ -107,17 +33,17 @@ fn k(i: u64) -> Key {
 fn concurrent_stores_of_one_key_never_wait_on_each_other() {
     let dir = TempDir::new("dedup");
     let (mut tier, gates) = rig(&dir, 4);
-    gates.lock().unwrap().open = Some(HashSet::new());
+    gates.lock().unwrap().gates = Some(HashSet::new());
     let a = tier.submit_store(&[k(1)], &[0]).unwrap();
-    gates.lock().unwrap().fail_writes.insert(a);
+    gates.lock().unwrap().fail_writes_of.insert(a);
     let b = tier.submit_store(&[k(1), k(2)], &[1, 2]).unwrap();
-    gates.lock().unwrap().open.as_mut().unwrap().insert(a);
+    gates.lock().unwrap().gates.as_mut().unwrap().insert(a);
     for _ in 0..10 {
         tier.poll().unwrap();
     }
     // A failed; B still waits for its own I/O. C shares both keys with B.
     let c = tier.submit_store(&[k(1), k(2)], &[3, 4]).unwrap();
-    gates.lock().unwrap().open = None;
+    gates.lock().unwrap().gates = None;
     tier.drain()
         .expect("no job waits on a job that waits on it");
     let ra = tier.wait(a).unwrap();
@@ -148,7 +74,7 @@ fn a_callers_stray_unpin_cannot_release_a_loads_pin() {
         .submit_store(&[k(1), k(2), k(3), k(4)], &[0, 1, 2, 3])
         .unwrap();
     assert!(tier.wait(job).unwrap().all_ok());
-    gates.lock().unwrap().open = Some(HashSet::new());
+    gates.lock().unwrap().gates = Some(HashSet::new());
     let load = tier
         .submit_load(&[k(1), k(2), k(3), k(4)], &[8, 9, 10, 11], 0..4)
         .unwrap();
@@ -159,7 +85,7 @@ fn a_callers_stray_unpin_cannot_release_a_loads_pin() {
         err.contains("pool full"),
         "the loading blocks stay pinned: {err}"
     );
-    gates.lock().unwrap().open = None;
+    gates.lock().unwrap().gates = None;
     assert!(tier.wait(load).unwrap().all_ok());
     let job = tier.submit_store(&[k(5)], &[5]).unwrap();
     let r = tier.wait(job).unwrap();
@@ -173,12 +99,12 @@ fn a_failed_layer_is_reported_not_announced_as_loaded() {
     let (mut tier, gates) = rig(&dir, 2);
     let job = tier.submit_store(&[k(1), k(2)], &[0, 1]).unwrap();
     assert!(tier.wait(job).unwrap().all_ok());
-    gates.lock().unwrap().open = Some(HashSet::new());
+    gates.lock().unwrap().gates = Some(HashSet::new());
     let load = tier.submit_load(&[k(1), k(2)], &[4, 5], 0..4).unwrap();
     {
         let mut g = gates.lock().unwrap();
-        g.fail_reads.insert(load);
-        g.open = None;
+        g.fail_reads_of.insert(load);
+        g.gates = None;
     }
     let err = tier.wait_layer(load, 0).unwrap_err().to_string();
     assert!(
@@ -201,7 +127,7 @@ fn memory_in_use_by_a_job_in_flight_is_refused() {
     let (mut tier, gates) = rig(&dir, 2);
     let job = tier.submit_store(&[k(1)], &[0]).unwrap();
     assert!(tier.wait(job).unwrap().all_ok());
-    gates.lock().unwrap().open = Some(HashSet::new());
+    gates.lock().unwrap().gates = Some(HashSet::new());
     let load = tier.submit_load(&[k(1)], &[3], 0..4).unwrap();
     let err = tier.submit_store(&[k(2)], &[3]).unwrap_err().to_string();
     assert!(
@@ -214,7 +140,7 @@ fn memory_in_use_by_a_job_in_flight_is_refused() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("memory block 6 is being stored"), "{err}");
-    gates.lock().unwrap().open = None;
+    gates.lock().unwrap().gates = None;
     assert!(tier.wait(load).unwrap().all_ok());
     assert!(tier.wait(store).unwrap().all_ok());
     // Released once the jobs finish.

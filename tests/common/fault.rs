@@ -1,12 +1,24 @@
-//! Fault injection for tests: an engine and a `Storage` that run on a pool's
-//! backing files and fail, drop or refuse I/O in chosen byte ranges.
+//! Fault injection for tests, shared by every test file: one engine and one
+//! `Storage`, configured by one [`Faults`].
 //!
-//! `FaultEngine` is a TEST DOUBLE of a device, not an engine for real use: it
-//! executes IOCTXs synchronously with plain positional reads and writes on
-//! the pool's files (opened without O_DIRECT and without the pool's lock,
-//! beside the `Pool` that holds them), so a test can make one region of a
-//! device fail every write (a bad extent group), make writes in a range
-//! vanish while being acknowledged (a lying cache), or fail flushes.
+//! `FaultEngine` is a TEST DOUBLE of a device, not an engine for real use. It
+//! holds the IOCBs the tier submits while [`Faults::hold`] is set or their
+//! job's gate is closed ([`Faults::gates`]), then runs them on one of three
+//! back ends:
+//! - [`FaultEngine::open`]: the pool's files, with plain positional reads and
+//!   writes (no O_DIRECT, not under the pool's lock, beside the `Pool` that
+//!   holds them), so a test can make one region fail every write (a bad
+//!   extent group), make writes vanish or tear while acknowledged (a lying
+//!   cache), run out of space, or fail flushes;
+//! - [`FaultEngine::wrap`]: a real engine (io_uring over the pool files),
+//!   with chosen I/Os failed by aiming them at a device that does not exist
+//!   (the engine completes them as failed without touching the disk);
+//! - [`FaultEngine::bookkeeping`]: no I/O at all, every IOCTX completed as
+//!   asked (for tests of the tier's accounting, not of bytes).
+//!
+//! Random faults ([`Faults::fail_read_permille`] and friends) and per-job
+//! faults ([`Faults::fail_writes_of`], [`Faults::fail_reads_of`]) work on
+//! every back end; byte-range faults on the file back end.
 //! `FaultStorage` wraps a `BackingDevice` for the pool's own metadata I/O
 //! (open, check, repair, format) with failing reads and a write budget that
 //! stops the "process" after N writes (a crash at write N).
@@ -17,15 +29,19 @@ use kvtier::p2p::P2pTable;
 use kvtier::pool::backing::{AlignedBuf, BackingDevice};
 use kvtier::pool::Storage;
 use kvtier::ring::abi::*;
-use kvtier::ring::GioRing;
+use kvtier::ring::{GioRing, IocbId};
+use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
 use std::ops::Range;
+use std::os::fd::RawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// What a [`FaultEngine`] does wrong, per device: byte ranges.
+pub use super::Rng;
+
+/// What a [`FaultEngine`] does wrong.
 #[derive(Default, Debug)]
 pub struct Faults {
     /// Writes touching these fail with EIO (a bad region: every time).
@@ -34,10 +50,67 @@ pub struct Faults {
     pub fail_reads: Vec<(u16, Range<u64>)>,
     /// Writes touching these complete OK but never reach the file.
     pub drop_writes: Vec<(u16, Range<u64>)>,
+    /// Writes touching these complete OK but only their first half reaches
+    /// the file (a torn write under a lying cache).
+    pub torn_writes: Vec<(u16, Range<u64>)>,
+    /// Writes touching these fail with ENOSPC (a full thin device).
+    pub enospc_writes: Vec<(u16, Range<u64>)>,
     /// Every flush fails with EIO.
     pub fail_flushes: bool,
     /// Writes that failed, for the test to see.
     pub failed_writes: u64,
+    /// Hold every IOCB until this is false again.
+    pub hold: bool,
+    /// `Some(jobs)`: only IOCBs of these jobs (IOCB user_data) run; the
+    /// others wait until their job is added or the gate is `None`.
+    pub gates: Option<HashSet<u64>>,
+    /// Every write / read of these jobs fails with EIO.
+    pub fail_writes_of: HashSet<u64>,
+    pub fail_reads_of: HashSet<u64>,
+    /// Random faults per I/O, in thousandths, drawn from `rng`.
+    pub fail_read_permille: u32,
+    pub fail_write_permille: u32,
+    pub fail_flush_permille: u32,
+    /// I/Os failed at random so far, by op (read, write, flush).
+    pub injected: [u64; 3],
+    pub rng: Option<Rng>,
+}
+
+impl Faults {
+    /// Whether an IOCB of `job` may run now.
+    fn admits(&self, job: u64) -> bool {
+        !self.hold && self.gates.as_ref().is_none_or(|g| g.contains(&job))
+    }
+
+    /// A random or per-job fault for one IOCTX of `job`: fail it?
+    fn strikes(&mut self, job: u64, op: u8) -> bool {
+        let (permille, slot, of_job) = match op {
+            IOCTX_OP_READ => (
+                self.fail_read_permille,
+                0,
+                self.fail_reads_of.contains(&job),
+            ),
+            IOCTX_OP_WRITE => (
+                self.fail_write_permille,
+                1,
+                self.fail_writes_of.contains(&job),
+            ),
+            _ => (self.fail_flush_permille, 2, false),
+        };
+        if of_job {
+            return true;
+        }
+        if permille == 0 {
+            return false;
+        }
+        let mut rng = self.rng.clone().unwrap_or(Rng(1));
+        let hit = rng.chance(permille);
+        self.rng = Some(rng);
+        if hit {
+            self.injected[slot] += 1;
+        }
+        hit
+    }
 }
 
 fn touches(list: &[(u16, Range<u64>)], dev: u16, off: u64, len: u64) -> bool {
@@ -45,14 +118,29 @@ fn touches(list: &[(u16, Range<u64>)], dev: u16, off: u64, len: u64) -> bool {
         .any(|(d, r)| *d == dev && off < r.end && r.start < off + len)
 }
 
+/// Where a [`FaultEngine`] runs the I/O it lets through.
+enum Backend {
+    Files(Vec<File>),
+    Engine(Box<dyn IoEngine>),
+    Bookkeeping,
+}
+
+/// No pool has this many devices: an IOCTX aimed here completes as
+/// IOCTX_STATUS_INVALID in the wrapped engine, without any I/O.
+const NO_DEVICE: u16 = u16::MAX;
+
 pub struct FaultEngine {
-    files: Vec<File>,
+    backend: Backend,
     table: Option<Arc<P2pTable>>,
     pub faults: Arc<Mutex<Faults>>,
     stats: EngineStats,
+    /// IOCBs taken from the SQ and not yet run, and their IOCTXs.
+    held: Vec<IocbId>,
+    held_ctx: usize,
 }
 
 impl FaultEngine {
+    /// On the pool's files.
     pub fn open(paths: &[PathBuf], faults: Arc<Mutex<Faults>>) -> FaultEngine {
         let files = paths
             .iter()
@@ -64,12 +152,80 @@ impl FaultEngine {
                     .unwrap_or_else(|e| panic!("open {}: {e}", p.display()))
             })
             .collect();
+        FaultEngine::with(Backend::Files(files), faults)
+    }
+
+    /// In front of a real engine.
+    pub fn wrap(inner: Box<dyn IoEngine>, faults: Arc<Mutex<Faults>>) -> FaultEngine {
+        FaultEngine::with(Backend::Engine(inner), faults)
+    }
+
+    /// No I/O: IOCTXs complete with their full length unless a fault fails them.
+    pub fn bookkeeping(faults: Arc<Mutex<Faults>>) -> FaultEngine {
+        FaultEngine::with(Backend::Bookkeeping, faults)
+    }
+
+    fn with(backend: Backend, faults: Arc<Mutex<Faults>>) -> FaultEngine {
         FaultEngine {
-            files,
+            backend,
             table: None,
             faults,
             stats: EngineStats::default(),
+            held: Vec::new(),
+            held_ctx: 0,
         }
+    }
+
+    /// Runs every held IOCB its faults admit; the rest stay held.
+    fn pump(&mut self, ring: &mut GioRing) -> kvtier::Result<()> {
+        while let Some(id) = ring.pop_sq() {
+            self.held_ctx += ring.iocb(id).hdr.count as usize;
+            self.held.push(id);
+        }
+        let mut keep = Vec::new();
+        for id in std::mem::take(&mut self.held) {
+            let job = ring.iocb(id).hdr.user_data;
+            if !self.faults.lock().unwrap().admits(job) {
+                keep.push(id);
+                continue;
+            }
+            let n = ring.iocb(id).hdr.count;
+            self.held_ctx -= n as usize;
+            if n == 0 {
+                ring.finish(id);
+                continue;
+            }
+            if let Backend::Engine(inner) = &mut self.backend {
+                for c in 0..n as usize {
+                    let op = ring.iocb(id).ctx[c].op;
+                    if self.faults.lock().unwrap().strikes(job, op) {
+                        ring.iocb_mut(id).ctx[c].dev = NO_DEVICE;
+                    }
+                }
+                // Back into the SQ for the real engine.
+                ring.iocb_mut(id).hdr.state = IOCB_STATE_FILLING;
+                ring.submit(id)?;
+                inner.submit(ring)?;
+                continue;
+            }
+            for c in 0..n {
+                let b = ring.iocb(id);
+                let ctx = b.ctx[c as usize];
+                let first = ctx.seg_first as usize;
+                let segs = b.segs[first..first + ctx.seg_count as usize].to_vec();
+                let (status, result) = if self.faults.lock().unwrap().strikes(job, ctx.op) {
+                    (IOCTX_STATUS_ERRNO, libc::EIO as u32)
+                } else if matches!(self.backend, Backend::Bookkeeping) {
+                    (IOCTX_STATUS_OK, ctx.len)
+                } else {
+                    self.execute(ctx, &segs)
+                };
+                ring.complete_ctx(id, c, status, result);
+                self.stats.ios += 1;
+            }
+        }
+        self.held = keep;
+        Ok(())
     }
 
     fn extents(&self, segs: &[u32]) -> Vec<(u64, usize)> {
@@ -85,13 +241,21 @@ impl FaultEngine {
     fn execute(&mut self, io: IoCtx, segs: &[u32]) -> (u16, u32) {
         let eio = (IOCTX_STATUS_ERRNO, libc::EIO as u32);
         let dev = io.dev as usize;
+        let extents = if io.op == IOCTX_OP_FLUSH {
+            Vec::new()
+        } else {
+            self.extents(segs)
+        };
+        let Backend::Files(files) = &self.backend else {
+            unreachable!("execute runs on the file back end")
+        };
         let mut f = self.faults.lock().unwrap();
         match io.op {
             IOCTX_OP_FLUSH => {
                 if f.fail_flushes {
                     return eio;
                 }
-                self.files[dev].sync_data().unwrap();
+                files[dev].sync_data().unwrap();
                 (IOCTX_STATUS_OK, 0)
             }
             IOCTX_OP_WRITE => {
@@ -99,9 +263,13 @@ impl FaultEngine {
                     f.failed_writes += 1;
                     return eio;
                 }
+                if touches(&f.enospc_writes, io.dev, io.dev_offset, io.len as u64) {
+                    f.failed_writes += 1;
+                    return (IOCTX_STATUS_ERRNO, libc::ENOSPC as u32);
+                }
                 let mut buf = vec![0u8; io.len as usize];
                 let mut at = 0;
-                for (addr, len) in self.extents(segs) {
+                for (addr, len) in extents {
                     // SAFETY: registered host memory the tier keeps alive for
                     // the job; the extents' lengths sum to `io.len`.
                     unsafe {
@@ -113,8 +281,13 @@ impl FaultEngine {
                     };
                     at += len;
                 }
-                if !touches(&f.drop_writes, io.dev, io.dev_offset, io.len as u64) {
-                    self.files[dev].write_all_at(&buf, io.dev_offset).unwrap();
+                if touches(&f.torn_writes, io.dev, io.dev_offset, io.len as u64) {
+                    // Acknowledged whole, half of it on the device.
+                    files[dev]
+                        .write_all_at(&buf[..buf.len() / 2], io.dev_offset)
+                        .unwrap();
+                } else if !touches(&f.drop_writes, io.dev, io.dev_offset, io.len as u64) {
+                    files[dev].write_all_at(&buf, io.dev_offset).unwrap();
                 }
                 self.stats.bytes_written += io.len as u64;
                 (IOCTX_STATUS_OK, io.len)
@@ -124,11 +297,9 @@ impl FaultEngine {
                     return eio;
                 }
                 let mut buf = vec![0u8; io.len as usize];
-                self.files[dev]
-                    .read_exact_at(&mut buf, io.dev_offset)
-                    .unwrap();
+                files[dev].read_exact_at(&mut buf, io.dev_offset).unwrap();
                 let mut at = 0;
-                for (addr, len) in self.extents(segs) {
+                for (addr, len) in extents {
                     // SAFETY: as for writes; the load's target memory is the
                     // tier's to fill while the job is in flight.
                     unsafe {
@@ -155,39 +326,49 @@ impl IoEngine for FaultEngine {
         true
     }
     fn register_memory(&mut self, table: Arc<P2pTable>) -> kvtier::Result<()> {
+        if let Backend::Engine(inner) = &mut self.backend {
+            inner.register_memory(table.clone())?;
+        }
         self.table = Some(table);
         Ok(())
     }
     fn submit(&mut self, ring: &mut GioRing) -> kvtier::Result<()> {
-        while let Some(id) = ring.pop_sq() {
-            let n = ring.iocb(id).hdr.count;
-            if n == 0 {
-                ring.finish(id);
-                continue;
-            }
-            for c in 0..n {
-                let b = ring.iocb(id);
-                let ctx = b.ctx[c as usize];
-                let first = ctx.seg_first as usize;
-                let segs = b.segs[first..first + ctx.seg_count as usize].to_vec();
-                let (status, result) = self.execute(ctx, &segs);
-                ring.complete_ctx(id, c, status, result);
-                self.stats.ios += 1;
-            }
-        }
-        Ok(())
+        self.pump(ring)
     }
-    fn reap(&mut self, _ring: &mut GioRing, _wait: bool) -> kvtier::Result<()> {
-        Ok(())
+    fn reap(&mut self, ring: &mut GioRing, wait: bool) -> kvtier::Result<()> {
+        // Held IOCBs go out once their hold or gate is lifted.
+        self.pump(ring)?;
+        match &mut self.backend {
+            // Never wait while something is held: the test lifts the hold
+            // from another thread, and a poll must come back to see it.
+            Backend::Engine(inner) => inner.reap(ring, wait && self.held.is_empty()),
+            _ => Ok(()),
+        }
     }
     fn in_flight(&self) -> usize {
-        0
+        let inner = match &self.backend {
+            Backend::Engine(inner) => inner.in_flight(),
+            _ => 0,
+        };
+        inner + self.held_ctx
+    }
+    fn completion_fds(&self) -> Vec<RawFd> {
+        match &self.backend {
+            Backend::Engine(inner) => inner.completion_fds(),
+            _ => Vec::new(),
+        }
     }
     fn stats(&self) -> EngineStats {
-        self.stats
+        match &self.backend {
+            Backend::Engine(inner) => inner.stats(),
+            _ => self.stats,
+        }
     }
     fn describe(&self) -> String {
-        "fault-injecting test double".into()
+        match &self.backend {
+            Backend::Engine(inner) => format!("fault-injecting double over {}", inner.describe()),
+            _ => "fault-injecting test double".into(),
+        }
     }
 }
 

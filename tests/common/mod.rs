@@ -8,6 +8,29 @@ use kvtier::pool::{DeviceSpec, Pool, PoolConfig};
 use kvtier::{DType, KvGeometry};
 use std::path::{Path, PathBuf};
 
+/// The tests' one random generator (splitmix64): deterministic, so a
+/// failure reproduces from its seed; tests need no crate for it.
+#[derive(Clone, Debug)]
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in 0..n (n > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    /// True `permille` times in a thousand.
+    pub fn chance(&mut self, permille: u32) -> bool {
+        self.below(1000) < permille as u64
+    }
+}
+
 /// A directory removed on drop.
 pub struct TempDir(pub PathBuf);
 
