@@ -1488,6 +1488,53 @@ fn layer_crcs(table: &P2pTable, mem_block: u32, layers: u32) -> Vec<u32> {
         .collect()
 }
 
+/// The checksums of layer `layer` of every key a load still serves whose
+/// header has per-layer checksums, on several threads when there are many:
+/// the first layer's check is on the critical path of a restore (the compute
+/// waits for it), where later layers' overlap the reads of the next ones.
+fn layer_crcs_parallel(job: &Job, layer: u32, pool: &Pool, table: &P2pTable) -> Vec<Option<u32>> {
+    let check = job.load.as_ref().expect("a load");
+    let todo: Vec<(usize, u32)> = (0..job.keys.len())
+        .filter(|&p| !job.failed(p) && pool.layer_crc(check.slots[p], layer).is_some())
+        .map(|p| (p, job.mem_blocks[p]))
+        .collect();
+    let mut got = vec![None; job.keys.len()];
+    // Below this many blocks a thread costs more than it saves.
+    const PER_THREAD: usize = 64;
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(8)
+        .min(todo.len().div_ceil(PER_THREAD))
+        .max(1);
+    if threads == 1 {
+        for &(p, mem) in &todo {
+            got[p] = Some(layer_crc(table, mem, layer));
+        }
+        return got;
+    }
+    let chunk = todo.len().div_ceil(threads);
+    let parts: Vec<Vec<(usize, u32)>> = std::thread::scope(|s| {
+        let handles: Vec<_> = todo
+            .chunks(chunk)
+            .map(|part| {
+                s.spawn(move || {
+                    part.iter()
+                        .map(|&(p, mem)| (p, layer_crc(table, mem, layer)))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a checksum thread panicked"))
+            .collect()
+    });
+    for (p, crc) in parts.into_iter().flatten() {
+        got[p] = Some(crc);
+    }
+    got
+}
+
 /// Verify layer `layer` of every key a load has not already failed; a key
 /// whose bytes differ from its stored checksum becomes `Corrupt` and leaves
 /// the pool. Returns the first mismatch's message (the layer's error).
@@ -1499,6 +1546,7 @@ fn verify_layer(
 ) -> Option<Failure> {
     let table = table?;
     let last = layer + 1 == pool.geometry().layers && job.layers.start == 0;
+    let got = layer_crcs_parallel(job, layer, pool, table);
     let mut first = None;
     for p in 0..job.keys.len() {
         if job.failed(p) {
@@ -1508,7 +1556,7 @@ fn verify_layer(
         let slot = check.slots[p];
         let mem = job.mem_blocks[p];
         let ok = match pool.layer_crc(slot, layer) {
-            Some(want) => layer_crc(table, mem, layer) == want,
+            Some(want) => got[p] == Some(want),
             // Only a whole-block checksum: checkable once every layer is in.
             None => {
                 check.running[p] = (0..2).fold(check.running[p], |crc, kv| {
