@@ -1548,7 +1548,7 @@ fn verify_layer(
     let last = layer + 1 == pool.geometry().layers && job.layers.start == 0;
     let got = layer_crcs_parallel(job, layer, pool, table);
     let mut first = None;
-    for p in 0..job.keys.len() {
+    for (p, &crc_now) in got.iter().enumerate() {
         if job.failed(p) {
             continue;
         }
@@ -1556,7 +1556,7 @@ fn verify_layer(
         let slot = check.slots[p];
         let mem = job.mem_blocks[p];
         let ok = match pool.layer_crc(slot, layer) {
-            Some(want) => got[p] == Some(want),
+            Some(want) => crc_now == Some(want),
             // Only a whole-block checksum: checkable once every layer is in.
             None => {
                 check.running[p] = (0..2).fold(check.running[p], |crc, kv| {
