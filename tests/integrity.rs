@@ -361,7 +361,7 @@ fn a_dropped_key_stays_dropped_after_reopen_and_check_repair_cleans() {
 /// `cargo test --release --test integrity -- --ignored --nocapture verify_cost`
 /// (KVTIER_VERIFY_COST_DIR to put the pool on another filesystem).
 #[test]
-#[ignore]
+#[ignore = "a measurement, not a check: run by hand as above"]
 fn verify_cost() {
     let geo = kvtier::model::preset("llama3-8b", 16).unwrap();
     let base = std::env::var_os("KVTIER_VERIFY_COST_DIR").map(PathBuf::from);
