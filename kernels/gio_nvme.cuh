@@ -97,28 +97,6 @@ static KVTIER_HD inline uint32_t kvtier_ld32(const uint32_t* p) {
 #endif
 }
 
-static KVTIER_HD inline uint16_t kvtier_ld16(const uint16_t* p) {
-#if defined(__CUDA_ARCH__)
-    uint16_t v;
-    asm volatile("ld.acquire.sys.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
-    return v;
-#else
-    return __atomic_load_n(p, __ATOMIC_ACQUIRE);
-#endif
-}
-
-/* The second half of a CQE (sq_head, sq_id, cid, status) in one access, so
- * the phase tag and the fields it validates come from the same write. */
-static KVTIER_HD inline uint64_t kvtier_ld64(const uint64_t* p) {
-#if defined(__CUDA_ARCH__)
-    uint64_t v;
-    asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-#else
-    return __atomic_load_n(p, __ATOMIC_ACQUIRE);
-#endif
-}
-
 /* Polls: relaxed loads at system scope (one uncached access, no fence).
  * Measured on an H100, an idle loop of ld.acquire.sys on pinned host memory
  * by 8 threads slowed a copy kernel on the other SMs 2-5x (each acquire is a
@@ -134,6 +112,8 @@ static KVTIER_HD inline uint32_t kvtier_poll32(const uint32_t* p) {
 #endif
 }
 
+/* The second half of a CQE (sq_head, sq_id, cid, status) in one access, so
+ * the phase tag and the fields it validates come from the same write. */
 static KVTIER_HD inline uint64_t kvtier_poll64(const uint64_t* p) {
 #if defined(__CUDA_ARCH__)
     uint64_t v;
