@@ -18,6 +18,7 @@
 
 mod common;
 
+use common::fault::{gather_extents, scatter_extents};
 use common::*;
 use kvtier::engine::{EngineStats, IoEngine};
 use kvtier::p2p::P2pTable;
@@ -233,23 +234,11 @@ impl SimDevice {
                 let Some(extents) = self.extents(q).filter(|_| self.in_bounds(&io)) else {
                     return (IOCTX_STATUS_INVALID, 0);
                 };
-                let mut buf = vec![0u8; io.len as usize];
-                let mut at = 0;
-                for (addr, len) in extents {
-                    // SAFETY: the descriptor is from the P2P table the tier
-                    // registered; register_memory's contract keeps that host
-                    // memory allocated while a job that reads it is in flight,
-                    // and `buf[at..at + len]` lies inside `buf` because the
-                    // extents' lengths sum to `io.len`.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            addr as *const u8,
-                            buf[at..at + len].as_mut_ptr(),
-                            len,
-                        );
-                    }
-                    at += len;
-                }
+                // SAFETY: the descriptors are from the P2P table the tier
+                // registered; register_memory's contract keeps that host
+                // memory allocated while a job that reads it is in flight, and
+                // `extents` checked that their lengths sum to `io.len`.
+                let buf = unsafe { gather_extents(&extents, io.len as usize) };
                 for (i, sector) in buf.chunks(SECTOR as usize).enumerate() {
                     self.cache[dev]
                         .entry(io.dev_offset + i as u64 * SECTOR)
@@ -273,20 +262,10 @@ impl SimDevice {
                     buf[at..at + SECTOR as usize]
                         .copy_from_slice(versions.last().expect("a cached sector has a version"));
                 }
-                let mut at = 0;
-                for (addr, len) in extents {
-                    // SAFETY: as for writes, the registered memory outlives the
-                    // job that loads into it, and the tier hands a load's
-                    // target memory to no other I/O while it is in flight.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            buf[at..at + len].as_ptr(),
-                            addr as *mut u8,
-                            len,
-                        );
-                    }
-                    at += len;
-                }
+                // SAFETY: as for writes, the registered memory outlives the
+                // job that loads into it, and the tier hands a load's target
+                // memory to no other I/O while it is in flight.
+                unsafe { scatter_extents(&buf, &extents) };
                 self.stats.bytes_read += io.len as u64;
                 (IOCTX_STATUS_OK, io.len)
             }

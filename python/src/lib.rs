@@ -878,15 +878,7 @@ impl TierHandle {
     #[getter]
     fn geometry<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let g = self.h().geometry();
-        let d = PyDict::new(py);
-        d.set_item("layers", g.layers)?;
-        d.set_item("kv_heads", g.kv_heads)?;
-        d.set_item("head_dim", g.head_dim)?;
-        d.set_item("dtype", g.dtype.name())?;
-        d.set_item("block_size", g.block_size)?;
-        d.set_item("object_bytes", g.object_bytes())?;
-        d.set_item("block_bytes", g.block_bytes())?;
-        Ok(d)
+        geometry_dict(py, g)
     }
 
     /// Blocks in the registered KV memory.
@@ -1182,15 +1174,7 @@ fn resolve_model<'py>(
     };
     let n = resolve_named(&spec, block_size, dtype).map_err(to_py)?;
     let g = n.geometry;
-    let d = PyDict::new(py);
-    d.set_item("layers", g.layers)?;
-    d.set_item("kv_heads", g.kv_heads)?;
-    d.set_item("head_dim", g.head_dim)?;
-    d.set_item("dtype", g.dtype.name())?;
-    d.set_item("block_size", g.block_size)?;
-    d.set_item("object_bytes", g.object_bytes())?;
-    d.set_item("block_bytes", g.block_bytes())?;
-    Ok((d, n.name))
+    Ok((geometry_dict(py, &g)?, n.name))
 }
 
 /// Median nanoseconds of `iters` calls of `op` on the handle's Rust
@@ -1254,4 +1238,18 @@ fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ClosedError", py.get_type::<ClosedError>())?;
     m.add("InternalError", py.get_type::<InternalError>())?;
     Ok(())
+}
+
+/// A KV geometry as Python sees it: layers, kv_heads, head_dim, dtype,
+/// block_size, object_bytes, block_bytes.
+fn geometry_dict<'py>(py: Python<'py>, g: &KvGeometry) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("layers", g.layers)?;
+    d.set_item("kv_heads", g.kv_heads)?;
+    d.set_item("head_dim", g.head_dim)?;
+    d.set_item("dtype", g.dtype.name())?;
+    d.set_item("block_size", g.block_size)?;
+    d.set_item("object_bytes", g.object_bytes())?;
+    d.set_item("block_bytes", g.block_bytes())?;
+    Ok(d)
 }

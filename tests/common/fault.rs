@@ -113,6 +113,40 @@ impl Faults {
     }
 }
 
+/// The bytes of an I/O's memory extents `(address, length)`, in order: what
+/// a device double writes.
+///
+/// # Safety
+/// Every extent is readable memory for its length, and the lengths sum to `len`.
+pub unsafe fn gather_extents(extents: &[(u64, usize)], len: usize) -> Vec<u8> {
+    let mut buf = vec![0u8; len];
+    let mut at = 0;
+    for &(addr, n) in extents {
+        // SAFETY: the caller's contract; `buf[at..at + n]` lies inside `buf`
+        // because the lengths sum to `len` (the slice index checks it).
+        unsafe {
+            std::ptr::copy_nonoverlapping(addr as *const u8, buf[at..at + n].as_mut_ptr(), n)
+        };
+        at += n;
+    }
+    buf
+}
+
+/// Copies `buf` into an I/O's memory extents, in order: what a device double
+/// reads into.
+///
+/// # Safety
+/// Every extent is writable memory for its length that nothing else uses
+/// meanwhile, and the lengths sum to `buf.len()`.
+pub unsafe fn scatter_extents(buf: &[u8], extents: &[(u64, usize)]) {
+    let mut at = 0;
+    for &(addr, n) in extents {
+        // SAFETY: the caller's contract; the slice index bounds the source.
+        unsafe { std::ptr::copy_nonoverlapping(buf[at..at + n].as_ptr(), addr as *mut u8, n) };
+        at += n;
+    }
+}
+
 fn touches(list: &[(u16, Range<u64>)], dev: u16, off: u64, len: u64) -> bool {
     list.iter()
         .any(|(d, r)| *d == dev && off < r.end && r.start < off + len)
@@ -267,20 +301,9 @@ impl FaultEngine {
                     f.failed_writes += 1;
                     return (IOCTX_STATUS_ERRNO, libc::ENOSPC as u32);
                 }
-                let mut buf = vec![0u8; io.len as usize];
-                let mut at = 0;
-                for (addr, len) in extents {
-                    // SAFETY: registered host memory the tier keeps alive for
-                    // the job; the extents' lengths sum to `io.len`.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            addr as *const u8,
-                            buf[at..].as_mut_ptr(),
-                            len,
-                        )
-                    };
-                    at += len;
-                }
+                // SAFETY: registered host memory the tier keeps alive for the
+                // job; the extents' lengths sum to `io.len`.
+                let buf = unsafe { gather_extents(&extents, io.len as usize) };
                 if touches(&f.torn_writes, io.dev, io.dev_offset, io.len as u64) {
                     // Acknowledged whole, half of it on the device.
                     files[dev]
@@ -298,15 +321,9 @@ impl FaultEngine {
                 }
                 let mut buf = vec![0u8; io.len as usize];
                 files[dev].read_exact_at(&mut buf, io.dev_offset).unwrap();
-                let mut at = 0;
-                for (addr, len) in extents {
-                    // SAFETY: as for writes; the load's target memory is the
-                    // tier's to fill while the job is in flight.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(buf[at..].as_ptr(), addr as *mut u8, len)
-                    };
-                    at += len;
-                }
+                // SAFETY: as for writes; the load's target memory is the
+                // tier's to fill while the job is in flight.
+                unsafe { scatter_extents(&buf, &extents) };
                 self.stats.bytes_read += io.len as u64;
                 (IOCTX_STATUS_OK, io.len)
             }
