@@ -32,6 +32,7 @@ pub mod host_kernel;
 pub mod kernels;
 pub mod memory;
 pub mod probe;
+pub mod staged;
 pub mod staging;
 
 pub use context::{Context, Device, Event, Function, KernelArgs, LaunchConfig, Module, Stream};

@@ -14,8 +14,11 @@
 
 use bytemuck::{Pod, Zeroable};
 
+use std::sync::Arc;
+
 use super::{
-    kernels, Context, Function, KernelArgs, LaunchConfig, Module, PinnedHostBuffer, Stream,
+    kernels, CompletionCounter, Context, Function, KernelArgs, LaunchConfig, Module,
+    PinnedHostBuffer, Stream,
 };
 use crate::error::{Error, Result};
 
@@ -47,12 +50,26 @@ pub trait DeviceCopier: Send {
     /// Waits for everything started; returns the checksums of the last
     /// gather (empty after a scatter).
     fn finish(&mut self) -> Result<Vec<u32>>;
+    /// After the copies started so far, the copier's completion counter
+    /// becomes `value` (on a GPU: written by the copy stream, so a compute
+    /// stream waiting on the counter starts once those copies are done,
+    /// with no host call in between).
+    fn signal(&mut self, value: u32) -> Result<()>;
+    /// The completion counter now: every copy started before
+    /// `signal(v)` is done once this has reached `v`.
+    fn signaled(&self) -> Result<u32>;
+    /// The completion counter as a GPU-visible word streams can wait on
+    /// (`None` for the host double).
+    fn counter(&self) -> Option<&Arc<CompletionCounter>> {
+        None
+    }
 }
 
 /// The test double: the same copies done by the CPU on host addresses.
 #[derive(Default)]
 pub struct HostCopier {
     crcs: Vec<u32>,
+    counter: u32,
 }
 
 impl HostCopier {
@@ -90,6 +107,16 @@ impl DeviceCopier for HostCopier {
     fn finish(&mut self) -> Result<Vec<u32>> {
         Ok(std::mem::take(&mut self.crcs))
     }
+
+    fn signal(&mut self, value: u32) -> Result<()> {
+        // The double's copies are done when the call returns.
+        self.counter = value;
+        Ok(())
+    }
+
+    fn signaled(&self) -> Result<u32> {
+        Ok(self.counter)
+    }
 }
 
 /// The copier on a GPU: `kvtier_scatter` / `kvtier_gather_crc32c`, one
@@ -104,6 +131,7 @@ pub struct CudaCopier {
     capacity: usize,
     last_gather: usize,
     sms: u32,
+    counter: Arc<CompletionCounter>,
     _module: Module,
     _ctx: Context,
 }
@@ -135,6 +163,8 @@ impl CudaCopier {
             capacity,
             last_gather: 0,
             sms: ctx.device().sm_count()?,
+            // Host-mapped: the host polls it to reuse staging, streams wait on it.
+            counter: CompletionCounter::host_mapped(ctx)?,
             _module: module,
             _ctx: ctx.clone(),
         })
@@ -215,6 +245,18 @@ impl DeviceCopier for CudaCopier {
             .chunks_exact(4)
             .map(|w| u32::from_ne_bytes([w[0], w[1], w[2], w[3]]))
             .collect())
+    }
+
+    fn signal(&mut self, value: u32) -> Result<()> {
+        self.stream.write_counter(&self.counter, value)
+    }
+
+    fn signaled(&self) -> Result<u32> {
+        self.counter.load()
+    }
+
+    fn counter(&self) -> Option<&Arc<CompletionCounter>> {
+        Some(&self.counter)
     }
 }
 
