@@ -105,7 +105,9 @@ impl P2pTable {
                 for kv in 0..2 {
                     let a = addr(block, layer, kv);
                     if a % KvGeometry::DIRECT_IO_ALIGN != 0
-                        || !regions.iter().any(|r| r.addr <= a && a + obj <= r.addr + r.len)
+                        || !regions
+                            .iter()
+                            .any(|r| r.addr <= a && a + obj <= r.addr + r.len)
                     {
                         return Err(Error::Registration(format!(
                             "object (block {block}, layer {layer}, kv {kv}) at {a:#x} is not {}-byte aligned inside a registered region",

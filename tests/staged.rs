@@ -81,6 +81,84 @@ fn bad_staging_config_is_refused() {
     let rig = HostRig::new(HostLayout::PerLayer);
     let pool = common::create_pool(&dir, rig.geometry(), 8, 1, 2);
     let tier = Tier::open(pool, Default::default()).unwrap();
-    let e = StagedTier::with_host_double(tier, rig.0.clone(), config(1, 8, 8)).err().unwrap();
+    let e = StagedTier::with_host_double(tier, rig.0.clone(), config(1, 8, 8))
+        .err()
+        .unwrap();
     assert!(e.to_string().contains("at least 2 layer buffers"), "{e}");
+}
+
+/// The staged path behind a `TierHandle` (what the Python binding opens):
+/// stores from the (stand-in) GPU memory are acknowledged durable with
+/// checksums, a load into cleared memory brings the bytes back with one
+/// layer event per layer in layer order before the job's end, and the
+/// pool checks clean (no block unverifiable).
+#[test]
+fn double_behind_a_tier_handle() {
+    use kvtier::handle::{Event, HandleConfig, TierBuilder};
+    use kvtier::sched::Policy;
+    let dir = common::TempDir::new("staged-handle");
+    let rig = HostRig::new(HostLayout::CrossLayer);
+    let geo = rig.geometry();
+    let devs = vec![dir.file("a.pool"), dir.file("b.pool")];
+    let h = TierBuilder::default()
+        .create(common::pool_config(geo, 8, &devs, 4))
+        .config(HandleConfig {
+            policy: Policy::Naive,
+            ..Default::default()
+        })
+        .staging(config(2, 16, 8))
+        .staged_host_double(rig.0.clone())
+        .build()
+        .unwrap();
+    let ks: Vec<u64> = (70..86).collect();
+    let mem: Vec<u32> = (0..16).map(|i| 47 - i).collect();
+    for (&k, &b) in ks.iter().zip(&mem) {
+        fill(&rig, b, common::seed_of(k));
+    }
+    let s1 = h.submit_store(&keys(&ks[..8]), &mem[..8]).unwrap();
+    let s2 = h.submit_store(&keys(&ks[8..]), &mem[8..]).unwrap();
+    assert!(h.wait(s1).unwrap().all_ok());
+    assert!(h.wait(s2).unwrap().all_ok());
+    rig.clear();
+    let events = h.completions().unwrap();
+    let _ = events.drain();
+    let target: Vec<u32> = (0..16).collect();
+    assert_eq!(h.lookup_and_pin(&keys(&ks)), 16);
+    let job = h.submit_load(&keys(&ks), &target, 0..geo.layers).unwrap();
+    let r = h.wait(job).unwrap();
+    assert!(r.all_ok(), "{:?}", r.failures().collect::<Vec<_>>());
+    h.unpin(&keys(&ks));
+    for (i, &k) in ks.iter().enumerate() {
+        assert!(
+            matches(&rig, target[i], common::seed_of(k), 0..geo.layers),
+            "key {k}"
+        );
+    }
+    let mut layers = Vec::new();
+    let mut finished = false;
+    while let Some(e) = events.try_recv() {
+        match e {
+            Event::Layer {
+                job: j,
+                layer,
+                error,
+            } if j == job => {
+                assert!(error.is_none() && !finished);
+                layers.push(layer);
+            }
+            Event::Finished { job: j, .. } if j == job => finished = true,
+            _ => {}
+        }
+    }
+    assert!(finished);
+    assert_eq!(layers, (0..geo.layers).collect::<Vec<_>>());
+    h.close().unwrap();
+    drop(h);
+    let pool = kvtier::Pool::open(&devs, &Default::default()).unwrap();
+    let report = pool.check(|_, _| {}).unwrap();
+    assert_eq!(
+        (report.blocks_ok, report.blocks_unverifiable),
+        (16, 0),
+        "{report:?}"
+    );
 }

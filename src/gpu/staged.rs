@@ -127,7 +127,8 @@ impl Layout {
     }
 
     fn store_obj(&self, s: u32, layer: u32, kv: u32) -> u64 {
-        self.store_base + ((s as u64 * self.layers as u64 + layer as u64) * 2 + kv as u64) * self.obj
+        self.store_base
+            + ((s as u64 * self.layers as u64 + layer as u64) * 2 + kv as u64) * self.obj
     }
 
     /// The tier's memory block `block` (load places first, then store places).
@@ -229,11 +230,14 @@ struct StoreJob {
     places: Vec<u32>,
 }
 
-/// A [`Tier`] serving KV memory the engines cannot reach (GPU memory)
-/// through pinned host staging. See the module documentation.
-pub struct StagedTier {
-    // Field order is drop order: the tier drains its I/O into staging first.
-    tier: Tier,
+/// Job ids of the staged path start here, apart from the tier's own.
+pub const STAGED_JOB_BASE: JobId = 1 << 62;
+
+/// The staged path's state beside a [`Tier`] whose registered memory is
+/// the staging: every call takes that tier. The tier must be drained
+/// (see [`StagedPath::drain`]) before this is dropped: its I/O targets the
+/// staging memory this owns. [`StagedTier`] keeps the two together.
+pub struct StagedPath {
     copier: Box<dyn DeviceCopier>,
     staging: StagingMemory,
     layout: Layout,
@@ -254,19 +258,20 @@ pub struct StagedTier {
     _target_owner: Option<Arc<HostKvCache>>,
 }
 
-impl StagedTier {
+impl StagedPath {
     /// The CPU test double: `cache` (host memory) stands in for the GPU's
     /// KV memory and [`HostCopier`] does the copies the kernels do on a GPU.
     pub fn with_host_double(
-        tier: Tier,
+        tier: &mut Tier,
         cache: Arc<HostKvCache>,
         cfg: StagingConfig,
-    ) -> Result<StagedTier> {
+    ) -> Result<StagedPath> {
         let g = cache.memory().geometry;
         let staging = StagingMemory::host(cfg.bytes(&g).max(1))?;
         let target = cache.memory().clone();
-        // SAFETY: the staged tier keeps `cache` alive; staging is its own.
-        let mut s = unsafe { Self::new(tier, target, Box::new(HostCopier::default()), staging, cfg)? };
+        // SAFETY: the path keeps `cache` alive; staging is its own.
+        let mut s =
+            unsafe { Self::new(tier, target, Box::new(HostCopier::default()), staging, cfg)? };
         s._target_owner = Some(cache);
         Ok(s)
     }
@@ -279,11 +284,11 @@ impl StagedTier {
     /// is dropped, and must not be freed while a job that targets it is in
     /// flight.
     pub unsafe fn on_gpu(
-        tier: Tier,
+        tier: &mut Tier,
         ctx: &Context,
         mem: KvMemory,
         cfg: StagingConfig,
-    ) -> Result<StagedTier> {
+    ) -> Result<StagedPath> {
         if !matches!(mem.kind, MemoryKind::Gpu { .. }) {
             return Err(Error::invalid(
                 "the staged HBM path serves GPU memory; register host memory with the tier itself",
@@ -305,12 +310,12 @@ impl StagedTier {
     /// # Safety
     /// `target`'s memory is reachable by `copier` and outlives the result.
     unsafe fn new(
-        mut tier: Tier,
+        tier: &mut Tier,
         target: KvMemory,
         copier: Box<dyn DeviceCopier>,
         staging: StagingMemory,
         cfg: StagingConfig,
-    ) -> Result<StagedTier> {
+    ) -> Result<StagedPath> {
         cfg.validate()?;
         target.validate()?;
         let g = target.geometry;
@@ -330,9 +335,10 @@ impl StagedTier {
             |b, l, kv| layout.addr(b, l, kv),
         )?;
         // SAFETY: the staging memory lives in self, dropped after the tier.
+        // SAFETY: the staging memory lives in the result, which the caller
+        // keeps until the tier has drained (StagedPath's contract).
         unsafe { tier.register_table(table)? };
-        Ok(StagedTier {
-            tier,
+        Ok(StagedPath {
             copier,
             staging,
             layout,
@@ -349,17 +355,9 @@ impl StagedTier {
             finished_order: VecDeque::new(),
             events: VecDeque::new(),
             seq: 0,
-            next_job: 1,
+            next_job: STAGED_JOB_BASE,
             _target_owner: None,
         })
-    }
-
-    pub fn tier(&self) -> &Tier {
-        &self.tier
-    }
-
-    pub fn tier_mut(&mut self) -> &mut Tier {
-        &mut self.tier
     }
 
     pub fn config(&self) -> &StagingConfig {
@@ -420,6 +418,7 @@ impl StagedTier {
     /// job ends. Layers complete in order ([`Self::layer_events`]).
     pub fn submit_load(
         &mut self,
+        tier: &mut Tier,
         keys: &[Key],
         mem_blocks: &[u32],
         layers: Range<u32>,
@@ -438,9 +437,9 @@ impl StagedTier {
                 "memory block {b} is the target of two keys in one load"
             )));
         }
-        let n = self.tier.lookup_and_pin(keys);
+        let n = tier.lookup_and_pin(keys);
         if n < keys.len() {
-            self.tier.unpin(&keys[..n]);
+            tier.unpin(&keys[..n]);
             return Err(Error::UnknownKey {
                 key: keys[n].to_string(),
             });
@@ -448,7 +447,7 @@ impl StagedTier {
         // Staging places in slot order: the pool's coalesced order.
         let slots: Vec<u64> = keys
             .iter()
-            .map(|k| self.tier.pool().index().get(k).map_or(u64::MAX, |e| e.slot))
+            .map(|k| tier.pool().index().get(k).map_or(u64::MAX, |e| e.slot))
             .collect();
         let mut order: Vec<u32> = (0..keys.len() as u32).collect();
         order.sort_by_key(|&p| slots[p as usize]);
@@ -476,7 +475,7 @@ impl StagedTier {
                 tier_jobs_out: 0,
             },
         );
-        self.submit_layers();
+        self.submit_layers(tier);
         Ok(id)
     }
 
@@ -484,7 +483,12 @@ impl StagedTier {
     /// the blocks are gathered into staging with their checksums (on the
     /// GPU) before this returns, so the memory blocks may be reused at once.
     /// Waits for earlier stores to free staging when it is full.
-    pub fn submit_store(&mut self, keys: &[Key], mem_blocks: &[u32]) -> Result<JobId> {
+    pub fn submit_store(
+        &mut self,
+        tier: &mut Tier,
+        keys: &[Key],
+        mem_blocks: &[u32],
+    ) -> Result<JobId> {
         self.check_blocks(keys, mem_blocks, self.cfg.store_blocks, "store")?;
         if let Some(&b) = mem_blocks
             .iter()
@@ -496,15 +500,17 @@ impl StagedTier {
         }
         while self.store_free.len() < keys.len() {
             let Some(&t) = self.store_jobs.keys().min() else {
-                return Err(Error::invalid("store staging exhausted with no store in flight"));
+                return Err(Error::invalid(
+                    "store staging exhausted with no store in flight",
+                ));
             };
-            let r = self.tier.wait(t)?;
+            let r = tier.wait(t)?;
             self.on_tier_result(r);
         }
         let places: Vec<u32> = (0..keys.len())
             .map(|_| self.store_free.pop().expect("counted"))
             .collect();
-        match self.gather_and_store(keys, mem_blocks, &places) {
+        match self.gather_and_store(tier, keys, mem_blocks, &places) {
             Ok(t) => {
                 let id = self.next_job;
                 self.next_job += 1;
@@ -518,7 +524,13 @@ impl StagedTier {
         }
     }
 
-    fn gather_and_store(&mut self, keys: &[Key], mem_blocks: &[u32], places: &[u32]) -> Result<JobId> {
+    fn gather_and_store(
+        &mut self,
+        tier: &mut Tier,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        places: &[u32],
+    ) -> Result<JobId> {
         let g = self.target.geometry;
         let obj = self.layout.obj;
         let mut list = Vec::with_capacity(keys.len() * g.objects_per_block() as usize);
@@ -554,11 +566,11 @@ impl StagedTier {
                 )
             })
             .collect();
-        self.tier.submit_store_with_crcs(keys, places, Some(&per_key))
+        tier.submit_store_with_crcs(keys, places, Some(&per_key))
     }
 
     /// Submit the next layers of loads whose buffers are free.
-    fn submit_layers(&mut self) {
+    fn submit_layers(&mut self, tier: &mut Tier) {
         let b = self.cfg.layer_buffers;
         let ids: Vec<JobId> = self.loads.keys().copied().collect();
         for id in ids {
@@ -580,7 +592,7 @@ impl StagedTier {
                 }
                 let keys: Vec<Key> = live.iter().map(|&p| job.keys[p as usize]).collect();
                 let places: Vec<u32> = live.iter().map(|&p| job.sblock[p as usize]).collect();
-                match self.tier.submit_load(&keys, &places, l..l + 1) {
+                match tier.submit_load(&keys, &places, l..l + 1) {
                     Ok(t) => {
                         job.next_submit += 1;
                         job.tier_jobs_out += 1;
@@ -655,7 +667,11 @@ impl StagedTier {
                             continue;
                         }
                         list.push(CopyDesc {
-                            src: self.staging.dev(self.layout.load_obj(job.sblock[p as usize], l, kv)),
+                            src: self.staging.dev(self.layout.load_obj(
+                                job.sblock[p as usize],
+                                l,
+                                kv,
+                            )),
                             dst: self.target.object_addr(job.hbm[p as usize], l, kv),
                             len: self.layout.obj as u32,
                             reserved: 0,
@@ -671,7 +687,8 @@ impl StagedTier {
                 let copied = copied.and_then(|()| self.copier.signal(seq));
                 let job = self.loads.get_mut(&id).expect("listed");
                 if let Err(e) = copied {
-                    let f = Failure::from(&e).context(format_args!("copying layer {l} to GPU memory"));
+                    let f =
+                        Failure::from(&e).context(format_args!("copying layer {l} to GPU memory"));
                     for o in job.outcomes.iter_mut().filter(|o| o.is_none()) {
                         *o = Some(KeyOutcome::Failed(f.clone()));
                     }
@@ -689,7 +706,7 @@ impl StagedTier {
 
     /// Announce layers whose copies are done, free their buffers, and end
     /// loads with nothing left.
-    fn retire(&mut self) -> Result<()> {
+    fn retire(&mut self, tier: &mut Tier) -> Result<()> {
         let now = self.copier.signaled()?;
         let b = self.cfg.layer_buffers;
         let mut done = Vec::new();
@@ -711,13 +728,16 @@ impl StagedTier {
                     counter: s,
                 });
             }
-            if job.next_scatter >= job.layers.end && job.copying.is_empty() && job.tier_jobs_out == 0 {
+            if job.next_scatter >= job.layers.end
+                && job.copying.is_empty()
+                && job.tier_jobs_out == 0
+            {
                 done.push(id);
             }
         }
         for id in done {
             let job = self.loads.remove(&id).expect("listed");
-            self.tier.unpin(&job.keys);
+            tier.unpin(&job.keys);
             self.finish(JobResult {
                 job: id,
                 kind: JobKind::Load,
@@ -734,22 +754,22 @@ impl StagedTier {
     }
 
     /// Move everything along without blocking.
-    pub fn poll(&mut self) -> Result<()> {
-        self.tier.poll()?;
-        for r in self.tier.get_finished() {
+    pub fn poll(&mut self, tier: &mut Tier) -> Result<()> {
+        tier.poll()?;
+        for r in tier.get_finished() {
             self.on_tier_result(r);
         }
         // The layer jobs' own events: a staged layer is announced after its copy.
-        let _ = self.tier.layer_events();
+        let _ = tier.layer_events();
         self.scatter_landed()?;
-        self.retire()?;
-        self.submit_layers();
+        self.retire(tier)?;
+        self.submit_layers(tier);
         Ok(())
     }
 
     /// Block until something moves: the oldest tier job ends, or the copies
     /// started finish.
-    fn wait_some(&mut self) -> Result<()> {
+    fn wait_some(&mut self, tier: &mut Tier) -> Result<()> {
         let oldest = self
             .layer_jobs
             .keys()
@@ -757,7 +777,7 @@ impl StagedTier {
             .min()
             .copied();
         if let Some(t) = oldest {
-            let r = self.tier.wait(t)?;
+            let r = tier.wait(t)?;
             self.on_tier_result(r);
         } else if self.loads.values().any(|j| !j.copying.is_empty()) {
             self.copier.finish()?;
@@ -776,30 +796,34 @@ impl StagedTier {
     }
 
     /// Wait for job `id` and take its result.
-    pub fn wait(&mut self, id: JobId) -> Result<JobResult> {
+    pub fn wait(&mut self, tier: &mut Tier, id: JobId) -> Result<JobResult> {
         if !self.known(id) {
-            return Err(Error::invalid(format!("no staged job {id} in flight or unreported")));
+            return Err(Error::invalid(format!(
+                "no staged job {id} in flight or unreported"
+            )));
         }
         loop {
-            self.poll()?;
+            self.poll(tier)?;
             if let Some(r) = self.finished.remove(&id) {
                 self.finished_order.retain(|&j| j != id);
                 return Ok(r);
             }
-            self.wait_some()?;
+            self.wait_some(tier)?;
         }
     }
 
     /// Wait until layer `layer` of load `id` is in the KV memory (or the
     /// load has ended).
-    pub fn wait_layer(&mut self, id: JobId, layer: u32) -> Result<()> {
+    pub fn wait_layer(&mut self, tier: &mut Tier, id: JobId, layer: u32) -> Result<()> {
         if !self.known(id) {
-            return Err(Error::invalid(format!("no staged job {id} in flight or unreported")));
+            return Err(Error::invalid(format!(
+                "no staged job {id} in flight or unreported"
+            )));
         }
         loop {
-            self.poll()?;
+            self.poll(tier)?;
             match self.loads.get(&id) {
-                Some(j) if j.announced <= layer => self.wait_some()?,
+                Some(j) if j.announced <= layer => self.wait_some(tier)?,
                 _ => return Ok(()),
             }
         }
@@ -823,14 +847,146 @@ impl StagedTier {
     }
 
     /// Wait for every job.
-    pub fn drain(&mut self) -> Result<()> {
+    pub fn drain(&mut self, tier: &mut Tier) -> Result<()> {
         loop {
-            self.poll()?;
+            self.poll(tier)?;
             if self.loads.is_empty() && self.store_jobs.is_empty() {
                 return Ok(());
             }
-            self.wait_some()?;
+            self.wait_some(tier)?;
         }
+    }
+}
+
+impl StagedPath {
+    /// Whether `id` is a job of the staged path (not one of the tier's).
+    pub fn owns(id: JobId) -> bool {
+        id >= STAGED_JOB_BASE
+    }
+
+    /// Staged loads and stores not yet finished.
+    pub fn jobs_in_flight(&self) -> usize {
+        self.loads.len() + self.store_jobs.len()
+    }
+
+    pub fn loads_in_flight(&self) -> usize {
+        self.loads.len()
+    }
+
+    /// Copies started whose end only a later poll sees.
+    pub fn copies_pending(&self) -> bool {
+        self.loads
+            .values()
+            .any(|j| !j.copying.is_empty() || !j.landed.is_empty())
+    }
+}
+
+/// A [`Tier`] and the [`StagedPath`] serving GPU memory through it, kept
+/// together so that the tier's I/O drains before the staging goes.
+pub struct StagedTier {
+    // Field order is drop order: the tier drains its I/O into staging first.
+    tier: Tier,
+    path: StagedPath,
+}
+
+impl StagedTier {
+    /// The CPU test double: `cache` (host memory) stands in for the GPU's
+    /// KV memory and [`HostCopier`] does the copies the kernels do on a GPU.
+    pub fn with_host_double(
+        mut tier: Tier,
+        cache: Arc<HostKvCache>,
+        cfg: StagingConfig,
+    ) -> Result<StagedTier> {
+        let path = StagedPath::with_host_double(&mut tier, cache, cfg)?;
+        Ok(StagedTier { tier, path })
+    }
+
+    /// GPU memory `mem` of `ctx`'s device, through pinned staging.
+    ///
+    /// # Safety
+    /// As [`StagedPath::on_gpu`].
+    pub unsafe fn on_gpu(
+        mut tier: Tier,
+        ctx: &Context,
+        mem: KvMemory,
+        cfg: StagingConfig,
+    ) -> Result<StagedTier> {
+        // SAFETY: the caller's contract.
+        let path = unsafe { StagedPath::on_gpu(&mut tier, ctx, mem, cfg)? };
+        Ok(StagedTier { tier, path })
+    }
+
+    pub fn tier(&self) -> &Tier {
+        &self.tier
+    }
+
+    pub fn path(&self) -> &StagedPath {
+        &self.path
+    }
+
+    pub fn config(&self) -> &StagingConfig {
+        self.path.config()
+    }
+
+    pub fn memory(&self) -> &KvMemory {
+        self.path.memory()
+    }
+
+    pub fn counter(&self) -> Option<&Arc<CompletionCounter>> {
+        self.path.counter()
+    }
+
+    pub fn next_counter_value(&self) -> u32 {
+        self.path.next_counter_value()
+    }
+
+    pub fn buffers_in_use(&self) -> Vec<Option<(JobId, u32)>> {
+        self.path.buffers_in_use()
+    }
+
+    pub fn submit_load(
+        &mut self,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        layers: Range<u32>,
+    ) -> Result<JobId> {
+        self.path
+            .submit_load(&mut self.tier, keys, mem_blocks, layers)
+    }
+
+    pub fn submit_store(&mut self, keys: &[Key], mem_blocks: &[u32]) -> Result<JobId> {
+        self.path.submit_store(&mut self.tier, keys, mem_blocks)
+    }
+
+    pub fn poll(&mut self) -> Result<()> {
+        self.path.poll(&mut self.tier)
+    }
+
+    pub fn wait(&mut self, id: JobId) -> Result<JobResult> {
+        self.path.wait(&mut self.tier, id)
+    }
+
+    pub fn wait_layer(&mut self, id: JobId, layer: u32) -> Result<()> {
+        self.path.wait_layer(&mut self.tier, id, layer)
+    }
+
+    pub fn layer_events(&mut self) -> Vec<HbmLayer> {
+        self.path.layer_events()
+    }
+
+    pub fn get_finished(&mut self) -> Vec<JobResult> {
+        self.path.get_finished()
+    }
+
+    pub fn drain(&mut self) -> Result<()> {
+        self.path.drain(&mut self.tier)
+    }
+}
+
+impl Drop for StagedTier {
+    fn drop(&mut self) {
+        // Stores in flight land (their bytes are in staging), as Tier's drop does.
+        let _ = self.drain();
     }
 }
 
@@ -852,7 +1008,12 @@ impl LayerWait {
     }
 
     /// Later work on `stream` starts once `counter` has reached `value`.
-    pub fn queue(&mut self, stream: &Stream, counter: &Arc<CompletionCounter>, value: u32) -> Result<()> {
+    pub fn queue(
+        &mut self,
+        stream: &Stream,
+        counter: &Arc<CompletionCounter>,
+        value: u32,
+    ) -> Result<()> {
         if self.kernel.is_none() {
             match stream.wait_counter(counter, value, WaitCond::Geq) {
                 Ok(()) => return Ok(()),

@@ -45,13 +45,17 @@ pub fn fill(rig: &dyn KvRig, block: u32, seed: u64) {
 /// Layers `layers` of `block` hold what `fill(block, seed)` wrote.
 pub fn matches(rig: &dyn KvRig, block: u32, seed: u64, layers: std::ops::Range<u32>) -> bool {
     let g = rig.geometry();
-    layers.into_iter().all(|l| {
-        (0..2).all(|kv| rig.read_object(block, l, kv) == object(seed, l, kv, &g))
-    })
+    layers
+        .into_iter()
+        .all(|l| (0..2).all(|kv| rig.read_object(block, l, kv) == object(seed, l, kv, &g)))
 }
 
 /// A pool of 64 slots over 2 files, served by a staged tier over `rig`.
-pub fn staged_over(rig: &dyn KvRig, dir: &TempDir, cfg: StagingConfig) -> (StagedTier, Vec<PathBuf>) {
+pub fn staged_over(
+    rig: &dyn KvRig,
+    dir: &TempDir,
+    cfg: StagingConfig,
+) -> (StagedTier, Vec<PathBuf>) {
     let pool = create_pool(dir, rig.geometry(), 8, 2, 4);
     let paths = pool.paths();
     let tier = Tier::open(pool, TierConfig::default()).unwrap();
@@ -129,7 +133,11 @@ pub fn round_trip(rig: &dyn KvRig, tag: &str) {
     assert!(r.all_ok(), "{:?}", r.failures().collect::<Vec<_>>());
     events.extend(st.layer_events());
     let layers: Vec<u32> = events.iter().map(|e| e.layer).collect();
-    assert_eq!(layers, (0..g.layers).collect::<Vec<_>>(), "layer events in order");
+    assert_eq!(
+        layers,
+        (0..g.layers).collect::<Vec<_>>(),
+        "layer events in order"
+    );
     let counters: Vec<u32> = events.iter().map(|e| e.counter).collect();
     assert_eq!(counters, (first..first + g.layers).collect::<Vec<_>>());
     assert!(events.iter().all(|e| e.error.is_none()));
@@ -150,11 +158,23 @@ pub fn round_robin_and_back_pressure(rig: &dyn KvRig, tag: &str) {
     let mem: Vec<u32> = (0..24).collect();
     store_all(rig, &mut st, &ks, &mem, 12);
     rig.clear();
-    let a = st.submit_load(&keys(&ks[..12]), &mem[..12], 0..g.layers).unwrap();
-    assert_eq!(st.buffers_in_use(), vec![Some((a, 0)), Some((a, 1))], "back-pressure");
+    let a = st
+        .submit_load(&keys(&ks[..12]), &mem[..12], 0..g.layers)
+        .unwrap();
+    assert_eq!(
+        st.buffers_in_use(),
+        vec![Some((a, 0)), Some((a, 1))],
+        "back-pressure"
+    );
     st.wait_layer(a, 0).unwrap();
-    assert_eq!(st.buffers_in_use()[0], Some((a, 2)), "buffer 0 reused for layer 2");
-    let b = st.submit_load(&keys(&ks[12..]), &mem[12..], 1..g.layers).unwrap();
+    assert_eq!(
+        st.buffers_in_use()[0],
+        Some((a, 2)),
+        "buffer 0 reused for layer 2"
+    );
+    let b = st
+        .submit_load(&keys(&ks[12..]), &mem[12..], 1..g.layers)
+        .unwrap();
     let ra = st.wait(a).unwrap();
     let rb = st.wait(b).unwrap();
     assert!(ra.all_ok() && rb.all_ok());
@@ -175,7 +195,9 @@ pub fn round_robin_and_back_pressure(rig: &dyn KvRig, tag: &str) {
 pub fn store_staging_is_bounded(rig: &dyn KvRig, tag: &str) {
     let dir = TempDir::new(tag);
     let (mut st, _) = staged_over(rig, &dir, config(2, 8, 4));
-    let e = st.submit_store(&keys(&[1, 2, 3, 4, 5]), &[0, 1, 2, 3, 4]).unwrap_err();
+    let e = st
+        .submit_store(&keys(&[1, 2, 3, 4, 5]), &[0, 1, 2, 3, 4])
+        .unwrap_err();
     assert!(e.to_string().contains("store_blocks"), "{e}");
     let ks: Vec<u64> = (100..112).collect();
     let mem: Vec<u32> = (0..12).collect();
@@ -184,7 +206,11 @@ pub fn store_staging_is_bounded(rig: &dyn KvRig, tag: &str) {
     // A load bigger than a layer buffer is refused too.
     let e = st.submit_load(&keys(&ks), &mem, 0..1).unwrap_err();
     assert!(e.to_string().contains("load_blocks"), "{e}");
-    assert_eq!(st.tier().usage().pinned_blocks, 0, "a refused load pins nothing");
+    assert_eq!(
+        st.tier().usage().pinned_blocks,
+        0,
+        "a refused load pins nothing"
+    );
 }
 
 /// A block whose bytes on the SSD changed after the store is caught when
@@ -197,9 +223,18 @@ pub fn corrupt_block_is_caught(rig: &dyn KvRig, tag: &str) {
     let ks: Vec<u64> = (0..12).collect();
     let mem: Vec<u32> = (0..12).collect();
     store_all(rig, &mut st, &ks, &mem, 12);
-    let slot = st.tier().pool().index().get(&Key::from_u64(5)).unwrap().slot;
+    let slot = st
+        .tier()
+        .pool()
+        .index()
+        .get(&Key::from_u64(5))
+        .unwrap()
+        .slot;
     let (dev, off) = st.tier().pool().layout().object_offset(slot, 2, 1);
-    let f = std::fs::OpenOptions::new().write(true).open(&paths[dev as usize]).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&paths[dev as usize])
+        .unwrap();
     f.write_all_at(&[0x42], off + 100).unwrap();
     f.sync_all().unwrap();
     rig.clear();
@@ -209,18 +244,31 @@ pub fn corrupt_block_is_caught(rig: &dyn KvRig, tag: &str) {
     assert_eq!(events.len(), g.layers as usize);
     for (i, o) in r.outcomes.iter().enumerate() {
         if ks[i] == 5 {
-            assert!(matches!(o, KeyOutcome::Corrupt(f) if f.kind == kvtier::ErrorKind::Corrupt), "{o:?}");
+            assert!(
+                matches!(o, KeyOutcome::Corrupt(f) if f.kind == kvtier::ErrorKind::Corrupt),
+                "{o:?}"
+            );
             // Layers before the damage arrived; the damaged one was never copied.
             assert!(matches(rig, mem[i], seed_of(5), 0..2));
             assert!(rig.read_object(mem[i], 2, 1).iter().all(|&b| b == 0));
         } else {
             assert_eq!(o, &KeyOutcome::Done, "key {}", ks[i]);
-            assert!(matches(rig, mem[i], seed_of(ks[i]), 0..g.layers), "key {}", ks[i]);
+            assert!(
+                matches(rig, mem[i], seed_of(ks[i]), 0..g.layers),
+                "key {}",
+                ks[i]
+            );
         }
     }
-    assert!(events[2].error.as_ref().is_some_and(|f| f.kind == kvtier::ErrorKind::Corrupt));
+    assert!(events[2]
+        .error
+        .as_ref()
+        .is_some_and(|f| f.kind == kvtier::ErrorKind::Corrupt));
     assert!(events[0].error.is_none() && events[1].error.is_none());
-    assert!(!st.tier().contains(&Key::from_u64(5)), "a corrupt block leaves the pool");
+    assert!(
+        !st.tier().contains(&Key::from_u64(5)),
+        "a corrupt block leaves the pool"
+    );
     drop(st);
     let pool = Pool::open(&paths, &OpenExpect::default()).unwrap();
     assert!(pool.index().get(&Key::from_u64(5)).is_none());
