@@ -264,7 +264,7 @@ impl Tier {
         }
         if !self.io.engine().reaches(mem.kind) {
             return Err(Error::Unsupported(format!(
-                "the {} engine cannot reach {:?} memory; register host memory, or use an engine that reaches it (`kvtier doctor` says which this machine has)",
+                "the {} engine cannot reach {:?} memory directly; register host memory, or serve GPU memory through the staged path (TierBuilder::memory, or gpu::staged::StagedTier: pinned host staging and a copy kernel per layer); `kvtier doctor` says which path each memory kind takes here",
                 self.io.engine().name(),
                 mem.kind
             )));
