@@ -239,7 +239,10 @@ fn bench_memory_gpu_without_a_gpu_names_the_fix() {
         err.contains("needs a CUDA GPU") || err.contains("install-nvcc"),
         "{err}"
     );
-    assert!(err.contains("drop --memory gpu") || err.contains("rebuild"), "{err}");
+    assert!(
+        err.contains("drop --memory gpu") || err.contains("rebuild"),
+        "{err}"
+    );
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
 
@@ -262,7 +265,10 @@ fn bench_memory_host_double_reports_ceilings() {
             "16",
         ],
     );
-    assert!(text.contains("host double") && text.contains("skipped: 999999"), "{text}");
+    assert!(
+        text.contains("host double") && text.contains("skipped: 999999"),
+        "{text}"
+    );
     let r = &v["results"][0];
     assert_eq!(r["tokens"], 1024);
     assert_eq!(r["verified"], true);

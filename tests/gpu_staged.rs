@@ -1,0 +1,238 @@
+//! The staged HBM path on a GPU: KV memory in device memory, the staging
+//! kernels doing the copies, the same checks tests/staged.rs runs against
+//! the CPU double (tests/common/staged.rs), plus a compute stream that
+//! waits for each layer on the GPU with no host call in between.
+//!
+//! ```text
+//! KVTIER_REQUIRE_GPU=1 cargo test --release --test gpu_staged -- --nocapture
+//! ```
+//!
+//! Without a GPU, a driver or the kernels every test prints
+//! `SKIPPED (<reason>)` to stderr and passes; with `KVTIER_REQUIRE_GPU=1` a
+//! skip is a failure.
+
+mod common;
+#[path = "common/staged.rs"]
+mod staged;
+
+use kvtier::gpu::staged::{LayerWait, StagedTier, StagingConfig};
+use kvtier::gpu::{probe, Context, Device, DeviceBuffer, PinnedHostBuffer};
+use kvtier::memory::pattern_fill;
+use kvtier::tier::Tier;
+use kvtier::{HostLayout, KvGeometry, KvLayout, KvMemory, MemoryKind};
+use staged::*;
+
+fn skip(test: &str, why: &str) {
+    if std::env::var("KVTIER_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+        panic!("{test}: KVTIER_REQUIRE_GPU=1 but the test would be skipped: {why}");
+    }
+    eprintln!("{test}: SKIPPED ({why})");
+}
+
+/// The primary context of device 0 with the kernels built, or `None` after
+/// saying why the test is skipped.
+fn gpu(test: &str) -> Option<Context> {
+    let why = match probe() {
+        Err(e) => format!("no GPU: {e}"),
+        Ok(i) if i.devices.is_empty() => "no GPU: the CUDA driver sees no device".into(),
+        Ok(_) if !kvtier::gpu::kernels::built_with_kernels() => {
+            "kvtier was built without CUDA kernels (no nvcc)".into()
+        }
+        Ok(_) => return Some(Context::primary(&Device::get(0).unwrap()).unwrap()),
+    };
+    skip(test, &why);
+    None
+}
+
+/// KV memory in HBM, in vLLM's per-layer or cross-layer layout.
+struct GpuRig {
+    ctx: Context,
+    buffers: Vec<DeviceBuffer>,
+    memory: KvMemory,
+}
+
+impl GpuRig {
+    fn new(ctx: &Context, layout: HostLayout) -> GpuRig {
+        let g = common::tiny_geometry();
+        let n = 48u32;
+        let per_layer = 2 * n as usize * g.object_bytes() as usize;
+        let (buffers, kv) = match layout {
+            HostLayout::PerLayer => {
+                let b: Vec<_> = (0..g.layers)
+                    .map(|_| DeviceBuffer::zeroed(ctx, per_layer).unwrap())
+                    .collect();
+                let bases = b.iter().map(DeviceBuffer::device_ptr).collect();
+                (b, KvLayout::PerLayer { layer_bases: bases })
+            }
+            HostLayout::CrossLayer => {
+                let b = DeviceBuffer::zeroed(ctx, per_layer * g.layers as usize).unwrap();
+                let base = b.device_ptr();
+                (vec![b], KvLayout::CrossLayer { base })
+            }
+        };
+        GpuRig {
+            ctx: ctx.clone(),
+            buffers,
+            memory: KvMemory {
+                geometry: g,
+                num_blocks: n,
+                layout: kv,
+                kind: MemoryKind::Gpu {
+                    ordinal: ctx.device().ordinal() as u32,
+                },
+            },
+        }
+    }
+
+    fn at(&self, block: u32, layer: u32, kv: u32) -> (&DeviceBuffer, usize) {
+        let a = self.memory.object_addr(block, layer, kv);
+        let b = self
+            .buffers
+            .iter()
+            .find(|b| b.device_ptr() <= a && a < b.device_ptr() + b.len() as u64)
+            .unwrap();
+        (b, (a - b.device_ptr()) as usize)
+    }
+}
+
+impl KvRig for GpuRig {
+    fn geometry(&self) -> KvGeometry {
+        self.memory.geometry
+    }
+    fn num_blocks(&self) -> u32 {
+        self.memory.num_blocks
+    }
+    fn write_object(&self, block: u32, layer: u32, kv: u32, data: &[u8]) {
+        let (b, off) = self.at(block, layer, kv);
+        b.write(off, data).unwrap();
+    }
+    fn read_object(&self, block: u32, layer: u32, kv: u32) -> Vec<u8> {
+        let (b, off) = self.at(block, layer, kv);
+        let mut v = vec![0; self.geometry().object_bytes() as usize];
+        b.read(off, &mut v).unwrap();
+        v
+    }
+    fn clear(&self) {
+        for b in &self.buffers {
+            b.write(0, &vec![0u8; b.len()]).unwrap();
+        }
+    }
+    fn staged(&self, tier: Tier, cfg: StagingConfig) -> StagedTier {
+        // SAFETY: the rig's buffers outlive every staged tier of a test.
+        unsafe { StagedTier::on_gpu(tier, &self.ctx, self.memory.clone(), cfg).unwrap() }
+    }
+}
+
+#[test]
+fn gpu_round_trip_both_layouts() {
+    let Some(ctx) = gpu("gpu_round_trip_both_layouts") else {
+        return;
+    };
+    for l in LAYOUTS {
+        round_trip(&GpuRig::new(&ctx, l), &format!("gpu-staged-rt-{l:?}"));
+    }
+}
+
+#[test]
+fn gpu_round_robin_and_back_pressure() {
+    let Some(ctx) = gpu("gpu_round_robin_and_back_pressure") else {
+        return;
+    };
+    for l in LAYOUTS {
+        round_robin_and_back_pressure(&GpuRig::new(&ctx, l), &format!("gpu-staged-rr-{l:?}"));
+    }
+}
+
+#[test]
+fn gpu_store_staging_is_bounded() {
+    let Some(ctx) = gpu("gpu_store_staging_is_bounded") else {
+        return;
+    };
+    store_staging_is_bounded(
+        &GpuRig::new(&ctx, HostLayout::PerLayer),
+        "gpu-staged-bounded",
+    );
+}
+
+#[test]
+fn gpu_corrupt_block_is_caught() {
+    let Some(ctx) = gpu("gpu_corrupt_block_is_caught") else {
+        return;
+    };
+    for l in LAYOUTS {
+        corrupt_block_is_caught(&GpuRig::new(&ctx, l), &format!("gpu-staged-corrupt-{l:?}"));
+    }
+}
+
+/// A compute stream given, before the load is even submitted, one wait per
+/// layer on the copier's completion counter followed by a copy of that
+/// layer's objects out of HBM: every snapshot holds the restored bytes, not
+/// the cleared memory, so the stream waited for each layer on the GPU with
+/// no host call between the layers.
+#[test]
+fn gpu_compute_stream_waits_per_layer_without_the_host() {
+    const NAME: &str = "gpu_compute_stream_waits_per_layer_without_the_host";
+    let Some(ctx) = gpu(NAME) else {
+        return;
+    };
+    for layout in LAYOUTS {
+        let rig = GpuRig::new(&ctx, layout);
+        let g = rig.geometry();
+        let obj = g.object_bytes() as usize;
+        let dir = common::TempDir::new(&format!("gpu-staged-wait-{layout:?}"));
+        let (mut st, _) = staged_over(&rig, &dir, config(2, 16, 16));
+        let ks: Vec<u64> = (900..912).collect();
+        let mem: Vec<u32> = (0..12).map(|i| 40 - i).collect();
+        store_all(&rig, &mut st, &ks, &mem, 12);
+        rig.clear();
+
+        let compute = ctx.stream().unwrap();
+        let snap = PinnedHostBuffer::alloc(&ctx, g.layers as usize * ks.len() * 2 * obj).unwrap();
+        let counter = st.counter().expect("a GPU copier has a counter").clone();
+        let first = st.next_counter_value();
+        let mut wait = LayerWait::new(&ctx);
+        for l in 0..g.layers {
+            wait.queue(&compute, &counter, first + l).unwrap();
+            for (i, &b) in mem.iter().enumerate() {
+                for kv in 0..2 {
+                    let at = ((l as usize * ks.len() + i) * 2 + kv as usize) * obj;
+                    // SAFETY: the snapshot and the rig's HBM outlive the
+                    // synchronize below.
+                    unsafe {
+                        compute
+                            .memcpy_async(
+                                snap.device_ptr() + at as u64,
+                                rig.memory.object_addr(b, l, kv),
+                                obj,
+                            )
+                            .unwrap()
+                    };
+                }
+            }
+        }
+        let job = st.submit_load(&keys(&ks), &mem, 0..g.layers).unwrap();
+        let r = st.wait(job).unwrap();
+        assert!(r.all_ok());
+        compute.synchronize().unwrap();
+        let events = st.layer_events();
+        assert_eq!(
+            events.iter().map(|e| e.counter).collect::<Vec<_>>(),
+            (first..first + g.layers).collect::<Vec<_>>()
+        );
+        let mut got = vec![0u8; obj];
+        let mut want = vec![0u8; obj];
+        for l in 0..g.layers {
+            for (i, &k) in ks.iter().enumerate() {
+                for kv in 0..2 {
+                    let at = ((l as usize * ks.len() + i) * 2 + kv as usize) * obj;
+                    snap.read(at, &mut got).unwrap();
+                    pattern_fill(&mut want, common::seed_of(k), l, kv);
+                    assert!(
+                        got == want,
+                        "{layout:?}: layer {l} of key {k} read before its copy"
+                    );
+                }
+            }
+        }
+    }
+}
