@@ -873,11 +873,10 @@ impl StagedPath {
         self.loads.len()
     }
 
-    /// Copies started whose end only a later poll sees.
+    /// Copies started whose end only a later poll sees (no fd says so:
+    /// the copier's counter is polled).
     pub fn copies_pending(&self) -> bool {
-        self.loads
-            .values()
-            .any(|j| !j.copying.is_empty() || !j.landed.is_empty())
+        self.loads.values().any(|j| !j.copying.is_empty())
     }
 }
 
