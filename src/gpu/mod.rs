@@ -39,7 +39,7 @@ pub use context::{Context, Device, Event, Function, KernelArgs, LaunchConfig, Mo
 pub use dma::{DmaPathKind, GpuDmaPath, GpuDmaRegion, HostBouncePath};
 pub use green::{GreenContext, SmGranularity, SmPartition, SplitPlan};
 pub use memory::{
-    register_kv_memory, CompletionCounter, DeviceBuffer, HostRegistration, KvRegistration,
-    PinnedHostBuffer, RegisterFlags, WaitCond,
+    check_gpu_kv_memory, register_kv_memory, CompletionCounter, DeviceBuffer, HostRegistration,
+    KvRegistration, PinnedHostBuffer, RegisterFlags, WaitCond,
 };
 pub use probe::{probe, DeviceInfo, DriverInfo};

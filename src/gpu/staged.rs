@@ -34,7 +34,7 @@ use std::sync::Arc;
 
 use super::staging::{CopyDesc, CudaCopier, DeviceCopier, HostCopier};
 use super::{
-    abi, kernels, register_kv_memory, CompletionCounter, Context, Function, HostRegistration,
+    abi, check_gpu_kv_memory, kernels, CompletionCounter, Context, Function, HostRegistration,
     KernelArgs, LaunchConfig, Module, RegisterFlags, Stream, WaitCond,
 };
 use crate::error::{Error, ErrorKind, Failure, Result};
@@ -294,9 +294,9 @@ impl StagedPath {
                 "the staged HBM path serves GPU memory; register host memory with the tier itself",
             ));
         }
-        // Checks that every region is device memory of ctx's device.
-        // SAFETY: GPU memory: no host registration is made.
-        unsafe { register_kv_memory(ctx, &mem)? };
+        // Every region is device memory of ctx's device (aligned for the
+        // copy kernels; no device DMAs into it, so not for direct I/O).
+        check_gpu_kv_memory(ctx, &mem)?;
         cfg.validate()?;
         let g = mem.geometry;
         let capacity = (2 * cfg.load_blocks as usize)
@@ -317,7 +317,7 @@ impl StagedPath {
         cfg: StagingConfig,
     ) -> Result<StagedPath> {
         cfg.validate()?;
-        target.validate()?;
+        target.validate_for_copies()?;
         let g = target.geometry;
         if g != *tier.pool().geometry() {
             return Err(Error::Registration(format!(
@@ -1039,5 +1039,53 @@ impl LayerWait {
         unsafe { stream.launch(f, LaunchConfig::linear(1, 1), &mut a)? };
         stream.keep_alive(counter.clone());
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Layer buffers repeat every `layer_buffers` layers, K objects of the
+    /// load places then V objects; the store area follows the buffers with a
+    /// block's 2L objects together; nothing of one overlaps the other.
+    #[test]
+    fn staging_layout_reuses_buffers_round_robin() {
+        let g = KvGeometry {
+            layers: 6,
+            kv_heads: 2,
+            head_dim: 64,
+            dtype: crate::model::DType::BF16,
+            block_size: 16,
+        };
+        let cfg = StagingConfig {
+            layer_buffers: 2,
+            load_blocks: 3,
+            store_blocks: 2,
+        };
+        let obj = g.object_bytes();
+        let l = Layout::new(&g, &cfg, 1 << 30);
+        assert_eq!(l.addr(0, 0, 0), 1 << 30);
+        assert_eq!(l.addr(2, 0, 0), (1 << 30) + 2 * obj);
+        assert_eq!(l.addr(0, 0, 1), (1 << 30) + 3 * obj);
+        assert_eq!(l.addr(1, 1, 0), (1 << 30) + 6 * obj + obj);
+        for b in 0..3 {
+            for kv in 0..2 {
+                assert_eq!(
+                    l.addr(b, 4, kv),
+                    l.addr(b, 0, kv),
+                    "layer 4 reuses buffer 0"
+                );
+                assert_eq!(l.addr(b, 5, kv), l.addr(b, 1, kv));
+            }
+        }
+        let store0 = (1 << 30) + 2 * 6 * obj;
+        assert_eq!(l.addr(3, 0, 0), store0);
+        assert_eq!(l.addr(3, 5, 1), store0 + 11 * obj);
+        assert_eq!(l.addr(4, 0, 0), store0 + 12 * obj);
+        let r = l.regions();
+        assert_eq!(r[0].addr + r[0].len, r[1].addr);
+        assert_eq!(r[0].len + r[1].len, cfg.bytes(&g));
+        assert_eq!(l.addr(4, 5, 1) + obj, r[1].addr + r[1].len);
     }
 }
