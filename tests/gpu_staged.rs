@@ -164,11 +164,12 @@ fn gpu_corrupt_block_is_caught() {
     }
 }
 
-/// A compute stream given, before the load is even submitted, one wait per
-/// layer on the copier's completion counter followed by a copy of that
-/// layer's objects out of HBM: every snapshot holds the restored bytes, not
-/// the cleared memory, so the stream waited for each layer on the GPU with
-/// no host call between the layers.
+/// Two loads in flight, each with a compute stream given (right after the
+/// submits, before any layer is copied) one wait per layer on that load's
+/// own counter followed by a copy of that layer's objects out of HBM: every
+/// snapshot holds the restored bytes, not the cleared memory, so each
+/// stream waited for each of its layers on the GPU with no host call in
+/// between, whatever the other load did.
 #[test]
 fn gpu_compute_stream_waits_per_layer_without_the_host() {
     const NAME: &str = "gpu_compute_stream_waits_per_layer_without_the_host";
@@ -181,56 +182,67 @@ fn gpu_compute_stream_waits_per_layer_without_the_host() {
         let obj = g.object_bytes() as usize;
         let dir = common::TempDir::new(&format!("gpu-staged-wait-{layout:?}"));
         let (mut st, _) = staged_over(&rig, &dir, config(2, 16, 16));
-        let ks: Vec<u64> = (900..912).collect();
-        let mem: Vec<u32> = (0..12).map(|i| 40 - i).collect();
+        let ks: Vec<u64> = (900..924).collect();
+        let mem: Vec<u32> = (0..24).map(|i| 40 - i).collect();
         store_all(&rig, &mut st, &ks, &mem, 12);
         rig.clear();
 
-        let compute = ctx.stream().unwrap();
-        let snap = PinnedHostBuffer::alloc(&ctx, g.layers as usize * ks.len() * 2 * obj).unwrap();
-        let counter = st.counter().expect("a GPU copier has a counter").clone();
-        let first = st.next_counter_value();
-        let mut wait = LayerWait::new(&ctx);
-        for l in 0..g.layers {
-            wait.queue(&compute, &counter, first + l).unwrap();
-            for (i, &b) in mem.iter().enumerate() {
-                for kv in 0..2 {
-                    let at = ((l as usize * ks.len() + i) * 2 + kv as usize) * obj;
-                    // SAFETY: the snapshot and the rig's HBM outlive the
-                    // synchronize below.
-                    unsafe {
-                        compute
-                            .memcpy_async(
-                                snap.device_ptr() + at as u64,
-                                rig.memory.object_addr(b, l, kv),
-                                obj,
-                            )
-                            .unwrap()
-                    };
+        let halves = [(0usize..12, 0u32..g.layers), (12..24, 1..g.layers)];
+        let mut runs = Vec::new();
+        for (keys_range, layers) in halves.clone() {
+            let job = st
+                .submit_load(
+                    &keys(&ks[keys_range.clone()]),
+                    &mem[keys_range.clone()],
+                    layers.clone(),
+                )
+                .unwrap();
+            let c = st
+                .load_counter(job)
+                .expect("a GPU load has its own counter");
+            let compute = ctx.stream().unwrap();
+            let snap = PinnedHostBuffer::alloc(&ctx, g.layers as usize * 12 * 2 * obj).unwrap();
+            let mut wait = LayerWait::new(&ctx);
+            for l in layers.clone() {
+                wait.queue(&compute, &c.counter, c.value_for(l)).unwrap();
+                for (i, p) in keys_range.clone().enumerate() {
+                    for kv in 0..2 {
+                        let at = ((l as usize * 12 + i) * 2 + kv as usize) * obj;
+                        // SAFETY: the snapshot and the rig's HBM outlive the
+                        // synchronize below.
+                        unsafe {
+                            compute
+                                .memcpy_async(
+                                    snap.device_ptr() + at as u64,
+                                    rig.memory.object_addr(mem[p], l, kv),
+                                    obj,
+                                )
+                                .unwrap()
+                        };
+                    }
                 }
             }
+            runs.push((job, compute, snap));
         }
-        let job = st.submit_load(&keys(&ks), &mem, 0..g.layers).unwrap();
-        let r = st.wait(job).unwrap();
-        assert!(r.all_ok());
-        compute.synchronize().unwrap();
-        let events = st.layer_events();
-        assert_eq!(
-            events.iter().map(|e| e.counter).collect::<Vec<_>>(),
-            (first..first + g.layers).collect::<Vec<_>>()
-        );
+        for (job, _, _) in &runs {
+            assert!(st.wait(*job).unwrap().all_ok());
+        }
         let mut got = vec![0u8; obj];
         let mut want = vec![0u8; obj];
-        for l in 0..g.layers {
-            for (i, &k) in ks.iter().enumerate() {
-                for kv in 0..2 {
-                    let at = ((l as usize * ks.len() + i) * 2 + kv as usize) * obj;
-                    snap.read(at, &mut got).unwrap();
-                    pattern_fill(&mut want, common::seed_of(k), l, kv);
-                    assert!(
-                        got == want,
-                        "{layout:?}: layer {l} of key {k} read before its copy"
-                    );
+        for ((keys_range, layers), (_, compute, snap)) in halves.into_iter().zip(&runs) {
+            compute.synchronize().unwrap();
+            for l in layers {
+                for (i, p) in keys_range.clone().enumerate() {
+                    for kv in 0..2 {
+                        let at = ((l as usize * 12 + i) * 2 + kv as usize) * obj;
+                        snap.read(at, &mut got).unwrap();
+                        pattern_fill(&mut want, common::seed_of(ks[p]), l, kv);
+                        assert!(
+                            got == want,
+                            "{layout:?}: layer {l} of key {} read before its copy",
+                            ks[p]
+                        );
+                    }
                 }
             }
         }

@@ -199,8 +199,9 @@ pub struct HbmLayer {
     pub layer: u32,
     /// Why some keys failed in this layer (their blocks must not be used).
     pub error: Option<Failure>,
-    /// The completion counter reaches this value once the layer's copy is
-    /// done: what a compute stream waits for ([`LayerWait::queue`]).
+    /// The copier's completion counter reaches this value once the layer's
+    /// copy is done (the host's view; a compute stream waits on the load's
+    /// own counter instead, see [`StagedPath::load_counter`]).
     pub counter: u32,
 }
 
@@ -223,6 +224,29 @@ struct LoadJob {
     outcomes: Vec<Option<KeyOutcome>>,
     tier_jobs_out: u32,
     announced: u32,
+    /// The load's own counter on a GPU: layer `l` done at `base + l - first + 1`.
+    counter: Option<LoadCounter>,
+}
+
+/// A GPU-visible counter of one load: layer `l` of a load of layers
+/// `first..` is in KV memory once the counter has reached
+/// `base + (l - first) + 1` (wrapping). Counters are reused by later loads,
+/// from the value the last one left, so a stream still waiting on an old
+/// value is never confused.
+#[derive(Clone)]
+pub struct LoadCounter {
+    pub counter: Arc<CompletionCounter>,
+    pub base: u32,
+    pub first_layer: u32,
+}
+
+impl LoadCounter {
+    /// The value the counter reaches once layer `layer` is copied.
+    pub fn value_for(&self, layer: u32) -> u32 {
+        self.base
+            .wrapping_add(layer - self.first_layer)
+            .wrapping_add(1)
+    }
 }
 
 struct StoreJob {
@@ -255,6 +279,10 @@ pub struct StagedPath {
     events: VecDeque<HbmLayer>,
     seq: u32,
     next_job: JobId,
+    /// To make loads' counters (GPU only).
+    ctx: Option<Context>,
+    /// Counters of finished loads, with the value each was left at.
+    spare_counters: Vec<(Arc<CompletionCounter>, u32)>,
     _target_owner: Option<Arc<HostKvCache>>,
 }
 
@@ -304,7 +332,9 @@ impl StagedPath {
         let copier = CudaCopier::new(ctx, capacity)?;
         let staging = StagingMemory::pinned(ctx, cfg.bytes(&g))?;
         // SAFETY: the caller's contract for `mem`; staging is ours.
-        unsafe { Self::new(tier, mem, Box::new(copier), staging, cfg) }
+        let mut path = unsafe { Self::new(tier, mem, Box::new(copier), staging, cfg)? };
+        path.ctx = Some(ctx.clone());
+        Ok(path)
     }
 
     /// # Safety
@@ -356,6 +386,8 @@ impl StagedPath {
             events: VecDeque::new(),
             seq: 0,
             next_job: STAGED_JOB_BASE,
+            ctx: None,
+            spare_counters: Vec::new(),
             _target_owner: None,
         })
     }
@@ -380,6 +412,14 @@ impl StagedPath {
     /// `next_counter_value() + (l - first layer)`.
     pub fn next_counter_value(&self) -> u32 {
         self.seq.wrapping_add(1)
+    }
+
+    /// The counter a compute stream waits on for load `id`'s layers
+    /// (queue the waits right after `submit_load`, with
+    /// [`LayerWait::queue`] and [`LoadCounter::value_for`]); `None` with
+    /// the host double or once the load has finished.
+    pub fn load_counter(&self, id: JobId) -> Option<LoadCounter> {
+        self.loads.get(&id)?.counter.clone()
     }
 
     /// Which layer buffers are in use, and by what (load job, layer).
@@ -455,11 +495,32 @@ impl StagedPath {
         for (i, &p) in order.iter().enumerate() {
             sblock[p as usize] = i as u32;
         }
+        let counter = match &self.ctx {
+            Some(ctx) => {
+                let (counter, base) = match self.spare_counters.pop() {
+                    Some(c) => c,
+                    None => match CompletionCounter::device(ctx) {
+                        Ok(c) => (c, 0),
+                        Err(e) => {
+                            tier.unpin(keys);
+                            return Err(e);
+                        }
+                    },
+                };
+                Some(LoadCounter {
+                    counter,
+                    base,
+                    first_layer: layers.start,
+                })
+            }
+            None => None,
+        };
         let id = self.next_job;
         self.next_job += 1;
         self.loads.insert(
             id,
             LoadJob {
+                counter,
                 keys: keys.to_vec(),
                 hbm: mem_blocks.to_vec(),
                 sblock,
@@ -644,6 +705,11 @@ impl StagedPath {
                         ErrorKind::Io,
                         format!("layer {l} not read: every key of the load failed before it"),
                     );
+                    // A stream waiting on the load's counter must not hang:
+                    // the value goes up as if the layer had been copied.
+                    if let Some(c) = &job.counter {
+                        self.copier.signal_counter(&c.counter, c.value_for(l))?;
+                    }
                     job.copying.push_back((l, self.seq, Some(f)));
                     job.next_scatter += 1;
                     continue;
@@ -684,7 +750,12 @@ impl StagedPath {
                     self.copier.scatter(&list)
                 };
                 let seq = self.seq.wrapping_add(1);
-                let copied = copied.and_then(|()| self.copier.signal(seq));
+                let copied = copied
+                    .and_then(|()| match &job.counter {
+                        Some(c) => self.copier.signal_counter(&c.counter, c.value_for(l)),
+                        None => Ok(()),
+                    })
+                    .and_then(|()| self.copier.signal(seq));
                 let job = self.loads.get_mut(&id).expect("listed");
                 if let Err(e) = copied {
                     let f =
@@ -738,6 +809,13 @@ impl StagedPath {
         for id in done {
             let job = self.loads.remove(&id).expect("listed");
             tier.unpin(&job.keys);
+            if let Some(c) = job.counter {
+                // Layers not copied (failed keys, skipped layers) still
+                // reached their values: every scatter signals, and a skipped
+                // layer is signalled below, so the last value is final.
+                let last = c.value_for(job.layers.end - 1);
+                self.spare_counters.push((c.counter, last));
+            }
             self.finish(JobResult {
                 job: id,
                 kind: JobKind::Load,
@@ -941,6 +1019,10 @@ impl StagedTier {
 
     pub fn buffers_in_use(&self) -> Vec<Option<(JobId, u32)>> {
         self.path.buffers_in_use()
+    }
+
+    pub fn load_counter(&self, id: JobId) -> Option<LoadCounter> {
+        self.path.load_counter(id)
     }
 
     pub fn submit_load(

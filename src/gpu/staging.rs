@@ -63,6 +63,10 @@ pub trait DeviceCopier: Send {
     fn counter(&self) -> Option<&Arc<CompletionCounter>> {
         None
     }
+    /// After the copies started so far, `counter` (another GPU-visible
+    /// counter: one load's own) becomes `value`. Only for copiers that have
+    /// a [`Self::counter`].
+    fn signal_counter(&mut self, counter: &Arc<CompletionCounter>, value: u32) -> Result<()>;
 }
 
 /// The test double: the same copies done by the CPU on host addresses.
@@ -116,6 +120,12 @@ impl DeviceCopier for HostCopier {
 
     fn signaled(&self) -> Result<u32> {
         Ok(self.counter)
+    }
+
+    fn signal_counter(&mut self, _: &Arc<CompletionCounter>, _: u32) -> Result<()> {
+        Err(Error::invalid(
+            "the host double of the staging copies has no GPU counters",
+        ))
     }
 }
 
@@ -257,6 +267,10 @@ impl DeviceCopier for CudaCopier {
 
     fn counter(&self) -> Option<&Arc<CompletionCounter>> {
         Some(&self.counter)
+    }
+
+    fn signal_counter(&mut self, counter: &Arc<CompletionCounter>, value: u32) -> Result<()> {
+        self.stream.write_counter(counter, value)
     }
 }
 

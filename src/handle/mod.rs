@@ -46,6 +46,7 @@ mod builder;
 pub use builder::{EngineChoice, TierBuilder};
 
 use crate::error::{Error, ErrorKind, Failure, Result};
+use crate::gpu::staged::LoadCounter;
 use crate::memory::HostKvCache;
 use crate::model::KvGeometry;
 use crate::p2p::P2pTable;
@@ -714,6 +715,24 @@ impl TierHandle {
             }
             jobs = self.wait_for_change(jobs, job)?;
         }
+    }
+
+    /// For a load into GPU KV memory on the staged path: the load's own
+    /// completion counter, which reaches `value_for(l)` once layer `l` is in
+    /// HBM. A compute stream queues `cuStreamWaitValue32` on it (see
+    /// [`crate::gpu::staged::LayerWait`]) right after the submit, so each
+    /// layer's attention starts when its copy is done, with no host call in
+    /// between. `None` for host memory, the CPU double, or a load that has
+    /// finished.
+    pub fn load_counter(&self, job: JobId) -> Result<Option<LoadCounter>> {
+        let core = lock(&self.shared.core);
+        let s = core.as_ref().ok_or_else(Shared::closed_error)?;
+        let jobs = lock(&self.shared.jobs);
+        Ok(jobs
+            .by_tier
+            .iter()
+            .find(|(_, &h)| h == job)
+            .and_then(|(&t, _)| s.load_counter(t)))
     }
 
     /// Results of every finished job not yet collected, in finishing order.

@@ -17,7 +17,7 @@
 //! for `kvtier replay` to compare against.
 
 use crate::error::{Error, Result};
-use crate::gpu::staged::StagedPath;
+use crate::gpu::staged::{LoadCounter, StagedPath};
 use crate::pool::Key;
 use crate::tier::{JobId, JobResult, LayerDone, Tier};
 use std::collections::VecDeque;
@@ -124,6 +124,11 @@ impl Scheduler {
     /// `crate::gpu::staged`), which `path` registered with this tier.
     pub fn set_staged(&mut self, path: StagedPath) {
         self.staged = Some(path);
+    }
+
+    /// The own counter of staged load `job` (GPU only).
+    pub fn load_counter(&self, job: JobId) -> Option<LoadCounter> {
+        self.staged.as_ref()?.load_counter(job)
     }
 
     pub fn is_staged(&self) -> bool {
