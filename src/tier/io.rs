@@ -2,6 +2,7 @@
 //! their jobs, and finish jobs whose work is done.
 
 use super::jobs::{FlushAfter, Item, Step};
+use super::store::stage_headers;
 use super::{JobId, JobKind, JobResult, KeyOutcome, Tier};
 use crate::error::{Failure, IoCause, IoFailure, Result};
 use crate::plan::PlannedIo;
@@ -103,6 +104,10 @@ impl Tier {
         }
         // Skip I/O for keys that already failed (headers of failed data).
         let step = job.items[ix].step;
+        if step == Step::Headers && job.items[ix].next == 0 {
+            let staging = self.staging.as_ref().expect("a store has staging");
+            stage_headers(&mut self.pool, staging, job);
+        }
         if step == Step::Headers {
             let item = &job.items[ix];
             let keep: Vec<PlannedIo> = item.ios[item.next..]

@@ -2,6 +2,7 @@
 //! holds, the keys and memory blocks it uses, and the results and layer
 //! events waiting to be collected.
 
+use super::store::PendingHeaders;
 use super::{JobId, JobKind, JobResult, KeyOutcome, LayerDone};
 use crate::error::Failure;
 use crate::plan::PlannedIo;
@@ -107,6 +108,8 @@ pub(super) struct StoreState {
     pub(super) abandoned: Option<Failure>,
     /// Slots whose writes failed with an I/O error: retired when the job ends.
     pub(super) bad_slots: Vec<u64>,
+    /// Headers not yet staged (they are, just before the header writes).
+    pub(super) headers: Option<PendingHeaders>,
 }
 
 /// What a load checks its bytes against.

@@ -568,5 +568,12 @@ impl Drop for Tier {
         // Let stores in flight land rather than leave half a job behind; a
         // crash instead of a drop is what the store protocol is for.
         let _ = self.drain();
+        // Checksum workers of stores that could not finish read the KV
+        // memory, which may go away with the tier: wait for them.
+        for job in self.jobs.live.values_mut() {
+            if let Some(h) = job.store.as_mut().and_then(|s| s.headers.take()) {
+                h.join();
+            }
+        }
     }
 }
