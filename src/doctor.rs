@@ -17,7 +17,11 @@
 //! everywhere), with the reasons the others are out.
 
 use crate::error::{Error, Result};
-use crate::pool::backing::{mounted_at, AlignedBuf};
+use crate::host::dio::{dio_align, AlignedBuf, DIRECT_IO_ALIGN};
+use crate::host::mounts::{mount_of, mounted_at};
+use crate::host::pci::{bar_size, devices as pci_devices};
+use crate::host::size::human_bytes as human;
+use crate::host::sysfs::{dir_names, link_name, read_trim};
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 use std::fs;
@@ -167,28 +171,6 @@ pub fn render(r: &Report) -> String {
 // Small file helpers
 // ---------------------------------------------------------------------------------------
 
-fn read_trim(path: impl AsRef<Path>) -> Option<String> {
-    fs::read_to_string(path).ok().map(|s| s.trim().to_string())
-}
-
-/// Sorted names in a directory; `None` when it cannot be read.
-fn dir_names(path: impl AsRef<Path>) -> Option<Vec<String>> {
-    let mut v: Vec<String> = fs::read_dir(path)
-        .ok()?
-        .filter_map(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
-    v.sort();
-    Some(v)
-}
-
-/// The name of the link's target (the driver bound to a device, ...).
-fn link_name(path: impl AsRef<Path>) -> Option<String> {
-    fs::read_link(path)
-        .ok()
-        .and_then(|t| t.file_name().map(|n| n.to_string_lossy().into_owned()))
-}
-
 fn exists(path: &str) -> bool {
     Path::new(path).exists()
 }
@@ -199,52 +181,6 @@ fn yes_no(b: bool) -> &'static str {
     } else {
         "no"
     }
-}
-
-fn human(bytes: u64) -> String {
-    crate::cli::human_bytes(bytes)
-}
-
-/// A PCI function from /sys/bus/pci/devices.
-struct PciDev {
-    addr: String,
-    device_id: String,
-    driver: Option<String>,
-    sysfs: PathBuf,
-}
-
-/// PCI functions of this vendor (or any, `None`) whose class starts with `class_prefix`.
-fn pci_devices(vendor: Option<&str>, class_prefix: &str) -> Option<Vec<PciDev>> {
-    let base = Path::new("/sys/bus/pci/devices");
-    let names = dir_names(base)?;
-    let mut out = Vec::new();
-    for n in names {
-        let p = base.join(&n);
-        let v = read_trim(p.join("vendor")).unwrap_or_default();
-        let c = read_trim(p.join("class")).unwrap_or_default();
-        if vendor.is_some_and(|want| v != want) || !c.starts_with(class_prefix) {
-            continue;
-        }
-        out.push(PciDev {
-            device_id: read_trim(p.join("device")).unwrap_or_default(),
-            driver: link_name(p.join("driver")),
-            addr: n,
-            sysfs: p,
-        });
-    }
-    Some(out)
-}
-
-/// Size of BAR `index` from a PCI device's `resource` file (one "start end
-/// flags" line of hex per resource); `None` when unassigned or unreadable.
-pub(crate) fn bar_size(dev: &Path, index: usize) -> Option<u64> {
-    let text = fs::read_to_string(dev.join("resource")).ok()?;
-    let line = text.lines().nth(index)?;
-    let mut f = line.split_whitespace();
-    let parse = |s: &str| u64::from_str_radix(s.trim_start_matches("0x"), 16).ok();
-    let start = parse(f.next()?)?;
-    let end = parse(f.next()?)?;
-    (end > start).then(|| end - start + 1)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1257,44 +1193,6 @@ struct PoolFacts {
     why_not: Option<String>,
 }
 
-fn unescape_mount(s: &str) -> String {
-    // /proc/self/mounts escapes space, tab, newline and backslash as \ooo.
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\'
-            && i + 3 < b.len()
-            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
-        {
-            let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
-            out.push(v);
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-/// (source, mount point, fs type) of the mount holding `path` (canonical).
-fn mount_of(path: &Path) -> Option<(String, String, String)> {
-    let text = fs::read_to_string("/proc/self/mounts").ok()?;
-    let mut best: Option<(String, String, String)> = None;
-    for line in text.lines() {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        if f.len() < 3 {
-            continue;
-        }
-        let mp = unescape_mount(f[1]);
-        if path.starts_with(&mp) && best.as_ref().is_none_or(|b| mp.len() >= b.1.len()) {
-            best = Some((unescape_mount(f[0]), mp, f[2].to_string()));
-        }
-    }
-    best
-}
-
 fn probe_pool_dir(dir: &Path) -> Result<PoolFacts> {
     let mut items = Vec::new();
     let existed = dir.is_dir();
@@ -1425,6 +1323,14 @@ fn probe_pool_dir(dir: &Path) -> Result<PoolFacts> {
     })
 }
 
+/// (memory alignment, offset alignment) for direct I/O from statx, when the
+/// kernel and filesystem report them.
+fn statx_dio_align(path: &Path) -> std::result::Result<Option<(u32, u32)>, String> {
+    let f = fs::File::open(path).map_err(|e| format!("open: {e}"))?;
+    let a = dio_align(&f).map_err(|e| format!("statx: {e}"))?;
+    Ok(a.filter(|a| a.memory != 0).map(|a| (a.memory, a.offset)))
+}
+
 fn direct_io_check(tmp: &Path) -> std::result::Result<(), String> {
     let f = fs::OpenOptions::new()
         .read(true)
@@ -1432,37 +1338,19 @@ fn direct_io_check(tmp: &Path) -> std::result::Result<(), String> {
         .custom_flags(libc::O_DIRECT | libc::O_NOFOLLOW)
         .open(tmp)
         .map_err(|e| format!("open(O_DIRECT): {e}"))?;
-    let mut out = AlignedBuf::zeroed(4096);
+    let mut out = AlignedBuf::zeroed(DIRECT_IO_ALIGN);
     for (i, b) in out.as_mut_slice().iter_mut().enumerate() {
         *b = (i % 251) as u8;
     }
     f.write_all_at(out.as_slice(), 0)
         .map_err(|e| format!("direct write: {e}"))?;
-    let mut back = AlignedBuf::zeroed(4096);
+    let mut back = AlignedBuf::zeroed(DIRECT_IO_ALIGN);
     f.read_exact_at(back.as_mut_slice(), 0)
         .map_err(|e| format!("direct read: {e}"))?;
     if back.as_slice() != out.as_slice() {
         return Err("read back differs from what was written".into());
     }
     Ok(())
-}
-
-/// (memory alignment, offset alignment) for direct I/O from statx, when the
-/// kernel and filesystem report them.
-fn statx_dio_align(path: &Path) -> std::result::Result<Option<(u32, u32)>, String> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|e| e.to_string())?;
-    // SAFETY: statx is plain old data; all-zero is a valid value.
-    let mut st: libc::statx = unsafe { std::mem::zeroed() };
-    // SAFETY: a NUL-terminated path and a writable statx buffer that outlives the call.
-    let rc = unsafe { libc::statx(libc::AT_FDCWD, c.as_ptr(), 0, libc::STATX_DIOALIGN, &mut st) };
-    if rc != 0 {
-        return Err(format!("statx: {}", std::io::Error::last_os_error()));
-    }
-    if st.stx_mask & libc::STATX_DIOALIGN == 0 || st.stx_dio_mem_align == 0 {
-        return Ok(None);
-    }
-    Ok(Some((st.stx_dio_mem_align, st.stx_dio_offset_align)))
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1595,31 +1483,6 @@ mod tests {
         assert_eq!(namespace_block_name("nvme0n"), None);
         assert_eq!(namespace_block_name("power"), None);
         assert_eq!(namespace_block_name("nvmeXn1"), None);
-    }
-
-    #[test]
-    fn mount_escapes() {
-        assert_eq!(unescape_mount("/mnt/a\\040b"), "/mnt/a b");
-        assert_eq!(unescape_mount("/plain"), "/plain");
-        assert_eq!(unescape_mount("/end\\04"), "/end\\04");
-    }
-
-    #[test]
-    fn bar_sizes_from_resource_file() {
-        let dir = std::env::temp_dir().join(format!("kvtier-doctor-bar-{}", std::process::id()));
-        fs::create_dir_all(&dir).unwrap();
-        fs::write(
-            dir.join("resource"),
-            "0x00000000fb000000 0x00000000fbffffff 0x0000000000040200\n\
-             0x0000038000000000 0x00000387ffffffff 0x000000000014220c\n\
-             0x0000000000000000 0x0000000000000000 0x0000000000000000\n",
-        )
-        .unwrap();
-        assert_eq!(bar_size(&dir, 0), Some(16 << 20));
-        assert_eq!(bar_size(&dir, 1), Some(32 << 30));
-        assert_eq!(bar_size(&dir, 2), None);
-        assert_eq!(bar_size(&dir, 9), None);
-        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

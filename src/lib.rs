@@ -17,6 +17,7 @@ pub mod error;
 pub mod fuzzing;
 pub mod gpu;
 pub mod handle;
+pub mod host;
 pub mod json;
 pub mod memory;
 pub mod model;

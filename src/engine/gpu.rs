@@ -39,11 +39,11 @@ use crate::gpu::abi::{
     GioDev, GioEngine, GioQueue, GioRing as KernelRing, GIO_BLOCK_THREADS, GIO_KERNEL_NAME,
     GIO_MODE_PERSISTENT,
 };
+use crate::host::dio::AlignedBuf;
 use crate::memory::MemoryKind;
 use crate::nvme::ctrl::{Bar0, DmaRegion};
 use crate::nvme::spec::{cq_head_doorbell, reg, sq_tail_doorbell, Extent};
 use crate::p2p::P2pTable;
-use crate::pool::backing::AlignedBuf;
 use crate::pool::Storage;
 use crate::ring::abi::SglDescriptor;
 use crate::ring::abi::*;

@@ -33,11 +33,11 @@
 use super::mapped::{refuse_if_in_flight, MappedTable};
 use super::{EngineStats, IoEngine};
 use crate::error::{Error, Result};
+use crate::host::dio::AlignedBuf;
 use crate::memory::MemoryKind;
 use crate::nvme::ctrl::{Bar0, Controller, DataMode, DmaAlloc, DmaRegion, IoDir};
 use crate::nvme::spec::{build_prps, DataPtr, Extent, SglDescriptor, Sqe, SGL_DESCRIPTOR_LEN};
 use crate::p2p::P2pTable;
-use crate::pool::backing::AlignedBuf;
 use crate::pool::Storage;
 use crate::ring::abi::*;
 use crate::ring::{GioRing, IocbId};
@@ -1046,7 +1046,7 @@ impl<B: Bar0 + Send> IoEngine for NvmeEngine<B> {
                 .join(", "),
             d.free_desc.len() + d.commands,
             if d.sgl { "SGL" } else { "PRP" },
-            crate::cli::human_bytes(d.max_cmd)
+            crate::host::size::human_bytes(d.max_cmd)
         )
     }
 }

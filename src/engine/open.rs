@@ -8,8 +8,9 @@ use super::gpu::{CudaGioExecutor, GioExecutor, GpuEngine, GpuEngineConfig, HostG
 use super::nvme::{NvmeConfig, NvmeEngine, NvmeNamespace};
 use super::IoEngine;
 use crate::error::{Error, Result};
+use crate::host::pci::{bound_driver, pci_device_dir};
 use crate::nvme::ctrl::{Bar0, Controller, ControllerOptions, DmaAlloc};
-use crate::nvme::uio::{bound_driver, pci_device_dir, HugeDma, UioBar0};
+use crate::nvme::uio::{HugeDma, UioBar0};
 use crate::nvme::vfio::VfioDevice;
 use crate::pool::{OpenExpect, Pool, PoolConfig};
 

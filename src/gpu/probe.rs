@@ -94,7 +94,7 @@ pub fn probe() -> Result<DriverInfo> {
         );
         let pci = driver::device_pci_bus_id(dev).ok();
         let bar1 = pci.as_ref().and_then(|a| {
-            crate::doctor::bar_size(
+            crate::host::pci::bar_size(
                 &Path::new("/sys/bus/pci/devices").join(a.to_ascii_lowercase()),
                 1,
             )

@@ -9,8 +9,9 @@
 //! with the nvme engine on the data path), so a pool can live directly on a
 //! namespace with no kernel driver or filesystem under it.
 
-use super::backing::{AlignedBuf, BackingDevice};
+use super::backing::BackingDevice;
 use crate::error::Result;
+use crate::host::dio::AlignedBuf;
 use std::os::fd::RawFd;
 use std::path::Path;
 
