@@ -31,6 +31,7 @@ pub mod ring;
 pub mod sched;
 pub mod scratch;
 pub mod slack;
+pub mod submitter;
 pub mod tier;
 
 pub use error::{Error, ErrorKind, Failure, IoCause, IoFailure, Result};

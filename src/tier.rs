@@ -35,7 +35,8 @@ use crate::plan::{self, PlannedIo};
 use crate::pool::layout::SLOT_HEADER_BYTES;
 use crate::pool::{Key, Pool};
 use crate::ring::abi::*;
-use crate::ring::{GioUring, IocbId};
+use crate::ring::IocbId;
+use crate::submitter::Submitter;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
@@ -295,7 +296,7 @@ impl Staging {
 pub struct Tier {
     // Field order is drop order: the engine (inside `io`) waits out in-flight
     // I/O before the memory it targets (staging, the host cache) goes away.
-    io: GioUring,
+    io: Submitter,
     staging: Option<Staging>,
     memory_owner: Option<Arc<HostKvCache>>,
     table: Option<Arc<P2pTable>>,
@@ -352,7 +353,7 @@ impl Tier {
             ));
         }
         Ok(Tier {
-            io: GioUring::new(cfg.ring_depth, engine)?,
+            io: Submitter::new(cfg.ring_depth, engine)?,
             staging: None,
             memory_owner: None,
             table: None,

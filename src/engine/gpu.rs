@@ -429,7 +429,7 @@ impl<B: Bar0> GpuEngine<B> {
         let (qn, dn) = (self.queue_descs.len(), self.dev_descs.len());
         // SAFETY: the state buffer lives until Drop, which stops the kernel
         // before dropping the guard; the arena belongs to the tier's ring,
-        // which outlives its engine (GioUring drops the engine first).
+        // which outlives its engine (the Submitter drops the engine first).
         let (state_k, g) = unsafe {
             self.exec
                 .map_host(self.state.as_mut_ptr(), self.state.len(), false)?
