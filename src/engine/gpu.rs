@@ -42,10 +42,10 @@ use crate::gpu::abi::{
 use crate::host::dio::AlignedBuf;
 use crate::memory::MemoryKind;
 use crate::nvme::ctrl::{Bar0, DmaRegion};
+use crate::nvme::spec::SglDescriptor;
 use crate::nvme::spec::{cq_head_doorbell, reg, sq_tail_doorbell, Extent};
 use crate::p2p::P2pTable;
 use crate::pool::Storage;
-use crate::ring::abi::SglDescriptor;
 use crate::ring::abi::*;
 use crate::ring::{GioRing, IocbId};
 use std::any::Any;
