@@ -238,9 +238,10 @@ fn memory_outside_the_dma_arena_is_a_data_transfer_error() {
 
 // ------------------------------------------------------ the nvme engine --
 
-use kvtier::engine::nvme::{NvmeConfig, NvmeEngine, NvmeNamespace};
+use kvtier::engine::nvme::NvmeEngine;
 use kvtier::engine::IoEngine;
 use kvtier::nvme::sim::SimDma;
+use kvtier::nvme::{NvmeConfig, NvmeNamespace};
 
 /// A simulated controller brought up the way the nvme engine needs it: two
 /// I/O queue pairs (data path and the pool's metadata).

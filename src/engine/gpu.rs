@@ -32,7 +32,6 @@
 //! the pool's metadata keeps using the namespace's host queue.
 
 use super::mapped::{refuse_if_in_flight, MappedTable};
-use super::nvme::NvmeNamespace;
 use super::{EngineStats, IoEngine};
 use crate::error::{Error, Result};
 use crate::gpu::abi::{
@@ -44,6 +43,7 @@ use crate::memory::MemoryKind;
 use crate::nvme::ctrl::{Bar0, DmaRegion};
 use crate::nvme::spec::SglDescriptor;
 use crate::nvme::spec::{cq_head_doorbell, reg, sq_tail_doorbell, Extent};
+use crate::nvme::NvmeNamespace;
 use crate::p2p::P2pTable;
 use crate::pool::Storage;
 use crate::ring::abi::*;
