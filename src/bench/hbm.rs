@@ -13,11 +13,11 @@
 //! nothing about a GPU.
 
 use super::{check_scratch_pool, BenchConfig, Machine};
-use crate::cli::human_bytes;
 use crate::error::{Error, Result};
 use crate::gpu::staged::{StagedTier, StagingConfig};
 use crate::gpu::staging::{CopyDesc, CudaCopier, DeviceCopier, HostCopier};
 use crate::gpu::{Context, Device, DeviceBuffer, PinnedHostBuffer};
+use crate::host::size::human_bytes;
 use crate::memory::{pattern_fill, HostKvCache, HostLayout, KvLayout, KvMemory, MemoryKind};
 use crate::model::KvGeometry;
 use crate::pool::{DeviceSpec, Key, OpenExpect, Pool, PoolConfig};

@@ -2,6 +2,7 @@
 //! their jobs, and finish jobs whose work is done.
 
 use super::jobs::{FlushAfter, Item, Step};
+use super::store::stage_headers;
 use super::{JobId, JobKind, JobResult, KeyOutcome, Tier};
 use crate::error::{Failure, IoCause, IoFailure, Result};
 use crate::plan::PlannedIo;
@@ -17,6 +18,9 @@ impl Tier {
     pub(super) fn pump(&mut self) -> Result<()> {
         self.fill_iocbs()?;
         self.io.kick()?;
+        // Hash what landed while the engine works on what was just handed
+        // to it.
+        self.hash_landed();
         if self.advance_loads() {
             self.fill_iocbs()?;
             self.io.kick()?;
@@ -100,6 +104,10 @@ impl Tier {
         }
         // Skip I/O for keys that already failed (headers of failed data).
         let step = job.items[ix].step;
+        if step == Step::Headers && job.items[ix].next == 0 {
+            let staging = self.staging.as_ref().expect("a store has staging");
+            stage_headers(&mut self.pool, staging, job);
+        }
         if step == Step::Headers {
             let item = &job.items[ix];
             let keep: Vec<PlannedIo> = item.ios[item.next..]
@@ -124,7 +132,16 @@ impl Tier {
         let ring = self.io.ring_mut();
         ring.iocb_mut(iocb).hdr.user_data = id;
         let item = &mut job.items[ix];
-        while item.next < item.ios.len() {
+        let first_io = item.next;
+        // A verified load layer goes out in IOCBs of about `max_io_bytes`, so
+        // its checksums are taken piece by piece as the reads land instead
+        // of all after the layer's last read.
+        let cap = match item.check {
+            Some(_) => self.cfg.max_io_bytes,
+            None => u64::MAX,
+        };
+        let mut bytes = 0u64;
+        while item.next < item.ios.len() && bytes < cap {
             let io = &item.ios[item.next];
             let ctx = IoCtx {
                 dev_offset: io.offset,
@@ -137,17 +154,18 @@ impl Tier {
             if ring.push_ctx(iocb, ctx, &io.segs).is_none() {
                 break;
             }
+            bytes += io.len as u64;
             item.next += 1;
         }
         item.iocbs_out += 1;
-        self.jobs.iocb_owner.insert(iocb, (id, ix));
+        self.jobs.iocb_owner.insert(iocb, (id, ix, first_io));
         self.io.submit(iocb)?;
         Ok(true)
     }
 
     /// Account a completed IOCB to its job.
     pub(super) fn on_iocb(&mut self, iocb: IocbId) {
-        let Some((id, ix)) = self.jobs.iocb_owner.remove(&iocb) else {
+        let Some((id, ix, first_io)) = self.jobs.iocb_owner.remove(&iocb) else {
             self.io.release(iocb);
             return;
         };
@@ -155,6 +173,19 @@ impl Tier {
         let b = ring.iocb(iocb);
         let mut failures: Vec<(u32, Failure)> = Vec::new();
         let mut media_failures: Vec<IoCtx> = Vec::new();
+        let count = b.hdr.count as usize;
+        let verify = self
+            .jobs
+            .live
+            .get(&id)
+            .is_some_and(|j| j.items[ix].check.is_some());
+        if verify {
+            for (i, c) in b.ctx[..count].iter().enumerate() {
+                if c.status == IOCTX_STATUS_OK {
+                    self.jobs.landed.push((id, ix, first_io + i));
+                }
+            }
+        }
         if b.hdr.errors > 0 {
             for c in &b.ctx[..b.hdr.count as usize] {
                 if c.status != IOCTX_STATUS_OK {

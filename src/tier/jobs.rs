@@ -2,10 +2,11 @@
 //! holds, the keys and memory blocks it uses, and the results and layer
 //! events waiting to be collected.
 
+use super::store::PendingHeaders;
 use super::{JobId, JobKind, JobResult, KeyOutcome, LayerDone};
 use crate::error::Failure;
 use crate::plan::PlannedIo;
-use crate::pool::Key;
+use crate::pool::{CrcConcat, Key};
 use crate::ring::IocbId;
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
@@ -34,6 +35,38 @@ pub(super) struct Item {
     pub(super) iocbs_out: u32,
     /// The first failure among the item's I/Os.
     pub(super) failed: Option<Failure>,
+    /// A verified load layer: the checksums of its objects as they land.
+    pub(super) check: Option<LayerCheck>,
+}
+
+/// The checksums of a load layer's objects, taken as each I/O lands so the
+/// layer is verified by the time its last read completes (only that read's
+/// bytes are hashed after it).
+pub(super) struct LayerCheck {
+    /// (key position, K|V) of every object, in the order the layer's I/Os
+    /// carry them.
+    pub(super) owners: Vec<(u32, u8)>,
+    /// Index in `owners` of each I/O's first object.
+    pub(super) first_obj: Vec<u32>,
+    /// Per key position: crc32c of its K and V objects.
+    pub(super) kv_crcs: Vec<[u32; 2]>,
+}
+
+impl LayerCheck {
+    pub(super) fn new(ios: &[PlannedIo], owners: Vec<(u32, u8)>, keys: usize) -> LayerCheck {
+        let mut first_obj = Vec::with_capacity(ios.len());
+        let mut n = 0u32;
+        for io in ios {
+            first_obj.push(n);
+            n += io.segs.len() as u32;
+        }
+        debug_assert_eq!(n as usize, owners.len());
+        LayerCheck {
+            owners,
+            first_obj,
+            kv_crcs: vec![[0; 2]; keys],
+        }
+    }
 }
 
 impl Item {
@@ -44,6 +77,7 @@ impl Item {
             next: 0,
             iocbs_out: 0,
             failed: None,
+            check: None,
         }
     }
 }
@@ -74,6 +108,8 @@ pub(super) struct StoreState {
     pub(super) abandoned: Option<Failure>,
     /// Slots whose writes failed with an I/O error: retired when the job ends.
     pub(super) bad_slots: Vec<u64>,
+    /// Headers not yet staged (they are, just before the header writes).
+    pub(super) headers: Option<PendingHeaders>,
 }
 
 /// What a load checks its bytes against.
@@ -83,6 +119,10 @@ pub(super) struct LoadCheck {
     pub(super) slots: Vec<u64>,
     /// Verify layers as they land (host memory, `verify_loads`).
     pub(super) verify: bool,
+    /// Joins an object's crc32c to the one before it (K then V of a layer).
+    pub(super) kv_concat: CrcConcat,
+    /// Joins a layer's crc32c to the layers before it.
+    pub(super) layer_concat: CrcConcat,
     /// Per key: running crc32c over the layers loaded so far, for blocks whose
     /// headers carry only a whole-block checksum (checked after the last layer
     /// when the load covers them all).
@@ -129,8 +169,11 @@ impl Job {
 pub(super) struct JobTable {
     /// Jobs not yet finished.
     pub(super) live: HashMap<JobId, Job>,
-    /// The job and item each IOCB in flight carries I/O of.
-    pub(super) iocb_owner: HashMap<IocbId, (JobId, usize)>,
+    /// The job, item and first I/O of the item each IOCB in flight carries.
+    pub(super) iocb_owner: HashMap<IocbId, (JobId, usize, usize)>,
+    /// Load I/Os that landed and whose bytes are not yet hashed: (job, item,
+    /// I/O of the item).
+    pub(super) landed: Vec<(JobId, usize, usize)>,
     /// Jobs with items not yet fully in IOCBs, in submission order.
     pub(super) issue_queue: VecDeque<JobId>,
     /// Keys being stored, by job.
@@ -149,6 +192,7 @@ impl JobTable {
         JobTable {
             live: HashMap::new(),
             iocb_owner: HashMap::new(),
+            landed: Vec::new(),
             issue_queue: VecDeque::new(),
             storing: HashMap::new(),
             mem_busy: HashMap::new(),

@@ -1,18 +1,17 @@
 //! The load path: plan a load's reads layer by layer, verify each layer
 //! against the checksums its headers recorded, announce layers in order.
 
-use super::jobs::{Item, Job, LoadCheck, Step};
+use super::jobs::{Item, Job, LayerCheck, LoadCheck, Step};
 use super::{JobId, JobKind, KeyOutcome, LayerDone, Tier};
 use crate::error::{Error, Failure, Result};
 use crate::memory::MemoryKind;
 use crate::p2p::P2pTable;
 use crate::plan::{self, PlannedIo};
 use crate::pool::layout::PoolLayout;
-use crate::pool::{Key, Pool};
+use crate::pool::{CrcConcat, Key, Pool};
 use crate::ring::abi::IOCTX_OP_READ;
 use std::collections::HashSet;
 use std::ops::Range;
-use std::sync::Arc;
 
 impl Tier {
     /// Start loading `keys` into `mem_blocks` for `layers`. Every key must be
@@ -59,6 +58,7 @@ impl Tier {
             self.pool.index_mut().touch(k);
         }
         let table = self.table()?.clone();
+        let verify = self.cfg.verify_loads && table.kind() == MemoryKind::Host;
         let (runs, reads) = plan_load(
             self.pool.layout(),
             self.cfg.max_io_bytes,
@@ -69,9 +69,14 @@ impl Tier {
         let items = layers
             .clone()
             .zip(reads)
-            .map(|(layer, ios)| Item::new(Step::LoadLayer(layer), ios))
+            .map(|(layer, (ios, owners))| {
+                let mut item = Item::new(Step::LoadLayer(layer), ios);
+                if verify {
+                    item.check = Some(LayerCheck::new(&item.ios, owners, keys.len()));
+                }
+                item
+            })
             .collect();
-        let verify = self.cfg.verify_loads && table.kind() == MemoryKind::Host;
         let id = self.jobs.insert(Job {
             id: 0,
             kind: JobKind::Load,
@@ -88,10 +93,34 @@ impl Tier {
                 running: vec![0; slots.len()],
                 slots,
                 verify,
+                kv_concat: CrcConcat::new(geo.object_bytes()),
+                layer_concat: CrcConcat::new(2 * geo.object_bytes()),
             }),
         });
         self.pump_after_submit();
         Ok(id)
+    }
+
+    /// Take the checksums of the objects of load I/Os that landed.
+    pub(super) fn hash_landed(&mut self) {
+        let Some(table) = self.table.as_ref() else {
+            self.jobs.landed.clear();
+            return;
+        };
+        for (id, ix, io) in self.jobs.landed.drain(..) {
+            let Some(job) = self.jobs.live.get_mut(&id) else {
+                continue;
+            };
+            let item = &mut job.items[ix];
+            let Some(check) = item.check.as_mut() else {
+                continue;
+            };
+            let first = check.first_obj[io] as usize;
+            for (j, &seg) in item.ios[io].segs.iter().enumerate() {
+                let (p, kv) = check.owners[first + j];
+                check.kv_crcs[p as usize][kv as usize] = crc32c::crc32c(entry_bytes(table, seg));
+            }
+        }
     }
 
     /// Announce the layers of loads that are in memory, in order, each
@@ -117,8 +146,7 @@ impl Tier {
                 }
                 let layer = job.layers_done;
                 if job.load.as_ref().is_some_and(|l| l.verify) {
-                    if let Some(msg) = verify_layer(job, layer, &mut self.pool, self.table.as_ref())
-                    {
+                    if let Some(msg) = verify_layer(job, layer, &mut self.pool) {
                         job.items[li].failed.get_or_insert(msg);
                     }
                 }
@@ -154,15 +182,18 @@ impl Tier {
     }
 }
 
-/// The bytes of one object of a memory block.
-fn object_bytes(table: &P2pTable, mem_block: u32, layer: u32, kv: u32) -> &[u8] {
-    let d = table
-        .entry(table.index(mem_block, layer, kv))
-        .expect("in table");
+/// The bytes of one P2P-table entry (an object of a memory block).
+fn entry_bytes(table: &P2pTable, seg: u32) -> &[u8] {
+    let d = table.entry(seg).expect("in table");
     // SAFETY: the descriptor addresses registered host memory the caller
     // keeps alive (register_memory's contract), and no I/O writes it now: a
-    // store reads it, or the load that wrote this layer has completed.
+    // store reads it, or the load that wrote it has completed.
     unsafe { std::slice::from_raw_parts(d.addr as *const u8, d.len as usize) }
+}
+
+/// The bytes of one object of a memory block.
+fn object_bytes(table: &P2pTable, mem_block: u32, layer: u32, kv: u32) -> &[u8] {
+    entry_bytes(table, table.index(mem_block, layer, kv))
 }
 
 /// crc32c of layer `layer` of a memory block: its K object, then its V object.
@@ -179,86 +210,38 @@ pub(super) fn layer_crcs(table: &P2pTable, mem_block: u32, layers: u32) -> Vec<u
         .collect()
 }
 
-/// The checksums of layer `layer` of every key a load still serves whose
-/// header has per-layer checksums, on several threads when there are many:
-/// the first layer's check is on the critical path of a restore (the compute
-/// waits for it), where later layers' overlap the reads of the next ones.
-fn layer_crcs_parallel(job: &Job, layer: u32, pool: &Pool, table: &P2pTable) -> Vec<Option<u32>> {
-    let check = job.load.as_ref().expect("a load");
-    let todo: Vec<(usize, u32)> = (0..job.keys.len())
-        .filter(|&p| !job.failed(p) && pool.layer_crc(check.slots[p], layer).is_some())
-        .map(|p| (p, job.mem_blocks[p]))
-        .collect();
-    let mut got = vec![None; job.keys.len()];
-    // Below this many blocks a thread costs more than it saves.
-    const PER_THREAD: usize = 64;
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(8)
-        .min(todo.len().div_ceil(PER_THREAD))
-        .max(1);
-    if threads == 1 {
-        for &(p, mem) in &todo {
-            got[p] = Some(layer_crc(table, mem, layer));
-        }
-        return got;
-    }
-    let chunk = todo.len().div_ceil(threads);
-    let parts: Vec<Vec<(usize, u32)>> = std::thread::scope(|s| {
-        let handles: Vec<_> = todo
-            .chunks(chunk)
-            .map(|part| {
-                s.spawn(move || {
-                    part.iter()
-                        .map(|&(p, mem)| (p, layer_crc(table, mem, layer)))
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("a checksum thread panicked"))
-            .collect()
-    });
-    for (p, crc) in parts.into_iter().flatten() {
-        got[p] = Some(crc);
-    }
-    got
-}
-
 /// Verify layer `layer` of every key a load has not already failed; a key
 /// whose bytes differ from its stored checksum becomes `Corrupt` and leaves
 /// the pool. Returns the first mismatch's message (the layer's error).
-fn verify_layer(
-    job: &mut Job,
-    layer: u32,
-    pool: &mut Pool,
-    table: Option<&Arc<P2pTable>>,
-) -> Option<Failure> {
-    let table = table?;
+fn verify_layer(job: &mut Job, layer: u32, pool: &mut Pool) -> Option<Failure> {
     let last = layer + 1 == pool.geometry().layers && job.layers.start == 0;
-    let got = layer_crcs_parallel(job, layer, pool, table);
-    let mut first = None;
-    for (p, &crc_now) in got.iter().enumerate() {
-        if job.failed(p) {
+    let li = (layer - job.layers.start) as usize;
+    let kv_crcs = &job.items[li].check.as_ref()?.kv_crcs;
+    let check = job.load.as_mut().expect("a load");
+    let mut bad = Vec::new();
+    for (p, kv) in kv_crcs.iter().enumerate() {
+        if matches!(
+            job.outcomes[p],
+            Some(KeyOutcome::Failed(_) | KeyOutcome::Corrupt(_))
+        ) {
             continue;
         }
-        let check = job.load.as_mut().expect("a load");
         let slot = check.slots[p];
-        let mem = job.mem_blocks[p];
+        let crc_now = check.kv_concat.apply(kv[0], kv[1]);
         let ok = match pool.layer_crc(slot, layer) {
-            Some(want) => crc_now == Some(want),
+            Some(want) => crc_now == want,
             // Only a whole-block checksum: checkable once every layer is in.
             None => {
-                check.running[p] = (0..2).fold(check.running[p], |crc, kv| {
-                    crc32c::crc32c_append(crc, object_bytes(table, mem, layer, kv))
-                });
+                check.running[p] = check.layer_concat.apply(check.running[p], crc_now);
                 !last || pool.block_crc(slot).is_none_or(|w| w == check.running[p])
             }
         };
-        if ok {
-            continue;
+        if !ok {
+            bad.push((p, slot));
         }
+    }
+    let mut first = None;
+    for (p, slot) in bad {
         let key = job.keys[p];
         let (dev, off) = pool.layout().object_offset(slot, layer, 0);
         let device = pool
@@ -294,34 +277,39 @@ fn verify_layer(
 
 /// Plan the reads of a load: `slots[p]` is key position p's slot,
 /// `seg(p, layer, kv)` the P2P index its object lands in. Returns the runs of
-/// positions (a read's `run`) and, per layer of `layers`, its reads: per run
-/// one contiguous extent per layer (two when the run is not a whole group).
+/// positions (a read's `run`) and, per layer of `layers`, its reads (per run
+/// one contiguous extent per layer, two when the run is not a whole group)
+/// with the (position, K|V) of each object they carry, in order.
+#[allow(clippy::type_complexity)]
 pub(super) fn plan_load(
     layout: &PoolLayout,
     max_io_bytes: u64,
     slots: &[u64],
     layers: Range<u32>,
     seg: impl Fn(u32, u32, u32) -> u32,
-) -> (Vec<Vec<u32>>, Vec<Vec<PlannedIo>>) {
+) -> (Vec<Vec<u32>>, Vec<(Vec<PlannedIo>, Vec<(u32, u8)>)>) {
     let positions: Vec<u32> = (0..slots.len() as u32).collect();
     let runs = plan::group_runs(layout.group_blocks as u64, slots, &positions);
     let per_layer = layers
         .map(|layer| {
             let mut objects = Vec::new();
+            let mut owners = Vec::new();
             for (r, run) in runs.iter().enumerate() {
                 for kv in 0..2 {
                     for &p in run {
                         let (dev, off) = layout.object_offset(slots[p as usize], layer, kv);
                         objects.push((dev, off, seg(p, layer, kv), r as u32));
+                        owners.push((p, kv as u8));
                     }
                 }
             }
-            plan::coalesce(
+            let ios = plan::coalesce(
                 IOCTX_OP_READ,
                 layout.geometry.object_bytes(),
                 max_io_bytes,
                 &objects,
-            )
+            );
+            (ios, owners)
         })
         .collect();
     (runs, per_layer)

@@ -9,8 +9,68 @@ use super::{JobId, JobKind, KeyOutcome, Tier};
 use crate::error::{Error, ErrorKind, Failure, Result};
 use crate::memory::{DmaBuffer, MemoryKind};
 use crate::pool::layout::SLOT_HEADER_BYTES;
-use crate::pool::Key;
+use crate::pool::{Key, Pool};
 use std::collections::HashSet;
+
+/// Below this many bytes of blocks to hash, a store hashes them itself
+/// rather than start a worker.
+const INLINE_HASH_BYTES: u64 = 32 << 20;
+
+/// A thread taking checksums: (block, per-layer checksums) when joined.
+type HashWorker = std::thread::JoinHandle<Vec<(usize, Vec<u32>)>>;
+
+/// A store's headers until they are staged.
+pub(super) struct PendingHeaders {
+    /// The new blocks, in the order their staging entries were taken.
+    blocks: Vec<NewBlock>,
+    /// Per new block: its per-layer checksums (None for device memory).
+    crcs: Vec<Option<Vec<u32>>>,
+    /// The worker taking the missing checksums: (block, checksums).
+    worker: Option<HashWorker>,
+}
+
+impl PendingHeaders {
+    /// Every block's checksums (waiting for the worker if it still runs).
+    pub(super) fn join(mut self) -> (Vec<NewBlock>, Vec<Option<Vec<u32>>>) {
+        if let Some(w) = self.worker.take() {
+            // A worker that panicked left its checksums missing: those
+            // blocks are then stored without them (verified by nothing,
+            // which `pool check` reports), never with wrong ones.
+            if let Ok(got) = w.join() {
+                for (j, c) in got {
+                    self.crcs[j] = Some(c);
+                }
+            }
+        }
+        (self.blocks, self.crcs)
+    }
+}
+
+/// Write the headers of a store into its staging entries, just before the
+/// header writes (its data is on the device by then).
+pub(super) fn stage_headers(pool: &mut Pool, staging: &Staging, job: &mut Job) {
+    let st = job.store.as_mut().expect("a store");
+    let Some(pending) = st.headers.take() else {
+        return;
+    };
+    let (blocks, crcs) = pending.join();
+    let mut sector = vec![0u8; SLOT_HEADER_BYTES as usize];
+    for (j, b) in blocks.iter().enumerate() {
+        let p = b.pos as usize;
+        pool.write_header_sector(
+            &mut sector,
+            &job.keys[p],
+            b.slot,
+            st.generations[p],
+            crcs[j].as_deref(),
+        );
+        let ptr = staging.entry_ptr(b.header_seg - staging.first_index);
+        // SAFETY: a staging entry is 4 KiB owned by this job until it finishes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(sector.as_ptr(), ptr, sector.len());
+        }
+    }
+}
 
 /// The header staging arena: 4 KiB buffers registered in the P2P table.
 pub(super) struct Staging {
@@ -135,31 +195,35 @@ impl Tier {
                 header_seg: first_seg + st,
             })
             .collect();
-        // The headers, with the data checksums taken now, staged in memory
-        // for the plan's header writes.
-        let mut sector = vec![0u8; SLOT_HEADER_BYTES as usize];
-        for (j, b) in blocks.iter().enumerate() {
-            let p = b.pos as usize;
-            // Device memory is not readable here: such blocks carry no data
-            // checksum (`pool check` counts them as unverifiable).
-            let given = crcs.and_then(|c| c[p].clone());
-            let crcs = match table.kind() {
-                MemoryKind::Host if given.is_some() => given,
-                MemoryKind::Host => Some(layer_crcs(&table, b.mem_block, geo.layers)),
-                MemoryKind::Gpu { .. } => None,
-            };
-            self.pool.write_header_sector(
-                &mut sector,
-                &keys[p],
-                b.slot,
-                generations[p],
-                crcs.as_deref(),
-            );
-            let staging = self.staging.as_ref().expect("registered");
-            let ptr = staging.entry_ptr(stage[j]);
-            // SAFETY: a staging entry is 4 KiB owned by this job until it finishes.
-            unsafe {
-                std::ptr::copy_nonoverlapping(sector.as_ptr(), ptr, sector.len());
+        // The data checksums the headers record: given, or taken here for a
+        // small store, or on a worker while the data is being written (a
+        // 64K-token llama3-8b store hashes 8 GiB: ~0.9 s of CPU that would
+        // otherwise delay the first data write).
+        let mut block_crcs: Vec<Option<Vec<u32>>> = blocks
+            .iter()
+            .map(|b| crcs.and_then(|c| c[b.pos as usize].clone()))
+            .collect();
+        let mut worker = None;
+        if table.kind() == MemoryKind::Host {
+            let missing: Vec<(usize, u32)> = blocks
+                .iter()
+                .enumerate()
+                .filter(|&(j, _)| block_crcs[j].is_none())
+                .map(|(j, b)| (j, b.mem_block))
+                .collect();
+            if missing.len() as u64 * geo.block_bytes() <= INLINE_HASH_BYTES {
+                for (j, mem) in missing {
+                    block_crcs[j] = Some(layer_crcs(&table, mem, geo.layers));
+                }
+            } else {
+                let table = table.clone();
+                let layers = geo.layers;
+                worker = Some(std::thread::spawn(move || {
+                    missing
+                        .into_iter()
+                        .map(|(j, mem)| (j, layer_crcs(&table, mem, layers)))
+                        .collect()
+                }));
             }
         }
         let plan = plan_store(
@@ -200,6 +264,11 @@ impl Tier {
                 evicted: alloc.evicted,
                 abandoned: None,
                 bad_slots: Vec::new(),
+                headers: Some(PendingHeaders {
+                    blocks,
+                    crcs: block_crcs,
+                    worker,
+                }),
             }),
             load: None,
         });
@@ -212,7 +281,12 @@ impl Tier {
     /// durable, give back the slots of the rest, retire slots the device
     /// refused, return the header staging. Returns the keys it evicted.
     pub(super) fn finish_store(&mut self, job: &mut Job) -> Vec<Key> {
-        let st = job.store.take().expect("store state");
+        let mut st = job.store.take().expect("store state");
+        // A worker still hashing reads the job's memory: wait for it before
+        // the memory is free to be loaded into.
+        if let Some(h) = st.headers.take() {
+            h.join();
+        }
         // Slots are retired only when the device still completed the
         // job's flushes: a device that fails everything (gone, or
         // power lost) would otherwise retire every slot it was asked
