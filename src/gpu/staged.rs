@@ -54,7 +54,8 @@ pub struct StagingConfig {
     /// The most blocks one load may restore (one layer buffer holds one
     /// layer of this many blocks).
     pub load_blocks: u32,
-    /// Blocks the stores in flight may hold in staging (all layers each).
+    /// Blocks the stores in flight may hold in staging (all layers each);
+    /// a larger store goes out in chunks of this many.
     pub store_blocks: u32,
 }
 
@@ -249,9 +250,20 @@ impl LoadCounter {
     }
 }
 
+/// One tier store of a staged store: a chunk of at most `store_blocks` keys.
 struct StoreJob {
     id: JobId,
+    /// Position of the chunk's first key in the staged store.
+    offset: usize,
     places: Vec<u32>,
+}
+
+/// A staged store, whose chunks are tier stores.
+struct StoreAgg {
+    keys: Vec<Key>,
+    outcomes: Vec<Option<KeyOutcome>>,
+    evicted: Vec<Key>,
+    chunks_out: usize,
 }
 
 /// Job ids of the staged path start here, apart from the tier's own.
@@ -274,6 +286,7 @@ pub struct StagedPath {
     /// Tier job -> (load job, layer, positions it reads).
     layer_jobs: HashMap<JobId, (JobId, u32, Vec<u32>)>,
     store_jobs: HashMap<JobId, StoreJob>,
+    stores: HashMap<JobId, StoreAgg>,
     finished: HashMap<JobId, JobResult>,
     finished_order: VecDeque<JobId>,
     events: VecDeque<HbmLayer>,
@@ -381,6 +394,7 @@ impl StagedPath {
             loads: BTreeMap::new(),
             layer_jobs: HashMap::new(),
             store_jobs: HashMap::new(),
+            stores: HashMap::new(),
             finished: HashMap::new(),
             finished_order: VecDeque::new(),
             events: VecDeque::new(),
@@ -543,14 +557,17 @@ impl StagedPath {
     /// Start storing `keys` from the KV memory's `mem_blocks` (all layers):
     /// the blocks are gathered into staging with their checksums (on the
     /// GPU) before this returns, so the memory blocks may be reused at once.
-    /// Waits for earlier stores to free staging when it is full.
+    /// A store larger than the store staging goes out in chunks of
+    /// `store_blocks`; each chunk waits for earlier stores to free staging.
+    /// An error means nothing was accepted; a chunk after the first that
+    /// fails fails its keys in the job's result.
     pub fn submit_store(
         &mut self,
         tier: &mut Tier,
         keys: &[Key],
         mem_blocks: &[u32],
     ) -> Result<JobId> {
-        self.check_blocks(keys, mem_blocks, self.cfg.store_blocks, "store")?;
+        self.check_blocks(keys, mem_blocks, u32::MAX, "store")?;
         if let Some(&b) = mem_blocks
             .iter()
             .find(|&&b| self.loads.values().any(|j| j.hbm.contains(&b)))
@@ -559,10 +576,65 @@ impl StagedPath {
                 "memory block {b} is the target of a load in flight; wait for that load before storing from it"
             )));
         }
+        let id = self.next_job;
+        let chunk = self.cfg.store_blocks as usize;
+        // In the table before the first chunk: a chunk may end while a later
+        // one waits for staging. `chunks_out` counts the one being submitted
+        // too, so the store cannot finish before the last chunk is out.
+        self.stores.insert(
+            id,
+            StoreAgg {
+                keys: keys.to_vec(),
+                outcomes: vec![None; keys.len()],
+                evicted: Vec::new(),
+                chunks_out: 1,
+            },
+        );
+        for (c, (kc, mc)) in keys.chunks(chunk).zip(mem_blocks.chunks(chunk)).enumerate() {
+            let r = self.store_chunk(tier, kc, mc);
+            let agg = self.stores.get_mut(&id).expect("inserted above");
+            match r {
+                Ok((t, places)) => {
+                    agg.chunks_out += 1;
+                    self.store_jobs.insert(
+                        t,
+                        StoreJob {
+                            id,
+                            offset: c * chunk,
+                            places,
+                        },
+                    );
+                }
+                Err(e) if c == 0 => {
+                    self.stores.remove(&id);
+                    return Err(e);
+                }
+                Err(e) => {
+                    let f = Failure::from(&e);
+                    for o in &mut agg.outcomes[c * chunk..c * chunk + kc.len()] {
+                        *o = Some(KeyOutcome::Failed(f.clone()));
+                    }
+                }
+            }
+        }
+        self.next_job += 1;
+        self.stores.get_mut(&id).expect("inserted above").chunks_out -= 1;
+        self.finish_stores();
+        Ok(id)
+    }
+
+    /// Gather one chunk into free store places (waiting for them) and hand
+    /// it to the tier: (tier job, places).
+    fn store_chunk(
+        &mut self,
+        tier: &mut Tier,
+        keys: &[Key],
+        mem_blocks: &[u32],
+    ) -> Result<(JobId, Vec<u32>)> {
         while self.store_free.len() < keys.len() {
             let Some(&t) = self.store_jobs.keys().min() else {
                 return Err(Error::invalid(
-                    "store staging exhausted with no store in flight",
+                    "store staging exhausted with no store in flight (a bug: report it)",
                 ));
             };
             let r = tier.wait(t)?;
@@ -572,16 +644,42 @@ impl StagedPath {
             .map(|_| self.store_free.pop().expect("counted"))
             .collect();
         match self.gather_and_store(tier, keys, mem_blocks, &places) {
-            Ok(t) => {
-                let id = self.next_job;
-                self.next_job += 1;
-                self.store_jobs.insert(t, StoreJob { id, places });
-                Ok(id)
-            }
+            Ok(t) => Ok((t, places)),
             Err(e) => {
                 self.store_free.extend(places);
                 Err(e)
             }
+        }
+    }
+
+    /// Report staged stores whose chunks have all ended.
+    fn finish_stores(&mut self) {
+        let done: Vec<JobId> = self
+            .stores
+            .iter()
+            .filter(|(_, a)| a.chunks_out == 0)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in done {
+            let a = self.stores.remove(&id).expect("listed");
+            self.finish(JobResult {
+                job: id,
+                kind: JobKind::Store,
+                keys: a.keys,
+                outcomes: a
+                    .outcomes
+                    .into_iter()
+                    .map(|o| {
+                        o.unwrap_or_else(|| {
+                            KeyOutcome::Failed(Failure::new(
+                                ErrorKind::Internal,
+                                "a staged store chunk ended without an outcome for this key",
+                            ))
+                        })
+                    })
+                    .collect(),
+                evicted: a.evicted,
+            });
         }
     }
 
@@ -679,7 +777,13 @@ impl StagedPath {
             job.landed.insert(l, (live, r));
         } else if let Some(s) = self.store_jobs.remove(&r.job) {
             self.store_free.extend(s.places);
-            self.finish(JobResult { job: s.id, ..r });
+            if let Some(a) = self.stores.get_mut(&s.id) {
+                for (i, o) in r.outcomes.into_iter().enumerate() {
+                    a.outcomes[s.offset + i] = Some(o);
+                }
+                a.evicted.extend(r.evicted);
+                a.chunks_out -= 1;
+            }
         }
     }
 
@@ -837,6 +941,7 @@ impl StagedPath {
         for r in tier.get_finished() {
             self.on_tier_result(r);
         }
+        self.finish_stores();
         // The layer jobs' own events: a staged layer is announced after its copy.
         let _ = tier.layer_events();
         self.scatter_landed()?;
@@ -870,7 +975,7 @@ impl StagedPath {
     fn known(&self, id: JobId) -> bool {
         self.loads.contains_key(&id)
             || self.finished.contains_key(&id)
-            || self.store_jobs.values().any(|s| s.id == id)
+            || self.stores.contains_key(&id)
     }
 
     /// Wait for job `id` and take its result.
@@ -928,7 +1033,7 @@ impl StagedPath {
     pub fn drain(&mut self, tier: &mut Tier) -> Result<()> {
         loop {
             self.poll(tier)?;
-            if self.loads.is_empty() && self.store_jobs.is_empty() {
+            if self.loads.is_empty() && self.stores.is_empty() {
                 return Ok(());
             }
             self.wait_some(tier)?;
@@ -944,7 +1049,7 @@ impl StagedPath {
 
     /// Staged loads and stores not yet finished.
     pub fn jobs_in_flight(&self) -> usize {
-        self.loads.len() + self.store_jobs.len()
+        self.loads.len() + self.stores.len()
     }
 
     pub fn loads_in_flight(&self) -> usize {

@@ -190,20 +190,27 @@ pub fn round_robin_and_back_pressure(rig: &dyn KvRig, tag: &str) {
     }
 }
 
-/// Store staging is bounded: a store larger than it is refused with the
-/// fix named; stores beyond what is free wait for earlier ones and land.
+/// Store staging is bounded: a store larger than it goes out in chunks
+/// (one job, outcomes in key order, every key stored); stores beyond what is
+/// free wait for earlier ones and land; a load larger than a layer buffer is
+/// refused with the fix named, pinning nothing.
 pub fn store_staging_is_bounded(rig: &dyn KvRig, tag: &str) {
     let dir = TempDir::new(tag);
     let (mut st, _) = staged_over(rig, &dir, config(2, 8, 4));
-    let e = st
-        .submit_store(&keys(&[1, 2, 3, 4, 5]), &[0, 1, 2, 3, 4])
-        .unwrap_err();
-    assert!(e.to_string().contains("store_blocks"), "{e}");
+    let big: Vec<u64> = (200..210).collect();
+    let big_mem: Vec<u32> = (20..30).collect();
+    for (k, &b) in big.iter().zip(&big_mem) {
+        fill(rig, b, seed_of(*k));
+    }
+    let j = st.submit_store(&keys(&big), &big_mem).unwrap();
+    let r = st.wait(j).unwrap();
+    assert_eq!(r.keys, keys(&big));
+    assert!(r.outcomes.iter().all(|o| *o == KeyOutcome::Done), "{r:?}");
+    assert_eq!(st.tier().lookup_prefix(&keys(&big)), 10);
     let ks: Vec<u64> = (100..112).collect();
     let mem: Vec<u32> = (0..12).collect();
     store_all(rig, &mut st, &ks, &mem, 4); // 3 stores of 4 into 4 places
     assert_eq!(st.tier().lookup_prefix(&keys(&ks)), 12);
-    // A load bigger than a layer buffer is refused too.
     let e = st.submit_load(&keys(&ks), &mem, 0..1).unwrap_err();
     assert!(e.to_string().contains("load_blocks"), "{e}");
     assert_eq!(
@@ -211,6 +218,17 @@ pub fn store_staging_is_bounded(rig: &dyn KvRig, tag: &str) {
         0,
         "a refused load pins nothing"
     );
+    rig.clear();
+    let j = st
+        .submit_load(&keys(&big[..8]), &big_mem[..8], 0..rig.geometry().layers)
+        .unwrap();
+    assert!(st.wait(j).unwrap().all_ok());
+    for (k, &b) in big[..8].iter().zip(&big_mem) {
+        assert!(
+            matches(rig, b, seed_of(*k), 0..rig.geometry().layers),
+            "key {k}"
+        );
+    }
 }
 
 /// A block whose bytes on the SSD changed after the store is caught when
