@@ -164,3 +164,53 @@ fn double_behind_a_tier_handle() {
         "{report:?}"
     );
 }
+
+/// Copies that end later than the call that starts them (as a GPU's do;
+/// `HostCopier::deferred`): a layer whose reads have landed and whose copy
+/// is started is neither announced nor gives up its buffer until the copy
+/// is done, the next layers wait for the buffers (back-pressure), and the
+/// load still completes whole and in order once the copies are waited for.
+#[test]
+fn double_with_deferred_copies_waits_for_them() {
+    use kvtier::gpu::staging::HostCopier;
+    let dir = common::TempDir::new("staged-deferred");
+    let rig = HostRig::new(HostLayout::PerLayer);
+    let g = rig.geometry();
+    let pool = common::create_pool(&dir, g, 8, 2, 4);
+    let tier = Tier::open(pool, Default::default()).unwrap();
+    let mut st = StagedTier::with_host_copier(
+        tier,
+        rig.0.clone(),
+        config(2, 16, 16),
+        HostCopier::deferred(),
+    )
+    .unwrap();
+    let ks: Vec<u64> = (300..310).collect();
+    let mem: Vec<u32> = (0..10).collect();
+    store_all(&rig, &mut st, &ks, &mem, 10);
+    rig.clear();
+    let job = st.submit_load(&keys(&ks), &mem, 0..g.layers).unwrap();
+    // Poll until layers 0 and 1 have landed and their copies started.
+    let t0 = std::time::Instant::now();
+    while st.tier().jobs_in_flight() > 0 {
+        st.poll().unwrap();
+        assert!(t0.elapsed().as_secs() < 30, "the reads never landed");
+    }
+    st.poll().unwrap();
+    assert!(
+        st.layer_events().is_empty(),
+        "announced before its copy was done"
+    );
+    assert_eq!(st.buffers_in_use(), vec![Some((job, 0)), Some((job, 1))]);
+    assert!(!matches(&rig, mem[0], common::seed_of(ks[0]), 0..1));
+    let r = st.wait(job).unwrap();
+    assert!(r.all_ok());
+    let layers: Vec<u32> = st.layer_events().iter().map(|e| e.layer).collect();
+    assert_eq!(layers, (0..g.layers).collect::<Vec<_>>());
+    for (i, &k) in ks.iter().enumerate() {
+        assert!(
+            matches(&rig, mem[i], common::seed_of(k), 0..g.layers),
+            "key {k}"
+        );
+    }
+}

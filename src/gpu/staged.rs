@@ -307,12 +307,22 @@ impl StagedPath {
         cache: Arc<HostKvCache>,
         cfg: StagingConfig,
     ) -> Result<StagedPath> {
+        Self::with_host_copier(tier, cache, cfg, HostCopier::default())
+    }
+
+    /// As [`Self::with_host_double`] with a given double (e.g.
+    /// [`HostCopier::deferred`], whose copies end only when waited for).
+    pub fn with_host_copier(
+        tier: &mut Tier,
+        cache: Arc<HostKvCache>,
+        cfg: StagingConfig,
+        copier: HostCopier,
+    ) -> Result<StagedPath> {
         let g = cache.memory().geometry;
         let staging = StagingMemory::host(cfg.bytes(&g).max(1))?;
         let target = cache.memory().clone();
         // SAFETY: the path keeps `cache` alive; staging is its own.
-        let mut s =
-            unsafe { Self::new(tier, target, Box::new(HostCopier::default()), staging, cfg)? };
+        let mut s = unsafe { Self::new(tier, target, Box::new(copier), staging, cfg)? };
         s._target_owner = Some(cache);
         Ok(s)
     }
@@ -1080,6 +1090,17 @@ impl StagedTier {
         cfg: StagingConfig,
     ) -> Result<StagedTier> {
         let path = StagedPath::with_host_double(&mut tier, cache, cfg)?;
+        Ok(StagedTier { tier, path })
+    }
+
+    /// As [`Self::with_host_double`] with a given double.
+    pub fn with_host_copier(
+        mut tier: Tier,
+        cache: Arc<HostKvCache>,
+        cfg: StagingConfig,
+        copier: HostCopier,
+    ) -> Result<StagedTier> {
+        let path = StagedPath::with_host_copier(&mut tier, cache, cfg, copier)?;
         Ok(StagedTier { tier, path })
     }
 

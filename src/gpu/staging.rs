@@ -70,13 +70,28 @@ pub trait DeviceCopier: Send {
 }
 
 /// The test double: the same copies done by the CPU on host addresses.
+/// By default a copy is done when the call returns; [`HostCopier::deferred`]
+/// holds scatters (and the counter) back until [`DeviceCopier::finish`],
+/// as a GPU's asynchronous copies do, so the staged path's waiting for a
+/// copy is tested on the CPU too.
 #[derive(Default)]
 pub struct HostCopier {
     crcs: Vec<u32>,
     counter: u32,
+    deferred: bool,
+    pending: Vec<CopyDesc>,
+    pending_counter: Option<u32>,
 }
 
 impl HostCopier {
+    /// A double whose scatters and counter advance only at `finish`.
+    pub fn deferred() -> HostCopier {
+        HostCopier {
+            deferred: true,
+            ..HostCopier::default()
+        }
+    }
+
     fn copy(c: &CopyDesc) {
         if c.len == 0 {
             return;
@@ -93,11 +108,17 @@ impl HostCopier {
 impl DeviceCopier for HostCopier {
     fn scatter(&mut self, list: &[CopyDesc]) -> Result<()> {
         self.crcs.clear();
-        list.iter().for_each(HostCopier::copy);
+        if self.deferred {
+            self.pending.extend_from_slice(list);
+        } else {
+            list.iter().for_each(HostCopier::copy);
+        }
         Ok(())
     }
 
     fn gather_crc32c(&mut self, list: &[CopyDesc]) -> Result<()> {
+        // Work on one stream runs in order: earlier scatters first.
+        self.pending.drain(..).for_each(|c| HostCopier::copy(&c));
         self.crcs.clear();
         for c in list {
             HostCopier::copy(c);
@@ -109,12 +130,19 @@ impl DeviceCopier for HostCopier {
     }
 
     fn finish(&mut self) -> Result<Vec<u32>> {
+        self.pending.drain(..).for_each(|c| HostCopier::copy(&c));
+        if let Some(v) = self.pending_counter.take() {
+            self.counter = v;
+        }
         Ok(std::mem::take(&mut self.crcs))
     }
 
     fn signal(&mut self, value: u32) -> Result<()> {
-        // The double's copies are done when the call returns.
-        self.counter = value;
+        if self.deferred {
+            self.pending_counter = Some(value);
+        } else {
+            self.counter = value;
+        }
         Ok(())
     }
 
