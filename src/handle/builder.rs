@@ -148,7 +148,11 @@ impl TierBuilder {
         self
     }
 
-    /// Serve the engine's own KV memory.
+    /// Serve the engine's own KV memory. GPU memory (`MemoryKind::Gpu`, the
+    /// engine's CUDA tensors) that the engine cannot DMA into goes through
+    /// the staged path (`crate::gpu::staged`: pinned host staging, a copy
+    /// kernel per layer; sized by [`Self::staging`]); loads then have a
+    /// per-layer GPU counter ([`TierHandle::load_counter`]).
     ///
     /// # Safety
     /// Every byte `mem` describes must stay allocated until `close` returns
