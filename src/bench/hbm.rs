@@ -60,7 +60,7 @@ pub struct HbmResult {
 pub struct HbmReport {
     pub config: BenchConfig,
     pub machine: Machine,
-    /// "gpu <name>" or "host double (no GPU: figures are not a GPU's)".
+    /// `gpu NAME`, or "host double (no GPU: figures are not a GPU's)".
     pub memory: String,
     pub staging: StagingConfig,
     pub results: Vec<HbmResult>,

@@ -21,7 +21,10 @@
 //! - [`host_kernel`]: the same I/O kernel logic compiled for the CPU (the
 //!   GPU engine's host executor).
 //! - [`staging`]: scatter/gather between pinned staging and paged KV blocks
-//!   in GPU memory, with crc32c on the GPU (the staged HBM path).
+//!   in GPU memory, with crc32c on the GPU (the staged HBM path's copies).
+//! - [`staged`]: the staged HBM path itself: a tier serving GPU KV memory
+//!   through round-robin pinned layer buffers, per-layer completion
+//!   counters for compute streams, stores gathered with GPU checksums.
 
 pub mod abi;
 pub mod context;
