@@ -19,7 +19,7 @@ use crate::ring::abi::*;
 use crate::ring::IocbId;
 use crate::submitter::Submitter;
 use std::collections::HashMap;
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -108,7 +108,12 @@ pub fn run_streams(
     )?);
     let mut engine = UringEngine::new(
         &[UringDevice {
-            fd: file.as_raw_fd(),
+            fd: file.as_fd().try_clone_to_owned().map_err(|e| {
+                Error::io(
+                    format!("duplicating the descriptor of {}", w.file.display()),
+                    e,
+                )
+            })?,
             name: w.file.display().to_string(),
         }],
         UringConfig {

@@ -23,7 +23,7 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, ErrorKind};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
@@ -1081,11 +1081,8 @@ impl BackingDevice {
         self.logical_block_size
     }
 
-    /// The O_DIRECT descriptor, for io_uring registration. Valid while `self` lives.
-    pub fn raw_fd(&self) -> RawFd {
-        self.file.as_raw_fd()
-    }
-
+    /// The O_DIRECT descriptor, for io_uring registration (which takes its own
+    /// duplicate: [`crate::engine::uring::UringDevice`]).
     pub fn as_fd(&self) -> BorrowedFd<'_> {
         self.file.as_fd()
     }
@@ -1294,8 +1291,7 @@ mod tests {
         assert_eq!(dev.path(), path.as_path());
         let lbs = dev.logical_block_size();
         assert!(lbs >= 512 && DIRECT_IO_ALIGN as u32 % lbs == 0, "lbs {lbs}");
-        assert!(dev.raw_fd() >= 0);
-        assert_eq!(dev.as_fd().as_raw_fd(), dev.raw_fd());
+        assert!(dev.as_fd().as_raw_fd() >= 0);
         let meta = fs::metadata(&path).unwrap();
         assert_eq!(meta.len(), size);
         assert_eq!(meta.mode() & 0o777, 0o600);
