@@ -9,6 +9,7 @@
 
 pub mod bind;
 pub mod ctrl;
+pub mod mmio;
 pub mod namespace;
 pub mod queue;
 pub mod sim;
