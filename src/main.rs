@@ -6,12 +6,11 @@ use kvtier::cli::{f64_in, size_in};
 use kvtier::engine::uring::UringConfig;
 use kvtier::host::size::human_bytes;
 use kvtier::model::{self, DType, KvGeometry};
-use kvtier::pool::{DeviceSpec, Key, OpenExpect, Pool, PoolConfig, DEFAULT_GROUP_BLOCKS};
-use kvtier::tier::{Tier, TierConfig};
-use kvtier::{HostKvCache, HostLayout, Result};
+use kvtier::pool::{DeviceSpec, OpenExpect, Pool, PoolConfig, DEFAULT_GROUP_BLOCKS};
+use kvtier::tier::TierConfig;
+use kvtier::Result;
 use std::io::Write;
 use std::path::PathBuf;
-use std::sync::Arc;
 
 /// Writes a line to stdout; a reader that went away (`| head -1`) ends the
 /// command quietly through `main` (see `kvtier::cli::out`).
@@ -97,9 +96,6 @@ enum Cmd {
     /// vfio-pci/uio_pci_generic for the run of a command.
     #[command(subcommand)]
     Nvme(NvmeCmd),
-    /// Tools for tests (crash injection).
-    #[command(subcommand, hide = true)]
-    Debug(DebugCmd),
 }
 
 #[derive(Subcommand)]
@@ -332,23 +328,6 @@ struct ReplayArgs {
     sweep: Option<PathBuf>,
 }
 
-#[derive(Subcommand)]
-enum DebugCmd {
-    /// Store blocks forever, printing "ACK <key>..." after each durable store job.
-    CrashWriter {
-        #[arg(long = "dev", required = true)]
-        devs: Vec<PathBuf>,
-        /// First key; keys count up from here.
-        #[arg(long)]
-        start_key: u64,
-        #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=4096))]
-        blocks_per_job: u32,
-        /// Stop after this many keys (then sleep until killed).
-        #[arg(long, default_value_t = u64::MAX)]
-        max_keys: u64,
-    },
-}
-
 fn main() {
     let cli = Cli::parse();
     let code = match run(cli) {
@@ -533,12 +512,6 @@ fn run(cli: Cli) -> Result<i32> {
             force,
             &command,
         ),
-        Cmd::Debug(DebugCmd::CrashWriter {
-            devs,
-            start_key,
-            blocks_per_job,
-            max_keys,
-        }) => crash_writer(&devs, start_key, blocks_per_job, max_keys),
     }
 }
 
@@ -1016,58 +989,4 @@ fn run_replay_sweep(a: ReplayArgs) -> Result<i32> {
     note(&format!("wrote {}", path.display()));
     write_json(&a.json, &rows)?;
     Ok(0)
-}
-
-/// The child side of the crash test: store forever, acknowledging each
-/// durable job on stdout; the parent SIGKILLs it at a random moment.
-fn crash_writer(devs: &[PathBuf], start_key: u64, per_job: u32, max_keys: u64) -> Result<i32> {
-    let pool = Pool::open(devs, &OpenExpect::default())?;
-    let geo = *pool.geometry();
-    let mut tier = Tier::open(pool, TierConfig::default())?;
-    let cache = Arc::new(HostKvCache::new(geo, per_job, HostLayout::PerLayer)?);
-    tier.register_host_cache(cache.clone())?;
-    let mem: Vec<u32> = (0..per_job).collect();
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "READY");
-    let _ = out.flush();
-    let mut next = start_key;
-    while next - start_key < max_keys {
-        let Some(end) = next.checked_add(per_job as u64) else {
-            break;
-        };
-        let keys: Vec<u64> = (next..end).collect();
-        for (i, &k) in keys.iter().enumerate() {
-            cache.fill_block(i as u32, crash_seed(k));
-        }
-        let ks: Vec<Key> = keys.iter().map(|&k| Key::from_u64(k)).collect();
-        let _ = writeln!(out, "SUBMIT {} {}", keys[0], keys[keys.len() - 1]);
-        let _ = out.flush();
-        let job = tier.submit_store(&ks, &mem)?;
-        let r = tier.wait(job)?;
-        let mut ev = String::from("EVICTED");
-        for k in &r.evicted {
-            ev += &format!(
-                " {}",
-                u64::from_le_bytes(k.as_bytes()[..8].try_into().expect("8-byte key"))
-            );
-        }
-        let _ = writeln!(out, "{ev}");
-        let mut line = String::from("ACK");
-        for (k, o) in keys.iter().zip(&r.outcomes) {
-            if o.is_ok() {
-                line += &format!(" {k}");
-            }
-        }
-        let _ = writeln!(out, "{line}");
-        let _ = out.flush();
-        next += per_job as u64;
-    }
-    loop {
-        std::thread::sleep(std::time::Duration::from_secs(1));
-    }
-}
-
-/// The pattern seed of a crash-test key (tests/crash.rs uses the same).
-fn crash_seed(key: u64) -> u64 {
-    key.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ 0xA5A5
 }

@@ -1,6 +1,7 @@
 //! Shared helpers for the integration tests: temp dirs, small geometries, pools.
 #![allow(dead_code)]
 
+pub mod crash;
 pub mod fault;
 pub mod gio_host;
 
