@@ -8,8 +8,6 @@
 //! opened with [`TierBuilder`]). Raw syscalls live only in `engine::uring`
 //! and `pool::backing`.
 
-pub mod bench;
-pub mod cli;
 pub mod doctor;
 pub mod engine;
 pub mod error;
@@ -22,11 +20,9 @@ pub mod json;
 pub mod memory;
 pub mod model;
 pub mod nvme;
-pub mod nvme_cli;
 pub mod p2p;
 pub mod plan;
 pub mod pool;
-pub mod replay;
 pub mod ring;
 pub mod sched;
 pub mod scratch;

@@ -691,7 +691,15 @@ impl Drop for PciBinding {
         if !self.done {
             self.done = true;
             if let Err(e) = self.undo() {
-                crate::cli::note!("kvtier: giving {} back to its driver: {e}", self.addr);
+                {
+                    // Never panics on a closed stderr: this runs while giving a device back.
+                    use std::io::Write as _;
+                    let _ = writeln!(
+                        std::io::stderr(),
+                        "kvtier: giving {} back to its driver: {e}",
+                        self.addr
+                    );
+                }
             }
         }
     }

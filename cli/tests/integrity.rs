@@ -5,6 +5,7 @@
 //! during it resurrecting old headers over zeroed data), forged superblocks,
 //! false "in use" after exit, and one bad region taking the cache down.
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use common::fault::{FaultEngine, FaultStorage, Faults};

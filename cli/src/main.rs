@@ -1,22 +1,22 @@
 //! The `kvtier` command: pools, benchmarks, and the debug tools tests use.
 
 use clap::{Args, Parser, Subcommand};
-use kvtier::bench::{self, BenchConfig};
-use kvtier::cli::{f64_in, size_in};
 use kvtier::engine::uring::UringConfig;
 use kvtier::host::size::human_bytes;
 use kvtier::model::{self, DType, KvGeometry};
 use kvtier::pool::{DeviceSpec, OpenExpect, Pool, PoolConfig, DEFAULT_GROUP_BLOCKS};
 use kvtier::tier::TierConfig;
 use kvtier::Result;
+use kvtier_cli::bench::{self, BenchConfig};
+use kvtier_cli::cli::{f64_in, size_in};
 use std::io::Write;
 use std::path::PathBuf;
 
 /// Writes a line to stdout; a reader that went away (`| head -1`) ends the
-/// command quietly through `main` (see `kvtier::cli::out`).
+/// command quietly through `main` (see `kvtier_cli::cli::out`).
 macro_rules! outln {
     ($($arg:tt)*) => {
-        kvtier::cli::out(&format!("{}\n", format_args!($($arg)*)))?
+        kvtier_cli::cli::out(&format!("{}\n", format_args!($($arg)*)))?
     };
 }
 
@@ -149,7 +149,7 @@ impl ModelArgs {
             Some(d) => Some(DType::parse(d).ok_or_else(|| {
                 kvtier::Error::invalid(format!(
                     "unknown --dtype {:?}; use bfloat16, float16, float32, float8_e4m3fn or float8_e5m2",
-                    kvtier::cli::excerpt(d, 40)
+                    kvtier_cli::cli::excerpt(d, 40)
                 ))
             })?),
             None => None,
@@ -332,7 +332,7 @@ fn main() {
     let cli = Cli::parse();
     let code = match run(cli) {
         Ok(code) => code,
-        Err(e) if kvtier::cli::is_broken_pipe(&e) => die_of_sigpipe(),
+        Err(e) if kvtier_cli::cli::is_broken_pipe(&e) => die_of_sigpipe(),
         Err(e) => {
             let _ = writeln!(std::io::stderr(), "kvtier: error: {e}");
             2
@@ -496,17 +496,17 @@ fn run(cli: Cli) -> Result<i32> {
                     serde_json::to_string_pretty(&report).expect("serializable")
                 );
             } else {
-                kvtier::cli::out(&kvtier::doctor::render(&report))?;
+                kvtier_cli::cli::out(&kvtier::doctor::render(&report))?;
             }
             Ok(0)
         }
-        Cmd::Nvme(NvmeCmd::List) => kvtier::nvme_cli::list(),
+        Cmd::Nvme(NvmeCmd::List) => kvtier_cli::nvme_cli::list(),
         Cmd::Nvme(NvmeCmd::Bind {
             addr,
             driver,
             force,
             command,
-        }) => kvtier::nvme_cli::bind_and_run(
+        }) => kvtier_cli::nvme_cli::bind_and_run(
             &addr,
             kvtier::nvme::bind::BindDriver::parse(&driver)?,
             force,
@@ -617,7 +617,7 @@ fn run_bench(a: BenchArgs) -> Result<i32> {
         report.fio = Some(bench::fio_references(&cfg, &bar_fn(&bar))?);
     }
     bar.finish();
-    kvtier::cli::out(&bench::render(&report))?;
+    kvtier_cli::cli::out(&bench::render(&report))?;
     if let Some(path) = &a.plot {
         bench::plot(&report, path)?;
         note(&format!("wrote {}", path.display()));
@@ -677,12 +677,12 @@ fn note(msg: &str) {
 }
 
 fn run_raw_bench(a: &BenchArgs) -> Result<i32> {
-    use kvtier::bench::fio::{Pattern, Workload};
+    use kvtier_cli::bench::fio::{Pattern, Workload};
     let pattern = match &a.pattern {
         Some(p) => Pattern::parse(p).ok_or_else(|| {
             kvtier::Error::invalid(format!(
                 "unknown --pattern {:?}; use read, write, randread, randwrite or randrw",
-                kvtier::cli::excerpt(p, 40)
+                kvtier_cli::cli::excerpt(p, 40)
             ))
         })?,
         None => Pattern::Read,
@@ -710,7 +710,7 @@ fn run_raw_bench(a: &BenchArgs) -> Result<i32> {
         &bar_fn(&bar),
     )?;
     bar.finish();
-    kvtier::cli::out(&bench::render_raw(&report))?;
+    kvtier_cli::cli::out(&bench::render_raw(&report))?;
     write_json(&a.json, &report)?;
     Ok(0)
 }
@@ -765,8 +765,8 @@ fn run_replay(a: ReplayArgs) -> Result<i32> {
     if a.sweep.is_some() {
         return run_replay_sweep(a);
     }
-    use kvtier::replay::ReplayRig;
     use kvtier::sched::Policy;
+    use kvtier_cli::replay::ReplayRig;
     let plan = replay_plan(&a, a.input, a.prefix)?;
     let geometry = plan.geometry;
     let policies: Vec<Policy> = match a.policy.as_str() {
@@ -774,7 +774,7 @@ fn run_replay(a: ReplayArgs) -> Result<i32> {
         p => vec![Policy::parse(p).ok_or_else(|| {
             kvtier::Error::invalid(format!(
                 "unknown --policy {:?}; use slack, naive, sync or all",
-                kvtier::cli::excerpt(p, 40)
+                kvtier_cli::cli::excerpt(p, 40)
             ))
         })?],
     };
@@ -857,7 +857,7 @@ fn run_replay(a: ReplayArgs) -> Result<i32> {
 /// `--time-scale auto`: the factor that makes the prefill's compute equal
 /// the measured read time; refused when it would be absurd (a table or
 /// --layer-us of all but zero compute), which no replay can be run at.
-fn auto_scale(read_us: f64, plan: &kvtier::replay::ReplayPlan) -> Result<f64> {
+fn auto_scale(read_us: f64, plan: &kvtier_cli::replay::ReplayPlan) -> Result<f64> {
     let compute: f64 = plan.layer_compute_us.iter().sum();
     if compute <= 0.0 {
         // Nothing to scale: every layer computes for zero time.
@@ -873,9 +873,9 @@ fn auto_scale(read_us: f64, plan: &kvtier::replay::ReplayPlan) -> Result<f64> {
 }
 
 /// The replay plan for (input, prefix): from the table, or flat times.
-fn replay_plan(a: &ReplayArgs, input: u64, prefix: u64) -> Result<kvtier::replay::ReplayPlan> {
+fn replay_plan(a: &ReplayArgs, input: u64, prefix: u64) -> Result<kvtier_cli::replay::ReplayPlan> {
     let (g, mut plan) = match &a.table {
-        Some(path) => kvtier::replay::plan_from_table(
+        Some(path) => kvtier_cli::replay::plan_from_table(
             path,
             a.model_given
                 .then(|| a.model.geometry())
@@ -886,7 +886,7 @@ fn replay_plan(a: &ReplayArgs, input: u64, prefix: u64) -> Result<kvtier::replay
         )?,
         None => {
             let g = a.model.geometry()?;
-            let plan = kvtier::replay::ReplayPlan {
+            let plan = kvtier_cli::replay::ReplayPlan {
                 geometry: g,
                 input_tokens: input,
                 prefix_tokens: prefix,
@@ -909,9 +909,9 @@ fn replay_plan(a: &ReplayArgs, input: u64, prefix: u64) -> Result<kvtier::replay
 
 /// `kvtier replay --sweep FILE.svg`: bubble time against hit rate.
 fn run_replay_sweep(a: ReplayArgs) -> Result<i32> {
-    use kvtier::bench::plot::{plot_lines_svg, Series};
-    use kvtier::replay::ReplayRig;
     use kvtier::sched::Policy;
+    use kvtier_cli::bench::plot::{plot_lines_svg, Series};
+    use kvtier_cli::replay::ReplayRig;
     let total = a.input + a.prefix;
     let rates = [0.5, 0.75, 0.875, 0.9375, 0.96875];
     let bar = Progress::new();

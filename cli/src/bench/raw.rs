@@ -11,13 +11,13 @@
 
 use super::cpu_times;
 use super::fio::{IoResult, Pattern, Workload};
-use crate::engine::uring::{UringConfig, UringDevice, UringEngine};
-use crate::engine::IoEngine;
-use crate::error::{Error, Result};
-use crate::p2p::P2pTable;
-use crate::ring::abi::*;
-use crate::ring::IocbId;
-use crate::submitter::Submitter;
+use kvtier::engine::uring::{UringConfig, UringDevice, UringEngine};
+use kvtier::engine::IoEngine;
+use kvtier::error::{Error, Result};
+use kvtier::p2p::P2pTable;
+use kvtier::ring::abi::*;
+use kvtier::ring::IocbId;
+use kvtier::submitter::Submitter;
 use std::collections::HashMap;
 use std::os::fd::AsFd;
 use std::os::unix::fs::OpenOptionsExt;
@@ -55,7 +55,7 @@ struct Slot {
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct EngineReport {
     pub describe: String,
-    pub stats: crate::engine::EngineStats,
+    pub stats: kvtier::engine::EngineStats,
 }
 
 /// Run one workload (fio's vocabulary) through kvtier's engine.
@@ -100,7 +100,7 @@ pub fn run_streams(
         .custom_flags(libc::O_DIRECT)
         .open(&w.file)
         .map_err(|e| Error::io(format!("opening {} with O_DIRECT", w.file.display()), e))?;
-    let buffers = crate::memory::DmaBuffer::new((w.bs * total_depth as u64) as usize)?;
+    let buffers = kvtier::memory::DmaBuffer::new((w.bs * total_depth as u64) as usize)?;
     let table = Arc::new(P2pTable::for_buffers(
         buffers.addr(),
         w.bs as u32,
