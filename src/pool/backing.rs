@@ -1,8 +1,10 @@
 //! The backing devices of a pool: regular files or block devices, each one "an SSD".
 //!
-//! This module (with the io_uring engine) is the only place that makes raw syscalls and
-//! ioctls for the devices; everything above it is safe Rust. It enforces the rules that
-//! keep kvtier from destroying data it was not given:
+//! Its raw syscalls and ioctls on the devices live in `sys` (block-device ioctls,
+//! O_DIRECT, fallocate), `scan` (lseek over holes) and `locks` (flock); what the host
+//! says about a device (mounts, holders, signatures) comes from [`crate::host`];
+//! everything above is safe Rust. It enforces the rules that keep kvtier from
+//! destroying data it was not given:
 //!
 //! * kvtier opens only the path it was named, nothing else.
 //! * A block device that is mounted (itself, one of its partitions, or a device-mapper /
@@ -677,7 +679,7 @@ impl BackingDevice {
 
     /// Reopen an existing pool device (no formatting, no size change). Errors if the path
     /// is missing, is a mounted / in-use block device, or does not begin with
-    /// [`POOL_MAGIC`]. A block device's size is the whole device rounded down to
+    /// [`POOL_MAGIC`](crate::host::signature::POOL_MAGIC). A block device's size is the whole device rounded down to
     /// [`DIRECT_IO_ALIGN`] (the superblock records how much of it the pool uses); a file's
     /// is its length, likewise rounded down.
     pub fn open(path: &Path) -> Result<BackingDevice> {
