@@ -88,6 +88,10 @@ pub struct FioReferences {
     /// Random reads of one object each: what an uncoalesced restore costs.
     pub rand_read: IoResult,
     pub rand_read_cmd: Vec<String>,
+    /// The device's best sequential write (no fsync), chosen like
+    /// `seq_read`: what a store is measured against.
+    pub seq_write: IoResult,
+    pub seq_write_cmd: Vec<String>,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -418,15 +422,28 @@ pub fn fio_references(cfg: &BenchConfig, progress: &dyn Fn(&str)) -> Result<FioR
         cfg.tier.uring.queue_depth,
     );
     let r = run(Pattern::RandRead, cfg.geometry.object_bytes(), 32);
+    let wa = run(Pattern::Write, 1 << 20, 16);
+    let wb = run(
+        Pattern::Write,
+        cfg.tier.max_io_bytes,
+        cfg.tier.uring.queue_depth,
+    );
     drop(scratch);
-    let (a, b, r) = (a?, b?, r?);
+    let (a, b, r, wa, wb) = (a?, b?, r?, wa?, wb?);
     let seq = if a.0.read_bw >= b.0.read_bw { a } else { b };
+    let wseq = if wa.0.write_bw >= wb.0.write_bw {
+        wa
+    } else {
+        wb
+    };
     Ok(FioReferences {
         version,
         seq_read: seq.0,
         seq_read_cmd: seq.1,
         rand_read: r.0,
         rand_read_cmd: r.1,
+        seq_write: wseq.0,
+        seq_write_cmd: wseq.1,
     })
 }
 
@@ -454,6 +471,10 @@ pub fn plot(report: &BenchReport, path: &std::path::Path) -> Result<()> {
     let mut refs = Vec::new();
     if let Some(f) = &report.fio {
         refs.push(("fio sequential read".to_string(), f.seq_read.read_bw / GIB));
+        refs.push((
+            "fio sequential write".to_string(),
+            f.seq_write.write_bw / GIB,
+        ));
         refs.push((
             "fio random read (one object per I/O)".to_string(),
             f.rand_read.read_bw / GIB,
@@ -695,12 +716,13 @@ pub fn render(report: &BenchReport) -> String {
         report.machine.filesystem_of_dir
     );
     s += &format!(
-        "{:>8} {:>10} {:>11} {:>13} {:>11} {:>10} {:>12} {:>14} {:>14}\n",
+        "{:>8} {:>10} {:>11} {:>13} {:>11} {:>10} {:>10} {:>12} {:>14} {:>14}\n",
         "tokens",
         "size",
         "store GiB/s",
         "retrieve GiB/s",
         "layer0 ms",
+        "layer0/avg",
         "I/O/layer",
         "enter/layer",
         "store us/obj",
@@ -708,12 +730,13 @@ pub fn render(report: &BenchReport) -> String {
     );
     for r in &report.results {
         s += &format!(
-            "{:>8} {:>10} {:>11.2} {:>13.2} {:>11.2} {:>10.1} {:>12.1} {:>14.3} {:>14.3}\n",
+            "{:>8} {:>10} {:>11.2} {:>13.2} {:>11.2} {:>10.2} {:>10.1} {:>12.1} {:>14.3} {:>14.3}\n",
             r.tokens,
             human_bytes(r.bytes),
             r.store_gib_s,
             r.retrieve_gib_s,
             r.first_layer_ms,
+            r.first_layer_ms / (r.retrieve_secs * 1e3 / g.layers as f64),
             r.ios_per_layer,
             r.syscalls_per_layer,
             r.store_cpu_us_per_object,
@@ -733,12 +756,19 @@ pub fn render(report: &BenchReport) -> String {
             human_bytes(g.object_bytes()),
             f.rand_read.read_bw / GIB
         );
+        let wseq = f.seq_write.write_bw / GIB;
+        s += &format!(
+            "reference: sequential write {:.2} GiB/s [{}]\n",
+            wseq,
+            f.seq_write_cmd.join(" ")
+        );
         for r in &report.results {
             s += &format!(
-                "{:>8} tokens: retrieve {:.3}x fio sequential read, {:.1}x fio random object reads\n",
+                "{:>8} tokens: retrieve {:.3}x fio sequential read, {:.1}x fio random object reads; store {:.3}x fio sequential write\n",
                 r.tokens,
                 r.retrieve_gib_s / seq,
-                r.retrieve_gib_s / (f.rand_read.read_bw / GIB).max(1e-9)
+                r.retrieve_gib_s / (f.rand_read.read_bw / GIB).max(1e-9),
+                r.store_gib_s / wseq.max(1e-9)
             );
         }
     }
