@@ -46,7 +46,7 @@ use crate::memory::{DmaBuffer, HostKvCache, KvMemory, MemoryKind};
 use crate::p2p::P2pTable;
 use crate::pool::layout::SLOT_HEADER_BYTES;
 use crate::pool::{Key, Pool};
-use crate::ring::GioUring;
+use crate::submitter::Submitter;
 use jobs::{Item, JobTable};
 use std::sync::Arc;
 use store::Staging;
@@ -183,7 +183,7 @@ pub struct Usage {
 pub struct Tier {
     // Field order is drop order: the engine (inside `io`) waits out in-flight
     // I/O before the memory it targets (staging, the host cache) goes away.
-    io: GioUring,
+    io: Submitter,
     staging: Option<Staging>,
     memory_owner: Option<Arc<HostKvCache>>,
     table: Option<Arc<P2pTable>>,
@@ -228,7 +228,7 @@ impl Tier {
             ));
         }
         Ok(Tier {
-            io: GioUring::new(cfg.ring_depth, engine)?,
+            io: Submitter::new(cfg.ring_depth, engine)?,
             staging: None,
             memory_owner: None,
             table: None,
