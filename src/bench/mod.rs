@@ -75,6 +75,11 @@ pub struct BenchReport {
     pub skipped: Vec<String>,
     /// fio's reference figures on the same directory (`--against-fio`).
     pub fio: Option<FioReferences>,
+    /// Share of the host KV memory backed by huge pages (None when
+    /// /proc/self/smaps cannot say). Less than 1 means more DMA segments per
+    /// I/O, which on a VM's virtio disk costs bandwidth: a cause of runs
+    /// that differ while fio (in 4 KiB pages every time) does not.
+    pub huge_page_share: Option<f64>,
 }
 
 /// fio on the same filesystem as the pool, in the same run.
@@ -248,6 +253,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
             results,
             skipped,
             fio: None,
+            huge_page_share: None,
         });
     }
     crate::cli::check_host_memory(
@@ -267,6 +273,10 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
     let cache = Arc::new(HostKvCache::new(geo, max_blocks as u32, layout)?);
     tier.register_host_cache(cache.clone())?;
     let engine = tier.engine().describe();
+    let huge_page_share = tier.p2p_table().and_then(|t| {
+        let regions: Vec<(u64, u64)> = t.regions().iter().map(|r| (r.addr, r.len)).collect();
+        huge_page_share(&regions)
+    });
 
     for (ci, &tokens) in contexts.iter().enumerate() {
         let blocks = geo.tokens_to_blocks(tokens);
@@ -363,7 +373,46 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
         results,
         skipped,
         fio: None,
+        huge_page_share,
     })
+}
+
+/// The share of the memory `regions` (address, length) backed by huge
+/// pages, from /proc/self/smaps: transparent ones (AnonHugePages) or a
+/// hugetlbfs mapping (KernelPageSize 2048 kB or more).
+pub(crate) fn huge_page_share(regions: &[(u64, u64)]) -> Option<f64> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    let total: u64 = regions.iter().map(|r| r.1).sum();
+    if total == 0 {
+        return None;
+    }
+    let overlaps = |lo: u64, hi: u64| regions.iter().any(|&(a, len)| lo < a + len && a < hi);
+    let mut huge = 0u64;
+    let mut cur: Option<(u64, u64)> = None;
+    let mut page_kb = 4u64;
+    for line in smaps.lines() {
+        let mut f = line.split_whitespace();
+        let first = f.next().unwrap_or("");
+        if let Some((lo, hi)) = first.split_once('-').and_then(|(a, b)| {
+            Some((
+                u64::from_str_radix(a, 16).ok()?,
+                u64::from_str_radix(b, 16).ok()?,
+            ))
+        }) {
+            cur = overlaps(lo, hi).then_some((lo, hi));
+            page_kb = 4;
+            continue;
+        }
+        let Some((lo, hi)) = cur else { continue };
+        let kb = || f.clone().next().and_then(|v| v.parse::<u64>().ok());
+        match first {
+            "KernelPageSize:" => page_kb = kb().unwrap_or(4),
+            "AnonHugePages:" if page_kb < 2048 => huge += kb().unwrap_or(0) << 10,
+            "Rss:" if page_kb >= 2048 => huge += (kb().unwrap_or(0) << 10).min(hi - lo),
+            _ => {}
+        }
+    }
+    Some((huge as f64 / total as f64).min(1.0))
 }
 
 /// The pool must be on the very files created for it: a file swapped in
@@ -666,12 +715,16 @@ pub fn render_raw(r: &RawReport) -> String {
             ratio
         );
         s += &format!(
-            "{:<34} {} I/Os ({} on fixed buffers), {} syscalls; {}\n",
+            "{:<34} {} I/Os ({} on fixed buffers), {} syscalls; {}{}\n",
             "",
             run.engine.stats.ios,
             run.engine.stats.fixed_buffer_ios,
             run.engine.stats.syscalls,
-            run.engine.describe
+            run.engine.describe,
+            run.engine
+                .huge_page_share
+                .map(|h| format!("; buffers {:.0}% in huge pages", h * 100.0))
+                .unwrap_or_default()
         );
         if let Some(f) = &run.fio {
             s += &format!("{}\n", line(&format!("fio    {}", run.name), f));
@@ -745,6 +798,12 @@ pub fn render(report: &BenchReport) -> String {
     }
     for k in &report.skipped {
         s += &format!("skipped {k}\n");
+    }
+    if let Some(h) = report.huge_page_share {
+        s += &format!(
+            "host KV memory in huge pages: {:.0}% (fewer DMA segments per I/O; on a VM a low share costs bandwidth)\n",
+            h * 100.0
+        );
     }
     if let Some(f) = &report.fio {
         let seq = f.seq_read.read_bw / GIB;
