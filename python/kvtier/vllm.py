@@ -853,6 +853,9 @@ class KvtierTier(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def drain_jobs(self) -> None:
+        # Stores still in kvtier's backlog (the slack and sync policies hold
+        # them) are issued first, or waiting for them would never end.
+        self._tier.flush_stores()
         for kj in list(self._jobs):
             jr = self._result(self._tier.wait(kj))
             if jr is not None:

@@ -434,11 +434,9 @@ impl TierBuilder {
             let (addr, len) = if t.hasattr("data_ptr")? {
                 tensor_region(t, i)?
             } else {
-                let b = PyBuffer::<u8>::get(t).map_err(|_| {
-                    PyTypeError::new_err(format!(
-                        "KV memory {i} is neither a torch tensor nor a buffer (memoryview, bytearray, numpy array)"
-                    ))
-                })?;
+                // Through byte_buffer: multi-dimensional views (vLLM's
+                // primary_kv_view is (chunks, bytes)) are cast to bytes first.
+                let b = byte_buffer(t, &format!("KV memory {i}"))?;
                 if b.readonly() {
                     return Err(usage(format!(
                         "KV memory {i} is a read-only buffer; loads write into it: pass a writable one (bytearray, a writable memoryview)"

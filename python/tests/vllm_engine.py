@@ -4,7 +4,8 @@ a tiny llama with dummy weights on CPU, greedy, token ids in and out.
     python vllm_engine.py OUT.json [POOL_DIR STATS_PATH]
 
 Prompts come from the KVTIER_TEST_PROMPTS environment variable (JSON list
-of token-id lists). With POOL_DIR, kvtier's connector is enabled by config.
+of token-id lists), the model directory from KVTIER_TEST_MODEL (its
+safetensors if present, else dummy weights). With POOL_DIR, kvtier's connector is enabled by config.
 """
 
 import json
@@ -37,10 +38,12 @@ def main() -> None:
                 "stats_path": sys.argv[3],
             },
         )
+    model = os.environ.get("KVTIER_TEST_MODEL", os.path.join(HERE, "tiny-llama"))
+    weights = os.path.exists(os.path.join(model, "model.safetensors"))
     t = time.time()
     llm = LLM(
-        model=os.path.join(HERE, "tiny-llama"),
-        load_format="dummy",
+        model=model,
+        load_format="auto" if weights else "dummy",
         skip_tokenizer_init=True,
         max_model_len=512,
         enforce_eager=True,
@@ -51,7 +54,7 @@ def main() -> None:
     prompts = json.loads(os.environ["KVTIER_TEST_PROMPTS"])
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(max_tokens=8, temperature=0, detokenize=False),
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, detokenize=False),
         use_tqdm=False,
     )
     res = {
