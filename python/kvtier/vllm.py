@@ -21,9 +21,11 @@ matched blocks from being evicted between the scheduler's decision and the
 worker's load; the worker drops those pins when the load finishes.
 
 Keys are a SHA-256 chain over each full block's token ids (and the request's
-cache salt), computed the same way in every process and every restart: not
-vLLM's block hashes, whose seed is random per process unless PYTHONHASHSEED
-is set, which would lose every hit after a restart.
+cache salt), computed the same way in every process and every restart,
+whatever vLLM's own prefix-hash settings: with a non-cryptographic
+``prefix_caching_hash_algo`` (xxhash) vLLM seeds its block hashes randomly
+per process unless PYTHONHASHSEED is set, which would lose every hit after
+a restart.
 
 Memory: kvtier does direct I/O (O_DIRECT, DMA) and needs 4096-byte aligned
 objects. vLLM's CPU KV tensors (``[blocks, 2, block_size, heads*dim]`` per
