@@ -18,7 +18,8 @@ use kvtier::ring::abi::{
     IoCtx, Iocb, IOCB_MAX_IOCTX, IOCB_MAX_SEGS, IOCTX_OP_FLUSH, IOCTX_OP_READ, IOCTX_OP_WRITE,
     IOCTX_STATUS_OK,
 };
-use kvtier::ring::{GioRing, GioUring};
+use kvtier::ring::GioRing;
+use kvtier::submitter::Submitter;
 use kvtier::{DType, HostKvCache, HostLayout, KvGeometry};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -126,7 +127,7 @@ impl Drop for TempDir {
 }
 
 /// Submit one IOCB of `ctxs`, wait for it, check every IOCTX moved its bytes.
-fn run_iocb(io: &mut GioUring, ctxs: &[(IoCtx, Vec<u32>)]) {
+fn run_iocb(io: &mut Submitter, ctxs: &[(IoCtx, Vec<u32>)]) {
     let id = io.get_iocb().expect("a free IOCB");
     for (c, segs) in ctxs {
         io.ring_mut().push_ctx(id, *c, segs).expect("room");
@@ -184,7 +185,7 @@ fn bench_uring(c: &mut Criterion) {
     engine
         .register_memory(table.clone())
         .expect("register memory");
-    let mut io = GioUring::new(RING_DEPTH, Box::new(engine)).expect("gio_uring");
+    let mut io = Submitter::new(RING_DEPTH, Box::new(engine)).expect("gio_uring");
 
     // The prefix's blocks sit scattered in the engine's memory (13 is coprime
     // to 32: a fixed permutation), so no two objects are adjacent in memory.

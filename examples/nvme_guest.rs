@@ -22,15 +22,16 @@
 mod suite;
 
 use kvtier::engine::gpu::{GpuEngine, GpuEngineConfig, HostGioExecutor};
-use kvtier::engine::nvme::{NvmeConfig, NvmeNamespace};
+use kvtier::host::pci::{bound_driver, find_pci_class, pci_device_dir};
 use kvtier::nvme::bind::{BindDriver, PciBinding};
 use kvtier::nvme::ctrl::{
     Bar0, Controller, ControllerOptions, DataMode, DmaAlloc, DmaRegion, IoDir,
 };
 use kvtier::nvme::spec::{build_prps, Extent, SglDescriptor, Sqe};
-use kvtier::nvme::uio::{bound_driver, find_pci_class, pci_device_dir, HugeDma, UioBar0};
+use kvtier::nvme::uio::{HugeDma, UioBar0};
 use kvtier::nvme::vfio::VfioDevice;
 use kvtier::nvme::DataPtr;
+use kvtier::nvme::{NvmeConfig, NvmeNamespace};
 use std::os::unix::fs::FileExt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::process::ExitCode;

@@ -1,6 +1,7 @@
 //! Small parsing helpers shared by the CLI and the benchmarks.
 
 use crate::error::{Error, Result};
+use crate::host::size::human_bytes;
 
 /// `eprintln!` that never panics: a closed stderr (`kvtier ... 2>&1 | head`)
 /// is no reason to stop, least of all half way through giving a device back.
@@ -133,24 +134,6 @@ fn mem_available() -> Option<u64> {
     kib.checked_mul(1024)
 }
 
-/// Human bytes: 1.5 GiB, 32 KiB, 512 B.
-pub fn human_bytes(b: u64) -> String {
-    const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{b} B")
-    } else if v.fract() == 0.0 {
-        format!("{v:.0} {}", UNITS[u])
-    } else {
-        format!("{v:.2} {}", UNITS[u])
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -179,7 +162,5 @@ mod tests {
             assert!(f64_in(bad, 0.0, 1e4).is_err(), "{bad}");
         }
         assert_eq!(f64_in("2.5", 0.0, 1e4).unwrap(), 2.5);
-        assert_eq!(human_bytes(32768), "32 KiB");
-        assert_eq!(human_bytes(3 << 29), "1.50 GiB");
     }
 }

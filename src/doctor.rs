@@ -1,15 +1,15 @@
 //! `kvtier doctor`: what this machine can run, and why not.
 //!
 //! Every line of the report is something probed on this machine at the time of
-//! the call: sysfs and procfs files, the CUDA driver library (loaded with
-//! `dlopen`, never linked), an NVMe Identify through the kernel's admin
+//! the call: sysfs and procfs files (through [`crate::host`]), the CUDA driver as
+//! the GPU engine's own loader sees it ([`crate::gpu::probe`]), an NVMe Identify through the kernel's admin
 //! passthrough ioctl, io_uring rings created with the features kvtier uses, and
 //! a real `O_DIRECT` write and read on the pool directory. What cannot be told
 //! says `unknown (why)`.
 //!
-//! The raw calls (`dlopen`/`dlsym` into libcuda, the NVMe admin ioctl, `statx`)
-//! each live in one small private function here with SAFETY comments; the rest
-//! is plain reading of files.
+//! The one raw call of its own (the NVMe admin ioctl) lives in one small private
+//! function here with a SAFETY comment; the rest is the layers it reports on and
+//! plain reading of files.
 //!
 //! The verdict names the engine kvtier would use: `gpu` (CUDA I/O kernels on a
 //! green-context SM partition), `nvme` (userspace NVMe through VFIO or uio),
@@ -17,7 +17,14 @@
 //! everywhere), with the reasons the others are out.
 
 use crate::error::{Error, Result};
-use crate::pool::backing::{mounted_at, AlignedBuf};
+use crate::gpu::driver::LIBCUDA;
+use crate::gpu::probe::{probe_detailed, version_string};
+use crate::gpu::LoadStage;
+use crate::host::dio::{dio_align, AlignedBuf, DIRECT_IO_ALIGN};
+use crate::host::mounts::{mount_of, mounted_at};
+use crate::host::pci::{bar_size, devices as pci_devices};
+use crate::host::size::human_bytes as human;
+use crate::host::sysfs::{dir_names, link_name, read_trim};
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 use std::fs;
@@ -167,28 +174,6 @@ pub fn render(r: &Report) -> String {
 // Small file helpers
 // ---------------------------------------------------------------------------------------
 
-fn read_trim(path: impl AsRef<Path>) -> Option<String> {
-    fs::read_to_string(path).ok().map(|s| s.trim().to_string())
-}
-
-/// Sorted names in a directory; `None` when it cannot be read.
-fn dir_names(path: impl AsRef<Path>) -> Option<Vec<String>> {
-    let mut v: Vec<String> = fs::read_dir(path)
-        .ok()?
-        .filter_map(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
-    v.sort();
-    Some(v)
-}
-
-/// The name of the link's target (the driver bound to a device, ...).
-fn link_name(path: impl AsRef<Path>) -> Option<String> {
-    fs::read_link(path)
-        .ok()
-        .and_then(|t| t.file_name().map(|n| n.to_string_lossy().into_owned()))
-}
-
 fn exists(path: &str) -> bool {
     Path::new(path).exists()
 }
@@ -201,74 +186,9 @@ fn yes_no(b: bool) -> &'static str {
     }
 }
 
-fn human(bytes: u64) -> String {
-    crate::cli::human_bytes(bytes)
-}
-
-/// A PCI function from /sys/bus/pci/devices.
-struct PciDev {
-    addr: String,
-    device_id: String,
-    driver: Option<String>,
-    sysfs: PathBuf,
-}
-
-/// PCI functions of this vendor (or any, `None`) whose class starts with `class_prefix`.
-fn pci_devices(vendor: Option<&str>, class_prefix: &str) -> Option<Vec<PciDev>> {
-    let base = Path::new("/sys/bus/pci/devices");
-    let names = dir_names(base)?;
-    let mut out = Vec::new();
-    for n in names {
-        let p = base.join(&n);
-        let v = read_trim(p.join("vendor")).unwrap_or_default();
-        let c = read_trim(p.join("class")).unwrap_or_default();
-        if vendor.is_some_and(|want| v != want) || !c.starts_with(class_prefix) {
-            continue;
-        }
-        out.push(PciDev {
-            device_id: read_trim(p.join("device")).unwrap_or_default(),
-            driver: link_name(p.join("driver")),
-            addr: n,
-            sysfs: p,
-        });
-    }
-    Some(out)
-}
-
-/// Size of BAR `index` from a PCI device's `resource` file (one "start end
-/// flags" line of hex per resource); `None` when unassigned or unreadable.
-pub(crate) fn bar_size(dev: &Path, index: usize) -> Option<u64> {
-    let text = fs::read_to_string(dev.join("resource")).ok()?;
-    let line = text.lines().nth(index)?;
-    let mut f = line.split_whitespace();
-    let parse = |s: &str| u64::from_str_radix(s.trim_start_matches("0x"), 16).ok();
-    let start = parse(f.next()?)?;
-    let end = parse(f.next()?)?;
-    (end > start).then(|| end - start + 1)
-}
-
 // ---------------------------------------------------------------------------------------
 // GPU and CUDA driver
 // ---------------------------------------------------------------------------------------
-
-struct CudaDevice {
-    ordinal: i32,
-    name: String,
-    sms: i32,
-    cc: (i32, i32),
-    memory: u64,
-    pci: Option<String>,
-}
-
-struct CudaDriver {
-    /// The library name dlopen accepted.
-    library: &'static str,
-    version: Option<i32>,
-    init_error: Option<String>,
-    devices: Vec<CudaDevice>,
-    device_error: Option<String>,
-    has_green_ctx_symbol: bool,
-}
 
 struct GpuFacts {
     items: Vec<Item>,
@@ -277,10 +197,6 @@ struct GpuFacts {
     any_gpu: bool,
     driver_ok: bool,
     why_not: Vec<String>,
-}
-
-fn cu_version(v: i32) -> String {
-    format!("{}.{}", v / 1000, (v % 1000) / 10)
 }
 
 fn probe_gpu() -> GpuFacts {
@@ -337,97 +253,88 @@ fn probe_gpu() -> GpuFacts {
         }
     }
 
-    // The user-space driver library.
-    let driver = probe_cuda_driver();
+    // The user-space driver, through the GPU engine's own loader (gpu::probe): what the
+    // engine would see, step by step.
+    let library = LIBCUDA.to_string_lossy();
     let mut green_ready = false;
     let mut driver_ok = false;
     let mut any_gpu = !pci_gpus.is_empty();
-    match &driver {
-        Err(e) => {
+    match probe_detailed() {
+        Err(f) if f.stage == Some(LoadStage::NotFound) => {
             items.push(item(
                 "CUDA driver",
                 "not found",
                 Some(false),
-                format!("dlopen libcuda.so.1 / libcuda.so failed: {e}"),
+                format!("dlopen {library} failed: {}", f.reason),
             ));
             why_not.push("no CUDA driver library (libcuda) on this machine".into());
             if pci_gpus.is_empty() {
                 why_not.push("no NVIDIA GPU on the PCI bus".into());
             }
         }
-        Ok(d) => {
-            let vnote = match d.version {
-                Some(v) => cu_version(v),
-                None => "unknown (cuDriverGetVersion failed)".into(),
+        Err(f) => {
+            let version = match f.version {
+                Some(v) => version_string(v),
+                None => "unknown".into(),
             };
+            let loaded = !matches!(f.stage, Some(LoadStage::NotCuda | LoadStage::VersionQuery));
             items.push(item(
                 "CUDA driver",
-                format!("{} (driver API {vnote})", d.library),
-                Some(d.version.is_some()),
+                format!("{library} (driver API {version})"),
+                Some(loaded),
+                if loaded {
+                    "loaded with dlopen".to_string()
+                } else {
+                    f.reason.clone()
+                },
+            ));
+            match f.stage {
+                Some(LoadStage::TooOld | LoadStage::MissingSymbols | LoadStage::Bindings) => items
+                    .push(item(
+                        "cudarc bindings",
+                        if f.stage == Some(LoadStage::TooOld) {
+                            "not tried"
+                        } else {
+                            "fail"
+                        },
+                        Some(false),
+                        f.reason.clone(),
+                    )),
+                Some(LoadStage::Init) => {
+                    items.push(item("cuInit", f.reason.clone(), Some(false), ""))
+                }
+                None => items.push(item("devices", f.reason.clone(), Some(false), "")),
+                _ => {}
+            }
+            why_not.push(f.reason);
+        }
+        Ok(d) => {
+            items.push(item(
+                "CUDA driver",
+                format!("{library} (driver API {})", d.version_string()),
+                Some(true),
                 "loaded with dlopen",
             ));
-            // cudarc's loader (CUDA 13.0 bindings) expects every 13.0 symbol and panics
-            // on the first one missing: the GPU engine needs a 13.0+ driver.
-            match d.version {
-                Some(v) if v >= 13000 => {
-                    let loaded = std::panic::catch_unwind(|| {
-                        // SAFETY: loads libcuda and resolves its symbols; no CUDA call is
-                        // made. A missing symbol panics, which catch_unwind contains.
-                        unsafe { cudarc::driver::sys::is_culib_present() }
-                    });
-                    let (value, ok) = match loaded {
-                        Ok(true) => ("loads".to_string(), true),
-                        Ok(false) => ("library not found by cudarc".to_string(), false),
-                        Err(_) => ("panicked: a symbol of the 13.0 bindings is missing".into(), false),
-                    };
-                    items.push(item(
-                        "cudarc bindings",
-                        value,
-                        Some(ok),
-                        "cudarc 0.17 with CUDA 13.0 bindings",
-                    ));
-                }
-                Some(v) => items.push(item(
-                    "cudarc bindings",
-                    "not tried",
-                    Some(false),
-                    format!(
-                        "driver API {} is older than the CUDA 13.0 bindings kvtier uses; cudarc would abort on missing symbols: update the NVIDIA driver",
-                        cu_version(v)
-                    ),
-                )),
-                None => {}
-            }
-            if let Some(e) = &d.init_error {
-                items.push(item("cuInit", e.clone(), Some(false), ""));
-                why_not.push(format!("cuInit failed: {e}"));
-            }
-            if let Some(e) = &d.device_error {
-                items.push(item("devices", e.clone(), Some(false), ""));
-            } else if d.init_error.is_none() {
-                items.push(item(
-                    "devices",
-                    d.devices.len().to_string(),
-                    Some(!d.devices.is_empty()),
-                    "cuDeviceGetCount",
-                ));
-            }
-            driver_ok = d.version.is_some() && d.init_error.is_none();
+            items.push(item(
+                "cudarc bindings",
+                "loads",
+                Some(true),
+                "cudarc 0.17 with CUDA 13.0 bindings",
+            ));
+            items.push(item(
+                "devices",
+                d.devices.len().to_string(),
+                Some(!d.devices.is_empty()),
+                "cuDeviceGetCount",
+            ));
+            driver_ok = true;
             any_gpu |= !d.devices.is_empty();
-            if d.init_error.is_none() && d.devices.is_empty() {
+            if d.devices.is_empty() {
                 why_not.push("the CUDA driver sees no GPU".into());
             }
-            let version = d.version.unwrap_or(0);
             for g in &d.devices {
                 let bar1 = g
-                    .pci
-                    .as_ref()
-                    .and_then(|bus| {
-                        pci_gpus
-                            .iter()
-                            .find(|p| p.addr.eq_ignore_ascii_case(bus))
-                            .and_then(|p| bar_size(&p.sysfs, 1))
-                    })
+                    .bar1_bytes
                     .map(|b| format!(", BAR1 {}", human(b)))
                     .unwrap_or_else(|| {
                         ", BAR1 unknown (no sysfs resource for its PCI address)".into()
@@ -437,30 +344,20 @@ fn probe_gpu() -> GpuFacts {
                     format!(
                         "{}: {} SMs, compute capability {}.{}, {}{bar1}",
                         g.name,
-                        g.sms,
-                        g.cc.0,
-                        g.cc.1,
-                        human(g.memory)
+                        g.sm_count,
+                        g.compute_capability.0,
+                        g.compute_capability.1,
+                        human(g.total_memory)
                     ),
                     Some(true),
-                    format!("PCI {}", g.pci.as_deref().unwrap_or("unknown")),
+                    format!("PCI {}", g.pci_bus_id.as_deref().unwrap_or("unknown")),
                 ));
-                let green = version >= 12040 && g.cc.0 >= 9 && d.has_green_ctx_symbol;
-                green_ready |= green;
-                let why = if version < 12040 {
-                    format!("driver API {} < 12.4", cu_version(version))
-                } else if g.cc.0 < 9 {
-                    format!("compute capability {}.{} < 9.0", g.cc.0, g.cc.1)
-                } else if !d.has_green_ctx_symbol {
-                    "libcuda has no cuGreenCtxCreate".into()
-                } else {
-                    "driver >= 12.4, compute capability >= 9.0, cuGreenCtxCreate present".into()
-                };
+                green_ready |= g.green_contexts;
                 items.push(item(
                     &format!("GPU {} green contexts", g.ordinal),
-                    yes_no(green),
-                    Some(green),
-                    why,
+                    yes_no(g.green_contexts),
+                    Some(g.green_contexts),
+                    g.green_note.clone(),
                 ));
             }
             if !d.devices.is_empty() && !green_ready {
@@ -499,172 +396,6 @@ fn dma_path_items(root: &Path) -> Vec<Item> {
             )
         })
         .collect()
-}
-
-/// `dlopen` libcuda and ask it what it sees. Never panics: a missing library or
-/// symbol is an `Err`/`None` here, not cudarc's abort.
-fn probe_cuda_driver() -> std::result::Result<CudaDriver, String> {
-    use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
-
-    const NAMES: [(&str, &CStr); 2] = [
-        ("libcuda.so.1", c"libcuda.so.1"),
-        ("libcuda.so", c"libcuda.so"),
-    ];
-    let mut errors = Vec::new();
-    let mut found = None;
-    for (name, cname) in NAMES {
-        // SAFETY: dlopen with a valid NUL-terminated name; RTLD_LOCAL keeps its symbols out
-        // of the global namespace. The handle is never closed (libcuda must not be
-        // unloaded while a context may exist), which only leaks one mapping.
-        let h = unsafe { libc::dlopen(cname.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-        if !h.is_null() {
-            found = Some((name, h));
-            break;
-        }
-        // SAFETY: dlerror returns NULL or a NUL-terminated string valid until the next
-        // dl* call on this thread; it is copied at once.
-        let e = unsafe { libc::dlerror() };
-        errors.push(if e.is_null() {
-            format!("{name}: not found")
-        } else {
-            // SAFETY: non-null, NUL-terminated (see above).
-            unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned()
-        });
-    }
-    let Some((library, handle)) = found else {
-        return Err(errors.join("; "));
-    };
-    let sym = |name: &CStr| -> *mut c_void {
-        // SAFETY: a live handle from dlopen and a NUL-terminated symbol name.
-        unsafe { libc::dlsym(handle, name.as_ptr()) }
-    };
-
-    type GetVersion = unsafe extern "C" fn(*mut c_int) -> c_int;
-    type Init = unsafe extern "C" fn(c_uint) -> c_int;
-    type GetCount = unsafe extern "C" fn(*mut c_int) -> c_int;
-    type DeviceGet = unsafe extern "C" fn(*mut c_int, c_int) -> c_int;
-    type GetName = unsafe extern "C" fn(*mut c_char, c_int, c_int) -> c_int;
-    type GetAttr = unsafe extern "C" fn(*mut c_int, c_int, c_int) -> c_int;
-    type TotalMem = unsafe extern "C" fn(*mut usize, c_int) -> c_int;
-    type BusId = unsafe extern "C" fn(*mut c_char, c_int, c_int) -> c_int;
-    type ErrName = unsafe extern "C" fn(c_int, *mut *const c_char) -> c_int;
-
-    macro_rules! get {
-        ($name:literal, $ty:ty) => {{
-            let p = sym($name);
-            if p.is_null() {
-                None
-            } else {
-                // SAFETY: the symbol is the CUDA driver API function of this name, whose C
-                // signature (CUresult as int, CUdevice as int) is the one in `$ty`.
-                Some(unsafe { std::mem::transmute::<*mut c_void, $ty>(p) })
-            }
-        }};
-    }
-
-    let err_name: Option<ErrName> = get!(c"cuGetErrorName", ErrName);
-    let describe = |rc: c_int| -> String {
-        let mut p: *const c_char = std::ptr::null();
-        if let Some(f) = err_name {
-            // SAFETY: f writes a pointer to a static NUL-terminated string or leaves it.
-            if unsafe { f(rc, &mut p) } == 0 && !p.is_null() {
-                // SAFETY: static string owned by libcuda.
-                return unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned();
-            }
-        }
-        format!("CUresult {rc}")
-    };
-
-    let mut out = CudaDriver {
-        library,
-        version: None,
-        init_error: None,
-        devices: Vec::new(),
-        device_error: None,
-        has_green_ctx_symbol: !sym(c"cuGreenCtxCreate").is_null(),
-    };
-    if let Some(f) = get!(c"cuDriverGetVersion", GetVersion) {
-        let mut v: c_int = 0;
-        // SAFETY: writes one int; callable before cuInit.
-        if unsafe { f(&mut v) } == 0 {
-            out.version = Some(v);
-        }
-    }
-    let Some(init) = get!(c"cuInit", Init) else {
-        out.init_error = Some("libcuda has no cuInit".into());
-        return Ok(out);
-    };
-    // SAFETY: cuInit(0) is the documented first call; it is idempotent.
-    let rc = unsafe { init(0) };
-    if rc != 0 {
-        out.init_error = Some(describe(rc));
-        return Ok(out);
-    }
-    let (Some(count), Some(dev_get), Some(get_name), Some(attr), Some(total)) = (
-        get!(c"cuDeviceGetCount", GetCount),
-        get!(c"cuDeviceGet", DeviceGet),
-        get!(c"cuDeviceGetName", GetName),
-        get!(c"cuDeviceGetAttribute", GetAttr),
-        get!(c"cuDeviceTotalMem_v2", TotalMem),
-    ) else {
-        out.device_error = Some("libcuda lacks a device query function".into());
-        return Ok(out);
-    };
-    let bus_id: Option<BusId> = get!(c"cuDeviceGetPCIBusId", BusId);
-    let mut n: c_int = 0;
-    // SAFETY: writes one int after a successful cuInit.
-    let rc = unsafe { count(&mut n) };
-    if rc != 0 {
-        out.device_error = Some(format!("cuDeviceGetCount: {}", describe(rc)));
-        return Ok(out);
-    }
-    use cudarc::driver::sys::CUdevice_attribute as A;
-    for ordinal in 0..n {
-        let mut dev: c_int = 0;
-        // SAFETY: ordinal < count; writes one CUdevice (an int).
-        let rc = unsafe { dev_get(&mut dev, ordinal) };
-        if rc != 0 {
-            out.device_error = Some(format!("cuDeviceGet({ordinal}): {}", describe(rc)));
-            break;
-        }
-        let a = |which: A| -> i32 {
-            let mut v: c_int = -1;
-            // SAFETY: writes one int for a valid device and attribute.
-            unsafe { attr(&mut v, which as c_int, dev) };
-            v
-        };
-        let mut name = [0 as c_char; 256];
-        // SAFETY: the buffer holds `len` bytes; the driver NUL-terminates within it.
-        unsafe { get_name(name.as_mut_ptr(), name.len() as c_int, dev) };
-        let mut mem: usize = 0;
-        // SAFETY: writes one size_t.
-        unsafe { total(&mut mem, dev) };
-        let pci = bus_id.and_then(|f| {
-            let mut b = [0 as c_char; 64];
-            // SAFETY: the buffer holds `len` bytes; the driver NUL-terminates within it.
-            (unsafe { f(b.as_mut_ptr(), b.len() as c_int, dev) } == 0).then(|| {
-                // SAFETY: NUL-terminated by the driver (checked rc above).
-                unsafe { CStr::from_ptr(b.as_ptr()) }
-                    .to_string_lossy()
-                    .into_owned()
-            })
-        });
-        out.devices.push(CudaDevice {
-            ordinal,
-            // SAFETY: zero-initialised buffer, NUL-terminated by the driver or by its last byte.
-            name: unsafe { CStr::from_ptr(name.as_ptr()) }
-                .to_string_lossy()
-                .into_owned(),
-            sms: a(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
-            cc: (
-                a(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
-                a(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
-            ),
-            memory: mem as u64,
-            pci,
-        });
-    }
-    Ok(out)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1257,44 +988,6 @@ struct PoolFacts {
     why_not: Option<String>,
 }
 
-fn unescape_mount(s: &str) -> String {
-    // /proc/self/mounts escapes space, tab, newline and backslash as \ooo.
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\'
-            && i + 3 < b.len()
-            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
-        {
-            let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
-            out.push(v);
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-/// (source, mount point, fs type) of the mount holding `path` (canonical).
-fn mount_of(path: &Path) -> Option<(String, String, String)> {
-    let text = fs::read_to_string("/proc/self/mounts").ok()?;
-    let mut best: Option<(String, String, String)> = None;
-    for line in text.lines() {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        if f.len() < 3 {
-            continue;
-        }
-        let mp = unescape_mount(f[1]);
-        if path.starts_with(&mp) && best.as_ref().is_none_or(|b| mp.len() >= b.1.len()) {
-            best = Some((unescape_mount(f[0]), mp, f[2].to_string()));
-        }
-    }
-    best
-}
-
 fn probe_pool_dir(dir: &Path) -> Result<PoolFacts> {
     let mut items = Vec::new();
     let existed = dir.is_dir();
@@ -1425,6 +1118,14 @@ fn probe_pool_dir(dir: &Path) -> Result<PoolFacts> {
     })
 }
 
+/// (memory alignment, offset alignment) for direct I/O from statx, when the
+/// kernel and filesystem report them.
+fn statx_dio_align(path: &Path) -> std::result::Result<Option<(u32, u32)>, String> {
+    let f = fs::File::open(path).map_err(|e| format!("open: {e}"))?;
+    let a = dio_align(&f).map_err(|e| format!("statx: {e}"))?;
+    Ok(a.filter(|a| a.memory != 0).map(|a| (a.memory, a.offset)))
+}
+
 fn direct_io_check(tmp: &Path) -> std::result::Result<(), String> {
     let f = fs::OpenOptions::new()
         .read(true)
@@ -1432,37 +1133,19 @@ fn direct_io_check(tmp: &Path) -> std::result::Result<(), String> {
         .custom_flags(libc::O_DIRECT | libc::O_NOFOLLOW)
         .open(tmp)
         .map_err(|e| format!("open(O_DIRECT): {e}"))?;
-    let mut out = AlignedBuf::zeroed(4096);
+    let mut out = AlignedBuf::zeroed(DIRECT_IO_ALIGN);
     for (i, b) in out.as_mut_slice().iter_mut().enumerate() {
         *b = (i % 251) as u8;
     }
     f.write_all_at(out.as_slice(), 0)
         .map_err(|e| format!("direct write: {e}"))?;
-    let mut back = AlignedBuf::zeroed(4096);
+    let mut back = AlignedBuf::zeroed(DIRECT_IO_ALIGN);
     f.read_exact_at(back.as_mut_slice(), 0)
         .map_err(|e| format!("direct read: {e}"))?;
     if back.as_slice() != out.as_slice() {
         return Err("read back differs from what was written".into());
     }
     Ok(())
-}
-
-/// (memory alignment, offset alignment) for direct I/O from statx, when the
-/// kernel and filesystem report them.
-fn statx_dio_align(path: &Path) -> std::result::Result<Option<(u32, u32)>, String> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|e| e.to_string())?;
-    // SAFETY: statx is plain old data; all-zero is a valid value.
-    let mut st: libc::statx = unsafe { std::mem::zeroed() };
-    // SAFETY: a NUL-terminated path and a writable statx buffer that outlives the call.
-    let rc = unsafe { libc::statx(libc::AT_FDCWD, c.as_ptr(), 0, libc::STATX_DIOALIGN, &mut st) };
-    if rc != 0 {
-        return Err(format!("statx: {}", std::io::Error::last_os_error()));
-    }
-    if st.stx_mask & libc::STATX_DIOALIGN == 0 || st.stx_dio_mem_align == 0 {
-        return Ok(None);
-    }
-    Ok(Some((st.stx_dio_mem_align, st.stx_dio_offset_align)))
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1595,31 +1278,6 @@ mod tests {
         assert_eq!(namespace_block_name("nvme0n"), None);
         assert_eq!(namespace_block_name("power"), None);
         assert_eq!(namespace_block_name("nvmeXn1"), None);
-    }
-
-    #[test]
-    fn mount_escapes() {
-        assert_eq!(unescape_mount("/mnt/a\\040b"), "/mnt/a b");
-        assert_eq!(unescape_mount("/plain"), "/plain");
-        assert_eq!(unescape_mount("/end\\04"), "/end\\04");
-    }
-
-    #[test]
-    fn bar_sizes_from_resource_file() {
-        let dir = std::env::temp_dir().join(format!("kvtier-doctor-bar-{}", std::process::id()));
-        fs::create_dir_all(&dir).unwrap();
-        fs::write(
-            dir.join("resource"),
-            "0x00000000fb000000 0x00000000fbffffff 0x0000000000040200\n\
-             0x0000038000000000 0x00000387ffffffff 0x000000000014220c\n\
-             0x0000000000000000 0x0000000000000000 0x0000000000000000\n",
-        )
-        .unwrap();
-        assert_eq!(bar_size(&dir, 0), Some(16 << 20));
-        assert_eq!(bar_size(&dir, 1), Some(32 << 30));
-        assert_eq!(bar_size(&dir, 2), None);
-        assert_eq!(bar_size(&dir, 9), None);
-        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

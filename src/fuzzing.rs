@@ -10,8 +10,9 @@
 //! more than the input justifies.
 
 use crate::error::{Error, Result};
+use crate::host::dio::AlignedBuf;
+use crate::host::signature::POOL_MAGIC;
 use crate::model::{DType, KvGeometry};
-use crate::pool::backing::{AlignedBuf, POOL_MAGIC};
 use crate::pool::layout::{
     BlockHeader, Superblock, BLOCK_HEADER_MAGIC, BLOCK_STATE_LIVE, DATA_OFFSET, FORMAT_VERSION,
     SLOT_HEADER_BYTES,

@@ -17,6 +17,7 @@ pub mod error;
 pub mod fuzzing;
 pub mod gpu;
 pub mod handle;
+pub mod host;
 pub mod json;
 pub mod memory;
 pub mod model;
@@ -30,6 +31,7 @@ pub mod ring;
 pub mod sched;
 pub mod scratch;
 pub mod slack;
+pub mod submitter;
 pub mod tier;
 
 pub use error::{Error, ErrorKind, Failure, IoCause, IoFailure, Result};

@@ -2,8 +2,9 @@
 
 use clap::{Args, Parser, Subcommand};
 use kvtier::bench::{self, BenchConfig};
-use kvtier::cli::{f64_in, human_bytes, size_in};
+use kvtier::cli::{f64_in, size_in};
 use kvtier::engine::uring::UringConfig;
+use kvtier::host::size::human_bytes;
 use kvtier::model::{self, DType, KvGeometry};
 use kvtier::pool::{DeviceSpec, Key, OpenExpect, Pool, PoolConfig, DEFAULT_GROUP_BLOCKS};
 use kvtier::tier::{Tier, TierConfig};

@@ -16,6 +16,7 @@ use crate::json::json_kind;
 use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
+use crate::host::size::exact_bytes;
 
 /// Element type of the KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -145,27 +146,10 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
     a
 }
 
-/// Exact human size: the largest binary unit that divides `bytes` ("2 MiB", "640 KiB").
-/// Exact rather than rounded, because these sizes are checked against alignments.
-fn human_bytes(bytes: u64) -> String {
-    const UNITS: [(u64, &str); 4] = [
-        (1 << 40, "TiB"),
-        (1 << 30, "GiB"),
-        (1 << 20, "MiB"),
-        (1 << 10, "KiB"),
-    ];
-    for (unit, name) in UNITS {
-        if bytes >= unit && bytes % unit == 0 {
-            return format!("{} {name}", bytes / unit);
-        }
-    }
-    format!("{bytes} B")
-}
-
 impl KvGeometry {
     /// Alignment of offsets and lengths for O_DIRECT and NVMe transfers: 4 KiB covers
     /// every logical block size in use (512 B and 4 KiB) and the page size.
-    pub const DIRECT_IO_ALIGN: u64 = 4096;
+    pub const DIRECT_IO_ALIGN: u64 = crate::host::dio::DIRECT_IO_ALIGN as u64;
 
     /// Bytes of one object (K or V of one layer for one block). Saturating so an
     /// unvalidated geometry cannot panic here; [`validate`](Self::validate) bounds it.
@@ -256,7 +240,7 @@ impl KvGeometry {
                 source_name,
                 format!(
                     "object size {object} B ({shape}) is larger than {}; use a smaller block_size",
-                    human_bytes(MAX_OBJECT_BYTES)
+                    exact_bytes(MAX_OBJECT_BYTES)
                 ),
             ));
         }
@@ -447,7 +431,7 @@ impl KvGeometry {
             self.dtype.name(),
             self.block_size,
             self.object_bytes(),
-            human_bytes(self.block_bytes())
+            exact_bytes(self.block_bytes())
         )
     }
 }

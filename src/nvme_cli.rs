@@ -2,8 +2,8 @@
 //! of the userspace NVMe engine (binding through [`crate::nvme::bind`]).
 
 use crate::error::{Error, Result};
+use crate::host::signature::Signature;
 use crate::nvme::bind::{list_controllers, BindDriver, PciBinding};
-use crate::pool::backing::Signature;
 use nix::sys::signal::{kill, pthread_sigmask, SigSet, SigmaskHow, Signal};
 use nix::unistd::Pid;
 use std::os::unix::process::CommandExt;

@@ -12,7 +12,7 @@
 use crate::error::{Error, Result};
 use crate::memory::{KvMemory, MemoryKind};
 use crate::model::KvGeometry;
-use crate::ring::abi::SglDescriptor;
+use crate::nvme::spec::SglDescriptor;
 
 /// A contiguous memory range engines may register (io_uring fixed buffers,
 /// IOMMU mappings).

@@ -504,9 +504,9 @@ fn gpu_engine_drives_the_simulated_controller() {
 #[test]
 fn idle_gpu_engine_does_not_hold_cumemfree() {
     use kvtier::engine::gpu::{CudaGioExecutor, GpuEngine, GpuEngineConfig};
+    use kvtier::host::dio::AlignedBuf;
     use kvtier::nvme::sim::SimConfig;
     use kvtier::p2p::P2pTable;
-    use kvtier::pool::backing::AlignedBuf;
     use kvtier::ring::abi::IOCTX_OP_WRITE;
     const NAME: &str = "idle_gpu_engine_does_not_hold_cumemfree";
     let Some(dev) = gpu_with_kernels(NAME) else {

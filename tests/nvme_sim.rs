@@ -238,9 +238,10 @@ fn memory_outside_the_dma_arena_is_a_data_transfer_error() {
 
 // ------------------------------------------------------ the nvme engine --
 
-use kvtier::engine::nvme::{NvmeConfig, NvmeEngine, NvmeNamespace};
+use kvtier::engine::nvme::NvmeEngine;
 use kvtier::engine::IoEngine;
 use kvtier::nvme::sim::SimDma;
+use kvtier::nvme::{NvmeConfig, NvmeNamespace};
 
 /// A simulated controller brought up the way the nvme engine needs it: two
 /// I/O queue pairs (data path and the pool's metadata).
@@ -311,8 +312,8 @@ fn engine_refuses_a_controller_with_one_io_queue() {
 
 #[test]
 fn engine_dropped_command_times_out_and_stops_the_controller() {
+    use kvtier::host::dio::AlignedBuf;
     use kvtier::p2p::P2pTable;
-    use kvtier::pool::backing::AlignedBuf;
     use kvtier::ring::abi::{IOCTX_OP_READ, IOCTX_STATUS_TIMEOUT};
     use kvtier::ring::GioRing;
     use std::time::{Duration, Instant};
@@ -463,7 +464,7 @@ fn tier_llama3_8b_with_doorbells_through_the_page() {
 /// the bounce buffer while it holds other data; the next call says so.
 #[test]
 fn metadata_timeout_stops_the_controller() {
-    use kvtier::pool::backing::AlignedBuf;
+    use kvtier::host::dio::AlignedBuf;
     use std::time::{Duration, Instant};
     let (sim, c, dma) = sim_for_engine(SimConfig::default());
     let cfg = NvmeConfig {
@@ -488,7 +489,7 @@ fn metadata_timeout_stops_the_controller() {
 /// it is overwritten; a kvtier pool is reformatted without asking.
 #[test]
 fn pool_on_a_namespace_refuses_a_filesystem_unless_forced() {
-    use kvtier::pool::backing::AlignedBuf;
+    use kvtier::host::dio::AlignedBuf;
     use kvtier::pool::{Pool, PoolConfig};
     let (_sim, c, dma) = sim_for_engine(SimConfig {
         lbas: 64 << 11,

@@ -8,7 +8,7 @@ use kvtier::engine::uring::{UringConfig, UringDevice, UringEngine};
 use kvtier::p2p::P2pTable;
 use kvtier::pool::backing::BackingDevice;
 use kvtier::ring::abi::*;
-use kvtier::ring::GioUring;
+use kvtier::submitter::Submitter;
 use kvtier::tier::{KeyOutcome, Tier, TierConfig};
 use kvtier::{HostKvCache, HostLayout, Key};
 use std::sync::Arc;
@@ -18,7 +18,7 @@ struct Rig {
     _dev: BackingDevice,
     cache: Arc<HostKvCache>,
     table: Arc<P2pTable>,
-    io: GioUring,
+    io: Submitter,
 }
 
 fn rig(fixed_buffers: bool, layout: HostLayout) -> Rig {
@@ -41,7 +41,7 @@ fn rig(fixed_buffers: bool, layout: HostLayout) -> Rig {
     .unwrap();
     use kvtier::engine::IoEngine;
     engine.register_memory(table.clone()).unwrap();
-    let io = GioUring::new(8, Box::new(engine)).unwrap();
+    let io = Submitter::new(8, Box::new(engine)).unwrap();
     Rig {
         _dir: dir,
         _dev: dev,
@@ -61,7 +61,7 @@ fn ctx(op: u8, off: u64, len: u32) -> IoCtx {
 }
 
 /// Submit one IOCB of (ctx, segs) and wait for it; returns the IOCTX statuses.
-fn run(io: &mut GioUring, ctxs: &[(IoCtx, Vec<u32>)]) -> Vec<(u16, u32)> {
+fn run(io: &mut Submitter, ctxs: &[(IoCtx, Vec<u32>)]) -> Vec<(u16, u32)> {
     let id = io.get_iocb().unwrap();
     for (c, segs) in ctxs {
         io.ring_mut().push_ctx(id, *c, segs).unwrap();

@@ -10,9 +10,9 @@ pub mod fio;
 pub mod plot;
 pub mod raw;
 
-use crate::cli::human_bytes;
 use crate::engine::uring::UringConfig;
 use crate::error::{Error, Result};
+use crate::host::size::human_bytes;
 use crate::memory::{HostKvCache, HostLayout};
 use crate::model::KvGeometry;
 use crate::pool::{DeviceSpec, Key, Pool, PoolConfig};

@@ -16,7 +16,8 @@ use crate::engine::IoEngine;
 use crate::error::{Error, Result};
 use crate::p2p::P2pTable;
 use crate::ring::abi::*;
-use crate::ring::{GioUring, IocbId};
+use crate::ring::IocbId;
+use crate::submitter::Submitter;
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
@@ -116,7 +117,7 @@ pub fn run_streams(
         },
     )?;
     engine.register_memory(table)?;
-    let mut io = GioUring::new(total_depth.next_power_of_two(), Box::new(engine))?;
+    let mut io = Submitter::new(total_depth.next_power_of_two(), Box::new(engine))?;
 
     let mut rng = Rng(0x5EED ^ w.size);
     let mut seq_next: Vec<u64> = streams.iter().map(|s| s.region.0).collect();

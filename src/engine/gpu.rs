@@ -32,20 +32,20 @@
 //! the pool's metadata keeps using the namespace's host queue.
 
 use super::mapped::{refuse_if_in_flight, MappedTable};
-use super::nvme::NvmeNamespace;
 use super::{EngineStats, IoEngine};
 use crate::error::{Error, Result};
 use crate::gpu::abi::{
     GioDev, GioEngine, GioQueue, GioRing as KernelRing, GIO_BLOCK_THREADS, GIO_KERNEL_NAME,
     GIO_MODE_PERSISTENT,
 };
+use crate::host::dio::AlignedBuf;
 use crate::memory::MemoryKind;
 use crate::nvme::ctrl::{Bar0, DmaRegion};
+use crate::nvme::spec::SglDescriptor;
 use crate::nvme::spec::{cq_head_doorbell, reg, sq_tail_doorbell, Extent};
+use crate::nvme::NvmeNamespace;
 use crate::p2p::P2pTable;
-use crate::pool::backing::AlignedBuf;
 use crate::pool::Storage;
-use crate::ring::abi::SglDescriptor;
 use crate::ring::abi::*;
 use crate::ring::{GioRing, IocbId};
 use std::any::Any;
@@ -429,7 +429,7 @@ impl<B: Bar0> GpuEngine<B> {
         let (qn, dn) = (self.queue_descs.len(), self.dev_descs.len());
         // SAFETY: the state buffer lives until Drop, which stops the kernel
         // before dropping the guard; the arena belongs to the tier's ring,
-        // which outlives its engine (GioUring drops the engine first).
+        // which outlives its engine (the Submitter drops the engine first).
         let (state_k, g) = unsafe {
             self.exec
                 .map_host(self.state.as_mut_ptr(), self.state.len(), false)?

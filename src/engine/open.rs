@@ -5,12 +5,14 @@
 //! and gives it back afterwards — and its namespace 1 holds the pool.
 
 use super::gpu::{CudaGioExecutor, GioExecutor, GpuEngine, GpuEngineConfig, HostGioExecutor};
-use super::nvme::{NvmeConfig, NvmeEngine, NvmeNamespace};
+use super::nvme::NvmeEngine;
 use super::IoEngine;
 use crate::error::{Error, Result};
+use crate::host::pci::{bound_driver, pci_device_dir};
 use crate::nvme::ctrl::{Bar0, Controller, ControllerOptions, DmaAlloc};
-use crate::nvme::uio::{bound_driver, pci_device_dir, HugeDma, UioBar0};
+use crate::nvme::uio::{HugeDma, UioBar0};
 use crate::nvme::vfio::VfioDevice;
+use crate::nvme::{NvmeConfig, NvmeNamespace};
 use crate::pool::{OpenExpect, Pool, PoolConfig};
 
 /// The engines that drive a controller from userspace.

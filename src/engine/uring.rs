@@ -244,7 +244,7 @@ impl UringEngine {
         self.fixed_note = format!(
             "{} fixed buffer(s) over {}{}",
             chunks.len(),
-            crate::cli::human_bytes(chunks.iter().map(|c| c.len).sum::<u64>()),
+            crate::host::size::human_bytes(chunks.iter().map(|c| c.len).sum::<u64>()),
             if self.vectored_fixed {
                 ", vectored fixed I/O"
             } else {

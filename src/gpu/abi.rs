@@ -12,7 +12,7 @@
 //! - [`GioRing`]: the gio_uring on the GPU side: SQ and CQ of IOCB ids over
 //!   the IOCB arena, and the completion counter the compute stream waits on;
 //! - [`GioDev`]: the queues of each pool device (`IoCtx::dev`);
-//! - the P2P table: an array of [`crate::ring::abi::SglDescriptor`] holding
+//! - the P2P table: an array of [`crate::nvme::spec::SglDescriptor`] (the ring ABI re-exports it) holding
 //!   DMA addresses, indexed by the IOCBs' segments.
 //!
 //! Pointers are `u64`: the structs are `Pod` and identical on every target.

@@ -110,7 +110,46 @@ unsafe impl Send for Driver {}
 // SAFETY: as above; the table is never mutated after loading.
 unsafe impl Sync for Driver {}
 
-static DRIVER: OnceLock<std::result::Result<Driver, String>> = OnceLock::new();
+/// The step of loading the driver that failed (module doc), so a report can say more than
+/// "unusable": an old driver's version, a library that is not libcuda, a failed `cuInit`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum LoadStage {
+    /// `dlopen` found no library of that name.
+    NotFound,
+    /// The library has no `cuDriverGetVersion`: not a CUDA driver.
+    NotCuda,
+    /// `cuDriverGetVersion` failed.
+    VersionQuery,
+    /// The driver API is older than [`MIN_DRIVER_API`].
+    TooOld,
+    /// Symbols of [`REQUIRED`] are missing.
+    MissingSymbols,
+    /// cudarc's table could not be built from the library.
+    Bindings,
+    /// `cuInit` failed.
+    Init,
+}
+
+/// Why the driver cannot be used: the step, the driver version when it was read, and a
+/// message that names the thing and the fix.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoadError {
+    pub stage: LoadStage,
+    pub version: Option<i32>,
+    pub reason: String,
+}
+
+impl LoadError {
+    fn new(stage: LoadStage, version: Option<i32>, reason: String) -> LoadError {
+        LoadError {
+            stage,
+            version,
+            reason,
+        }
+    }
+}
+
+static DRIVER: OnceLock<std::result::Result<Driver, LoadError>> = OnceLock::new();
 
 fn gpu_err(what: impl Into<String>, reason: impl Into<String>) -> Error {
     Error::Gpu {
@@ -125,7 +164,12 @@ pub(crate) fn driver() -> Result<&'static Driver> {
     DRIVER
         .get_or_init(|| load(LIBCUDA))
         .as_ref()
-        .map_err(|e| gpu_err("CUDA driver", e.clone()))
+        .map_err(|e| gpu_err("CUDA driver", e.reason.clone()))
+}
+
+/// Why the driver (loaded once, on first use) cannot be used; `None` when it can.
+pub(crate) fn load_error() -> Option<LoadError> {
+    DRIVER.get_or_init(|| load(LIBCUDA)).as_ref().err().cloned()
 }
 
 fn dlerror() -> String {
@@ -144,15 +188,18 @@ fn dlerror() -> String {
 /// version and the missing green-context symbols, or why the library cannot
 /// be used. Separate from [`load`] so tests can point it at libraries that
 /// are absent or are not CUDA drivers.
-pub(crate) fn preflight(name: &CStr) -> std::result::Result<(i32, Vec<&'static str>), String> {
+pub(crate) fn preflight(name: &CStr) -> std::result::Result<(i32, Vec<&'static str>), LoadError> {
     let lib = name.to_string_lossy();
     // SAFETY: a valid NUL-terminated name. The handle is never closed: libcuda
     // must stay mapped while any context may exist (one mapping leaked).
     let h = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
     if h.is_null() {
-        return Err(format!(
+        return Err(LoadError::new(
+            LoadStage::NotFound, None,
+            format!(
             "no CUDA driver: {lib} not found ({}); install the NVIDIA driver (580 or newer, CUDA 13.0) or run on a machine with an NVIDIA GPU",
             dlerror()
+        ),
         ));
     }
     let has = |s: &CStr| {
@@ -162,8 +209,11 @@ pub(crate) fn preflight(name: &CStr) -> std::result::Result<(i32, Vec<&'static s
     // SAFETY: as in `has`.
     let get_version = unsafe { libc::dlsym(h, c"cuDriverGetVersion".as_ptr()) };
     if get_version.is_null() {
-        return Err(format!(
+        return Err(LoadError::new(
+            LoadStage::NotCuda, None,
+            format!(
             "{lib} is not a CUDA driver library: it has no cuDriverGetVersion; check that libcuda.so.1 on the loader path is the NVIDIA driver's"
+        ),
         ));
     }
     type GetVersion = unsafe extern "C" fn(*mut c_int) -> c_int;
@@ -173,15 +223,21 @@ pub(crate) fn preflight(name: &CStr) -> std::result::Result<(i32, Vec<&'static s
     // SAFETY: writes one int; documented as callable before cuInit.
     let rc = unsafe { get_version(&mut v) };
     if rc != 0 {
-        return Err(format!("cuDriverGetVersion in {lib} failed with CUresult {rc}; the driver installation is broken: reinstall the NVIDIA driver"));
+        return Err(LoadError::new(
+            LoadStage::VersionQuery, None,
+            format!("cuDriverGetVersion in {lib} failed with CUresult {rc}; the driver installation is broken: reinstall the NVIDIA driver"),
+        ));
     }
     if v < MIN_DRIVER_API {
-        return Err(format!(
+        return Err(LoadError::new(
+            LoadStage::TooOld, Some(v),
+            format!(
             "CUDA driver API {}.{} in {lib} is older than {}.{}, the version kvtier's CUDA bindings need; update the NVIDIA driver to 580 or newer",
             v / 1000,
             (v % 1000) / 10,
             MIN_DRIVER_API / 1000,
             (MIN_DRIVER_API % 1000) / 10
+        ),
         ));
     }
     let missing: Vec<&str> = REQUIRED
@@ -190,9 +246,13 @@ pub(crate) fn preflight(name: &CStr) -> std::result::Result<(i32, Vec<&'static s
         .map(|s| s.to_str().unwrap_or("?"))
         .collect();
     if !missing.is_empty() {
-        return Err(format!(
-            "{lib} (driver API {v}) lacks {}; update the NVIDIA driver",
-            missing.join(", ")
+        return Err(LoadError::new(
+            LoadStage::MissingSymbols,
+            Some(v),
+            format!(
+                "{lib} (driver API {v}) lacks {}; update the NVIDIA driver",
+                missing.join(", ")
+            ),
         ));
     }
     let missing_green = GREEN
@@ -203,7 +263,7 @@ pub(crate) fn preflight(name: &CStr) -> std::result::Result<(i32, Vec<&'static s
     Ok((v, missing_green))
 }
 
-fn load(name: &CStr) -> std::result::Result<Driver, String> {
+fn load(name: &CStr) -> std::result::Result<Driver, LoadError> {
     let (version, missing_green) = preflight(name)?;
     let path = name.to_string_lossy().into_owned();
     // cudarc's table resolves every 13.0 symbol and panics on a missing one;
@@ -216,8 +276,9 @@ fn load(name: &CStr) -> std::result::Result<Driver, String> {
     })
     .map_err(|_| {
         format!("cudarc could not resolve a CUDA 13.0 symbol in {path}; update the NVIDIA driver")
-    })?
-    .map_err(|e| format!("loading {path}: {e}"))?;
+    })
+    .and_then(|r| r.map_err(|e| format!("loading {path}: {e}")))
+    .map_err(|e| LoadError::new(LoadStage::Bindings, Some(version), e))?;
     let d = Driver {
         lib,
         version,
@@ -226,9 +287,13 @@ fn load(name: &CStr) -> std::result::Result<Driver, String> {
     // SAFETY: cuInit(0) is the documented first call; idempotent.
     let rc = unsafe { (d.lib.cuInit)(0) };
     if rc != sys::CUresult::CUDA_SUCCESS {
-        return Err(format!(
-            "cuInit failed: {} (is the nvidia kernel module loaded and /dev/nvidia* accessible?)",
-            d.describe(rc)
+        return Err(LoadError::new(
+            LoadStage::Init,
+            Some(version),
+            format!(
+                "cuInit failed: {} (is the nvidia kernel module loaded and /dev/nvidia* accessible?)",
+                d.describe(rc)
+            ),
         ));
     }
     Ok(d)
@@ -975,7 +1040,9 @@ mod tests {
 
     #[test]
     fn a_missing_library_is_a_clear_error_not_a_panic() {
-        let e = preflight(c"libcuda-kvtier-does-not-exist.so.1").unwrap_err();
+        let err = preflight(c"libcuda-kvtier-does-not-exist.so.1").unwrap_err();
+        assert_eq!((err.stage, err.version), (LoadStage::NotFound, None));
+        let e = err.reason;
         assert!(
             e.starts_with("no CUDA driver: libcuda-kvtier-does-not-exist.so.1 not found"),
             "{e}"
@@ -986,7 +1053,9 @@ mod tests {
     #[test]
     fn a_library_that_is_not_libcuda_is_named() {
         // libc is on every Linux machine and has no CUDA symbols.
-        let e = preflight(c"libc.so.6").unwrap_err();
+        let err = preflight(c"libc.so.6").unwrap_err();
+        assert_eq!(err.stage, LoadStage::NotCuda);
+        let e = err.reason;
         assert!(e.contains("libc.so.6 is not a CUDA driver library"), "{e}");
         assert!(e.contains("cuDriverGetVersion"), "{e}");
     }

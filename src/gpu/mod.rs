@@ -36,9 +36,10 @@ pub mod staging;
 
 pub use context::{Context, Device, Event, Function, KernelArgs, LaunchConfig, Module, Stream};
 pub use dma::{DmaPathKind, GpuDmaPath, GpuDmaRegion, HostBouncePath};
+pub use driver::{LoadError, LoadStage};
 pub use green::{GreenContext, SmGranularity, SmPartition, SplitPlan};
 pub use memory::{
     register_kv_memory, CompletionCounter, DeviceBuffer, HostRegistration, KvRegistration,
     PinnedHostBuffer, RegisterFlags, WaitCond,
 };
-pub use probe::{probe, DeviceInfo, DriverInfo};
+pub use probe::{probe, probe_detailed, DeviceInfo, DriverInfo, ProbeFailure};

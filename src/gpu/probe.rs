@@ -2,7 +2,7 @@
 //! returns the loader's [`Error::Gpu`](crate::Error::Gpu) ("no CUDA driver:
 //! libcuda.so.1 not found ...").
 
-use super::driver;
+use super::driver::{self, LoadStage};
 use crate::error::Result;
 use cudarc::driver::sys::CUdevice_attribute as A;
 use serde::Serialize;
@@ -47,7 +47,7 @@ pub struct DeviceInfo {
 impl DriverInfo {
     /// Version as `major.minor`.
     pub fn version_string(&self) -> String {
-        format!("{}.{}", self.version / 1000, (self.version % 1000) / 10)
+        version_string(self.version)
     }
 }
 
@@ -58,9 +58,8 @@ pub fn green_support(version: i32, cc_major: i32, missing: &[&str]) -> (bool, St
         (
             false,
             format!(
-                "driver API {}.{} < 12.4: update the NVIDIA driver",
-                version / 1000,
-                (version % 1000) / 10
+                "driver API {} < 12.4: update the NVIDIA driver",
+                version_string(version)
             ),
         )
     } else if cc_major < 9 {
@@ -94,7 +93,7 @@ pub fn probe() -> Result<DriverInfo> {
         );
         let pci = driver::device_pci_bus_id(dev).ok();
         let bar1 = pci.as_ref().and_then(|a| {
-            crate::doctor::bar_size(
+            crate::host::pci::bar_size(
                 &Path::new("/sys/bus/pci/devices").join(a.to_ascii_lowercase()),
                 1,
             )
@@ -122,6 +121,41 @@ pub fn probe() -> Result<DriverInfo> {
     })
 }
 
+/// Why [`probe`] found no usable driver, step by step: the loader's [`LoadStage`] (with
+/// an old driver's version), or `stage: None` when the driver loaded and a device query
+/// failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProbeFailure {
+    /// The loading step that failed; `None`: the driver loaded, a device query failed.
+    pub stage: Option<LoadStage>,
+    /// The driver API version, when it was read.
+    pub version: Option<i32>,
+    /// What failed and the fix.
+    pub reason: String,
+}
+
+/// [`probe`], with the failure in the finer steps `doctor` reports (an old driver's
+/// version, a library that is not libcuda, `cuInit`).
+pub fn probe_detailed() -> std::result::Result<DriverInfo, ProbeFailure> {
+    if let Some(e) = driver::load_error() {
+        return Err(ProbeFailure {
+            stage: Some(e.stage),
+            version: e.version,
+            reason: e.reason,
+        });
+    }
+    probe().map_err(|e| ProbeFailure {
+        stage: None,
+        version: driver::version().ok(),
+        reason: e.to_string(),
+    })
+}
+
+/// Driver API version as `major.minor` (13000 → "13.0").
+pub fn version_string(v: i32) -> String {
+    format!("{}.{}", v / 1000, (v % 1000) / 10)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -138,13 +172,23 @@ mod tests {
                 assert!(s.starts_with("GPU: CUDA driver: "), "{s}");
                 // Where dlopen fails (this machine), the loader's first step
                 // is what the error names.
-                if driver::preflight(driver::LIBCUDA).is_err_and(|e| e.contains("not found")) {
+                if driver::preflight(driver::LIBCUDA).is_err_and(|e| e.reason.contains("not found"))
+                {
                     assert!(s.contains("no CUDA driver: libcuda.so.1 not found"), "{s}");
                 }
             }
         }
-        // A second call answers from the cached load, still without panicking.
-        let _ = probe();
+        // A second call answers from the cached load, still without panicking, and the
+        // detailed probe agrees with it.
+        match (probe(), probe_detailed()) {
+            (Ok(a), Ok(b)) => assert_eq!(a.version, b.version),
+            (Err(a), Err(b)) => assert!(a.to_string().contains(&b.reason), "{a} / {b:?}"),
+            (a, b) => panic!("probe {a:?} but probe_detailed {b:?}"),
+        }
+        if driver::preflight(driver::LIBCUDA).is_err_and(|e| e.stage == LoadStage::NotFound) {
+            let f = probe_detailed().unwrap_err();
+            assert_eq!((f.stage, f.version), (Some(LoadStage::NotFound), None));
+        }
     }
 
     #[test]

@@ -25,7 +25,10 @@
 //! the way Linux would.
 
 use crate::error::{Error, Result};
-use crate::pool::backing::{find_use, probe_signature, read_head, related_devices, Signature};
+use crate::host::mounts::{find_use, related_devices};
+use crate::host::pci::{addrs_by_class, parse_class};
+use crate::host::signature::{probe_signature, read_head, Signature};
+use crate::host::sysfs::{dir_names, link_name};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
@@ -259,26 +262,8 @@ fn read_attr(path: &Path) -> Result<String> {
         .map_err(|e| Error::io(format!("reading {}", path.display()), e))
 }
 
-fn link_name(path: &Path) -> Option<String> {
-    fs::read_link(path)
-        .ok()
-        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-}
-
-fn parse_class(text: &str) -> Option<u32> {
-    u32::from_str_radix(text.trim().trim_start_matches("0x"), 16).ok()
-}
-
 fn sorted_names(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = fs::read_dir(dir)
-        .map(|it| {
-            it.flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect()
-        })
-        .unwrap_or_default();
-    names.sort();
-    names
+    dir_names(dir).unwrap_or_default()
 }
 
 /// `nvme<digits>n<digits>` (a namespace) or `nvme<digits>c<digits>n<digits>`
@@ -396,7 +381,7 @@ fn controller(kernel: &dyn Kernel, addr: &str) -> Result<NvmeController> {
     let class = parse_class(&read_attr(&dir.join("class"))?).unwrap_or(0);
     let vendor = read_attr(&dir.join("vendor")).unwrap_or_default();
     let device = read_attr(&dir.join("device")).unwrap_or_default();
-    let driver = link_name(&dir.join("driver"));
+    let driver = link_name(dir.join("driver"));
     let block_devices = if driver.as_deref() == Some("nvme") {
         namespace_devices(kernel.root(), &dir)
             .into_iter()
@@ -419,20 +404,7 @@ fn controller(kernel: &dyn Kernel, addr: &str) -> Result<NvmeController> {
 }
 
 fn list_in(kernel: &dyn Kernel) -> Result<Vec<NvmeController>> {
-    let devices = kernel.root().join("bus/pci/devices");
-    let entries = fs::read_dir(&devices)
-        .map_err(|e| Error::io(format!("reading {}", devices.display()), e))?;
-    let mut addrs: Vec<String> = entries
-        .flatten()
-        .filter(|e| {
-            fs::read_to_string(e.path().join("class"))
-                .ok()
-                .and_then(|c| parse_class(&c))
-                .is_some_and(|c| c >> 8 == NVME_CLASS_PREFIX)
-        })
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
-    addrs.sort();
+    let addrs = addrs_by_class(kernel.root(), |c| c >> 8 == NVME_CLASS_PREFIX)?;
     addrs.iter().map(|a| controller(kernel, a)).collect()
 }
 
@@ -584,7 +556,7 @@ impl PciBinding {
     }
 
     fn current_driver(&self) -> Option<String> {
-        link_name(&self.dev_dir().join("driver"))
+        link_name(self.dev_dir().join("driver"))
     }
 
     fn ensure_loaded(&mut self, driver: &str, module: &str) -> Result<()> {
@@ -835,7 +807,7 @@ mod tests {
         }
 
         fn driver(&self) -> Option<String> {
-            link_name(&self.dev().join("driver"))
+            link_name(self.dev().join("driver"))
         }
 
         fn override_text(&self) -> String {

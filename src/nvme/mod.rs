@@ -9,12 +9,14 @@
 
 pub mod bind;
 pub mod ctrl;
+pub mod namespace;
 pub mod queue;
 pub mod sim;
 pub mod spec;
 pub mod uio;
 pub mod vfio;
 
+pub use namespace::{NvmeConfig, NvmeNamespace};
 pub use queue::{Completion, QueueError, QueueMemory, QueuePair};
 pub use spec::{
     Cqe, DataPtr, IdentifyController, IdentifyNamespace, PrpError, SglDescriptor, Sqe, Status,

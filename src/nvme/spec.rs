@@ -21,7 +21,33 @@ use bytemuck::{Pod, Zeroable};
 use std::fmt;
 use std::mem::{offset_of, size_of};
 
-pub use crate::ring::abi::SglDescriptor;
+/// A 16-byte NVMe SGL Data Block descriptor (NVMe base spec, "SGL Data Block
+/// descriptor"): one contiguous memory extent. The P2P table is an array of
+/// these (re-exported by the gio_uring ABI, [`crate::ring::abi`]), so a GPU kernel
+/// copies entries straight into an SGL segment.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct SglDescriptor {
+    /// Memory address the device DMAs to/from (host virtual for the io_uring
+    /// engine, IOVA for VFIO, GPU physical/BAR address for the GPU engine).
+    pub addr: u64,
+    /// Extent length in bytes.
+    pub len: u32,
+    pub reserved: [u8; 3],
+    /// SGL identifier: descriptor type (high nibble) and subtype (low nibble).
+    pub sgl_id: u8,
+}
+
+impl SglDescriptor {
+    pub fn data_block(addr: u64, len: u32) -> Self {
+        SglDescriptor {
+            addr,
+            len,
+            reserved: [0; 3],
+            sgl_id: SGL_ID_DATA_BLOCK,
+        }
+    }
+}
 
 #[cfg(target_endian = "big")]
 compile_error!("kvtier's NVMe layouts assume a little-endian host (NVMe is little-endian)");
@@ -42,7 +68,7 @@ pub mod admin_opc {
 }
 
 /// NVM command set opcodes (I/O queues). The gio_uring IOCTX opcodes are the
-/// same numbers (asserted below), so an engine copies `IoCtx::op` unchanged.
+/// same numbers (asserted in `crate::ring::abi`), so an engine copies `IoCtx::op` unchanged.
 pub mod nvm_opc {
     pub const FLUSH: u8 = 0x00;
     pub const WRITE: u8 = 0x01;
@@ -689,7 +715,8 @@ impl SglType {
 pub const SGL_SUBTYPE_ADDRESS: u8 = 0x0;
 
 /// Identifier bytes (type << 4 | subtype) of the descriptors kvtier builds.
-pub const SGL_ID_DATA_BLOCK: u8 = crate::ring::abi::SGL_ID_DATA_BLOCK;
+/// Data Block (0h) with subtype Address (0h): the descriptor of one memory extent.
+pub const SGL_ID_DATA_BLOCK: u8 = (SglType::DataBlock as u8) << 4 | SGL_SUBTYPE_ADDRESS;
 pub const SGL_ID_BIT_BUCKET: u8 = (SglType::BitBucket as u8) << 4;
 pub const SGL_ID_SEGMENT: u8 = (SglType::Segment as u8) << 4;
 pub const SGL_ID_LAST_SEGMENT: u8 = (SglType::LastSegment as u8) << 4;
@@ -1586,10 +1613,8 @@ const _: () = {
     assert!(offset_of!(SglDescriptor, sgl_id) == 15);
     assert!(SGL_ID_DATA_BLOCK == (SglType::DataBlock as u8) << 4 | SGL_SUBTYPE_ADDRESS);
 
-    // IOCTX opcodes are NVM opcodes.
-    assert!(crate::ring::abi::IOCTX_OP_READ == nvm_opc::READ);
-    assert!(crate::ring::abi::IOCTX_OP_WRITE == nvm_opc::WRITE);
-    assert!(crate::ring::abi::IOCTX_OP_FLUSH == nvm_opc::FLUSH);
+    assert!(offset_of!(SglDescriptor, reserved) == 12);
+    assert!(SGL_ID_DATA_BLOCK == 0x00);
     // NVMe status codes stay below the engine-defined IOCTX statuses.
     assert!(STATUS_SCT_MASK | STATUS_SC_MASK == 0x07ff);
 

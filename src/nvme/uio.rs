@@ -25,11 +25,12 @@
 
 use super::ctrl::{merge_chunks, Bar0, DmaAlloc, DmaRegion, HostMapping, MappedChunk};
 use crate::error::{Error, Result};
-use std::fs::{self, File, OpenOptions};
+use crate::host::pci::{bound_driver, pci_device_dir};
+use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::FromRawFd;
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 /// Size of the hugepages [`HugeDma`] uses.
@@ -38,54 +39,6 @@ pub const HUGEPAGE: usize = 2 << 20;
 const PCI_COMMAND: u64 = 0x04;
 const PCI_COMMAND_MEMORY: u16 = 1 << 1;
 const PCI_COMMAND_MASTER: u16 = 1 << 2;
-
-/// The sysfs directory of PCI function `addr`, after checking that `addr`
-/// is a PCI address (`DDDD:BB:DD.F`, or `BB:DD.F` for domain 0) and nothing
-/// else.
-pub fn pci_device_dir(addr: &str) -> Result<PathBuf> {
-    let full = if addr.len() == 7 {
-        format!("0000:{addr}")
-    } else {
-        addr.to_string()
-    };
-    let b = full.as_bytes();
-    let ok = b.len() == 12
-        && b[4] == b':'
-        && b[7] == b':'
-        && b[10] == b'.'
-        && b.iter()
-            .enumerate()
-            .all(|(i, c)| matches!(i, 4 | 7 | 10) || c.is_ascii_hexdigit())
-        && (b'0'..=b'7').contains(&b[11]);
-    if !ok {
-        return Err(Error::invalid(format!(
-            "'{addr}' is not a PCI address (expected DDDD:BB:DD.F, e.g. 0000:00:04.0)"
-        )));
-    }
-    Ok(Path::new("/sys/bus/pci/devices").join(full.to_ascii_lowercase()))
-}
-
-/// The kernel driver bound to the PCI function in `dir`, if any.
-pub fn bound_driver(dir: &Path) -> Option<String> {
-    fs::read_link(dir.join("driver"))
-        .ok()
-        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-}
-
-/// PCI functions of class `class` (e.g. `0x010802`, NVMe), by address.
-pub fn find_pci_class(class: u32) -> Result<Vec<String>> {
-    let dir = Path::new("/sys/bus/pci/devices");
-    let mut out = Vec::new();
-    let entries = fs::read_dir(dir).map_err(|e| Error::io(format!("reading {dir:?}"), e))?;
-    for e in entries.flatten() {
-        let c = fs::read_to_string(e.path().join("class")).unwrap_or_default();
-        if u32::from_str_radix(c.trim().trim_start_matches("0x"), 16).ok() == Some(class) {
-            out.push(e.file_name().to_string_lossy().into_owned());
-        }
-    }
-    out.sort();
-    Ok(out)
-}
 
 struct Mapping {
     ptr: *mut u8,
@@ -558,28 +511,6 @@ impl DmaAlloc for HugeDma {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn pci_addresses_are_checked() {
-        assert_eq!(
-            pci_device_dir("0000:00:04.0").unwrap(),
-            Path::new("/sys/bus/pci/devices/0000:00:04.0")
-        );
-        assert_eq!(
-            pci_device_dir("00:1F.7").unwrap(),
-            Path::new("/sys/bus/pci/devices/0000:00:1f.7")
-        );
-        for bad in [
-            "",
-            "../../etc",
-            "0000:00:04.8",
-            "0000:00:04",
-            "0000/00:04.0",
-        ] {
-            let err = pci_device_dir(bad).unwrap_err().to_string();
-            assert!(err.contains("not a PCI address"), "{bad}: {err}");
-        }
-    }
 
     #[test]
     fn placement_respects_physical_contiguity() {

@@ -2,7 +2,7 @@
 //! VFIO device fd, DMA memory mapped at IOVAs kvtier chooses.
 //!
 //! [`VfioDevice::open`] takes a PCI address (checked as in
-//! [`super::uio::pci_device_dir`]), refuses a function not bound to
+//! [`crate::host::pci::pci_device_dir`]), refuses a function not bound to
 //! `vfio-pci` (binding is the caller's job: the kernel nvme driver must be
 //! unbound first), opens its IOMMU group and a container with the type1
 //! IOMMU, gets the device fd, maps BAR0 (region 0) and sets Memory Space
@@ -13,8 +13,8 @@
 //! device. Dropping the last handle unmaps the DMA and closes the fds.
 
 use super::ctrl::{merge_chunks, Bar0, DmaAlloc, DmaRegion, HostMapping, MappedChunk};
-use super::uio::{bound_driver, pci_device_dir};
 use crate::error::{Error, Result};
+use crate::host::pci::{bound_driver, pci_device_dir};
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};

@@ -21,313 +21,26 @@
 //! [`AlignedBuf`]s, so the page cache never holds KV data and offsets/lengths are always
 //! multiples of [`DIRECT_IO_ALIGN`].
 
-use std::alloc::{self, Layout};
-use std::fmt;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, ErrorKind};
-use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::ptr::NonNull;
 
 use nix::errno::Errno;
 use nix::fcntl::{FallocateFlags, FcntlArg, OFlag};
 
 use crate::error::{Error, IoContext, Result};
-
-/// Magic at byte 0 of every kvtier pool device (the superblock starts there).
-pub const POOL_MAGIC: [u8; 8] = *b"KVTIERPL";
-
-/// Alignment (bytes) of every direct I/O buffer, offset and length kvtier issues.
-pub const DIRECT_IO_ALIGN: usize = 4096;
-
-/// How many leading bytes of a device [`probe_signature`] looks at: 256 KiB, enough for
-/// btrfs (magic at 64 KiB + 64), iso9660/udf (32 KiB + 1) and the ZFS uberblock ring of
-/// vdev label 0 (128 KiB .. 256 KiB).
-pub const SIGNATURE_PROBE_BYTES: usize = 256 * 1024;
+use crate::host::dio::{dio_align, AlignedBuf, DIRECT_IO_ALIGN};
+use crate::host::mounts::{block_device_use, dev_major, dev_minor, regular_file_use};
+use crate::host::signature::{probe_signature, read_head, Signature, SIGNATURE_PROBE_BYTES};
+use crate::host::size::human_bytes as human;
 
 /// Which kind of thing backs a pool device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackingKind {
     File,
     BlockDevice,
-}
-
-/// What the first bytes of a device say it holds.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Signature {
-    /// Every probed byte is zero (or the device is empty).
-    Empty,
-    /// Begins with [`POOL_MAGIC`].
-    KvtierPool,
-    /// A recognised filesystem, partition table or volume signature. The name is one of
-    /// "ext2/3/4", "xfs", "btrfs", "swap", "vfat", "exfat", "ntfs", "iso9660", "udf",
-    /// "squashfs", "f2fs", "zfs", "LVM2 PV", "LUKS", "linux_raid_member", "bcache",
-    /// "GPT partition table", "dos partition table".
-    Filesystem(&'static str),
-    /// Non-zero data kvtier does not recognise.
-    Unknown,
-}
-
-impl fmt::Display for Signature {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Signature::Empty => f.write_str("nothing (its first bytes are all zero)"),
-            Signature::KvtierPool => f.write_str("a kvtier pool"),
-            Signature::Unknown => f.write_str("data kvtier does not recognise"),
-            Signature::Filesystem(name) => {
-                let text = match *name {
-                    "ext2/3/4" => "an ext2/3/4 filesystem",
-                    "xfs" => "an xfs filesystem",
-                    "btrfs" => "a btrfs filesystem",
-                    "swap" => "a swap area",
-                    "vfat" => "a vfat filesystem",
-                    "exfat" => "an exfat filesystem",
-                    "ntfs" => "an ntfs filesystem",
-                    "iso9660" => "an iso9660 filesystem",
-                    "udf" => "a udf filesystem",
-                    "squashfs" => "a squashfs filesystem",
-                    "f2fs" => "an f2fs filesystem",
-                    "zfs" => "a zfs pool member",
-                    "LVM2 PV" => "an LVM2 physical volume",
-                    "LUKS" => "a LUKS encrypted volume",
-                    "linux_raid_member" => "a Linux md RAID member",
-                    "bcache" => "a bcache device",
-                    "GPT partition table" => "a GPT partition table",
-                    "dos partition table" => "a dos partition table",
-                    other => return write!(f, "a {other} signature"),
-                };
-                f.write_str(text)
-            }
-        }
-    }
-}
-
-/// Does `head` hold `magic` at `offset`? False when `head` is too short.
-fn magic_at(head: &[u8], offset: usize, magic: &[u8]) -> bool {
-    head.get(offset..offset + magic.len()) == Some(magic)
-}
-
-fn u32_le_at(head: &[u8], offset: usize) -> Option<u32> {
-    let bytes = head.get(offset..offset + 4)?;
-    Some(u32::from_le_bytes(bytes.try_into().ok()?))
-}
-
-fn u64_at(head: &[u8], offset: usize) -> Option<[u8; 8]> {
-    head.get(offset..offset + 8)?.try_into().ok()
-}
-
-/// Inspect the first bytes of a device (up to [`SIGNATURE_PROBE_BYTES`]; a shorter slice
-/// is fine, magics beyond its end are simply not seen) and say what they hold.
-///
-/// Specific magics are checked before generic ones: a FAT, NTFS or iso9660 boot sector
-/// also carries the 0x55AA MBR boot signature, so the dos partition table comes last.
-pub fn probe_signature(head: &[u8]) -> Signature {
-    if magic_at(head, 0, &POOL_MAGIC) {
-        return Signature::KvtierPool;
-    }
-    if let Some(name) = recognised_signature(head) {
-        return Signature::Filesystem(name);
-    }
-    if head.iter().all(|&b| b == 0) {
-        Signature::Empty
-    } else {
-        Signature::Unknown
-    }
-}
-
-fn recognised_signature(head: &[u8]) -> Option<&'static str> {
-    const MD_MAGIC: u32 = 0xa92b_4efc;
-    const BCACHE_MAGIC: [u8; 16] = [
-        0xc6, 0x85, 0x73, 0xf6, 0x4e, 0x1a, 0x45, 0xca, 0x82, 0x65, 0xf5, 0x7f, 0x48, 0xba, 0x6d,
-        0x81,
-    ];
-    const ZFS_UBERBLOCK_MAGIC: u64 = 0x00ba_b10c;
-
-    // Magics at byte 0.
-    if magic_at(head, 0, b"LUKS\xba\xbe") {
-        return Some("LUKS");
-    }
-    if magic_at(head, 0, b"XFSB") {
-        return Some("xfs");
-    }
-    if magic_at(head, 0, b"hsqs") {
-        return Some("squashfs");
-    }
-    // md superblock 1.1 at 0, 1.2 at 4 KiB.
-    if u32_le_at(head, 0) == Some(MD_MAGIC) || u32_le_at(head, 4096) == Some(MD_MAGIC) {
-        return Some("linux_raid_member");
-    }
-    // LVM2 label: "LABELONE" in one of the first four 512-byte sectors, usually the second.
-    if (0..4).any(|sector| magic_at(head, sector * 512, b"LABELONE")) {
-        return Some("LVM2 PV");
-    }
-    // GPT header in LBA 1: byte 512 for 512-byte sectors, 4096 for 4Kn disks.
-    if magic_at(head, 512, b"EFI PART") || magic_at(head, 4096, b"EFI PART") {
-        return Some("GPT partition table");
-    }
-    // OEM names in the boot sector.
-    if magic_at(head, 3, b"NTFS    ") {
-        return Some("ntfs");
-    }
-    if magic_at(head, 3, b"EXFAT   ") {
-        return Some("exfat");
-    }
-    let boot_signature = magic_at(head, 510, &[0x55, 0xaa]);
-    if magic_at(head, 82, b"FAT32   ")
-        || (boot_signature
-            && (magic_at(head, 54, b"FAT12   ")
-                || magic_at(head, 54, b"FAT16   ")
-                || magic_at(head, 54, b"FAT     ")))
-    {
-        return Some("vfat");
-    }
-    // ext2/3/4: s_magic 0xEF53 (little-endian) at 1024 + 56.
-    if magic_at(head, 1080, &[0x53, 0xef]) {
-        return Some("ext2/3/4");
-    }
-    // f2fs: 0xF2F52010 (little-endian) at 1024.
-    if u32_le_at(head, 1024) == Some(0xf2f5_2010) {
-        return Some("f2fs");
-    }
-    if magic_at(head, 4096 + 24, &BCACHE_MAGIC) {
-        return Some("bcache");
-    }
-    // swap: the last 10 bytes of the first page, for each page size Linux uses.
-    for page in [4096usize, 8192, 16384, 65536] {
-        if magic_at(head, page - 10, b"SWAPSPACE2") || magic_at(head, page - 10, b"SWAP-SPACE") {
-            return Some("swap");
-        }
-    }
-    // ISO 9660 / UDF volume descriptors at 32 KiB (identifier after the type byte).
-    if magic_at(head, 32769, b"CD001") {
-        return Some("iso9660");
-    }
-    if magic_at(head, 32769, b"BEA01")
-        || magic_at(head, 32769, b"NSR02")
-        || magic_at(head, 32769, b"NSR03")
-    {
-        return Some("udf");
-    }
-    // btrfs: superblock at 64 KiB, magic at +64.
-    if magic_at(head, 65536 + 64, b"_BHRfS_M") {
-        return Some("btrfs");
-    }
-    // ZFS: the uberblock ring of vdev label 0 (128 KiB .. 256 KiB), 1 KiB slots or larger,
-    // magic in either byte order.
-    let mut slot = 128 * 1024;
-    while slot < 256 * 1024 {
-        if let Some(bytes) = u64_at(head, slot) {
-            if u64::from_le_bytes(bytes) == ZFS_UBERBLOCK_MAGIC
-                || u64::from_be_bytes(bytes) == ZFS_UBERBLOCK_MAGIC
-            {
-                return Some("zfs");
-            }
-        }
-        slot += 1024;
-    }
-    // DOS MBR: boot signature plus at least one used partition entry whose boot flag is
-    // 0x00 or 0x80 (boot code in a FAT/NTFS boot sector rarely passes this).
-    if boot_signature {
-        let entries: Vec<&[u8]> = (0..4)
-            .filter_map(|i| head.get(446 + 16 * i..446 + 16 * (i + 1)))
-            .collect();
-        let flags_ok = entries.iter().all(|e| e[0] == 0x00 || e[0] == 0x80);
-        let any_used = entries.iter().any(|e| e[4] != 0);
-        if entries.len() == 4 && flags_ok && any_used {
-            return Some("dos partition table");
-        }
-    }
-    None
-}
-
-// ---------------------------------------------------------------------------------------
-// AlignedBuf
-// ---------------------------------------------------------------------------------------
-
-/// A zeroed heap buffer aligned to [`DIRECT_IO_ALIGN`], its length a multiple of it: what
-/// `O_DIRECT` and NVMe need.
-pub struct AlignedBuf {
-    ptr: NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: AlignedBuf uniquely owns its allocation (like a Box<[u8]>); there is no shared
-// or thread-local state, so moving it to another thread is sound.
-unsafe impl Send for AlignedBuf {}
-// SAFETY: shared access only hands out `&[u8]` / `*const u8`; mutation needs `&mut self`.
-unsafe impl Sync for AlignedBuf {}
-
-impl AlignedBuf {
-    fn layout(len: usize) -> Layout {
-        // Cannot fail for the lengths `zeroed` accepts: the alignment is a power of two and
-        // a length that overflows isize when rounded is rejected here with a clear panic.
-        Layout::from_size_align(len, DIRECT_IO_ALIGN).expect("AlignedBuf length overflows isize")
-    }
-
-    /// A zeroed buffer of `len` bytes.
-    ///
-    /// # Panics
-    /// If `len` is 0 or not a multiple of [`DIRECT_IO_ALIGN`] (a programming error: every
-    /// direct I/O length is). Allocation failure calls [`alloc::handle_alloc_error`].
-    pub fn zeroed(len: usize) -> AlignedBuf {
-        assert!(
-            len != 0 && len % DIRECT_IO_ALIGN == 0,
-            "AlignedBuf length {len} must be a non-zero multiple of {DIRECT_IO_ALIGN}"
-        );
-        let layout = Self::layout(len);
-        // SAFETY: `layout` has a non-zero size (checked above).
-        let raw = unsafe { alloc::alloc_zeroed(layout) };
-        let Some(ptr) = NonNull::new(raw) else {
-            alloc::handle_alloc_error(layout)
-        };
-        AlignedBuf { ptr, len }
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Always false: a buffer is never empty (see [`AlignedBuf::zeroed`]).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: `ptr` points to `len` initialised (zeroed at allocation) bytes owned by
-        // self, alive for the borrow of self.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
-    }
-
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in `as_slice`, and `&mut self` makes this the only reference.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
-    }
-
-    pub fn as_ptr(&self) -> *const u8 {
-        self.ptr.as_ptr()
-    }
-
-    pub fn as_mut_ptr(&mut self) -> *mut u8 {
-        self.ptr.as_ptr()
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        // SAFETY: `ptr` was allocated by `alloc_zeroed` with exactly this layout and is
-        // freed only here, once.
-        unsafe { alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
-    }
-}
-
-impl fmt::Debug for AlignedBuf {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("AlignedBuf")
-            .field("len", &self.len)
-            .finish()
-    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -378,31 +91,6 @@ fn block_device_reread_partitions(file: &File) -> io::Result<()> {
     Ok(())
 }
 
-/// The file offset alignment direct I/O needs on this file (statx STATX_DIOALIGN,
-/// Linux 6.1+), if the filesystem reports one.
-fn file_dio_offset_align(file: &File) -> Option<u32> {
-    let mut stx = MaybeUninit::<libc::statx>::zeroed();
-    // SAFETY: statx with AT_EMPTY_PATH and an empty C string stats the open fd and writes
-    // at most one `struct statx` into `stx`, which is live and large enough.
-    let rc = unsafe {
-        libc::statx(
-            file.as_raw_fd(),
-            c"".as_ptr(),
-            libc::AT_EMPTY_PATH,
-            libc::STATX_DIOALIGN,
-            stx.as_mut_ptr(),
-        )
-    };
-    if rc != 0 {
-        return None;
-    }
-    // SAFETY: the struct was zero-initialised (a valid value for this plain-integer struct)
-    // and then filled by a successful statx.
-    let stx = unsafe { stx.assume_init() };
-    (stx.stx_mask & libc::STATX_DIOALIGN != 0 && stx.stx_dio_offset_align != 0)
-        .then_some(stx.stx_dio_offset_align)
-}
-
 /// Turn on O_DIRECT for an open file (fcntl F_SETFL); EINVAL if the filesystem cannot.
 fn enable_direct_io(file: &File) -> nix::Result<()> {
     let flags = OFlag::from_bits_retain(nix::fcntl::fcntl(file, FcntlArg::F_GETFL)?);
@@ -420,86 +108,11 @@ fn allocate_file(file: &File, len: u64) -> nix::Result<()> {
 // Helpers
 // ---------------------------------------------------------------------------------------
 
-/// "1 MiB", "1.5 GiB", "512 bytes".
-fn human(bytes: u64) -> String {
-    const UNITS: [&str; 6] = ["bytes", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    if bytes < 1024 {
-        return format!("{bytes} bytes");
-    }
-    let mut unit = 0;
-    let mut scale = 1u64;
-    while unit + 1 < UNITS.len() && bytes / scale >= 1024 {
-        scale *= 1024;
-        unit += 1;
-    }
-    if bytes % scale == 0 {
-        format!("{} {}", bytes / scale, UNITS[unit])
-    } else {
-        format!("{:.1} {}", bytes as f64 / scale as f64, UNITS[unit])
-    }
-}
-
 fn backing_error(path: &Path, reason: impl Into<String>) -> Error {
     Error::Backing {
         path: path.to_path_buf(),
         reason: reason.into(),
     }
-}
-
-fn dev_major(rdev: u64) -> u64 {
-    libc::major(rdev) as u64
-}
-
-fn dev_minor(rdev: u64) -> u64 {
-    libc::minor(rdev) as u64
-}
-
-fn parse_maj_min(text: &str) -> Option<(u64, u64)> {
-    let (maj, min) = text.trim().split_once(':')?;
-    Some((maj.parse().ok()?, min.parse().ok()?))
-}
-
-/// Undo the octal escapes (`\040` for space etc.) of /proc/self/mountinfo and /proc/swaps.
-fn unescape_octal(field: &str) -> String {
-    let bytes = field.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'\\' && i + 4 <= bytes.len() {
-            let digits = &bytes[i + 1..i + 4];
-            if digits.iter().all(|d| (b'0'..=b'7').contains(d)) {
-                let value = digits
-                    .iter()
-                    .fold(0u32, |acc, d| acc * 8 + u32::from(d - b'0'));
-                if let Ok(byte) = u8::try_from(value) {
-                    out.push(byte);
-                    i += 4;
-                    continue;
-                }
-            }
-        }
-        out.push(bytes[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-/// Read up to [`SIGNATURE_PROBE_BYTES`] from the start of `file` (which must not be in
-/// O_DIRECT mode yet) for [`probe_signature`].
-pub(crate) fn read_head(file: &File, len: u64) -> io::Result<Vec<u8>> {
-    let want = usize::try_from(len.min(SIGNATURE_PROBE_BYTES as u64)).unwrap_or(0);
-    let mut head = vec![0u8; want];
-    let mut done = 0;
-    while done < want {
-        match file.read_at(&mut head[done..], done as u64) {
-            Ok(0) => break,
-            Ok(n) => done += n,
-            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        }
-    }
-    head.truncate(done);
-    Ok(head)
 }
 
 /// Bytes of a device past its head that [`data_beyond_head`] reads at most: all of it when
@@ -591,193 +204,6 @@ fn data_beyond_head(file: &File, kind: BackingKind, len: u64) -> io::Result<Opti
     }
     let tail = len.saturating_sub(DATA_SCAN_CHUNK).max(head);
     read_chunk(tail, len - tail)
-}
-
-// ---------------------------------------------------------------------------------------
-// Who else is using a device
-// ---------------------------------------------------------------------------------------
-
-/// How a block device is in use by the system.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct InUse {
-    /// Mount point, or "[SWAP]" for an active swap area.
-    pub(crate) mount_point: String,
-    /// The related device through which it is in use (a partition or a holder), if not the
-    /// named device itself.
-    via: Option<String>,
-}
-
-impl InUse {
-    pub(crate) fn describe(&self) -> String {
-        let what = if self.mount_point == "[SWAP]" {
-            "is an active swap area".to_string()
-        } else {
-            format!("is mounted at {}", self.mount_point)
-        };
-        match &self.via {
-            Some(via) => format!("{via} {what}"),
-            None => format!("it {what}"),
-        }
-    }
-}
-
-/// The device itself (major, minor) plus, through sysfs, its partitions and the devices
-/// stacked on it (holders: device-mapper, md, bcache), transitively. Each with a name.
-pub(crate) fn related_devices(rdev: u64) -> Vec<((u64, u64), Option<String>)> {
-    let mut out: Vec<((u64, u64), Option<String>)> =
-        vec![((dev_major(rdev), dev_minor(rdev)), None)];
-    let mut next = 0;
-    while next < out.len() && out.len() < 256 {
-        let ((maj, min), _) = out[next];
-        next += 1;
-        let dir = PathBuf::from(format!("/sys/dev/block/{maj}:{min}"));
-        let mut found: Vec<((u64, u64), String)> = Vec::new();
-        // Partitions: subdirectories with a `partition` file.
-        if let Ok(entries) = fs::read_dir(&dir) {
-            for entry in entries.flatten() {
-                let sub = entry.path();
-                if sub.join("partition").exists() {
-                    if let Some(dev) = fs::read_to_string(sub.join("dev"))
-                        .ok()
-                        .and_then(|s| parse_maj_min(&s))
-                    {
-                        found.push((
-                            dev,
-                            format!("its partition /dev/{}", entry.file_name().to_string_lossy()),
-                        ));
-                    }
-                }
-            }
-        }
-        // Holders: links to the block devices stacked on this one.
-        if let Ok(entries) = fs::read_dir(dir.join("holders")) {
-            for entry in entries.flatten() {
-                let name = entry.file_name().to_string_lossy().into_owned();
-                if let Some(dev) = fs::read_to_string(format!("/sys/class/block/{name}/dev"))
-                    .ok()
-                    .and_then(|s| parse_maj_min(&s))
-                {
-                    found.push((dev, format!("/dev/{name}, a device stacked on it,")));
-                }
-            }
-        }
-        for (dev, name) in found {
-            if !out.iter().any(|(d, _)| *d == dev) {
-                out.push((dev, Some(name)));
-            }
-        }
-    }
-    out
-}
-
-/// Is any of `devices` mounted (by major:minor, or by a mount source that is that device
-/// node, which catches btrfs's anonymous device numbers) or an active swap area?
-pub(crate) fn find_use(devices: &[((u64, u64), Option<String>)]) -> Result<Option<InUse>> {
-    let lookup = |dev: (u64, u64)| devices.iter().find(|(d, _)| *d == dev).map(|(_, n)| n);
-    let lookup_source = |source: &str| -> Option<&Option<String>> {
-        if !source.starts_with('/') {
-            return None;
-        }
-        let meta = fs::metadata(source).ok()?;
-        if !meta.file_type().is_block_device() {
-            return None;
-        }
-        lookup((dev_major(meta.rdev()), dev_minor(meta.rdev())))
-    };
-
-    let mountinfo = fs::read_to_string("/proc/self/mountinfo")
-        .context(|| "reading /proc/self/mountinfo".to_string())?;
-    for line in mountinfo.lines() {
-        let fields: Vec<&str> = line.split(' ').collect();
-        if fields.len() < 5 {
-            continue;
-        }
-        let mount_point = unescape_octal(fields[4]);
-        let source = fields
-            .iter()
-            .position(|f| *f == "-")
-            .and_then(|sep| fields.get(sep + 2))
-            .map(|s| unescape_octal(s));
-        let hit = parse_maj_min(fields[2])
-            .and_then(&lookup)
-            .or_else(|| source.as_deref().and_then(lookup_source));
-        if let Some(via) = hit {
-            return Ok(Some(InUse {
-                mount_point,
-                via: via.clone(),
-            }));
-        }
-    }
-
-    // Active swap areas are not in mountinfo. /proc/swaps may be absent (no swap support).
-    if let Ok(swaps) = fs::read_to_string("/proc/swaps") {
-        for line in swaps.lines().skip(1) {
-            let Some(name) = line.split_whitespace().next() else {
-                continue;
-            };
-            if let Some(via) = lookup_source(&unescape_octal(name)) {
-                return Ok(Some(InUse {
-                    mount_point: "[SWAP]".to_string(),
-                    via: via.clone(),
-                }));
-            }
-        }
-    }
-    Ok(None)
-}
-
-/// How the block device at `path` (with metadata `meta`) is in use, if it is.
-fn block_device_use(meta: &fs::Metadata) -> Result<Option<InUse>> {
-    find_use(&related_devices(meta.rdev()))
-}
-
-/// How the regular file `meta` is in use by the system: backing a loop device, or an
-/// active swap file.
-fn regular_file_use(meta: &fs::Metadata) -> Option<String> {
-    let same_file = |p: &Path| {
-        fs::metadata(p)
-            .map(|m| m.dev() == meta.dev() && m.ino() == meta.ino())
-            .unwrap_or(false)
-    };
-    if let Ok(entries) = fs::read_dir("/sys/block") {
-        for entry in entries.flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if !name.starts_with("loop") {
-                continue;
-            }
-            let Ok(backing) = fs::read_to_string(entry.path().join("loop/backing_file")) else {
-                continue;
-            };
-            let backing = backing.trim_end_matches('\n');
-            if !backing.is_empty() && same_file(Path::new(backing)) {
-                return Some(format!(
-                    "it is the backing file of loop device /dev/{name}; detach it first \
-                     (`losetup -d /dev/{name}`)"
-                ));
-            }
-        }
-    }
-    if let Ok(swaps) = fs::read_to_string("/proc/swaps") {
-        for line in swaps.lines().skip(1) {
-            if let Some(name) = line.split_whitespace().next() {
-                if same_file(Path::new(&unescape_octal(name))) {
-                    return Some("it is an active swap file; swapoff it first".to_string());
-                }
-            }
-        }
-    }
-    None
-}
-
-/// Is this path (a block device) mounted, or is any partition of it (or a device-mapper /
-/// md device stacked on it) mounted, or an active swap area? Returns the mount point if so
-/// ("[SWAP]" for swap). A path that is not a block device is never mounted: `Ok(None)`.
-pub fn mounted_at(path: &Path) -> Result<Option<String>> {
-    let meta = fs::metadata(path).context(|| format!("stat {}", path.display()))?;
-    if !meta.file_type().is_block_device() {
-        return Ok(None);
-    }
-    Ok(block_device_use(&meta)?.map(|u| u.mount_point))
 }
 
 // ---------------------------------------------------------------------------------------
@@ -976,7 +402,12 @@ fn check_logical_block_size(path: &Path, lbs: u32) -> Result<()> {
 }
 
 fn file_logical_block_size(path: &Path, file: &File) -> Result<u32> {
-    let lbs = file_dio_offset_align(file).unwrap_or(512);
+    let lbs = dio_align(file)
+        .ok()
+        .flatten()
+        .map(|a| a.offset)
+        .filter(|&o| o != 0)
+        .unwrap_or(512);
     check_logical_block_size(path, lbs)?;
     Ok(lbs)
 }
@@ -1774,6 +1205,8 @@ impl BackingDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::host::mounts::mounted_at;
+    use crate::host::signature::POOL_MAGIC;
     use std::io::Write;
     use std::process::Command;
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -1810,12 +1243,6 @@ mod tests {
         }
     }
 
-    fn head_with(offset: usize, magic: &[u8]) -> Vec<u8> {
-        let mut head = vec![0u8; SIGNATURE_PROBE_BYTES];
-        head[offset..offset + magic.len()].copy_from_slice(magic);
-        head
-    }
-
     fn write_file(path: &Path, bytes: &[u8]) {
         let mut f = File::create(path).unwrap();
         f.write_all(bytes).unwrap();
@@ -1846,184 +1273,15 @@ mod tests {
 
     // ---- probe_signature ---------------------------------------------------------------
 
-    #[test]
-    fn probe_recognises_each_magic() {
-        let fs = |name| Signature::Filesystem(name);
-        let cases: Vec<(Vec<u8>, Signature)> = vec![
-            (head_with(0, &POOL_MAGIC), Signature::KvtierPool),
-            (head_with(1080, &[0x53, 0xef]), fs("ext2/3/4")),
-            (head_with(0, b"XFSB"), fs("xfs")),
-            (head_with(65600, b"_BHRfS_M"), fs("btrfs")),
-            (head_with(4086, b"SWAPSPACE2"), fs("swap")),
-            (head_with(4086, b"SWAP-SPACE"), fs("swap")),
-            (head_with(65526, b"SWAPSPACE2"), fs("swap")),
-            (head_with(82, b"FAT32   "), fs("vfat")),
-            (head_with(3, b"NTFS    "), fs("ntfs")),
-            (head_with(3, b"EXFAT   "), fs("exfat")),
-            (head_with(32769, b"CD001"), fs("iso9660")),
-            (head_with(32769, b"BEA01"), fs("udf")),
-            (
-                head_with(512, b"LABELONE\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0LVM2 001"),
-                fs("LVM2 PV"),
-            ),
-            (head_with(0, b"LUKS\xba\xbe\0\x02"), fs("LUKS")),
-            (head_with(512, b"EFI PART"), fs("GPT partition table")),
-            (head_with(4096, b"EFI PART"), fs("GPT partition table")),
-            (head_with(0, b"hsqs"), fs("squashfs")),
-            (head_with(1024, &0xf2f5_2010u32.to_le_bytes()), fs("f2fs")),
-            (
-                head_with(4096, &0xa92b_4efcu32.to_le_bytes()),
-                fs("linux_raid_member"),
-            ),
-            (
-                head_with(128 * 1024 + 4096, &0x00ba_b10cu64.to_le_bytes()),
-                fs("zfs"),
-            ),
-            (
-                head_with(128 * 1024, &0x00ba_b10cu64.to_be_bytes()),
-                fs("zfs"),
-            ),
-        ];
-        for (head, want) in cases {
-            assert_eq!(probe_signature(&head), want);
-        }
-
-        // FAT12/16: name at 54 plus the boot signature.
-        let mut fat16 = head_with(54, b"FAT16   ");
-        fat16[510] = 0x55;
-        fat16[511] = 0xaa;
-        fat16[0] = 0xeb; // a jump instruction, like a real boot sector
-        assert_eq!(probe_signature(&fat16), fs("vfat"));
-        // ...but not without it.
-        assert_eq!(
-            probe_signature(&head_with(54, b"FAT16   ")),
-            Signature::Unknown
-        );
-    }
-
-    #[test]
-    fn probe_dos_partition_table_and_ordering() {
-        let mut mbr = vec![0u8; 4096];
-        mbr[446 + 4] = 0x83; // one Linux partition
-        mbr[446 + 8..446 + 12].copy_from_slice(&2048u32.to_le_bytes());
-        mbr[510] = 0x55;
-        mbr[511] = 0xaa;
-        assert_eq!(
-            probe_signature(&mbr),
-            Signature::Filesystem("dos partition table")
-        );
-
-        // A boot signature with no used partition entry is not a partition table.
-        let mut bare = vec![0u8; 4096];
-        bare[510] = 0x55;
-        bare[511] = 0xaa;
-        assert_eq!(probe_signature(&bare), Signature::Unknown);
-
-        // GPT's protective MBR (type 0xEE) is reported as GPT, not dos.
-        let mut gpt = mbr.clone();
-        gpt[446 + 4] = 0xee;
-        gpt[512..520].copy_from_slice(b"EFI PART");
-        assert_eq!(
-            probe_signature(&gpt),
-            Signature::Filesystem("GPT partition table")
-        );
-
-        // An isohybrid image (MBR + iso9660) is an iso9660 filesystem.
-        let mut iso = head_with(32769, b"CD001");
-        iso[..512].copy_from_slice(&mbr[..512]);
-        assert_eq!(probe_signature(&iso), Signature::Filesystem("iso9660"));
-
-        // A kvtier pool wins over leftovers of what was there before.
-        let mut pool = head_with(65600, b"_BHRfS_M");
-        pool[..8].copy_from_slice(&POOL_MAGIC);
-        assert_eq!(probe_signature(&pool), Signature::KvtierPool);
-    }
-
-    #[test]
-    fn probe_zeros_garbage_and_short_buffers() {
-        assert_eq!(probe_signature(&[]), Signature::Empty);
-        assert_eq!(
-            probe_signature(&vec![0u8; SIGNATURE_PROBE_BYTES]),
-            Signature::Empty
-        );
-        assert_eq!(probe_signature(&[0u8; 7]), Signature::Empty);
-        assert_eq!(probe_signature(b"KVTIERP"), Signature::Unknown);
-        assert_eq!(probe_signature(b"KVTIERPL"), Signature::KvtierPool);
-        let garbage: Vec<u8> = (0..SIGNATURE_PROBE_BYTES)
-            .map(|i| (i as u8).wrapping_mul(7) | 1)
-            .collect();
-        assert_eq!(probe_signature(&garbage), Signature::Unknown);
-        let mut one = vec![0u8; 4096];
-        one[4000] = 1;
-        assert_eq!(probe_signature(&one), Signature::Unknown);
-        // Every prefix length is safe (no out-of-bounds slicing).
-        let ext = head_with(1080, &[0x53, 0xef]);
-        for len in [0, 1, 511, 512, 1080, 1081, 1082, 4096, 65600, 65607] {
-            let _ = probe_signature(&ext[..len]);
-        }
-        assert_eq!(
-            probe_signature(&ext[..1082]),
-            Signature::Filesystem("ext2/3/4")
-        );
-    }
-
-    #[test]
-    fn signature_display_names_the_thing() {
-        assert_eq!(
-            Signature::Filesystem("ext2/3/4").to_string(),
-            "an ext2/3/4 filesystem"
-        );
-        assert_eq!(
-            Signature::Filesystem("dos partition table").to_string(),
-            "a dos partition table"
-        );
-        assert_eq!(Signature::KvtierPool.to_string(), "a kvtier pool");
-    }
-
-    #[test]
-    fn helpers() {
-        assert_eq!(human(1024 * 1024), "1 MiB");
-        assert_eq!(human(512), "512 bytes");
-        assert_eq!(human(3 * 1024 * 1024 / 2), "1.5 MiB");
-        assert_eq!(human(8 << 30), "8 GiB");
-        assert_eq!(unescape_octal(r"/mnt/a\040b\134c"), r"/mnt/a b\c");
-        assert_eq!(unescape_octal(r"/x\04"), r"/x\04");
-        assert_eq!(parse_maj_min("254:0\n"), Some((254, 0)));
-        assert_eq!(parse_maj_min("junk"), None);
-    }
-
     // ---- AlignedBuf --------------------------------------------------------------------
 
+    // ---- file-backed devices -----------------------------------------------------------
+
     #[test]
-    fn aligned_buf_is_aligned_and_zeroed() {
-        for len in [4096, 8192, 1 << 20] {
-            let mut buf = AlignedBuf::zeroed(len);
-            assert_eq!(buf.len(), len);
-            assert!(!buf.is_empty());
-            assert_eq!(buf.as_ptr() as usize % DIRECT_IO_ALIGN, 0);
-            assert!(buf.as_slice().iter().all(|&b| b == 0));
-            buf.as_mut_slice()[len - 1] = 9;
-            assert_eq!(buf.as_slice()[len - 1], 9);
-            assert_eq!(buf.as_mut_ptr() as usize % DIRECT_IO_ALIGN, 0);
-        }
+    fn backing_device_is_send_and_sync() {
         fn assert_send_sync<T: Send + Sync>() {}
-        assert_send_sync::<AlignedBuf>();
         assert_send_sync::<BackingDevice>();
     }
-
-    #[test]
-    #[should_panic(expected = "multiple of 4096")]
-    fn aligned_buf_rejects_unaligned_length() {
-        let _ = AlignedBuf::zeroed(1000);
-    }
-
-    #[test]
-    #[should_panic(expected = "non-zero")]
-    fn aligned_buf_rejects_zero_length() {
-        let _ = AlignedBuf::zeroed(0);
-    }
-
-    // ---- file-backed devices -----------------------------------------------------------
 
     #[test]
     fn file_pool_create_write_read() {

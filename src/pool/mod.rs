@@ -12,9 +12,11 @@ pub mod layout;
 pub mod storage;
 
 use crate::error::{Error, Result};
+use crate::host::dio::AlignedBuf;
+use crate::host::signature::POOL_MAGIC;
 use crate::model::{DType, KvGeometry};
 pub use backing::Access;
-use backing::{AlignedBuf, BackingDevice, POOL_MAGIC};
+use backing::BackingDevice;
 use bytemuck::Zeroable;
 use index::Index;
 use layout::*;
@@ -343,11 +345,13 @@ impl Pool {
         Self::check_config(cfg, devices.len())?;
         let min_size = DATA_OFFSET + PoolLayout::group_bytes_for(&cfg.geometry, cfg.group_blocks);
         for d in &devices {
-            let probe = (backing::SIGNATURE_PROBE_BYTES as u64).min(d.size()) as usize & !4095;
+            let probe = (crate::host::signature::SIGNATURE_PROBE_BYTES as u64).min(d.size())
+                as usize
+                & !4095;
             if probe > 0 {
                 let mut head = AlignedBuf::zeroed(probe);
                 d.read_exact_at(&mut head, 0)?;
-                let sig = backing::probe_signature(head.as_slice());
+                let sig = crate::host::signature::probe_signature(head.as_slice());
                 backing::check_signature(d.path(), &sig, cfg.force)?;
             }
             if d.size() < min_size {

@@ -5,12 +5,13 @@
 //! check time); the hot data path goes through an I/O engine instead. Two
 //! backends exist: [`super::backing::BackingDevice`] (an O_DIRECT file or
 //! block device, driven on the data path by the io_uring engine) and an NVMe
-//! namespace driven from userspace (`crate::engine::nvme::NvmeNamespace`,
+//! namespace driven from userspace (`crate::nvme::NvmeNamespace`,
 //! with the nvme engine on the data path), so a pool can live directly on a
 //! namespace with no kernel driver or filesystem under it.
 
-use super::backing::{AlignedBuf, BackingDevice};
+use super::backing::BackingDevice;
 use crate::error::Result;
+use crate::host::dio::AlignedBuf;
 use std::os::fd::RawFd;
 use std::path::Path;
 

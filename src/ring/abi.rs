@@ -120,39 +120,17 @@ pub struct Iocb {
     pub segs: [u32; IOCB_MAX_SEGS],
 }
 
-/// NVMe SGL descriptor type "Data Block" (0h) with subtype "Address" (0h), in
-/// the identifier byte's high and low nibble.
-pub const SGL_ID_DATA_BLOCK: u8 = 0x00;
-
-/// A 16-byte NVMe SGL Data Block descriptor (NVMe base spec, "SGL Data Block
-/// descriptor"): one contiguous memory extent. The P2P table is an array of
-/// these, so a GPU kernel copies entries straight into an SGL segment.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
-pub struct SglDescriptor {
-    /// Memory address the device DMAs to/from (host virtual for the io_uring
-    /// engine, IOVA for VFIO, GPU physical/BAR address for the GPU engine).
-    pub addr: u64,
-    /// Extent length in bytes.
-    pub len: u32,
-    pub reserved: [u8; 3],
-    /// SGL identifier: descriptor type (high nibble) and subtype (low nibble).
-    pub sgl_id: u8,
-}
-
-impl SglDescriptor {
-    pub fn data_block(addr: u64, len: u32) -> Self {
-        SglDescriptor {
-            addr,
-            len,
-            reserved: [0; 3],
-            sgl_id: SGL_ID_DATA_BLOCK,
-        }
-    }
-}
+/// The NVMe SGL Data Block descriptor is the spec's (owned by [`crate::nvme::spec`]);
+/// the P2P table and the IOCB segments carry it unchanged, so the ABI re-exports it.
+pub use crate::nvme::spec::{SglDescriptor, SGL_ID_DATA_BLOCK};
 
 // Layout asserts: the C header asserts the same numbers (kernels/kvtier_abi.h).
 const _: () = {
+    // IOCTX opcodes are NVM opcodes: an NVMe engine copies `IoCtx::op` unchanged.
+    assert!(IOCTX_OP_READ == crate::nvme::spec::nvm_opc::READ);
+    assert!(IOCTX_OP_WRITE == crate::nvme::spec::nvm_opc::WRITE);
+    assert!(IOCTX_OP_FLUSH == crate::nvme::spec::nvm_opc::FLUSH);
+
     assert!(size_of::<IoCtx>() == 32);
     assert!(offset_of!(IoCtx, dev_offset) == 0);
     assert!(offset_of!(IoCtx, len) == 8);

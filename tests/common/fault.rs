@@ -25,8 +25,9 @@
 #![allow(dead_code)]
 
 use kvtier::engine::{EngineStats, IoEngine};
+use kvtier::host::dio::AlignedBuf;
 use kvtier::p2p::P2pTable;
-use kvtier::pool::backing::{AlignedBuf, BackingDevice};
+use kvtier::pool::backing::BackingDevice;
 use kvtier::pool::Storage;
 use kvtier::ring::abi::*;
 use kvtier::ring::{GioRing, IocbId};

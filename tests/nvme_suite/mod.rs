@@ -343,10 +343,11 @@ pub fn timeout_names_queue<B: Bar0, A: DmaAlloc>(
 
 // ------------------------------------------------ the nvme engine --
 
-use kvtier::engine::nvme::{NvmeConfig, NvmeEngine, NvmeNamespace};
+use kvtier::engine::nvme::NvmeEngine;
 use kvtier::engine::IoEngine;
+use kvtier::host::dio::AlignedBuf;
+use kvtier::nvme::{NvmeConfig, NvmeNamespace};
 use kvtier::p2p::P2pTable;
-use kvtier::pool::backing::AlignedBuf;
 use kvtier::pool::{Key, OpenExpect, Pool, PoolConfig};
 use kvtier::ring::abi::{IoCtx, IOCTX_OP_READ, IOCTX_OP_WRITE, IOCTX_STATUS_INVALID};
 use kvtier::ring::GioRing;

@@ -1,0 +1,342 @@
+//! Driving the engine: put planned I/O into IOCBs, account completions to
+//! their jobs, and finish jobs whose work is done.
+
+use super::jobs::{FlushAfter, Item, Step};
+use super::store::stage_headers;
+use super::{JobId, JobKind, JobResult, KeyOutcome, Tier};
+use crate::error::{Failure, IoCause, IoFailure, Result};
+use crate::plan::PlannedIo;
+use crate::pool::layout::SLOT_HEADER_BYTES;
+use crate::pool::Pool;
+use crate::ring::abi::*;
+use crate::ring::IocbId;
+
+impl Tier {
+    /// Put planned I/O into IOCBs while IOCBs are free, then hand them to the
+    /// engine; then announce (and verify) loaded layers, and finish the jobs
+    /// that completes.
+    pub(super) fn pump(&mut self) -> Result<()> {
+        self.fill_iocbs()?;
+        self.io.kick()?;
+        // Hash what landed while the engine works on what was just handed
+        // to it.
+        self.hash_landed();
+        if self.advance_loads() {
+            self.fill_iocbs()?;
+            self.io.kick()?;
+        }
+        Ok(())
+    }
+
+    /// Put planned I/O into IOCBs and finish completed jobs, without
+    /// submitting: a wait that follows submits in its own call.
+    pub(super) fn fill_iocbs(&mut self) -> Result<()> {
+        let mut progressed = true;
+        while progressed {
+            progressed = false;
+            let queue: Vec<JobId> = self.jobs.issue_queue.iter().copied().collect();
+            for id in queue {
+                while self.issue_one(id)? {
+                    progressed = true;
+                }
+            }
+            let live = &self.jobs.live;
+            self.jobs.issue_queue.retain(|id| {
+                live.get(id)
+                    .is_some_and(|j| j.items.iter().any(|i| !i.issued()))
+            });
+            // Jobs whose work is done (or that had none) finish here.
+            // A load finishes once its every layer was announced (verified).
+            let done: Vec<JobId> = self
+                .jobs
+                .live
+                .iter()
+                .filter(|(_, j)| {
+                    j.all_items_complete()
+                        && (j.kind != JobKind::Load || j.layers_done == j.layers.end)
+                })
+                .map(|(&id, _)| id)
+                .collect();
+            for id in done {
+                if self.try_finish(id) {
+                    progressed = true;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Fill one IOCB from the job's next issuable item. False if nothing could be issued.
+    fn issue_one(&mut self, id: JobId) -> Result<bool> {
+        let Some(job) = self.jobs.live.get_mut(&id) else {
+            return Ok(false);
+        };
+        let Some(ix) = job.items.iter().position(|i| !i.issued()) else {
+            return Ok(false);
+        };
+        if job.sequential && !job.items[..ix].iter().all(Item::complete) {
+            return Ok(false);
+        }
+        if job.kind == JobKind::Load && job.items[ix].next == 0 {
+            // The first layer goes alone: the compute waits for it first, and
+            // a later layer issued beside it would take a share of the
+            // device's bandwidth (4 layers at once made layer 0 take 4x the
+            // average layer time at 4K tokens). After it, the look-ahead
+            // below keeps the device busy.
+            if ix > 0 && !job.items[0].complete() {
+                return Ok(false);
+            }
+            let in_flight: Vec<&Item> = job.items[..ix].iter().filter(|i| !i.complete()).collect();
+            let bytes: u64 = in_flight.iter().map(|i| i.bytes()).sum();
+            if in_flight.len() >= 2 && bytes + job.items[ix].bytes() > self.cfg.load_lookahead_bytes
+            {
+                return Ok(false);
+            }
+        }
+        if let Some(st) = &job.store {
+            if st.abandoned.is_some() {
+                // Skip the rest: mark every remaining item issued with nothing.
+                for it in &mut job.items[ix..] {
+                    it.next = it.ios.len();
+                }
+                return Ok(false);
+            }
+        }
+        // Skip I/O for keys that already failed (headers of failed data).
+        let step = job.items[ix].step;
+        if step == Step::Headers && job.items[ix].next == 0 {
+            let staging = self.staging.as_ref().expect("a store has staging");
+            stage_headers(&mut self.pool, staging, job);
+        }
+        if step == Step::Headers {
+            let item = &job.items[ix];
+            let keep: Vec<PlannedIo> = item.ios[item.next..]
+                .iter()
+                .filter(|io| {
+                    !job.runs[io.run as usize]
+                        .iter()
+                        .any(|&p| job.failed(p as usize))
+                })
+                .cloned()
+                .collect();
+            let item = &mut job.items[ix];
+            item.ios.truncate(item.next);
+            item.ios.extend(keep);
+            if item.issued() {
+                return Ok(true);
+            }
+        }
+        let Some(iocb) = self.io.get_iocb() else {
+            return Ok(false);
+        };
+        let ring = self.io.ring_mut();
+        ring.iocb_mut(iocb).hdr.user_data = id;
+        let item = &mut job.items[ix];
+        let first_io = item.next;
+        // A verified load layer goes out in IOCBs of about `max_io_bytes`, so
+        // its checksums are taken piece by piece as the reads land instead
+        // of all after the layer's last read.
+        let cap = match item.check {
+            Some(_) => self.cfg.max_io_bytes,
+            None => u64::MAX,
+        };
+        let mut bytes = 0u64;
+        while item.next < item.ios.len() && bytes < cap {
+            let io = &item.ios[item.next];
+            let ctx = IoCtx {
+                dev_offset: io.offset,
+                len: io.len,
+                dev: io.dev,
+                op: io.op,
+                tag: io.run,
+                ..IoCtx::default()
+            };
+            if ring.push_ctx(iocb, ctx, &io.segs).is_none() {
+                break;
+            }
+            bytes += io.len as u64;
+            item.next += 1;
+        }
+        item.iocbs_out += 1;
+        self.jobs.iocb_owner.insert(iocb, (id, ix, first_io));
+        self.io.submit(iocb)?;
+        Ok(true)
+    }
+
+    /// Account a completed IOCB to its job.
+    pub(super) fn on_iocb(&mut self, iocb: IocbId) {
+        let Some((id, ix, first_io)) = self.jobs.iocb_owner.remove(&iocb) else {
+            self.io.release(iocb);
+            return;
+        };
+        let ring = self.io.ring();
+        let b = ring.iocb(iocb);
+        let mut failures: Vec<(u32, Failure)> = Vec::new();
+        let mut media_failures: Vec<IoCtx> = Vec::new();
+        let count = b.hdr.count as usize;
+        let verify = self
+            .jobs
+            .live
+            .get(&id)
+            .is_some_and(|j| j.items[ix].check.is_some());
+        if verify {
+            for (i, c) in b.ctx[..count].iter().enumerate() {
+                if c.status == IOCTX_STATUS_OK {
+                    self.jobs.landed.push((id, ix, first_io + i));
+                }
+            }
+        }
+        if b.hdr.errors > 0 {
+            for c in &b.ctx[..b.hdr.count as usize] {
+                if c.status != IOCTX_STATUS_OK {
+                    failures.push((c.tag, Failure::from_io(describe_failure(c, &self.pool))));
+                    if is_media_error(c) {
+                        media_failures.push(*c);
+                    }
+                }
+            }
+        }
+        self.io.release(iocb);
+        let job = self.jobs.live.get_mut(&id).expect("IOCB of a live job");
+        job.items[ix].iocbs_out -= 1;
+        let step = job.items[ix].step;
+        if let Some((_, msg)) = failures.first() {
+            job.items[ix].failed.get_or_insert_with(|| msg.clone());
+        }
+        for (run, msg) in &failures {
+            job.fail_run(*run, msg);
+            if let Some(st) = &mut job.store {
+                // A failed flush or invalidation leaves durability unknown for
+                // the whole job: stop here.
+                if matches!(step, Step::Flush(_) | Step::Invalidate) && st.abandoned.is_none() {
+                    st.abandoned = Some(msg.clone());
+                }
+            }
+        }
+        if let Some(st) = &mut job.store {
+            // A write the device refused with an I/O error marks the slots it
+            // covered as bad, so the allocator stops handing them out.
+            for c in &media_failures {
+                if c.op != IOCTX_OP_WRITE {
+                    continue;
+                }
+                let layout = self.pool.layout();
+                let end = c.dev_offset + c.len as u64;
+                let hit = |dev: u16, off: u64, len: u64| {
+                    dev == c.dev && off < end && c.dev_offset < off + len
+                };
+                let obj = self.pool.geometry().object_bytes();
+                let layers = self.pool.geometry().layers;
+                for &p in &job.runs[c.tag as usize] {
+                    let Some(slot) = st.slots[p as usize] else {
+                        continue;
+                    };
+                    let (hd, ho) = layout.header_offset(slot);
+                    let touched = hit(hd, ho, SLOT_HEADER_BYTES)
+                        || (0..layers).any(|l| {
+                            (0..2).any(|kv| {
+                                let (d, o) = layout.object_offset(slot, l, kv);
+                                hit(d, o, obj)
+                            })
+                        });
+                    if touched && !st.bad_slots.contains(&slot) {
+                        st.bad_slots.push(slot);
+                    }
+                }
+                // An invalidation covers slots that are not this job's keys.
+                if step == Step::Invalidate {
+                    for &s in &st.invalidated {
+                        let (hd, ho) = layout.header_offset(s);
+                        if hit(hd, ho, SLOT_HEADER_BYTES) && !st.bad_slots.contains(&s) {
+                            st.bad_slots.push(s);
+                        }
+                    }
+                }
+            }
+        }
+        if let (Some(st), Step::Flush(FlushAfter::Invalidate)) = (&mut job.store, step) {
+            if job.items[ix].complete() && st.abandoned.is_none() {
+                for &s in &st.invalidated {
+                    self.pool.index_mut().header_invalidated(s);
+                }
+            }
+        }
+    }
+
+    /// Finish a job whose items are complete. False if it still waits on
+    /// another job's store of a shared key.
+    fn try_finish(&mut self, id: JobId) -> bool {
+        let job = self.jobs.live.get(&id).expect("live job");
+        if let Some(st) = &job.store {
+            // Wait only for the job that owned the key when this one was
+            // submitted (never for a later one: two jobs could wait on each other).
+            if st
+                .waiting_on
+                .iter()
+                .any(|&(_, owner)| owner != id && self.jobs.live.contains_key(&owner))
+            {
+                return false;
+            }
+        }
+        let mut job = self.jobs.remove(id).expect("live job");
+        let evicted = match job.kind {
+            JobKind::Load => {
+                self.finish_load(&mut job);
+                Vec::new()
+            }
+            JobKind::Store => self.finish_store(&mut job),
+        };
+        self.jobs.finish(JobResult {
+            job: id,
+            kind: job.kind,
+            keys: job.keys,
+            outcomes: job
+                .outcomes
+                .into_iter()
+                .map(|o| o.unwrap_or(KeyOutcome::Done))
+                .collect(),
+            evicted,
+        });
+        true
+    }
+}
+
+/// An I/O error that says the device's media failed there (rather than a
+/// malformed request, a short transfer or a full filesystem).
+fn is_media_error(c: &IoCtx) -> bool {
+    match c.status {
+        IOCTX_STATUS_ERRNO => c.result as i32 == libc::EIO,
+        // NVMe: Media and Data Integrity Errors (status code type 2).
+        s if s != IOCTX_STATUS_OK && s < IOCTX_STATUS_ERRNO => (s >> 8) & 0x7 == 2,
+        _ => false,
+    }
+}
+
+fn describe_failure(c: &IoCtx, pool: &Pool) -> IoFailure {
+    let device = pool
+        .devices()
+        .get(c.dev as usize)
+        .map(|d| d.path().display().to_string())
+        .unwrap_or_else(|| format!("#{}", c.dev));
+    let op = match c.op {
+        IOCTX_OP_READ => "read",
+        IOCTX_OP_WRITE => "write",
+        _ => "flush",
+    };
+    let cause = match c.status {
+        IOCTX_STATUS_ERRNO => IoCause::Errno(c.result as i32),
+        IOCTX_STATUS_SHORT => IoCause::Short {
+            done: c.result as u64,
+        },
+        IOCTX_STATUS_INVALID => IoCause::Malformed,
+        IOCTX_STATUS_TIMEOUT => IoCause::Timeout,
+        s => IoCause::NvmeStatus(s as u32),
+    };
+    IoFailure {
+        device,
+        offset: c.dev_offset,
+        len: c.len as u64,
+        op,
+        cause,
+    }
+}

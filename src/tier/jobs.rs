@@ -1,0 +1,278 @@
+//! The job table: every job in flight with its planned I/O, the IOCBs it
+//! holds, the keys and memory blocks it uses, and the results and layer
+//! events waiting to be collected.
+
+use super::store::PendingHeaders;
+use super::{JobId, JobKind, JobResult, KeyOutcome, LayerDone};
+use crate::error::Failure;
+use crate::plan::PlannedIo;
+use crate::pool::{CrcConcat, Key};
+use crate::ring::IocbId;
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Step {
+    LoadLayer(u32),
+    Invalidate,
+    Data,
+    Headers,
+    /// Flush after the step before it.
+    Flush(FlushAfter),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum FlushAfter {
+    Invalidate,
+    Data,
+    Headers,
+}
+
+pub(super) struct Item {
+    pub(super) step: Step,
+    pub(super) ios: Vec<PlannedIo>,
+    pub(super) next: usize,
+    pub(super) iocbs_out: u32,
+    /// The first failure among the item's I/Os.
+    pub(super) failed: Option<Failure>,
+    /// A verified load layer: the checksums of its objects as they land.
+    pub(super) check: Option<LayerCheck>,
+}
+
+/// The checksums of a load layer's objects, taken as each I/O lands so the
+/// layer is verified by the time its last read completes (only that read's
+/// bytes are hashed after it).
+pub(super) struct LayerCheck {
+    /// (key position, K|V) of every object, in the order the layer's I/Os
+    /// carry them.
+    pub(super) owners: Vec<(u32, u8)>,
+    /// Index in `owners` of each I/O's first object.
+    pub(super) first_obj: Vec<u32>,
+    /// Per key position: crc32c of its K and V objects.
+    pub(super) kv_crcs: Vec<[u32; 2]>,
+}
+
+impl LayerCheck {
+    pub(super) fn new(ios: &[PlannedIo], owners: Vec<(u32, u8)>, keys: usize) -> LayerCheck {
+        let mut first_obj = Vec::with_capacity(ios.len());
+        let mut n = 0u32;
+        for io in ios {
+            first_obj.push(n);
+            n += io.segs.len() as u32;
+        }
+        debug_assert_eq!(n as usize, owners.len());
+        LayerCheck {
+            owners,
+            first_obj,
+            kv_crcs: vec![[0; 2]; keys],
+        }
+    }
+}
+
+impl Item {
+    pub(super) fn new(step: Step, ios: Vec<PlannedIo>) -> Item {
+        Item {
+            step,
+            ios,
+            next: 0,
+            iocbs_out: 0,
+            failed: None,
+            check: None,
+        }
+    }
+}
+
+impl Item {
+    pub(super) fn issued(&self) -> bool {
+        self.next == self.ios.len()
+    }
+    pub(super) fn complete(&self) -> bool {
+        self.issued() && self.iocbs_out == 0
+    }
+    pub(super) fn bytes(&self) -> u64 {
+        self.ios.iter().map(|io| io.len as u64).sum()
+    }
+}
+
+pub(super) struct StoreState {
+    /// Per key position: the slot being written, or None (deduplicated).
+    pub(super) slots: Vec<Option<u64>>,
+    pub(super) generations: Vec<u64>,
+    pub(super) staging: Vec<u32>,
+    pub(super) invalidated: Vec<u64>,
+    /// Keys of this job that another store (or an earlier position of this
+    /// one) writes: (position, that job). Their outcome follows that job's.
+    pub(super) waiting_on: Vec<(usize, JobId)>,
+    pub(super) evicted: Vec<Key>,
+    /// Set once a failure makes the remaining steps pointless.
+    pub(super) abandoned: Option<Failure>,
+    /// Slots whose writes failed with an I/O error: retired when the job ends.
+    pub(super) bad_slots: Vec<u64>,
+    /// Headers not yet staged (they are, just before the header writes).
+    pub(super) headers: Option<PendingHeaders>,
+}
+
+/// What a load checks its bytes against.
+pub(super) struct LoadCheck {
+    /// The slot each key position reads (the index may drop or move a key
+    /// while the load runs; the job still owns what it read).
+    pub(super) slots: Vec<u64>,
+    /// Verify layers as they land (host memory, `verify_loads`).
+    pub(super) verify: bool,
+    /// Joins an object's crc32c to the one before it (K then V of a layer).
+    pub(super) kv_concat: CrcConcat,
+    /// Joins a layer's crc32c to the layers before it.
+    pub(super) layer_concat: CrcConcat,
+    /// Per key: running crc32c over the layers loaded so far, for blocks whose
+    /// headers carry only a whole-block checksum (checked after the last layer
+    /// when the load covers them all).
+    pub(super) running: Vec<u32>,
+}
+
+pub(super) struct Job {
+    pub(super) id: JobId,
+    pub(super) kind: JobKind,
+    pub(super) keys: Vec<Key>,
+    pub(super) mem_blocks: Vec<u32>,
+    pub(super) outcomes: Vec<Option<KeyOutcome>>,
+    /// Runs of key positions served by one planned I/O.
+    pub(super) runs: Vec<Vec<u32>>,
+    pub(super) items: Vec<Item>,
+    /// Items run in order; a store item waits for all before it.
+    pub(super) sequential: bool,
+    pub(super) layers: Range<u32>,
+    pub(super) layers_done: u32,
+    pub(super) store: Option<StoreState>,
+    pub(super) load: Option<LoadCheck>,
+}
+
+impl Job {
+    pub(super) fn fail_run(&mut self, run: u32, why: &Failure) {
+        for &p in &self.runs[run as usize] {
+            if self.outcomes[p as usize].is_none() {
+                self.outcomes[p as usize] = Some(KeyOutcome::Failed(why.clone()));
+            }
+        }
+    }
+    pub(super) fn failed(&self, pos: usize) -> bool {
+        matches!(
+            self.outcomes[pos],
+            Some(KeyOutcome::Failed(_) | KeyOutcome::Corrupt(_))
+        )
+    }
+    pub(super) fn all_items_complete(&self) -> bool {
+        self.items.iter().all(Item::complete)
+    }
+}
+
+/// Every job of a tier and what it holds, in one place.
+pub(super) struct JobTable {
+    /// Jobs not yet finished.
+    pub(super) live: HashMap<JobId, Job>,
+    /// The job, item and first I/O of the item each IOCB in flight carries.
+    pub(super) iocb_owner: HashMap<IocbId, (JobId, usize, usize)>,
+    /// Load I/Os that landed and whose bytes are not yet hashed: (job, item,
+    /// I/O of the item).
+    pub(super) landed: Vec<(JobId, usize, usize)>,
+    /// Jobs with items not yet fully in IOCBs, in submission order.
+    pub(super) issue_queue: VecDeque<JobId>,
+    /// Keys being stored, by job.
+    pub(super) storing: HashMap<Key, JobId>,
+    /// Memory blocks jobs in flight use: (loads writing it, stores reading it).
+    mem_busy: HashMap<u32, (u32, u32)>,
+    /// Results not yet collected (`wait`, `get_finished`), in finishing order.
+    pub(super) finished: HashMap<JobId, JobResult>,
+    pub(super) finished_order: VecDeque<JobId>,
+    pub(super) layer_events: VecDeque<LayerDone>,
+    next_id: JobId,
+}
+
+impl JobTable {
+    pub(super) fn new() -> JobTable {
+        JobTable {
+            live: HashMap::new(),
+            iocb_owner: HashMap::new(),
+            landed: Vec::new(),
+            issue_queue: VecDeque::new(),
+            storing: HashMap::new(),
+            mem_busy: HashMap::new(),
+            finished: HashMap::new(),
+            finished_order: VecDeque::new(),
+            layer_events: VecDeque::new(),
+            next_id: 1,
+        }
+    }
+
+    /// The id the next job inserted gets.
+    pub(super) fn next_id(&self) -> JobId {
+        self.next_id
+    }
+
+    /// Add a planned job and queue its I/O; it holds its memory blocks until
+    /// it finishes.
+    pub(super) fn insert(&mut self, mut job: Job) -> JobId {
+        let id = self.next_id;
+        self.next_id += 1;
+        job.id = id;
+        for &b in &job.mem_blocks {
+            let u = self.mem_busy.entry(b).or_default();
+            match job.kind {
+                JobKind::Load => u.0 += 1,
+                JobKind::Store => u.1 += 1,
+            }
+        }
+        self.live.insert(id, job);
+        self.issue_queue.push_back(id);
+        id
+    }
+
+    /// Whether a job in flight writes (a load) or reads (a store) `block`.
+    pub(super) fn mem_busy(&self, block: u32, kind: JobKind) -> bool {
+        self.mem_busy.get(&block).is_some_and(|u| match kind {
+            JobKind::Load => u.0 > 0,
+            JobKind::Store => u.1 > 0,
+        })
+    }
+
+    /// Take a job out of flight (its result goes to `finish`).
+    pub(super) fn remove(&mut self, id: JobId) -> Option<Job> {
+        let job = self.live.remove(&id)?;
+        for b in &job.mem_blocks {
+            if let Some(u) = self.mem_busy.get_mut(b) {
+                match job.kind {
+                    JobKind::Load => u.0 -= 1,
+                    JobKind::Store => u.1 -= 1,
+                }
+                if *u == (0, 0) {
+                    self.mem_busy.remove(b);
+                }
+            }
+        }
+        Some(job)
+    }
+
+    /// Keep a finished job's result until it is collected.
+    pub(super) fn finish(&mut self, result: JobResult) {
+        self.finished_order.push_back(result.job);
+        self.finished.insert(result.job, result);
+    }
+
+    /// Remove a collected result and the layer events of its job.
+    pub(super) fn collect(&mut self, id: JobId) -> Option<JobResult> {
+        let r = self.finished.remove(&id)?;
+        self.finished_order.retain(|&j| j != id);
+        if r.kind == JobKind::Load {
+            self.layer_events.retain(|e| e.job != id);
+        }
+        Some(r)
+    }
+
+    /// In flight, or finished and not yet collected.
+    pub(super) fn known(&self, id: JobId) -> bool {
+        self.live.contains_key(&id) || self.finished.contains_key(&id)
+    }
+
+    pub(super) fn count(&self, kind: JobKind) -> usize {
+        self.live.values().filter(|j| j.kind == kind).count()
+    }
+}

@@ -1,0 +1,316 @@
+//! The load path: plan a load's reads layer by layer, verify each layer
+//! against the checksums its headers recorded, announce layers in order.
+
+use super::jobs::{Item, Job, LayerCheck, LoadCheck, Step};
+use super::{JobId, JobKind, KeyOutcome, LayerDone, Tier};
+use crate::error::{Error, Failure, Result};
+use crate::memory::MemoryKind;
+use crate::p2p::P2pTable;
+use crate::plan::{self, PlannedIo};
+use crate::pool::layout::PoolLayout;
+use crate::pool::{CrcConcat, Key, Pool};
+use crate::ring::abi::IOCTX_OP_READ;
+use std::collections::HashSet;
+use std::ops::Range;
+
+impl Tier {
+    /// Start loading `keys` into `mem_blocks` for `layers`. Every key must be
+    /// in the pool (count them with `lookup_prefix`); they stay pinned until
+    /// the job finishes. Layers complete in order; see `layer_events`,
+    /// `wait_layer`.
+    pub fn submit_load(
+        &mut self,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        layers: Range<u32>,
+    ) -> Result<JobId> {
+        self.check_mem_blocks(keys, mem_blocks)?;
+        let geo = *self.pool.geometry();
+        if layers.start >= layers.end || layers.end > geo.layers {
+            return Err(Error::invalid(format!(
+                "layer range {}..{} is empty or outside the model's {} layers",
+                layers.start, layers.end, geo.layers
+            )));
+        }
+        let mut seen = HashSet::new();
+        if let Some(&b) = mem_blocks.iter().find(|&&b| !seen.insert(b)) {
+            return Err(Error::invalid(format!(
+                "memory block {b} is the target of two keys in one load"
+            )));
+        }
+        if let Some(&b) = mem_blocks
+            .iter()
+            .find(|&&b| self.jobs.mem_busy(b, JobKind::Store))
+        {
+            return Err(Error::invalid(format!(
+                "memory block {b} is being stored by a job in flight; wait for that store before loading into it"
+            )));
+        }
+        let mut slots = Vec::with_capacity(keys.len());
+        for k in keys {
+            match self.pool.index().get(k) {
+                Some(e) => slots.push(e.slot),
+                None => return Err(Error::UnknownKey { key: k.to_string() }),
+            }
+        }
+        for k in keys {
+            self.pool.index_mut().pin_job(k);
+            self.pool.index_mut().touch(k);
+        }
+        let table = self.table()?.clone();
+        let verify = self.cfg.verify_loads && table.kind() == MemoryKind::Host;
+        let (runs, reads) = plan_load(
+            self.pool.layout(),
+            self.cfg.max_io_bytes,
+            &slots,
+            layers.clone(),
+            |p, layer, kv| table.index(mem_blocks[p as usize], layer, kv),
+        );
+        let items = layers
+            .clone()
+            .zip(reads)
+            .map(|(layer, (ios, owners))| {
+                let mut item = Item::new(Step::LoadLayer(layer), ios);
+                if verify {
+                    item.check = Some(LayerCheck::new(&item.ios, owners, keys.len()));
+                }
+                item
+            })
+            .collect();
+        let id = self.jobs.insert(Job {
+            id: 0,
+            kind: JobKind::Load,
+            keys: keys.to_vec(),
+            mem_blocks: mem_blocks.to_vec(),
+            outcomes: vec![None; keys.len()],
+            runs,
+            items,
+            sequential: false,
+            layers_done: layers.start,
+            layers,
+            store: None,
+            load: Some(LoadCheck {
+                running: vec![0; slots.len()],
+                slots,
+                verify,
+                kv_concat: CrcConcat::new(geo.object_bytes()),
+                layer_concat: CrcConcat::new(2 * geo.object_bytes()),
+            }),
+        });
+        self.pump_after_submit();
+        Ok(id)
+    }
+
+    /// Take the checksums of the objects of load I/Os that landed.
+    pub(super) fn hash_landed(&mut self) {
+        let Some(table) = self.table.as_ref() else {
+            self.jobs.landed.clear();
+            return;
+        };
+        for (id, ix, io) in self.jobs.landed.drain(..) {
+            let Some(job) = self.jobs.live.get_mut(&id) else {
+                continue;
+            };
+            let item = &mut job.items[ix];
+            let Some(check) = item.check.as_mut() else {
+                continue;
+            };
+            let first = check.first_obj[io] as usize;
+            for (j, &seg) in item.ios[io].segs.iter().enumerate() {
+                let (p, kv) = check.owners[first + j];
+                check.kv_crcs[p as usize][kv as usize] = crc32c::crc32c(entry_bytes(table, seg));
+            }
+        }
+    }
+
+    /// Announce the layers of loads that are in memory, in order, each
+    /// verified first. Runs after new I/O was handed to the engine, so the
+    /// checksum work overlaps the reads of later layers. True if any layer
+    /// was announced.
+    pub(super) fn advance_loads(&mut self) -> bool {
+        let mut any = false;
+        let mut ids: Vec<JobId> = self
+            .jobs
+            .live
+            .iter()
+            .filter(|(_, j)| j.kind == JobKind::Load && j.layers_done < j.layers.end)
+            .map(|(&id, _)| id)
+            .collect();
+        ids.sort_unstable();
+        for id in ids {
+            let job = self.jobs.live.get_mut(&id).expect("live job");
+            while job.layers_done < job.layers.end {
+                let li = (job.layers_done - job.layers.start) as usize;
+                if !job.items[li].complete() {
+                    break;
+                }
+                let layer = job.layers_done;
+                if job.load.as_ref().is_some_and(|l| l.verify) {
+                    if let Some(msg) = verify_layer(job, layer, &mut self.pool) {
+                        job.items[li].failed.get_or_insert(msg);
+                    }
+                }
+                self.jobs.layer_events.push_back(LayerDone {
+                    job: id,
+                    layer,
+                    error: job.items[li].failed.clone(),
+                });
+                job.layers_done += 1;
+                any = true;
+            }
+        }
+        any
+    }
+
+    /// Release what a finished load held: its keys' pins.
+    pub(super) fn finish_load(&mut self, job: &mut Job) {
+        let slots = job.load.take().map(|l| l.slots).unwrap_or_default();
+        for (i, k) in job.keys.iter().enumerate() {
+            let slot = slots.get(i).copied();
+            let ix = self.pool.index_mut();
+            if slot.is_none() || ix.get(k).map(|e| e.slot) == slot {
+                ix.unpin_job(k);
+            } else if let Some(s) = slot {
+                // The key was dropped (its block failed verification)
+                // while this load read it.
+                ix.release_condemned(s);
+            }
+            if job.outcomes[i].is_none() {
+                job.outcomes[i] = Some(KeyOutcome::Done);
+            }
+        }
+    }
+}
+
+/// The bytes of one P2P-table entry (an object of a memory block).
+fn entry_bytes(table: &P2pTable, seg: u32) -> &[u8] {
+    let d = table.entry(seg).expect("in table");
+    // SAFETY: the descriptor addresses registered host memory the caller
+    // keeps alive (register_memory's contract), and no I/O writes it now: a
+    // store reads it, or the load that wrote it has completed.
+    unsafe { std::slice::from_raw_parts(d.addr as *const u8, d.len as usize) }
+}
+
+/// The bytes of one object of a memory block.
+fn object_bytes(table: &P2pTable, mem_block: u32, layer: u32, kv: u32) -> &[u8] {
+    entry_bytes(table, table.index(mem_block, layer, kv))
+}
+
+/// crc32c of layer `layer` of a memory block: its K object, then its V object.
+fn layer_crc(table: &P2pTable, mem_block: u32, layer: u32) -> u32 {
+    (0..2).fold(0, |crc, kv| {
+        crc32c::crc32c_append(crc, object_bytes(table, mem_block, layer, kv))
+    })
+}
+
+/// One crc32c per layer of a block in host memory (what its header records).
+pub(super) fn layer_crcs(table: &P2pTable, mem_block: u32, layers: u32) -> Vec<u32> {
+    (0..layers)
+        .map(|l| layer_crc(table, mem_block, l))
+        .collect()
+}
+
+/// Verify layer `layer` of every key a load has not already failed; a key
+/// whose bytes differ from its stored checksum becomes `Corrupt` and leaves
+/// the pool. Returns the first mismatch's message (the layer's error).
+fn verify_layer(job: &mut Job, layer: u32, pool: &mut Pool) -> Option<Failure> {
+    let last = layer + 1 == pool.geometry().layers && job.layers.start == 0;
+    let li = (layer - job.layers.start) as usize;
+    let kv_crcs = &job.items[li].check.as_ref()?.kv_crcs;
+    let check = job.load.as_mut().expect("a load");
+    let mut bad = Vec::new();
+    for (p, kv) in kv_crcs.iter().enumerate() {
+        if matches!(
+            job.outcomes[p],
+            Some(KeyOutcome::Failed(_) | KeyOutcome::Corrupt(_))
+        ) {
+            continue;
+        }
+        let slot = check.slots[p];
+        let crc_now = check.kv_concat.apply(kv[0], kv[1]);
+        let ok = match pool.layer_crc(slot, layer) {
+            Some(want) => crc_now == want,
+            // Only a whole-block checksum: checkable once every layer is in.
+            None => {
+                check.running[p] = check.layer_concat.apply(check.running[p], crc_now);
+                !last || pool.block_crc(slot).is_none_or(|w| w == check.running[p])
+            }
+        };
+        if !ok {
+            bad.push((p, slot));
+        }
+    }
+    let mut first = None;
+    for (p, slot) in bad {
+        let key = job.keys[p];
+        let (dev, off) = pool.layout().object_offset(slot, layer, 0);
+        let device = pool
+            .devices()
+            .get(dev as usize)
+            .map(|d| d.path().display().to_string())
+            .unwrap_or_else(|| format!("#{dev}"));
+        // Only drop the key if the index still maps it to the slot this load
+        // read (it may have been dropped and stored anew meanwhile).
+        let dropped = if pool.index().get(&key).map(|e| e.slot) == Some(slot) {
+            match pool.drop_damaged(&key) {
+                Ok(_) => "it was dropped from the pool; store it again".to_string(),
+                Err(e) => format!(
+                    "it was dropped from the index, but its header could not be cleared ({e})"
+                ),
+            }
+        } else {
+            "it was already dropped from the pool".to_string()
+        };
+        let failure = Failure::corrupt(
+            &key.to_string(),
+            &device,
+            off,
+            &format!(
+                "layer {layer} (slot {slot}) does not match the checksum stored with it; {dropped}"
+            ),
+        );
+        job.outcomes[p] = Some(KeyOutcome::Corrupt(failure.clone()));
+        first.get_or_insert(failure);
+    }
+    first
+}
+
+/// Plan the reads of a load: `slots[p]` is key position p's slot,
+/// `seg(p, layer, kv)` the P2P index its object lands in. Returns the runs of
+/// positions (a read's `run`) and, per layer of `layers`, its reads (per run
+/// one contiguous extent per layer, two when the run is not a whole group)
+/// with the (position, K|V) of each object they carry, in order.
+#[allow(clippy::type_complexity)]
+pub(super) fn plan_load(
+    layout: &PoolLayout,
+    max_io_bytes: u64,
+    slots: &[u64],
+    layers: Range<u32>,
+    seg: impl Fn(u32, u32, u32) -> u32,
+) -> (Vec<Vec<u32>>, Vec<(Vec<PlannedIo>, Vec<(u32, u8)>)>) {
+    let positions: Vec<u32> = (0..slots.len() as u32).collect();
+    let runs = plan::group_runs(layout.group_blocks as u64, slots, &positions);
+    let per_layer = layers
+        .map(|layer| {
+            let mut objects = Vec::new();
+            let mut owners = Vec::new();
+            for (r, run) in runs.iter().enumerate() {
+                for kv in 0..2 {
+                    for &p in run {
+                        let (dev, off) = layout.object_offset(slots[p as usize], layer, kv);
+                        objects.push((dev, off, seg(p, layer, kv), r as u32));
+                        owners.push((p, kv as u8));
+                    }
+                }
+            }
+            let ios = plan::coalesce(
+                IOCTX_OP_READ,
+                layout.geometry.object_bytes(),
+                max_io_bytes,
+                &objects,
+            );
+            (ios, owners)
+        })
+        .collect();
+    (runs, per_layer)
+}

@@ -1,0 +1,579 @@
+//! The tier API that serving engines call.
+//!
+//! Shaped so thin adapters fit LMCache's L2 adapter and vLLM's offloading
+//! worker: `lookup_prefix` (no side effects), `lookup_and_pin` / `unpin`,
+//! `submit_load(keys, memory blocks, layers)` with a completion per layer,
+//! `submit_store(keys, memory blocks)`, and `poll` / `wait` / `get_finished`
+//! with a per-key outcome.
+//!
+//! Loads: the keys' slots are sorted and cut into runs of consecutive slots of
+//! one extent group; per layer each run is one contiguous device extent (two
+//! when the run is not a whole group), so a layer costs O(groups) I/Os, each
+//! one IOCTX whose segments are P2P-table indices. Each layer is its own IOCB,
+//! and layers complete to the caller strictly in order.
+//!
+//! Stores are crash-consistent: (1) headers of reused slots that still
+//! describe an evicted block are zeroed, then flushed; (2) data is written,
+//! then flushed; (3) headers are written, then flushed; (4) only then do the
+//! keys enter the index and the job report success. A crash at any point
+//! leaves either the old state or the new one visible, never a header over
+//! data it does not describe.
+//!
+//! Loads into host memory verify every layer against the crc32c its header
+//! recorded before the layer is announced: a block whose bytes differ from what
+//! was stored (a flipped bit, a write the device acknowledged but lost) fails
+//! with `KeyOutcome::Corrupt` and is dropped from the pool, never returned.
+//! A write that fails with an I/O error retires the slots it covered, so one
+//! bad region costs its capacity, not the cache.
+//!
+//! Rooms: this file is the public API; `jobs` the one table of jobs in
+//! flight and results to collect; `load` plans reads, verifies layers and
+//! announces them; `store` allocates, stages headers and settles stores;
+//! `store_plan` is the store protocol as a pure plan (unit-tested alone);
+//! `io` moves planned I/O through the gio_uring ring and accounts
+//! completions.
+
+mod io;
+mod jobs;
+mod load;
+mod store;
+mod store_plan;
+
+use crate::engine::uring::{UringConfig, UringDevice, UringEngine};
+use crate::engine::{EngineStats, IoEngine};
+use crate::error::{Error, Failure, Result};
+use crate::memory::{DmaBuffer, HostKvCache, KvMemory, MemoryKind};
+use crate::p2p::P2pTable;
+use crate::pool::layout::SLOT_HEADER_BYTES;
+use crate::pool::{Key, Pool};
+use crate::ring::GioUring;
+use jobs::{Item, JobTable};
+use std::sync::Arc;
+use store::Staging;
+
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct TierConfig {
+    pub uring: UringConfig,
+    /// IOCBs in the gio_uring ring.
+    pub ring_depth: u32,
+    /// Largest device I/O one IOCTX may cover after coalescing.
+    pub max_io_bytes: u64,
+    /// Block headers that can be staged at once: the most new blocks the
+    /// stores in flight may hold together.
+    pub header_staging: u32,
+    /// How far a load may run ahead of its oldest incomplete layer, in
+    /// bytes: later layers wait so the next layer the compute needs gets the
+    /// device's bandwidth, not a share of it (two layers are always allowed
+    /// in flight so the device never idles between layers).
+    pub load_lookahead_bytes: u64,
+    /// Verify the checksum of every block loaded into host memory (on by
+    /// default; off only to measure what it costs).
+    #[serde(default = "verify_loads_default")]
+    pub verify_loads: bool,
+}
+
+fn verify_loads_default() -> bool {
+    true
+}
+
+impl Default for TierConfig {
+    fn default() -> Self {
+        TierConfig {
+            uring: UringConfig::default(),
+            ring_depth: 64,
+            max_io_bytes: 4 << 20,
+            header_staging: 8192,
+            load_lookahead_bytes: 64 << 20,
+            verify_loads: true,
+        }
+    }
+}
+
+pub type JobId = u64;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum JobKind {
+    Load,
+    Store,
+}
+
+/// "Layer `layer` of load `job` is in memory", or failed to load.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerDone {
+    pub job: JobId,
+    pub layer: u32,
+    /// Why some of the layer's reads failed; its memory must not be used.
+    pub error: Option<Failure>,
+}
+
+/// The outcome of one key of a job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KeyOutcome {
+    /// Loaded, or stored and durable.
+    Done,
+    /// Store of a key the pool already held (or another job stored): no I/O.
+    AlreadyStored,
+    Failed(Failure),
+    /// Loaded bytes did not match the checksum stored with the block: the
+    /// failure (kind Corrupt) names the device, offset and key. The block was
+    /// dropped from the pool (its header invalidated) and is never served
+    /// again.
+    Corrupt(Failure),
+}
+
+impl KeyOutcome {
+    pub fn is_ok(&self) -> bool {
+        !matches!(self, KeyOutcome::Failed(_) | KeyOutcome::Corrupt(_))
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct JobResult {
+    pub job: JobId,
+    pub kind: JobKind,
+    pub keys: Vec<Key>,
+    pub outcomes: Vec<KeyOutcome>,
+    /// Keys a store evicted to make room (for the engine's KV events).
+    pub evicted: Vec<Key>,
+}
+
+impl JobResult {
+    pub fn all_ok(&self) -> bool {
+        self.outcomes.iter().all(KeyOutcome::is_ok)
+    }
+    pub fn failures(&self) -> impl Iterator<Item = (&Key, &Failure)> {
+        self.keys
+            .iter()
+            .zip(&self.outcomes)
+            .filter_map(|(k, o)| match o {
+                KeyOutcome::Failed(f) | KeyOutcome::Corrupt(f) => Some((k, f)),
+                _ => None,
+            })
+    }
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Usage {
+    pub total_blocks: u64,
+    pub live_blocks: u64,
+    pub free_blocks: u64,
+    pub pinned_blocks: u64,
+    /// Slots being written by stores in flight.
+    pub reserved_blocks: u64,
+    pub block_bytes: u64,
+    pub capacity_bytes: u64,
+    pub used_bytes: u64,
+    pub jobs_in_flight: usize,
+    pub engine: EngineStats,
+}
+
+pub struct Tier {
+    // Field order is drop order: the engine (inside `io`) waits out in-flight
+    // I/O before the memory it targets (staging, the host cache) goes away.
+    io: GioUring,
+    staging: Option<Staging>,
+    memory_owner: Option<Arc<HostKvCache>>,
+    table: Option<Arc<P2pTable>>,
+    pool: Pool,
+    cfg: TierConfig,
+    jobs: JobTable,
+    /// An engine failure met while submitting; reported by the next call
+    /// that waits or polls.
+    engine_error: Option<Error>,
+    /// Submissions only plan; I/O reaches the engine in `poll` (the handle's
+    /// I/O thread), never on the submitting thread.
+    defer_engine_calls: bool,
+}
+
+impl Tier {
+    /// Serve `pool` through the io_uring engine.
+    pub fn open(pool: Pool, cfg: TierConfig) -> Result<Tier> {
+        let devices: Vec<UringDevice> = pool
+            .device_fds()?
+            .into_iter()
+            .map(|(fd, name)| UringDevice { fd, name })
+            .collect();
+        let engine = UringEngine::new(&devices, cfg.uring.clone())?;
+        Self::with_engine(pool, cfg, Box::new(engine))
+    }
+
+    /// Serve `pool` through any engine (the engine must drive the pool's devices in order).
+    pub fn with_engine(pool: Pool, cfg: TierConfig, engine: Box<dyn IoEngine>) -> Result<Tier> {
+        if cfg.max_io_bytes < pool.geometry().object_bytes() {
+            return Err(Error::invalid(format!(
+                "max_io_bytes {} is smaller than one object ({} B)",
+                cfg.max_io_bytes,
+                pool.geometry().object_bytes()
+            )));
+        }
+        if cfg.header_staging < 2 {
+            return Err(Error::invalid("header_staging must be at least 2"));
+        }
+        if !pool.is_writable() {
+            return Err(Error::invalid(
+                "the pool was opened read-only (Pool::open_read_only); open it with Pool::open to serve it",
+            ));
+        }
+        Ok(Tier {
+            io: GioUring::new(cfg.ring_depth, engine)?,
+            staging: None,
+            memory_owner: None,
+            table: None,
+            pool,
+            cfg,
+            jobs: JobTable::new(),
+            engine_error: None,
+            defer_engine_calls: false,
+        })
+    }
+
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    pub fn engine(&self) -> &dyn IoEngine {
+        self.io.engine()
+    }
+
+    /// Register a host KV cache kvtier allocated: the tier keeps it alive.
+    pub fn register_host_cache(&mut self, cache: Arc<HostKvCache>) -> Result<()> {
+        // SAFETY: the tier holds `cache` for as long as the registration lasts.
+        unsafe { self.register_memory(cache.memory().clone())? };
+        self.memory_owner = Some(cache);
+        Ok(())
+    }
+
+    /// Register the engine's KV memory and build its P2P table.
+    ///
+    /// # Safety
+    /// Every byte `mem` describes must stay allocated until the tier is
+    /// dropped or memory is registered again, and must not be freed while a
+    /// job that targets it is in flight.
+    pub unsafe fn register_memory(&mut self, mem: KvMemory) -> Result<()> {
+        if !self.jobs.live.is_empty() {
+            return Err(Error::invalid(
+                "cannot register KV memory while jobs are in flight; wait for them first",
+            ));
+        }
+        if mem.geometry != *self.pool.geometry() {
+            return Err(Error::Registration(format!(
+                "memory has geometry {} but the pool stores {}",
+                mem.geometry.describe(),
+                self.pool.geometry().describe()
+            )));
+        }
+        if !self.io.engine().reaches(mem.kind) {
+            return Err(Error::Unsupported(format!(
+                "the {} engine cannot reach {:?} memory; register host memory, or use an engine that reaches it (`kvtier doctor` says which this machine has)",
+                self.io.engine().name(),
+                mem.kind
+            )));
+        }
+        let mut table = P2pTable::build(&mem)?;
+        let n = self.cfg.header_staging;
+        let map = DmaBuffer::new(n as usize * SLOT_HEADER_BYTES as usize)?;
+        let first_index = table.add_extra_region(map.addr(), SLOT_HEADER_BYTES as u32, n)?;
+        let table = Arc::new(table);
+        self.io.engine_mut().register_memory(table.clone())?;
+        self.table = Some(table);
+        self.staging = Some(Staging {
+            map,
+            first_index,
+            free: (1..n).rev().collect(),
+        });
+        self.memory_owner = None;
+        Ok(())
+    }
+
+    pub(super) fn table(&self) -> Result<&Arc<P2pTable>> {
+        self.table.as_ref().ok_or_else(|| {
+            Error::invalid(
+                "no KV memory registered: call register_memory / register_host_cache first",
+            )
+        })
+    }
+
+    /// How many leading keys the pool holds. No side effects (no LRU touch, no pin).
+    pub fn lookup_prefix(&self, keys: &[Key]) -> usize {
+        keys.iter()
+            .take_while(|k| self.pool.index().get(k).is_some())
+            .count()
+    }
+
+    /// Like `lookup_prefix`, and pins the keys it counts so they cannot be
+    /// evicted before the load that needs them. Undo with `unpin`.
+    pub fn lookup_and_pin(&mut self, keys: &[Key]) -> usize {
+        let n = self.lookup_prefix(keys);
+        for k in &keys[..n] {
+            self.pool.index_mut().pin(k);
+            self.pool.index_mut().touch(k);
+        }
+        n
+    }
+
+    /// Drop one pin per key. Never fails: unknown or unpinned keys are ignored.
+    pub fn unpin(&mut self, keys: &[Key]) {
+        for k in keys {
+            self.pool.index_mut().unpin(k);
+        }
+    }
+
+    pub fn contains(&self, key: &Key) -> bool {
+        self.pool.index().get(key).is_some()
+    }
+
+    pub(super) fn check_mem_blocks(&self, keys: &[Key], mem_blocks: &[u32]) -> Result<()> {
+        let table = self.table()?;
+        if keys.len() != mem_blocks.len() {
+            return Err(Error::invalid(format!(
+                "{} keys but {} memory blocks: give one memory block per key",
+                keys.len(),
+                mem_blocks.len()
+            )));
+        }
+        if keys.is_empty() {
+            return Err(Error::invalid("a job needs at least one key"));
+        }
+        if let Some(&b) = mem_blocks.iter().find(|&&b| b >= table.num_blocks()) {
+            return Err(Error::invalid(format!(
+                "memory block {b} is out of range: the registered KV memory has {} blocks (0..{})",
+                table.num_blocks(),
+                table.num_blocks()
+            )));
+        }
+        Ok(())
+    }
+
+    /// After a job is created its id must reach the caller, so an engine
+    /// failure here is kept and reported by the next wait or poll.
+    pub(super) fn pump_after_submit(&mut self) {
+        if self.defer_engine_calls {
+            return;
+        }
+        if let Err(e) = self.pump() {
+            self.engine_error.get_or_insert(e);
+        }
+    }
+
+    pub(super) fn take_engine_error(&mut self) -> Result<()> {
+        match self.engine_error.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Progress without blocking: issue what fits, reap what completed.
+    pub fn poll(&mut self) -> Result<()> {
+        self.take_engine_error()?;
+        self.pump()?;
+        while let Some(iocb) = self.io.poll()? {
+            self.on_iocb(iocb);
+        }
+        self.pump()
+    }
+
+    /// Block until at least one IOCB completes (or nothing is in flight).
+    pub(super) fn wait_any(&mut self) -> Result<()> {
+        self.take_engine_error()?;
+        self.fill_iocbs()?;
+        if self.jobs.iocb_owner.is_empty() {
+            // Nothing to wait for, but loaded layers may wait to be announced.
+            return self.pump();
+        }
+        let iocb = self.io.wait_cqe()?;
+        self.on_iocb(iocb);
+        while let Some(iocb) = self.io.poll()? {
+            self.on_iocb(iocb);
+        }
+        self.pump()
+    }
+
+    fn check_job(&self, id: JobId) -> Result<()> {
+        if self.jobs.known(id) {
+            Ok(())
+        } else {
+            Err(Error::invalid(format!(
+                "job {id} is unknown or its result was already taken"
+            )))
+        }
+    }
+
+    /// One step of a blocking wait: wait for an IOCB, or fail if nothing
+    /// in flight can ever finish the job.
+    fn wait_step(&mut self, id: JobId) -> Result<()> {
+        if self.jobs.iocb_owner.is_empty() {
+            self.pump()?;
+            if self.jobs.iocb_owner.is_empty() && self.jobs.live.contains_key(&id) {
+                return Err(Error::Ring(format!("job {id} cannot make progress")));
+            }
+        }
+        self.wait_any()
+    }
+
+    /// Block until `job` finishes; returns (and removes) its result. Every
+    /// job's result must be collected, here or with `get_finished`.
+    pub fn wait(&mut self, id: JobId) -> Result<JobResult> {
+        self.check_job(id)?;
+        loop {
+            if let Some(r) = self.jobs.collect(id) {
+                return Ok(r);
+            }
+            self.wait_step(id)?;
+        }
+    }
+
+    /// Block until layer `layer` of load `job` is in memory. Errors if its
+    /// reads failed: the layer's memory must not be used then.
+    pub fn wait_layer(&mut self, id: JobId, layer: u32) -> Result<()> {
+        self.check_job(id)?;
+        loop {
+            let failed = |items: &[Item], first: u32| -> Result<()> {
+                match &items[(layer - first) as usize].failed {
+                    Some(f) => Err(Error::Failed(
+                        f.context(format_args!("layer {layer} of job {id} failed")),
+                    )),
+                    None => Ok(()),
+                }
+            };
+            match self.jobs.live.get(&id) {
+                None => {
+                    // Finished: its result says which keys failed.
+                    let r = self.jobs.finished.get(&id).expect("checked");
+                    return match r.failures().next() {
+                        Some((k, f)) if r.kind == JobKind::Load => Err(Error::Failed(
+                            f.context(format_args!("job {id} failed to load key {k}")),
+                        )),
+                        _ => Ok(()),
+                    };
+                }
+                Some(j) if j.kind != JobKind::Load || !j.layers.contains(&layer) => {
+                    return Err(Error::invalid(format!(
+                        "job {id} is not a load of layer {layer}"
+                    )))
+                }
+                Some(j) if j.layers_done > layer => return failed(&j.items, j.layers.start),
+                _ => self.wait_step(id)?,
+            }
+        }
+    }
+
+    /// Layers of loads that reached memory since the last call, in order per job.
+    pub fn layer_events(&mut self) -> Vec<LayerDone> {
+        self.jobs.layer_events.drain(..).collect()
+    }
+
+    /// Layers of `job` in memory so far (from the start of its range).
+    pub fn layers_done(&self, id: JobId) -> Option<u32> {
+        self.jobs
+            .live
+            .get(&id)
+            .map(|j| j.layers_done - j.layers.start)
+    }
+
+    /// Results of every job finished and not yet collected, in finishing order.
+    pub fn get_finished(&mut self) -> Vec<JobResult> {
+        let ids: Vec<JobId> = self.jobs.finished_order.iter().copied().collect();
+        ids.into_iter()
+            .filter_map(|id| self.jobs.collect(id))
+            .collect()
+    }
+
+    /// Wait for every job in flight.
+    pub fn drain(&mut self) -> Result<()> {
+        while !self.jobs.live.is_empty() {
+            let before = self.jobs.live.len();
+            self.wait_any()?;
+            if self.jobs.iocb_owner.is_empty() && self.jobs.live.len() == before {
+                self.pump()?;
+                if self.jobs.live.len() == before && self.jobs.iocb_owner.is_empty() {
+                    return Err(Error::Ring("jobs in flight cannot make progress".into()));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Load jobs not yet finished (the scheduler holds writes back while
+    /// any read is in flight).
+    pub fn loads_in_flight(&self) -> usize {
+        self.jobs.count(JobKind::Load)
+    }
+
+    /// Store jobs not yet finished.
+    pub fn stores_in_flight(&self) -> usize {
+        self.jobs.count(JobKind::Store)
+    }
+
+    pub fn usage(&self) -> Usage {
+        let ix = self.pool.index();
+        let bb = self.pool.geometry().block_bytes();
+        Usage {
+            total_blocks: ix.total_slots(),
+            live_blocks: ix.live(),
+            free_blocks: ix.free_slots(),
+            pinned_blocks: ix.pinned(),
+            reserved_blocks: ix.reserved(),
+            block_bytes: bb,
+            capacity_bytes: ix.total_slots() * bb,
+            used_bytes: ix.live() * bb,
+            jobs_in_flight: self.jobs.live.len(),
+            engine: self.io.engine().stats(),
+        }
+    }
+
+    pub fn config(&self) -> &TierConfig {
+        &self.cfg
+    }
+
+    /// After this, `submit_load` and `submit_store` only plan their I/O and
+    /// `poll` hands it to the engine: the handle's I/O thread polls, so an
+    /// engine bound to one thread (io_uring with DEFER_TASKRUN) is only ever
+    /// entered there.
+    pub fn defer_engine_calls(&mut self, on: bool) {
+        self.defer_engine_calls = on;
+    }
+
+    /// Completed IOCBs the next `poll` will account (an engine can
+    /// complete an IOCB while accepting it, with nothing for a thread that
+    /// sleeps on the engine's fds to wake up for).
+    pub fn completions_pending(&self) -> bool {
+        self.io.ring().cq_len() > 0
+    }
+
+    /// Jobs not yet finished (loads and stores).
+    pub fn jobs_in_flight(&self) -> usize {
+        self.jobs.live.len()
+    }
+
+    /// The P2P table of the registered memory, if any.
+    pub fn p2p_table(&self) -> Option<&Arc<P2pTable>> {
+        self.table.as_ref()
+    }
+
+    /// The data checksums a store of `mem_block` records in its header (one
+    /// crc32c per layer, K then V), or None when the memory is not readable
+    /// by the CPU (GPU memory).
+    pub fn layer_crcs(table: &P2pTable, mem_block: u32, layers: u32) -> Option<Vec<u32>> {
+        match table.kind() {
+            MemoryKind::Host if mem_block < table.num_blocks() => {
+                Some(load::layer_crcs(table, mem_block, layers))
+            }
+            _ => None,
+        }
+    }
+}
+
+impl Drop for Tier {
+    fn drop(&mut self) {
+        // Let stores in flight land rather than leave half a job behind; a
+        // crash instead of a drop is what the store protocol is for.
+        let _ = self.drain();
+        // Checksum workers of stores that could not finish read the KV
+        // memory, which may go away with the tier: wait for them.
+        for job in self.jobs.live.values_mut() {
+            if let Some(h) = job.store.as_mut().and_then(|s| s.headers.take()) {
+                h.join();
+            }
+        }
+    }
+}

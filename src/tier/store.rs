@@ -1,0 +1,341 @@
+//! The store path: check and deduplicate the keys, allocate slots, stage
+//! each new block's header with its checksums, and hand the store protocol
+//! (`store_plan`) to the job table; settle the job when it finishes.
+
+use super::jobs::{Item, Job, StoreState};
+use super::load::layer_crcs;
+use super::store_plan::{plan_store, NewBlock, StoreInputs};
+use super::{JobId, JobKind, KeyOutcome, Tier};
+use crate::error::{Error, ErrorKind, Failure, Result};
+use crate::memory::{DmaBuffer, MemoryKind};
+use crate::pool::layout::SLOT_HEADER_BYTES;
+use crate::pool::{Key, Pool};
+use std::collections::HashSet;
+
+/// Below this many bytes of blocks to hash, a store hashes them itself
+/// rather than start a worker.
+const INLINE_HASH_BYTES: u64 = 32 << 20;
+
+/// A thread taking checksums: (block, per-layer checksums) when joined.
+type HashWorker = std::thread::JoinHandle<Vec<(usize, Vec<u32>)>>;
+
+/// A store's headers until they are staged.
+pub(super) struct PendingHeaders {
+    /// The new blocks, in the order their staging entries were taken.
+    blocks: Vec<NewBlock>,
+    /// Per new block: its per-layer checksums (None for device memory).
+    crcs: Vec<Option<Vec<u32>>>,
+    /// The worker taking the missing checksums: (block, checksums).
+    worker: Option<HashWorker>,
+}
+
+impl PendingHeaders {
+    /// Every block's checksums (waiting for the worker if it still runs).
+    pub(super) fn join(mut self) -> (Vec<NewBlock>, Vec<Option<Vec<u32>>>) {
+        if let Some(w) = self.worker.take() {
+            // A worker that panicked left its checksums missing: those
+            // blocks are then stored without them (verified by nothing,
+            // which `pool check` reports), never with wrong ones.
+            if let Ok(got) = w.join() {
+                for (j, c) in got {
+                    self.crcs[j] = Some(c);
+                }
+            }
+        }
+        (self.blocks, self.crcs)
+    }
+}
+
+/// Write the headers of a store into its staging entries, just before the
+/// header writes (its data is on the device by then).
+pub(super) fn stage_headers(pool: &mut Pool, staging: &Staging, job: &mut Job) {
+    let st = job.store.as_mut().expect("a store");
+    let Some(pending) = st.headers.take() else {
+        return;
+    };
+    let (blocks, crcs) = pending.join();
+    let mut sector = vec![0u8; SLOT_HEADER_BYTES as usize];
+    for (j, b) in blocks.iter().enumerate() {
+        let p = b.pos as usize;
+        pool.write_header_sector(
+            &mut sector,
+            &job.keys[p],
+            b.slot,
+            st.generations[p],
+            crcs[j].as_deref(),
+        );
+        let ptr = staging.entry_ptr(b.header_seg - staging.first_index);
+        // SAFETY: a staging entry is 4 KiB owned by this job until it finishes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(sector.as_ptr(), ptr, sector.len());
+        }
+    }
+}
+
+/// The header staging arena: 4 KiB buffers registered in the P2P table.
+pub(super) struct Staging {
+    pub(super) map: DmaBuffer,
+    pub(super) first_index: u32,
+    pub(super) free: Vec<u32>,
+}
+
+impl Staging {
+    /// Entry 0 stays all-zero: it is the source of header invalidations.
+    pub(super) const ZERO: u32 = 0;
+
+    fn entry_ptr(&self, i: u32) -> *mut u8 {
+        // SAFETY: i < entries (callers use indices from `free`/ZERO).
+        unsafe {
+            self.map
+                .as_mut_ptr()
+                .add(i as usize * SLOT_HEADER_BYTES as usize)
+        }
+    }
+}
+
+impl Tier {
+    /// Start storing `keys` from `mem_blocks` (all layers). Keys already in
+    /// the pool, or being stored by another job, cost no I/O. Evicts
+    /// least-recently-used unpinned blocks when the pool is full; refuses with
+    /// `PoolFull` if everything is pinned.
+    pub fn submit_store(&mut self, keys: &[Key], mem_blocks: &[u32]) -> Result<JobId> {
+        self.submit_store_with_crcs(keys, mem_blocks, None)
+    }
+
+    /// `submit_store` with the data checksums of some blocks already taken
+    /// (`crcs[i]` for `keys[i]`, by [`Tier::layer_crcs`] on another thread), so
+    /// that the thread that owns the tier does not spend its time hashing.
+    /// Missing ones (`None`) are computed here.
+    pub fn submit_store_with_crcs(
+        &mut self,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        crcs: Option<&[Option<Vec<u32>>]>,
+    ) -> Result<JobId> {
+        if crcs.is_some_and(|c| c.len() != keys.len()) {
+            return Err(Error::invalid("one checksum slot per key is needed"));
+        }
+        self.check_mem_blocks(keys, mem_blocks)?;
+        let geo = *self.pool.geometry();
+        let mut outcomes = vec![None; keys.len()];
+        let mut new_pos: Vec<u32> = Vec::new();
+        if let Some(&b) = mem_blocks
+            .iter()
+            .find(|&&b| self.jobs.mem_busy(b, JobKind::Load))
+        {
+            return Err(Error::invalid(format!(
+                "memory block {b} is the target of a load in flight; wait for that load before storing from it"
+            )));
+        }
+        let this_job = self.jobs.next_id();
+        let mut waiting_on = Vec::new();
+        let mut in_job = HashSet::new();
+        let mut already = Vec::new();
+        for (i, k) in keys.iter().enumerate() {
+            if self.pool.index().get(k).is_some() {
+                self.pool.index_mut().touch(k);
+                outcomes[i] = Some(KeyOutcome::AlreadyStored);
+                already.push(*k);
+            } else if let Some(&owner) = self.jobs.storing.get(k) {
+                waiting_on.push((i, owner));
+            } else if !in_job.insert(*k) {
+                waiting_on.push((i, this_job));
+            } else {
+                new_pos.push(i as u32);
+            }
+        }
+        let n = new_pos.len();
+        let staging_cap = self.cfg.header_staging as usize - 1;
+        if n > staging_cap {
+            return Err(Error::invalid(format!(
+                "a store of {n} new blocks exceeds the header staging of {staging_cap}; split the job or raise TierConfig::header_staging"
+            )));
+        }
+        self.table()?;
+        // Wait for stores in flight to return staging buffers if needed.
+        while self.staging.as_ref().map_or(0, |s| s.free.len()) < n {
+            if self.jobs.iocb_owner.is_empty() && self.jobs.live.is_empty() {
+                return Err(Error::Ring(
+                    "header staging exhausted with nothing in flight".into(),
+                ));
+            }
+            self.wait_any()?;
+        }
+        // Keys reported as already stored must not be evicted by this very
+        // job's allocation: hold them while it runs.
+        for k in &already {
+            self.pool.index_mut().pin_job(k);
+        }
+        let alloc = self.pool.index_mut().allocate(n as u64);
+        for k in &already {
+            self.pool.index_mut().unpin_job(k);
+        }
+        let alloc = alloc?;
+        let table = self.table()?.clone();
+        let staging = self.staging.as_mut().expect("registered");
+        let stage: Vec<u32> = (0..n)
+            .map(|_| staging.free.pop().expect("counted"))
+            .collect();
+
+        let mut slots = vec![None; keys.len()];
+        let mut generations = vec![0; keys.len()];
+        for (j, &p) in new_pos.iter().enumerate() {
+            slots[p as usize] = Some(alloc.slots[j]);
+            generations[p as usize] = self.pool.next_generation();
+            self.jobs.storing.insert(keys[p as usize], this_job);
+        }
+        let first_seg = self.staging.as_ref().expect("registered").first_index;
+        let blocks: Vec<NewBlock> = new_pos
+            .iter()
+            .zip(&stage)
+            .map(|(&p, &st)| NewBlock {
+                pos: p,
+                slot: slots[p as usize].expect("new key"),
+                mem_block: mem_blocks[p as usize],
+                header_seg: first_seg + st,
+            })
+            .collect();
+        // The data checksums the headers record: given, or taken here for a
+        // small store, or on a worker while the data is being written (a
+        // 64K-token llama3-8b store hashes 8 GiB: ~0.9 s of CPU that would
+        // otherwise delay the first data write).
+        let mut block_crcs: Vec<Option<Vec<u32>>> = blocks
+            .iter()
+            .map(|b| crcs.and_then(|c| c[b.pos as usize].clone()))
+            .collect();
+        let mut worker = None;
+        if table.kind() == MemoryKind::Host {
+            let missing: Vec<(usize, u32)> = blocks
+                .iter()
+                .enumerate()
+                .filter(|&(j, _)| block_crcs[j].is_none())
+                .map(|(j, b)| (j, b.mem_block))
+                .collect();
+            if missing.len() as u64 * geo.block_bytes() <= INLINE_HASH_BYTES {
+                for (j, mem) in missing {
+                    block_crcs[j] = Some(layer_crcs(&table, mem, geo.layers));
+                }
+            } else {
+                let table = table.clone();
+                let layers = geo.layers;
+                worker = Some(std::thread::spawn(move || {
+                    missing
+                        .into_iter()
+                        .map(|(j, mem)| (j, layer_crcs(&table, mem, layers)))
+                        .collect()
+                }));
+            }
+        }
+        let plan = plan_store(
+            &StoreInputs {
+                layout: self.pool.layout(),
+                max_io_bytes: self.cfg.max_io_bytes,
+                keys: keys.len(),
+                blocks: &blocks,
+                invalidate: &alloc.needs_invalidate,
+                zero_seg: first_seg + Staging::ZERO,
+            },
+            |mem, layer, kv| table.index(mem, layer, kv),
+        );
+        let runs = plan.runs;
+        let items = plan
+            .steps
+            .into_iter()
+            .map(|(step, ios)| Item::new(step, ios))
+            .collect();
+
+        let id = self.jobs.insert(Job {
+            id: 0,
+            kind: JobKind::Store,
+            keys: keys.to_vec(),
+            mem_blocks: mem_blocks.to_vec(),
+            outcomes,
+            runs,
+            items,
+            sequential: true,
+            layers: 0..0,
+            layers_done: 0,
+            store: Some(StoreState {
+                slots,
+                generations,
+                staging: stage,
+                invalidated: alloc.needs_invalidate,
+                waiting_on,
+                evicted: alloc.evicted,
+                abandoned: None,
+                bad_slots: Vec::new(),
+                headers: Some(PendingHeaders {
+                    blocks,
+                    crcs: block_crcs,
+                    worker,
+                }),
+            }),
+            load: None,
+        });
+        debug_assert_eq!(id, this_job);
+        self.pump_after_submit();
+        Ok(id)
+    }
+
+    /// Settle a finished store: commit the keys whose data and headers are
+    /// durable, give back the slots of the rest, retire slots the device
+    /// refused, return the header staging. Returns the keys it evicted.
+    pub(super) fn finish_store(&mut self, job: &mut Job) -> Vec<Key> {
+        let mut st = job.store.take().expect("store state");
+        // A worker still hashing reads the job's memory: wait for it before
+        // the memory is free to be loaded into.
+        if let Some(h) = st.headers.take() {
+            h.join();
+        }
+        // Slots are retired only when the device still completed the
+        // job's flushes: a device that fails everything (gone, or
+        // power lost) would otherwise retire every slot it was asked
+        // to write, for a fault that is not in those sectors.
+        let retire = st.abandoned.is_none();
+        for (i, k) in job.keys.iter().enumerate() {
+            if let Some(slot) = st.slots[i] {
+                self.jobs.storing.remove(k);
+                let ok = st.abandoned.is_none() && !job.failed(i);
+                if ok {
+                    self.pool.index_mut().commit(*k, slot, st.generations[i]);
+                    job.outcomes[i] = Some(KeyOutcome::Done);
+                } else {
+                    // Its header may have reached the device before a
+                    // later failure: treat it as stale until rewritten.
+                    self.pool.index_mut().abort(slot);
+                    self.pool.index_mut().mark_stale_header(slot);
+                    if retire && st.bad_slots.contains(&slot) {
+                        self.pool.index_mut().retire(slot);
+                    }
+                    if job.outcomes[i].is_none() {
+                        let why = st
+                            .abandoned
+                            .clone()
+                            .unwrap_or_else(|| Failure::new(ErrorKind::Internal, "store failed"));
+                        job.outcomes[i] = Some(KeyOutcome::Failed(why));
+                    }
+                }
+            }
+        }
+        for &(p, _) in &st.waiting_on {
+            job.outcomes[p] = Some(if self.pool.index().get(&job.keys[p]).is_some() {
+                KeyOutcome::AlreadyStored
+            } else {
+                KeyOutcome::Failed(Failure::new(
+                    ErrorKind::Io,
+                    "another job storing the same key failed; store it again",
+                ))
+            });
+        }
+        if retire && !st.bad_slots.is_empty() {
+            // Retired in memory whatever happens; if the bad table
+            // cannot be written the slots fail again after a reopen
+            // and are retired again, which loses nothing stored.
+            let _ = self.pool.retire_slots(&st.bad_slots);
+        }
+        if let Some(staging) = self.staging.as_mut() {
+            staging.free.extend(st.staging);
+        }
+        st.evicted
+    }
+}
