@@ -236,7 +236,10 @@ mod tests {
         let v = t.entry(t.index(4, 1, 1)).unwrap();
         assert_eq!(k.addr, 0x20_0000 + 8 * obj);
         assert_eq!(v.addr, 0x20_0000 + 9 * obj);
-        assert_eq!(t.entry(t.index(9, 2, 1)).unwrap().addr, 0x30_0000 + 19 * obj);
+        assert_eq!(
+            t.entry(t.index(9, 2, 1)).unwrap().addr,
+            0x30_0000 + 19 * obj
+        );
         assert_eq!(mem.regions()[2], (0x30_0000, 20 * obj));
         let bad = KvMemory {
             layout: KvLayout::BlockMajor {
