@@ -220,6 +220,7 @@ class _Store:
 class KvtierConnectorMetadata(KVConnectorMetadata):
     loads: list[_Load] = field(default_factory=list)
     stores: list[_Store] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -388,7 +389,9 @@ class KvtierConnector(KVConnectorBase_V1):
         st.stored_upto = start + n
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = KvtierConnectorMetadata(loads=self._loads)
+        meta = KvtierConnectorMetadata(
+            loads=self._loads, preempted=set(scheduler_output.preempted_req_ids or ())
+        )
         self._loads = []
         self._step_load_blocks = 0
         bs = self._block_size
@@ -589,6 +592,21 @@ class KvtierConnector(KVConnectorBase_V1):
         for entry in self._inflight:
             self._finish_layer(entry, layer)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # A preempted request's blocks are freed and reused: direct stores
+        # still reading them must finish first (staged ones copied already).
+        if self._tier is None or not isinstance(kv_connector_metadata, KvtierConnectorMetadata):
+            return
+        waiting = [j for j, (_, r) in self._store_jobs.items()
+                   if r is not None and r in kv_connector_metadata.preempted]
+        if waiting:
+            self._tier.flush_stores()  # the slack and sync policies may hold them
+        for job in waiting:
+            _, req_id = self._store_jobs[job]
+            self._tier.wait(job)
+            del self._store_jobs[job]
+            self._store_reqs[req_id] -= 1
+
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
         # kvtier stores whole blocks (every layer's K and V in one object
@@ -669,6 +687,10 @@ class KvtierConnector(KVConnectorBase_V1):
         self._reap_stores()
         self._sending |= {r for r in finished_req_ids if r in self._store_reqs}
         done = {r for r in self._sending if self._store_reqs.get(r, 0) == 0}
+        if len(done) < len(self._sending) and self._policy == "sync":
+            # Finished requests wait on direct stores the sync policy holds
+            # until a flush: issue them, or their blocks are never freed.
+            self._tier.flush_stores()
         self._sending -= done
         for r in done:
             self._store_reqs.pop(r, None)

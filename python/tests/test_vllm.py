@@ -360,3 +360,29 @@ def test_tier_backpressure_fails_the_job_at_once(tmp_path):
     assert done.get(2) is False and tier.stores_refused == 3
     tier.drain_jobs()
     tier.shutdown()
+
+
+def test_direct_store_holds_blocks_until_read_and_preemption_waits(tmp_path):
+    cfg = vllm_config(tmp_path / "pool", policy="sync")  # stores wait for a flush
+    worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, None)
+    sched = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, None)
+    layers = kv_tensors(8, aligned=True)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    worker.register_kv_caches(dict(zip(names, layers)))
+    try:
+        a = request("a", list(range(3, 3 + 2 * BS + 1)))
+        sched.get_num_new_matched_tokens(a, 0)
+        meta = sched.build_connector_meta(
+            sched_output([new_req_data(a, [1, 2, 3], 0)], tokens={"a": 2 * BS + 1})
+        )
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        worker.wait_for_save()
+        assert sched.request_finished(a, [1, 2, 3]) == (True, None)
+        # kvtier reads vLLM's blocks directly: not released while the store is queued.
+        assert worker.get_finished({"a"}) == (None, None)
+        worker.handle_preemptions(kv.KvtierConnectorMetadata(preempted={"a"}))
+        assert worker.get_finished(set()) == ({"a"}, None)
+        assert worker._tier.lookup(kv.block_keys(a.prompt_token_ids, BS)) == 2
+    finally:
+        worker.shutdown()
