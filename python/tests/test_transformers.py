@@ -98,5 +98,6 @@ def test_prefix_kv_through_kvtier_gives_the_same_logits(tmp_path):
     # so bf16 rounding differs; the tolerance is bf16's (8 mantissa bits).
     diff = (on_restored.float() - full.float()).abs().max().item()
     scale = full.float().abs().max().item()
+    print(f"restored vs whole-prompt logits: max |diff| {diff:.3g}, max |logit| {scale:.3g}")
     assert diff <= 2 ** -6 * max(scale, 1.0), (diff, scale)
     assert torch.equal(on_restored.argmax(-1), full.argmax(-1))
