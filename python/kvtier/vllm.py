@@ -318,6 +318,8 @@ class KvtierConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        # No layout pinned: register_kv_caches checks the tensors it gets
+        # (block-major per layer, vLLM's CPU cache) and refuses others.
         return None
 
     @classmethod
