@@ -2,7 +2,7 @@
 //!
 //! Every line of the report is something probed on this machine at the time of
 //! the call: sysfs and procfs files (through [`crate::host`]), the CUDA driver as
-//! the GPU engine's own loader sees it ([`crate::gpu::probe`]), an NVMe Identify through the kernel's admin
+//! the GPU engine's own loader sees it ([`crate::gpu::probe()`]), an NVMe Identify through the kernel's admin
 //! passthrough ioctl, io_uring rings created with the features kvtier uses, and
 //! a real `O_DIRECT` write and read on the pool directory. What cannot be told
 //! says `unknown (why)`.
@@ -31,11 +31,11 @@ use std::fs;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-/// Whether this build contains the GPU engine (`src/engine/gpu.rs`, issue 5).
+/// Whether this build contains the GPU engine (`src/engine/gpu.rs`).
 /// Its prerequisites are still probed and reported; the verdict never picks
 /// an engine the binary does not have.
 const GPU_ENGINE_BUILT: bool = true;
-/// Whether this build contains the userspace NVMe engine (VFIO/uio, issue 4).
+/// Whether this build contains the userspace NVMe engine (VFIO/uio).
 const NVME_ENGINE_BUILT: bool = true;
 
 const NVIDIA_VENDOR: &str = "0x10de";

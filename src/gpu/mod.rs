@@ -1,4 +1,4 @@
-//! The CUDA driver layer of the GPU engine (issue 5).
+//! The CUDA driver layer of the GPU engine.
 //!
 //! Layers, bottom up:
 //! - [`driver`]: every raw CUDA driver call, through cudarc's `driver::sys`

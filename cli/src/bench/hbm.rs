@@ -1,5 +1,5 @@
 //! `kvtier bench --memory gpu`: restore into and store from KV memory in GPU
-//! HBM through the staged path (`crate::gpu::staged`), each beside its two
+//! HBM through the staged path (`kvtier::gpu::staged`), each beside its two
 //! ceilings measured in the same run on the same pool: the disk alone (the
 //! same keys loaded into, or stored from, host memory) and the PCIe copy
 //! alone (pinned host to HBM for a restore, HBM to pinned host for a
@@ -13,16 +13,16 @@
 //! nothing about a GPU.
 
 use super::{check_scratch_pool, BenchConfig, Machine};
-use crate::error::{Error, Result};
-use crate::gpu::staged::{StagedTier, StagingConfig};
-use crate::gpu::staging::{CopyDesc, CudaCopier, DeviceCopier, HostCopier};
-use crate::gpu::{Context, Device, DeviceBuffer, PinnedHostBuffer};
-use crate::host::size::human_bytes;
-use crate::memory::{pattern_fill, HostKvCache, HostLayout, KvLayout, KvMemory, MemoryKind};
-use crate::model::KvGeometry;
-use crate::pool::{DeviceSpec, Key, OpenExpect, Pool, PoolConfig};
-use crate::scratch::ScratchFile;
-use crate::tier::Tier;
+use kvtier::error::{Error, Result};
+use kvtier::gpu::staged::{StagedTier, StagingConfig};
+use kvtier::gpu::staging::{CopyDesc, CudaCopier, DeviceCopier, HostCopier};
+use kvtier::gpu::{Context, Device, DeviceBuffer, PinnedHostBuffer};
+use kvtier::host::size::human_bytes;
+use kvtier::memory::{pattern_fill, HostKvCache, HostLayout, KvLayout, KvMemory, MemoryKind};
+use kvtier::model::KvGeometry;
+use kvtier::pool::{DeviceSpec, Key, OpenExpect, Pool, PoolConfig};
+use kvtier::scratch::ScratchFile;
+use kvtier::tier::Tier;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -116,7 +116,7 @@ impl Target for HostDouble {
         Ok(Box::new(HostCopier::default()))
     }
     fn staging(&self, len: usize) -> Result<(Box<dyn std::any::Any>, u64)> {
-        let b = crate::memory::DmaBuffer::new(len)?;
+        let b = kvtier::memory::DmaBuffer::new(len)?;
         let a = b.addr();
         Ok((Box::new(b), a))
     }
@@ -245,14 +245,14 @@ pub enum BenchMemory {
 /// Why this machine cannot run the GPU bench, naming the fix; `None` when it can.
 pub fn gpu_unavailable() -> Option<String> {
     let fix = "run it on a machine where `kvtier doctor` shows a usable GPU, or drop --memory gpu to benchmark host memory";
-    match crate::gpu::probe() {
+    match kvtier::gpu::probe() {
         Err(e) => return Some(format!("`kvtier bench --memory gpu` needs a CUDA GPU, and the driver is not usable here ({e}); {fix}")),
         Ok(i) if i.devices.is_empty() => {
             return Some(format!("`kvtier bench --memory gpu` needs a CUDA GPU, and the driver sees none; {fix}"))
         }
         Ok(_) => {}
     }
-    if !crate::gpu::kernels::built_with_kernels() {
+    if !kvtier::gpu::kernels::built_with_kernels() {
         return Some("`kvtier bench --memory gpu` needs the staging kernels, and this kvtier was built without them (no nvcc): run scripts/install-nvcc.sh, then rebuild".into());
     }
     None
@@ -301,7 +301,7 @@ fn verify(t: &dyn Target, blocks: u64, seed_base: u64, tokens: u64) -> Result<()
     Ok(())
 }
 
-fn check(r: &crate::tier::JobResult, what: &str) -> Result<()> {
+fn check(r: &kvtier::tier::JobResult, what: &str) -> Result<()> {
     match r.failures().next() {
         Some((k, why)) => Err(Error::invalid(format!("{what} of key {k} failed: {why}"))),
         None => Ok(()),
@@ -406,7 +406,7 @@ pub fn run(
         BenchMemory::Gpu => {
             let dev = Device::get(0)?;
             let ctx = Context::primary(&dev)?;
-            report.memory = format!("gpu {}", crate::gpu::probe()?.devices[0].name);
+            report.memory = format!("gpu {}", kvtier::gpu::probe()?.devices[0].name);
             Box::new(Hbm::new(&ctx, geo, max_blocks, layout)?)
         }
         BenchMemory::HostDouble => {

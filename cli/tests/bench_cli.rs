@@ -1,6 +1,7 @@
 //! `kvtier bench` end to end at toy sizes: the figures exist, add up, and
 //! the reports (table, JSON, SVG) are written. Speed is not asserted here.
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use common::TempDir;
@@ -151,7 +152,7 @@ fn bad_bench_arguments_are_named() {
 
 #[test]
 fn against_fio_reports_ratios_when_fio_is_installed() {
-    if kvtier::bench::fio::fio_available().is_none() {
+    if kvtier_cli::bench::fio::fio_available().is_none() {
         eprintln!("fio not installed: skipping the side-by-side run");
         return;
     }
@@ -223,7 +224,7 @@ fn userspace_engine_arguments_are_named() {
 /// files left behind. (On a GPU machine, scripts/gpu/pass8.sh runs it.)
 #[test]
 fn bench_memory_gpu_without_a_gpu_names_the_fix() {
-    if kvtier::bench::hbm::gpu_unavailable().is_none() {
+    if kvtier_cli::bench::hbm::gpu_unavailable().is_none() {
         eprintln!("bench_memory_gpu_without_a_gpu_names_the_fix: SKIPPED (this machine has a GPU)");
         return;
     }
