@@ -84,6 +84,16 @@ impl GpuRig {
         }
     }
 
+    /// Per-layer tensors shaped (num_blocks, 2, ...): the block-major layout.
+    fn block_major(ctx: &Context) -> GpuRig {
+        let mut r = GpuRig::new(ctx, HostLayout::PerLayer);
+        let KvLayout::PerLayer { layer_bases } = r.memory.layout.clone() else {
+            unreachable!("made per-layer")
+        };
+        r.memory.layout = KvLayout::BlockMajor { layer_bases };
+        r
+    }
+
     fn at(&self, block: u32, layer: u32, kv: u32) -> (&DeviceBuffer, usize) {
         let a = self.memory.object_addr(block, layer, kv);
         let b = self
@@ -131,6 +141,14 @@ fn gpu_round_trip_both_layouts() {
     for l in LAYOUTS {
         round_trip(&GpuRig::new(&ctx, l), &format!("gpu-staged-rt-{l:?}"));
     }
+}
+
+#[test]
+fn gpu_round_trip_block_major() {
+    let Some(ctx) = gpu("gpu_round_trip_block_major") else {
+        return;
+    };
+    round_trip(&GpuRig::block_major(&ctx), "gpu-staged-rt-block-major");
 }
 
 #[test]
