@@ -214,3 +214,67 @@ fn double_with_deferred_copies_waits_for_them() {
         );
     }
 }
+
+/// Damage layer 0 of `key`'s block on the SSD (one byte of its K object).
+fn damage_layer0(st: &StagedTier, paths: &[std::path::PathBuf], key: u64) {
+    use std::os::unix::fs::FileExt;
+    let slot = st
+        .tier()
+        .pool()
+        .index()
+        .get(&kvtier::pool::Key::from_u64(key))
+        .unwrap()
+        .slot;
+    let (dev, off) = st.tier().pool().layout().object_offset(slot, 0, 0);
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&paths[dev as usize])
+        .unwrap();
+    f.write_all_at(&[0x5a], off + 7).unwrap();
+    f.sync_all().unwrap();
+}
+
+/// A load whose every key fails in an early layer (here: its only block is
+/// corrupt in layer 0) ends with its result: the later layers are not read
+/// and are announced failed, `wait` returns the per-key outcome (never an
+/// error saying the job cannot progress), buffers and pins are given back.
+/// Copies that end late (`HostCopier::deferred`) make the last layer job
+/// land before any buffer frees, so the skip happens with nothing in flight.
+#[test]
+fn double_load_whose_every_key_fails_ends_with_its_result() {
+    use kvtier::gpu::staging::HostCopier;
+    use kvtier::tier::KeyOutcome;
+    for deferred in [true, false] {
+        let dir = common::TempDir::new(&format!("staged-allfail-{deferred}"));
+        let rig = HostRig::new(HostLayout::PerLayer);
+        let g = rig.geometry();
+        let (st, paths) = staged_over(&rig, &dir, config(2, 16, 16));
+        drop(st);
+        let pool = kvtier::Pool::open(&paths, &Default::default()).unwrap();
+        let tier = Tier::open(pool, Default::default()).unwrap();
+        let copier = if deferred {
+            HostCopier::deferred()
+        } else {
+            HostCopier::default()
+        };
+        let mut st =
+            StagedTier::with_host_copier(tier, rig.0.clone(), config(2, 16, 16), copier).unwrap();
+        store_all(&rig, &mut st, &[7], &[3], 1);
+        damage_layer0(&st, &paths, 7);
+        rig.clear();
+        let job = st.submit_load(&keys(&[7]), &[3], 0..g.layers).unwrap();
+        let r = st
+            .wait(job)
+            .unwrap_or_else(|e| panic!("deferred={deferred}: wait failed: {e}"));
+        assert!(matches!(r.outcomes[0], KeyOutcome::Corrupt(_)), "{r:?}");
+        let ev = st.layer_events();
+        assert_eq!(
+            ev.iter().map(|e| e.layer).collect::<Vec<_>>(),
+            (0..g.layers).collect::<Vec<_>>()
+        );
+        assert!(ev[0].error.is_some() && ev[g.layers as usize - 1].error.is_some());
+        assert!(st.buffers_in_use().iter().all(Option::is_none));
+        assert_eq!(st.tier().usage().pinned_blocks, 0);
+        st.drain().unwrap();
+    }
+}

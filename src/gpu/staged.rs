@@ -957,6 +957,12 @@ impl StagedPath {
         self.scatter_landed()?;
         self.retire(tier)?;
         self.submit_layers(tier);
+        // A load whose every key has failed learns it in `submit_layers`
+        // (its later layers are skipped); with nothing of it in flight no
+        // later event would move it on, so its skipped layers are announced
+        // and the load ended now, or a wait would find nothing to wait for.
+        self.scatter_landed()?;
+        self.retire(tier)?;
         Ok(())
     }
 
