@@ -278,3 +278,32 @@ fn double_load_whose_every_key_fails_ends_with_its_result() {
         st.drain().unwrap();
     }
 }
+
+/// `StagedTier::wait_layer` keeps `Tier::wait_layer`'s contract: a layer
+/// whose bytes failed verification is an error (its memory must not be
+/// used), in flight or after the load ended; a layer the load does not
+/// cover is refused rather than reported in memory.
+#[test]
+fn double_wait_layer_reports_a_failed_layer() {
+    let dir = common::TempDir::new("staged-wait-layer");
+    let rig = HostRig::new(HostLayout::PerLayer);
+    let g = rig.geometry();
+    let (mut st, paths) = staged_over(&rig, &dir, config(2, 16, 16));
+    store_all(&rig, &mut st, &[1, 2], &[0, 1], 2);
+    damage_layer0(&st, &paths, 2);
+    rig.clear();
+    let job = st
+        .submit_load(&keys(&[1, 2]), &[0, 1], 0..g.layers)
+        .unwrap();
+    let e = st.wait_layer(job, 0).unwrap_err();
+    assert_eq!(e.kind(), kvtier::ErrorKind::Corrupt, "{e}");
+    let job2 = st.submit_load(&keys(&[1]), &[5], 1..g.layers).unwrap();
+    let e = st.wait_layer(job2, 0).unwrap_err();
+    assert!(e.to_string().contains("not a load of layer 0"), "{e}");
+    st.wait_layer(job2, 1).unwrap();
+    // Ended (result not yet taken): the failure still shows.
+    st.drain().unwrap();
+    assert!(st.wait_layer(job, g.layers - 1).is_err());
+    assert!(!st.wait(job).unwrap().all_ok());
+    assert!(st.wait(job2).unwrap().all_ok());
+}

@@ -225,6 +225,9 @@ struct LoadJob {
     outcomes: Vec<Option<KeyOutcome>>,
     tier_jobs_out: u32,
     announced: u32,
+    /// Per layer of `layers` announced: why it failed, for `wait_layer`
+    /// (the events are drained by the caller).
+    layer_errors: Vec<Option<Failure>>,
     /// The load's own counter on a GPU: layer `l` done at `base + l - first + 1`.
     counter: Option<LoadCounter>,
 }
@@ -541,6 +544,7 @@ impl StagedPath {
         };
         let id = self.next_job;
         self.next_job += 1;
+        let layers_len = layers.len();
         self.loads.insert(
             id,
             LoadJob {
@@ -558,6 +562,7 @@ impl StagedPath {
                 copying: VecDeque::new(),
                 outcomes: vec![None; keys.len()],
                 tier_jobs_out: 0,
+                layer_errors: vec![None; layers_len],
             },
         );
         self.submit_layers(tier);
@@ -906,6 +911,7 @@ impl StagedPath {
                     self.buffers[(l % b) as usize] = None;
                 }
                 job.announced = l + 1;
+                job.layer_errors[(l - job.layers.start) as usize] = error.clone();
                 self.events.push_back(HbmLayer {
                     job: id,
                     layer: l,
@@ -1011,19 +1017,48 @@ impl StagedPath {
         }
     }
 
-    /// Wait until layer `layer` of load `id` is in the KV memory (or the
-    /// load has ended).
+    /// Wait until layer `layer` of load `id` is in the KV memory. As
+    /// `Tier::wait_layer`: an error if the layer failed (a key's bytes did
+    /// not verify, a read failed: its memory must not be used), or, once the
+    /// load has ended, if any key failed; a layer the load does not cover is
+    /// refused (it is never "in memory").
     pub fn wait_layer(&mut self, tier: &mut Tier, id: JobId, layer: u32) -> Result<()> {
-        if !self.known(id) {
+        if !self.known(id) || self.stores.contains_key(&id) {
             return Err(Error::invalid(format!(
-                "no staged job {id} in flight or unreported"
+                "no staged load {id} in flight or unreported"
             )));
         }
         loop {
             self.poll(tier)?;
             match self.loads.get(&id) {
+                Some(j) if !j.layers.contains(&layer) => {
+                    return Err(Error::invalid(format!(
+                        "job {id} is not a load of layer {layer}"
+                    )))
+                }
                 Some(j) if j.announced <= layer => self.wait_some(tier)?,
-                _ => return Ok(()),
+                Some(j) => {
+                    return match &j.layer_errors[(layer - j.layers.start) as usize] {
+                        Some(f) => Err(Error::Failed(
+                            f.context(format_args!("layer {layer} of job {id} failed")),
+                        )),
+                        None => Ok(()),
+                    }
+                }
+                None => {
+                    return match self.finished.get(&id) {
+                        Some(r) if r.kind != JobKind::Load => Err(Error::invalid(format!(
+                            "job {id} is not a load of layer {layer}"
+                        ))),
+                        Some(r) => match r.failures().next() {
+                            Some((k, f)) => Err(Error::Failed(
+                                f.context(format_args!("job {id} failed to load key {k}")),
+                            )),
+                            None => Ok(()),
+                        },
+                        None => Ok(()),
+                    }
+                }
             }
         }
     }
