@@ -307,3 +307,28 @@ fn double_wait_layer_reports_a_failed_layer() {
     assert!(!st.wait(job).unwrap().all_ok());
     assert!(st.wait(job2).unwrap().all_ok());
 }
+
+/// Hostile staging sizes (ones whose byte count overflows, or whose
+/// blocks a P2P table cannot index) are refused with what to change: no
+/// arithmetic overflow panic, no attempt to map petabytes.
+#[test]
+fn huge_staging_config_is_refused() {
+    let rig = HostRig::new(HostLayout::PerLayer);
+    for (i, cfg) in [
+        config(u32::MAX, u32::MAX, u32::MAX),
+        config(2, u32::MAX, 1),
+        config(2, 1, u32::MAX),
+        config(u32::MAX, 1 << 20, 1),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let dir = common::TempDir::new(&format!("staged-huge-cfg-{i}"));
+        let pool = common::create_pool(&dir, rig.geometry(), 8, 1, 2);
+        let tier = Tier::open(pool, Default::default()).unwrap();
+        let e = StagedTier::with_host_double(tier, rig.0.clone(), cfg)
+            .err()
+            .unwrap_or_else(|| panic!("{cfg:?} accepted"));
+        assert!(e.to_string().contains("staging"), "{cfg:?}: {e}");
+    }
+}

@@ -70,21 +70,48 @@ impl StagingConfig {
         }
     }
 
-    /// Bytes of pinned host memory this staging takes for `g`.
+    /// Bytes of pinned host memory this staging takes for `g` (`u64::MAX`
+    /// when that overflows: such a staging is refused).
     pub fn bytes(&self, g: &KvGeometry) -> u64 {
-        let obj = g.object_bytes();
-        self.layer_buffers as u64 * 2 * self.load_blocks as u64 * obj
-            + self.store_blocks as u64 * g.objects_per_block() as u64 * obj
+        self.checked_bytes(g).unwrap_or(u64::MAX)
     }
 
-    fn validate(&self) -> Result<()> {
+    // Checked: the sizes come from callers (Python, a CLI flag) and their
+    // product overflowed into a panic (debug) or a wrapped, too-small
+    // staging (release) before it was refused.
+    fn checked_bytes(&self, g: &KvGeometry) -> Option<u64> {
+        let obj = g.object_bytes();
+        let load = (self.layer_buffers as u64)
+            .checked_mul(2 * self.load_blocks as u64)?
+            .checked_mul(obj)?;
+        let store = (self.store_blocks as u64)
+            .checked_mul(g.objects_per_block() as u64)?
+            .checked_mul(obj)?;
+        load.checked_add(store)
+    }
+
+    fn validate(&self, g: &KvGeometry) -> Result<()> {
         if self.layer_buffers < 2 || self.load_blocks == 0 || self.store_blocks == 0 {
             return Err(Error::invalid(format!(
                 "staging of {} layer buffers, {} load blocks, {} store blocks: need at least 2 layer buffers and 1 block each",
                 self.layer_buffers, self.load_blocks, self.store_blocks
             )));
         }
-        Ok(())
+        let objects =
+            (self.load_blocks as u64 + self.store_blocks as u64) * g.objects_per_block() as u64;
+        if objects > u32::MAX as u64 / 2 {
+            return Err(Error::invalid(format!(
+                "staging of {} load blocks and {} store blocks is {objects} objects, more than a P2P table indexes (2^31); lower StagingConfig::load_blocks or store_blocks",
+                self.load_blocks, self.store_blocks
+            )));
+        }
+        match self.checked_bytes(g) {
+            Some(b) if b <= isize::MAX as u64 => Ok(()),
+            _ => Err(Error::invalid(format!(
+                "staging of {} layer buffers of {} load blocks and {} store blocks is more bytes than memory can map; lower StagingConfig's sizes",
+                self.layer_buffers, self.load_blocks, self.store_blocks
+            ))),
+        }
     }
 }
 
@@ -322,6 +349,7 @@ impl StagedPath {
         copier: HostCopier,
     ) -> Result<StagedPath> {
         let g = cache.memory().geometry;
+        cfg.validate(&g)?;
         let staging = StagingMemory::host(cfg.bytes(&g).max(1))?;
         let target = cache.memory().clone();
         // SAFETY: the path keeps `cache` alive; staging is its own.
@@ -351,7 +379,7 @@ impl StagedPath {
         // Every region is device memory of ctx's device (aligned for the
         // copy kernels; no device DMAs into it, so not for direct I/O).
         check_gpu_kv_memory(ctx, &mem)?;
-        cfg.validate()?;
+        cfg.validate(&mem.geometry)?;
         let g = mem.geometry;
         let capacity = (2 * cfg.load_blocks as usize)
             .max(cfg.store_blocks as usize * g.objects_per_block() as usize);
@@ -372,7 +400,7 @@ impl StagedPath {
         staging: StagingMemory,
         cfg: StagingConfig,
     ) -> Result<StagedPath> {
-        cfg.validate()?;
+        cfg.validate(&target.geometry)?;
         target.validate_for_copies()?;
         let g = target.geometry;
         if g != *tier.pool().geometry() {
