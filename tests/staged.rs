@@ -275,6 +275,12 @@ fn double_load_whose_every_key_fails_ends_with_its_result() {
         assert!(ev[0].error.is_some() && ev[g.layers as usize - 1].error.is_some());
         assert!(st.buffers_in_use().iter().all(Option::is_none));
         assert_eq!(st.tier().usage().pinned_blocks, 0);
+        let u = st.tier().usage();
+        assert_eq!(
+            u.free_blocks + u.live_blocks,
+            u.total_blocks,
+            "the dropped block's slot is free again once the load ends: {u:?}"
+        );
         st.drain().unwrap();
     }
 }
@@ -331,4 +337,62 @@ fn huge_staging_config_is_refused() {
             .unwrap_or_else(|| panic!("{cfg:?} accepted"));
         assert!(e.to_string().contains("staging"), "{cfg:?}: {e}");
     }
+}
+
+/// A caller's stray `unpin` (one more than its pins, as `Tier` and the
+/// handle allow) cannot release a staged load's hold on its keys between
+/// its layer jobs: a store that fills the pool meanwhile evicts other
+/// blocks, never one the load still has to read, and the load lands whole.
+/// (As tests/tier_faults.rs checks for a tier load.)
+#[test]
+fn double_stray_unpin_cannot_release_a_staged_loads_keys() {
+    use kvtier::gpu::staged::StagedPath;
+    use kvtier::gpu::staging::HostCopier;
+    let dir = common::TempDir::new("staged-stray-unpin");
+    let rig = HostRig::new(HostLayout::PerLayer);
+    let g = rig.geometry();
+    let pool = common::create_pool(&dir, g, 4, 1, 2); // 8 slots
+    let mut tier = Tier::open(pool, Default::default()).unwrap();
+    let mut path = StagedPath::with_host_copier(
+        &mut tier,
+        rig.0.clone(),
+        config(2, 8, 8),
+        HostCopier::deferred(),
+    )
+    .unwrap();
+    let old: Vec<u64> = (1..9).collect();
+    let old_mem: Vec<u32> = (0..8).collect();
+    for (&k, &b) in old.iter().zip(&old_mem) {
+        fill(&rig, b, common::seed_of(k));
+    }
+    let s = path.submit_store(&mut tier, &keys(&old), &old_mem).unwrap();
+    assert!(path.wait(&mut tier, s).unwrap().all_ok());
+    rig.clear();
+    let load = path
+        .submit_load(&mut tier, &keys(&[1]), &[40], 0..g.layers)
+        .unwrap();
+    // Layers 0 and 1 land; their copies wait, so layer 2 is not yet read.
+    let t0 = std::time::Instant::now();
+    while tier.jobs_in_flight() > 0 {
+        path.poll(&mut tier).unwrap();
+        assert!(t0.elapsed().as_secs() < 30, "the reads never landed");
+    }
+    tier.unpin(&keys(&[1]));
+    assert_eq!(tier.usage().pinned_blocks, 1, "the load still holds key 1");
+    // Eight new blocks: every unpinned block is evicted for them; with key
+    // 1 held, the pool cannot take all eight and refuses the store.
+    let new: Vec<u64> = (100..108).collect();
+    let new_mem: Vec<u32> = (10..18).collect();
+    if let Ok(s) = path.submit_store(&mut tier, &keys(&new), &new_mem) {
+        let r = path.wait(&mut tier, s).unwrap();
+        assert!(
+            !r.evicted.contains(&kvtier::pool::Key::from_u64(1)),
+            "{r:?}"
+        );
+    }
+    let r = path.wait(&mut tier, load).unwrap();
+    assert!(r.all_ok(), "{r:?}");
+    assert!(matches(&rig, 40, common::seed_of(1), 0..g.layers));
+    assert_eq!(tier.usage().pinned_blocks, 0);
+    path.drain(&mut tier).unwrap();
 }

@@ -235,6 +235,8 @@ pub struct HbmLayer {
 
 struct LoadJob {
     keys: Vec<Key>,
+    /// The slot each key held when the load began (for `Tier::release_job_keys`).
+    slots: Vec<u64>,
     hbm: Vec<u32>,
     /// The staging place of each key position (slot order: coalesced).
     sblock: Vec<u32>,
@@ -532,18 +534,9 @@ impl StagedPath {
                 "memory block {b} is the target of two keys in one load"
             )));
         }
-        let n = tier.lookup_and_pin(keys);
-        if n < keys.len() {
-            tier.unpin(&keys[..n]);
-            return Err(Error::UnknownKey {
-                key: keys[n].to_string(),
-            });
-        }
+        // Job pins, not a caller's: see `Tier::hold_job_keys`.
+        let slots = tier.hold_job_keys(keys)?;
         // Staging places in slot order: the pool's coalesced order.
-        let slots: Vec<u64> = keys
-            .iter()
-            .map(|k| tier.pool().index().get(k).map_or(u64::MAX, |e| e.slot))
-            .collect();
         let mut order: Vec<u32> = (0..keys.len() as u32).collect();
         order.sort_by_key(|&p| slots[p as usize]);
         let mut sblock = vec![0; keys.len()];
@@ -557,7 +550,7 @@ impl StagedPath {
                     None => match CompletionCounter::device(ctx) {
                         Ok(c) => (c, 0),
                         Err(e) => {
-                            tier.unpin(keys);
+                            tier.release_job_keys(keys, &slots);
                             return Err(e);
                         }
                     },
@@ -578,6 +571,7 @@ impl StagedPath {
             LoadJob {
                 counter,
                 keys: keys.to_vec(),
+                slots,
                 hbm: mem_blocks.to_vec(),
                 sblock,
                 order,
@@ -956,7 +950,7 @@ impl StagedPath {
         }
         for id in done {
             let job = self.loads.remove(&id).expect("listed");
-            tier.unpin(&job.keys);
+            tier.release_job_keys(&job.keys, &job.slots);
             if let Some(c) = job.counter {
                 // Layers not copied (failed keys, skipped layers) still
                 // reached their values: every scatter signals, and a skipped
