@@ -41,3 +41,17 @@ fn store_with_checksums_of_the_wrong_length_is_refused() {
     assert!(!tier.contains(&Key::from_u64(1)));
     assert_eq!(tier.jobs_in_flight(), 0);
 }
+
+/// `Tier::layer_crcs` asked for more layers than the table holds answers
+/// None (it cannot be read), rather than panicking or hashing another
+/// block's objects.
+#[test]
+fn layer_crcs_past_the_model_is_none() {
+    let dir = TempDir::new("crc-layers");
+    let (tier, _cache) = rig(&dir);
+    let table = tier.p2p_table().unwrap().clone();
+    let layers = tiny_geometry().layers;
+    assert!(Tier::layer_crcs(&table, 7, layers).is_some());
+    assert!(Tier::layer_crcs(&table, 7, layers + 1).is_none());
+    assert!(Tier::layer_crcs(&table, 0, u32::MAX).is_none());
+}

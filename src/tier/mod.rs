@@ -631,7 +631,12 @@ impl Tier {
     /// by the CPU (GPU memory).
     pub fn layer_crcs(table: &P2pTable, mem_block: u32, layers: u32) -> Option<Vec<u32>> {
         match table.kind() {
-            MemoryKind::Host if mem_block < table.num_blocks() => {
+            // Past the table's layers the indices reach other blocks' objects
+            // (or the header staging), not this block's.
+            MemoryKind::Host
+                if mem_block < table.num_blocks()
+                    && table.geometry().is_some_and(|g| layers <= g.layers) =>
+            {
                 Some(load::layer_crcs(table, mem_block, layers))
             }
             _ => None,
