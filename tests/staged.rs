@@ -396,3 +396,96 @@ fn double_stray_unpin_cannot_release_a_staged_loads_keys() {
     assert_eq!(tier.usage().pinned_blocks, 0);
     path.drain(&mut tier).unwrap();
 }
+
+/// Several threads on one staged `TierHandle` (the default read-first
+/// policy, small staging so layer buffers and store chunks are contended):
+/// each stores its own keys from its own blocks, clears them, loads them
+/// back into other blocks of its own, and checks every byte; meanwhile a
+/// thread looks up and pins/unpins. Everything lands, nothing hangs, and
+/// the pool checks clean.
+#[test]
+fn double_handle_under_several_threads() {
+    use kvtier::handle::TierBuilder;
+    let dir = common::TempDir::new("staged-threads");
+    let rig = HostRig::new(HostLayout::PerLayer);
+    let cache = rig.0.clone();
+    let geo = rig.geometry();
+    let devs = vec![dir.file("a.pool"), dir.file("b.pool")];
+    let h = TierBuilder::default()
+        .create(common::pool_config(geo, 8, &devs, 8))
+        .staging(config(2, 6, 3))
+        .staged_host_double(cache.clone())
+        .build()
+        .unwrap();
+    const THREADS: u64 = 4;
+    const ROUNDS: u64 = 5;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let looker = {
+        let h = h.clone();
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let ks = keys(&(0..THREADS * 100).collect::<Vec<_>>());
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let n = h.lookup_and_pin(&ks[..8]);
+                h.unpin(&ks[..n]);
+                let _ = h.usage().unwrap();
+            }
+        })
+    };
+    let workers: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let h = h.clone();
+            let cache = cache.clone();
+            std::thread::spawn(move || {
+                // Blocks 12t..12t+6 to store from, 12t+6..12t+12 to load into.
+                let src: Vec<u32> = (0..6).map(|i| 12 * t as u32 + i).collect();
+                let dst: Vec<u32> = (0..6).map(|i| 12 * t as u32 + 6 + i).collect();
+                for round in 0..ROUNDS {
+                    let ks: Vec<u64> = (0..6).map(|i| 1000 * (t + 1) + 10 * round + i).collect();
+                    for (&k, &b) in ks.iter().zip(&src) {
+                        cache.fill_block(b, common::seed_of(k));
+                    }
+                    let s = loop {
+                        match h.submit_store(&keys(&ks), &src) {
+                            Ok(s) => break s,
+                            Err(e) if e.kind() == kvtier::ErrorKind::Backpressure => {
+                                std::thread::yield_now()
+                            }
+                            Err(e) => panic!("store: {e}"),
+                        }
+                    };
+                    let r = h.wait(s).unwrap();
+                    assert!(r.all_ok(), "thread {t} round {round}: {r:?}");
+                    for &b in &dst {
+                        cache.write_object(b, 0, 0, &vec![0u8; geo.object_bytes() as usize]);
+                    }
+                    assert_eq!(h.lookup_and_pin(&keys(&ks)), 6);
+                    let l = h.submit_load(&keys(&ks), &dst, 0..geo.layers).unwrap();
+                    h.unpin(&keys(&ks));
+                    for layer in 0..geo.layers {
+                        h.wait_layer(l, layer).unwrap();
+                    }
+                    let r = h.wait(l).unwrap();
+                    assert!(r.all_ok(), "thread {t} round {round}: {r:?}");
+                    for (&k, &b) in ks.iter().zip(&dst) {
+                        assert!(
+                            cache.block_matches(b, common::seed_of(k), 0..geo.layers),
+                            "thread {t} round {round} key {k}: wrong bytes"
+                        );
+                    }
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    looker.join().unwrap();
+    h.close().unwrap();
+    drop(h);
+    let pool = kvtier::Pool::open(&devs, &Default::default()).unwrap();
+    let report = pool.check(|_, _| {}).unwrap();
+    assert_eq!(report.blocks_unverifiable, 0, "{report:?}");
+    assert_eq!(report.blocks_ok, THREADS * ROUNDS * 6, "{report:?}");
+}
