@@ -45,6 +45,7 @@ const NVME_CLASS: &str = "0x010802";
 /// One probed fact: `ok` is `Some(true)` when it is what kvtier needs,
 /// `Some(false)` when it is missing or broken, `None` when it is only
 /// information (or could not be told).
+#[non_exhaustive]
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Item {
     pub key: String,
@@ -54,12 +55,14 @@ pub struct Item {
     pub note: String,
 }
 
+#[non_exhaustive]
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Section {
     pub name: String,
     pub items: Vec<Item>,
 }
 
+#[non_exhaustive]
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Report {
     pub sections: Vec<Section>,

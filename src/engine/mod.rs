@@ -19,6 +19,7 @@ use std::os::fd::RawFd;
 use std::sync::Arc;
 
 /// Counters every engine keeps; the benchmarks report them per layer.
+#[non_exhaustive]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct EngineStats {
     /// IOCBs taken from the SQ.

@@ -22,6 +22,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
 /// Settings of the io_uring engine.
+#[non_exhaustive]
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct UringConfig {
     /// In-flight I/Os per device ring.
@@ -51,6 +52,29 @@ impl Default for UringConfig {
             fixed_buffers: true,
             defer_taskrun: false,
         }
+    }
+}
+
+impl UringConfig {
+    /// With `queue_depth` SQEs per device ring.
+    pub fn with_queue_depth(mut self, queue_depth: u32) -> Self {
+        self.queue_depth = queue_depth;
+        self
+    }
+    /// With SQPOLL idling after `idle_ms` (`None`: no SQPOLL).
+    pub fn with_sqpoll_idle_ms(mut self, idle_ms: Option<u32>) -> Self {
+        self.sqpoll_idle_ms = idle_ms;
+        self
+    }
+    /// With or without fixed buffers.
+    pub fn with_fixed_buffers(mut self, fixed_buffers: bool) -> Self {
+        self.fixed_buffers = fixed_buffers;
+        self
+    }
+    /// With or without DEFER_TASKRUN.
+    pub fn with_defer_taskrun(mut self, defer_taskrun: bool) -> Self {
+        self.defer_taskrun = defer_taskrun;
+        self
     }
 }
 

@@ -132,6 +132,7 @@ pub enum LoadStage {
 
 /// Why the driver cannot be used: the step, the driver version when it was read, and a
 /// message that names the thing and the fix.
+#[non_exhaustive]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LoadError {
     pub stage: LoadStage,

@@ -9,6 +9,7 @@ use serde::Serialize;
 use std::path::Path;
 
 /// The driver and its devices.
+#[non_exhaustive]
 #[derive(Clone, Debug, Serialize)]
 pub struct DriverInfo {
     /// Driver API version as CUDA encodes it (13000 = 13.0).
@@ -18,6 +19,7 @@ pub struct DriverInfo {
     pub devices: Vec<DeviceInfo>,
 }
 
+#[non_exhaustive]
 #[derive(Clone, Debug, Serialize)]
 pub struct DeviceInfo {
     pub ordinal: i32,
@@ -124,6 +126,7 @@ pub fn probe() -> Result<DriverInfo> {
 /// Why [`probe`] found no usable driver, step by step: the loader's [`LoadStage`] (with
 /// an old driver's version), or `stage: None` when the driver loaded and a device query
 /// failed.
+#[non_exhaustive]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProbeFailure {
     /// The loading step that failed; `None`: the driver loaded, a device query failed.

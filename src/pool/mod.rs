@@ -137,6 +137,7 @@ pub struct Pool {
     damaged_headers: Vec<u64>,
 }
 
+#[non_exhaustive]
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct DeviceInfo {
     pub path: PathBuf,
@@ -147,6 +148,7 @@ pub struct DeviceInfo {
     pub groups: u32,
 }
 
+#[non_exhaustive]
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct PoolInfo {
     pub uuid: String,
@@ -172,6 +174,7 @@ pub struct PoolInfo {
 }
 
 /// What `check` found.
+#[non_exhaustive]
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct CheckReport {
     pub blocks_checked: u64,
