@@ -87,7 +87,9 @@ const IOV_MAX: usize = 1024;
 /// (a duplicate of the pool's, [`crate::pool::Pool::device_fds`]); the engine keeps its
 /// own duplicate for as long as it lives, so nothing rests on who is dropped first.
 pub struct UringDevice {
+    /// An owned descriptor of the open file or block device.
     pub fd: OwnedFd,
+    /// Names the device in messages.
     pub name: String,
 }
 
@@ -119,6 +121,8 @@ struct Op {
     iovecs: Vec<libc::iovec>,
 }
 
+/// The io_uring engine: one ring per device (registered file, fixed buffers where the
+/// kernel allows), driven from the caller's thread.
 pub struct UringEngine {
     cfg: UringConfig,
     devs: Vec<DevRing>,
@@ -143,6 +147,7 @@ pub struct UringEngine {
 unsafe impl Send for UringEngine {}
 
 impl UringEngine {
+    /// An engine over `devices`, in pool device order (an IOCTX's `dev` indexes them).
     pub fn new(devices: &[UringDevice], cfg: UringConfig) -> Result<Self> {
         if cfg.queue_depth == 0 || cfg.queue_depth > 4096 {
             return Err(Error::invalid(format!(
