@@ -25,6 +25,11 @@ pub enum KvLayout {
     /// `(num_blocks, layers, 2, block_size, kv_heads, head_dim)`: a block's 2L
     /// objects are contiguous (vLLM's cross-layer offloading layout, LMCache chunks).
     CrossLayer { base: u64 },
+    /// Per-layer tensors, block outermost: layer `l` is one tensor shaped
+    /// `(num_blocks, 2, block_size, kv_heads, head_dim)` at `layer_bases[l]`
+    /// (vLLM's CPU backend; 0.33 standardises this view), so K of block b is
+    /// at `base + 2b*obj` and V right after it.
+    BlockMajor { layer_bases: Vec<u64> },
 }
 
 /// Where the memory is: the engines that can reach it differ.
@@ -60,6 +65,9 @@ impl KvMemory {
                 let l = self.geometry.layers as u64;
                 base + ((block as u64 * l + layer as u64) * 2 + kv as u64) * obj
             }
+            KvLayout::BlockMajor { layer_bases } => {
+                layer_bases[layer as usize] + (block as u64 * 2 + kv as u64) * obj
+            }
         }
     }
 
@@ -68,7 +76,7 @@ impl KvMemory {
         let obj = self.geometry.object_bytes();
         let per_layer = 2 * self.num_blocks as u64 * obj;
         match &self.layout {
-            KvLayout::PerLayer { layer_bases } => {
+            KvLayout::PerLayer { layer_bases } | KvLayout::BlockMajor { layer_bases } => {
                 layer_bases.iter().map(|&b| (b, per_layer)).collect()
             }
             KvLayout::CrossLayer { base } => {
@@ -96,7 +104,7 @@ impl KvMemory {
         }
         let align = KvGeometry::DIRECT_IO_ALIGN;
         match &self.layout {
-            KvLayout::PerLayer { layer_bases } => {
+            KvLayout::PerLayer { layer_bases } | KvLayout::BlockMajor { layer_bases } => {
                 if layer_bases.len() != self.geometry.layers as usize {
                     return Err(Error::Registration(format!(
                         "per-layer layout has {} layer tensors but the model has {} layers; pass one base address per layer",

@@ -228,6 +228,40 @@ mod tests {
     }
 
     #[test]
+    fn block_major_layout_addresses() {
+        let g = tiny();
+        let obj = g.object_bytes();
+        let mem = KvMemory {
+            geometry: g,
+            num_blocks: 10,
+            layout: KvLayout::BlockMajor {
+                layer_bases: vec![0x10_0000, 0x20_0000, 0x30_0000],
+            },
+            kind: MemoryKind::Host,
+        };
+        let t = P2pTable::build(&mem).unwrap();
+        assert_eq!(t.entries().len(), 10 * 3 * 2);
+        // K and V of a block are adjacent within the layer's tensor.
+        let k = t.entry(t.index(4, 1, 0)).unwrap();
+        let v = t.entry(t.index(4, 1, 1)).unwrap();
+        assert_eq!(k.addr, 0x20_0000 + 8 * obj);
+        assert_eq!(v.addr, 0x20_0000 + 9 * obj);
+        assert_eq!(
+            t.entry(t.index(9, 2, 1)).unwrap().addr,
+            0x30_0000 + 19 * obj
+        );
+        assert_eq!(mem.regions()[2], (0x30_0000, 20 * obj));
+        let bad = KvMemory {
+            layout: KvLayout::BlockMajor {
+                layer_bases: vec![0x10_0000, 0x20_0010, 0x30_0000],
+            },
+            ..mem
+        };
+        let msg = P2pTable::build(&bad).err().unwrap().to_string();
+        assert!(msg.contains("layer 1") && msg.contains("4096"), "{msg}");
+    }
+
+    #[test]
     fn cross_layer_layout_addresses() {
         let g = tiny();
         let obj = g.object_bytes();

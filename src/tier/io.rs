@@ -1,7 +1,7 @@
 //! Driving the engine: put planned I/O into IOCBs, account completions to
 //! their jobs, and finish jobs whose work is done.
 
-use super::jobs::{FlushAfter, Item, Step};
+use super::jobs::{FlushAfter, IocbUse, Item, Step};
 use super::store::stage_headers;
 use super::{JobId, JobKind, JobResult, KeyOutcome, Tier};
 use crate::error::{Failure, IoCause, IoFailure, Result};
@@ -93,6 +93,19 @@ impl Tier {
                 return Ok(false);
             }
         }
+        if job.kind == JobKind::Load {
+            // Few reads in flight at once: they land one after another, so
+            // each is hashed while later ones are still on their way (with a
+            // whole layer in flight they share the device's bandwidth and
+            // all land together at its end), and layer 0 is announced soon
+            // after its last read.
+            let out: u64 = job.items.iter().map(|i| i.bytes_out).sum();
+            let item = &job.items[ix];
+            let next = item.ios[item.next..].first().map_or(0, |io| io.len as u64);
+            if out > 0 && out + next > self.cfg.load_inflight_bytes {
+                return Ok(false);
+            }
+        }
         if let Some(st) = &job.store {
             if st.abandoned.is_some() {
                 // Skip the rest: mark every remaining item issued with nothing.
@@ -158,17 +171,27 @@ impl Tier {
             item.next += 1;
         }
         item.iocbs_out += 1;
-        self.jobs.iocb_owner.insert(iocb, (id, ix, first_io));
+        item.bytes_out += bytes;
+        self.jobs.iocb_owner.insert(
+            iocb,
+            IocbUse {
+                job: id,
+                item: ix,
+                first_io,
+                bytes,
+            },
+        );
         self.io.submit(iocb)?;
         Ok(true)
     }
 
     /// Account a completed IOCB to its job.
     pub(super) fn on_iocb(&mut self, iocb: IocbId) {
-        let Some((id, ix, first_io)) = self.jobs.iocb_owner.remove(&iocb) else {
+        let Some(u) = self.jobs.iocb_owner.remove(&iocb) else {
             self.io.release(iocb);
             return;
         };
+        let (id, ix, first_io) = (u.job, u.item, u.first_io);
         let ring = self.io.ring();
         let b = ring.iocb(iocb);
         let mut failures: Vec<(u32, Failure)> = Vec::new();
@@ -199,6 +222,7 @@ impl Tier {
         self.io.release(iocb);
         let job = self.jobs.live.get_mut(&id).expect("IOCB of a live job");
         job.items[ix].iocbs_out -= 1;
+        job.items[ix].bytes_out -= u.bytes;
         let step = job.items[ix].step;
         if let Some((_, msg)) = failures.first() {
             job.items[ix].failed.get_or_insert_with(|| msg.clone());

@@ -33,6 +33,8 @@ pub(super) struct Item {
     pub(super) ios: Vec<PlannedIo>,
     pub(super) next: usize,
     pub(super) iocbs_out: u32,
+    /// Bytes of the item's I/O in IOCBs not yet completed.
+    pub(super) bytes_out: u64,
     /// The first failure among the item's I/Os.
     pub(super) failed: Option<Failure>,
     /// A verified load layer: the checksums of its objects as they land.
@@ -76,6 +78,7 @@ impl Item {
             ios,
             next: 0,
             iocbs_out: 0,
+            bytes_out: 0,
             failed: None,
             check: None,
         }
@@ -165,12 +168,22 @@ impl Job {
     }
 }
 
+/// The I/O one IOCB in flight carries: I/Os `first_io..` of item `item` of
+/// job `job`, `bytes` in all.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct IocbUse {
+    pub(super) job: JobId,
+    pub(super) item: usize,
+    pub(super) first_io: usize,
+    pub(super) bytes: u64,
+}
+
 /// Every job of a tier and what it holds, in one place.
 pub(super) struct JobTable {
     /// Jobs not yet finished.
     pub(super) live: HashMap<JobId, Job>,
-    /// The job, item and first I/O of the item each IOCB in flight carries.
-    pub(super) iocb_owner: HashMap<IocbId, (JobId, usize, usize)>,
+    /// What each IOCB in flight carries.
+    pub(super) iocb_owner: HashMap<IocbId, IocbUse>,
     /// Load I/Os that landed and whose bytes are not yet hashed: (job, item,
     /// I/O of the item).
     pub(super) landed: Vec<(JobId, usize, usize)>,

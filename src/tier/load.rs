@@ -107,19 +107,29 @@ impl Tier {
             self.jobs.landed.clear();
             return;
         };
+        // (job, item, position, K|V, P2P index) of every object landed.
+        let mut todo: Vec<(JobId, usize, u32, u8, u32)> = Vec::new();
         for (id, ix, io) in self.jobs.landed.drain(..) {
-            let Some(job) = self.jobs.live.get_mut(&id) else {
+            let Some(job) = self.jobs.live.get(&id) else {
                 continue;
             };
-            let item = &mut job.items[ix];
-            let Some(check) = item.check.as_mut() else {
+            let item = &job.items[ix];
+            let Some(check) = item.check.as_ref() else {
                 continue;
             };
             let first = check.first_obj[io] as usize;
             for (j, &seg) in item.ios[io].segs.iter().enumerate() {
                 let (p, kv) = check.owners[first + j];
-                check.kv_crcs[p as usize][kv as usize] = crc32c::crc32c(entry_bytes(table, seg));
+                todo.push((id, ix, p, kv, seg));
             }
+        }
+        let crcs = hash_entries(table, todo.iter().map(|t| t.4).collect());
+        for ((id, ix, p, kv, _), crc) in todo.into_iter().zip(crcs) {
+            let check = self.jobs.live.get_mut(&id).expect("live job").items[ix]
+                .check
+                .as_mut()
+                .expect("checked above");
+            check.kv_crcs[p as usize][kv as usize] = crc;
         }
     }
 
@@ -189,6 +199,35 @@ fn entry_bytes(table: &P2pTable, seg: u32) -> &[u8] {
     // keeps alive (register_memory's contract), and no I/O writes it now: a
     // store reads it, or the load that wrote it has completed.
     unsafe { std::slice::from_raw_parts(d.addr as *const u8, d.len as usize) }
+}
+
+/// crc32c of each P2P-table entry of `segs`, on two threads when there is
+/// much to hash: reads that land together (the last ones of a layer) are
+/// hashed while the layer's announcement waits.
+fn hash_entries(table: &P2pTable, segs: Vec<u32>) -> Vec<u32> {
+    // Below this many bytes (one typical read) a second thread costs more
+    // than it saves.
+    const SPLIT_BYTES: u64 = 8 << 20;
+    let bytes: u64 = segs
+        .iter()
+        .map(|&s| table.entry(s).map_or(0, |d| d.len as u64))
+        .sum();
+    let hash = |part: &[u32]| -> Vec<u32> {
+        part.iter()
+            .map(|&s| crc32c::crc32c(entry_bytes(table, s)))
+            .collect()
+    };
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if bytes < SPLIT_BYTES || cpus < 2 || segs.len() < 2 {
+        return hash(&segs);
+    }
+    let (a, b) = segs.split_at(segs.len() / 2);
+    std::thread::scope(|s| {
+        let other = s.spawn(|| hash(b));
+        let mut got = hash(a);
+        got.extend(other.join().expect("a checksum thread panicked"));
+        got
+    })
 }
 
 /// The bytes of one object of a memory block.

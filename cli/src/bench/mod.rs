@@ -75,6 +75,11 @@ pub struct BenchReport {
     pub skipped: Vec<String>,
     /// fio's reference figures on the same directory (`--against-fio`).
     pub fio: Option<FioReferences>,
+    /// Share of the host KV memory backed by huge pages (None when
+    /// /proc/self/smaps cannot say). Less than 1 means more DMA segments per
+    /// I/O, which on a VM's virtio disk costs bandwidth: a cause of runs
+    /// that differ while fio (in 4 KiB pages every time) does not.
+    pub huge_page_share: Option<f64>,
 }
 
 /// fio on the same filesystem as the pool, in the same run.
@@ -88,6 +93,10 @@ pub struct FioReferences {
     /// Random reads of one object each: what an uncoalesced restore costs.
     pub rand_read: IoResult,
     pub rand_read_cmd: Vec<String>,
+    /// The device's best sequential write (no fsync), chosen like
+    /// `seq_read`: what a store is measured against.
+    pub seq_write: IoResult,
+    pub seq_write_cmd: Vec<String>,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -244,6 +253,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
             results,
             skipped,
             fio: None,
+            huge_page_share: None,
         });
     }
     crate::cli::check_host_memory(
@@ -263,6 +273,10 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
     let cache = Arc::new(HostKvCache::new(geo, max_blocks as u32, layout)?);
     tier.register_host_cache(cache.clone())?;
     let engine = tier.engine().describe();
+    let huge_page_share = tier.p2p_table().and_then(|t| {
+        let regions: Vec<(u64, u64)> = t.regions().iter().map(|r| (r.addr, r.len)).collect();
+        huge_page_share(&regions)
+    });
 
     for (ci, &tokens) in contexts.iter().enumerate() {
         let blocks = geo.tokens_to_blocks(tokens);
@@ -359,7 +373,46 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
         results,
         skipped,
         fio: None,
+        huge_page_share,
     })
+}
+
+/// The share of the memory `regions` (address, length) backed by huge
+/// pages, from /proc/self/smaps: transparent ones (AnonHugePages) or a
+/// hugetlbfs mapping (KernelPageSize 2048 kB or more).
+pub(crate) fn huge_page_share(regions: &[(u64, u64)]) -> Option<f64> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    let total: u64 = regions.iter().map(|r| r.1).sum();
+    if total == 0 {
+        return None;
+    }
+    let overlaps = |lo: u64, hi: u64| regions.iter().any(|&(a, len)| lo < a + len && a < hi);
+    let mut huge = 0u64;
+    let mut cur: Option<(u64, u64)> = None;
+    let mut page_kb = 4u64;
+    for line in smaps.lines() {
+        let mut f = line.split_whitespace();
+        let first = f.next().unwrap_or("");
+        if let Some((lo, hi)) = first.split_once('-').and_then(|(a, b)| {
+            Some((
+                u64::from_str_radix(a, 16).ok()?,
+                u64::from_str_radix(b, 16).ok()?,
+            ))
+        }) {
+            cur = overlaps(lo, hi).then_some((lo, hi));
+            page_kb = 4;
+            continue;
+        }
+        let Some((lo, hi)) = cur else { continue };
+        let kb = || f.clone().next().and_then(|v| v.parse::<u64>().ok());
+        match first {
+            "KernelPageSize:" => page_kb = kb().unwrap_or(4),
+            "AnonHugePages:" if page_kb < 2048 => huge += kb().unwrap_or(0) << 10,
+            "Rss:" if page_kb >= 2048 => huge += (kb().unwrap_or(0) << 10).min(hi - lo),
+            _ => {}
+        }
+    }
+    Some((huge as f64 / total as f64).min(1.0))
 }
 
 /// The pool must be on the very files created for it: a file swapped in
@@ -418,15 +471,28 @@ pub fn fio_references(cfg: &BenchConfig, progress: &dyn Fn(&str)) -> Result<FioR
         cfg.tier.uring.queue_depth,
     );
     let r = run(Pattern::RandRead, cfg.geometry.object_bytes(), 32);
+    let wa = run(Pattern::Write, 1 << 20, 16);
+    let wb = run(
+        Pattern::Write,
+        cfg.tier.max_io_bytes,
+        cfg.tier.uring.queue_depth,
+    );
     drop(scratch);
-    let (a, b, r) = (a?, b?, r?);
+    let (a, b, r, wa, wb) = (a?, b?, r?, wa?, wb?);
     let seq = if a.0.read_bw >= b.0.read_bw { a } else { b };
+    let wseq = if wa.0.write_bw >= wb.0.write_bw {
+        wa
+    } else {
+        wb
+    };
     Ok(FioReferences {
         version,
         seq_read: seq.0,
         seq_read_cmd: seq.1,
         rand_read: r.0,
         rand_read_cmd: r.1,
+        seq_write: wseq.0,
+        seq_write_cmd: wseq.1,
     })
 }
 
@@ -454,6 +520,10 @@ pub fn plot(report: &BenchReport, path: &std::path::Path) -> Result<()> {
     let mut refs = Vec::new();
     if let Some(f) = &report.fio {
         refs.push(("fio sequential read".to_string(), f.seq_read.read_bw / GIB));
+        refs.push((
+            "fio sequential write".to_string(),
+            f.seq_write.write_bw / GIB,
+        ));
         refs.push((
             "fio random read (one object per I/O)".to_string(),
             f.rand_read.read_bw / GIB,
@@ -645,12 +715,16 @@ pub fn render_raw(r: &RawReport) -> String {
             ratio
         );
         s += &format!(
-            "{:<34} {} I/Os ({} on fixed buffers), {} syscalls; {}\n",
+            "{:<34} {} I/Os ({} on fixed buffers), {} syscalls; {}{}\n",
             "",
             run.engine.stats.ios,
             run.engine.stats.fixed_buffer_ios,
             run.engine.stats.syscalls,
-            run.engine.describe
+            run.engine.describe,
+            run.engine
+                .huge_page_share
+                .map(|h| format!("; buffers {:.0}% in huge pages", h * 100.0))
+                .unwrap_or_default()
         );
         if let Some(f) = &run.fio {
             s += &format!("{}\n", line(&format!("fio    {}", run.name), f));
@@ -695,12 +769,13 @@ pub fn render(report: &BenchReport) -> String {
         report.machine.filesystem_of_dir
     );
     s += &format!(
-        "{:>8} {:>10} {:>11} {:>13} {:>11} {:>10} {:>12} {:>14} {:>14}\n",
+        "{:>8} {:>10} {:>11} {:>13} {:>11} {:>10} {:>10} {:>12} {:>14} {:>14}\n",
         "tokens",
         "size",
         "store GiB/s",
         "retrieve GiB/s",
         "layer0 ms",
+        "layer0/avg",
         "I/O/layer",
         "enter/layer",
         "store us/obj",
@@ -708,12 +783,13 @@ pub fn render(report: &BenchReport) -> String {
     );
     for r in &report.results {
         s += &format!(
-            "{:>8} {:>10} {:>11.2} {:>13.2} {:>11.2} {:>10.1} {:>12.1} {:>14.3} {:>14.3}\n",
+            "{:>8} {:>10} {:>11.2} {:>13.2} {:>11.2} {:>10.2} {:>10.1} {:>12.1} {:>14.3} {:>14.3}\n",
             r.tokens,
             human_bytes(r.bytes),
             r.store_gib_s,
             r.retrieve_gib_s,
             r.first_layer_ms,
+            r.first_layer_ms / (r.retrieve_secs * 1e3 / g.layers as f64),
             r.ios_per_layer,
             r.syscalls_per_layer,
             r.store_cpu_us_per_object,
@@ -722,6 +798,12 @@ pub fn render(report: &BenchReport) -> String {
     }
     for k in &report.skipped {
         s += &format!("skipped {k}\n");
+    }
+    if let Some(h) = report.huge_page_share {
+        s += &format!(
+            "host KV memory in huge pages: {:.0}% (fewer DMA segments per I/O; on a VM a low share costs bandwidth)\n",
+            h * 100.0
+        );
     }
     if let Some(f) = &report.fio {
         let seq = f.seq_read.read_bw / GIB;
@@ -733,12 +815,19 @@ pub fn render(report: &BenchReport) -> String {
             human_bytes(g.object_bytes()),
             f.rand_read.read_bw / GIB
         );
+        let wseq = f.seq_write.write_bw / GIB;
+        s += &format!(
+            "reference: sequential write {:.2} GiB/s [{}]\n",
+            wseq,
+            f.seq_write_cmd.join(" ")
+        );
         for r in &report.results {
             s += &format!(
-                "{:>8} tokens: retrieve {:.3}x fio sequential read, {:.1}x fio random object reads\n",
+                "{:>8} tokens: retrieve {:.3}x fio sequential read, {:.1}x fio random object reads; store {:.3}x fio sequential write\n",
                 r.tokens,
                 r.retrieve_gib_s / seq,
-                r.retrieve_gib_s / (f.rand_read.read_bw / GIB).max(1e-9)
+                r.retrieve_gib_s / (f.rand_read.read_bw / GIB).max(1e-9),
+                r.store_gib_s / wseq.max(1e-9)
             );
         }
     }
