@@ -48,6 +48,7 @@ pub mod handle;
 pub mod host;
 pub mod json;
 pub mod memory;
+#[warn(missing_docs)]
 pub mod model;
 pub mod nvme;
 #[warn(missing_docs)]
