@@ -23,7 +23,7 @@ pub struct PlannedIo {
 }
 
 /// Most segments one I/O may carry: the kernel's IOV_MAX for readv/writev.
-pub const MAX_SEGS_PER_IO: usize = 1024;
+pub(crate) const MAX_SEGS_PER_IO: usize = 1024;
 
 /// Cut key positions into runs of consecutive slots within one extent group
 /// of `group_blocks`, in slot order. `slots[p]` is position p's slot.

@@ -55,7 +55,7 @@ impl DriverInfo {
 
 /// Whether green contexts can be used, and why (not): driver API >= 12.4,
 /// compute capability >= 9.0 (Hopper), and every green-context symbol.
-pub fn green_support(version: i32, cc_major: i32, missing: &[&str]) -> (bool, String) {
+pub(crate) fn green_support(version: i32, cc_major: i32, missing: &[&str]) -> (bool, String) {
     if version < 12040 {
         (
             false,
@@ -155,7 +155,7 @@ pub fn probe_detailed() -> std::result::Result<DriverInfo, ProbeFailure> {
 }
 
 /// Driver API version as `major.minor` (13000 → "13.0").
-pub fn version_string(v: i32) -> String {
+pub(crate) fn version_string(v: i32) -> String {
     format!("{}.{}", v / 1000, (v % 1000) / 10)
 }
 

@@ -10,7 +10,7 @@ use std::os::fd::{AsFd, AsRawFd};
 use std::ptr::NonNull;
 
 /// Alignment (bytes) of every direct I/O buffer, offset and length kvtier issues.
-pub const DIRECT_IO_ALIGN: usize = 4096;
+pub(crate) const DIRECT_IO_ALIGN: usize = 4096;
 
 /// A zeroed heap buffer aligned to [`DIRECT_IO_ALIGN`], its length a multiple of it: what
 /// `O_DIRECT` and NVMe need.
@@ -104,7 +104,7 @@ impl fmt::Debug for AlignedBuf {
 /// The direct I/O alignments the kernel reports for an open file (statx
 /// `STATX_DIOALIGN`, Linux 6.1+).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DioAlign {
+pub(crate) struct DioAlign {
     /// Alignment of user memory buffers, bytes.
     pub memory: u32,
     /// Alignment of file offsets and lengths, bytes.
@@ -113,7 +113,7 @@ pub struct DioAlign {
 
 /// The direct I/O alignments of the open file `file`: `Ok(None)` when the kernel or the
 /// filesystem does not report them (kernel < 6.1, or a filesystem without the field).
-pub fn dio_align(file: impl AsFd) -> io::Result<Option<DioAlign>> {
+pub(crate) fn dio_align(file: impl AsFd) -> io::Result<Option<DioAlign>> {
     let mut stx = MaybeUninit::<libc::statx>::zeroed();
     // SAFETY: statx with AT_EMPTY_PATH and an empty C string stats the open fd and writes
     // at most one `struct statx` into `stx`, which is live and large enough.

@@ -85,11 +85,11 @@ pub struct IoCtx {
 }
 
 /// `IocbHeader::state` values.
-pub const IOCB_STATE_FREE: u32 = 0;
+pub(crate) const IOCB_STATE_FREE: u32 = 0;
 /// Handed out by `get_iocb`, being filled by the submitter.
 pub const IOCB_STATE_FILLING: u32 = 1;
 /// In the submission queue or being executed by the engine.
-pub const IOCB_STATE_SUBMITTED: u32 = 2;
+pub(crate) const IOCB_STATE_SUBMITTED: u32 = 2;
 /// Every IOCTX has completed; its id is (or was) in the completion queue.
 pub const IOCB_STATE_COMPLETE: u32 = 3;
 

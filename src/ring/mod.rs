@@ -71,7 +71,7 @@ pub struct GioRing {
 }
 
 /// Upper bound on ring depth: 4096 IOCBs are 512 MiB of arena.
-pub const MAX_RING_DEPTH: u32 = 4096;
+pub(crate) const MAX_RING_DEPTH: u32 = 4096;
 
 impl GioRing {
     /// A ring of `depth` IOCBs (a power of two, 1..=4096).
