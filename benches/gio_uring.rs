@@ -176,7 +176,7 @@ fn bench_uring(c: &mut Criterion) {
     let table = Arc::new(P2pTable::build(cache.memory()).expect("P2P table"));
     let mut engine = UringEngine::new(
         &[UringDevice {
-            fd: dev.raw_fd(),
+            fd: dev.as_fd().try_clone_to_owned().unwrap(),
             name: "bench".into(),
         }],
         UringConfig::default(),

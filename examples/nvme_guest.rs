@@ -28,7 +28,7 @@ use kvtier::nvme::ctrl::{
     Bar0, Controller, ControllerOptions, DataMode, DmaAlloc, DmaRegion, IoDir,
 };
 use kvtier::nvme::spec::{build_prps, Extent, SglDescriptor, Sqe};
-use kvtier::nvme::uio::{HugeDma, UioBar0};
+use kvtier::nvme::uio::{open_bar0, HugeDma};
 use kvtier::nvme::vfio::VfioDevice;
 use kvtier::nvme::DataPtr;
 use kvtier::nvme::{NvmeConfig, NvmeNamespace};
@@ -165,9 +165,7 @@ fn run(args: &Args) -> kvtier::error::Result<bool> {
         let dev = VfioDevice::open(&addr)?;
         suite_on(args, &addr, results, dev.bar0(), || dev.dma(32 << 20))
     } else {
-        suite_on(args, &addr, results, UioBar0::open(&addr)?, || {
-            HugeDma::new(8)
-        })
+        suite_on(args, &addr, results, open_bar0(&addr)?, || HugeDma::new(8))
     };
     let mut end = Vec::new();
     case(&mut end, "bind restore_at_exit", || {

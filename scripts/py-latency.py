@@ -60,6 +60,24 @@ def main():
         py_load = median_ns(lambda i: tier.wait(tier.submit_load(keys[:1], [1])), n)
         rs_load = _kvtier.rust_latency(tier, "load", keys, n, 0)
         rows.append(("load 1 block (all layers), waited", py_load, rs_load))
+        try:
+            # The vLLM connector's scheduler looks up through the worker's
+            # socket (kvtier.vllm): that round trip against the handle's lookup.
+            from kvtier import vllm as kvv
+
+            name = b"\0kvtier-pylat-" + str(os.getpid()).encode()
+            server = kvv._LookupServer(name, tier)
+            client = kvv._LookupClient(name)
+            bkeys = [k.to_bytes(32, "little") for k in keys]
+            for k in bkeys:
+                tier.wait(tier.submit_store([k], [0]))
+            assert client.call(kvv._LOOKUP, bkeys) == len(bkeys)
+            py_sock = median_ns(lambda i: client.call(kvv._LOOKUP, bkeys), n)
+            rs_sock = _kvtier.rust_latency(tier, "lookup", bkeys, n, 0)
+            rows.append((f"lookup {len(keys)} keys via connector socket", py_sock, rs_sock))
+            server.close()
+        except ImportError:
+            pass
         g = tier.geometry
         print(f"model {a.model}: {g['layers']} layers, block {g['block_bytes'] // 1024} KiB; "
               f"engine {tier.engine}; {n} iterations each; medians")

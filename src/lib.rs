@@ -1,15 +1,40 @@
 //! kvtier: a GPU-centric NVMe SSD tier for LLM KV caches.
 //!
-//! Rooms (see DESIGN.md): `model` (KV geometry), `pool` (key → GPU file on the
-//! SSDs), `memory` + `p2p` (registered KV memory → SGL descriptors), `ring`
-//! (gio_uring: IOCBs of IOCTXs), `engine` (who executes IOCBs: io_uring,
-//! userspace NVMe, the GPU kernel), `tier` (the single-threaded core),
-//! `handle` (the thread-safe front door serving engines call: [`TierHandle`],
-//! opened with [`TierBuilder`]). Raw syscalls live only in `engine::uring`
-//! and `pool::backing`.
+//! Rooms, bottom up (docs/design.md tells the design):
+//!
+//! - `host`: facts about the machine (PCI functions in sysfs, mounts and holders,
+//!   filesystem signatures, direct-I/O alignment and [`host::dio::AlignedBuf`], byte
+//!   sizes for people).
+//! - `model` (KV geometry), `json` (strict JSON readers), `error`.
+//! - `pool`: key → slot on the SSDs; `pool::backing` opens the files and block devices
+//!   kvtier was given and refuses anyone else's data.
+//! - `memory` + `p2p`: registered KV memory → SGL descriptors.
+//! - `ring`: gio_uring, data only (IOCBs of IOCTXs, SQ and CQ of ids); its ABI
+//!   re-exports the NVMe SGL descriptor `nvme::spec` owns.
+//! - `nvme`: userspace NVMe (spec layouts, queue pairs, controller bring-up, uio and
+//!   VFIO access with one mapped BAR0, the binder, the namespace as pool storage, a
+//!   simulated controller for tests).
+//! - `gpu`: the CUDA driver layer (loader, contexts, green contexts, memory, DMA paths,
+//!   kernels, [`gpu::probe()`]).
+//! - `engine`: who executes IOCBs (io_uring, userspace NVMe, the GPU kernel);
+//!   `submitter` pairs a ring with its engine, above both.
+//! - `tier` (the single-threaded core), `sched` + `slack` + `plan` (when I/O runs),
+//!   `handle` (the thread-safe front door serving engines call: [`TierHandle`],
+//!   opened with [`TierBuilder`]).
+//! - `doctor`: what this machine can run, from the layers above (the builder's
+//!   automatic engine choice runs it).
+//!
+//! The command line (`kvtier` binary: pool, bench, replay, doctor, nvme) is the
+//! `kvtier-cli` crate in `cli/`; this crate has no CLI dependencies.
+//!
+//! Raw syscalls and ioctls live in small modules behind safe types: `host::dio`
+//! (statx), `pool::backing`'s `sys`, `scan` and `locks` (block-device ioctls,
+//! fallocate, lseek, flock), `engine::uring` (io_uring through the io-uring crate,
+//! poll), `nvme::{uio, vfio, mmio}` (BAR and DMA mappings, pagemap, VFIO ioctls),
+//! `gpu::driver` (every CUDA driver call), `scratch` (the signal handler that removes
+//! scratch files), and `doctor` (the NVMe admin Identify ioctl). Everything above them
+//! is safe Rust over those types.
 
-pub mod bench;
-pub mod cli;
 pub mod doctor;
 pub mod engine;
 pub mod error;
@@ -22,11 +47,9 @@ pub mod json;
 pub mod memory;
 pub mod model;
 pub mod nvme;
-pub mod nvme_cli;
 pub mod p2p;
 pub mod plan;
 pub mod pool;
-pub mod replay;
 pub mod ring;
 pub mod sched;
 pub mod scratch;

@@ -92,12 +92,8 @@ impl ScratchFile {
     }
 
     /// Whether the open descriptor `fd` is the file this created.
-    pub fn is_fd(&self, fd: std::os::fd::RawFd) -> bool {
-        // SAFETY: fstat writes into the struct we pass; a bad fd is an error.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        (unsafe { libc::fstat(fd, &mut st) } == 0)
-            && st.st_dev as u64 == self.dev
-            && st.st_ino as u64 == self.ino
+    pub fn is_fd(&self, fd: impl std::os::fd::AsFd) -> bool {
+        nix::sys::stat::fstat(fd).is_ok_and(|st| st.st_dev == self.dev && st.st_ino == self.ino)
     }
 
     /// Leave the file in place when this is dropped (`--keep`).

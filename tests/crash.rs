@@ -2,7 +2,8 @@
 //! random points, then reopen the pool. No key acknowledged before the kill
 //! may be lost; no key may return bytes other than what was stored.
 //!
-//! The child is `kvtier debug crash-writer`, which stores jobs of 8 blocks
+//! The child is the crash writer (`common::crash`, this test binary re-run on
+//! `crash_writer_child`), which stores jobs of 8 blocks
 //! and prints "ACK <keys>" once each job is durable. Iterations: 60 by
 //! default (KVTIER_CRASH_ITERS overrides), half on a pool large enough that
 //! nothing is evicted (every acknowledged key must survive), half on a small
@@ -18,7 +19,6 @@ use kvtier::{HostKvCache, HostLayout};
 use std::collections::HashSet;
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -40,20 +40,8 @@ enum KillFrom {
 /// Run the writer, kill it `delay` after `from`, return the keys it
 /// acknowledged.
 fn run_and_kill(devs: &[PathBuf], start_key: u64, delay: Duration, from: KillFrom) -> Vec<u64> {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvtier"));
-    cmd.args([
-        "debug",
-        "crash-writer",
-        "--start-key",
-        &start_key.to_string(),
-    ])
-    .args(["--blocks-per-job", &PER_JOB.to_string()])
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped());
-    for d in devs {
-        cmd.arg("--dev").arg(d);
-    }
-    let mut child = cmd.spawn().expect("spawn kvtier crash-writer");
+    let mut cmd = common::crash::writer_command(devs, start_key, PER_JOB as u32, u64::MAX);
+    let mut child = cmd.spawn().expect("spawn the crash writer");
     let stdout = child.stdout.take().unwrap();
     let (first_ack, acked) = std::sync::mpsc::channel::<()>();
     let reader = std::thread::spawn(move || {
@@ -159,6 +147,12 @@ fn kill_point(rng: &mut Rng, i: usize) -> (Duration, KillFrom) {
             KillFrom::FirstAck,
         )
     }
+}
+
+/// The crash writer's entry point when this binary is re-run as the child.
+#[test]
+fn crash_writer_child() {
+    common::crash::child_main()
 }
 
 #[test]

@@ -29,7 +29,7 @@ fn rig(fixed_buffers: bool, layout: HostLayout) -> Rig {
     let table = Arc::new(P2pTable::build(cache.memory()).unwrap());
     let mut engine = UringEngine::new(
         &[UringDevice {
-            fd: dev.raw_fd(),
+            fd: dev.as_fd().try_clone_to_owned().unwrap(),
             name: "dev".into(),
         }],
         UringConfig {

@@ -153,11 +153,12 @@ fn parse_dtype(s: &str) -> std::result::Result<DType, String> {
 
 /// A token count: digits with an optional k/m suffix (binary: 64k = 65536).
 fn parse_tokens(s: &str) -> std::result::Result<u64, String> {
-    kvtier::cli::parse_size(s).map_err(|_| format!("{s:?} is not a token count (e.g. 4096, 64k)"))
+    kvtier_cli::cli::parse_size(s)
+        .map_err(|_| format!("{s:?} is not a token count (e.g. 4096, 64k)"))
 }
 
 fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
-    kvtier::cli::parse_size(s).map_err(|e| e.to_string())
+    kvtier_cli::cli::parse_size(s).map_err(|e| e.to_string())
 }
 
 /// Where the compute times come from.
@@ -525,7 +526,7 @@ fn write_atomically(path: &Path, text: &str) -> Result<()> {
 
 /// (machine, kernel) from /proc: "CPU model x N CPUs, M GiB RAM", kernel release.
 pub fn machine() -> (String, String) {
-    let probe = kvtier::bench::Machine::probe(Path::new("."));
+    let probe = kvtier_cli::bench::Machine::probe(Path::new("."));
     let mem_gib = std::fs::read_to_string("/proc/meminfo")
         .ok()
         .and_then(|s| {

@@ -9,11 +9,11 @@
 //! mean submission-to-completion time of one object-sized random read at
 //! queue depth 1, for the remaining 20%. The file is removed afterwards.
 
-use kvtier::bench::fio::{prepare_file, IoResult, Pattern, Workload};
-use kvtier::bench::raw;
 use kvtier::engine::uring::UringConfig;
 use kvtier::slack::StorageInfo;
 use kvtier::{Error, KvGeometry, Result};
+use kvtier_cli::bench::fio::{prepare_file, IoResult, Pattern, Workload};
+use kvtier_cli::bench::raw;
 use std::path::Path;
 
 /// The default assumption: one PCIe Gen4 x4 NVMe SSD's sequential bandwidth,
@@ -108,7 +108,7 @@ pub fn measure(
             dir.display()
         )));
     }
-    let fs = kvtier::bench::Machine::probe(dir).filesystem_of_dir;
+    let fs = kvtier_cli::bench::Machine::probe(dir).filesystem_of_dir;
     Ok(StorageInfo {
         read_gbs: round3(read.read_bw / 1e9),
         write_gbs: round3(write.write_bw / 1e9),

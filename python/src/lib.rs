@@ -404,17 +404,19 @@ impl TierBuilder {
     /// The engine's own KV memory: CPU torch tensors or writable buffers
     /// (memoryview, bytearray, numpy), kept alive by the handle until it is
     /// closed. "per_layer": one per layer, each `(2, blocks, block_size,
-    /// heads, dim)`; "cross_layer": one, `(blocks, layers, 2, block_size,
-    /// heads, dim)`. Each must be 4096-byte aligned for direct I/O.
+    /// heads, dim)`; "block_major": one per layer, each `(blocks, 2,
+    /// block_size, heads, dim)` (vLLM's CPU cache); "cross_layer": one,
+    /// `(blocks, layers, 2, block_size, heads, dim)`. Each must be 4096-byte
+    /// aligned for direct I/O.
     #[pyo3(signature = (tensors, layout = String::from("per_layer")))]
     fn kv_memory<'a>(
         mut slf: PyRefMut<'a, Self>,
         tensors: &Bound<'_, PyAny>,
         layout: String,
     ) -> PyResult<PyRefMut<'a, Self>> {
-        if !matches!(layout.as_str(), "per_layer" | "cross_layer") {
+        if !matches!(layout.as_str(), "per_layer" | "block_major" | "cross_layer") {
             return Err(usage(format!(
-                "kv_memory layout {layout:?} is unknown; say \"per_layer\" or \"cross_layer\""
+                "kv_memory layout {layout:?} is unknown; say \"per_layer\", \"block_major\" or \"cross_layer\""
             )));
         }
         let items: Vec<Bound<'_, PyAny>> = if tensors.hasattr("data_ptr")? {
@@ -432,11 +434,9 @@ impl TierBuilder {
             let (addr, len) = if t.hasattr("data_ptr")? {
                 tensor_region(t, i)?
             } else {
-                let b = PyBuffer::<u8>::get(t).map_err(|_| {
-                    PyTypeError::new_err(format!(
-                        "KV memory {i} is neither a torch tensor nor a buffer (memoryview, bytearray, numpy array)"
-                    ))
-                })?;
+                // Through byte_buffer: multi-dimensional views (vLLM's
+                // primary_kv_view is (chunks, bytes)) are cast to bytes first.
+                let b = byte_buffer(t, &format!("KV memory {i}"))?;
                 if b.readonly() {
                     return Err(usage(format!(
                         "KV memory {i} is a read-only buffer; loads write into it: pass a writable one (bytearray, a writable memoryview)"
@@ -627,10 +627,10 @@ fn tensor_region(t: &Bound<'_, PyAny>, i: usize) -> PyResult<(u64, u64)> {
 fn memory_of(g: KvGeometry, regions: &[(u64, u64)], layout: &str) -> PyResult<KvMemory> {
     let obj = g.object_bytes();
     let (layout, per_block, got) = match layout {
-        "per_layer" => {
+        "per_layer" | "block_major" => {
             if regions.len() != g.layers as usize {
                 return Err(usage(format!(
-                    "per_layer KV memory has {} tensors but the model has {} layers; pass one tensor per layer",
+                    "{layout} KV memory has {} tensors but the model has {} layers; pass one tensor per layer",
                     regions.len(),
                     g.layers
                 )));
@@ -642,9 +642,12 @@ fn memory_of(g: KvGeometry, regions: &[(u64, u64)], layout: &str) -> PyResult<Kv
                     r.1
                 )));
             }
+            let layer_bases = regions.iter().map(|r| r.0).collect();
             (
-                KvLayout::PerLayer {
-                    layer_bases: regions.iter().map(|r| r.0).collect(),
+                if layout == "block_major" {
+                    KvLayout::BlockMajor { layer_bases }
+                } else {
+                    KvLayout::PerLayer { layer_bases }
                 },
                 2 * obj,
                 first,

@@ -5,10 +5,10 @@
 //! brought up by [`crate::nvme::ctrl::Controller`] with two I/O queue pairs:
 //! the first carries the data path (this engine), the second the pool's own
 //! synchronous metadata I/O (superblock, header scans, `pool check`) through
-//! the [`Storage`] trait, so neither ever reaps the other's completions.
+//! the [`Storage`](crate::pool::Storage) trait, so neither ever reaps the other's completions.
 //!
 //! Memory: at [`IoEngine::register_memory`] every region of the P2P table is
-//! mapped for each controller ([`DmaAlloc::map_host`]: an IOMMU mapping
+//! mapped for each controller ([`DmaAlloc::map_host`](crate::nvme::ctrl::DmaAlloc::map_host): an IOMMU mapping
 //! under VFIO, locked pages and their physical frames under uio) and every
 //! table entry translated once into device extents. A command then costs a
 //! table lookup per segment, no address arithmetic beyond merging adjacent

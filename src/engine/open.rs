@@ -10,7 +10,7 @@ use super::IoEngine;
 use crate::error::{Error, Result};
 use crate::host::pci::{bound_driver, pci_device_dir};
 use crate::nvme::ctrl::{Bar0, Controller, ControllerOptions, DmaAlloc};
-use crate::nvme::uio::{HugeDma, UioBar0};
+use crate::nvme::uio::{open_bar0, HugeDma};
 use crate::nvme::vfio::VfioDevice;
 use crate::nvme::{NvmeConfig, NvmeNamespace};
 use crate::pool::{OpenExpect, Pool, PoolConfig};
@@ -48,7 +48,7 @@ pub fn pool_on_nvme(
         }
         Some("uio_pci_generic") => serve(
             addr,
-            UioBar0::open(addr)?,
+            open_bar0(addr)?,
             HugeDma::new(8),
             engine,
             create,

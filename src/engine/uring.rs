@@ -18,7 +18,7 @@ use crate::ring::abi::*;
 use crate::ring::{GioRing, IocbId};
 use io_uring::{opcode, register::Probe, types, IoUring};
 use std::collections::VecDeque;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
 /// Settings of the io_uring engine.
@@ -59,15 +59,18 @@ const MAX_FIXED_BUFFER: u64 = 1 << 30;
 /// The kernel's limit on iovecs per readv/writev.
 const IOV_MAX: usize = 1024;
 
-/// A device the engine drives: the fd must stay open while the engine lives
-/// (the pool owns the files and outlives the engine).
+/// A device the engine drives: an owned descriptor of the open file or block device
+/// (a duplicate of the pool's, [`crate::pool::Pool::device_fds`]); the engine keeps its
+/// own duplicate for as long as it lives, so nothing rests on who is dropped first.
 pub struct UringDevice {
-    pub fd: RawFd,
+    pub fd: OwnedFd,
     pub name: String,
 }
 
 struct DevRing {
     ring: IoUring,
+    /// The device's descriptor, registered as fixed file 0 of `ring`.
+    _file: OwnedFd,
     name: String,
     in_flight: u32,
     /// IOCTXs accepted but not yet started, beyond the queue depth.
@@ -159,8 +162,12 @@ impl UringEngine {
                         e,
                     )
                 })?;
+            let file = d
+                .fd
+                .try_clone()
+                .map_err(|e| Error::io(format!("duplicating the descriptor of {}", d.name), e))?;
             ring.submitter()
-                .register_files(&[d.fd])
+                .register_files(&[file.as_fd().as_raw_fd()])
                 .map_err(|e| Error::io(format!("registering {} with io_uring", d.name), e))?;
             let mut probe = Probe::new();
             if ring.submitter().register_probe(&mut probe).is_err()
@@ -174,6 +181,7 @@ impl UringEngine {
             }
             devs.push(DevRing {
                 ring,
+                _file: file,
                 name: d.name.clone(),
                 in_flight: 0,
                 backlog: VecDeque::new(),

@@ -220,7 +220,7 @@ pub(crate) fn regular_file_use(meta: &fs::Metadata) -> Option<String> {
 
 /// Is this path (a block device) mounted, or is any partition of it (or a device-mapper /
 /// md device stacked on it) mounted, or an active swap area? Returns the mount point if so
-/// ("[SWAP]" for swap). A path that is not a block device is never mounted: `Ok(None)`.
+/// (`"[SWAP]"` for swap). A path that is not a block device is never mounted: `Ok(None)`.
 pub fn mounted_at(path: &Path) -> Result<Option<String>> {
     let meta = fs::metadata(path).context(|| format!("stat {}", path.display()))?;
     if !meta.file_type().is_block_device() {

@@ -1,4 +1,4 @@
-//! Userspace NVMe: spec layouts, queue pairs, controller bring-up (issue 4).
+//! Userspace NVMe: spec layouts, queue pairs, controller bring-up.
 //!
 //! - [`spec`]: the NVMe byte layouts (SQE, CQE, SGL descriptors, PRP lists,
 //!   controller registers, Identify data, status codes), twin of
@@ -9,6 +9,7 @@
 
 pub mod bind;
 pub mod ctrl;
+pub mod mmio;
 pub mod namespace;
 pub mod queue;
 pub mod sim;

@@ -66,7 +66,7 @@ impl<B: Bar0> Drop for Shared<B> {
 }
 
 /// One namespace of a controller driven from userspace: the pool's
-/// [`Storage`] for its metadata and a device of the [`NvmeEngine`]. Clones
+/// [`Storage`] for its metadata and a device of the [`NvmeEngine`](crate::engine::nvme::NvmeEngine). Clones
 /// share the controller; it is shut down when the last clone is dropped.
 pub struct NvmeNamespace<B: Bar0> {
     shared: Arc<Mutex<Shared<B>>>,

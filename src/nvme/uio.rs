@@ -2,7 +2,7 @@
 //! `resource0`, DMA memory from locked 2 MiB hugepages whose physical
 //! addresses come from `/proc/self/pagemap`.
 //!
-//! [`UioBar0::open`] touches only the PCI function it is given (an address
+//! [`open_bar0`] touches only the PCI function it is given (an address
 //! such as `0000:00:04.0`, looked up under `/sys/bus/pci/devices`), refuses
 //! one bound to the kernel's `nvme` driver, maps `resource0` and sets Memory
 //! Space Enable and Bus Master Enable in the PCI COMMAND register (through
@@ -20,15 +20,16 @@
 //!
 //! Both need root and hardware (or QEMU); the QEMU lane
 //! (`scripts/qemu/run.sh`, `examples/nvme_guest.rs`) exercises them.
-//! The doorbell ordering of [`Bar0`] relies on x86-64's store ordering for
+//! The doorbell ordering of [`MappedBar0`] relies on x86-64's store ordering for
 //! uncached MMIO after the queue's `SeqCst` fence.
 
-use super::ctrl::{merge_chunks, Bar0, DmaAlloc, DmaRegion, HostMapping, MappedChunk};
+use super::ctrl::{merge_chunks, DmaAlloc, DmaRegion, HostMapping, MappedChunk};
+use super::mmio::MappedBar0;
 use crate::error::{Error, Result};
 use crate::host::pci::{bound_driver, pci_device_dir};
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::FromRawFd;
+use std::os::fd::{AsFd, FromRawFd};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
@@ -40,117 +41,37 @@ const PCI_COMMAND: u64 = 0x04;
 const PCI_COMMAND_MEMORY: u16 = 1 << 1;
 const PCI_COMMAND_MASTER: u16 = 1 << 2;
 
-struct Mapping {
-    ptr: *mut u8,
-    len: usize,
-}
-
-// SAFETY: the mapping is plain MMIO, valid until drop; accesses are volatile.
-unsafe impl Send for Mapping {}
-unsafe impl Sync for Mapping {}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        // SAFETY: ptr/len is the mapping made in `open`, unmapped once.
-        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+/// Maps BAR0 of PCI function `addr` through sysfs `resource0` and enables memory space
+/// and bus mastering. Refuses a function bound to the `nvme` driver.
+pub fn open_bar0(addr: &str) -> Result<MappedBar0> {
+    let dir = pci_device_dir(addr)?;
+    if !dir.exists() {
+        return Err(Error::invalid(format!(
+            "no PCI function {addr} ({} does not exist)",
+            dir.display()
+        )));
     }
-}
-
-/// BAR0 of one PCI function, mapped through sysfs `resource0`. Cloning
-/// shares the mapping.
-#[derive(Clone)]
-pub struct UioBar0 {
-    map: Arc<Mapping>,
-    addr: String,
-}
-
-impl UioBar0 {
-    /// Maps BAR0 of PCI function `addr` and enables memory space and bus
-    /// mastering. Refuses a function bound to the `nvme` driver.
-    pub fn open(addr: &str) -> Result<UioBar0> {
-        let dir = pci_device_dir(addr)?;
-        if !dir.exists() {
+    if let Some(drv) = bound_driver(&dir) {
+        if drv == "nvme" {
             return Err(Error::invalid(format!(
-                "no PCI function {addr} ({} does not exist)",
-                dir.display()
+                "PCI function {addr} is bound to the kernel nvme driver: unbind it first \
+                 (bind it to uio_pci_generic, or leave it unbound)"
             )));
         }
-        if let Some(drv) = bound_driver(&dir) {
-            if drv == "nvme" {
-                return Err(Error::invalid(format!(
-                    "PCI function {addr} is bound to the kernel nvme driver: unbind it first \
-                     (bind it to uio_pci_generic, or leave it unbound)"
-                )));
-            }
-        }
-        let res = dir.join("resource0");
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&res)
-            .map_err(|e| Error::io(format!("opening {} (needs root)", res.display()), e))?;
-        let len = file
-            .metadata()
-            .map_err(|e| Error::io(format!("stat {}", res.display()), e))?
-            .len() as usize;
-        if len < 0x1000 {
-            return Err(Error::invalid(format!(
-                "{}: BAR0 of {len} bytes is too small for an NVMe controller",
-                res.display()
-            )));
-        }
-        // SAFETY: a fresh shared mapping of the BAR file; checked below.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                std::os::fd::AsRawFd::as_raw_fd(&file),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(Error::io(
-                format!("mapping {}", res.display()),
-                io::Error::last_os_error(),
-            ));
-        }
-        let map = Arc::new(Mapping {
-            ptr: ptr.cast(),
-            len,
-        });
-        set_command_bits(&dir, PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER)?;
-        Ok(UioBar0 {
-            map,
-            addr: addr.to_string(),
-        })
     }
-
-    /// The PCI address it was opened with.
-    pub fn addr(&self) -> &str {
-        &self.addr
-    }
-
-    /// Bytes mapped.
-    pub fn len(&self) -> usize {
-        self.map.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.map.len == 0
-    }
-
-    fn at<T>(&self, off: usize) -> *mut T {
-        let size = std::mem::size_of::<T>();
-        assert!(
-            off % size == 0 && off + size <= self.map.len,
-            "BAR0 access of {size} bytes at {off:#x} outside the {:#x} bytes mapped",
-            self.map.len
-        );
-        // SAFETY: in range, checked above.
-        unsafe { self.map.ptr.add(off).cast() }
-    }
+    let res = dir.join("resource0");
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&res)
+        .map_err(|e| Error::io(format!("opening {} (needs root)", res.display()), e))?;
+    let len = file
+        .metadata()
+        .map_err(|e| Error::io(format!("stat {}", res.display()), e))?
+        .len() as usize;
+    let bar = MappedBar0::map(file.as_fd(), len, 0, None, &res.display().to_string())?;
+    set_command_bits(&dir, PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER)?;
+    Ok(bar)
 }
 
 /// Sets `bits` in the PCI COMMAND register of the function in `dir`.
@@ -170,31 +91,6 @@ fn set_command_bits(dir: &Path, bits: u16) -> Result<()> {
             .map_err(|e| Error::io(format!("writing COMMAND in {}", path.display()), e))?;
     }
     Ok(())
-}
-
-// SAFETY: accesses stay inside the mapped BAR (`at` panics otherwise) and are
-// single volatile 32-bit loads and stores; 64-bit registers are two 32-bit
-// accesses, low half first. On x86-64, uncached MMIO stores are ordered after
-// the caller's earlier stores to DMA memory. The device reaches DMA memory at
-// physical addresses, which is what `HugeDma` reports (no IOMMU).
-unsafe impl Bar0 for UioBar0 {
-    fn read32(&self, off: usize) -> u32 {
-        // SAFETY: see `at`.
-        unsafe { std::ptr::read_volatile(self.at::<u32>(off)) }
-    }
-    fn write32(&self, off: usize, v: u32) {
-        // SAFETY: see `at`.
-        unsafe { std::ptr::write_volatile(self.at::<u32>(off), v) }
-    }
-    fn doorbells(&self) -> Option<super::ctrl::DoorbellMemory> {
-        let base = super::spec::reg::DOORBELL_BASE;
-        // SAFETY: inside the mapping (checked length).
-        (self.map.len > base).then(|| super::ctrl::DoorbellMemory {
-            ptr: unsafe { self.map.ptr.add(base) },
-            len: self.map.len - base,
-            mmio: true,
-        })
-    }
 }
 
 /// One mapping of hugepages with the physical address of each.

@@ -7,17 +7,18 @@
 //! unbound first), opens its IOMMU group and a container with the type1
 //! IOMMU, gets the device fd, maps BAR0 (region 0) and sets Memory Space
 //! Enable and Bus Master Enable in the COMMAND register (config region).
-//! [`VfioDevice::bar0`] is the [`Bar0`], [`VfioDevice::dma`] a [`VfioDma`]:
+//! [`VfioDevice::bar0`] is the [`Bar0`](super::ctrl::Bar0), [`VfioDevice::dma`] a [`VfioDma`]:
 //! anonymous memory in chunks, each mapped with `VFIO_IOMMU_MAP_DMA` at
 //! consecutive IOVAs from 4 GiB up, so any allocation is contiguous for the
 //! device. Dropping the last handle unmaps the DMA and closes the fds.
 
-use super::ctrl::{merge_chunks, Bar0, DmaAlloc, DmaRegion, HostMapping, MappedChunk};
+use super::ctrl::{merge_chunks, DmaAlloc, DmaRegion, HostMapping, MappedChunk};
+use super::mmio::MappedBar0;
 use crate::error::{Error, Result};
 use crate::host::pci::{bound_driver, pci_device_dir};
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
@@ -94,23 +95,10 @@ struct Inner {
     container: File,
     _group: File,
     device: File,
-    bar_ptr: *mut u8,
-    bar_len: usize,
+    bar: MappedBar0,
     /// The next free IOVA of the container, shared by every allocator of
     /// this device so that two never map the same IOVA.
     next_iova: std::sync::atomic::AtomicU64,
-}
-
-// SAFETY: fds are thread-safe; the BAR mapping is MMIO used through volatile
-// accesses only, valid until drop.
-unsafe impl Send for Inner {}
-unsafe impl Sync for Inner {}
-
-impl Drop for Inner {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `open`, unmapped once.
-        unsafe { libc::munmap(self.bar_ptr.cast(), self.bar_len) };
-    }
 }
 
 fn region_info(device: &File, index: u32) -> Result<RegionInfo> {
@@ -214,33 +202,19 @@ impl VfioDevice {
         // SAFETY: a fresh fd from the kernel, owned from here on.
         let device = File::from(unsafe { OwnedFd::from_raw_fd(dfd) });
         let bar = region_info(&device, VFIO_PCI_BAR0_REGION_INDEX)?;
-        if bar.size < 0x1000 {
-            return Err(Error::invalid(format!(
-                "{addr}: BAR0 of {} bytes is too small for an NVMe controller",
-                bar.size
-            )));
-        }
-        // SAFETY: maps the BAR region of the device fd; checked below.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                bar.size as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                device.as_raw_fd(),
-                bar.offset as libc::off_t,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(os_err(format!("mapping BAR0 of {addr} through VFIO")));
-        }
+        let bar = MappedBar0::map(
+            device.as_fd(),
+            bar.size as usize,
+            bar.offset,
+            None,
+            &format!("BAR0 of {addr} through VFIO"),
+        )?;
         let inner = Inner {
             addr: addr.to_string(),
             container,
             _group: group,
             device,
-            bar_ptr: ptr.cast(),
-            bar_len: bar.size as usize,
+            bar,
             next_iova: std::sync::atomic::AtomicU64::new(IOVA_BASE),
         };
         let cfg = region_info(&inner.device, VFIO_PCI_CONFIG_REGION_INDEX)?;
@@ -263,11 +237,9 @@ impl VfioDevice {
         &self.inner.addr
     }
 
-    /// BAR0 (shares the device).
-    pub fn bar0(&self) -> VfioBar0 {
-        VfioBar0 {
-            inner: self.inner.clone(),
-        }
+    /// BAR0 (shares the device: the container and its IOMMU mappings stay while it lives).
+    pub fn bar0(&self) -> MappedBar0 {
+        self.inner.bar.with_owner(self.inner.clone())
     }
 
     /// A DMA allocator mapping `chunk_bytes` at a time into this device's
@@ -278,49 +250,6 @@ impl VfioDevice {
             chunks: Vec::new(),
             chunk: chunk_bytes.max(1 << 21),
         }
-    }
-}
-
-/// BAR0 of a [`VfioDevice`].
-#[derive(Clone)]
-pub struct VfioBar0 {
-    inner: Arc<Inner>,
-}
-
-impl VfioBar0 {
-    fn at<T>(&self, off: usize) -> *mut T {
-        let size = std::mem::size_of::<T>();
-        assert!(
-            off % size == 0 && off + size <= self.inner.bar_len,
-            "BAR0 access of {size} bytes at {off:#x} outside the {:#x} bytes mapped",
-            self.inner.bar_len
-        );
-        // SAFETY: in range, checked above.
-        unsafe { self.inner.bar_ptr.add(off).cast() }
-    }
-}
-
-// SAFETY: as for `UioBar0`: bounded, single volatile 32-bit accesses, 64-bit
-// registers low half first; the device reaches DMA memory at the IOVAs
-// `VfioDma` maps into the device's container.
-unsafe impl Bar0 for VfioBar0 {
-    fn read32(&self, off: usize) -> u32 {
-        // SAFETY: see `at`.
-        unsafe { std::ptr::read_volatile(self.at::<u32>(off)) }
-    }
-    fn write32(&self, off: usize, v: u32) {
-        // SAFETY: see `at`.
-        unsafe { std::ptr::write_volatile(self.at::<u32>(off), v) }
-    }
-    fn doorbells(&self) -> Option<super::ctrl::DoorbellMemory> {
-        let base = super::spec::reg::DOORBELL_BASE;
-        let len = self.inner.bar_len;
-        // SAFETY: inside the mapping (checked length).
-        (len > base).then(|| super::ctrl::DoorbellMemory {
-            ptr: unsafe { self.inner.bar_ptr.add(base) },
-            len: len - base,
-            mmio: true,
-        })
     }
 }
 

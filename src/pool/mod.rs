@@ -21,7 +21,7 @@ use bytemuck::Zeroable;
 use index::Index;
 use layout::*;
 use std::fmt;
-use std::os::fd::RawFd;
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 pub use storage::Storage;
 
@@ -911,18 +911,22 @@ impl Pool {
         &self.devices
     }
 
-    /// The file descriptors of the pool's devices for the io_uring engine,
-    /// or an error naming a device only another engine can drive.
-    pub fn device_fds(&self) -> Result<Vec<(RawFd, String)>> {
+    /// Owned duplicates of the file descriptors of the pool's devices, for the io_uring
+    /// engine, or an error naming a device only another engine can drive.
+    pub fn device_fds(&self) -> Result<Vec<(OwnedFd, String)>> {
         self.devices
             .iter()
             .map(|d| {
                 let name = d.path().display().to_string();
-                d.raw_fd().map(|fd| (fd, name.clone())).ok_or_else(|| {
+                let fd = d.io_fd().ok_or_else(|| {
                     Error::invalid(format!(
                         "{name} is not a file or block device; serve this pool with the nvme engine"
                     ))
-                })
+                })?;
+                let fd = fd
+                    .try_clone_to_owned()
+                    .map_err(|e| Error::io(format!("duplicating the descriptor of {name}"), e))?;
+                Ok((fd, name))
             })
             .collect()
     }

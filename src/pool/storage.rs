@@ -12,7 +12,7 @@
 use super::backing::BackingDevice;
 use crate::error::Result;
 use crate::host::dio::AlignedBuf;
-use std::os::fd::RawFd;
+use std::os::fd::BorrowedFd;
 use std::path::Path;
 
 pub trait Storage: Send {
@@ -35,7 +35,7 @@ pub trait Storage: Send {
 
     /// The file descriptor the io_uring engine drives, for file and block
     /// device backends; `None` for storage only another engine can reach.
-    fn raw_fd(&self) -> Option<RawFd> {
+    fn io_fd(&self) -> Option<BorrowedFd<'_>> {
         None
     }
 }
@@ -56,7 +56,7 @@ impl Storage for BackingDevice {
     fn sync_data(&self) -> Result<()> {
         BackingDevice::sync_data(self)
     }
-    fn raw_fd(&self) -> Option<RawFd> {
-        Some(BackingDevice::raw_fd(self))
+    fn io_fd(&self) -> Option<BorrowedFd<'_>> {
+        Some(BackingDevice::as_fd(self))
     }
 }

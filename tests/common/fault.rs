@@ -447,7 +447,7 @@ impl Storage for FaultStorage {
     fn sync_data(&self) -> kvtier::Result<()> {
         self.inner.sync_data()
     }
-    fn raw_fd(&self) -> Option<std::os::fd::RawFd> {
-        Some(self.inner.raw_fd())
+    fn io_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        Some(self.inner.as_fd())
     }
 }

@@ -1,6 +1,7 @@
 //! Shared helpers for the integration tests: temp dirs, small geometries, pools.
 #![allow(dead_code)]
 
+pub mod crash;
 pub mod fault;
 pub mod gio_host;
 
@@ -116,9 +117,20 @@ pub fn seed_of(key: u64) -> u64 {
     key.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ 0xA5A5
 }
 
+/// The repository's root: this file is shared by the library's tests and the CLI
+/// crate's (cli/tests), whose manifest directory is one level down.
+pub fn repo_root() -> PathBuf {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    if manifest.join("kernels").is_dir() {
+        manifest.to_path_buf()
+    } else {
+        manifest.parent().expect("cli/ has a parent").to_path_buf()
+    }
+}
+
 /// The crate's kernels/ directory (CUDA sources and the C twins of our layouts).
 pub fn kernels_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels")
+    repo_root().join("kernels")
 }
 
 /// The first compiler of `candidates` that runs, honouring `env_var` first.

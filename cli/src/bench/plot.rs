@@ -5,7 +5,7 @@
 //! SVG only (plotters' SVG backend): text is emitted as `<text>` elements the
 //! viewer renders with its own fonts, so no font files or font crates are needed.
 
-use crate::error::{Error, Result};
+use kvtier::error::{Error, Result};
 use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint};
 use plotters::element::DashedPathElement;
 use plotters::prelude::*;

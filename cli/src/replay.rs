@@ -9,13 +9,13 @@
 //! flowing, as a GPU would keep running). After the prefill, decode steps
 //! drain the write backlog.
 
-use crate::error::{Error, Result};
-use crate::memory::{HostKvCache, HostLayout};
-use crate::model::KvGeometry;
-use crate::pool::{DeviceSpec, Key, Pool, PoolConfig};
-use crate::sched::{Policy, Scheduler, Window};
-use crate::scratch::ScratchFile;
-use crate::tier::{Tier, TierConfig};
+use kvtier::error::{Error, Result};
+use kvtier::memory::{HostKvCache, HostLayout};
+use kvtier::model::KvGeometry;
+use kvtier::pool::{DeviceSpec, Key, Pool, PoolConfig};
+use kvtier::sched::{Policy, Scheduler, Window};
+use kvtier::scratch::ScratchFile;
+use kvtier::tier::{Tier, TierConfig};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -110,8 +110,8 @@ impl ReplayRig {
             .map(|b| b.div_ceil(group as u64) + 2)
             .ok_or_else(too_big)?;
         let size = groups
-            .checked_mul(crate::pool::layout::PoolLayout::group_bytes_for(&g, group))
-            .and_then(|b| b.checked_add(crate::pool::layout::DATA_OFFSET))
+            .checked_mul(kvtier::pool::layout::PoolLayout::group_bytes_for(&g, group))
+            .and_then(|b| b.checked_add(kvtier::pool::layout::DATA_OFFSET))
             .ok_or_else(too_big)?;
         std::fs::create_dir_all(dir)
             .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
@@ -247,7 +247,7 @@ impl ReplayRig {
                 writes_during_reads: sched.released_during_reads,
             })
         })();
-        let mut tier = sched.into_tier();
+        let mut tier = sched.into_tier()?;
         // Leave the pool as the next run expects: the pending writes are
         // evicted by later runs' stores; nothing else changes.
         let _ = tier.drain();
@@ -287,7 +287,7 @@ pub fn plan_from_table(
     input: u64,
     prefix: u64,
 ) -> Result<(KvGeometry, ReplayPlan)> {
-    let table = crate::slack::SlackTable::load(path)?;
+    let table = kvtier::slack::SlackTable::load(path)?;
     if let Some(g) = expect {
         table.check_geometry(g)?;
     }

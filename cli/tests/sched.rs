@@ -1,14 +1,15 @@
 //! The read-first / write-deferred scheduler and `kvtier replay`, functionally
 //! (timings are reported by `kvtier replay`, never asserted here).
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use common::*;
 use kvtier::pool::Key;
-use kvtier::replay::{ReplayPlan, ReplayRig};
 use kvtier::sched::{Policy, Scheduler, StoreState, Window};
 use kvtier::tier::{Tier, TierConfig};
 use kvtier::{HostKvCache, HostLayout};
+use kvtier_cli::replay::{ReplayPlan, ReplayRig};
 use std::sync::Arc;
 
 fn rig(dir: &TempDir, policy: Policy, limit: u64) -> (Scheduler, Arc<HostKvCache>) {
@@ -207,11 +208,7 @@ fn replay_cli_reports_every_policy_sweeps_and_names_bad_tables() {
         svg_text.contains("<svg") && svg_text.contains("slack") && svg_text.contains("hit rate")
     );
     // A table with a broken field is refused with the field named.
-    let table = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tables/llama3-8b.h100.json"
-    ))
-    .unwrap();
+    let table = std::fs::read_to_string(repo_root().join("tables/llama3-8b.h100.json")).unwrap();
     let bad = dir.file("bad.json");
     std::fs::write(
         &bad,

@@ -1,9 +1,9 @@
 //! `kvtier nvme list` and `kvtier nvme bind ADDR -- COMMAND`: the host side
-//! of the userspace NVMe engine (binding through [`crate::nvme::bind`]).
+//! of the userspace NVMe engine (binding through [`kvtier::nvme::bind`]).
 
-use crate::error::{Error, Result};
-use crate::host::signature::Signature;
-use crate::nvme::bind::{list_controllers, BindDriver, PciBinding};
+use kvtier::error::{Error, Result};
+use kvtier::host::signature::Signature;
+use kvtier::nvme::bind::{list_controllers, BindDriver, PciBinding};
 use nix::sys::signal::{kill, pthread_sigmask, SigSet, SigmaskHow, Signal};
 use nix::unistd::Pid;
 use std::os::unix::process::CommandExt;

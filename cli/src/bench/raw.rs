@@ -11,15 +11,15 @@
 
 use super::cpu_times;
 use super::fio::{IoResult, Pattern, Workload};
-use crate::engine::uring::{UringConfig, UringDevice, UringEngine};
-use crate::engine::IoEngine;
-use crate::error::{Error, Result};
-use crate::p2p::P2pTable;
-use crate::ring::abi::*;
-use crate::ring::IocbId;
-use crate::submitter::Submitter;
+use kvtier::engine::uring::{UringConfig, UringDevice, UringEngine};
+use kvtier::engine::IoEngine;
+use kvtier::error::{Error, Result};
+use kvtier::p2p::P2pTable;
+use kvtier::ring::abi::*;
+use kvtier::ring::IocbId;
+use kvtier::submitter::Submitter;
 use std::collections::HashMap;
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -55,7 +55,7 @@ struct Slot {
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct EngineReport {
     pub describe: String,
-    pub stats: crate::engine::EngineStats,
+    pub stats: kvtier::engine::EngineStats,
     /// Share of the I/O buffers backed by huge pages: with 4 KiB pages an
     /// 80 KiB I/O is 20 DMA segments instead of one or two, which a VM's
     /// virtio disk pays for (fio's buffers are 4 KiB pages).
@@ -104,7 +104,7 @@ pub fn run_streams(
         .custom_flags(libc::O_DIRECT)
         .open(&w.file)
         .map_err(|e| Error::io(format!("opening {} with O_DIRECT", w.file.display()), e))?;
-    let buffers = crate::memory::DmaBuffer::new((w.bs * total_depth as u64) as usize)?;
+    let buffers = kvtier::memory::DmaBuffer::new((w.bs * total_depth as u64) as usize)?;
     let table = Arc::new(P2pTable::for_buffers(
         buffers.addr(),
         w.bs as u32,
@@ -112,7 +112,12 @@ pub fn run_streams(
     )?);
     let mut engine = UringEngine::new(
         &[UringDevice {
-            fd: file.as_raw_fd(),
+            fd: file.as_fd().try_clone_to_owned().map_err(|e| {
+                Error::io(
+                    format!("duplicating the descriptor of {}", w.file.display()),
+                    e,
+                )
+            })?,
             name: w.file.display().to_string(),
         }],
         UringConfig {

@@ -3,9 +3,10 @@
 //! number or a file it is handed, reads no unbounded input, and stops
 //! quietly when its output's reader goes away.
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
-use common::TempDir;
+use common::{repo_root, TempDir};
 use std::os::unix::fs::symlink;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
@@ -359,7 +360,7 @@ fn oversized_config_and_table_are_refused_unread() {
 }
 
 fn llama_table() -> serde_json::Value {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tables/llama3-8b.h100.json");
+    let p = repo_root().join("tables/llama3-8b.h100.json");
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
 }
 

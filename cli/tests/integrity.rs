@@ -5,6 +5,7 @@
 //! during it resurrecting old headers over zeroed data), forged superblocks,
 //! false "in use" after exit, and one bad region taking the cache down.
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use common::fault::{FaultEngine, FaultStorage, Faults};
@@ -102,17 +103,17 @@ fn load_all(paths: &[PathBuf]) -> (usize, Vec<u64>) {
 // ---------------------------------------------------------------------------
 // Locks
 
+/// The crash writer's entry point when this binary is re-run as the child.
+#[test]
+fn crash_writer_child() {
+    common::crash::child_main()
+}
+
 /// The crash-writer child: stores `keys` keys then sleeps holding the pool.
 fn spawn_writer(devs: &[PathBuf], keys: u64) -> std::process::Child {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvtier"));
-    cmd.args(["debug", "crash-writer", "--start-key", "1000"])
-        .args(["--max-keys", &keys.to_string()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    for d in devs {
-        cmd.arg("--dev").arg(d);
-    }
-    let mut child = cmd.spawn().unwrap();
+    let mut child = common::crash::writer_command(devs, 1000, 8, keys)
+        .spawn()
+        .unwrap();
     let out = child.stdout.take().unwrap();
     let mut acks = 0;
     for line in BufReader::new(out).lines().map_while(|l| l.ok()) {

@@ -8,7 +8,7 @@
 //! `randrepeat=0`/`norandommap` so random offsets are drawn the way kvtier's
 //! bench draws them (uniform, `bs`-aligned, with repeats).
 
-use crate::error::{Error, Result};
+use kvtier::error::{Error, Result};
 use std::collections::HashMap;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -215,7 +215,7 @@ pub fn fio_args(w: &Workload) -> Vec<String> {
     // same footing when the system has huge pages reserved for it, so the
     // reference is the device's best and not fio's 4 KiB-page DMA segments.
     let need = w.bs * w.iodepth as u64 * w.numjobs.max(1) as u64 + (4 << 20);
-    if crate::memory::hugetlb_free_bytes() >= need {
+    if kvtier::memory::hugetlb_free_bytes() >= need {
         a.push("--mem=shmhuge".to_string());
     }
     if w.file.exists() {

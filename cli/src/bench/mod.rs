@@ -7,18 +7,19 @@
 //! layer through `submit_load` and `wait_layer`, and verify every byte.
 
 pub mod fio;
+pub mod hbm;
 pub mod plot;
 pub mod raw;
 
-use crate::engine::uring::UringConfig;
-use crate::error::{Error, Result};
-use crate::host::size::human_bytes;
-use crate::memory::{HostKvCache, HostLayout};
-use crate::model::KvGeometry;
-use crate::pool::{DeviceSpec, Key, Pool, PoolConfig};
-use crate::scratch::ScratchFile;
-use crate::tier::{Tier, TierConfig};
 use fio::{IoResult, Pattern, Workload};
+use kvtier::engine::uring::UringConfig;
+use kvtier::error::{Error, Result};
+use kvtier::host::size::human_bytes;
+use kvtier::memory::{HostKvCache, HostLayout};
+use kvtier::model::KvGeometry;
+use kvtier::pool::{DeviceSpec, Key, Pool, PoolConfig};
+use kvtier::scratch::ScratchFile;
+use kvtier::tier::{Tier, TierConfig};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -40,7 +41,7 @@ pub struct BenchConfig {
     pub store_job_blocks: u32,
     /// The pool on namespace 1 of this NVMe controller (PCI address),
     /// served by this userspace engine, instead of pool files in `dir`.
-    pub nvme: Option<(String, crate::engine::open::UserspaceEngine)>,
+    pub nvme: Option<(String, kvtier::engine::open::UserspaceEngine)>,
     /// Format an NVMe namespace that holds other data. Pool files are
     /// scratch files, created new: never forced.
     pub force: bool,
@@ -179,7 +180,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
             progress(&format!(
                 "formatting a pool on namespace 1 of NVMe controller {addr} ({which:?} engine)"
             ));
-            let (pool, engine) = crate::engine::open::pool_on_nvme(
+            let (pool, engine) = kvtier::engine::open::pool_on_nvme(
                 addr,
                 *which,
                 Some(&pool_cfg(Vec::new(), cfg.force)),

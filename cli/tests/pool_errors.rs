@@ -1,5 +1,6 @@
 //! Bad input to the pool, each with the error a user needs to fix it.
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use common::*;

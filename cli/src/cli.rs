@@ -1,7 +1,7 @@
 //! Small parsing helpers shared by the CLI and the benchmarks.
 
-use crate::error::{Error, Result};
-use crate::host::size::human_bytes;
+use kvtier::error::{Error, Result};
+use kvtier::host::size::human_bytes;
 
 /// `eprintln!` that never panics: a closed stderr (`kvtier ... 2>&1 | head`)
 /// is no reason to stop, least of all half way through giving a device back.
@@ -87,7 +87,7 @@ pub fn f64_in(s: &str, min: f64, max: f64) -> std::result::Result<f64, String> {
 /// At most `max` characters of user input for an error message, with the
 /// length of what was cut: a message quoting a 20 KB value helps nobody.
 pub fn excerpt(s: &str, max: usize) -> String {
-    crate::json::excerpt(s, max)
+    kvtier::json::excerpt(s, max)
 }
 
 /// Write `text` to stdout, flushed. A closed pipe (`kvtier ... | head -1`)

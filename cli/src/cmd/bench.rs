@@ -1,0 +1,249 @@
+//! `kvtier bench`: store and retrieve model-shaped KV caches through the tier (or raw
+//! I/O with `--pattern`), against fio, and report bandwidth.
+
+use crate::*;
+
+#[derive(Args)]
+pub(crate) struct BenchArgs {
+    /// Directory for the pool files (and the --pattern test file).
+    #[arg(long, default_value = "./kvtier-data")]
+    dir: PathBuf,
+    /// Engine: uring (pool files in --dir), or one that drives the NVMe
+    /// controller --nvme from userspace with the pool on its namespace 1:
+    /// nvme (CPU-polled queues), gpu (the CUDA I/O kernel), gpu-host (the
+    /// kernel's logic on CPU threads, for testing without a GPU).
+    #[arg(long, default_value = "uring", value_parser = ["uring", "nvme", "gpu", "gpu-host"])]
+    engine: String,
+    /// PCI address of the controller for --engine nvme/gpu/gpu-host, bound
+    /// to vfio-pci or uio_pci_generic; defaults to $KVTIER_NVME_DEVICE,
+    /// which `kvtier nvme bind ADDR -- kvtier bench ...` sets.
+    #[arg(long)]
+    nvme: Option<String>,
+    /// Format an NVMe namespace that holds a filesystem or other data (its
+    /// contents are lost). Pool files in --dir are always created new, so
+    /// this never applies to them.
+    #[arg(long)]
+    force: bool,
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Context lengths in tokens, comma-separated; those that do not fit --capacity are skipped.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![4096u64, 16384, 65536, 131072],
+          value_parser = clap::value_parser!(u64).range(1..=MAX_TOKENS))]
+    contexts: Vec<u64>,
+    /// Total pool size over all devices.
+    #[arg(long, default_value = "12g", value_parser = parse_capacity)]
+    capacity: u64,
+    /// Pool files ("SSDs") to stripe over.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    devices: u32,
+    #[arg(long, default_value_t = DEFAULT_GROUP_BLOCKS, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    group_blocks: u32,
+    /// In-flight I/Os per device (default 64 for the KV bench, 32 for --pattern).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    iodepth: Option<u32>,
+    /// Use SQPOLL with this idle time in ms.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=60_000))]
+    sqpoll: Option<u32>,
+    /// io_uring DEFER_TASKRUN + SINGLE_ISSUER (single device, no SQPOLL).
+    #[arg(long)]
+    defer_taskrun: bool,
+    /// Largest coalesced I/O.
+    #[arg(long, default_value = "4m", value_parser = parse_io_size)]
+    max_io: u64,
+    /// Where the KV memory is: host, or gpu (HBM of GPU 0, through pinned
+    /// host staging: restore and store each beside the disk-alone and
+    /// copy-alone ceilings of the same run; needs a CUDA GPU).
+    #[arg(long, default_value = "host", value_parser = ["host", "gpu", "host-double"], hide_possible_values = true)]
+    memory: String,
+    /// Engine memory in vLLM's cross-layer layout instead of per-layer tensors.
+    #[arg(long)]
+    cross_layer: bool,
+    /// Skip the byte-for-byte check of retrieved data.
+    #[arg(long)]
+    no_verify: bool,
+    /// Write every figure, with machine and settings, as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Plot retrieve/store bandwidth against context length (SVG), with fio's lines when --against-fio.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Keep the pool files afterwards.
+    #[arg(long)]
+    keep: bool,
+    /// Raw engine benchmark with fio's vocabulary: read, write, randread, randwrite, randrw.
+    #[arg(long)]
+    pattern: Option<String>,
+    /// Block size for --pattern.
+    #[arg(long, default_value = "80k", value_parser = parse_io_size)]
+    bs: u64,
+    /// File size for --pattern (the test file under --dir).
+    #[arg(long, default_value = "4g", value_parser = parse_pool_size)]
+    size: u64,
+    /// Seconds per --pattern run (0: one pass over --size).
+    #[arg(long, default_value = "10", value_parser = parse_runtime)]
+    runtime: f64,
+    /// Read percentage for randrw.
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(0..=100))]
+    rwmixread: u32,
+    /// Run fio (io_uring, direct=1) with the same workload on the same file and print kvtier/fio ratios.
+    #[arg(long)]
+    against_fio: bool,
+    /// Read alone, write alone, then both at once on the same device.
+    #[arg(long)]
+    contention: bool,
+    /// Run each --pattern measurement this many times (kvtier and fio
+    /// alternating) and report the medians.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    repeat: u32,
+}
+
+fn uring_cfg(a: &BenchArgs, default_depth: u32) -> UringConfig {
+    UringConfig {
+        queue_depth: a.iodepth.unwrap_or(default_depth),
+        sqpoll_idle_ms: a.sqpoll,
+        fixed_buffers: true,
+        defer_taskrun: a.defer_taskrun,
+    }
+}
+
+pub(crate) fn run_bench(a: BenchArgs) -> Result<i32> {
+    if a.pattern.is_some() || a.contention {
+        return run_raw_bench(&a);
+    }
+    let named = a.model.resolve()?;
+    let cfg = BenchConfig {
+        dir: a.dir.clone(),
+        model: named.name,
+        geometry: named.geometry,
+        contexts: a.contexts.clone(),
+        capacity: a.capacity,
+        devices: a.devices,
+        group_blocks: a.group_blocks,
+        tier: TierConfig {
+            uring: uring_cfg(&a, 64),
+            max_io_bytes: a.max_io,
+            ..TierConfig::default()
+        },
+        verify: !a.no_verify,
+        cross_layer: a.cross_layer,
+        store_job_blocks: 4096,
+        nvme: userspace_target(&a)?,
+        force: a.force,
+        keep: a.keep,
+    };
+    if cfg.nvme.is_some() && a.against_fio {
+        return Err(kvtier::Error::invalid(
+            "--against-fio needs the pool on files; fio cannot reach a controller bound to a userspace driver (drop --against-fio, or use --engine uring)",
+        ));
+    }
+    if a.memory != "host" {
+        return run_hbm_bench(&a, &cfg);
+    }
+    let bar = Progress::new();
+    // bench::run removes the pool files it created (unless --keep), and
+    // only those, whichever way it returns.
+    let mut report = bench::run(&cfg, |msg| bar.say(msg))?;
+    if a.against_fio {
+        bar.say("fio: sequential and random read references on the same directory");
+        report.fio = Some(bench::fio_references(&cfg, &bar_fn(&bar))?);
+    }
+    bar.finish();
+    kvtier_cli::cli::out(&bench::render(&report))?;
+    if let Some(path) = &a.plot {
+        bench::plot(&report, path)?;
+        note(&format!("wrote {}", path.display()));
+    }
+    write_json(&a.json, &report)?;
+    Ok(0)
+}
+
+/// `kvtier bench --memory gpu` (and the hidden `host-double`, its plumbing
+/// on the CPU test double of the copies).
+fn run_hbm_bench(a: &BenchArgs, cfg: &BenchConfig) -> Result<i32> {
+    use kvtier_cli::bench::hbm::{self, BenchMemory};
+    let which = match a.memory.as_str() {
+        "gpu" => BenchMemory::Gpu,
+        _ => BenchMemory::HostDouble,
+    };
+    if a.pattern.is_some() || a.contention || a.against_fio || a.plot.is_some() {
+        return Err(kvtier::Error::invalid(
+            "--memory gpu measures its own ceilings; drop --pattern, --contention, --against-fio and --plot",
+        ));
+    }
+    let bar = Progress::new();
+    let report = hbm::run(cfg, which, |msg| bar.say(msg))?;
+    bar.finish();
+    kvtier_cli::cli::out(&hbm::render(&report))?;
+    write_json(&a.json, &report)?;
+    Ok(0)
+}
+
+/// The controller and engine of `--engine nvme|gpu|gpu-host --nvme ADDR`.
+fn userspace_target(
+    a: &BenchArgs,
+) -> Result<Option<(String, kvtier::engine::open::UserspaceEngine)>> {
+    use kvtier::engine::open::UserspaceEngine;
+    let engine = match a.engine.as_str() {
+        "uring" => {
+            if a.nvme.is_some() {
+                return Err(kvtier::Error::invalid(
+                    "--nvme names a controller for --engine nvme, gpu or gpu-host; the uring engine uses pool files in --dir",
+                ));
+            }
+            return Ok(None);
+        }
+        "nvme" => UserspaceEngine::Nvme,
+        "gpu" => UserspaceEngine::Gpu,
+        _ => UserspaceEngine::GpuHost,
+    };
+    let addr = a
+        .nvme
+        .clone()
+        .or_else(|| std::env::var("KVTIER_NVME_DEVICE").ok())
+        .ok_or_else(|| {
+        kvtier::Error::invalid(format!(
+            "--engine {} needs --nvme ADDR (the PCI address of an NVMe controller bound to vfio-pci or uio_pci_generic; `kvtier nvme list` shows them)",
+            a.engine
+        ))
+    })?;
+    Ok(Some((addr, engine)))
+}
+
+fn run_raw_bench(a: &BenchArgs) -> Result<i32> {
+    use kvtier_cli::bench::fio::{Pattern, Workload};
+    let pattern = match &a.pattern {
+        Some(p) => Pattern::parse(p).ok_or_else(|| {
+            kvtier::Error::invalid(format!(
+                "unknown --pattern {:?}; use read, write, randread, randwrite or randrw",
+                kvtier_cli::cli::excerpt(p, 40)
+            ))
+        })?,
+        None => Pattern::Read,
+    };
+    std::fs::create_dir_all(&a.dir)
+        .map_err(|e| kvtier::Error::io(format!("creating {}", a.dir.display()), e))?;
+    let w = Workload {
+        pattern,
+        bs: a.bs,
+        iodepth: a.iodepth.unwrap_or(32),
+        size: a.size,
+        runtime_secs: a.runtime,
+        file: a.dir.join("kvtier-bench.dat"),
+        rwmix_read: a.rwmixread,
+        numjobs: 1,
+    };
+    let bar = Progress::new();
+    let report = bench::raw_suite(
+        &w,
+        a.contention,
+        a.against_fio,
+        a.repeat,
+        &uring_cfg(a, 32),
+        a.keep,
+        &bar_fn(&bar),
+    )?;
+    bar.finish();
+    kvtier_cli::cli::out(&bench::render_raw(&report))?;
+    write_json(&a.json, &report)?;
+    Ok(0)
+}

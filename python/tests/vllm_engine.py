@@ -1,0 +1,74 @@
+"""One vLLM engine run, in its own process (tests/test_vllm.py starts it):
+a tiny llama with dummy weights on CPU, greedy, token ids in and out.
+
+    python vllm_engine.py OUT.json [POOL_DIR STATS_PATH]
+
+Prompts come from the KVTIER_TEST_PROMPTS environment variable (JSON list
+of token-id lists), the model directory from KVTIER_TEST_MODEL (its
+safetensors if present, else dummy weights). With POOL_DIR, kvtier's connector is enabled by config.
+"""
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    out = sys.argv[1]
+    kw = {}
+    if len(sys.argv) > 2:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvtierConnector",
+            kv_connector_module_path="kvtier.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="fail",
+            kv_connector_extra_config={
+                "pool_dir": sys.argv[2],
+                "capacity": "256m",
+                "staging_blocks": 16,
+                "stats_path": sys.argv[3],
+            },
+        )
+    model = os.environ.get("KVTIER_TEST_MODEL", os.path.join(HERE, "tiny-llama"))
+    weights = os.path.exists(os.path.join(model, "model.safetensors"))
+    t = time.time()
+    llm = LLM(
+        model=model,
+        load_format="auto" if weights else "dummy",
+        skip_tokenizer_init=True,
+        max_model_len=512,
+        enforce_eager=True,
+        seed=0,
+        **kw,
+    )
+    init_s = time.time() - t
+    prompts = json.loads(os.environ["KVTIER_TEST_PROMPTS"])
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, detokenize=False),
+        use_tqdm=False,
+    )
+    res = {
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "cached": [o.num_cached_tokens for o in outs],
+        "init_s": init_s,
+        "total_s": time.time() - t,
+    }
+    # Shut the engine down (the worker's connector closes its pool) before
+    # reporting, so the next engine finds the pool free and complete.
+    llm.llm_engine.engine_core.shutdown()
+    with open(out, "w") as f:
+        json.dump(res, f)
+
+
+if __name__ == "__main__":
+    main()
