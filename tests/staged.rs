@@ -489,3 +489,81 @@ fn double_handle_under_several_threads() {
     assert_eq!(report.blocks_unverifiable, 0, "{report:?}");
     assert_eq!(report.blocks_ok, THREADS * ROUNDS * 6, "{report:?}");
 }
+
+/// A staged store larger than the store staging goes out in chunks whose
+/// outcomes land at their own keys' positions, also when a later chunk is
+/// refused (the pool full of pinned blocks): the keys stored are `Done`
+/// and in the pool, the refused ones `Failed` and not, positions intact.
+#[test]
+fn double_chunked_store_outcomes_map_to_their_keys() {
+    use kvtier::gpu::staged::StagedPath;
+    use kvtier::tier::KeyOutcome;
+    let dir = common::TempDir::new("staged-chunks");
+    let rig = HostRig::new(HostLayout::CrossLayer);
+    let pool = common::create_pool(&dir, rig.geometry(), 4, 1, 2); // 8 slots
+    let mut tier = Tier::open(pool, Default::default()).unwrap();
+    let mut path = StagedPath::with_host_double(&mut tier, rig.0.clone(), config(2, 8, 2)).unwrap();
+    let old: Vec<u64> = (1..6).collect();
+    let old_mem: Vec<u32> = (0..5).collect();
+    for (&k, &b) in old.iter().zip(&old_mem) {
+        fill(&rig, b, common::seed_of(k));
+    }
+    let s = path.submit_store(&mut tier, &keys(&old), &old_mem).unwrap();
+    assert!(path.wait(&mut tier, s).unwrap().all_ok());
+    assert_eq!(tier.lookup_and_pin(&keys(&old)), 5); // 3 slots left
+                                                     // Chunks of 2: [50, 51] [52, 1 (already stored)] [53, 54].
+    let ks = [50, 51, 52, 1, 53, 54];
+    let mem: Vec<u32> = (10..16).collect();
+    for (&k, &b) in ks.iter().zip(&mem) {
+        fill(&rig, b, common::seed_of(k));
+    }
+    let s = path.submit_store(&mut tier, &keys(&ks), &mem).unwrap();
+    let r = path.wait(&mut tier, s).unwrap();
+    assert_eq!(r.keys, keys(&ks));
+    assert_eq!(
+        r.outcomes[..4],
+        [
+            KeyOutcome::Done,
+            KeyOutcome::Done,
+            KeyOutcome::Done,
+            KeyOutcome::AlreadyStored
+        ],
+        "{r:?}"
+    );
+    assert!(
+        r.outcomes[4..]
+            .iter()
+            .all(|o| matches!(o, KeyOutcome::Failed(_))),
+        "{r:?}"
+    );
+    for (i, &k) in ks.iter().enumerate() {
+        assert_eq!(
+            tier.contains(&kvtier::pool::Key::from_u64(k)),
+            i < 4,
+            "key {k}"
+        );
+    }
+    tier.unpin(&keys(&old));
+    rig.clear();
+    let l = path
+        .submit_load(
+            &mut tier,
+            &keys(&ks[..3]),
+            &[20, 21, 22],
+            0..rig.geometry().layers,
+        )
+        .unwrap();
+    assert!(path.wait(&mut tier, l).unwrap().all_ok());
+    for (i, &k) in ks[..3].iter().enumerate() {
+        assert!(
+            matches(
+                &rig,
+                20 + i as u32,
+                common::seed_of(k),
+                0..rig.geometry().layers
+            ),
+            "key {k}"
+        );
+    }
+    path.drain(&mut tier).unwrap();
+}

@@ -628,7 +628,7 @@ impl StagedPath {
             },
         );
         for (c, (kc, mc)) in keys.chunks(chunk).zip(mem_blocks.chunks(chunk)).enumerate() {
-            let r = self.store_chunk(tier, kc, mc);
+            let r = self.store_chunk(tier, kc, mc, &keys[..c * chunk]);
             let agg = self.stores.get_mut(&id).expect("inserted above");
             match r {
                 Ok((t, places)) => {
@@ -667,6 +667,7 @@ impl StagedPath {
         tier: &mut Tier,
         keys: &[Key],
         mem_blocks: &[u32],
+        earlier: &[Key],
     ) -> Result<(JobId, Vec<u32>)> {
         while self.store_free.len() < keys.len() {
             let Some(&t) = self.store_jobs.keys().min() else {
@@ -677,10 +678,22 @@ impl StagedPath {
             let r = tier.wait(t)?;
             self.on_tier_result(r);
         }
+        // The keys earlier chunks of this store have put in the pool are
+        // held while this chunk allocates, as one tier store holds its own
+        // keys: the staged store must not evict what it reports stored (a
+        // later chunk evicted the first chunks' blocks, all reported Done).
+        let held: Vec<Key> = earlier
+            .iter()
+            .filter(|k| tier.contains(k))
+            .copied()
+            .collect();
+        let slots = tier.hold_job_keys(&held)?;
         let places: Vec<u32> = (0..keys.len())
             .map(|_| self.store_free.pop().expect("counted"))
             .collect();
-        match self.gather_and_store(tier, keys, mem_blocks, &places) {
+        let r = self.gather_and_store(tier, keys, mem_blocks, &places);
+        tier.release_job_keys(&held, &slots);
+        match r {
             Ok(t) => Ok((t, places)),
             Err(e) => {
                 self.store_free.extend(places);
