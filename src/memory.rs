@@ -433,9 +433,7 @@ mod tests {
     #[test]
     fn a_region_past_the_address_space_is_refused() {
         let mut m = gpu_like(0);
-        m.layout = KvLayout::CrossLayer {
-            base: !4095,
-        };
+        m.layout = KvLayout::CrossLayer { base: !4095 };
         for v in [m.validate(), m.validate_for_copies()] {
             let e = v.unwrap_err().to_string();
             assert!(e.contains("past the address space"), "{e}");

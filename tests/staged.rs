@@ -613,3 +613,110 @@ fn double_handle_drop_with_staged_jobs_in_flight() {
         assert_eq!(report.blocks_ok, pool.index().live(), "{report:?}");
     }
 }
+
+/// A staged store larger than the store staging does not hold the handle
+/// up while its later chunks wait for staging: with the device holding
+/// every I/O, the store's first chunk cannot finish, yet lookups, a load's
+/// submission and another store's acceptance return at once (the handle's
+/// threading contract: the I/O thread never holds the index lock while it
+/// waits for a device). Once the device goes on, every key lands.
+#[test]
+fn double_handle_chunked_store_does_not_block_the_handle() {
+    use common::fault::{FaultEngine, Faults};
+    use kvtier::engine::uring::{UringDevice, UringEngine};
+    use kvtier::handle::{HandleConfig, TierBuilder};
+    use kvtier::sched::Policy;
+    use std::sync::mpsc;
+    use std::sync::Mutex;
+    use std::time::Duration;
+    let dir = common::TempDir::new("staged-chunk-block");
+    let rig = HostRig::new(HostLayout::PerLayer);
+    let geo = rig.geometry();
+    let faults = Arc::new(Mutex::new(Faults::default()));
+    let f = faults.clone();
+    let pcfg = common::pool_config(geo, 8, &[dir.file("a.pool"), dir.file("b.pool")], 4);
+    let h = TierBuilder::default()
+        .custom_engine(move || {
+            let pool = kvtier::Pool::create(&pcfg)?;
+            let devs: Vec<UringDevice> = pool
+                .device_fds()?
+                .into_iter()
+                .map(|(fd, name)| UringDevice { fd, name })
+                .collect();
+            let eng = Box::new(UringEngine::new(&devs, Default::default())?);
+            Ok((pool, Box::new(FaultEngine::wrap(eng, f)) as _))
+        })
+        .config(HandleConfig {
+            policy: Policy::Naive,
+            ..Default::default()
+        })
+        .staging(config(2, 8, 2))
+        .staged_host_double(rig.0.clone())
+        .build()
+        .unwrap();
+    let old: Vec<u64> = (1..3).collect();
+    for (&k, b) in old.iter().zip(0..) {
+        fill(&rig, b, common::seed_of(k));
+    }
+    let s0 = h.submit_store(&keys(&old), &[0, 1]).unwrap();
+    assert!(h.wait(s0).unwrap().all_ok());
+    faults.lock().unwrap().hold = true;
+    let ks: Vec<u64> = (10..16).collect();
+    let mem: Vec<u32> = (10..16).collect();
+    for (&k, &b) in ks.iter().zip(&mem) {
+        fill(&rig, b, common::seed_of(k));
+    }
+    let s = h.submit_store(&keys(&ks), &mem).unwrap(); // 3 chunks of 2
+                                                       // Let the I/O thread issue it and reach its second chunk.
+    std::thread::sleep(Duration::from_millis(200));
+    let (tx, rx) = mpsc::channel();
+    let h2 = h.clone();
+    let probe = std::thread::spawn(move || {
+        let n = h2.lookup_prefix(&keys(&[1, 2]));
+        let l = h2.submit_load(&keys(&[1, 2]), &[30, 31], 0..1);
+        let s = h2.submit_store(&keys(&[40]), &[40]);
+        tx.send((n, l.is_ok(), s.is_ok())).unwrap();
+    });
+    let got = rx.recv_timeout(Duration::from_secs(10));
+    faults.lock().unwrap().hold = false;
+    probe.join().unwrap();
+    assert_eq!(
+        got,
+        Ok((2, true, true)),
+        "the handle was held up by a store waiting for staging"
+    );
+    let r = h.wait(s).unwrap();
+    assert!(r.all_ok(), "{r:?}");
+    h.close().unwrap();
+}
+
+/// Chunks of a staged store that wait for staging are gathered later, so
+/// their memory blocks still hold the data to store: a load into them is
+/// refused until the store has gathered them (else the store would take
+/// the load's bytes, with checksums to match, under its keys).
+#[test]
+fn double_load_into_blocks_of_a_store_not_yet_gathered_is_refused() {
+    let dir = common::TempDir::new("staged-pending-gather");
+    let rig = HostRig::new(HostLayout::PerLayer);
+    let g = rig.geometry();
+    let (mut st, _) = staged_over(&rig, &dir, config(2, 8, 2));
+    store_all(&rig, &mut st, &[1], &[40], 1);
+    let ks: Vec<u64> = (10..16).collect();
+    let mem: Vec<u32> = (10..16).collect();
+    for (&k, &b) in ks.iter().zip(&mem) {
+        fill(&rig, b, common::seed_of(k));
+    }
+    let s = st.submit_store(&keys(&ks), &mem).unwrap(); // chunks of 2
+    let e = st.submit_load(&keys(&[1]), &[15], 0..g.layers).unwrap_err();
+    assert!(e.to_string().contains("not yet gathered"), "{e}");
+    let r = st.wait(s).unwrap();
+    assert!(r.all_ok(), "{r:?}");
+    let l = st.submit_load(&keys(&[1]), &[15], 0..g.layers).unwrap();
+    assert!(st.wait(l).unwrap().all_ok());
+    rig.clear();
+    let l = st.submit_load(&keys(&ks), &mem, 0..g.layers).unwrap();
+    assert!(st.wait(l).unwrap().all_ok());
+    for (&k, &b) in ks.iter().zip(&mem) {
+        assert!(matches(&rig, b, common::seed_of(k), 0..g.layers), "key {k}");
+    }
+}

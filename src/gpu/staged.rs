@@ -293,9 +293,13 @@ struct StoreJob {
 /// A staged store, whose chunks are tier stores.
 struct StoreAgg {
     keys: Vec<Key>,
+    mem_blocks: Vec<u32>,
     outcomes: Vec<Option<KeyOutcome>>,
     evicted: Vec<Key>,
     chunks_out: usize,
+    /// Keys from here on are in chunks not yet gathered: they go out as
+    /// store staging frees (`poll`), never with the caller's thread waiting.
+    next: usize,
 }
 
 /// Job ids of the staged path start here, apart from the tier's own.
@@ -534,6 +538,15 @@ impl StagedPath {
                 "memory block {b} is the target of two keys in one load"
             )));
         }
+        if let Some(&b) = mem_blocks.iter().find(|&&b| {
+            self.stores
+                .values()
+                .any(|a| a.mem_blocks[a.next..].contains(&b))
+        }) {
+            return Err(Error::invalid(format!(
+                "memory block {b} is read by a store not yet gathered; wait for that store before loading into it"
+            )));
+        }
         // Job pins, not a caller's: see `Tier::hold_job_keys`.
         let slots = tier.hold_job_keys(keys)?;
         // Staging places in slot order: the pool's coalesced order.
@@ -591,13 +604,17 @@ impl StagedPath {
         Ok(id)
     }
 
-    /// Start storing `keys` from the KV memory's `mem_blocks` (all layers):
-    /// the blocks are gathered into staging with their checksums (on the
-    /// GPU) before this returns, so the memory blocks may be reused at once.
-    /// A store larger than the store staging goes out in chunks of
-    /// `store_blocks`; each chunk waits for earlier stores to free staging.
-    /// An error means nothing was accepted; a chunk after the first that
-    /// fails fails its keys in the job's result.
+    /// Start storing `keys` from the KV memory's `mem_blocks` (all layers).
+    /// The blocks are gathered into staging with their checksums (on the
+    /// GPU) in chunks of `store_blocks`, as store staging has room: what
+    /// fits now is gathered before this returns, the rest by later polls,
+    /// so the memory blocks must not be written until the store ends (loads
+    /// into blocks not yet gathered are refused). Nothing here waits for a
+    /// device: a caller holding a lock (the handle's I/O thread holds the
+    /// index's) would hold everyone up while earlier chunks land. Chunks
+    /// go out in submission order, a store's behind the stores before it.
+    /// An error means nothing was accepted; a chunk that fails later fails
+    /// its keys in the job's result.
     pub fn submit_store(
         &mut self,
         tier: &mut Tier,
@@ -614,54 +631,101 @@ impl StagedPath {
             )));
         }
         let id = self.next_job;
-        let chunk = self.cfg.store_blocks as usize;
-        // In the table before the first chunk: a chunk may end while a later
-        // one waits for staging. `chunks_out` counts the one being submitted
-        // too, so the store cannot finish before the last chunk is out.
+        let behind = self.stores.values().any(|a| a.next < a.keys.len());
         self.stores.insert(
             id,
             StoreAgg {
                 keys: keys.to_vec(),
+                mem_blocks: mem_blocks.to_vec(),
                 outcomes: vec![None; keys.len()],
                 evicted: Vec::new(),
-                chunks_out: 1,
+                chunks_out: 0,
+                next: 0,
             },
         );
-        for (c, (kc, mc)) in keys.chunks(chunk).zip(mem_blocks.chunks(chunk)).enumerate() {
-            let r = self.store_chunk(tier, kc, mc, &keys[..c * chunk]);
-            let agg = self.stores.get_mut(&id).expect("inserted above");
+        if !behind {
+            if let Err(e) = self.push_chunks(tier, id) {
+                self.stores.remove(&id);
+                return Err(e);
+            }
+        }
+        self.next_job += 1;
+        self.finish_stores();
+        Ok(id)
+    }
+
+    /// Gather and hand to the tier the chunks of store `id` that store
+    /// staging has room for now. An error only for its first chunk (then
+    /// nothing of the store went out); a later chunk's fails its keys.
+    fn push_chunks(&mut self, tier: &mut Tier, id: JobId) -> Result<()> {
+        let chunk = self.cfg.store_blocks as usize;
+        loop {
+            let Some(a) = self.stores.get_mut(&id) else {
+                return Ok(());
+            };
+            let (start, len) = (a.next, a.keys.len());
+            let end = (start + chunk).min(len);
+            if start >= len || self.store_free.len() < end - start {
+                return Ok(());
+            }
+            let keys = std::mem::take(&mut a.keys);
+            let mem = std::mem::take(&mut a.mem_blocks);
+            let r = self.store_chunk(tier, &keys[start..end], &mem[start..end], &keys[..start]);
+            let a = self.stores.get_mut(&id).expect("in the table");
+            a.keys = keys;
+            a.mem_blocks = mem;
+            a.next = end;
             match r {
                 Ok((t, places)) => {
-                    agg.chunks_out += 1;
+                    a.chunks_out += 1;
                     self.store_jobs.insert(
                         t,
                         StoreJob {
                             id,
-                            offset: c * chunk,
+                            offset: start,
                             places,
                         },
                     );
                 }
-                Err(e) if c == 0 => {
-                    self.stores.remove(&id);
-                    return Err(e);
-                }
+                Err(e) if start == 0 => return Err(e),
                 Err(e) => {
                     let f = Failure::from(&e);
-                    for o in &mut agg.outcomes[c * chunk..c * chunk + kc.len()] {
+                    for o in &mut a.outcomes[start..end] {
                         *o = Some(KeyOutcome::Failed(f.clone()));
                     }
                 }
             }
         }
-        self.next_job += 1;
-        self.stores.get_mut(&id).expect("inserted above").chunks_out -= 1;
-        self.finish_stores();
-        Ok(id)
     }
 
-    /// Gather one chunk into free store places (waiting for them) and hand
-    /// it to the tier: (tier job, places).
+    /// Push the chunks waiting for store staging, oldest store first.
+    fn push_stores(&mut self, tier: &mut Tier) {
+        let mut ids: Vec<JobId> = self
+            .stores
+            .iter()
+            .filter(|(_, a)| a.next < a.keys.len())
+            .map(|(&id, _)| id)
+            .collect();
+        ids.sort_unstable();
+        for id in ids {
+            while let Err(e) = self.push_chunks(tier, id) {
+                // A first chunk failing after the store was accepted fails
+                // its keys; the rest goes on.
+                let f = Failure::from(&e);
+                let a = self.stores.get_mut(&id).expect("listed");
+                let end = a.next;
+                for o in &mut a.outcomes[..end] {
+                    *o = Some(KeyOutcome::Failed(f.clone()));
+                }
+            }
+            if self.stores.get(&id).is_some_and(|a| a.next < a.keys.len()) {
+                break; // later stores wait behind this one
+            }
+        }
+    }
+
+    /// Gather one chunk into free store places (the caller made sure there
+    /// are enough) and hand it to the tier: (tier job, places).
     fn store_chunk(
         &mut self,
         tier: &mut Tier,
@@ -669,14 +733,10 @@ impl StagedPath {
         mem_blocks: &[u32],
         earlier: &[Key],
     ) -> Result<(JobId, Vec<u32>)> {
-        while self.store_free.len() < keys.len() {
-            let Some(&t) = self.store_jobs.keys().min() else {
-                return Err(Error::invalid(
-                    "store staging exhausted with no store in flight (a bug: report it)",
-                ));
-            };
-            let r = tier.wait(t)?;
-            self.on_tier_result(r);
+        if self.store_free.len() < keys.len() {
+            return Err(Error::invalid(
+                "store staging has no room for a chunk (a bug: report it)",
+            ));
         }
         // The keys earlier chunks of this store have put in the pool are
         // held while this chunk allocates, as one tier store holds its own
@@ -707,7 +767,7 @@ impl StagedPath {
         let done: Vec<JobId> = self
             .stores
             .iter()
-            .filter(|(_, a)| a.chunks_out == 0)
+            .filter(|(_, a)| a.chunks_out == 0 && a.next >= a.keys.len())
             .map(|(&id, _)| id)
             .collect();
         for id in done {
@@ -992,6 +1052,7 @@ impl StagedPath {
         for r in tier.get_finished() {
             self.on_tier_result(r);
         }
+        self.push_stores(tier);
         self.finish_stores();
         // The layer jobs' own events: a staged layer is announced after its copy.
         let _ = tier.layer_events();
