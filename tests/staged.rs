@@ -720,3 +720,60 @@ fn double_load_into_blocks_of_a_store_not_yet_gathered_is_refused() {
         assert!(matches(&rig, b, common::seed_of(k), 0..g.layers), "key {k}");
     }
 }
+
+/// Damage layer `layer` of `key`'s block on the SSD.
+fn damage_layer(st: &StagedTier, paths: &[std::path::PathBuf], key: u64, layer: u32) {
+    use std::os::unix::fs::FileExt;
+    let slot = st
+        .tier()
+        .pool()
+        .index()
+        .get(&kvtier::pool::Key::from_u64(key))
+        .unwrap()
+        .slot;
+    let (dev, off) = st.tier().pool().layout().object_offset(slot, layer, 1);
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&paths[dev as usize])
+        .unwrap();
+    f.write_all_at(&[0xa5], off + 3).unwrap();
+    f.sync_all().unwrap();
+}
+
+/// Two loads share a key (a common prefix) whose block is damaged in a late
+/// layer: the load that finds it first drops it from the pool. The other
+/// load fails that key only; its other keys still land whole (its later
+/// layer jobs used to name the dropped key, which the tier refused, and
+/// every key of the load failed).
+#[test]
+fn double_key_dropped_by_another_load_fails_only_that_key() {
+    use kvtier::tier::KeyOutcome;
+    let dir = common::TempDir::new("staged-shared-corrupt");
+    let rig = HostRig::new(HostLayout::PerLayer);
+    let g = rig.geometry();
+    let (mut st, paths) = staged_over(&rig, &dir, config(2, 8, 8));
+    store_all(&rig, &mut st, &[1, 2], &[0, 1], 2);
+    damage_layer(&st, &paths, 1, g.layers - 1);
+    rig.clear();
+    let b = st.submit_load(&keys(&[1]), &[10], 0..g.layers).unwrap();
+    let a = st
+        .submit_load(&keys(&[1, 2]), &[20, 21], 0..g.layers)
+        .unwrap();
+    let ra = st.wait(a).unwrap();
+    let rb = st.wait(b).unwrap();
+    // The layer from which key 1 was left out says so.
+    let ev: Vec<_> = st
+        .layer_events()
+        .into_iter()
+        .filter(|e| e.job == a)
+        .collect();
+    assert_eq!(ev.len(), g.layers as usize);
+    assert!(ev.iter().any(|e| e.error.is_some()), "{ev:?}");
+    assert!(!rb.all_ok(), "{rb:?}");
+    assert!(!ra.outcomes[0].is_ok(), "{ra:?}");
+    assert_eq!(ra.outcomes[1], KeyOutcome::Done, "{ra:?}");
+    assert!(matches(&rig, 21, common::seed_of(2), 0..g.layers));
+    let u = st.tier().usage();
+    assert_eq!(u.pinned_blocks, 0);
+    assert_eq!(u.free_blocks + u.live_blocks, u.total_blocks, "{u:?}");
+}

@@ -247,6 +247,9 @@ struct LoadJob {
     next_scatter: u32,
     /// Layers from here on are not read: no key is left to read.
     skipped_from: Option<u32>,
+    /// Why keys left out of a layer's read (dropped from the pool meanwhile)
+    /// failed: that layer's event says so.
+    dropped: BTreeMap<u32, Failure>,
     /// Landed layers not yet scattered: (positions read, tier result).
     landed: BTreeMap<u32, (Vec<u32>, JobResult)>,
     /// Layers scattered, waiting for their copy: (layer, counter value, error).
@@ -594,6 +597,7 @@ impl StagedPath {
                 layers,
                 skipped_from: None,
                 landed: BTreeMap::new(),
+                dropped: BTreeMap::new(),
                 copying: VecDeque::new(),
                 outcomes: vec![None; keys.len()],
                 tier_jobs_out: 0,
@@ -852,6 +856,25 @@ impl StagedPath {
                 if self.buffers[(l % b) as usize].is_some() {
                     break; // back-pressure: the buffer's copy is not done yet
                 }
+                // A key another load found damaged left the pool while this
+                // one held it: it fails here, alone (named in a layer job, the
+                // tier refused the job and every key of the load failed).
+                let index = tier.pool().index();
+                for p in 0..job.keys.len() {
+                    if job.outcomes[p].is_none()
+                        && index.get(&job.keys[p]).map(|e| e.slot) != Some(job.slots[p])
+                    {
+                        let f = Failure::new(
+                            ErrorKind::Corrupt,
+                            format!(
+                                "key {} left the pool before layer {l} was read: another load found its block damaged",
+                                job.keys[p]
+                            ),
+                        );
+                        job.dropped.entry(l).or_insert_with(|| f.clone());
+                        job.outcomes[p] = Some(KeyOutcome::Corrupt(f));
+                    }
+                }
                 let live: Vec<u32> = (0..job.keys.len() as u32)
                     .filter(|&p| job.outcomes[p as usize].is_none())
                     .collect();
@@ -931,7 +954,7 @@ impl StagedPath {
                 let Some((live, r)) = job.landed.remove(&l) else {
                     break;
                 };
-                let mut error = None;
+                let mut error = job.dropped.remove(&l);
                 for (i, &p) in live.iter().enumerate() {
                     if let KeyOutcome::Failed(f) | KeyOutcome::Corrupt(f) = &r.outcomes[i] {
                         if job.outcomes[p as usize].is_none() {
