@@ -3,7 +3,7 @@
 
 use super::jobs::{FlushAfter, IocbUse, Item, Step};
 use super::store::stage_headers;
-use super::{JobId, JobKind, JobResult, KeyOutcome, Tier};
+use super::{trace, JobId, JobKind, JobResult, KeyOutcome, Tier};
 use crate::error::{Failure, IoCause, IoFailure, Result};
 use crate::plan::PlannedIo;
 use crate::pool::layout::SLOT_HEADER_BYTES;
@@ -18,10 +18,22 @@ impl Tier {
     pub(super) fn pump(&mut self) -> Result<()> {
         self.fill_iocbs()?;
         self.io.kick()?;
+        // The layers `submit_load` left unplanned, while its first layer's
+        // reads are in flight.
+        if self.plan_loads() {
+            self.fill_iocbs()?;
+            self.io.kick()?;
+        }
         // Hash what landed while the engine works on what was just handed
-        // to it.
-        self.hash_landed();
-        if self.advance_loads() {
+        // to it: first the layers the compute waits for next, and announce
+        // them; then the rest.
+        self.hash_landed(true);
+        let mut announced = self.advance_loads();
+        if !self.jobs.landed.is_empty() {
+            self.hash_landed(false);
+            announced |= self.advance_loads();
+        }
+        if announced {
             self.fill_iocbs()?;
             self.io.kick()?;
         }
@@ -42,8 +54,10 @@ impl Tier {
             }
             let live = &self.jobs.live;
             self.jobs.issue_queue.retain(|id| {
-                live.get(id)
-                    .is_some_and(|j| j.items.iter().any(|i| !i.issued()))
+                live.get(id).is_some_and(|j| {
+                    j.items.iter().any(|i| !i.issued())
+                        || j.load.as_ref().is_some_and(|l| !l.unplanned.is_empty())
+                })
             });
             // Jobs whose work is done (or that had none) finish here.
             // A load finishes once its every layer was announced (verified).
@@ -102,7 +116,11 @@ impl Tier {
             let out: u64 = job.items.iter().map(|i| i.bytes_out).sum();
             let item = &job.items[ix];
             let next = item.ios[item.next..].first().map_or(0, |io| io.len as u64);
-            if out > 0 && out + next > self.cfg.load_inflight_bytes {
+            let cap = match ix {
+                0 => self.cfg.first_layer_inflight_bytes,
+                _ => self.cfg.load_inflight_bytes,
+            };
+            if out > 0 && out + next > cap {
                 return Ok(false);
             }
         }
@@ -181,6 +199,9 @@ impl Tier {
                 bytes,
             },
         );
+        if let (Some(t), Step::LoadLayer(layer)) = (self.trace.as_mut(), step) {
+            t.event(id, layer, trace::Ev::Issue);
+        }
         self.io.submit(iocb)?;
         Ok(true)
     }
@@ -224,6 +245,9 @@ impl Tier {
         job.items[ix].iocbs_out -= 1;
         job.items[ix].bytes_out -= u.bytes;
         let step = job.items[ix].step;
+        if let (Some(t), Step::LoadLayer(layer)) = (self.trace.as_mut(), step) {
+            t.event(id, layer, trace::Ev::Land);
+        }
         if let Some((_, msg)) = failures.first() {
             job.items[ix].failed.get_or_insert_with(|| msg.clone());
         }

@@ -130,6 +130,9 @@ pub(super) struct LoadCheck {
     /// headers carry only a whole-block checksum (checked after the last layer
     /// when the load covers them all).
     pub(super) running: Vec<u32>,
+    /// Layers not planned yet: `submit_load` plans the first one only, so
+    /// its reads reach the device before the rest is planned.
+    pub(super) unplanned: Range<u32>,
 }
 
 pub(super) struct Job {
