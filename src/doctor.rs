@@ -103,6 +103,11 @@ pub fn run(dir: &Path) -> Result<Report> {
     let pool = probe_pool_dir(dir)?;
 
     let (engine, engine_reason, verdicts) = verdict(&gpu, &iommu, &vfio, &nvme, &uring, &pool);
+    let memory = memory_path_items(
+        gpu.any_gpu && gpu.driver_ok,
+        crate::gpu::kernels::built_with_kernels(),
+        &crate::gpu::dma::check_paths(Path::new("/")),
+    );
     let sections = vec![
         Section {
             name: "gpu".into(),
@@ -127,6 +132,10 @@ pub fn run(dir: &Path) -> Result<Report> {
         Section {
             name: "pool_dir".into(),
             items: pool.items,
+        },
+        Section {
+            name: "memory".into(),
+            items: memory,
         },
         Section {
             name: "engine".into(),
@@ -396,6 +405,55 @@ fn dma_path_items(root: &Path) -> Vec<Item> {
             )
         })
         .collect()
+}
+
+/// Which path each kind of KV memory takes on this machine. Host memory:
+/// every engine DMAs into it. GPU memory: directly only where a GPUDirect
+/// path (dma-buf, peermem) is present *and* implemented; otherwise staged
+/// through pinned host memory (`crate::gpu::staged`), which needs a CUDA
+/// GPU and the staging kernels.
+fn memory_path_items(
+    gpu_usable: bool,
+    kernels: bool,
+    paths: &[crate::gpu::dma::PathCheck],
+) -> Vec<Item> {
+    use crate::gpu::dma::DmaPathKind;
+    let host = item(
+        "host memory",
+        "direct",
+        Some(true),
+        "every engine (uring, nvme, gpu) reads into and writes from it",
+    );
+    let direct = paths
+        .iter()
+        .find(|c| c.kind != DmaPathKind::HostBounce && c.available && c.implemented);
+    let gpu = match (direct, gpu_usable, kernels) {
+        (Some(c), true, _) => item(
+            "gpu memory",
+            format!("direct ({})", c.kind.name()),
+            Some(true),
+            "the controller DMAs into HBM",
+        ),
+        (None, true, true) => item(
+            "gpu memory",
+            "staged via pinned host",
+            Some(true),
+            "reads land in pinned host staging, one copy kernel per layer moves them into HBM (and a gather kernel with crc32c for stores); direct when dma-buf or peermem support appears",
+        ),
+        (None, true, false) => item(
+            "gpu memory",
+            "unavailable",
+            Some(false),
+            "kvtier was built without its CUDA kernels: run scripts/install-nvcc.sh, then rebuild",
+        ),
+        (_, false, _) => item(
+            "gpu memory",
+            "unavailable",
+            Some(false),
+            "no usable CUDA GPU (see the gpu section); host memory only",
+        ),
+    };
+    vec![host, gpu]
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1278,6 +1336,45 @@ mod tests {
         assert_eq!(namespace_block_name("nvme0n"), None);
         assert_eq!(namespace_block_name("power"), None);
         assert_eq!(namespace_block_name("nvmeXn1"), None);
+    }
+
+    #[test]
+    fn memory_paths_say_direct_or_staged() {
+        use crate::gpu::dma::{DmaPathKind, PathCheck};
+        let check = |kind, available, implemented| PathCheck {
+            kind,
+            available,
+            implemented,
+            detail: String::new(),
+        };
+        let none = [
+            check(DmaPathKind::HostBounce, true, true),
+            check(DmaPathKind::DmaBuf, true, false),
+            check(DmaPathKind::Peermem, false, false),
+        ];
+        let items = memory_path_items(true, true, &none);
+        assert_eq!(
+            (items[0].key.as_str(), items[0].value.as_str()),
+            ("host memory", "direct")
+        );
+        assert_eq!(items[1].value, "staged via pinned host");
+        assert_eq!(items[1].ok, Some(true));
+        let peermem = [check(DmaPathKind::Peermem, true, true)];
+        assert_eq!(
+            memory_path_items(true, true, &peermem)[1].value,
+            "direct (peermem)"
+        );
+        let no_kernels = memory_path_items(true, false, &none);
+        assert!(
+            no_kernels[1].note.contains("install-nvcc"),
+            "{:?}",
+            no_kernels[1]
+        );
+        let no_gpu = memory_path_items(false, true, &peermem);
+        assert_eq!(
+            (no_gpu[1].value.as_str(), no_gpu[1].ok),
+            ("unavailable", Some(false))
+        );
     }
 
     #[test]

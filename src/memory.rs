@@ -88,6 +88,20 @@ impl KvMemory {
     /// Checks the description against the geometry and the direct-I/O
     /// alignment every object address must have.
     pub fn validate(&self) -> Result<()> {
+        self.validate_aligned(
+            KvGeometry::DIRECT_IO_ALIGN,
+            "the alignment direct I/O (O_DIRECT, NVMe DMA) requires",
+        )
+    }
+
+    /// As [`Self::validate`] for memory only copy kernels touch (GPU memory
+    /// on the staged path, where no device DMAs into it): 16-byte alignment,
+    /// the copy kernels' vector width, is enough; a torch allocation has it.
+    pub fn validate_for_copies(&self) -> Result<()> {
+        self.validate_aligned(16, "the alignment the staging copy kernels need")
+    }
+
+    fn validate_aligned(&self, align: u64, why: &str) -> Result<()> {
         self.geometry.validate()?;
         if self.num_blocks == 0 {
             return Err(Error::Registration(
@@ -102,7 +116,6 @@ impl KvMemory {
                 self.geometry.objects_per_block()
             )));
         }
-        let align = KvGeometry::DIRECT_IO_ALIGN;
         match &self.layout {
             KvLayout::PerLayer { layer_bases } | KvLayout::BlockMajor { layer_bases } => {
                 if layer_bases.len() != self.geometry.layers as usize {
@@ -115,7 +128,7 @@ impl KvMemory {
                 for (l, &b) in layer_bases.iter().enumerate() {
                     if b % align != 0 {
                         return Err(Error::Registration(format!(
-                            "layer {l} KV tensor at {b:#x} is not aligned to {align} bytes, the alignment direct I/O (O_DIRECT, NVMe DMA) requires; allocate the KV cache {align}-byte aligned"
+                            "layer {l} KV tensor at {b:#x} is not aligned to {align} bytes, {why}; allocate the KV cache {align}-byte aligned"
                         )));
                     }
                 }
@@ -123,7 +136,7 @@ impl KvMemory {
             KvLayout::CrossLayer { base } => {
                 if base % align != 0 {
                     return Err(Error::Registration(format!(
-                        "cross-layer KV tensor at {base:#x} is not aligned to {align} bytes, the alignment direct I/O (O_DIRECT, NVMe DMA) requires; allocate the KV cache {align}-byte aligned"
+                        "cross-layer KV tensor at {base:#x} is not aligned to {align} bytes, {why}; allocate the KV cache {align}-byte aligned"
                     )));
                 }
             }
@@ -379,5 +392,47 @@ pub fn pattern_fill(buf: &mut [u8], seed: u64, layer: u32, kv: u32) {
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^= z >> 31;
         chunk.copy_from_slice(&z.to_le_bytes()[..chunk.len()]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpu_like(base: u64) -> KvMemory {
+        let geometry = KvGeometry {
+            layers: 2,
+            kv_heads: 2,
+            head_dim: 64,
+            dtype: crate::model::DType::BF16,
+            block_size: 16,
+        };
+        let per_layer = 2 * 8 * geometry.object_bytes();
+        KvMemory {
+            geometry,
+            num_blocks: 8,
+            layout: KvLayout::PerLayer {
+                layer_bases: vec![base, base + per_layer + 512],
+            },
+            kind: MemoryKind::Gpu { ordinal: 0 },
+        }
+    }
+
+    /// A torch allocation's 512-byte alignment is enough for the copy
+    /// kernels of the staged path, not for direct I/O; 8 bytes is neither.
+    #[test]
+    fn copy_alignment_is_looser_than_direct_io() {
+        let m = gpu_like(0x7f00_0000_0200);
+        assert!(m.validate_for_copies().is_ok());
+        let e = m.validate().unwrap_err().to_string();
+        assert!(e.contains("direct I/O") && e.contains("4096"), "{e}");
+        let e = gpu_like(0x7f00_0000_0208)
+            .validate_for_copies()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("staging copy kernels") && e.contains("16 bytes"),
+            "{e}"
+        );
     }
 }

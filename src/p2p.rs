@@ -73,6 +73,62 @@ impl P2pTable {
         })
     }
 
+    /// A table for memory whose objects are not at the places a
+    /// [`KvMemory`] layout computes: `addr(block, layer, kv)` gives each
+    /// object's address, and every object must lie inside one of `regions`
+    /// (the ranges engines register). Objects of different (block, layer)
+    /// may share memory: the staged HBM path reuses one host buffer for
+    /// several layers, in turn (`crate::gpu::staged`).
+    pub fn from_objects(
+        geometry: KvGeometry,
+        num_blocks: u32,
+        kind: MemoryKind,
+        regions: Vec<MemRegion>,
+        addr: impl Fn(u32, u32, u32) -> u64,
+    ) -> Result<Self> {
+        geometry.validate()?;
+        let obj = geometry.object_bytes();
+        if obj > u32::MAX as u64 {
+            return Err(Error::Registration(format!(
+                "object size {obj} B exceeds an SGL descriptor's 32-bit length; use a smaller block_size"
+            )));
+        }
+        let n = num_blocks as u64 * geometry.objects_per_block() as u64;
+        if num_blocks == 0 || n > u32::MAX as u64 / 2 {
+            return Err(Error::Registration(format!(
+                "{num_blocks} blocks: a P2P table indexes 1 to 2^31 objects"
+            )));
+        }
+        let mut entries = Vec::with_capacity(n as usize);
+        for block in 0..num_blocks {
+            for layer in 0..geometry.layers {
+                for kv in 0..2 {
+                    let a = addr(block, layer, kv);
+                    if a % KvGeometry::DIRECT_IO_ALIGN != 0
+                        || !regions
+                            .iter()
+                            .any(|r| r.addr <= a && a + obj <= r.addr + r.len)
+                    {
+                        return Err(Error::Registration(format!(
+                            "object (block {block}, layer {layer}, kv {kv}) at {a:#x} is not {}-byte aligned inside a registered region",
+                            KvGeometry::DIRECT_IO_ALIGN
+                        )));
+                    }
+                    entries.push(SglDescriptor::data_block(a, obj as u32));
+                }
+            }
+        }
+        Ok(P2pTable {
+            geometry: Some(geometry),
+            layers: geometry.layers,
+            num_blocks,
+            kind,
+            entries,
+            kv_entries: n as usize,
+            regions,
+        })
+    }
+
     /// A table of plain buffers and no KV memory (raw-device benchmarks):
     /// `count` entries of `entry_len` bytes from `addr`, indices 0..count.
     pub fn for_buffers(addr: u64, entry_len: u32, count: u32) -> Result<Self> {

@@ -247,7 +247,7 @@ impl ReplayRig {
                 writes_during_reads: sched.released_during_reads,
             })
         })();
-        let mut tier = sched.into_tier();
+        let mut tier = sched.into_tier()?;
         // Leave the pool as the next run expects: the pending writes are
         // evicted by later runs' stores; nothing else changes.
         let _ = tier.drain();

@@ -219,3 +219,74 @@ fn userspace_engine_arguments_are_named() {
     let err = run(&["--engine", "nvme", "--nvme", "not-an-address"]);
     assert!(err.contains("not a PCI address"), "{err}");
 }
+
+/// `--memory gpu` without a GPU: a clear error naming the fix, no pool
+/// files left behind. (On a GPU machine, scripts/gpu/pass8.sh runs it.)
+#[test]
+fn bench_memory_gpu_without_a_gpu_names_the_fix() {
+    if kvtier_cli::bench::hbm::gpu_unavailable().is_none() {
+        eprintln!("bench_memory_gpu_without_a_gpu_names_the_fix: SKIPPED (this machine has a GPU)");
+        return;
+    }
+    let dir = TempDir::new("bench-hbm-nogpu");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(["bench", "--memory", "gpu", "--contexts", "1024", "--dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("needs a CUDA GPU") || err.contains("install-nvcc"),
+        "{err}"
+    );
+    assert!(
+        err.contains("drop --memory gpu") || err.contains("rebuild"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
+
+/// The `--memory gpu` bench's code on the CPU double of the copies (host
+/// memory standing in for HBM): every figure is there, restored bytes are
+/// verified, and each staged figure comes with its two ceilings.
+#[test]
+fn bench_memory_host_double_reports_ceilings() {
+    let dir = TempDir::new("bench-hbm-double");
+    let (text, v) = bench(
+        &dir,
+        &[
+            "--memory",
+            "host-double",
+            "--contexts",
+            "1024,999999",
+            "--capacity",
+            "600m",
+            "--group-blocks",
+            "16",
+        ],
+    );
+    assert!(
+        text.contains("host double") && text.contains("skipped: 999999"),
+        "{text}"
+    );
+    let r = &v["results"][0];
+    assert_eq!(r["tokens"], 1024);
+    assert_eq!(r["verified"], true);
+    for f in [
+        "restore_gib_s",
+        "disk_read_gib_s",
+        "h2d_gib_s",
+        "store_gib_s",
+        "disk_write_gib_s",
+        "d2h_gib_s",
+    ] {
+        assert!(r[f].as_f64().unwrap() > 0.0, "{f}: {r}");
+    }
+    let ratio = r["restore_gib_s"].as_f64().unwrap()
+        / r["disk_read_gib_s"]
+            .as_f64()
+            .unwrap()
+            .min(r["h2d_gib_s"].as_f64().unwrap());
+    assert!((ratio - r["restore_vs_ceiling"].as_f64().unwrap()).abs() < 1e-9);
+}

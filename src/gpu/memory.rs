@@ -338,23 +338,7 @@ pub unsafe fn register_kv_memory(ctx: &Context, mem: &KvMemory) -> Result<KvRegi
                 regs.push(r);
             }
             MemoryKind::Gpu { ordinal } => {
-                ctx.bind()?;
-                let want = ctx.device().ordinal();
-                if ordinal as i32 != want {
-                    return Err(Error::Registration(format!(
-                        "KV memory says GPU {ordinal} but the context is on GPU {want}"
-                    )));
-                }
-                for probe in [addr, addr + len - 1] {
-                    match driver::pointer_device_ordinal(probe)? {
-                        Some(o) if o == want => {}
-                        other => {
-                            return Err(Error::Registration(format!(
-                                "KV region {addr:#x}+{len} is not device memory of GPU {want} (driver says {other:?}); pass the engine's CUDA tensor addresses"
-                            )))
-                        }
-                    }
-                }
+                check_device_region(ctx, ordinal, addr, len)?;
                 regions.push((addr, len, addr));
             }
         }
@@ -363,6 +347,43 @@ pub unsafe fn register_kv_memory(ctx: &Context, mem: &KvMemory) -> Result<KvRegi
         regions,
         _registrations: regs,
     })
+}
+
+/// GPU KV memory `mem` (checked for copy kernels, not direct I/O) is device
+/// memory of `ctx`'s device, region by region: what the staged HBM path
+/// needs before its kernels write there.
+pub fn check_gpu_kv_memory(ctx: &Context, mem: &KvMemory) -> Result<()> {
+    mem.validate_for_copies()?;
+    let MemoryKind::Gpu { ordinal } = mem.kind else {
+        return Err(Error::Registration(
+            "KV memory in host memory is not GPU memory; register it with the tier directly".into(),
+        ));
+    };
+    for (addr, len) in mem.regions() {
+        check_device_region(ctx, ordinal, addr, len)?;
+    }
+    Ok(())
+}
+
+fn check_device_region(ctx: &Context, ordinal: u32, addr: u64, len: u64) -> Result<()> {
+    ctx.bind()?;
+    let want = ctx.device().ordinal();
+    if ordinal as i32 != want {
+        return Err(Error::Registration(format!(
+            "KV memory says GPU {ordinal} but the context is on GPU {want}"
+        )));
+    }
+    for probe in [addr, addr + len - 1] {
+        match driver::pointer_device_ordinal(probe)? {
+            Some(o) if o == want => {}
+            other => {
+                return Err(Error::Registration(format!(
+                    "KV region {addr:#x}+{len} is not device memory of GPU {want} (driver says {other:?}); pass the engine's CUDA tensor addresses"
+                )))
+            }
+        }
+    }
+    Ok(())
 }
 
 /// How [`Stream::wait_counter`] compares.

@@ -21,7 +21,10 @@
 //! - [`host_kernel`]: the same I/O kernel logic compiled for the CPU (the
 //!   GPU engine's host executor).
 //! - [`staging`]: scatter/gather between pinned staging and paged KV blocks
-//!   in GPU memory, with crc32c on the GPU (the staged HBM path).
+//!   in GPU memory, with crc32c on the GPU (the staged HBM path's copies).
+//! - [`staged`]: the staged HBM path itself: a tier serving GPU KV memory
+//!   through round-robin pinned layer buffers, per-layer completion
+//!   counters for compute streams, stores gathered with GPU checksums.
 
 pub mod abi;
 pub mod context;
@@ -32,6 +35,7 @@ pub mod host_kernel;
 pub mod kernels;
 pub mod memory;
 pub mod probe;
+pub mod staged;
 pub mod staging;
 
 pub use context::{Context, Device, Event, Function, KernelArgs, LaunchConfig, Module, Stream};
@@ -39,7 +43,7 @@ pub use dma::{DmaPathKind, GpuDmaPath, GpuDmaRegion, HostBouncePath};
 pub use driver::{LoadError, LoadStage};
 pub use green::{GreenContext, SmGranularity, SmPartition, SplitPlan};
 pub use memory::{
-    register_kv_memory, CompletionCounter, DeviceBuffer, HostRegistration, KvRegistration,
-    PinnedHostBuffer, RegisterFlags, WaitCond,
+    check_gpu_kv_memory, register_kv_memory, CompletionCounter, DeviceBuffer, HostRegistration,
+    KvRegistration, PinnedHostBuffer, RegisterFlags, WaitCond,
 };
 pub use probe::{probe, probe_detailed, DeviceInfo, DriverInfo, ProbeFailure};

@@ -14,8 +14,11 @@
 
 use bytemuck::{Pod, Zeroable};
 
+use std::sync::Arc;
+
 use super::{
-    kernels, Context, Function, KernelArgs, LaunchConfig, Module, PinnedHostBuffer, Stream,
+    kernels, CompletionCounter, Context, Function, KernelArgs, LaunchConfig, Module,
+    PinnedHostBuffer, Stream,
 };
 use crate::error::{Error, Result};
 
@@ -47,15 +50,48 @@ pub trait DeviceCopier: Send {
     /// Waits for everything started; returns the checksums of the last
     /// gather (empty after a scatter).
     fn finish(&mut self) -> Result<Vec<u32>>;
+    /// After the copies started so far, the copier's completion counter
+    /// becomes `value` (on a GPU: written by the copy stream, so a compute
+    /// stream waiting on the counter starts once those copies are done,
+    /// with no host call in between).
+    fn signal(&mut self, value: u32) -> Result<()>;
+    /// The completion counter now: every copy started before
+    /// `signal(v)` is done once this has reached `v`.
+    fn signaled(&self) -> Result<u32>;
+    /// The completion counter as a GPU-visible word streams can wait on
+    /// (`None` for the host double).
+    fn counter(&self) -> Option<&Arc<CompletionCounter>> {
+        None
+    }
+    /// After the copies started so far, `counter` (another GPU-visible
+    /// counter: one load's own) becomes `value`. Only for copiers that have
+    /// a [`Self::counter`].
+    fn signal_counter(&mut self, counter: &Arc<CompletionCounter>, value: u32) -> Result<()>;
 }
 
 /// The test double: the same copies done by the CPU on host addresses.
+/// By default a copy is done when the call returns; [`HostCopier::deferred`]
+/// holds scatters (and the counter) back until [`DeviceCopier::finish`],
+/// as a GPU's asynchronous copies do, so the staged path's waiting for a
+/// copy is tested on the CPU too.
 #[derive(Default)]
 pub struct HostCopier {
     crcs: Vec<u32>,
+    counter: u32,
+    deferred: bool,
+    pending: Vec<CopyDesc>,
+    pending_counter: Option<u32>,
 }
 
 impl HostCopier {
+    /// A double whose scatters and counter advance only at `finish`.
+    pub fn deferred() -> HostCopier {
+        HostCopier {
+            deferred: true,
+            ..HostCopier::default()
+        }
+    }
+
     fn copy(c: &CopyDesc) {
         if c.len == 0 {
             return;
@@ -72,11 +108,17 @@ impl HostCopier {
 impl DeviceCopier for HostCopier {
     fn scatter(&mut self, list: &[CopyDesc]) -> Result<()> {
         self.crcs.clear();
-        list.iter().for_each(HostCopier::copy);
+        if self.deferred {
+            self.pending.extend_from_slice(list);
+        } else {
+            list.iter().for_each(HostCopier::copy);
+        }
         Ok(())
     }
 
     fn gather_crc32c(&mut self, list: &[CopyDesc]) -> Result<()> {
+        // Work on one stream runs in order: earlier scatters first.
+        self.pending.drain(..).for_each(|c| HostCopier::copy(&c));
         self.crcs.clear();
         for c in list {
             HostCopier::copy(c);
@@ -88,7 +130,30 @@ impl DeviceCopier for HostCopier {
     }
 
     fn finish(&mut self) -> Result<Vec<u32>> {
+        self.pending.drain(..).for_each(|c| HostCopier::copy(&c));
+        if let Some(v) = self.pending_counter.take() {
+            self.counter = v;
+        }
         Ok(std::mem::take(&mut self.crcs))
+    }
+
+    fn signal(&mut self, value: u32) -> Result<()> {
+        if self.deferred {
+            self.pending_counter = Some(value);
+        } else {
+            self.counter = value;
+        }
+        Ok(())
+    }
+
+    fn signaled(&self) -> Result<u32> {
+        Ok(self.counter)
+    }
+
+    fn signal_counter(&mut self, _: &Arc<CompletionCounter>, _: u32) -> Result<()> {
+        Err(Error::invalid(
+            "the host double of the staging copies has no GPU counters",
+        ))
     }
 }
 
@@ -104,6 +169,7 @@ pub struct CudaCopier {
     capacity: usize,
     last_gather: usize,
     sms: u32,
+    counter: Arc<CompletionCounter>,
     _module: Module,
     _ctx: Context,
 }
@@ -135,6 +201,8 @@ impl CudaCopier {
             capacity,
             last_gather: 0,
             sms: ctx.device().sm_count()?,
+            // Host-mapped: the host polls it to reuse staging, streams wait on it.
+            counter: CompletionCounter::host_mapped(ctx)?,
             _module: module,
             _ctx: ctx.clone(),
         })
@@ -215,6 +283,22 @@ impl DeviceCopier for CudaCopier {
             .chunks_exact(4)
             .map(|w| u32::from_ne_bytes([w[0], w[1], w[2], w[3]]))
             .collect())
+    }
+
+    fn signal(&mut self, value: u32) -> Result<()> {
+        self.stream.write_counter(&self.counter, value)
+    }
+
+    fn signaled(&self) -> Result<u32> {
+        self.counter.load()
+    }
+
+    fn counter(&self) -> Option<&Arc<CompletionCounter>> {
+        Some(&self.counter)
+    }
+
+    fn signal_counter(&mut self, counter: &Arc<CompletionCounter>, value: u32) -> Result<()> {
+        self.stream.write_counter(counter, value)
     }
 }
 

@@ -4,7 +4,9 @@ use super::{HandleConfig, Jobs, Owner, Shared, TierHandle};
 use crate::engine::open::{pool_on_nvme, UserspaceEngine};
 use crate::engine::IoEngine;
 use crate::error::{Error, Result};
-use crate::memory::{HostKvCache, KvMemory};
+use crate::gpu::staged::{StagedPath, StagingConfig};
+use crate::gpu::{Context, Device};
+use crate::memory::{HostKvCache, KvMemory, MemoryKind};
 use crate::pool::{OpenExpect, Pool, PoolConfig};
 use crate::sched::Scheduler;
 use crate::tier::Tier;
@@ -58,6 +60,9 @@ enum Location {
 enum Memory {
     Host(Arc<HostKvCache>),
     Raw(KvMemory),
+    /// Host memory standing in for GPU memory on the staged path (the CPU
+    /// test double of the staging copies).
+    StagedDouble(Arc<HostKvCache>),
 }
 
 /// Builds a [`TierHandle`]: where the pool is, whether to create it, which
@@ -85,6 +90,7 @@ pub struct TierBuilder {
     engine: EngineChoice,
     config: HandleConfig,
     memory: Option<Memory>,
+    staging: Option<StagingConfig>,
 }
 
 impl TierBuilder {
@@ -142,7 +148,11 @@ impl TierBuilder {
         self
     }
 
-    /// Serve the engine's own KV memory.
+    /// Serve the engine's own KV memory. GPU memory (`MemoryKind::Gpu`, the
+    /// engine's CUDA tensors) that the engine cannot DMA into goes through
+    /// the staged path (`crate::gpu::staged`: pinned host staging, a copy
+    /// kernel per layer; sized by [`Self::staging`]); loads then have a
+    /// per-layer GPU counter ([`TierHandle::load_counter`]).
     ///
     /// # Safety
     /// Every byte `mem` describes must stay allocated until `close` returns
@@ -150,6 +160,23 @@ impl TierBuilder {
     /// by anyone else while a job that uses it is in flight.
     pub unsafe fn memory(mut self, mem: KvMemory) -> Self {
         self.memory = Some(Memory::Raw(mem));
+        self
+    }
+
+    /// How much pinned host staging GPU KV memory gets (see
+    /// [`crate::gpu::staged`]); by default [`StagingConfig::for_blocks`].
+    pub fn staging(mut self, cfg: StagingConfig) -> Self {
+        self.staging = Some(cfg);
+        self
+    }
+
+    /// The staged HBM path with `cache` (host memory) standing in for the
+    /// GPU's KV memory and the CPU doing the staging kernels' copies: the
+    /// test double that runs the staged path's logic on machines without a
+    /// GPU.
+    #[doc(hidden)]
+    pub fn staged_host_double(mut self, cache: Arc<HostKvCache>) -> Self {
+        self.memory = Some(Memory::StagedDouble(cache));
         self
     }
 
@@ -170,12 +197,15 @@ impl TierBuilder {
             )
         })?;
         let (geometry, mem_blocks) = match &memory {
-            Memory::Host(c) => (c.memory().geometry, c.num_blocks()),
+            Memory::Host(c) | Memory::StagedDouble(c) => (c.memory().geometry, c.num_blocks()),
             Memory::Raw(m) => (m.geometry, m.num_blocks),
         };
+        let staging = self
+            .staging
+            .unwrap_or_else(|| StagingConfig::for_blocks(mem_blocks));
         let host_cache = match &memory {
             Memory::Host(c) => Some(c.clone()),
-            Memory::Raw(_) => None,
+            Memory::Raw(_) | Memory::StagedDouble(_) => None,
         };
         let create = self.create;
         let expect = self.expect;
@@ -191,14 +221,37 @@ impl TierBuilder {
             .spawn(move || -> Result<()> {
                 let opened = (move || -> Result<Scheduler> {
                     let mut tier = open_tier(location, engine, create.as_ref(), &expect, tier_cfg)?;
+                    let mut staged = None;
                     match memory {
                         Memory::Host(c) => tier.register_host_cache(c)?,
+                        // GPU memory the engine cannot DMA into: through
+                        // pinned host staging and the staging kernels.
+                        Memory::Raw(m)
+                            if matches!(m.kind, MemoryKind::Gpu { .. })
+                                && !tier.engine().reaches(m.kind) =>
+                        {
+                            let MemoryKind::Gpu { ordinal } = m.kind else {
+                                unreachable!("matched above")
+                            };
+                            let ctx = Context::primary(&Device::get(ordinal as i32)?)?;
+                            // SAFETY: the caller of `TierBuilder::memory`
+                            // promised the memory outlives the handle's tier.
+                            staged =
+                                Some(unsafe { StagedPath::on_gpu(&mut tier, &ctx, m, staging)? });
+                        }
                         // SAFETY: the caller of `TierBuilder::memory` promised
                         // the memory outlives the handle's tier.
                         Memory::Raw(m) => unsafe { tier.register_memory(m)? },
+                        Memory::StagedDouble(c) => {
+                            staged = Some(StagedPath::with_host_double(&mut tier, c, staging)?)
+                        }
                     }
                     tier.defer_engine_calls(true);
-                    Ok(Scheduler::new(tier, policy, backlog))
+                    let mut sched = Scheduler::new(tier, policy, backlog);
+                    if let Some(p) = staged {
+                        sched.set_staged(p);
+                    }
+                    Ok(sched)
                 })();
                 let sched = match opened {
                     Ok(s) => s,
@@ -207,7 +260,13 @@ impl TierBuilder {
                         return Ok(());
                     }
                 };
-                let crc_table = sched.tier().p2p_table().cloned();
+                // Store checksums are taken from host KV memory on the
+                // caller's thread; the staged path takes them on the GPU.
+                let crc_table = if sched.is_staged() {
+                    None
+                } else {
+                    sched.tier().p2p_table().cloned()
+                };
                 let engine_name = sched.tier().engine().name().to_string();
                 let shared = Arc::new(Shared {
                     core: Mutex::new(Some(sched)),

@@ -46,6 +46,7 @@ mod builder;
 pub use builder::{EngineChoice, TierBuilder};
 
 use crate::error::{Error, ErrorKind, Failure, Result};
+use crate::gpu::staged::LoadCounter;
 use crate::memory::HostKvCache;
 use crate::model::KvGeometry;
 use crate::p2p::P2pTable;
@@ -716,6 +717,24 @@ impl TierHandle {
         }
     }
 
+    /// For a load into GPU KV memory on the staged path: the load's own
+    /// completion counter, which reaches `value_for(l)` once layer `l` is in
+    /// HBM. A compute stream queues `cuStreamWaitValue32` on it (see
+    /// [`crate::gpu::staged::LayerWait`]) right after the submit, so each
+    /// layer's attention starts when its copy is done, with no host call in
+    /// between. `None` for host memory, the CPU double, or a load that has
+    /// finished.
+    pub fn load_counter(&self, job: JobId) -> Result<Option<LoadCounter>> {
+        let core = lock(&self.shared.core);
+        let s = core.as_ref().ok_or_else(Shared::closed_error)?;
+        let jobs = lock(&self.shared.jobs);
+        Ok(jobs
+            .by_tier
+            .iter()
+            .find(|(_, &h)| h == job)
+            .and_then(|(&t, _)| s.load_counter(t)))
+    }
+
     /// Results of every finished job not yet collected, in finishing order.
     pub fn get_finished(&self) -> Vec<JobResult> {
         let mut jobs = lock(&self.shared.jobs);
@@ -814,29 +833,28 @@ fn io_main(shared: Arc<Shared>) -> Result<()> {
                 CLOSE_DROP => turn.failed_backlog = s.take_backlog(),
                 _ => turn.released = s.release_ready(shared.cfg.stores_per_turn),
             }
-            let mut r = s.tier_mut().poll();
+            let mut r = s.poll();
             if r.is_ok() && closing == RUNNING {
                 // Loads that just finished may let deferred stores go now.
                 let more = s.release_ready(shared.cfg.stores_per_turn);
                 if !more.is_empty() {
                     turn.released.extend(more);
-                    r = s.tier_mut().poll();
+                    r = s.poll();
                 }
             }
             turn.error = r.err();
             // Layer events before results: collecting a result drops its events.
-            turn.layer_events = s.tier_mut().layer_events();
-            turn.finished = s.tier_mut().get_finished();
-            let t = s.tier();
-            turn.again = t.completions_pending()
+            turn.layer_events = s.layer_events();
+            turn.finished = s.get_finished();
+            turn.again = s.completions_pending()
                 || !turn.released.is_empty()
                 || !turn.layer_events.is_empty()
                 || !turn.finished.is_empty();
             (
                 turn,
-                t.jobs_in_flight(),
+                s.jobs_in_flight(),
                 s.backlog_len(),
-                t.engine().completion_fds(),
+                s.tier().engine().completion_fds(),
             )
         };
         let fatal_now = turn.error.is_some();
@@ -853,14 +871,13 @@ fn io_main(shared: Arc<Shared>) -> Result<()> {
     }
     // Drop the tier here, on its own thread (its engine may be bound to it).
     let sched = lock(&shared.core).take();
-    if let Some(s) = sched {
-        let mut tier = s.into_tier();
-        if let Err(e) = tier.drain() {
+    if let Some(mut s) = sched {
+        if let Err(e) = s.drain() {
             first_error.get_or_insert(e);
         }
         let mut events = Vec::new();
-        let finished = tier.get_finished();
-        drop(tier);
+        let finished = s.get_finished();
+        drop(s);
         let mut jobs = lock(&shared.jobs);
         for r in finished {
             if let Some(id) = jobs.by_tier.remove(&r.job) {

@@ -17,8 +17,9 @@
 //! for `kvtier replay` to compare against.
 
 use crate::error::{Error, Result};
+use crate::gpu::staged::{LoadCounter, StagedPath};
 use crate::pool::Key;
-use crate::tier::{JobId, JobResult, Tier};
+use crate::tier::{JobId, JobResult, LayerDone, Tier};
 use std::collections::VecDeque;
 use std::ops::Range;
 
@@ -71,6 +72,10 @@ pub enum StoreState {
 
 pub struct Scheduler {
     tier: Tier,
+    /// The staged HBM path, when the registered memory is GPU memory the
+    /// engine cannot reach: every load and store goes through it. After
+    /// `tier` so the tier's I/O into staging drains first on drop.
+    staged: Option<StagedPath>,
     policy: Policy,
     backlog: VecDeque<Pending>,
     backlog_blocks: u64,
@@ -86,6 +91,7 @@ impl Scheduler {
     pub fn new(tier: Tier, policy: Policy, backlog_limit_blocks: u64) -> Scheduler {
         Scheduler {
             tier,
+            staged: None,
             policy,
             backlog: VecDeque::new(),
             backlog_blocks: 0,
@@ -102,8 +108,109 @@ impl Scheduler {
     pub fn tier_mut(&mut self) -> &mut Tier {
         &mut self.tier
     }
-    pub fn into_tier(self) -> Tier {
-        self.tier
+    /// The tier, for a caller done with scheduling. Refused for a staged
+    /// scheduler: its tier's registered memory is the staging, which goes
+    /// with the scheduler.
+    pub fn into_tier(self) -> Result<Tier> {
+        if self.staged.is_some() {
+            return Err(Error::invalid(
+                "a staged scheduler's tier reads and writes its staging: drain() the scheduler instead of taking the tier",
+            ));
+        }
+        Ok(self.tier)
+    }
+
+    /// Serve loads and stores through the staged HBM path (see
+    /// `crate::gpu::staged`), which `path` registered with this tier.
+    pub fn set_staged(&mut self, path: StagedPath) {
+        self.staged = Some(path);
+    }
+
+    /// The own counter of staged load `job` (GPU only).
+    pub fn load_counter(&self, job: JobId) -> Option<LoadCounter> {
+        self.staged.as_ref()?.load_counter(job)
+    }
+
+    pub fn is_staged(&self) -> bool {
+        self.staged.is_some()
+    }
+
+    /// Move the tier (and the staged path) along without blocking.
+    pub fn poll(&mut self) -> Result<()> {
+        match &mut self.staged {
+            Some(p) => p.poll(&mut self.tier),
+            None => self.tier.poll(),
+        }
+    }
+
+    /// Layers that reached memory since the last call.
+    pub fn layer_events(&mut self) -> Vec<LayerDone> {
+        match &mut self.staged {
+            Some(p) => p
+                .layer_events()
+                .into_iter()
+                .map(|e| LayerDone {
+                    job: e.job,
+                    layer: e.layer,
+                    error: e.error,
+                })
+                .collect(),
+            None => self.tier.layer_events(),
+        }
+    }
+
+    pub fn get_finished(&mut self) -> Vec<JobResult> {
+        match &mut self.staged {
+            Some(p) => p.get_finished(),
+            None => self.tier.get_finished(),
+        }
+    }
+
+    pub fn jobs_in_flight(&self) -> usize {
+        match &self.staged {
+            Some(p) => p.jobs_in_flight(),
+            None => self.tier.jobs_in_flight(),
+        }
+    }
+
+    pub fn loads_in_flight(&self) -> usize {
+        match &self.staged {
+            Some(p) => p.loads_in_flight(),
+            None => self.tier.loads_in_flight(),
+        }
+    }
+
+    /// Whether a poll now may find something done.
+    pub fn completions_pending(&self) -> bool {
+        self.tier.completions_pending() || self.staged.as_ref().is_some_and(|p| p.copies_pending())
+    }
+
+    pub fn wait(&mut self, job: JobId) -> Result<JobResult> {
+        match &mut self.staged {
+            Some(p) => p.wait(&mut self.tier, job),
+            None => self.tier.wait(job),
+        }
+    }
+
+    /// Wait for every job in flight.
+    pub fn drain(&mut self) -> Result<()> {
+        match &mut self.staged {
+            Some(p) => p.drain(&mut self.tier),
+            None => self.tier.drain(),
+        }
+    }
+
+    fn store_now(
+        &mut self,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        crcs: Option<&[Option<Vec<u32>>]>,
+    ) -> Result<JobId> {
+        match &mut self.staged {
+            // The staged path takes the checksums on the GPU as it gathers.
+            Some(p) => p.submit_store(&mut self.tier, keys, mem_blocks),
+            None => self.tier.submit_store_with_crcs(keys, mem_blocks, crcs),
+        }
     }
     pub fn policy(&self) -> Policy {
         self.policy
@@ -119,7 +226,10 @@ impl Scheduler {
         mem_blocks: &[u32],
         layers: Range<u32>,
     ) -> Result<JobId> {
-        self.tier.submit_load(keys, mem_blocks, layers)
+        match &mut self.staged {
+            Some(p) => p.submit_load(&mut self.tier, keys, mem_blocks, layers),
+            None => self.tier.submit_load(keys, mem_blocks, layers),
+        }
     }
 
     /// Accept a store. Naive issues it now; Slack and Sync keep it in the
@@ -129,7 +239,7 @@ impl Scheduler {
         let ticket = self.next_ticket;
         self.next_ticket += 1;
         if self.policy == Policy::Naive {
-            let job = self.tier.submit_store(keys, mem_blocks)?;
+            let job = self.store_now(keys, mem_blocks, None)?;
             self.issued.push((ticket, job));
             return Ok((ticket, StoreState::Issued(job)));
         }
@@ -188,7 +298,7 @@ impl Scheduler {
     /// never dropped. Does not poll the tier.
     pub fn release_ready(&mut self, max: usize) -> Vec<(u64, Result<JobId>)> {
         let allowed = match self.policy {
-            Policy::Slack => self.tier.loads_in_flight() == 0,
+            Policy::Slack => self.loads_in_flight() == 0,
             Policy::Naive => true,
             Policy::Sync => false,
         };
@@ -217,9 +327,7 @@ impl Scheduler {
                 break;
             };
             self.backlog_blocks -= p.keys.len() as u64;
-            let r = self
-                .tier
-                .submit_store_with_crcs(&p.keys, &p.mem_blocks, p.crcs.as_deref());
+            let r = self.store_now(&p.keys, &p.mem_blocks, p.crcs.as_deref());
             out.push((p.ticket, r));
         }
         out
@@ -232,8 +340,8 @@ impl Scheduler {
         if self.policy != Policy::Slack {
             return Ok(0);
         }
-        self.tier.poll()?;
-        if self.tier.loads_in_flight() > 0 {
+        self.poll()?;
+        if self.loads_in_flight() > 0 {
             return Ok(0);
         }
         let mut issued = 0;
@@ -250,7 +358,7 @@ impl Scheduler {
     /// Issue every deferred store now (end of prefill for Sync, shutdown).
     pub fn flush_writes(&mut self) -> Result<()> {
         while let Some(p) = self.backlog.pop_front() {
-            if self.tier.loads_in_flight() > 0 {
+            if self.loads_in_flight() > 0 {
                 self.released_during_reads += 1;
             }
             self.issue(p)?;
@@ -260,9 +368,7 @@ impl Scheduler {
 
     fn issue(&mut self, p: Pending) -> Result<()> {
         self.backlog_blocks -= p.keys.len() as u64;
-        let job = self
-            .tier
-            .submit_store_with_crcs(&p.keys, &p.mem_blocks, p.crcs.as_deref())?;
+        let job = self.store_now(&p.keys, &p.mem_blocks, p.crcs.as_deref())?;
         self.issued.push((p.ticket, job));
         Ok(())
     }
@@ -272,7 +378,7 @@ impl Scheduler {
         let issued = std::mem::take(&mut self.issued);
         issued
             .into_iter()
-            .map(|(t, j)| Ok((t, self.tier.wait(j)?)))
+            .map(|(t, j)| Ok((t, self.wait(j)?)))
             .collect()
     }
 }

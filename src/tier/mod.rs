@@ -277,12 +277,40 @@ impl Tier {
         }
         if !self.io.engine().reaches(mem.kind) {
             return Err(Error::Unsupported(format!(
-                "the {} engine cannot reach {:?} memory; register host memory, or use an engine that reaches it (`kvtier doctor` says which this machine has)",
+                "the {} engine cannot reach {:?} memory directly; register host memory, or serve GPU memory through the staged path (TierBuilder::memory, or gpu::staged::StagedTier: pinned host staging and a copy kernel per layer); `kvtier doctor` says which path each memory kind takes here",
                 self.io.engine().name(),
                 mem.kind
             )));
         }
-        let mut table = P2pTable::build(&mem)?;
+        // SAFETY: the caller's contract covers the table built from `mem`.
+        unsafe { self.register_table(P2pTable::build(&mem)?) }
+    }
+
+    /// Register memory described by a P2P table built elsewhere (the staged
+    /// HBM path's host staging, `crate::gpu::staged`), as `register_memory`
+    /// does for a table it builds.
+    ///
+    /// # Safety
+    /// As `register_memory`: every byte the table's entries address stays
+    /// allocated until the tier is dropped or memory is registered again.
+    pub unsafe fn register_table(&mut self, mut table: P2pTable) -> Result<()> {
+        if !self.jobs.live.is_empty() {
+            return Err(Error::invalid(
+                "cannot register KV memory while jobs are in flight; wait for them first",
+            ));
+        }
+        if table.geometry() != Some(self.pool.geometry()) {
+            return Err(Error::Registration(
+                "the P2P table's geometry is not the pool's".into(),
+            ));
+        }
+        if !self.io.engine().reaches(table.kind()) {
+            return Err(Error::Unsupported(format!(
+                "the {} engine cannot reach {:?} memory",
+                self.io.engine().name(),
+                table.kind()
+            )));
+        }
         let n = self.cfg.header_staging;
         let map = DmaBuffer::new(n as usize * SLOT_HEADER_BYTES as usize)?;
         let first_index = table.add_extra_region(map.addr(), SLOT_HEADER_BYTES as u32, n)?;

@@ -7,6 +7,7 @@
 //! layer through `submit_load` and `wait_layer`, and verify every byte.
 
 pub mod fio;
+pub mod hbm;
 pub mod plot;
 pub mod raw;
 

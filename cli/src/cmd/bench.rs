@@ -50,6 +50,11 @@ pub(crate) struct BenchArgs {
     /// Largest coalesced I/O.
     #[arg(long, default_value = "4m", value_parser = parse_io_size)]
     max_io: u64,
+    /// Where the KV memory is: host, or gpu (HBM of GPU 0, through pinned
+    /// host staging: restore and store each beside the disk-alone and
+    /// copy-alone ceilings of the same run; needs a CUDA GPU).
+    #[arg(long, default_value = "host", value_parser = ["host", "gpu", "host-double"], hide_possible_values = true)]
+    memory: String,
     /// Engine memory in vLLM's cross-layer layout instead of per-layer tensors.
     #[arg(long)]
     cross_layer: bool,
@@ -131,6 +136,9 @@ pub(crate) fn run_bench(a: BenchArgs) -> Result<i32> {
             "--against-fio needs the pool on files; fio cannot reach a controller bound to a userspace driver (drop --against-fio, or use --engine uring)",
         ));
     }
+    if a.memory != "host" {
+        return run_hbm_bench(&a, &cfg);
+    }
     let bar = Progress::new();
     // bench::run removes the pool files it created (unless --keep), and
     // only those, whichever way it returns.
@@ -145,6 +153,27 @@ pub(crate) fn run_bench(a: BenchArgs) -> Result<i32> {
         bench::plot(&report, path)?;
         note(&format!("wrote {}", path.display()));
     }
+    write_json(&a.json, &report)?;
+    Ok(0)
+}
+
+/// `kvtier bench --memory gpu` (and the hidden `host-double`, its plumbing
+/// on the CPU test double of the copies).
+fn run_hbm_bench(a: &BenchArgs, cfg: &BenchConfig) -> Result<i32> {
+    use kvtier_cli::bench::hbm::{self, BenchMemory};
+    let which = match a.memory.as_str() {
+        "gpu" => BenchMemory::Gpu,
+        _ => BenchMemory::HostDouble,
+    };
+    if a.pattern.is_some() || a.contention || a.against_fio || a.plot.is_some() {
+        return Err(kvtier::Error::invalid(
+            "--memory gpu measures its own ceilings; drop --pattern, --contention, --against-fio and --plot",
+        ));
+    }
+    let bar = Progress::new();
+    let report = hbm::run(cfg, which, |msg| bar.say(msg))?;
+    bar.finish();
+    kvtier_cli::cli::out(&hbm::render(&report))?;
     write_json(&a.json, &report)?;
     Ok(0)
 }

@@ -1,0 +1,1299 @@
+//! The staged HBM path: a serving engine's KV cache in GPU memory, restored
+//! into and stored from through pinned host staging, with any engine that
+//! reaches host memory (io_uring, userspace NVMe) and no GPUDirect.
+//!
+//! Restore. A load is run as one tier job per layer into a *layer buffer*:
+//! `layer_buffers` pinned host buffers, each holding one layer of up to
+//! `load_blocks` blocks, used round-robin (layer `l` goes to buffer
+//! `l % layer_buffers`). A layer's reads land in its buffer in the pool's
+//! coalesced order (the load's blocks take staging places in slot order, so
+//! a run of consecutive slots is one contiguous range on the SSD and in the
+//! buffer, K objects then V objects). When the tier has verified the layer
+//! (per-layer crc32c, the same check as host loads), one launch scatters it
+//! into the paged HBM blocks on the copier's stream, which then writes the
+//! layer's value into the completion counter: a compute stream waits on it
+//! with `cuStreamWaitValue32` ([`LayerWait`]), the host gets the layer's
+//! event once the counter has passed it, and only then is the buffer reused.
+//! A layer whose buffer is still busy waits (back-pressure), so staging
+//! stays `layer_buffers` layers however long the prefix; the reads of layer
+//! l+1 run while layer l is copied.
+//!
+//! Store. The gather kernel copies the blocks' objects from HBM into a store
+//! area (`store_blocks` blocks, all layers each) and computes each object's
+//! crc32c on the GPU; the per-layer checksums the headers record are
+//! combined from those, and the tier writes the staged bytes with its crash
+//! protocol. Blocks stored from HBM are thus verifiable like any other.
+//!
+//! The copies go through a [`DeviceCopier`]: [`CudaCopier`] on a GPU, or
+//! [`HostCopier`], the CPU test double, against host memory standing in for
+//! HBM ([`StagedTier::with_host_double`]); both are held to the same tests.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::ops::Range;
+use std::sync::Arc;
+
+use super::staging::{CopyDesc, CudaCopier, DeviceCopier, HostCopier};
+use super::{
+    abi, check_gpu_kv_memory, kernels, CompletionCounter, Context, Function, HostRegistration,
+    KernelArgs, LaunchConfig, Module, RegisterFlags, Stream, WaitCond,
+};
+use crate::error::{Error, ErrorKind, Failure, Result};
+use crate::memory::{DmaBuffer, HostKvCache, KvMemory, MemoryKind};
+use crate::model::KvGeometry;
+use crate::p2p::{MemRegion, P2pTable};
+use crate::pool::Key;
+use crate::tier::{JobId, JobKind, JobResult, KeyOutcome, Tier};
+
+/// How much pinned staging the staged path holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StagingConfig {
+    /// Layers of loads in flight at once (each its own buffer, reused
+    /// round-robin). At least 2, so the reads of one layer overlap the copy
+    /// of the one before.
+    pub layer_buffers: u32,
+    /// The most blocks one load may restore (one layer buffer holds one
+    /// layer of this many blocks).
+    pub load_blocks: u32,
+    /// Blocks the stores in flight may hold in staging (all layers each);
+    /// a larger store goes out in chunks of this many.
+    pub store_blocks: u32,
+}
+
+impl StagingConfig {
+    /// Defaults for KV memory of `num_blocks` blocks: 4 layer buffers, loads
+    /// of up to 1024 blocks, stores of up to 64.
+    pub fn for_blocks(num_blocks: u32) -> StagingConfig {
+        StagingConfig {
+            layer_buffers: 4,
+            load_blocks: num_blocks.clamp(1, 1024),
+            store_blocks: num_blocks.clamp(1, 64),
+        }
+    }
+
+    /// Bytes of pinned host memory this staging takes for `g`.
+    pub fn bytes(&self, g: &KvGeometry) -> u64 {
+        let obj = g.object_bytes();
+        self.layer_buffers as u64 * 2 * self.load_blocks as u64 * obj
+            + self.store_blocks as u64 * g.objects_per_block() as u64 * obj
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.layer_buffers < 2 || self.load_blocks == 0 || self.store_blocks == 0 {
+            return Err(Error::invalid(format!(
+                "staging of {} layer buffers, {} load blocks, {} store blocks: need at least 2 layer buffers and 1 block each",
+                self.layer_buffers, self.load_blocks, self.store_blocks
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Where each staged object lives: staging blocks `0..load_blocks` are the
+/// layer buffers (layer `l` of block `b` in buffer `l % layer_buffers`, K
+/// objects of all blocks then V objects); blocks from `load_blocks` on are
+/// the store area (a block's 2L objects contiguous).
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    obj: u64,
+    layers: u32,
+    buffers: u32,
+    load_blocks: u32,
+    store_blocks: u32,
+    load_base: u64,
+    store_base: u64,
+}
+
+impl Layout {
+    fn new(g: &KvGeometry, cfg: &StagingConfig, base: u64) -> Layout {
+        let obj = g.object_bytes();
+        Layout {
+            obj,
+            layers: g.layers,
+            buffers: cfg.layer_buffers,
+            load_blocks: cfg.load_blocks,
+            store_blocks: cfg.store_blocks,
+            load_base: base,
+            store_base: base + cfg.layer_buffers as u64 * 2 * cfg.load_blocks as u64 * obj,
+        }
+    }
+
+    fn buffer_bytes(&self) -> u64 {
+        2 * self.load_blocks as u64 * self.obj
+    }
+
+    fn load_obj(&self, sblock: u32, layer: u32, kv: u32) -> u64 {
+        self.load_base
+            + (layer % self.buffers) as u64 * self.buffer_bytes()
+            + (kv as u64 * self.load_blocks as u64 + sblock as u64) * self.obj
+    }
+
+    fn store_obj(&self, s: u32, layer: u32, kv: u32) -> u64 {
+        self.store_base
+            + ((s as u64 * self.layers as u64 + layer as u64) * 2 + kv as u64) * self.obj
+    }
+
+    /// The tier's memory block `block` (load places first, then store places).
+    fn addr(&self, block: u32, layer: u32, kv: u32) -> u64 {
+        if block < self.load_blocks {
+            self.load_obj(block, layer, kv)
+        } else {
+            self.store_obj(block - self.load_blocks, layer, kv)
+        }
+    }
+
+    fn regions(&self) -> Vec<MemRegion> {
+        vec![
+            MemRegion {
+                addr: self.load_base,
+                len: self.buffers as u64 * self.buffer_bytes(),
+            },
+            MemRegion {
+                addr: self.store_base,
+                len: self.store_blocks as u64 * 2 * self.layers as u64 * self.obj,
+            },
+        ]
+    }
+}
+
+/// The staging memory: page-aligned host memory (huge pages where the
+/// kernel gives them) for direct I/O, registered with CUDA as PORTABLE |
+/// DEVICEMAP on a GPU so copies on any context's stream run at pinned speed.
+struct StagingMemory {
+    // Unregistered before the memory goes.
+    reg: Option<HostRegistration>,
+    buf: DmaBuffer,
+}
+
+impl StagingMemory {
+    fn host(len: u64) -> Result<StagingMemory> {
+        Ok(StagingMemory {
+            reg: None,
+            buf: DmaBuffer::new(len as usize)?,
+        })
+    }
+
+    fn pinned(ctx: &Context, len: u64) -> Result<StagingMemory> {
+        let buf = DmaBuffer::new(len as usize)?;
+        // SAFETY: `buf` is our mapping and outlives the registration (field order).
+        let reg = unsafe {
+            HostRegistration::register(ctx, buf.as_mut_ptr(), buf.len(), RegisterFlags::DeviceMap)?
+        };
+        Ok(StagingMemory {
+            reg: Some(reg),
+            buf,
+        })
+    }
+
+    /// The copier's address of host address `a` of the staging.
+    fn dev(&self, a: u64) -> u64 {
+        match &self.reg {
+            Some(r) => r.device_ptr() + (a - self.buf.addr()),
+            None => a,
+        }
+    }
+}
+
+/// "Layer `layer` of staged load `job` is in the KV memory."
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HbmLayer {
+    pub job: JobId,
+    pub layer: u32,
+    /// Why some keys failed in this layer (their blocks must not be used).
+    pub error: Option<Failure>,
+    /// The copier's completion counter reaches this value once the layer's
+    /// copy is done (the host's view; a compute stream waits on the load's
+    /// own counter instead, see [`StagedPath::load_counter`]).
+    pub counter: u32,
+}
+
+struct LoadJob {
+    keys: Vec<Key>,
+    hbm: Vec<u32>,
+    /// The staging place of each key position (slot order: coalesced).
+    sblock: Vec<u32>,
+    /// Positions in staging order.
+    order: Vec<u32>,
+    layers: Range<u32>,
+    next_submit: u32,
+    next_scatter: u32,
+    /// Layers from here on are not read: no key is left to read.
+    skipped_from: Option<u32>,
+    /// Landed layers not yet scattered: (positions read, tier result).
+    landed: BTreeMap<u32, (Vec<u32>, JobResult)>,
+    /// Layers scattered, waiting for their copy: (layer, counter value, error).
+    copying: VecDeque<(u32, u32, Option<Failure>)>,
+    outcomes: Vec<Option<KeyOutcome>>,
+    tier_jobs_out: u32,
+    announced: u32,
+    /// The load's own counter on a GPU: layer `l` done at `base + l - first + 1`.
+    counter: Option<LoadCounter>,
+}
+
+/// A GPU-visible counter of one load: layer `l` of a load of layers
+/// `first..` is in KV memory once the counter has reached
+/// `base + (l - first) + 1` (wrapping). Counters are reused by later loads,
+/// from the value the last one left, so a stream still waiting on an old
+/// value is never confused.
+#[derive(Clone)]
+pub struct LoadCounter {
+    pub counter: Arc<CompletionCounter>,
+    pub base: u32,
+    pub first_layer: u32,
+}
+
+impl LoadCounter {
+    /// The value the counter reaches once layer `layer` is copied.
+    pub fn value_for(&self, layer: u32) -> u32 {
+        self.base
+            .wrapping_add(layer - self.first_layer)
+            .wrapping_add(1)
+    }
+}
+
+/// One tier store of a staged store: a chunk of at most `store_blocks` keys.
+struct StoreJob {
+    id: JobId,
+    /// Position of the chunk's first key in the staged store.
+    offset: usize,
+    places: Vec<u32>,
+}
+
+/// A staged store, whose chunks are tier stores.
+struct StoreAgg {
+    keys: Vec<Key>,
+    outcomes: Vec<Option<KeyOutcome>>,
+    evicted: Vec<Key>,
+    chunks_out: usize,
+}
+
+/// Job ids of the staged path start here, apart from the tier's own.
+pub const STAGED_JOB_BASE: JobId = 1 << 62;
+
+/// The staged path's state beside a [`Tier`] whose registered memory is
+/// the staging: every call takes that tier. The tier must be drained
+/// (see [`StagedPath::drain`]) before this is dropped: its I/O targets the
+/// staging memory this owns. [`StagedTier`] keeps the two together.
+pub struct StagedPath {
+    copier: Box<dyn DeviceCopier>,
+    staging: StagingMemory,
+    layout: Layout,
+    target: KvMemory,
+    cfg: StagingConfig,
+    /// The user of each layer buffer: (load job, layer).
+    buffers: Vec<Option<(JobId, u32)>>,
+    store_free: Vec<u32>,
+    loads: BTreeMap<JobId, LoadJob>,
+    /// Tier job -> (load job, layer, positions it reads).
+    layer_jobs: HashMap<JobId, (JobId, u32, Vec<u32>)>,
+    store_jobs: HashMap<JobId, StoreJob>,
+    stores: HashMap<JobId, StoreAgg>,
+    finished: HashMap<JobId, JobResult>,
+    finished_order: VecDeque<JobId>,
+    events: VecDeque<HbmLayer>,
+    seq: u32,
+    next_job: JobId,
+    /// To make loads' counters (GPU only).
+    ctx: Option<Context>,
+    /// Counters of finished loads, with the value each was left at.
+    spare_counters: Vec<(Arc<CompletionCounter>, u32)>,
+    _target_owner: Option<Arc<HostKvCache>>,
+}
+
+impl StagedPath {
+    /// The CPU test double: `cache` (host memory) stands in for the GPU's
+    /// KV memory and [`HostCopier`] does the copies the kernels do on a GPU.
+    pub fn with_host_double(
+        tier: &mut Tier,
+        cache: Arc<HostKvCache>,
+        cfg: StagingConfig,
+    ) -> Result<StagedPath> {
+        Self::with_host_copier(tier, cache, cfg, HostCopier::default())
+    }
+
+    /// As [`Self::with_host_double`] with a given double (e.g.
+    /// [`HostCopier::deferred`], whose copies end only when waited for).
+    pub fn with_host_copier(
+        tier: &mut Tier,
+        cache: Arc<HostKvCache>,
+        cfg: StagingConfig,
+        copier: HostCopier,
+    ) -> Result<StagedPath> {
+        let g = cache.memory().geometry;
+        let staging = StagingMemory::host(cfg.bytes(&g).max(1))?;
+        let target = cache.memory().clone();
+        // SAFETY: the path keeps `cache` alive; staging is its own.
+        let mut s = unsafe { Self::new(tier, target, Box::new(copier), staging, cfg)? };
+        s._target_owner = Some(cache);
+        Ok(s)
+    }
+
+    /// Serve the engine's KV memory in GPU memory `mem` (device pointers of
+    /// `ctx`'s device) through pinned staging and the staging kernels.
+    ///
+    /// # Safety
+    /// Every byte `mem` describes must stay allocated until the staged tier
+    /// is dropped, and must not be freed while a job that targets it is in
+    /// flight.
+    pub unsafe fn on_gpu(
+        tier: &mut Tier,
+        ctx: &Context,
+        mem: KvMemory,
+        cfg: StagingConfig,
+    ) -> Result<StagedPath> {
+        if !matches!(mem.kind, MemoryKind::Gpu { .. }) {
+            return Err(Error::invalid(
+                "the staged HBM path serves GPU memory; register host memory with the tier itself",
+            ));
+        }
+        // Every region is device memory of ctx's device (aligned for the
+        // copy kernels; no device DMAs into it, so not for direct I/O).
+        check_gpu_kv_memory(ctx, &mem)?;
+        cfg.validate()?;
+        let g = mem.geometry;
+        let capacity = (2 * cfg.load_blocks as usize)
+            .max(cfg.store_blocks as usize * g.objects_per_block() as usize);
+        let copier = CudaCopier::new(ctx, capacity)?;
+        let staging = StagingMemory::pinned(ctx, cfg.bytes(&g))?;
+        // SAFETY: the caller's contract for `mem`; staging is ours.
+        let mut path = unsafe { Self::new(tier, mem, Box::new(copier), staging, cfg)? };
+        path.ctx = Some(ctx.clone());
+        Ok(path)
+    }
+
+    /// # Safety
+    /// `target`'s memory is reachable by `copier` and outlives the result.
+    unsafe fn new(
+        tier: &mut Tier,
+        target: KvMemory,
+        copier: Box<dyn DeviceCopier>,
+        staging: StagingMemory,
+        cfg: StagingConfig,
+    ) -> Result<StagedPath> {
+        cfg.validate()?;
+        target.validate_for_copies()?;
+        let g = target.geometry;
+        if g != *tier.pool().geometry() {
+            return Err(Error::Registration(format!(
+                "memory has geometry {} but the pool stores {}",
+                g.describe(),
+                tier.pool().geometry().describe()
+            )));
+        }
+        let layout = Layout::new(&g, &cfg, staging.buf.addr());
+        let table = P2pTable::from_objects(
+            g,
+            cfg.load_blocks + cfg.store_blocks,
+            MemoryKind::Host,
+            layout.regions(),
+            |b, l, kv| layout.addr(b, l, kv),
+        )?;
+        // SAFETY: the staging memory lives in self, dropped after the tier.
+        // SAFETY: the staging memory lives in the result, which the caller
+        // keeps until the tier has drained (StagedPath's contract).
+        unsafe { tier.register_table(table)? };
+        Ok(StagedPath {
+            copier,
+            staging,
+            layout,
+            target,
+            cfg,
+            buffers: vec![None; cfg.layer_buffers as usize],
+            store_free: (cfg.load_blocks..cfg.load_blocks + cfg.store_blocks)
+                .rev()
+                .collect(),
+            loads: BTreeMap::new(),
+            layer_jobs: HashMap::new(),
+            store_jobs: HashMap::new(),
+            stores: HashMap::new(),
+            finished: HashMap::new(),
+            finished_order: VecDeque::new(),
+            events: VecDeque::new(),
+            seq: 0,
+            next_job: STAGED_JOB_BASE,
+            ctx: None,
+            spare_counters: Vec::new(),
+            _target_owner: None,
+        })
+    }
+
+    pub fn config(&self) -> &StagingConfig {
+        &self.cfg
+    }
+
+    /// The KV memory served (GPU memory, or the double's stand-in).
+    pub fn memory(&self) -> &KvMemory {
+        &self.target
+    }
+
+    /// The completion counter the copies advance, for compute streams to
+    /// wait on (`None` with the host double).
+    pub fn counter(&self) -> Option<&Arc<CompletionCounter>> {
+        self.copier.counter()
+    }
+
+    /// The counter value the next layer copied will carry: with one load in
+    /// flight, layer `l` of a load submitted now carries
+    /// `next_counter_value() + (l - first layer)`.
+    pub fn next_counter_value(&self) -> u32 {
+        self.seq.wrapping_add(1)
+    }
+
+    /// The counter a compute stream waits on for load `id`'s layers
+    /// (queue the waits right after `submit_load`, with
+    /// [`LayerWait::queue`] and [`LoadCounter::value_for`]); `None` with
+    /// the host double or once the load has finished.
+    pub fn load_counter(&self, id: JobId) -> Option<LoadCounter> {
+        self.loads.get(&id)?.counter.clone()
+    }
+
+    /// Which layer buffers are in use, and by what (load job, layer).
+    pub fn buffers_in_use(&self) -> Vec<Option<(JobId, u32)>> {
+        self.buffers.clone()
+    }
+
+    fn check_blocks(&self, keys: &[Key], blocks: &[u32], most: u32, what: &str) -> Result<()> {
+        if keys.len() != blocks.len() {
+            return Err(Error::invalid(format!(
+                "{} keys but {} memory blocks: give one memory block per key",
+                keys.len(),
+                blocks.len()
+            )));
+        }
+        if keys.is_empty() {
+            return Err(Error::invalid("a job needs at least one key"));
+        }
+        if keys.len() > most as usize {
+            return Err(Error::invalid(format!(
+                "a {what} of {} blocks exceeds the staging's {most}; split the job or raise StagingConfig::{what}_blocks",
+                keys.len()
+            )));
+        }
+        if let Some(&b) = blocks.iter().find(|&&b| b >= self.target.num_blocks) {
+            return Err(Error::invalid(format!(
+                "memory block {b} is out of range: the registered KV memory has {} blocks",
+                self.target.num_blocks
+            )));
+        }
+        Ok(())
+    }
+
+    /// Start restoring `keys` into the KV memory's `mem_blocks` for
+    /// `layers`. Every key must be in the pool; they stay pinned until the
+    /// job ends. Layers complete in order ([`Self::layer_events`]).
+    pub fn submit_load(
+        &mut self,
+        tier: &mut Tier,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        layers: Range<u32>,
+    ) -> Result<JobId> {
+        self.check_blocks(keys, mem_blocks, self.cfg.load_blocks, "load")?;
+        let g = self.target.geometry;
+        if layers.start >= layers.end || layers.end > g.layers {
+            return Err(Error::invalid(format!(
+                "layer range {}..{} is empty or outside the model's {} layers",
+                layers.start, layers.end, g.layers
+            )));
+        }
+        let mut seen = HashSet::new();
+        if let Some(&b) = mem_blocks.iter().find(|&&b| !seen.insert(b)) {
+            return Err(Error::invalid(format!(
+                "memory block {b} is the target of two keys in one load"
+            )));
+        }
+        let n = tier.lookup_and_pin(keys);
+        if n < keys.len() {
+            tier.unpin(&keys[..n]);
+            return Err(Error::UnknownKey {
+                key: keys[n].to_string(),
+            });
+        }
+        // Staging places in slot order: the pool's coalesced order.
+        let slots: Vec<u64> = keys
+            .iter()
+            .map(|k| tier.pool().index().get(k).map_or(u64::MAX, |e| e.slot))
+            .collect();
+        let mut order: Vec<u32> = (0..keys.len() as u32).collect();
+        order.sort_by_key(|&p| slots[p as usize]);
+        let mut sblock = vec![0; keys.len()];
+        for (i, &p) in order.iter().enumerate() {
+            sblock[p as usize] = i as u32;
+        }
+        let counter = match &self.ctx {
+            Some(ctx) => {
+                let (counter, base) = match self.spare_counters.pop() {
+                    Some(c) => c,
+                    None => match CompletionCounter::device(ctx) {
+                        Ok(c) => (c, 0),
+                        Err(e) => {
+                            tier.unpin(keys);
+                            return Err(e);
+                        }
+                    },
+                };
+                Some(LoadCounter {
+                    counter,
+                    base,
+                    first_layer: layers.start,
+                })
+            }
+            None => None,
+        };
+        let id = self.next_job;
+        self.next_job += 1;
+        self.loads.insert(
+            id,
+            LoadJob {
+                counter,
+                keys: keys.to_vec(),
+                hbm: mem_blocks.to_vec(),
+                sblock,
+                order,
+                next_submit: layers.start,
+                next_scatter: layers.start,
+                announced: layers.start,
+                layers,
+                skipped_from: None,
+                landed: BTreeMap::new(),
+                copying: VecDeque::new(),
+                outcomes: vec![None; keys.len()],
+                tier_jobs_out: 0,
+            },
+        );
+        self.submit_layers(tier);
+        Ok(id)
+    }
+
+    /// Start storing `keys` from the KV memory's `mem_blocks` (all layers):
+    /// the blocks are gathered into staging with their checksums (on the
+    /// GPU) before this returns, so the memory blocks may be reused at once.
+    /// A store larger than the store staging goes out in chunks of
+    /// `store_blocks`; each chunk waits for earlier stores to free staging.
+    /// An error means nothing was accepted; a chunk after the first that
+    /// fails fails its keys in the job's result.
+    pub fn submit_store(
+        &mut self,
+        tier: &mut Tier,
+        keys: &[Key],
+        mem_blocks: &[u32],
+    ) -> Result<JobId> {
+        self.check_blocks(keys, mem_blocks, u32::MAX, "store")?;
+        if let Some(&b) = mem_blocks
+            .iter()
+            .find(|&&b| self.loads.values().any(|j| j.hbm.contains(&b)))
+        {
+            return Err(Error::invalid(format!(
+                "memory block {b} is the target of a load in flight; wait for that load before storing from it"
+            )));
+        }
+        let id = self.next_job;
+        let chunk = self.cfg.store_blocks as usize;
+        // In the table before the first chunk: a chunk may end while a later
+        // one waits for staging. `chunks_out` counts the one being submitted
+        // too, so the store cannot finish before the last chunk is out.
+        self.stores.insert(
+            id,
+            StoreAgg {
+                keys: keys.to_vec(),
+                outcomes: vec![None; keys.len()],
+                evicted: Vec::new(),
+                chunks_out: 1,
+            },
+        );
+        for (c, (kc, mc)) in keys.chunks(chunk).zip(mem_blocks.chunks(chunk)).enumerate() {
+            let r = self.store_chunk(tier, kc, mc);
+            let agg = self.stores.get_mut(&id).expect("inserted above");
+            match r {
+                Ok((t, places)) => {
+                    agg.chunks_out += 1;
+                    self.store_jobs.insert(
+                        t,
+                        StoreJob {
+                            id,
+                            offset: c * chunk,
+                            places,
+                        },
+                    );
+                }
+                Err(e) if c == 0 => {
+                    self.stores.remove(&id);
+                    return Err(e);
+                }
+                Err(e) => {
+                    let f = Failure::from(&e);
+                    for o in &mut agg.outcomes[c * chunk..c * chunk + kc.len()] {
+                        *o = Some(KeyOutcome::Failed(f.clone()));
+                    }
+                }
+            }
+        }
+        self.next_job += 1;
+        self.stores.get_mut(&id).expect("inserted above").chunks_out -= 1;
+        self.finish_stores();
+        Ok(id)
+    }
+
+    /// Gather one chunk into free store places (waiting for them) and hand
+    /// it to the tier: (tier job, places).
+    fn store_chunk(
+        &mut self,
+        tier: &mut Tier,
+        keys: &[Key],
+        mem_blocks: &[u32],
+    ) -> Result<(JobId, Vec<u32>)> {
+        while self.store_free.len() < keys.len() {
+            let Some(&t) = self.store_jobs.keys().min() else {
+                return Err(Error::invalid(
+                    "store staging exhausted with no store in flight (a bug: report it)",
+                ));
+            };
+            let r = tier.wait(t)?;
+            self.on_tier_result(r);
+        }
+        let places: Vec<u32> = (0..keys.len())
+            .map(|_| self.store_free.pop().expect("counted"))
+            .collect();
+        match self.gather_and_store(tier, keys, mem_blocks, &places) {
+            Ok(t) => Ok((t, places)),
+            Err(e) => {
+                self.store_free.extend(places);
+                Err(e)
+            }
+        }
+    }
+
+    /// Report staged stores whose chunks have all ended.
+    fn finish_stores(&mut self) {
+        let done: Vec<JobId> = self
+            .stores
+            .iter()
+            .filter(|(_, a)| a.chunks_out == 0)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in done {
+            let a = self.stores.remove(&id).expect("listed");
+            self.finish(JobResult {
+                job: id,
+                kind: JobKind::Store,
+                keys: a.keys,
+                outcomes: a
+                    .outcomes
+                    .into_iter()
+                    .map(|o| {
+                        o.unwrap_or_else(|| {
+                            KeyOutcome::Failed(Failure::new(
+                                ErrorKind::Internal,
+                                "a staged store chunk ended without an outcome for this key",
+                            ))
+                        })
+                    })
+                    .collect(),
+                evicted: a.evicted,
+            });
+        }
+    }
+
+    fn gather_and_store(
+        &mut self,
+        tier: &mut Tier,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        places: &[u32],
+    ) -> Result<JobId> {
+        let g = self.target.geometry;
+        let obj = self.layout.obj;
+        let mut list = Vec::with_capacity(keys.len() * g.objects_per_block() as usize);
+        for (i, &b) in mem_blocks.iter().enumerate() {
+            for layer in 0..g.layers {
+                for kv in 0..2 {
+                    let s = places[i] - self.layout.load_blocks;
+                    list.push(CopyDesc {
+                        src: self.target.object_addr(b, layer, kv),
+                        dst: self.staging.dev(self.layout.store_obj(s, layer, kv)),
+                        len: obj as u32,
+                        reserved: 0,
+                    });
+                }
+            }
+        }
+        self.copier.gather_crc32c(&list)?;
+        let crcs = self.copier.finish()?;
+        if crcs.len() != list.len() {
+            return Err(Error::gpu(
+                "staging gather",
+                format!("{} checksums for {} copies", crcs.len(), list.len()),
+            ));
+        }
+        // A layer's checksum covers K then V: combine the two objects'.
+        let per_key: Vec<Option<Vec<u32>>> = crcs
+            .chunks_exact(g.objects_per_block() as usize)
+            .map(|c| {
+                Some(
+                    c.chunks_exact(2)
+                        .map(|kv| crc32c::crc32c_combine(kv[0], kv[1], obj as usize))
+                        .collect(),
+                )
+            })
+            .collect();
+        tier.submit_store_with_crcs(keys, places, Some(&per_key))
+    }
+
+    /// Submit the next layers of loads whose buffers are free.
+    fn submit_layers(&mut self, tier: &mut Tier) {
+        let b = self.cfg.layer_buffers;
+        let ids: Vec<JobId> = self.loads.keys().copied().collect();
+        for id in ids {
+            loop {
+                let job = self.loads.get_mut(&id).expect("listed");
+                let l = job.next_submit;
+                if l >= job.layers.end || job.skipped_from.is_some() {
+                    break;
+                }
+                if self.buffers[(l % b) as usize].is_some() {
+                    break; // back-pressure: the buffer's copy is not done yet
+                }
+                let live: Vec<u32> = (0..job.keys.len() as u32)
+                    .filter(|&p| job.outcomes[p as usize].is_none())
+                    .collect();
+                if live.is_empty() {
+                    job.skipped_from = Some(l);
+                    break;
+                }
+                let keys: Vec<Key> = live.iter().map(|&p| job.keys[p as usize]).collect();
+                let places: Vec<u32> = live.iter().map(|&p| job.sblock[p as usize]).collect();
+                match tier.submit_load(&keys, &places, l..l + 1) {
+                    Ok(t) => {
+                        job.next_submit += 1;
+                        job.tier_jobs_out += 1;
+                        self.buffers[(l % b) as usize] = Some((id, l));
+                        self.layer_jobs.insert(t, (id, l, live));
+                    }
+                    Err(e) => {
+                        let f = Failure::from(&e).context(format_args!("layer {l}"));
+                        for p in live {
+                            job.outcomes[p as usize] = Some(KeyOutcome::Failed(f.clone()));
+                        }
+                        job.skipped_from = Some(l);
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_tier_result(&mut self, r: JobResult) {
+        if let Some((id, l, live)) = self.layer_jobs.remove(&r.job) {
+            let job = self.loads.get_mut(&id).expect("a load of a layer job");
+            job.tier_jobs_out -= 1;
+            job.landed.insert(l, (live, r));
+        } else if let Some(s) = self.store_jobs.remove(&r.job) {
+            self.store_free.extend(s.places);
+            if let Some(a) = self.stores.get_mut(&s.id) {
+                for (i, o) in r.outcomes.into_iter().enumerate() {
+                    a.outcomes[s.offset + i] = Some(o);
+                }
+                a.evicted.extend(r.evicted);
+                a.chunks_out -= 1;
+            }
+        }
+    }
+
+    fn finish(&mut self, r: JobResult) {
+        self.finished_order.push_back(r.job);
+        self.finished.insert(r.job, r);
+    }
+
+    /// Scatter every landed layer that is next in its load's order.
+    fn scatter_landed(&mut self) -> Result<()> {
+        let ids: Vec<JobId> = self.loads.keys().copied().collect();
+        for id in ids {
+            loop {
+                let job = self.loads.get_mut(&id).expect("listed");
+                let l = job.next_scatter;
+                if l >= job.layers.end {
+                    break;
+                }
+                if job.skipped_from.is_some_and(|s| l >= s) {
+                    // Not read: announced with the failure once the copies
+                    // before it are done.
+                    let f = Failure::new(
+                        ErrorKind::Io,
+                        format!("layer {l} not read: every key of the load failed before it"),
+                    );
+                    // A stream waiting on the load's counter must not hang:
+                    // the value goes up as if the layer had been copied.
+                    if let Some(c) = &job.counter {
+                        self.copier.signal_counter(&c.counter, c.value_for(l))?;
+                    }
+                    job.copying.push_back((l, self.seq, Some(f)));
+                    job.next_scatter += 1;
+                    continue;
+                }
+                let Some((live, r)) = job.landed.remove(&l) else {
+                    break;
+                };
+                let mut error = None;
+                for (i, &p) in live.iter().enumerate() {
+                    if let KeyOutcome::Failed(f) | KeyOutcome::Corrupt(f) = &r.outcomes[i] {
+                        if job.outcomes[p as usize].is_none() {
+                            job.outcomes[p as usize] = Some(r.outcomes[i].clone());
+                        }
+                        error.get_or_insert_with(|| f.clone());
+                    }
+                }
+                let mut list = Vec::with_capacity(2 * job.keys.len());
+                for kv in 0..2 {
+                    for &p in &job.order {
+                        if job.outcomes[p as usize].is_some() {
+                            continue;
+                        }
+                        list.push(CopyDesc {
+                            src: self.staging.dev(self.layout.load_obj(
+                                job.sblock[p as usize],
+                                l,
+                                kv,
+                            )),
+                            dst: self.target.object_addr(job.hbm[p as usize], l, kv),
+                            len: self.layout.obj as u32,
+                            reserved: 0,
+                        });
+                    }
+                }
+                let copied = if list.is_empty() {
+                    Ok(())
+                } else {
+                    self.copier.scatter(&list)
+                };
+                let seq = self.seq.wrapping_add(1);
+                let copied = copied
+                    .and_then(|()| match &job.counter {
+                        Some(c) => self.copier.signal_counter(&c.counter, c.value_for(l)),
+                        None => Ok(()),
+                    })
+                    .and_then(|()| self.copier.signal(seq));
+                let job = self.loads.get_mut(&id).expect("listed");
+                if let Err(e) = copied {
+                    let f =
+                        Failure::from(&e).context(format_args!("copying layer {l} to GPU memory"));
+                    for o in job.outcomes.iter_mut().filter(|o| o.is_none()) {
+                        *o = Some(KeyOutcome::Failed(f.clone()));
+                    }
+                    error.get_or_insert(f);
+                    job.copying.push_back((l, self.seq, error));
+                } else {
+                    self.seq = seq;
+                    job.copying.push_back((l, seq, error));
+                }
+                job.next_scatter += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Announce layers whose copies are done, free their buffers, and end
+    /// loads with nothing left.
+    fn retire(&mut self, tier: &mut Tier) -> Result<()> {
+        let now = self.copier.signaled()?;
+        let b = self.cfg.layer_buffers;
+        let mut done = Vec::new();
+        for (&id, job) in self.loads.iter_mut() {
+            while let Some((l, s, _)) = job.copying.front() {
+                if (now.wrapping_sub(*s) as i32) < 0 {
+                    break;
+                }
+                let (l, s) = (*l, *s);
+                let (_, _, error) = job.copying.pop_front().expect("front");
+                if self.buffers[(l % b) as usize] == Some((id, l)) {
+                    self.buffers[(l % b) as usize] = None;
+                }
+                job.announced = l + 1;
+                self.events.push_back(HbmLayer {
+                    job: id,
+                    layer: l,
+                    error,
+                    counter: s,
+                });
+            }
+            if job.next_scatter >= job.layers.end
+                && job.copying.is_empty()
+                && job.tier_jobs_out == 0
+            {
+                done.push(id);
+            }
+        }
+        for id in done {
+            let job = self.loads.remove(&id).expect("listed");
+            tier.unpin(&job.keys);
+            if let Some(c) = job.counter {
+                // Layers not copied (failed keys, skipped layers) still
+                // reached their values: every scatter signals, and a skipped
+                // layer is signalled below, so the last value is final.
+                let last = c.value_for(job.layers.end - 1);
+                self.spare_counters.push((c.counter, last));
+            }
+            self.finish(JobResult {
+                job: id,
+                kind: JobKind::Load,
+                keys: job.keys,
+                outcomes: job
+                    .outcomes
+                    .into_iter()
+                    .map(|o| o.unwrap_or(KeyOutcome::Done))
+                    .collect(),
+                evicted: Vec::new(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Move everything along without blocking.
+    pub fn poll(&mut self, tier: &mut Tier) -> Result<()> {
+        tier.poll()?;
+        for r in tier.get_finished() {
+            self.on_tier_result(r);
+        }
+        self.finish_stores();
+        // The layer jobs' own events: a staged layer is announced after its copy.
+        let _ = tier.layer_events();
+        self.scatter_landed()?;
+        self.retire(tier)?;
+        self.submit_layers(tier);
+        Ok(())
+    }
+
+    /// Block until something moves: the oldest tier job ends, or the copies
+    /// started finish.
+    fn wait_some(&mut self, tier: &mut Tier) -> Result<()> {
+        let oldest = self
+            .layer_jobs
+            .keys()
+            .chain(self.store_jobs.keys())
+            .min()
+            .copied();
+        if let Some(t) = oldest {
+            let r = tier.wait(t)?;
+            self.on_tier_result(r);
+        } else if self.loads.values().any(|j| !j.copying.is_empty()) {
+            self.copier.finish()?;
+        } else {
+            return Err(Error::invalid(
+                "staged tier: a job is unfinished with nothing in flight (a bug: report it)",
+            ));
+        }
+        Ok(())
+    }
+
+    fn known(&self, id: JobId) -> bool {
+        self.loads.contains_key(&id)
+            || self.finished.contains_key(&id)
+            || self.stores.contains_key(&id)
+    }
+
+    /// Wait for job `id` and take its result.
+    pub fn wait(&mut self, tier: &mut Tier, id: JobId) -> Result<JobResult> {
+        if !self.known(id) {
+            return Err(Error::invalid(format!(
+                "no staged job {id} in flight or unreported"
+            )));
+        }
+        loop {
+            self.poll(tier)?;
+            if let Some(r) = self.finished.remove(&id) {
+                self.finished_order.retain(|&j| j != id);
+                return Ok(r);
+            }
+            self.wait_some(tier)?;
+        }
+    }
+
+    /// Wait until layer `layer` of load `id` is in the KV memory (or the
+    /// load has ended).
+    pub fn wait_layer(&mut self, tier: &mut Tier, id: JobId, layer: u32) -> Result<()> {
+        if !self.known(id) {
+            return Err(Error::invalid(format!(
+                "no staged job {id} in flight or unreported"
+            )));
+        }
+        loop {
+            self.poll(tier)?;
+            match self.loads.get(&id) {
+                Some(j) if j.announced <= layer => self.wait_some(tier)?,
+                _ => return Ok(()),
+            }
+        }
+    }
+
+    /// Layers that reached the KV memory since the last call, in layer
+    /// order per load.
+    pub fn layer_events(&mut self) -> Vec<HbmLayer> {
+        self.events.drain(..).collect()
+    }
+
+    /// Results of jobs that ended, in the order they ended.
+    pub fn get_finished(&mut self) -> Vec<JobResult> {
+        let mut out = Vec::new();
+        while let Some(id) = self.finished_order.pop_front() {
+            if let Some(r) = self.finished.remove(&id) {
+                out.push(r);
+            }
+        }
+        out
+    }
+
+    /// Wait for every job.
+    pub fn drain(&mut self, tier: &mut Tier) -> Result<()> {
+        loop {
+            self.poll(tier)?;
+            if self.loads.is_empty() && self.stores.is_empty() {
+                return Ok(());
+            }
+            self.wait_some(tier)?;
+        }
+    }
+}
+
+impl StagedPath {
+    /// Whether `id` is a job of the staged path (not one of the tier's).
+    pub fn owns(id: JobId) -> bool {
+        id >= STAGED_JOB_BASE
+    }
+
+    /// Staged loads and stores not yet finished.
+    pub fn jobs_in_flight(&self) -> usize {
+        self.loads.len() + self.stores.len()
+    }
+
+    pub fn loads_in_flight(&self) -> usize {
+        self.loads.len()
+    }
+
+    /// Copies started whose end only a later poll sees (no fd says so:
+    /// the copier's counter is polled).
+    pub fn copies_pending(&self) -> bool {
+        self.loads.values().any(|j| !j.copying.is_empty())
+    }
+}
+
+/// A [`Tier`] and the [`StagedPath`] serving GPU memory through it, kept
+/// together so that the tier's I/O drains before the staging goes.
+pub struct StagedTier {
+    // Field order is drop order: the tier drains its I/O into staging first.
+    tier: Tier,
+    path: StagedPath,
+}
+
+impl StagedTier {
+    /// The CPU test double: `cache` (host memory) stands in for the GPU's
+    /// KV memory and [`HostCopier`] does the copies the kernels do on a GPU.
+    pub fn with_host_double(
+        mut tier: Tier,
+        cache: Arc<HostKvCache>,
+        cfg: StagingConfig,
+    ) -> Result<StagedTier> {
+        let path = StagedPath::with_host_double(&mut tier, cache, cfg)?;
+        Ok(StagedTier { tier, path })
+    }
+
+    /// As [`Self::with_host_double`] with a given double.
+    pub fn with_host_copier(
+        mut tier: Tier,
+        cache: Arc<HostKvCache>,
+        cfg: StagingConfig,
+        copier: HostCopier,
+    ) -> Result<StagedTier> {
+        let path = StagedPath::with_host_copier(&mut tier, cache, cfg, copier)?;
+        Ok(StagedTier { tier, path })
+    }
+
+    /// GPU memory `mem` of `ctx`'s device, through pinned staging.
+    ///
+    /// # Safety
+    /// As [`StagedPath::on_gpu`].
+    pub unsafe fn on_gpu(
+        mut tier: Tier,
+        ctx: &Context,
+        mem: KvMemory,
+        cfg: StagingConfig,
+    ) -> Result<StagedTier> {
+        // SAFETY: the caller's contract.
+        let path = unsafe { StagedPath::on_gpu(&mut tier, ctx, mem, cfg)? };
+        Ok(StagedTier { tier, path })
+    }
+
+    pub fn tier(&self) -> &Tier {
+        &self.tier
+    }
+
+    pub fn path(&self) -> &StagedPath {
+        &self.path
+    }
+
+    pub fn config(&self) -> &StagingConfig {
+        self.path.config()
+    }
+
+    pub fn memory(&self) -> &KvMemory {
+        self.path.memory()
+    }
+
+    pub fn counter(&self) -> Option<&Arc<CompletionCounter>> {
+        self.path.counter()
+    }
+
+    pub fn next_counter_value(&self) -> u32 {
+        self.path.next_counter_value()
+    }
+
+    pub fn buffers_in_use(&self) -> Vec<Option<(JobId, u32)>> {
+        self.path.buffers_in_use()
+    }
+
+    pub fn load_counter(&self, id: JobId) -> Option<LoadCounter> {
+        self.path.load_counter(id)
+    }
+
+    pub fn submit_load(
+        &mut self,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        layers: Range<u32>,
+    ) -> Result<JobId> {
+        self.path
+            .submit_load(&mut self.tier, keys, mem_blocks, layers)
+    }
+
+    pub fn submit_store(&mut self, keys: &[Key], mem_blocks: &[u32]) -> Result<JobId> {
+        self.path.submit_store(&mut self.tier, keys, mem_blocks)
+    }
+
+    pub fn poll(&mut self) -> Result<()> {
+        self.path.poll(&mut self.tier)
+    }
+
+    pub fn wait(&mut self, id: JobId) -> Result<JobResult> {
+        self.path.wait(&mut self.tier, id)
+    }
+
+    pub fn wait_layer(&mut self, id: JobId, layer: u32) -> Result<()> {
+        self.path.wait_layer(&mut self.tier, id, layer)
+    }
+
+    pub fn layer_events(&mut self) -> Vec<HbmLayer> {
+        self.path.layer_events()
+    }
+
+    pub fn get_finished(&mut self) -> Vec<JobResult> {
+        self.path.get_finished()
+    }
+
+    pub fn drain(&mut self) -> Result<()> {
+        self.path.drain(&mut self.tier)
+    }
+}
+
+impl Drop for StagedTier {
+    fn drop(&mut self) {
+        // Stores in flight land (their bytes are in staging), as Tier's drop does.
+        let _ = self.drain();
+    }
+}
+
+/// Makes a compute stream wait for a staged layer without a host call:
+/// `cuStreamWaitValue32(counter >= value)`, or, on a device without stream
+/// memory operations, the wait kernel `kvtier_wait_counter` (one thread
+/// polling the counter).
+pub struct LayerWait {
+    kernel: Option<(Function, Module)>,
+    ctx: Context,
+}
+
+impl LayerWait {
+    pub fn new(ctx: &Context) -> LayerWait {
+        LayerWait {
+            kernel: None,
+            ctx: ctx.clone(),
+        }
+    }
+
+    /// Later work on `stream` starts once `counter` has reached `value`.
+    pub fn queue(
+        &mut self,
+        stream: &Stream,
+        counter: &Arc<CompletionCounter>,
+        value: u32,
+    ) -> Result<()> {
+        if self.kernel.is_none() {
+            match stream.wait_counter(counter, value, WaitCond::Geq) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.kind() == ErrorKind::Unsupported || e.cuda_code().is_some() => {
+                    let image = kernels::gio_kernel()?;
+                    let mut ptx = image.ptx.as_bytes().to_vec();
+                    ptx.push(0);
+                    let module = self.ctx.load_module(&ptx)?;
+                    let f = module.function(abi::WAIT_KERNEL_NAME)?;
+                    self.kernel = Some((f, module));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let (f, _) = self.kernel.as_ref().expect("loaded");
+        let mut a = KernelArgs::new()
+            .arg(counter.device_ptr())
+            .arg(value)
+            .arg(0u64)
+            .arg(0u64);
+        // SAFETY: kvtier_wait_counter(counter, target, timeout_ns, timed_out):
+        // the counter is kept alive below until the stream passes the kernel;
+        // a null timed_out is allowed.
+        unsafe { stream.launch(f, LaunchConfig::linear(1, 1), &mut a)? };
+        stream.keep_alive(counter.clone());
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Layer buffers repeat every `layer_buffers` layers, K objects of the
+    /// load places then V objects; the store area follows the buffers with a
+    /// block's 2L objects together; nothing of one overlaps the other.
+    #[test]
+    fn staging_layout_reuses_buffers_round_robin() {
+        let g = KvGeometry {
+            layers: 6,
+            kv_heads: 2,
+            head_dim: 64,
+            dtype: crate::model::DType::BF16,
+            block_size: 16,
+        };
+        let cfg = StagingConfig {
+            layer_buffers: 2,
+            load_blocks: 3,
+            store_blocks: 2,
+        };
+        let obj = g.object_bytes();
+        let l = Layout::new(&g, &cfg, 1 << 30);
+        assert_eq!(l.addr(0, 0, 0), 1 << 30);
+        assert_eq!(l.addr(2, 0, 0), (1 << 30) + 2 * obj);
+        assert_eq!(l.addr(0, 0, 1), (1 << 30) + 3 * obj);
+        assert_eq!(l.addr(1, 1, 0), (1 << 30) + 6 * obj + obj);
+        for b in 0..3 {
+            for kv in 0..2 {
+                assert_eq!(
+                    l.addr(b, 4, kv),
+                    l.addr(b, 0, kv),
+                    "layer 4 reuses buffer 0"
+                );
+                assert_eq!(l.addr(b, 5, kv), l.addr(b, 1, kv));
+            }
+        }
+        let store0 = (1 << 30) + 2 * 6 * obj;
+        assert_eq!(l.addr(3, 0, 0), store0);
+        assert_eq!(l.addr(3, 5, 1), store0 + 11 * obj);
+        assert_eq!(l.addr(4, 0, 0), store0 + 12 * obj);
+        let r = l.regions();
+        assert_eq!(r[0].addr + r[0].len, r[1].addr);
+        assert_eq!(r[0].len + r[1].len, cfg.bytes(&g));
+        assert_eq!(l.addr(4, 5, 1) + obj, r[1].addr + r[1].len);
+    }
+}
