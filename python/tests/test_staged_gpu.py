@@ -144,6 +144,8 @@ def test_gpu_double_refuses_cuda_tensors(tmp_path):
 if __name__ == "__main__":
     import pathlib
 
+    pytest = None  # run as a script: skips are this runner's, not pytest's
+
     tests = [(n, f) for n, f in sorted(globals().items()) if n.startswith("test_gpu")]
     failed = 0
     for name, f in tests:
