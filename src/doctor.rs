@@ -45,26 +45,38 @@ const NVME_CLASS: &str = "0x010802";
 /// One probed fact: `ok` is `Some(true)` when it is what kvtier needs,
 /// `Some(false)` when it is missing or broken, `None` when it is only
 /// information (or could not be told).
+#[non_exhaustive]
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Item {
+    /// The thing probed ("kernel driver", "O_DIRECT", "GPU 0", ...).
     pub key: String,
+    /// What was found.
     pub value: String,
+    /// Fit for kvtier (`Some(true)`), missing or broken (`Some(false)`), or only information (`None`).
     pub ok: Option<bool>,
     /// Why, where from, or what to do.
     pub note: String,
 }
 
+/// One part of the machine (gpu, iommu, nvme, io_uring, pool_dir, engine) and its items.
+#[non_exhaustive]
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Section {
+    /// The section's name.
     pub name: String,
+    /// Its items, in probe order.
     pub items: Vec<Item>,
 }
 
+/// The whole report: every section, the engine kvtier would pick, and why.
+#[non_exhaustive]
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Report {
+    /// The sections, in report order.
     pub sections: Vec<Section>,
     /// `gpu`, `nvme`, `uring`, or `none` when not even io_uring with O_DIRECT works.
     pub engine: String,
+    /// Why that engine, and why each other one is out.
     pub engine_reason: String,
 }
 

@@ -17,12 +17,12 @@ pub fn excerpt(s: &str, max: usize) -> String {
 }
 
 /// A JSON value for an error message, shortened by [`excerpt`].
-pub fn value_excerpt(v: &Value) -> String {
+pub(crate) fn value_excerpt(v: &Value) -> String {
     excerpt(&v.to_string(), 60)
 }
 
 /// A list of numbers for an error message: the first and last few when long.
-pub fn list_excerpt(v: &[u64]) -> String {
+pub(crate) fn list_excerpt(v: &[u64]) -> String {
     if v.len() <= 8 {
         return format!("{v:?}");
     }
@@ -43,7 +43,7 @@ pub fn list_excerpt(v: &[u64]) -> String {
 /// `/dev/zero`, `/dev/urandom`, a FIFO or a socket is refused by kind
 /// before a byte is read. Errors are the reason alone; the caller names
 /// the file and the fix.
-pub fn read_user_file(path: &Path, max_bytes: u64) -> Result<String, String> {
+pub(crate) fn read_user_file(path: &Path, max_bytes: u64) -> Result<String, String> {
     use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
     let file = std::fs::OpenOptions::new()
         .read(true)
@@ -95,7 +95,7 @@ pub fn read_user_file(path: &Path, max_bytes: u64) -> Result<String, String> {
 }
 
 /// What kind of JSON value `v` is, for messages ("an array", "null").
-pub fn json_kind(v: &Value) -> &'static str {
+pub(crate) fn json_kind(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",
@@ -108,7 +108,7 @@ pub fn json_kind(v: &Value) -> &'static str {
 
 /// Parse `text` as a JSON object. The error (without the file name, which
 /// the caller adds) gives serde_json's line and column once, then `fix`.
-pub fn parse_object(
+pub(crate) fn parse_object(
     text: &str,
     fix: &str,
     object_name: &str,

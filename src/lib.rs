@@ -35,25 +35,34 @@
 //! scratch files), and `doctor` (the NVMe admin Identify ioctl). Everything above them
 //! is safe Rust over those types.
 
+#[warn(missing_docs)]
 pub mod doctor;
+#[warn(missing_docs)]
 pub mod engine;
 pub mod error;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod gpu;
 pub mod handle;
+#[warn(missing_docs)]
 pub mod host;
 pub mod json;
 pub mod memory;
+#[warn(missing_docs)]
 pub mod model;
 pub mod nvme;
+#[warn(missing_docs)]
 pub mod p2p;
+#[warn(missing_docs)]
 pub mod plan;
 pub mod pool;
+#[warn(missing_docs)]
 pub mod ring;
 pub mod sched;
+#[warn(missing_docs)]
 pub mod scratch;
 pub mod slack;
+#[warn(missing_docs)]
 pub mod submitter;
 pub mod tier;
 

@@ -21,10 +21,15 @@ use crate::host::size::exact_bytes;
 /// Element type of the KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum DType {
+    /// IEEE half precision (`float16`), 2 bytes.
     F16,
+    /// bfloat16, 2 bytes.
     BF16,
+    /// IEEE single precision (`float32`), 4 bytes.
     F32,
+    /// FP8 E4M3 (`float8_e4m3fn`), 1 byte.
     F8E4M3,
+    /// FP8 E5M2 (`float8_e5m2`), 1 byte.
     F8E5M2,
 }
 
@@ -105,9 +110,13 @@ impl std::fmt::Display for DType {
 /// The on-SSD and in-memory shape of one model's paged KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct KvGeometry {
+    /// Attention layers (each has a K and a V object per block).
     pub layers: u32,
+    /// KV heads per layer (after grouped-query sharing).
     pub kv_heads: u32,
+    /// Elements per head.
     pub head_dim: u32,
+    /// Element type.
     pub dtype: DType,
     /// Tokens per block.
     pub block_size: u32,
@@ -501,13 +510,19 @@ impl Section<'_> {
 /// Built-in presets: the geometry of well-known models so users need no config.json.
 /// Values are those of each model's config.json on the Hugging Face hub.
 pub struct Preset {
+    /// The name `--model` takes (`llama3-8b`, ...).
     pub name: &'static str,
+    /// Attention layers.
     pub layers: u32,
+    /// KV heads per layer.
     pub kv_heads: u32,
+    /// Elements per head.
     pub head_dim: u32,
+    /// The model's own dtype.
     pub dtype: DType,
 }
 
+/// Every built-in preset.
 pub const PRESETS: &[Preset] = &[
     // meta-llama/Meta-Llama-3-8B: hidden 4096 / 32 heads, 8 KV heads (GQA).
     Preset {
@@ -612,6 +627,7 @@ pub fn preset(name: &str, block_size: u32) -> Result<KvGeometry> {
 /// derives its key namespace from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NamedGeometry {
+    /// The KV geometry.
     pub geometry: KvGeometry,
     /// A preset's name, or for a config.json its own model identity plus a
     /// hash of the config and the geometry (see [`config_identity`]).

@@ -18,10 +18,14 @@ use crate::nvme::spec::SglDescriptor;
 /// IOMMU mappings).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemRegion {
+    /// Start address.
     pub addr: u64,
+    /// Length in bytes.
     pub len: u64,
 }
 
+/// The P2P table: one SGL data-block descriptor per (memory block, layer, K/V) of the
+/// registered KV memory (or per buffer), built once at registration; IOCTX segments index it.
 pub struct P2pTable {
     /// Geometry of the KV memory; `None` for a table of plain buffers.
     geometry: Option<KvGeometry>,
@@ -179,10 +183,12 @@ impl P2pTable {
         Ok(first as u32)
     }
 
+    /// The descriptor at `index`, if there is one.
     pub fn entry(&self, index: u32) -> Option<&SglDescriptor> {
         self.entries.get(index as usize)
     }
 
+    /// Every descriptor, in index order.
     pub fn entries(&self) -> &[SglDescriptor] {
         &self.entries
     }
@@ -192,18 +198,22 @@ impl P2pTable {
         self.kv_entries
     }
 
+    /// KV blocks the table covers (0 for a table of plain buffers).
     pub fn num_blocks(&self) -> u32 {
         self.num_blocks
     }
 
+    /// The KV geometry, for a table of KV memory.
     pub fn geometry(&self) -> Option<&KvGeometry> {
         self.geometry.as_ref()
     }
 
+    /// Where the memory lives (host or GPU).
     pub fn kind(&self) -> MemoryKind {
         self.kind
     }
 
+    /// The contiguous memory ranges behind the descriptors, for engines to register.
     pub fn regions(&self) -> &[MemRegion] {
         &self.regions
     }

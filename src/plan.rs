@@ -8,9 +8,13 @@
 /// One planned device I/O, before it is placed in an IOCB.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PlannedIo {
+    /// `IOCTX_OP_READ` or `IOCTX_OP_WRITE`.
     pub op: u8,
+    /// The pool device.
     pub dev: u16,
+    /// Byte offset on the device.
     pub offset: u64,
+    /// Bytes.
     pub len: u32,
     /// P2P-table indices, in device order.
     pub segs: Vec<u32>,
@@ -19,7 +23,7 @@ pub struct PlannedIo {
 }
 
 /// Most segments one I/O may carry: the kernel's IOV_MAX for readv/writev.
-pub const MAX_SEGS_PER_IO: usize = 1024;
+pub(crate) const MAX_SEGS_PER_IO: usize = 1024;
 
 /// Cut key positions into runs of consecutive slots within one extent group
 /// of `group_blocks`, in slot order. `slots[p]` is position p's slot.

@@ -81,6 +81,7 @@ impl ScratchFile {
         &self.file
     }
 
+    /// The file's path.
     pub fn path(&self) -> &Path {
         &self.path
     }

@@ -17,6 +17,7 @@ pub struct Submitter {
 }
 
 impl Submitter {
+    /// A ring of `depth` IOCBs paired with `engine`.
     pub fn new(depth: u32, engine: Box<dyn IoEngine>) -> Result<Self> {
         Ok(Submitter {
             ring: GioRing::new(depth)?,
@@ -24,22 +25,27 @@ impl Submitter {
         })
     }
 
+    /// The ring.
     pub fn ring(&self) -> &GioRing {
         &self.ring
     }
 
+    /// The ring, to fill IOCBs.
     pub fn ring_mut(&mut self) -> &mut GioRing {
         &mut self.ring
     }
 
+    /// The engine.
     pub fn engine(&self) -> &dyn IoEngine {
         self.engine.as_ref()
     }
 
+    /// The engine, to register memory.
     pub fn engine_mut(&mut self) -> &mut dyn IoEngine {
         self.engine.as_mut()
     }
 
+    /// A free IOCB to fill, if any (see [`GioRing::get_iocb`]).
     pub fn get_iocb(&mut self) -> Option<IocbId> {
         self.ring.get_iocb()
     }
@@ -83,6 +89,7 @@ impl Submitter {
         }
     }
 
+    /// Give a completed IOCB back (see [`GioRing::release`]).
     pub fn release(&mut self, id: IocbId) {
         self.ring.release(id)
     }

@@ -319,10 +319,7 @@ fn engine_dropped_command_times_out_and_stops_the_controller() {
     use std::time::{Duration, Instant};
 
     let (sim, c, dma) = sim_for_engine(SimConfig::default());
-    let cfg = NvmeConfig {
-        io_timeout: Duration::from_millis(100),
-        ..Default::default()
-    };
+    let cfg = NvmeConfig::default().with_io_timeout(Duration::from_millis(100));
     let ns = NvmeNamespace::new(c, dma, &cfg).unwrap();
     let mut engine = NvmeEngine::new(vec![ns.clone()], cfg).unwrap();
     let mut mem = AlignedBuf::zeroed(8192);
@@ -467,10 +464,7 @@ fn metadata_timeout_stops_the_controller() {
     use kvtier::host::dio::AlignedBuf;
     use std::time::{Duration, Instant};
     let (sim, c, dma) = sim_for_engine(SimConfig::default());
-    let cfg = NvmeConfig {
-        io_timeout: Duration::from_millis(100),
-        ..Default::default()
-    };
+    let cfg = NvmeConfig::default().with_io_timeout(Duration::from_millis(100));
     let ns = NvmeNamespace::new(c, dma, &cfg).unwrap();
     let storage = ns.storage();
     let mut buf = AlignedBuf::zeroed(8192);

@@ -355,12 +355,11 @@ fn sqpoll_and_no_fixed_buffers_round_trip() {
         let geo = tiny_geometry();
         let pool = create_pool(&dir, geo, 8, 2, 2);
         let cfg = TierConfig {
-            uring: kvtier::engine::uring::UringConfig {
-                queue_depth: 8,
-                sqpoll_idle_ms: sqpoll,
-                fixed_buffers: fixed,
-                defer_taskrun: false,
-            },
+            uring: kvtier::engine::uring::UringConfig::default()
+                .with_queue_depth(8)
+                .with_sqpoll_idle_ms(sqpoll)
+                .with_fixed_buffers(fixed)
+                .with_defer_taskrun(false),
             ..TierConfig::default()
         };
         let mut tier = Tier::open(pool, cfg).unwrap();
@@ -395,10 +394,7 @@ fn defer_taskrun_round_trip_and_the_thread_rule() {
     let dir = TempDir::new("defer");
     let geo = tiny_geometry();
     let cfg = TierConfig {
-        uring: kvtier::engine::uring::UringConfig {
-            defer_taskrun: true,
-            ..Default::default()
-        },
+        uring: kvtier::engine::uring::UringConfig::default().with_defer_taskrun(true),
         ..TierConfig::default()
     };
     let pool = create_pool(&dir, geo, 8, 1, 4);

@@ -32,11 +32,9 @@ fn rig(fixed_buffers: bool, layout: HostLayout) -> Rig {
             fd: dev.as_fd().try_clone_to_owned().unwrap(),
             name: "dev".into(),
         }],
-        UringConfig {
-            queue_depth: 4,
-            fixed_buffers,
-            ..UringConfig::default()
-        },
+        UringConfig::default()
+            .with_queue_depth(4)
+            .with_fixed_buffers(fixed_buffers),
     )
     .unwrap();
     use kvtier::engine::IoEngine;

@@ -13,7 +13,7 @@ use crate::p2p::{MemRegion, P2pTable};
 
 /// The mappings of one table's regions for one DMA address space.
 #[derive(Default)]
-pub struct MappedTable {
+pub(crate) struct MappedTable {
     /// Sorted by host address.
     mappings: Vec<(MemRegion, HostMapping)>,
 }
@@ -44,7 +44,7 @@ impl MappedTable {
 }
 
 /// Engines swap their view of memory only with nothing in flight.
-pub fn refuse_if_in_flight(in_flight: usize) -> Result<()> {
+pub(crate) fn refuse_if_in_flight(in_flight: usize) -> Result<()> {
     if in_flight > 0 {
         return Err(Error::invalid(
             "cannot register memory with I/O in flight; wait for every job first",

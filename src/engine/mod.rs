@@ -19,14 +19,18 @@ use std::os::fd::RawFd;
 use std::sync::Arc;
 
 /// Counters every engine keeps; the benchmarks report them per layer.
+#[non_exhaustive]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct EngineStats {
     /// IOCBs taken from the SQ.
     pub iocbs: u64,
     /// IOCTXs executed (one device I/O each).
     pub ios: u64,
+    /// Bytes read from devices.
     pub bytes_read: u64,
+    /// Bytes written to devices.
     pub bytes_written: u64,
+    /// Flush commands issued.
     pub flushes: u64,
     /// Calls into the kernel to submit or wait (io_uring_enter, poll).
     pub syscalls: u64,
@@ -47,7 +51,10 @@ pub struct EngineStats {
     pub doorbells: u64,
 }
 
+/// An engine executes the IOCBs of a [`GioRing`]: it takes ids from the SQ, moves every
+/// IOCTX's bytes, and posts the ids to the CQ. The tier never knows which engine runs.
 pub trait IoEngine: Send {
+    /// The engine's name (`uring`, `nvme`, `gpu`) in reports and messages.
     fn name(&self) -> &'static str;
 
     /// Make registered memory reachable: the engine resolves IOCTX segments
@@ -91,6 +98,7 @@ pub trait IoEngine: Send {
         Vec::new()
     }
 
+    /// Its counters so far.
     fn stats(&self) -> EngineStats;
 
     /// A line for `kvtier pool info` / bench output: queue depth, fixed

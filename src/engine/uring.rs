@@ -22,6 +22,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
 /// Settings of the io_uring engine.
+#[non_exhaustive]
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct UringConfig {
     /// In-flight I/Os per device ring.
@@ -54,6 +55,29 @@ impl Default for UringConfig {
     }
 }
 
+impl UringConfig {
+    /// With `queue_depth` SQEs per device ring.
+    pub fn with_queue_depth(mut self, queue_depth: u32) -> Self {
+        self.queue_depth = queue_depth;
+        self
+    }
+    /// With SQPOLL idling after `idle_ms` (`None`: no SQPOLL).
+    pub fn with_sqpoll_idle_ms(mut self, idle_ms: Option<u32>) -> Self {
+        self.sqpoll_idle_ms = idle_ms;
+        self
+    }
+    /// With or without fixed buffers.
+    pub fn with_fixed_buffers(mut self, fixed_buffers: bool) -> Self {
+        self.fixed_buffers = fixed_buffers;
+        self
+    }
+    /// With or without DEFER_TASKRUN.
+    pub fn with_defer_taskrun(mut self, defer_taskrun: bool) -> Self {
+        self.defer_taskrun = defer_taskrun;
+        self
+    }
+}
+
 /// The largest buffer io_uring registers as one fixed buffer.
 const MAX_FIXED_BUFFER: u64 = 1 << 30;
 /// The kernel's limit on iovecs per readv/writev.
@@ -63,7 +87,9 @@ const IOV_MAX: usize = 1024;
 /// (a duplicate of the pool's, [`crate::pool::Pool::device_fds`]); the engine keeps its
 /// own duplicate for as long as it lives, so nothing rests on who is dropped first.
 pub struct UringDevice {
+    /// An owned descriptor of the open file or block device.
     pub fd: OwnedFd,
+    /// Names the device in messages.
     pub name: String,
 }
 
@@ -95,6 +121,8 @@ struct Op {
     iovecs: Vec<libc::iovec>,
 }
 
+/// The io_uring engine: one ring per device (registered file, fixed buffers where the
+/// kernel allows), driven from the caller's thread.
 pub struct UringEngine {
     cfg: UringConfig,
     devs: Vec<DevRing>,
@@ -119,6 +147,7 @@ pub struct UringEngine {
 unsafe impl Send for UringEngine {}
 
 impl UringEngine {
+    /// An engine over `devices`, in pool device order (an IOCTX's `dev` indexes them).
     pub fn new(devices: &[UringDevice], cfg: UringConfig) -> Result<Self> {
         if cfg.queue_depth == 0 || cfg.queue_depth > 4096 {
             return Err(Error::invalid(format!(

@@ -35,7 +35,7 @@ use std::path::{Path, PathBuf};
 pub const PAGE: usize = 4096;
 
 /// The oldest kernel with `IOMMU_IOAS_MAP_FILE` (Linux 6.13).
-pub const IOAS_MAP_FILE_KERNEL: (u32, u32) = (6, 13);
+pub(crate) const IOAS_MAP_FILE_KERNEL: (u32, u32) = (6, 13);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum DmaPathKind {
@@ -306,7 +306,7 @@ fn peermem_error(root: &Path) -> Error {
 
 /// What a machine offers for one path.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct PathCheck {
+pub(crate) struct PathCheck {
     pub kind: DmaPathKind,
     /// The machine has the prerequisites.
     pub available: bool,
@@ -321,7 +321,7 @@ fn non_empty_dir(p: &Path) -> bool {
 }
 
 /// `major.minor` of a kernel release string (`6.8.0-45-generic`).
-pub fn kernel_version(release: &str) -> Option<(u32, u32)> {
+pub(crate) fn kernel_version(release: &str) -> Option<(u32, u32)> {
     let mut it = release.trim().split(['.', '-']);
     let major = it.next()?.parse().ok()?;
     let minor = it.next()?.parse().ok()?;
@@ -370,7 +370,7 @@ fn check_dma_buf(root: &Path) -> PathCheck {
 
 /// Which paths the machine under `root` (`/` for this one; a fake tree in
 /// tests) offers.
-pub fn check_paths(root: &Path) -> Vec<PathCheck> {
+pub(crate) fn check_paths(root: &Path) -> Vec<PathCheck> {
     let iommu = non_empty_dir(&root.join("sys/class/iommu"))
         || non_empty_dir(&root.join("sys/kernel/iommu_groups"));
     let vfio = root.join("dev/vfio/vfio").exists() && root.join("sys/module/vfio_pci").exists();

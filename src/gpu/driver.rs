@@ -33,14 +33,14 @@ pub use sys::{CUdevResource, CUdevResourceDesc, CUgreenCtx};
 
 /// The library name the NVIDIA driver installs (the unversioned `libcuda.so`
 /// comes only with the toolkit's development files).
-pub const LIBCUDA: &CStr = c"libcuda.so.1";
+pub(crate) const LIBCUDA: &CStr = c"libcuda.so.1";
 
 /// The oldest driver API the bindings (cudarc, `cuda-13000`) can load:
 /// cudarc resolves every symbol of the 13.0 header at load time.
-pub const MIN_DRIVER_API: i32 = 13000;
+pub(crate) const MIN_DRIVER_API: i32 = 13000;
 
 /// Symbols kvtier calls; all must be present before cudarc's table is built.
-pub const REQUIRED: &[&CStr] = &[
+pub(crate) const REQUIRED: &[&CStr] = &[
     c"cuDriverGetVersion",
     c"cuInit",
     c"cuGetErrorName",
@@ -87,7 +87,7 @@ pub const REQUIRED: &[&CStr] = &[
 
 /// Green-context symbols (driver API 12.4+). Checked and reported apart so
 /// that `probe` can say which one is missing.
-pub const GREEN: &[&CStr] = &[
+pub(crate) const GREEN: &[&CStr] = &[
     c"cuDeviceGetDevResource",
     c"cuDevSmResourceSplitByCount",
     c"cuDevResourceGenerateDesc",
@@ -132,6 +132,7 @@ pub enum LoadStage {
 
 /// Why the driver cannot be used: the step, the driver version when it was read, and a
 /// message that names the thing and the fix.
+#[non_exhaustive]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LoadError {
     pub stage: LoadStage,

@@ -15,10 +15,10 @@ use crate::nvme::spec::Sqe;
 
 /// `kvtier_host_run_grid(engine, threads_per_block, mode)`: every block of
 /// the kernel, concurrently, until they return.
-pub type RunGrid = unsafe extern "C" fn(*const GioEngine, u32, u32);
+pub(crate) type RunGrid = unsafe extern "C" fn(*const GioEngine, u32, u32);
 /// `kvtier_host_build_command(engine, queue, iocb, ctx, cmd, sqe, desc,
 /// desc_dma, ncmds)`: one command exactly as the kernel builds it.
-pub type BuildCommand = unsafe extern "C" fn(
+pub(crate) type BuildCommand = unsafe extern "C" fn(
     *const GioEngine,
     u32,
     u32,
@@ -30,7 +30,7 @@ pub type BuildCommand = unsafe extern "C" fn(
     *mut u32,
 ) -> u16;
 /// `kvtier_host_wait_counter(counter, target, timeout_ns)`: 1 when reached.
-pub type WaitCounter = unsafe extern "C" fn(*const u32, u32, u64) -> i32;
+pub(crate) type WaitCounter = unsafe extern "C" fn(*const u32, u32, u64) -> i32;
 
 /// The host build's entry points.
 pub struct HostKernel {

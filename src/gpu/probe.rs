@@ -9,6 +9,7 @@ use serde::Serialize;
 use std::path::Path;
 
 /// The driver and its devices.
+#[non_exhaustive]
 #[derive(Clone, Debug, Serialize)]
 pub struct DriverInfo {
     /// Driver API version as CUDA encodes it (13000 = 13.0).
@@ -18,6 +19,7 @@ pub struct DriverInfo {
     pub devices: Vec<DeviceInfo>,
 }
 
+#[non_exhaustive]
 #[derive(Clone, Debug, Serialize)]
 pub struct DeviceInfo {
     pub ordinal: i32,
@@ -53,7 +55,7 @@ impl DriverInfo {
 
 /// Whether green contexts can be used, and why (not): driver API >= 12.4,
 /// compute capability >= 9.0 (Hopper), and every green-context symbol.
-pub fn green_support(version: i32, cc_major: i32, missing: &[&str]) -> (bool, String) {
+pub(crate) fn green_support(version: i32, cc_major: i32, missing: &[&str]) -> (bool, String) {
     if version < 12040 {
         (
             false,
@@ -124,6 +126,7 @@ pub fn probe() -> Result<DriverInfo> {
 /// Why [`probe`] found no usable driver, step by step: the loader's [`LoadStage`] (with
 /// an old driver's version), or `stage: None` when the driver loaded and a device query
 /// failed.
+#[non_exhaustive]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProbeFailure {
     /// The loading step that failed; `None`: the driver loaded, a device query failed.
@@ -152,7 +155,7 @@ pub fn probe_detailed() -> std::result::Result<DriverInfo, ProbeFailure> {
 }
 
 /// Driver API version as `major.minor` (13000 → "13.0").
-pub fn version_string(v: i32) -> String {
+pub(crate) fn version_string(v: i32) -> String {
     format!("{}.{}", v / 1000, (v % 1000) / 10)
 }
 

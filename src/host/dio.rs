@@ -10,7 +10,7 @@ use std::os::fd::{AsFd, AsRawFd};
 use std::ptr::NonNull;
 
 /// Alignment (bytes) of every direct I/O buffer, offset and length kvtier issues.
-pub const DIRECT_IO_ALIGN: usize = 4096;
+pub(crate) const DIRECT_IO_ALIGN: usize = 4096;
 
 /// A zeroed heap buffer aligned to [`DIRECT_IO_ALIGN`], its length a multiple of it: what
 /// `O_DIRECT` and NVMe need.
@@ -51,6 +51,7 @@ impl AlignedBuf {
         AlignedBuf { ptr, len }
     }
 
+    /// Bytes in the buffer.
     pub fn len(&self) -> usize {
         self.len
     }
@@ -60,21 +61,25 @@ impl AlignedBuf {
         self.len == 0
     }
 
+    /// The buffer's bytes.
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: `ptr` points to `len` initialised (zeroed at allocation) bytes owned by
         // self, alive for the borrow of self.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 
+    /// The buffer's bytes, writable.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as in `as_slice`, and `&mut self` makes this the only reference.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 
+    /// Its address, for I/O submission.
     pub fn as_ptr(&self) -> *const u8 {
         self.ptr.as_ptr()
     }
 
+    /// Its address, writable, for I/O submission.
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
         self.ptr.as_ptr()
     }
@@ -99,7 +104,7 @@ impl fmt::Debug for AlignedBuf {
 /// The direct I/O alignments the kernel reports for an open file (statx
 /// `STATX_DIOALIGN`, Linux 6.1+).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DioAlign {
+pub(crate) struct DioAlign {
     /// Alignment of user memory buffers, bytes.
     pub memory: u32,
     /// Alignment of file offsets and lengths, bytes.
@@ -108,7 +113,7 @@ pub struct DioAlign {
 
 /// The direct I/O alignments of the open file `file`: `Ok(None)` when the kernel or the
 /// filesystem does not report them (kernel < 6.1, or a filesystem without the field).
-pub fn dio_align(file: impl AsFd) -> io::Result<Option<DioAlign>> {
+pub(crate) fn dio_align(file: impl AsFd) -> io::Result<Option<DioAlign>> {
     let mut stx = MaybeUninit::<libc::statx>::zeroed();
     // SAFETY: statx with AT_EMPTY_PATH and an empty C string stats the open fd and writes
     // at most one `struct statx` into `stx`, which is live and large enough.

@@ -45,7 +45,7 @@ pub fn find_pci_class(class: u32) -> Result<Vec<String>> {
 
 /// Addresses of the PCI functions under `sys_root` (`/sys`, or a stand-in tree in tests)
 /// whose class `want` accepts, sorted.
-pub fn addrs_by_class(sys_root: &Path, want: impl Fn(u32) -> bool) -> Result<Vec<String>> {
+pub(crate) fn addrs_by_class(sys_root: &Path, want: impl Fn(u32) -> bool) -> Result<Vec<String>> {
     let dir = sys_root.join("bus/pci/devices");
     let entries =
         fs::read_dir(&dir).map_err(|e| Error::io(format!("reading {}", dir.display()), e))?;
@@ -64,7 +64,7 @@ pub fn addrs_by_class(sys_root: &Path, want: impl Fn(u32) -> bool) -> Result<Vec
 }
 
 /// A sysfs `class` file's value (`0x010802`).
-pub fn parse_class(text: &str) -> Option<u32> {
+pub(crate) fn parse_class(text: &str) -> Option<u32> {
     u32::from_str_radix(text.trim().trim_start_matches("0x"), 16).ok()
 }
 
@@ -104,7 +104,7 @@ pub fn devices(vendor: Option<&str>, class_prefix: &str) -> Option<Vec<PciDev>> 
 
 /// Size of BAR `index` from a PCI device's `resource` file (one "start end
 /// flags" line of hex per resource); `None` when unassigned or unreadable.
-pub fn bar_size(dev: &Path, index: usize) -> Option<u64> {
+pub(crate) fn bar_size(dev: &Path, index: usize) -> Option<u64> {
     let text = fs::read_to_string(dev.join("resource")).ok()?;
     let line = text.lines().nth(index)?;
     let mut f = line.split_whitespace();

@@ -23,7 +23,7 @@ pub fn human_bytes(b: u64) -> String {
 /// Exact human bytes: the largest binary unit that divides `b` ("2 MiB", "640 KiB",
 /// "1000 B"). For sizes checked against alignments, where a rounded figure would hide
 /// the remainder that makes them wrong.
-pub fn exact_bytes(b: u64) -> String {
+pub(crate) fn exact_bytes(b: u64) -> String {
     (1..UNITS.len())
         .rev()
         .map(|u| (u, 1u64 << (10 * u)))

@@ -79,7 +79,7 @@ const NVME_CLASS_PREFIX: u32 = 0x0108;
 /// Checks that `addr` is a full PCI address, `DDDD:BB:DD.F` (hex domain,
 /// bus, device up to 1f, function up to 7), and returns it lower-cased as
 /// sysfs spells it.
-pub fn parse_pci_address(addr: &str) -> Result<String> {
+pub(crate) fn parse_pci_address(addr: &str) -> Result<String> {
     let bad = |why: &str| {
         Error::invalid(format!(
             "'{addr}' is not a full PCI address ({why}); name the controller as \

@@ -332,7 +332,7 @@ impl fmt::Debug for HostMapping {
 }
 
 /// Merges a sorted list of (host, dma, len) pieces where both continue.
-pub fn merge_chunks(pieces: impl IntoIterator<Item = MappedChunk>) -> Vec<MappedChunk> {
+pub(crate) fn merge_chunks(pieces: impl IntoIterator<Item = MappedChunk>) -> Vec<MappedChunk> {
     let mut out: Vec<MappedChunk> = Vec::new();
     for p in pieces {
         match out.last_mut() {
@@ -412,7 +412,7 @@ unsafe impl<B: Bar0> QueueMemory for DmaQueue<B> {
 }
 
 /// An I/O queue pair; the token of a command is free for the caller.
-pub type IoQueue<B> = QueuePair<DmaQueue<B>, u64>;
+pub(crate) type IoQueue<B> = QueuePair<DmaQueue<B>, u64>;
 
 /// How [`Controller::bring_up`] sets the controller up.
 #[derive(Clone, Debug)]

@@ -18,6 +18,7 @@ pub(crate) const DATA_QUEUE: usize = 0;
 pub(crate) const STORAGE_QUEUE: usize = 1;
 
 /// Settings of the nvme engine and of the namespaces it drives.
+#[non_exhaustive]
 #[derive(Clone, Debug)]
 pub struct NvmeConfig {
     /// How commands describe memory: `Auto` (SGL when the controller
@@ -36,6 +37,24 @@ impl Default for NvmeConfig {
             io_timeout: Duration::from_secs(5),
             bounce_bytes: 1 << 20,
         }
+    }
+}
+
+impl NvmeConfig {
+    /// With commands describing memory as `data_mode` says.
+    pub fn with_data_mode(mut self, data_mode: DataMode) -> Self {
+        self.data_mode = data_mode;
+        self
+    }
+    /// With a command timeout of `io_timeout`.
+    pub fn with_io_timeout(mut self, io_timeout: Duration) -> Self {
+        self.io_timeout = io_timeout;
+        self
+    }
+    /// With a metadata bounce buffer of `bounce_bytes`.
+    pub fn with_bounce_bytes(mut self, bounce_bytes: usize) -> Self {
+        self.bounce_bytes = bounce_bytes;
+        self
     }
 }
 

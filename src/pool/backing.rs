@@ -297,14 +297,14 @@ fn min_size_hint() -> &'static str {
 /// devices (two nodes of one disk are one disk), else the file's device and inode (a hard
 /// link, `./`, or a symlink name the same file).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub enum DeviceIdentity {
+pub(crate) enum DeviceIdentity {
     Block(u64),
     File(u64, u64),
     /// Not there yet: its canonical directory and file name.
     New(PathBuf),
 }
 
-pub fn device_identity(path: &Path) -> DeviceIdentity {
+pub(crate) fn device_identity(path: &Path) -> DeviceIdentity {
     match fs::metadata(path) {
         Ok(m) if m.file_type().is_block_device() => DeviceIdentity::Block(m.rdev()),
         Ok(m) => DeviceIdentity::File(m.dev(), m.ino()),

@@ -19,36 +19,37 @@ use crate::model::KvGeometry;
 use bytemuck::{Pod, Zeroable};
 use std::mem::{offset_of, size_of};
 
-pub const FORMAT_VERSION: u32 = 1;
+pub(crate) const FORMAT_VERSION: u32 = 1;
 /// Bytes reserved at the front of every device for the superblock.
 pub const DATA_OFFSET: u64 = 1 << 20;
 /// One block header per 4 KiB sector.
-pub const SLOT_HEADER_BYTES: u64 = 4096;
-pub const BLOCK_HEADER_MAGIC: [u8; 4] = *b"KVBH";
+pub(crate) const SLOT_HEADER_BYTES: u64 = 4096;
+pub(crate) const BLOCK_HEADER_MAGIC: [u8; 4] = *b"KVBH";
 /// `BlockHeader::state` of a block whose data is durable and whole.
-pub const BLOCK_STATE_LIVE: u32 = 1;
+pub(crate) const BLOCK_STATE_LIVE: u32 = 1;
 /// `BlockHeader::flags`: the block was stored from memory the host cannot
 /// read (GPU memory), so `data_crc` is not set and `check` cannot verify it.
-pub const BLOCK_FLAG_NO_DATA_CRC: u16 = 1;
+pub(crate) const BLOCK_FLAG_NO_DATA_CRC: u16 = 1;
 /// `BlockHeader::flags`: the header sector also holds one crc32c per layer (of
 /// the layer's K then V object) right after the header, so a load verifies each
 /// layer as it lands rather than only the whole block.
-pub const BLOCK_FLAG_LAYER_CRCS: u16 = 2;
+pub(crate) const BLOCK_FLAG_LAYER_CRCS: u16 = 2;
 /// Where the per-layer checksums start in a header sector.
-pub const LAYER_CRCS_OFFSET: usize = 128;
+pub(crate) const LAYER_CRCS_OFFSET: usize = 128;
 /// The most layers whose checksums fit in a header sector; deeper models are
 /// verified per block.
-pub const MAX_LAYER_CRCS: u32 = ((SLOT_HEADER_BYTES as usize - LAYER_CRCS_OFFSET) / 4) as u32;
+pub(crate) const MAX_LAYER_CRCS: u32 =
+    ((SLOT_HEADER_BYTES as usize - LAYER_CRCS_OFFSET) / 4) as u32;
 /// Where a device's table of retired (bad) slots lives, inside the reserved area
 /// before the first group, and its size.
-pub const BAD_TABLE_OFFSET: u64 = 512 << 10;
-pub const BAD_TABLE_BYTES: usize = 64 << 10;
-pub const BAD_TABLE_MAGIC: [u8; 8] = *b"KVBADSL1";
+pub(crate) const BAD_TABLE_OFFSET: u64 = 512 << 10;
+pub(crate) const BAD_TABLE_BYTES: usize = 64 << 10;
+pub(crate) const BAD_TABLE_MAGIC: [u8; 8] = *b"KVBADSL1";
 /// Slots one device's bad table can record (after its 32-byte head).
-pub const BAD_TABLE_MAX: usize = (BAD_TABLE_BYTES - 32) / 8;
+pub(crate) const BAD_TABLE_MAX: usize = (BAD_TABLE_BYTES - 32) / 8;
 /// The longest namespace and model name a superblock records.
-pub const NAMESPACE_MAX: usize = 128;
-pub const MODEL_NAME_MAX: usize = 64;
+pub(crate) const NAMESPACE_MAX: usize = 128;
+pub(crate) const MODEL_NAME_MAX: usize = 64;
 
 /// The first 512 bytes of every pool device.
 #[repr(C)]

@@ -77,7 +77,7 @@ impl fmt::Debug for Key {
 }
 
 /// FNV-1a: the namespace's stable 64-bit id in block headers.
-pub fn namespace_hash(ns: &str) -> u64 {
+pub(crate) fn namespace_hash(ns: &str) -> u64 {
     ns.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
     })
@@ -137,6 +137,7 @@ pub struct Pool {
     damaged_headers: Vec<u64>,
 }
 
+#[non_exhaustive]
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct DeviceInfo {
     pub path: PathBuf,
@@ -147,6 +148,7 @@ pub struct DeviceInfo {
     pub groups: u32,
 }
 
+#[non_exhaustive]
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct PoolInfo {
     pub uuid: String,
@@ -172,6 +174,7 @@ pub struct PoolInfo {
 }
 
 /// What `check` found.
+#[non_exhaustive]
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct CheckReport {
     pub blocks_checked: u64,
@@ -258,7 +261,7 @@ impl SlotCrcs {
 /// length, so it is built once here: `crc32c_combine` rebuilds it on every
 /// call (tens of microseconds), too slow for once per layer of every block.
 #[derive(Clone, Copy, Debug)]
-pub struct CrcConcat {
+pub(crate) struct CrcConcat {
     cols: [u32; 32],
 }
 
@@ -289,7 +292,7 @@ impl CrcConcat {
 /// crc32c of a whole block from its per-layer checksums (each over the layer's
 /// K then V object; `concat` built for that length): the block's (layer,
 /// K|V) order.
-pub fn combine_layer_crcs(layer_crcs: &[u32], concat: &CrcConcat) -> u32 {
+pub(crate) fn combine_layer_crcs(layer_crcs: &[u32], concat: &CrcConcat) -> u32 {
     let mut it = layer_crcs.iter();
     let Some(&first) = it.next() else {
         return 0;

@@ -28,7 +28,9 @@ pub const IOCB_MAX_SEGS: usize = 16384;
 /// IOCTX opcodes are NVMe NVM command set opcodes so the GPU kernel copies them
 /// into the SQE unchanged.
 pub const IOCTX_OP_FLUSH: u8 = 0x00;
+/// Write (NVM opcode 01h).
 pub const IOCTX_OP_WRITE: u8 = 0x01;
+/// Read (NVM opcode 02h).
 pub const IOCTX_OP_READ: u8 = 0x02;
 
 /// `IoCtx::status` values. 0 is success. Values below 0x0800 are NVMe status
@@ -83,14 +85,15 @@ pub struct IoCtx {
 }
 
 /// `IocbHeader::state` values.
-pub const IOCB_STATE_FREE: u32 = 0;
+pub(crate) const IOCB_STATE_FREE: u32 = 0;
 /// Handed out by `get_iocb`, being filled by the submitter.
 pub const IOCB_STATE_FILLING: u32 = 1;
 /// In the submission queue or being executed by the engine.
-pub const IOCB_STATE_SUBMITTED: u32 = 2;
+pub(crate) const IOCB_STATE_SUBMITTED: u32 = 2;
 /// Every IOCTX has completed; its id is (or was) in the completion queue.
 pub const IOCB_STATE_COMPLETE: u32 = 3;
 
+/// The fixed part of an IOCB: identity, counts, state and completion tallies.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct IocbHeader {
@@ -114,7 +117,9 @@ pub struct IocbHeader {
 #[repr(C)]
 #[derive(Clone, Copy, Pod, Zeroable)]
 pub struct Iocb {
+    /// Identity, counts, state.
     pub hdr: IocbHeader,
+    /// The IOCTXs; the first `hdr.count` are in use.
     pub ctx: [IoCtx; IOCB_MAX_IOCTX],
     /// P2P-table indices referenced by the IOCTXs' segment ranges.
     pub segs: [u32; IOCB_MAX_SEGS],

@@ -71,7 +71,7 @@ pub struct GioRing {
 }
 
 /// Upper bound on ring depth: 4096 IOCBs are 512 MiB of arena.
-pub const MAX_RING_DEPTH: u32 = 4096;
+pub(crate) const MAX_RING_DEPTH: u32 = 4096;
 
 impl GioRing {
     /// A ring of `depth` IOCBs (a power of two, 1..=4096).
@@ -94,10 +94,12 @@ impl GioRing {
         })
     }
 
+    /// IOCBs in the arena (a power of two).
     pub fn depth(&self) -> u32 {
         self.iocbs.len() as u32
     }
 
+    /// IOCBs free to take with `get_iocb`.
     pub fn free_iocbs(&self) -> usize {
         self.free.len()
     }
@@ -114,6 +116,7 @@ impl GioRing {
         Some(id)
     }
 
+    /// The IOCB `id`.
     pub fn iocb(&self, id: IocbId) -> &Iocb {
         &self.iocbs[id as usize]
     }

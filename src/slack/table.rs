@@ -7,6 +7,7 @@ use super::*;
 // Lookup results.
 
 /// What a layer of a prefill allows: the answer of [`SlackTable::layer`].
+#[non_exhaustive]
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LayerSlack {
     /// The layer's compute window, µs.
@@ -39,6 +40,7 @@ impl LayerSlack {
 }
 
 /// What a decode step allows: the answer of [`SlackTable::decode`].
+#[non_exhaustive]
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DecodeSlack {
     /// The (clamped) context the answer is for.

@@ -353,3 +353,56 @@ pub(super) fn plan_load(
         .collect();
     (runs, per_layer)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{DType, KvGeometry};
+
+    #[test]
+    fn load_plan_names_the_owner_of_every_object_it_reads() {
+        // 3 layers, 4 KiB objects, groups of 4 slots on one device.
+        let g = KvGeometry {
+            layers: 3,
+            kv_heads: 1,
+            head_dim: 128,
+            dtype: DType::F16,
+            block_size: 16,
+        };
+        let layout = PoolLayout::new(g, 4, vec![4]);
+        // Positions 0..4: slots 5, 4, 9, 6 -> runs [1, 0, 3] (slots 4..6) and [2].
+        let slots = [5, 4, 9, 6];
+        let seg = |p: u32, l: u32, kv: u32| p * 100 + l * 10 + kv;
+        let (runs, layers) = plan_load(&layout, 1 << 20, &slots, 1..3, seg);
+        assert_eq!(runs, vec![vec![1, 0, 3], vec![2]]);
+        assert_eq!(layers.len(), 2, "layers 1 and 2");
+        for (i, (ios, owners)) in layers.iter().enumerate() {
+            let layer = 1 + i as u32;
+            // Run 0 is a whole extent (K of 3 slots then V of 3 slots, with
+            // the group's 4th slot between them): two I/Os; run 1 two more.
+            assert_eq!(ios.len(), 4, "{ios:?}");
+            let segs: Vec<u32> = ios.iter().flat_map(|io| io.segs.clone()).collect();
+            assert_eq!(segs.len(), owners.len());
+            for (&s, &(p, kv)) in segs.iter().zip(owners) {
+                assert_eq!(s, seg(p, layer, kv as u32));
+            }
+            for io in ios {
+                assert_eq!(io.op, IOCTX_OP_READ);
+                // Each read starts at its first object's place on the device.
+                let (p, kv) = first_owner(io, ios, owners);
+                let want = layout.object_offset(slots[p as usize], layer, kv as u32);
+                assert_eq!((io.dev, io.offset), want);
+            }
+        }
+    }
+
+    /// The owner of the first object `io` carries.
+    fn first_owner(io: &PlannedIo, ios: &[PlannedIo], owners: &[(u32, u8)]) -> (u32, u8) {
+        let before: usize = ios
+            .iter()
+            .take_while(|x| !std::ptr::eq(*x, io))
+            .map(|x| x.segs.len())
+            .sum();
+        owners[before]
+    }
+}

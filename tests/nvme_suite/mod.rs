@@ -411,10 +411,7 @@ where
 {
     let nsze = c.namespace().nsze * c.lba_bytes() as u64;
     let max_cmd = c.max_transfer_bytes();
-    let cfg = NvmeConfig {
-        data_mode: mode,
-        ..Default::default()
-    };
+    let cfg = NvmeConfig::default().with_data_mode(mode);
     let ns = NvmeNamespace::new(c, dma, &cfg).expect("namespace");
     let mut engine = NvmeEngine::new(vec![ns], cfg).expect("engine");
     let mut ring = GioRing::new(4).unwrap();
@@ -517,10 +514,7 @@ where
     B: Bar0 + Send + Sync + 'static,
     A: DmaAlloc + Send + 'static,
 {
-    let cfg = NvmeConfig {
-        data_mode: mode,
-        ..Default::default()
-    };
+    let cfg = NvmeConfig::default().with_data_mode(mode);
     let ns = NvmeNamespace::new(c, dma, &cfg).expect("namespace");
     tier_llama3_8b_on(ns, &|ns| {
         Box::new(NvmeEngine::new(vec![ns.clone()], cfg.clone()).expect("engine"))

@@ -465,6 +465,18 @@ pub fn fio_references(cfg: &BenchConfig, progress: &dyn Fn(&str)) -> Result<FioR
         ));
         Ok((fio::run_fio(&w)?, fio::fio_args(&w)))
     };
+    // Writes first, then flushed: what the host's cache still holds after
+    // them would otherwise be written back under the reads (and under the
+    // next run's restore when runs alternate).
+    let wa = run(Pattern::Write, 1 << 20, 16);
+    let wb = run(
+        Pattern::Write,
+        cfg.tier.max_io_bytes,
+        cfg.tier.uring.queue_depth,
+    );
+    std::fs::File::open(&file)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| Error::io(format!("flushing {}", file.display()), e))?;
     let a = run(Pattern::Read, 1 << 20, 16);
     let b = run(
         Pattern::Read,
@@ -472,12 +484,6 @@ pub fn fio_references(cfg: &BenchConfig, progress: &dyn Fn(&str)) -> Result<FioR
         cfg.tier.uring.queue_depth,
     );
     let r = run(Pattern::RandRead, cfg.geometry.object_bytes(), 32);
-    let wa = run(Pattern::Write, 1 << 20, 16);
-    let wb = run(
-        Pattern::Write,
-        cfg.tier.max_io_bytes,
-        cfg.tier.uring.queue_depth,
-    );
     drop(scratch);
     let (a, b, r, wa, wb) = (a?, b?, r?, wa?, wb?);
     let seq = if a.0.read_bw >= b.0.read_bw { a } else { b };

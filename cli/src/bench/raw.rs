@@ -120,10 +120,7 @@ pub fn run_streams(
             })?,
             name: w.file.display().to_string(),
         }],
-        UringConfig {
-            queue_depth: total_depth,
-            ..engine_cfg.clone()
-        },
+        engine_cfg.clone().with_queue_depth(total_depth),
     )?;
     engine.register_memory(table)?;
     let mut io = Submitter::new(total_depth.next_power_of_two(), Box::new(engine))?;

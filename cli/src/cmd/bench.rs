@@ -98,12 +98,11 @@ pub(crate) struct BenchArgs {
 }
 
 fn uring_cfg(a: &BenchArgs, default_depth: u32) -> UringConfig {
-    UringConfig {
-        queue_depth: a.iodepth.unwrap_or(default_depth),
-        sqpoll_idle_ms: a.sqpoll,
-        fixed_buffers: true,
-        defer_taskrun: a.defer_taskrun,
-    }
+    UringConfig::default()
+        .with_queue_depth(a.iodepth.unwrap_or(default_depth))
+        .with_sqpoll_idle_ms(a.sqpoll)
+        .with_fixed_buffers(true)
+        .with_defer_taskrun(a.defer_taskrun)
 }
 
 pub(crate) fn run_bench(a: BenchArgs) -> Result<i32> {
