@@ -732,10 +732,11 @@ class KvtierConnector(KVConnectorBase_V1):
                 self._free_store.extend(slots)
             return
         self._stats["stored_blocks"] += n
-        # Staged stores copied the blocks already (the HBM path gathers them
-        # before submit_store returns); direct ones read vLLM's own blocks,
-        # which stay allocated until the job is done.
-        direct = slots is None and not self._hbm
+        # Staged stores copied the blocks already; direct ones read vLLM's
+        # own blocks, which stay allocated until the job is done. The HBM
+        # path counts as direct: it gathers a store's chunks as its store
+        # staging frees, so later chunks read vLLM's blocks after this call.
+        direct = slots is None
         self._store_jobs[job] = (slots, st.req_id if direct else None)
         self._store_reqs[st.req_id] = self._store_reqs.get(st.req_id, 0) + int(direct)
 

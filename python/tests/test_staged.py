@@ -65,8 +65,8 @@ def test_double_store_then_load_layer_by_layer(tmp_path, tiny_model, layout):
     keys = [bytes([7, i]) * 16 for i in range(3)]
     r = tier.wait(tier.submit_store(keys, src))
     assert r.ok and r.outcomes == ["done"] * 3
-    # The staged store gathered the blocks before returning: overwriting
-    # them now must not change what the pool holds.
+    # The store has ended: overwriting the blocks now must not change what
+    # the pool holds.
     for x in t:
         x.zero_()
     dst = [7, 5, 4]
