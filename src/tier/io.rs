@@ -116,8 +116,10 @@ impl Tier {
             let out: u64 = job.items.iter().map(|i| i.bytes_out).sum();
             let item = &job.items[ix];
             let next = item.ios[item.next..].first().map_or(0, |io| io.len as u64);
+            // The first layer in at least four landings, so all but the
+            // last quarter is hashed while the rest is on its way.
             let cap = match ix {
-                0 => self.cfg.first_layer_inflight_bytes,
+                0 => (item.bytes() / 4).min(self.cfg.first_layer_inflight_bytes),
                 _ => self.cfg.load_inflight_bytes,
             };
             if out > 0 && out + next > cap {

@@ -75,11 +75,11 @@ pub struct TierConfig {
     /// 32 MiB: 1.1x, same total, on this VM).
     #[serde(default = "load_inflight_bytes_default")]
     pub load_inflight_bytes: u64,
-    /// Bytes of a load's first layer in flight at once (at least one I/O).
-    /// The first layer is what the compute waits for first: its reads go
-    /// out a few at a time so they land one after another and each is
-    /// verified as it lands, leaving only the last one's checksum between
-    /// its landing and the layer's announcement (with the whole layer in
+    /// Bytes of a load's first layer in flight at once (at least one I/O,
+    /// at most a quarter of the layer). The first layer is what the compute
+    /// waits for first: its reads go out a few at a time so they land one
+    /// after another and each is verified as it lands, leaving only the
+    /// last ones' checksums between its landing and the layer's announcement (with the whole layer in
     /// flight its reads landed together and were hashed after: at 4K
     /// tokens of llama3-8b, 16 MiB a layer, that and planning every layer
     /// before issuing the first made layer 0 1.6-2.9x the average layer).
