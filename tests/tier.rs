@@ -440,3 +440,71 @@ fn defer_taskrun_round_trip_and_the_thread_rule() {
     .join()
     .unwrap();
 }
+
+/// A load's first layer reaches the device alone, at most a quarter of it
+/// at a time, so its reads land one after another and are verified as they
+/// land; no later layer is issued beside it; every layer still arrives
+/// whole and verified.
+#[test]
+fn first_layer_goes_to_the_device_alone_a_quarter_at_a_time() {
+    use common::fault::{FaultEngine, Faults};
+    use kvtier::engine::uring::{UringDevice, UringEngine};
+    use std::sync::Mutex;
+
+    let dir = TempDir::new("firstlayer");
+    let geo = tiny_geometry();
+    let pool = create_pool(&dir, geo, 16, 1, 2); // 32 slots in groups of 16
+    let devs: Vec<UringDevice> = pool
+        .device_fds()
+        .unwrap()
+        .into_iter()
+        .map(|(fd, name)| UringDevice { fd, name })
+        .collect();
+    let uring = Box::new(UringEngine::new(&devs, Default::default()).unwrap());
+    let faults = Arc::new(Mutex::new(Faults::default()));
+    let engine = FaultEngine::wrap(uring, faults.clone());
+    // One object per read: layer 0 of 16 blocks is 32 reads.
+    let cfg = TierConfig {
+        max_io_bytes: geo.object_bytes(),
+        ..TierConfig::default()
+    };
+    let mut tier = Tier::with_engine(pool, cfg, Box::new(engine)).unwrap();
+    let cache = Arc::new(HostKvCache::new(geo, 16, HostLayout::PerLayer).unwrap());
+    tier.register_host_cache(cache.clone()).unwrap();
+    let ks: Vec<u64> = (500..516).collect();
+    let mem: Vec<u32> = (0..16).collect();
+    store(&mut tier, &cache, &ks, &mem);
+    cache.clear();
+
+    faults.lock().unwrap().hold = true;
+    let job = tier
+        .submit_load(&keys(500..516), &mem, 0..geo.layers)
+        .unwrap();
+    assert_eq!(
+        tier.engine().in_flight(),
+        8,
+        "a quarter of layer 0's 32 reads goes out at submission"
+    );
+    for _ in 0..5 {
+        tier.poll().unwrap();
+    }
+    assert_eq!(
+        tier.engine().in_flight(),
+        8,
+        "nothing more (no later layer) goes out while those are held"
+    );
+    assert_eq!(tier.layers_done(job), Some(0));
+
+    faults.lock().unwrap().hold = false;
+    for layer in 0..geo.layers {
+        tier.wait_layer(job, layer).unwrap();
+        for (i, &k) in ks.iter().enumerate() {
+            assert!(
+                cache.block_matches(mem[i], seed_of(k), 0..layer + 1),
+                "layer {layer} of key {k} not in memory after wait_layer"
+            );
+        }
+    }
+    let r = tier.wait(job).unwrap();
+    assert!(r.outcomes.iter().all(|o| *o == KeyOutcome::Done), "{r:?}");
+}
