@@ -87,6 +87,35 @@ fn bad_staging_config_is_refused() {
     assert!(e.to_string().contains("at least 2 layer buffers"), "{e}");
 }
 
+/// A store staging larger than the tier's header staging (every staged
+/// store chunk would be refused by the tier) is refused when the staged
+/// tier is built, naming both fields.
+#[test]
+fn store_blocks_past_the_header_staging_is_refused() {
+    let rig = HostRig::new(HostLayout::PerLayer);
+    for (i, (headers, store, ok)) in [(8, 8, false), (8, 9, false), (8, 7, true)]
+        .into_iter()
+        .enumerate()
+    {
+        let dir = common::TempDir::new(&format!("staged-hdr-{i}"));
+        let pool = common::create_pool(&dir, rig.geometry(), 8, 1, 2);
+        let mut tc = kvtier::tier::TierConfig::default();
+        tc.header_staging = headers;
+        let tier = Tier::open(pool, tc).unwrap();
+        match StagedTier::with_host_double(tier, rig.0.clone(), config(2, 4, store)) {
+            Ok(_) => assert!(ok, "store_blocks {store} with header_staging {headers} accepted"),
+            Err(e) => {
+                assert!(!ok, "{e}");
+                let e = e.to_string();
+                assert!(
+                    e.contains("store_blocks") && e.contains("header_staging"),
+                    "{e}"
+                );
+            }
+        }
+    }
+}
+
 /// The staged path behind a `TierHandle` (what the Python binding opens):
 /// stores from the (stand-in) GPU memory are acknowledged durable with
 /// checksums, a load into cleared memory brings the bytes back with one

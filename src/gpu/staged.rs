@@ -410,6 +410,16 @@ impl StagedPath {
         cfg: StagingConfig,
     ) -> Result<StagedPath> {
         cfg.validate(&target.geometry)?;
+        // A staged store chunk of `store_blocks` new blocks is one tier
+        // store: larger than the tier's header staging, every one failed.
+        let headers = tier.config().header_staging;
+        if cfg.store_blocks >= headers {
+            return Err(Error::invalid(format!(
+                "StagingConfig::store_blocks is {} but TierConfig::header_staging is {headers}: a staged store chunk must fit the header staging (at most header_staging - 1 = {} blocks); lower store_blocks or raise header_staging",
+                cfg.store_blocks,
+                headers.saturating_sub(1)
+            )));
+        }
         target.validate_for_copies()?;
         let g = target.geometry;
         if g != *tier.pool().geometry() {

@@ -102,6 +102,11 @@ impl Default for TierConfig {
     }
 }
 
+/// The most block headers [`TierConfig::header_staging`] may stage: 1 GiB
+/// of host memory, far more than any store in flight needs; a larger value
+/// is a mistake (it was allocated as asked, up to 16 TiB).
+pub const MAX_HEADER_STAGING: u32 = 1 << 18;
+
 pub type JobId = u64;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -219,8 +224,11 @@ impl Tier {
                 pool.geometry().object_bytes()
             )));
         }
-        if cfg.header_staging < 2 {
-            return Err(Error::invalid("header_staging must be at least 2"));
+        if !(2..=MAX_HEADER_STAGING).contains(&cfg.header_staging) {
+            return Err(Error::invalid(format!(
+                "TierConfig::header_staging is {}: it must be 2 to {MAX_HEADER_STAGING} (the most new blocks the stores in flight hold together, {SLOT_HEADER_BYTES} B of host memory each); set it in that range",
+                cfg.header_staging
+            )));
         }
         if !pool.is_writable() {
             return Err(Error::invalid(
