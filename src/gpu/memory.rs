@@ -410,6 +410,8 @@ impl WaitCond {
 enum CounterMem {
     Host(PinnedHostBuffer),
     Device(DeviceBuffer),
+    /// The CPU test double's: a plain host word no GPU can reach.
+    Double(Box<std::sync::atomic::AtomicU32>),
 }
 
 /// A 32-bit completion counter in GPU-visible memory: written by kernels or
@@ -433,10 +435,25 @@ impl CompletionCounter {
         }))
     }
 
+    /// A counter in plain host memory for the CPU test double of the
+    /// staging copies ([`super::staging::HostCopier`]): it is loaded and
+    /// stored like the others, but no stream can wait on it or write it.
+    pub fn host_double() -> Arc<CompletionCounter> {
+        Arc::new(CompletionCounter {
+            mem: CounterMem::Double(Box::new(std::sync::atomic::AtomicU32::new(0))),
+        })
+    }
+
+    /// Whether this is the double's host word (no stream may use it).
+    pub fn is_double(&self) -> bool {
+        matches!(self.mem, CounterMem::Double(_))
+    }
+
     pub fn device_ptr(&self) -> u64 {
         match &self.mem {
             CounterMem::Host(b) => b.device_ptr(),
             CounterMem::Device(b) => b.device_ptr(),
+            CounterMem::Double(a) => a.as_ptr() as u64,
         }
     }
 
@@ -450,6 +467,7 @@ impl CompletionCounter {
                 b.read(0, &mut v)?;
                 Ok(u32::from_ne_bytes(v))
             }
+            CounterMem::Double(a) => Ok(a.load(std::sync::atomic::Ordering::Acquire)),
         }
     }
 
@@ -463,6 +481,10 @@ impl CompletionCounter {
                 Ok(())
             }
             CounterMem::Device(b) => b.write(0, &v.to_ne_bytes()),
+            CounterMem::Double(a) => {
+                a.store(v, std::sync::atomic::Ordering::Release);
+                Ok(())
+            }
         }
     }
 }
@@ -477,6 +499,7 @@ impl Stream {
         value: u32,
         cond: WaitCond,
     ) -> Result<()> {
+        refuse_double(counter)?;
         self.context().bind()?;
         // SAFETY: a 4-byte aligned GPU-visible word, kept alive by `keep_alive`
         // until the stream has passed the wait.
@@ -489,12 +512,23 @@ impl Stream {
 
     /// Queue a store of `value` into `counter` after the work queued so far.
     pub fn write_counter(&self, counter: &Arc<CompletionCounter>, value: u32) -> Result<()> {
+        refuse_double(counter)?;
         self.context().bind()?;
         // SAFETY: as in `wait_counter`.
         unsafe { driver::stream_write_value32(self.raw(), counter.device_ptr(), value)? };
         self.keep_alive(counter.clone());
         Ok(())
     }
+}
+
+/// A stream handed the CPU double's counter would write a host address.
+fn refuse_double(counter: &CompletionCounter) -> Result<()> {
+    if counter.is_double() {
+        return Err(Error::invalid(
+            "a CPU test double's counter given to a GPU stream; use a counter of the GPU's context",
+        ));
+    }
+    Ok(())
 }
 
 /// `len` bytes at `off` must lie inside a buffer of `total` bytes.
