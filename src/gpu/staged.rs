@@ -51,8 +51,8 @@ pub struct StagingConfig {
     /// round-robin). At least 2, so the reads of one layer overlap the copy
     /// of the one before.
     pub layer_buffers: u32,
-    /// The most blocks one load may restore (one layer buffer holds one
-    /// layer of this many blocks).
+    /// Blocks of one layer a layer buffer holds; a larger load goes through
+    /// in chunks of this many per layer (each a buffer's turn).
     pub load_blocks: u32,
     /// Blocks the stores in flight may hold in staging (all layers each);
     /// a larger store goes out in chunks of this many.
@@ -60,8 +60,8 @@ pub struct StagingConfig {
 }
 
 impl StagingConfig {
-    /// Defaults for KV memory of `num_blocks` blocks: 4 layer buffers, loads
-    /// of up to 1024 blocks, stores of up to 64.
+    /// Defaults for KV memory of `num_blocks` blocks: 4 layer buffers of
+    /// 1024 blocks (larger loads go in chunks), stores in chunks of 64.
     pub fn for_blocks(num_blocks: u32) -> StagingConfig {
         StagingConfig {
             layer_buffers: 4,
@@ -97,12 +97,15 @@ impl StagingConfig {
                 self.layer_buffers, self.load_blocks, self.store_blocks
             )));
         }
-        let objects =
-            (self.load_blocks as u64 + self.store_blocks as u64) * g.objects_per_block() as u64;
+        // Saturating: each factor is a u32, the sum of products fits a u64
+        // but not its product with a model's objects per block.
+        let objects = (self.layer_buffers as u64 * self.load_blocks as u64
+            + self.store_blocks as u64)
+            .saturating_mul(g.objects_per_block() as u64);
         if objects > u32::MAX as u64 / 2 {
             return Err(Error::invalid(format!(
-                "staging of {} load blocks and {} store blocks is {objects} objects, more than a P2P table indexes (2^31); lower StagingConfig::load_blocks or store_blocks",
-                self.load_blocks, self.store_blocks
+                "staging of {} layer buffers of {} load blocks and {} store blocks is {objects} objects, more than a P2P table indexes (2^31); lower StagingConfig::layer_buffers, load_blocks or store_blocks",
+                self.layer_buffers, self.load_blocks, self.store_blocks
             )));
         }
         match self.checked_bytes(g) {
@@ -115,10 +118,13 @@ impl StagingConfig {
     }
 }
 
-/// Where each staged object lives: staging blocks `0..load_blocks` are the
-/// layer buffers (layer `l` of block `b` in buffer `l % layer_buffers`, K
-/// objects of all blocks then V objects); blocks from `load_blocks` on are
-/// the store area (a block's 2L objects contiguous).
+/// Where each staged object lives. The tier's staging blocks
+/// `0..layer_buffers * load_blocks` are the layer buffers' places: place
+/// `t` is place `t % load_blocks` of buffer `t / load_blocks`, whatever the
+/// layer (a buffer holds one layer of one chunk of a load at a time: K
+/// objects of all its places then V objects), so a load's chunk is read
+/// into whichever buffer is its turn; the blocks after are the store area
+/// (a block's 2L objects contiguous).
 #[derive(Clone, Copy, Debug)]
 struct Layout {
     obj: u64,
@@ -148,9 +154,9 @@ impl Layout {
         2 * self.load_blocks as u64 * self.obj
     }
 
-    fn load_obj(&self, sblock: u32, layer: u32, kv: u32) -> u64 {
+    fn load_obj(&self, buffer: u32, sblock: u32, kv: u32) -> u64 {
         self.load_base
-            + (layer % self.buffers) as u64 * self.buffer_bytes()
+            + buffer as u64 * self.buffer_bytes()
             + (kv as u64 * self.load_blocks as u64 + sblock as u64) * self.obj
     }
 
@@ -159,12 +165,22 @@ impl Layout {
             + ((s as u64 * self.layers as u64 + layer as u64) * 2 + kv as u64) * self.obj
     }
 
+    /// Tier blocks that are load places (the store places follow).
+    fn load_places(&self) -> u32 {
+        self.buffers * self.load_blocks
+    }
+
+    /// The tier's block of place `sblock` of buffer `buffer`.
+    fn load_place(&self, buffer: u32, sblock: u32) -> u32 {
+        buffer * self.load_blocks + sblock
+    }
+
     /// The tier's memory block `block` (load places first, then store places).
     fn addr(&self, block: u32, layer: u32, kv: u32) -> u64 {
-        if block < self.load_blocks {
-            self.load_obj(block, layer, kv)
+        if block < self.load_places() {
+            self.load_obj(block / self.load_blocks, block % self.load_blocks, kv)
         } else {
-            self.store_obj(block - self.load_blocks, layer, kv)
+            self.store_obj(block - self.load_places(), layer, kv)
         }
     }
 
@@ -233,27 +249,35 @@ pub struct HbmLayer {
     pub counter: u32,
 }
 
+/// A load goes through in *units*: unit `u` is chunk `u % chunks` of layer
+/// `u / chunks` (a chunk is up to `load_blocks` of the load's keys in
+/// staging order), read into buffer `u % layer_buffers`. A load of at most
+/// `load_blocks` keys has one chunk: its units are its layers.
 struct LoadJob {
     keys: Vec<Key>,
     /// The slot each key held when the load began (for `Tier::release_job_keys`).
     slots: Vec<u64>,
     hbm: Vec<u32>,
-    /// The staging place of each key position (slot order: coalesced).
+    /// The place of each key position in its chunk's buffer (slot order:
+    /// coalesced).
     sblock: Vec<u32>,
-    /// Positions in staging order.
+    /// Positions in staging order; chunk `c` is `order[c * load_blocks..]`.
     order: Vec<u32>,
+    chunks: u32,
     layers: Range<u32>,
-    next_submit: u32,
-    next_scatter: u32,
-    /// Layers from here on are not read: no key is left to read.
-    skipped_from: Option<u32>,
+    next_submit: u64,
+    next_scatter: u64,
+    /// Units from here on are not read: no key is left to read.
+    skipped_from: Option<u64>,
     /// Why keys left out of a layer's read (dropped from the pool meanwhile)
     /// failed: that layer's event says so.
     dropped: BTreeMap<u32, Failure>,
-    /// Landed layers not yet scattered: (positions read, tier result).
-    landed: BTreeMap<u32, (Vec<u32>, JobResult)>,
-    /// Layers scattered, waiting for their copy: (layer, counter value, error).
-    copying: VecDeque<(u32, u32, Option<Failure>)>,
+    /// Landed units not yet scattered: (positions read, tier result).
+    landed: BTreeMap<u64, (Vec<u32>, Option<JobResult>)>,
+    /// Why the layer being scattered failed so far (over its chunks).
+    layer_error: Option<Failure>,
+    /// Units scattered, waiting for their copy.
+    copying: VecDeque<Copying>,
     outcomes: Vec<Option<KeyOutcome>>,
     tier_jobs_out: u32,
     announced: u32,
@@ -262,6 +286,33 @@ struct LoadJob {
     layer_errors: Vec<Option<Failure>>,
     /// The load's own counter on a GPU: layer `l` done at `base + l - first + 1`.
     counter: Option<LoadCounter>,
+}
+
+/// A unit whose copy was started.
+struct Copying {
+    unit: u64,
+    /// The copier's counter value once it is done.
+    seq: u32,
+    /// The last chunk of its layer: the layer's event, with why it failed.
+    announce: Option<Option<Failure>>,
+}
+
+impl LoadJob {
+    fn units(&self) -> Range<u64> {
+        self.layers.start as u64 * self.chunks as u64..self.layers.end as u64 * self.chunks as u64
+    }
+
+    /// (layer, chunk) of unit `u`.
+    fn unit(&self, u: u64) -> (u32, u32) {
+        ((u / self.chunks as u64) as u32, (u % self.chunks as u64) as u32)
+    }
+
+    /// The positions of chunk `c`, in staging order.
+    fn chunk(&self, c: u32, load_blocks: u32) -> &[u32] {
+        let lb = load_blocks as usize;
+        let start = c as usize * lb;
+        &self.order[start..(start + lb).min(self.order.len())]
+    }
 }
 
 /// A GPU-visible counter of one load: layer `l` of a load of layers
@@ -318,12 +369,12 @@ pub struct StagedPath {
     layout: Layout,
     target: KvMemory,
     cfg: StagingConfig,
-    /// The user of each layer buffer: (load job, layer).
-    buffers: Vec<Option<(JobId, u32)>>,
+    /// The user of each layer buffer: (load job, layer, unit).
+    buffers: Vec<Option<(JobId, u32, u64)>>,
     store_free: Vec<u32>,
     loads: BTreeMap<JobId, LoadJob>,
-    /// Tier job -> (load job, layer, positions it reads).
-    layer_jobs: HashMap<JobId, (JobId, u32, Vec<u32>)>,
+    /// Tier job -> (load job, unit, positions it reads).
+    layer_jobs: HashMap<JobId, (JobId, u64, Vec<u32>)>,
     store_jobs: HashMap<JobId, StoreJob>,
     stores: HashMap<JobId, StoreAgg>,
     finished: HashMap<JobId, JobResult>,
@@ -331,8 +382,6 @@ pub struct StagedPath {
     events: VecDeque<HbmLayer>,
     seq: u32,
     next_job: JobId,
-    /// To make loads' counters (GPU only).
-    ctx: Option<Context>,
     /// Counters of finished loads, with the value each was left at.
     spare_counters: Vec<(Arc<CompletionCounter>, u32)>,
     _target_owner: Option<Arc<HostKvCache>>,
@@ -395,9 +444,7 @@ impl StagedPath {
         let copier = CudaCopier::new(ctx, capacity)?;
         let staging = StagingMemory::pinned(ctx, cfg.bytes(&g))?;
         // SAFETY: the caller's contract for `mem`; staging is ours.
-        let mut path = unsafe { Self::new(tier, mem, Box::new(copier), staging, cfg)? };
-        path.ctx = Some(ctx.clone());
-        Ok(path)
+        unsafe { Self::new(tier, mem, Box::new(copier), staging, cfg) }
     }
 
     /// # Safety
@@ -432,7 +479,7 @@ impl StagedPath {
         let layout = Layout::new(&g, &cfg, staging.buf.addr());
         let table = P2pTable::from_objects(
             g,
-            cfg.load_blocks + cfg.store_blocks,
+            layout.load_places() + cfg.store_blocks,
             MemoryKind::Host,
             layout.regions(),
             |b, l, kv| layout.addr(b, l, kv),
@@ -448,7 +495,7 @@ impl StagedPath {
             target,
             cfg,
             buffers: vec![None; cfg.layer_buffers as usize],
-            store_free: (cfg.load_blocks..cfg.load_blocks + cfg.store_blocks)
+            store_free: (layout.load_places()..layout.load_places() + cfg.store_blocks)
                 .rev()
                 .collect(),
             loads: BTreeMap::new(),
@@ -460,7 +507,6 @@ impl StagedPath {
             events: VecDeque::new(),
             seq: 0,
             next_job: STAGED_JOB_BASE,
-            ctx: None,
             spare_counters: Vec::new(),
             _target_owner: None,
         })
@@ -490,15 +536,20 @@ impl StagedPath {
 
     /// The counter a compute stream waits on for load `id`'s layers
     /// (queue the waits right after `submit_load`, with
-    /// [`LayerWait::queue`] and [`LoadCounter::value_for`]); `None` with
-    /// the host double or once the load has finished.
+    /// [`LayerWait::queue`] and [`LoadCounter::value_for`]); `None` once
+    /// the load has finished. With the host double it is a host word
+    /// ([`CompletionCounter::host_double`]) no stream can wait on, written
+    /// as a GPU's would be.
     pub fn load_counter(&self, id: JobId) -> Option<LoadCounter> {
         self.loads.get(&id)?.counter.clone()
     }
 
     /// Which layer buffers are in use, and by what (load job, layer).
     pub fn buffers_in_use(&self) -> Vec<Option<(JobId, u32)>> {
-        self.buffers.clone()
+        self.buffers
+            .iter()
+            .map(|b| b.map(|(id, l, _)| (id, l)))
+            .collect()
     }
 
     fn check_blocks(&self, keys: &[Key], blocks: &[u32], most: u32, what: &str) -> Result<()> {
@@ -537,7 +588,9 @@ impl StagedPath {
         mem_blocks: &[u32],
         layers: Range<u32>,
     ) -> Result<JobId> {
-        self.check_blocks(keys, mem_blocks, self.cfg.load_blocks, "load")?;
+        // A load larger than a layer buffer goes in chunks: bounded by the
+        // memory's blocks (no two keys to one block).
+        self.check_blocks(keys, mem_blocks, u32::MAX, "load")?;
         let g = self.target.geometry;
         if layers.start >= layers.end || layers.end > g.layers {
             return Err(Error::invalid(format!(
@@ -565,30 +618,27 @@ impl StagedPath {
         // Staging places in slot order: the pool's coalesced order.
         let mut order: Vec<u32> = (0..keys.len() as u32).collect();
         order.sort_by_key(|&p| slots[p as usize]);
+        let lb = self.cfg.load_blocks;
         let mut sblock = vec![0; keys.len()];
         for (i, &p) in order.iter().enumerate() {
-            sblock[p as usize] = i as u32;
+            sblock[p as usize] = i as u32 % lb;
         }
-        let counter = match &self.ctx {
-            Some(ctx) => {
-                let (counter, base) = match self.spare_counters.pop() {
-                    Some(c) => c,
-                    None => match CompletionCounter::device(ctx) {
-                        Ok(c) => (c, 0),
-                        Err(e) => {
-                            tier.release_job_keys(keys, &slots);
-                            return Err(e);
-                        }
-                    },
-                };
-                Some(LoadCounter {
-                    counter,
-                    base,
-                    first_layer: layers.start,
-                })
-            }
-            None => None,
+        let chunks = (keys.len() as u32).div_ceil(lb);
+        let (counter, base) = match self.spare_counters.pop() {
+            Some(c) => c,
+            None => match self.copier.new_counter() {
+                Ok(c) => (c, 0),
+                Err(e) => {
+                    tier.release_job_keys(keys, &slots);
+                    return Err(e);
+                }
+            },
         };
+        let counter = Some(LoadCounter {
+            counter,
+            base,
+            first_layer: layers.start,
+        });
         let id = self.next_job;
         self.next_job += 1;
         let layers_len = layers.len();
@@ -601,13 +651,15 @@ impl StagedPath {
                 hbm: mem_blocks.to_vec(),
                 sblock,
                 order,
-                next_submit: layers.start,
-                next_scatter: layers.start,
+                chunks,
+                next_submit: layers.start as u64 * chunks as u64,
+                next_scatter: layers.start as u64 * chunks as u64,
                 announced: layers.start,
                 layers,
                 skipped_from: None,
                 landed: BTreeMap::new(),
                 dropped: BTreeMap::new(),
+                layer_error: None,
                 copying: VecDeque::new(),
                 outcomes: vec![None; keys.len()],
                 tier_jobs_out: 0,
@@ -820,7 +872,7 @@ impl StagedPath {
         for (i, &b) in mem_blocks.iter().enumerate() {
             for layer in 0..g.layers {
                 for kv in 0..2 {
-                    let s = places[i] - self.layout.load_blocks;
+                    let s = places[i] - self.layout.load_places();
                     list.push(CopyDesc {
                         src: self.target.object_addr(b, layer, kv),
                         dst: self.staging.dev(self.layout.store_obj(s, layer, kv)),
@@ -852,20 +904,23 @@ impl StagedPath {
         tier.submit_store_with_crcs(keys, places, Some(&per_key))
     }
 
-    /// Submit the next layers of loads whose buffers are free.
+    /// Submit the next units of loads whose buffers are free.
     fn submit_layers(&mut self, tier: &mut Tier) {
         let b = self.cfg.layer_buffers;
+        let lb = self.cfg.load_blocks;
         let ids: Vec<JobId> = self.loads.keys().copied().collect();
         for id in ids {
             loop {
                 let job = self.loads.get_mut(&id).expect("listed");
-                let l = job.next_submit;
-                if l >= job.layers.end || job.skipped_from.is_some() {
+                let u = job.next_submit;
+                if u >= job.units().end || job.skipped_from.is_some() {
                     break;
                 }
-                if self.buffers[(l % b) as usize].is_some() {
+                let buf = (u % b as u64) as u32;
+                if self.buffers[buf as usize].is_some() {
                     break; // back-pressure: the buffer's copy is not done yet
                 }
+                let (l, c) = job.unit(u);
                 // A key another load found damaged left the pool while this
                 // one held it: it fails here, alone (named in a layer job, the
                 // tier refused the job and every key of the load failed).
@@ -885,28 +940,42 @@ impl StagedPath {
                         job.outcomes[p] = Some(KeyOutcome::Corrupt(f));
                     }
                 }
-                let live: Vec<u32> = (0..job.keys.len() as u32)
+                if job.outcomes.iter().all(Option::is_some) {
+                    job.skipped_from = Some(u);
+                    break;
+                }
+                let live: Vec<u32> = job
+                    .chunk(c, lb)
+                    .iter()
+                    .copied()
                     .filter(|&p| job.outcomes[p as usize].is_none())
                     .collect();
                 if live.is_empty() {
-                    job.skipped_from = Some(l);
-                    break;
+                    // This chunk's keys have all failed, others' have not:
+                    // nothing to read, in order with the rest.
+                    job.landed.insert(u, (live, None));
+                    job.next_submit += 1;
+                    continue;
                 }
                 let keys: Vec<Key> = live.iter().map(|&p| job.keys[p as usize]).collect();
-                let places: Vec<u32> = live.iter().map(|&p| job.sblock[p as usize]).collect();
+                let places: Vec<u32> = live
+                    .iter()
+                    .map(|&p| self.layout.load_place(buf, job.sblock[p as usize]))
+                    .collect();
                 match tier.submit_load(&keys, &places, l..l + 1) {
                     Ok(t) => {
                         job.next_submit += 1;
                         job.tier_jobs_out += 1;
-                        self.buffers[(l % b) as usize] = Some((id, l));
-                        self.layer_jobs.insert(t, (id, l, live));
+                        self.buffers[buf as usize] = Some((id, l, u));
+                        self.layer_jobs.insert(t, (id, u, live));
                     }
                     Err(e) => {
                         let f = Failure::from(&e).context(format_args!("layer {l}"));
-                        for p in live {
-                            job.outcomes[p as usize] = Some(KeyOutcome::Failed(f.clone()));
+                        for o in job.outcomes.iter_mut().filter(|o| o.is_none()) {
+                            *o = Some(KeyOutcome::Failed(f.clone()));
                         }
-                        job.skipped_from = Some(l);
+                        job.layer_error.get_or_insert(f);
+                        job.skipped_from = Some(u);
                     }
                 }
             }
@@ -914,10 +983,10 @@ impl StagedPath {
     }
 
     fn on_tier_result(&mut self, r: JobResult) {
-        if let Some((id, l, live)) = self.layer_jobs.remove(&r.job) {
+        if let Some((id, u, live)) = self.layer_jobs.remove(&r.job) {
             let job = self.loads.get_mut(&id).expect("a load of a layer job");
             job.tier_jobs_out -= 1;
-            job.landed.insert(l, (live, r));
+            job.landed.insert(u, (live, Some(r)));
         } else if let Some(s) = self.store_jobs.remove(&r.job) {
             self.store_free.extend(s.places);
             if let Some(a) = self.stores.get_mut(&s.id) {
@@ -935,54 +1004,99 @@ impl StagedPath {
         self.finished.insert(r.job, r);
     }
 
-    /// Scatter every landed layer that is next in its load's order.
+    /// Layer `l` of a load is done (copied, failed or skipped): the load's
+    /// counter must reach its value whatever happened, or a compute stream
+    /// waiting on it hangs until a later load reuses the counter. Written
+    /// on the copy stream after the copies; if that fails, from the host
+    /// (after what the stream holds). The error: the counter is stuck.
+    fn advance_counter(
+        copier: &mut dyn DeviceCopier,
+        c: &LoadCounter,
+        l: u32,
+        copy_failed: bool,
+    ) -> Result<()> {
+        let v = c.value_for(l);
+        if !copy_failed && copier.signal_counter(&c.counter, v).is_ok() {
+            return Ok(());
+        }
+        copier.release_counter(&c.counter, v)
+    }
+
+    /// Scatter every landed unit that is next in its load's order.
     fn scatter_landed(&mut self) -> Result<()> {
+        let b = self.cfg.layer_buffers;
+        let lb = self.cfg.load_blocks;
         let ids: Vec<JobId> = self.loads.keys().copied().collect();
         for id in ids {
             loop {
                 let job = self.loads.get_mut(&id).expect("listed");
-                let l = job.next_scatter;
-                if l >= job.layers.end {
+                let u = job.next_scatter;
+                if u >= job.units().end {
                     break;
                 }
-                if job.skipped_from.is_some_and(|s| l >= s) {
+                let (l, c) = job.unit(u);
+                let last = c + 1 == job.chunks;
+                if job.skipped_from.is_some_and(|s| u >= s) {
                     // Not read: announced with the failure once the copies
                     // before it are done.
-                    let f = Failure::new(
-                        ErrorKind::Io,
-                        format!("layer {l} not read: every key of the load failed before it"),
-                    );
-                    // A stream waiting on the load's counter must not hang:
-                    // the value goes up as if the layer had been copied.
-                    if let Some(c) = &job.counter {
-                        self.copier.signal_counter(&c.counter, c.value_for(l))?;
+                    if let Some(f) = job.dropped.remove(&l) {
+                        job.layer_error.get_or_insert(f);
                     }
-                    job.copying.push_back((l, self.seq, Some(f)));
+                    if last {
+                        let mut error = job.layer_error.take().unwrap_or_else(|| {
+                            Failure::new(
+                                ErrorKind::Io,
+                                format!(
+                                    "layer {l} not read: every key of the load failed before it"
+                                ),
+                            )
+                        });
+                        if let Some(cnt) = &job.counter {
+                            if let Err(e) =
+                                Self::advance_counter(self.copier.as_mut(), cnt, l, false)
+                            {
+                                error = error.context(format_args!(
+                                    "and its counter could not be advanced: {e}"
+                                ));
+                            }
+                        }
+                        job.copying.push_back(Copying {
+                            unit: u,
+                            seq: self.seq,
+                            announce: Some(Some(error)),
+                        });
+                    }
                     job.next_scatter += 1;
                     continue;
                 }
-                let Some((live, r)) = job.landed.remove(&l) else {
+                let Some((live, r)) = job.landed.remove(&u) else {
                     break;
                 };
-                let mut error = job.dropped.remove(&l);
-                for (i, &p) in live.iter().enumerate() {
-                    if let KeyOutcome::Failed(f) | KeyOutcome::Corrupt(f) = &r.outcomes[i] {
-                        if job.outcomes[p as usize].is_none() {
-                            job.outcomes[p as usize] = Some(r.outcomes[i].clone());
+                if let Some(f) = job.dropped.remove(&l) {
+                    job.layer_error.get_or_insert(f);
+                }
+                if let Some(r) = &r {
+                    for (i, &p) in live.iter().enumerate() {
+                        if let KeyOutcome::Failed(f) | KeyOutcome::Corrupt(f) = &r.outcomes[i] {
+                            if job.outcomes[p as usize].is_none() {
+                                job.outcomes[p as usize] = Some(r.outcomes[i].clone());
+                            }
+                            job.layer_error.get_or_insert_with(|| f.clone());
                         }
-                        error.get_or_insert_with(|| f.clone());
                     }
                 }
-                let mut list = Vec::with_capacity(2 * job.keys.len());
+                let buf = (u % b as u64) as u32;
+                let chunk = job.chunk(c, lb);
+                let mut list = Vec::with_capacity(2 * chunk.len());
                 for kv in 0..2 {
-                    for &p in &job.order {
+                    for &p in chunk {
                         if job.outcomes[p as usize].is_some() {
                             continue;
                         }
                         list.push(CopyDesc {
                             src: self.staging.dev(self.layout.load_obj(
+                                buf,
                                 job.sblock[p as usize],
-                                l,
                                 kv,
                             )),
                             dst: self.target.object_addr(job.hbm[p as usize], l, kv),
@@ -997,24 +1111,40 @@ impl StagedPath {
                     self.copier.scatter(&list)
                 };
                 let seq = self.seq.wrapping_add(1);
+                // The load's counter only at a layer's last chunk: a compute
+                // stream waits for whole layers.
                 let copied = copied
-                    .and_then(|()| match &job.counter {
-                        Some(c) => self.copier.signal_counter(&c.counter, c.value_for(l)),
-                        None => Ok(()),
+                    .and_then(|()| match (&job.counter, last) {
+                        (Some(c), true) => self.copier.signal_counter(&c.counter, c.value_for(l)),
+                        _ => Ok(()),
                     })
                     .and_then(|()| self.copier.signal(seq));
-                let job = self.loads.get_mut(&id).expect("listed");
                 if let Err(e) = copied {
-                    let f =
+                    let mut f =
                         Failure::from(&e).context(format_args!("copying layer {l} to GPU memory"));
+                    if let (Some(cnt), true) = (&job.counter, last) {
+                        if let Err(e) = Self::advance_counter(self.copier.as_mut(), cnt, l, true) {
+                            f = f.context(format_args!(
+                                "and its counter could not be advanced: {e}"
+                            ));
+                        }
+                    }
                     for o in job.outcomes.iter_mut().filter(|o| o.is_none()) {
                         *o = Some(KeyOutcome::Failed(f.clone()));
                     }
-                    error.get_or_insert(f);
-                    job.copying.push_back((l, self.seq, error));
+                    job.layer_error.get_or_insert(f);
+                    job.copying.push_back(Copying {
+                        unit: u,
+                        seq: self.seq,
+                        announce: last.then(|| job.layer_error.take()),
+                    });
                 } else {
                     self.seq = seq;
-                    job.copying.push_back((l, seq, error));
+                    job.copying.push_back(Copying {
+                        unit: u,
+                        seq,
+                        announce: last.then(|| job.layer_error.take()),
+                    });
                 }
                 job.next_scatter += 1;
             }
@@ -1026,28 +1156,35 @@ impl StagedPath {
     /// loads with nothing left.
     fn retire(&mut self, tier: &mut Tier) -> Result<()> {
         let now = self.copier.signaled()?;
-        let b = self.cfg.layer_buffers;
+        let b = self.cfg.layer_buffers as u64;
         let mut done = Vec::new();
         for (&id, job) in self.loads.iter_mut() {
-            while let Some((l, s, _)) = job.copying.front() {
-                if (now.wrapping_sub(*s) as i32) < 0 {
+            while let Some(front) = job.copying.front() {
+                if (now.wrapping_sub(front.seq) as i32) < 0 {
                     break;
                 }
-                let (l, s) = (*l, *s);
-                let (_, _, error) = job.copying.pop_front().expect("front");
-                if self.buffers[(l % b) as usize] == Some((id, l)) {
-                    self.buffers[(l % b) as usize] = None;
+                let Copying {
+                    unit,
+                    seq,
+                    announce,
+                } = job.copying.pop_front().expect("front");
+                let (l, _) = job.unit(unit);
+                let buf = (unit % b) as usize;
+                if self.buffers[buf] == Some((id, l, unit)) {
+                    self.buffers[buf] = None;
                 }
-                job.announced = l + 1;
-                job.layer_errors[(l - job.layers.start) as usize] = error.clone();
-                self.events.push_back(HbmLayer {
-                    job: id,
-                    layer: l,
-                    error,
-                    counter: s,
-                });
+                if let Some(error) = announce {
+                    job.announced = l + 1;
+                    job.layer_errors[(l - job.layers.start) as usize] = error.clone();
+                    self.events.push_back(HbmLayer {
+                        job: id,
+                        layer: l,
+                        error,
+                        counter: seq,
+                    });
+                }
             }
-            if job.next_scatter >= job.layers.end
+            if job.next_scatter >= job.units().end
                 && job.copying.is_empty()
                 && job.tier_jobs_out == 0
             {
@@ -1424,11 +1561,12 @@ impl LayerWait {
 mod tests {
     use super::*;
 
-    /// Layer buffers repeat every `layer_buffers` layers, K objects of the
-    /// load places then V objects; the store area follows the buffers with a
-    /// block's 2L objects together; nothing of one overlaps the other.
+    /// Load places are a buffer's whatever the layer: place `t` is place
+    /// `t % load_blocks` of buffer `t / load_blocks`, K objects of a buffer
+    /// then V objects; the store area follows the buffers with a block's 2L
+    /// objects together; nothing of one overlaps the other.
     #[test]
-    fn staging_layout_reuses_buffers_round_robin() {
+    fn staging_layout_places_chunks_in_buffers() {
         let g = KvGeometry {
             layers: 6,
             kv_heads: 2,
@@ -1443,27 +1581,29 @@ mod tests {
         };
         let obj = g.object_bytes();
         let l = Layout::new(&g, &cfg, 1 << 30);
+        assert_eq!(l.load_places(), 6);
         assert_eq!(l.addr(0, 0, 0), 1 << 30);
         assert_eq!(l.addr(2, 0, 0), (1 << 30) + 2 * obj);
         assert_eq!(l.addr(0, 0, 1), (1 << 30) + 3 * obj);
-        assert_eq!(l.addr(1, 1, 0), (1 << 30) + 6 * obj + obj);
-        for b in 0..3 {
+        assert_eq!(l.addr(l.load_place(1, 1), 1, 0), (1 << 30) + 6 * obj + obj);
+        for t in 0..6 {
             for kv in 0..2 {
+                assert_eq!(l.addr(t, 4, kv), l.addr(t, 0, kv), "any layer");
                 assert_eq!(
-                    l.addr(b, 4, kv),
-                    l.addr(b, 0, kv),
-                    "layer 4 reuses buffer 0"
+                    l.addr(t, 1, kv),
+                    l.load_obj(t / 3, t % 3, kv),
+                    "place {t} is buffer {}'s",
+                    t / 3
                 );
-                assert_eq!(l.addr(b, 5, kv), l.addr(b, 1, kv));
             }
         }
         let store0 = (1 << 30) + 2 * 6 * obj;
-        assert_eq!(l.addr(3, 0, 0), store0);
-        assert_eq!(l.addr(3, 5, 1), store0 + 11 * obj);
-        assert_eq!(l.addr(4, 0, 0), store0 + 12 * obj);
+        assert_eq!(l.addr(6, 0, 0), store0);
+        assert_eq!(l.addr(6, 5, 1), store0 + 11 * obj);
+        assert_eq!(l.addr(7, 0, 0), store0 + 12 * obj);
         let r = l.regions();
         assert_eq!(r[0].addr + r[0].len, r[1].addr);
         assert_eq!(r[0].len + r[1].len, cfg.bytes(&g));
-        assert_eq!(l.addr(4, 5, 1) + obj, r[1].addr + r[1].len);
+        assert_eq!(l.addr(7, 5, 1) + obj, r[1].addr + r[1].len);
     }
 }
