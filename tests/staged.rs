@@ -128,7 +128,8 @@ fn double_failed_last_layer_still_releases_its_counter() {
     let rig = HostRig::new(HostLayout::PerLayer);
     let g = rig.geometry();
     let last = g.layers - 1;
-    let copiers: [(&str, fn() -> HostCopier); 4] = [
+    type MakeCopier = fn() -> HostCopier;
+    let copiers: [(&str, MakeCopier); 4] = [
         ("scatter", || HostCopier::default().fail_scatter(g_last())),
         ("scatter-deferred", || {
             HostCopier::deferred().fail_scatter(g_last())
@@ -166,7 +167,10 @@ fn double_failed_last_layer_still_releases_its_counter() {
             .filter(|e| e.job == job)
             .collect();
         assert_eq!(ev.len(), g.layers as usize, "{what}");
-        assert!(ev[..last as usize].iter().all(|e| e.error.is_none()), "{what}");
+        assert!(
+            ev[..last as usize].iter().all(|e| e.error.is_none()),
+            "{what}"
+        );
         assert!(ev[last as usize].error.is_some(), "{what}");
         let r = st.wait(job).unwrap();
         assert_eq!(r.failures().count(), ks.len(), "{what}");
@@ -176,7 +180,11 @@ fn double_failed_last_layer_still_releases_its_counter() {
         assert!(std::sync::Arc::ptr_eq(&c.counter, &c2.counter), "{what}");
         assert_eq!(c2.base, c.value_for(last), "{what}");
         let r2 = st.wait(job2).unwrap();
-        assert!(r2.all_ok(), "{what}: {:?}", r2.failures().collect::<Vec<_>>());
+        assert!(
+            r2.all_ok(),
+            "{what}: {:?}",
+            r2.failures().collect::<Vec<_>>()
+        );
         assert_eq!(c.counter.load().unwrap(), c2.value_for(1), "{what}");
         assert!(matches(&rig, 0, common::seed_of(900), 0..2), "{what}");
     }
@@ -208,11 +216,19 @@ fn store_blocks_past_the_header_staging_is_refused() {
     {
         let dir = common::TempDir::new(&format!("staged-hdr-{i}"));
         let pool = common::create_pool(&dir, rig.geometry(), 8, 1, 2);
-        let mut tc = kvtier::tier::TierConfig::default();
-        tc.header_staging = headers;
+        // Set, not a struct literal: config types take new fields.
+        #[allow(clippy::field_reassign_with_default)]
+        let tc = {
+            let mut tc = kvtier::tier::TierConfig::default();
+            tc.header_staging = headers;
+            tc
+        };
         let tier = Tier::open(pool, tc).unwrap();
         match StagedTier::with_host_double(tier, rig.0.clone(), config(2, 4, store)) {
-            Ok(_) => assert!(ok, "store_blocks {store} with header_staging {headers} accepted"),
+            Ok(_) => assert!(
+                ok,
+                "store_blocks {store} with header_staging {headers} accepted"
+            ),
             Err(e) => {
                 assert!(!ok, "{e}");
                 let e = e.to_string();

@@ -304,7 +304,10 @@ impl LoadJob {
 
     /// (layer, chunk) of unit `u`.
     fn unit(&self, u: u64) -> (u32, u32) {
-        ((u / self.chunks as u64) as u32, (u % self.chunks as u64) as u32)
+        (
+            (u / self.chunks as u64) as u32,
+            (u % self.chunks as u64) as u32,
+        )
     }
 
     /// The positions of chunk `c`, in staging order.

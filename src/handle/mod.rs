@@ -722,8 +722,9 @@ impl TierHandle {
     /// HBM. A compute stream queues `cuStreamWaitValue32` on it (see
     /// [`crate::gpu::staged::LayerWait`]) right after the submit, so each
     /// layer's attention starts when its copy is done, with no host call in
-    /// between. `None` for host memory, the CPU double, or a load that has
-    /// finished.
+    /// between. `None` for host memory or a load that has finished; with
+    /// the CPU double, a host word no stream can wait on, written as the
+    /// GPU's would be.
     pub fn load_counter(&self, job: JobId) -> Result<Option<LoadCounter>> {
         let core = lock(&self.shared.core);
         let s = core.as_ref().ok_or_else(Shared::closed_error)?;

@@ -356,7 +356,9 @@ pub fn large_load_goes_in_chunks(rig: &dyn KvRig, tag: &str) {
         .map(|e| e.counter)
         .collect();
     assert!(
-        counters.windows(2).all(|w| w[1].wrapping_sub(w[0]) as i32 > 0),
+        counters
+            .windows(2)
+            .all(|w| w[1].wrapping_sub(w[0]) as i32 > 0),
         "{counters:?}"
     );
     for (i, &k) in ks.iter().enumerate() {
