@@ -284,8 +284,9 @@ impl TierBuilder {
     }
 
     /// Pinned host staging of the staged HBM path (CUDA KV tensors):
-    /// `layer_buffers` layers of loads in flight (at least 2), loads of at
-    /// most `load_blocks` blocks, `store_blocks` blocks of stores in flight.
+    /// `layer_buffers` layers of loads in flight (at least 2), each of up to
+    /// `load_blocks` blocks (larger loads go in chunks), `store_blocks`
+    /// blocks of stores in flight.
     /// Defaults: 4 buffers, min(blocks, 1024) and min(blocks, 64).
     #[pyo3(signature = (layer_buffers = 4, load_blocks = None, store_blocks = None))]
     fn staging(

@@ -596,8 +596,9 @@ impl StagedPath {
     }
 
     /// The counter value the next layer copied will carry: with one load in
-    /// flight, layer `l` of a load submitted now carries
-    /// `next_counter_value() + (l - first layer)`.
+    /// flight, of at most `load_blocks` keys (one chunk a layer), layer `l`
+    /// of a load submitted now carries `next_counter_value() + (l - first
+    /// layer)`; a larger load's layers each take one value per chunk.
     pub fn next_counter_value(&self) -> u32 {
         self.seq.wrapping_add(1)
     }

@@ -245,6 +245,8 @@ pub struct CudaCopier {
     crcs: PinnedHostBuffer,
     capacity: usize,
     last_gather: usize,
+    /// A gather writes `crcs` and `finish` has not read them yet.
+    crcs_busy: bool,
     sms: u32,
     counter: Arc<CompletionCounter>,
     _module: Module,
@@ -286,6 +288,7 @@ impl CudaCopier {
             crcs: PinnedHostBuffer::alloc(ctx, capacity * 4)?,
             capacity,
             last_gather: 0,
+            crcs_busy: false,
             sms: ctx.device().sm_count()?,
             // Host-mapped: the host polls it to reuse staging, streams wait on it.
             counter: CompletionCounter::host_mapped(ctx)?,
@@ -359,10 +362,14 @@ impl DeviceCopier for CudaCopier {
         if list.is_empty() {
             return Ok(());
         }
-        // One checksum buffer: the previous gather's must have been read
-        // (`finish` after every gather) before this one writes it.
-        self.stream.synchronize()?;
+        // One checksum buffer: a previous gather not yet finished (its
+        // checksums unread) must end before this one writes it. Scatters in
+        // flight are not waited for: a store does not wait for loads' copies.
+        if self.crcs_busy {
+            self.stream.synchronize()?;
+        }
         let (dev, n) = self.load_list(list)?;
+        self.crcs_busy = true;
         self.last_gather = n as usize;
         let mut a = KernelArgs::new()
             .arg(dev)
@@ -383,6 +390,7 @@ impl DeviceCopier for CudaCopier {
 
     fn finish(&mut self) -> Result<Vec<u32>> {
         self.stream.synchronize()?;
+        self.crcs_busy = false;
         let mut out = vec![0u8; self.last_gather * 4];
         self.crcs.read(0, &mut out)?;
         self.last_gather = 0;
