@@ -190,6 +190,52 @@ fn double_failed_last_layer_still_releases_its_counter() {
     }
 }
 
+/// A chunked load (4 keys through buffers of 2) whose first chunk's copy
+/// fails: every key fails (never reported loaded), every layer's event
+/// says so in order, and the load's counter still reaches its last
+/// layer's value.
+#[test]
+fn double_failed_chunk_of_a_large_load_fails_it_and_releases_its_counter() {
+    use kvtier::gpu::staging::HostCopier;
+    let rig = HostRig::new(HostLayout::CrossLayer);
+    let g = rig.geometry();
+    for (i, copier) in [
+        HostCopier::default().fail_scatter(0),
+        HostCopier::deferred().fail_scatter(1),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let dir = common::TempDir::new(&format!("staged-fail-chunk-{i}"));
+        let pool = common::create_pool(&dir, g, 64, 1, 2);
+        let tier = Tier::open(pool, Default::default()).unwrap();
+        let mut st =
+            StagedTier::with_host_copier(tier, rig.0.clone(), config(2, 2, 8), copier).unwrap();
+        let ks: Vec<u64> = (950..954).collect();
+        let mem: Vec<u32> = (10..14).collect();
+        store_all(&rig, &mut st, &ks, &mem, 4);
+        let job = st.submit_load(&keys(&ks), &mem, 0..g.layers).unwrap();
+        let c = st.load_counter(job).unwrap();
+        let r = st.wait(job).unwrap();
+        assert_eq!(
+            r.failures().count(),
+            ks.len(),
+            "{i}: {:?}",
+            r.failures().collect::<Vec<_>>()
+        );
+        let ev: Vec<_> = st.layer_events();
+        assert_eq!(
+            ev.iter().map(|e| e.layer).collect::<Vec<_>>(),
+            (0..g.layers).collect::<Vec<_>>(),
+            "{i}"
+        );
+        assert!(ev.iter().all(|e| e.error.is_some()), "{i}: {ev:?}");
+        assert_eq!(c.counter.load().unwrap(), c.value_for(g.layers - 1), "{i}");
+        assert!(st.buffers_in_use().iter().all(Option::is_none), "{i}");
+        assert_eq!(st.tier().usage().pinned_blocks, 0, "{i}");
+    }
+}
+
 /// Bad staging sizes are refused with what to change, before anything is
 /// allocated or registered.
 #[test]

@@ -1130,6 +1130,12 @@ impl StagedPath {
                                 ));
                             }
                         }
+                        // Announced once the copy stream has passed the
+                        // counter write, as a copied layer is.
+                        let seq = self.seq.wrapping_add(1);
+                        if self.copier.signal(seq).is_ok() {
+                            self.seq = seq;
+                        }
                         job.copying.push_back(Copying {
                             unit: u,
                             seq: self.seq,
@@ -1190,6 +1196,10 @@ impl StagedPath {
                     })
                     .and_then(|()| self.copier.signal(seq));
                 if let Err(e) = copied {
+                    // Whatever of this copy did start ends before its buffer
+                    // can be read into again (its entry below carries no new
+                    // counter value to wait for).
+                    let _ = self.copier.finish();
                     let mut f =
                         Failure::from(&e).context(format_args!("copying layer {l} to GPU memory"));
                     if let (Some(cnt), true) = (&job.counter, last) {
