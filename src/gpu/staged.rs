@@ -5,7 +5,11 @@
 //! Restore. A load is run as one tier job per layer into a *layer buffer*:
 //! `layer_buffers` pinned host buffers, each holding one layer of up to
 //! `load_blocks` blocks, used round-robin (layer `l` goes to buffer
-//! `l % layer_buffers`). A layer's reads land in its buffer in the pool's
+//! `l % layer_buffers`). A load of more blocks goes in chunks of
+//! `load_blocks`, one tier job and one buffer's turn each (chunk `c` of
+//! layer `l` is unit `l * chunks + c`, in buffer `unit % layer_buffers`);
+//! a layer is announced, and the load's counter reaches its value, once
+//! all its chunks are copied. A layer's reads land in its buffer in the pool's
 //! coalesced order (the load's blocks take staging places in slot order, so
 //! a run of consecutive slots is one contiguous range on the SSD and in the
 //! buffer, K objects then V objects). When the tier has verified the layer
@@ -14,6 +18,10 @@
 //! layer's value into the completion counter: a compute stream waits on it
 //! with `cuStreamWaitValue32` ([`LayerWait`]), the host gets the layer's
 //! event once the counter has passed it, and only then is the buffer reused.
+//! A layer whose copy or counter write fails still brings the load's counter
+//! to its value (from the host once the stream's earlier work is done), so
+//! a compute stream waiting on it never hangs; its event and `wait_layer`
+//! carry the failure, and its keys fail in the load's result.
 //! A layer whose buffer is still busy waits (back-pressure), so staging
 //! stays `layer_buffers` layers however long the prefix; the reads of layer
 //! l+1 run while layer l is copied.
