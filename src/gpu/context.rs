@@ -206,7 +206,17 @@ impl Context {
         self.bind()?;
         Ok(Event {
             ctx: self.clone(),
-            raw: driver::event_create()?,
+            raw: driver::event_create(true)?,
+        })
+    }
+
+    /// An event for ordering only (no timestamps: cheaper to record);
+    /// `elapsed_ms` on it fails.
+    pub fn sync_event(&self) -> Result<Event> {
+        self.bind()?;
+        Ok(Event {
+            ctx: self.clone(),
+            raw: driver::event_create(false)?,
         })
     }
 }
@@ -420,7 +430,7 @@ impl Stream {
     }
 }
 
-/// A CUDA event (timing enabled).
+/// A CUDA event (timing enabled unless made by `Context::sync_event`).
 pub struct Event {
     ctx: Context,
     raw: CUevent,

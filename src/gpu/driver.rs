@@ -766,13 +766,20 @@ pub(crate) fn stream_query(s: CUstream) -> Result<bool> {
     Ok(true)
 }
 
-pub(crate) fn event_create() -> Result<CUevent> {
+/// An event; `timing`: CU_EVENT_DEFAULT (timestamps, for `elapsed_ms`),
+/// else CU_EVENT_DISABLE_TIMING (ordering only, cheaper to record).
+pub(crate) fn event_create(timing: bool) -> Result<CUevent> {
     let d = driver()?;
     let mut e: CUevent = std::ptr::null_mut();
-    // SAFETY: writes one handle; CU_EVENT_DEFAULT keeps timing enabled.
+    let flags = if timing {
+        sys::CUevent_flags::CU_EVENT_DEFAULT
+    } else {
+        sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
+    };
+    // SAFETY: writes one handle.
     check(
         d,
-        unsafe { (d.lib.cuEventCreate)(&mut e, sys::CUevent_flags::CU_EVENT_DEFAULT as c_uint) },
+        unsafe { (d.lib.cuEventCreate)(&mut e, flags as c_uint) },
         || "cuEventCreate".into(),
     )?;
     Ok(e)

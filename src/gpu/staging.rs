@@ -279,7 +279,7 @@ impl CudaCopier {
                 .map(|_| {
                     Ok((
                         PinnedHostBuffer::alloc(ctx, capacity * size_of::<CopyDesc>())?,
-                        ctx.event()?,
+                        ctx.sync_event()?,
                         false,
                     ))
                 })
