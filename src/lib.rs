@@ -16,13 +16,13 @@
 //!   simulated controller for tests).
 //! - `gpu`: the CUDA driver layer (loader, contexts, green contexts, memory, DMA paths,
 //!   kernels, [`gpu::probe()`]).
-//! - `engine`: who executes IOCBs (io_uring, userspace NVMe, the GPU kernel);
+//! - `engine`: who executes IOCBs (io_uring, userspace NVMe, the GPU kernel), and
+//!   `engine::choice`, the one decision of which engine this machine can run (the
+//!   builder's automatic engine and `kvtier doctor`'s verdict);
 //!   `submitter` pairs a ring with its engine, above both.
 //! - `tier` (the single-threaded core), `sched` + `slack` + `plan` (when I/O runs),
 //!   `handle` (the thread-safe front door serving engines call: [`TierHandle`],
 //!   opened with [`TierBuilder`]).
-//! - `doctor`: what this machine can run, from the layers above (the builder's
-//!   automatic engine choice runs it).
 //!
 //! The command line (`kvtier` binary: pool, bench, replay, doctor, nvme) is the
 //! `kvtier-cli` crate in `cli/`; this crate has no CLI dependencies.
@@ -32,11 +32,9 @@
 //! fallocate, lseek, flock), `engine::uring` (io_uring through the io-uring crate,
 //! poll), `nvme::{uio, vfio, mmio}` (BAR and DMA mappings, pagemap, VFIO ioctls),
 //! `gpu::driver` (every CUDA driver call), `scratch` (the signal handler that removes
-//! scratch files), and `doctor` (the NVMe admin Identify ioctl). Everything above them
+//! scratch files), and `nvme::passthru` (the kernel driver's NVMe admin ioctl). Everything above them
 //! is safe Rust over those types.
 
-#[warn(missing_docs)]
-pub mod doctor;
 #[warn(missing_docs)]
 pub mod engine;
 pub mod error;

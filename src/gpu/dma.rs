@@ -306,7 +306,8 @@ fn peermem_error(root: &Path) -> Error {
 
 /// What a machine offers for one path.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub(crate) struct PathCheck {
+pub struct PathCheck {
+    /// The path.
     pub kind: DmaPathKind,
     /// The machine has the prerequisites.
     pub available: bool,
@@ -370,7 +371,7 @@ fn check_dma_buf(root: &Path) -> PathCheck {
 
 /// Which paths the machine under `root` (`/` for this one; a fake tree in
 /// tests) offers.
-pub(crate) fn check_paths(root: &Path) -> Vec<PathCheck> {
+pub fn check_paths(root: &Path) -> Vec<PathCheck> {
     let iommu = non_empty_dir(&root.join("sys/class/iommu"))
         || non_empty_dir(&root.join("sys/kernel/iommu_groups"));
     let vfio = root.join("dev/vfio/vfio").exists() && root.join("sys/module/vfio_pci").exists();

@@ -33,7 +33,7 @@ pub use sys::{CUdevResource, CUdevResourceDesc, CUgreenCtx};
 
 /// The library name the NVIDIA driver installs (the unversioned `libcuda.so`
 /// comes only with the toolkit's development files).
-pub(crate) const LIBCUDA: &CStr = c"libcuda.so.1";
+pub const LIBCUDA: &CStr = c"libcuda.so.1";
 
 /// The oldest driver API the bindings (cudarc, `cuda-13000`) can load:
 /// cudarc resolves every symbol of the 13.0 header at load time.

@@ -137,7 +137,7 @@ pub struct ProbeFailure {
     pub reason: String,
 }
 
-/// [`probe`], with the failure in the finer steps `doctor` reports (an old driver's
+/// [`probe`], with the failure in the finer steps `kvtier doctor` reports (an old driver's
 /// version, a library that is not libcuda, `cuInit`).
 pub fn probe_detailed() -> std::result::Result<DriverInfo, ProbeFailure> {
     if let Some(e) = driver::load_error() {
@@ -155,7 +155,7 @@ pub fn probe_detailed() -> std::result::Result<DriverInfo, ProbeFailure> {
 }
 
 /// Driver API version as `major.minor` (13000 → "13.0").
-pub(crate) fn version_string(v: i32) -> String {
+pub fn version_string(v: i32) -> String {
     format!("{}.{}", v / 1000, (v % 1000) / 10)
 }
 
