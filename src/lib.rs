@@ -35,6 +35,24 @@
 //! scratch files), and `nvme::passthru` (the kernel driver's NVMe admin ioctl). Everything above them
 //! is safe Rust over those types.
 
+/// `with_*` setters for a config's public fields, each taking the value and
+/// returning the config: the configs are `#[non_exhaustive]`, so code outside
+/// the crate builds one from `Default` (or a constructor) and these.
+macro_rules! with_setters {
+    ($ty:ty { $($(#[$doc:meta])* $setter:ident => $field:ident : $t:ty),* $(,)? }) => {
+        impl $ty {
+            $(
+                $(#[$doc])*
+                #[must_use]
+                pub fn $setter(mut self, $field: $t) -> Self {
+                    self.$field = $field;
+                    self
+                }
+            )*
+        }
+    };
+}
+
 #[warn(missing_docs)]
 pub mod engine;
 pub mod error;

@@ -102,10 +102,7 @@ fn double_behind_a_tier_handle() {
     let devs = vec![dir.file("a.pool"), dir.file("b.pool")];
     let h = TierBuilder::default()
         .create(common::pool_config(geo, 8, &devs, 4))
-        .config(HandleConfig {
-            policy: Policy::Naive,
-            ..Default::default()
-        })
+        .config(HandleConfig::default().with_policy(Policy::Naive))
         .staging(config(2, 16, 8))
         .staged_host_double(rig.0.clone())
         .build()

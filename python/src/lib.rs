@@ -527,20 +527,20 @@ impl TierBuilder {
                 })?;
             }
             let per = (cap / paths.len() as u64) & !4095;
-            b = b.create(PoolConfig {
-                geometry: g,
-                model: named.name.clone(),
-                namespace: namespace.clone(),
-                group_blocks: slf.group_blocks,
-                devices: paths
-                    .iter()
-                    .map(|p| DeviceSpec {
-                        path: p.clone(),
-                        size: Some(per),
-                    })
-                    .collect(),
-                force: slf.create == "always",
-            });
+            b = b.create(
+                PoolConfig::new(g, named.name.clone(), namespace.clone())
+                    .with_group_blocks(slf.group_blocks)
+                    .with_devices(
+                        paths
+                            .iter()
+                            .map(|p| DeviceSpec {
+                                path: p.clone(),
+                                size: Some(per),
+                            })
+                            .collect(),
+                    )
+                    .with_force(slf.create == "always"),
+            );
         } else {
             b = b.files(paths.clone()).expect(OpenExpect {
                 geometry: Some(g),
@@ -548,10 +548,8 @@ impl TierBuilder {
             });
         }
         b = b.engine(EngineChoice::parse(&slf.engine).expect("checked by engine()"));
-        let mut cfg = HandleConfig {
-            policy: policy_of(&slf.policy).expect("checked by policy()"),
-            ..HandleConfig::default()
-        };
+        let mut cfg = HandleConfig::default()
+            .with_policy(policy_of(&slf.policy).expect("checked by policy()"));
         if let Some(n) = slf.backlog_blocks {
             cfg.backlog_limit_blocks = n;
         }

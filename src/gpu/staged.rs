@@ -44,7 +44,9 @@ use crate::p2p::{MemRegion, P2pTable};
 use crate::pool::Key;
 use crate::tier::{JobId, JobKind, JobResult, KeyOutcome, Tier};
 
-/// How much pinned staging the staged path holds.
+/// How much pinned staging the staged path holds: [`StagingConfig::for_blocks`]
+/// and the `with_*` setters.
+#[non_exhaustive]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct StagingConfig {
     /// Layers of loads in flight at once (each its own buffer, reused
@@ -60,6 +62,16 @@ pub struct StagingConfig {
 }
 
 impl StagingConfig {
+    /// `layer_buffers` layer buffers, loads of up to `load_blocks` blocks, stores
+    /// of up to `store_blocks` (checked when the staged path opens).
+    pub fn new(layer_buffers: u32, load_blocks: u32, store_blocks: u32) -> StagingConfig {
+        StagingConfig {
+            layer_buffers,
+            load_blocks,
+            store_blocks,
+        }
+    }
+
     /// Defaults for KV memory of `num_blocks` blocks: 4 layer buffers, loads
     /// of up to 1024 blocks, stores of up to 64.
     pub fn for_blocks(num_blocks: u32) -> StagingConfig {
@@ -68,6 +80,27 @@ impl StagingConfig {
             load_blocks: num_blocks.clamp(1, 1024),
             store_blocks: num_blocks.clamp(1, 64),
         }
+    }
+
+    /// With `layer_buffers` layer buffers.
+    #[must_use]
+    pub fn with_layer_buffers(mut self, layer_buffers: u32) -> Self {
+        self.layer_buffers = layer_buffers;
+        self
+    }
+
+    /// With loads of up to `load_blocks` blocks.
+    #[must_use]
+    pub fn with_load_blocks(mut self, load_blocks: u32) -> Self {
+        self.load_blocks = load_blocks;
+        self
+    }
+
+    /// With up to `store_blocks` blocks of stores in staging.
+    #[must_use]
+    pub fn with_store_blocks(mut self, store_blocks: u32) -> Self {
+        self.store_blocks = store_blocks;
+        self
     }
 
     /// Bytes of pinned host memory this staging takes for `g`.

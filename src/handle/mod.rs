@@ -67,8 +67,10 @@ use std::time::{Duration, Instant};
 pub type JobId = u64;
 
 /// How the handle schedules work; see [`crate::sched`].
+#[non_exhaustive]
 #[derive(Clone, Debug)]
 pub struct HandleConfig {
+    /// The tier's settings.
     pub tier: TierConfig,
     /// `Slack` (default): stores wait while any load is in flight. `Naive`:
     /// stores go as soon as the I/O thread sees them. `Sync`: stores wait
@@ -92,6 +94,17 @@ impl Default for HandleConfig {
         }
     }
 }
+
+with_setters!(HandleConfig {
+    /// With these tier settings.
+    with_tier => tier: TierConfig,
+    /// With this scheduling policy.
+    with_policy => policy: Policy,
+    /// With a write backlog of at most `backlog_limit_blocks` blocks.
+    with_backlog_limit_blocks => backlog_limit_blocks: u64,
+    /// With at most `stores_per_turn` stores released from the backlog per turn.
+    with_stores_per_turn => stores_per_turn: usize,
+});
 
 /// A completion, in the order the I/O thread saw it; per load, layers in
 /// layer order and all of them before the job's `Finished`.

@@ -415,6 +415,7 @@ unsafe impl<B: Bar0> QueueMemory for DmaQueue<B> {
 pub(crate) type IoQueue<B> = QueuePair<DmaQueue<B>, u64>;
 
 /// How [`Controller::bring_up`] sets the controller up.
+#[non_exhaustive]
 #[derive(Clone, Debug)]
 pub struct ControllerOptions {
     /// Names the device in messages (a PCI address, `sim`).
@@ -427,7 +428,9 @@ pub struct ControllerOptions {
     pub io_queues: u16,
     /// Entries per I/O queue (clamped to 2..=CAP.MQES+1).
     pub io_depth: u16,
+    /// How long an admin command may take.
     pub admin_timeout: Duration,
+    /// How long an I/O command may take.
     pub io_timeout: Duration,
     /// A ceiling on one command's transfer besides MDTS; it sizes the
     /// per-queue PRP list pages.
@@ -457,6 +460,29 @@ impl Default for ControllerOptions {
         }
     }
 }
+
+with_setters!(ControllerOptions {
+    /// Named `name` in messages.
+    with_name => name: String,
+    /// With the data path on namespace `nsid`.
+    with_nsid => nsid: u32,
+    /// With `admin_depth` admin queue entries.
+    with_admin_depth => admin_depth: u16,
+    /// With `io_queues` I/O queue pairs.
+    with_io_queues => io_queues: u16,
+    /// With `io_depth` entries per I/O queue.
+    with_io_depth => io_depth: u16,
+    /// With this admin command timeout.
+    with_admin_timeout => admin_timeout: Duration,
+    /// With this I/O command timeout.
+    with_io_timeout => io_timeout: Duration,
+    /// With commands of at most `max_command_bytes`.
+    with_max_command_bytes => max_command_bytes: u64,
+    /// With `sgl_pages` pages of SGL descriptors per I/O queue.
+    with_sgl_pages => sgl_pages: usize,
+    /// With `extra_io_queues` queue pairs left to another owner.
+    with_extra_io_queues => extra_io_queues: u16,
+});
 
 /// Direction of a [`Controller::transfer`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -91,8 +91,12 @@ pub struct DeviceSpec {
     pub size: Option<u64>,
 }
 
+/// What [`Pool::create`] formats: build it with [`PoolConfig::new`] and the
+/// `with_*` setters.
+#[non_exhaustive]
 #[derive(Clone, Debug)]
 pub struct PoolConfig {
+    /// The KV geometry of every block.
     pub geometry: KvGeometry,
     /// Model name recorded for `pool info` (free text).
     pub model: String,
@@ -101,10 +105,39 @@ pub struct PoolConfig {
     pub namespace: String,
     /// Blocks per extent group (G).
     pub group_blocks: u32,
+    /// The files or block devices to format (empty for [`Pool::create_on`]).
     pub devices: Vec<DeviceSpec>,
     /// Overwrite devices that hold a filesystem or other data.
     pub force: bool,
 }
+
+impl PoolConfig {
+    /// A pool of `geometry` for `model` serving keys of `namespace`, with
+    /// [`DEFAULT_GROUP_BLOCKS`], no devices yet and no `force`.
+    pub fn new(
+        geometry: KvGeometry,
+        model: impl Into<String>,
+        namespace: impl Into<String>,
+    ) -> PoolConfig {
+        PoolConfig {
+            geometry,
+            model: model.into(),
+            namespace: namespace.into(),
+            group_blocks: DEFAULT_GROUP_BLOCKS,
+            devices: Vec::new(),
+            force: false,
+        }
+    }
+}
+
+with_setters!(PoolConfig {
+    /// With `group_blocks` blocks per extent group.
+    with_group_blocks => group_blocks: u32,
+    /// With these devices.
+    with_devices => devices: Vec<DeviceSpec>,
+    /// Overwriting (or not) devices that hold other data.
+    with_force => force: bool,
+});
 
 pub const DEFAULT_GROUP_BLOCKS: u32 = 64;
 

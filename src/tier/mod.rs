@@ -51,8 +51,11 @@ use jobs::{Item, JobTable};
 use std::sync::Arc;
 use store::Staging;
 
+/// Settings of a [`Tier`]: [`TierConfig::default`] and the `with_*` setters.
+#[non_exhaustive]
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct TierConfig {
+    /// The io_uring engine's settings (when the tier opens one).
     pub uring: UringConfig,
     /// IOCBs in the gio_uring ring.
     pub ring_depth: u32,
@@ -101,6 +104,23 @@ impl Default for TierConfig {
         }
     }
 }
+
+with_setters!(TierConfig {
+    /// With these io_uring engine settings.
+    with_uring => uring: UringConfig,
+    /// With `ring_depth` IOCBs in the gio_uring ring.
+    with_ring_depth => ring_depth: u32,
+    /// With IOCTXs of at most `max_io_bytes` after coalescing.
+    with_max_io_bytes => max_io_bytes: u64,
+    /// With `header_staging` block headers staged at once.
+    with_header_staging => header_staging: u32,
+    /// With loads running at most `load_lookahead_bytes` ahead of their oldest incomplete layer.
+    with_load_lookahead_bytes => load_lookahead_bytes: u64,
+    /// With `load_inflight_bytes` of one load's reads in flight at once.
+    with_load_inflight_bytes => load_inflight_bytes: u64,
+    /// Verifying (or not) the checksum of every block loaded into host memory.
+    with_verify_loads => verify_loads: bool,
+});
 
 pub type JobId = u64;
 
