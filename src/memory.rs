@@ -142,6 +142,16 @@ impl KvMemory {
             }
         }
         let mut regions = self.regions();
+        // An address from a caller (Python passes integers) whose tensor
+        // would end past the address space: the sums below overflowed.
+        if let Some(&(a, len)) = regions
+            .iter()
+            .find(|(a, len)| a.checked_add(*len).is_none())
+        {
+            return Err(Error::Registration(format!(
+                "KV tensor at {a:#x} of {len} bytes ends past the address space; pass the tensors' real addresses"
+            )));
+        }
         regions.sort();
         for w in regions.windows(2) {
             if w[0].0 + w[0].1 > w[1].0 {
@@ -415,6 +425,18 @@ mod tests {
                 layer_bases: vec![base, base + per_layer + 512],
             },
             kind: MemoryKind::Gpu { ordinal: 0 },
+        }
+    }
+
+    /// A tensor address whose region would end past the address space is
+    /// refused (the overlap check's sums overflowed into a panic).
+    #[test]
+    fn a_region_past_the_address_space_is_refused() {
+        let mut m = gpu_like(0);
+        m.layout = KvLayout::CrossLayer { base: !4095 };
+        for v in [m.validate(), m.validate_for_copies()] {
+            let e = v.unwrap_err().to_string();
+            assert!(e.contains("past the address space"), "{e}");
         }
     }
 

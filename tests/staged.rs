@@ -211,3 +211,563 @@ fn double_with_deferred_copies_waits_for_them() {
         );
     }
 }
+
+/// Damage layer 0 of `key`'s block on the SSD (one byte of its K object).
+fn damage_layer0(st: &StagedTier, paths: &[std::path::PathBuf], key: u64) {
+    use std::os::unix::fs::FileExt;
+    let slot = st
+        .tier()
+        .pool()
+        .index()
+        .get(&kvtier::pool::Key::from_u64(key))
+        .unwrap()
+        .slot;
+    let (dev, off) = st.tier().pool().layout().object_offset(slot, 0, 0);
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&paths[dev as usize])
+        .unwrap();
+    f.write_all_at(&[0x5a], off + 7).unwrap();
+    f.sync_all().unwrap();
+}
+
+/// A load whose every key fails in an early layer (here: its only block is
+/// corrupt in layer 0) ends with its result: the later layers are not read
+/// and are announced failed, `wait` returns the per-key outcome (never an
+/// error saying the job cannot progress), buffers and pins are given back.
+/// Copies that end late (`HostCopier::deferred`) make the last layer job
+/// land before any buffer frees, so the skip happens with nothing in flight.
+#[test]
+fn double_load_whose_every_key_fails_ends_with_its_result() {
+    use kvtier::gpu::staging::HostCopier;
+    use kvtier::tier::KeyOutcome;
+    for deferred in [true, false] {
+        let dir = common::TempDir::new(&format!("staged-allfail-{deferred}"));
+        let rig = HostRig::new(HostLayout::PerLayer);
+        let g = rig.geometry();
+        let (st, paths) = staged_over(&rig, &dir, config(2, 16, 16));
+        drop(st);
+        let pool = kvtier::Pool::open(&paths, &Default::default()).unwrap();
+        let tier = Tier::open(pool, Default::default()).unwrap();
+        let copier = if deferred {
+            HostCopier::deferred()
+        } else {
+            HostCopier::default()
+        };
+        let mut st =
+            StagedTier::with_host_copier(tier, rig.0.clone(), config(2, 16, 16), copier).unwrap();
+        store_all(&rig, &mut st, &[7], &[3], 1);
+        damage_layer0(&st, &paths, 7);
+        rig.clear();
+        let job = st.submit_load(&keys(&[7]), &[3], 0..g.layers).unwrap();
+        let r = st
+            .wait(job)
+            .unwrap_or_else(|e| panic!("deferred={deferred}: wait failed: {e}"));
+        assert!(matches!(r.outcomes[0], KeyOutcome::Corrupt(_)), "{r:?}");
+        let ev = st.layer_events();
+        assert_eq!(
+            ev.iter().map(|e| e.layer).collect::<Vec<_>>(),
+            (0..g.layers).collect::<Vec<_>>()
+        );
+        assert!(ev[0].error.is_some() && ev[g.layers as usize - 1].error.is_some());
+        assert!(st.buffers_in_use().iter().all(Option::is_none));
+        assert_eq!(st.tier().usage().pinned_blocks, 0);
+        let u = st.tier().usage();
+        assert_eq!(
+            u.free_blocks + u.live_blocks,
+            u.total_blocks,
+            "the dropped block's slot is free again once the load ends: {u:?}"
+        );
+        st.drain().unwrap();
+    }
+}
+
+/// `StagedTier::wait_layer` keeps `Tier::wait_layer`'s contract: a layer
+/// whose bytes failed verification is an error (its memory must not be
+/// used), in flight or after the load ended; a layer the load does not
+/// cover is refused rather than reported in memory.
+#[test]
+fn double_wait_layer_reports_a_failed_layer() {
+    let dir = common::TempDir::new("staged-wait-layer");
+    let rig = HostRig::new(HostLayout::PerLayer);
+    let g = rig.geometry();
+    let (mut st, paths) = staged_over(&rig, &dir, config(2, 16, 16));
+    store_all(&rig, &mut st, &[1, 2], &[0, 1], 2);
+    damage_layer0(&st, &paths, 2);
+    rig.clear();
+    let job = st
+        .submit_load(&keys(&[1, 2]), &[0, 1], 0..g.layers)
+        .unwrap();
+    let e = st.wait_layer(job, 0).unwrap_err();
+    assert_eq!(e.kind(), kvtier::ErrorKind::Corrupt, "{e}");
+    let job2 = st.submit_load(&keys(&[1]), &[5], 1..g.layers).unwrap();
+    let e = st.wait_layer(job2, 0).unwrap_err();
+    assert!(e.to_string().contains("not a load of layer 0"), "{e}");
+    st.wait_layer(job2, 1).unwrap();
+    // Ended (result not yet taken): the failure still shows.
+    st.drain().unwrap();
+    assert!(st.wait_layer(job, g.layers - 1).is_err());
+    assert!(!st.wait(job).unwrap().all_ok());
+    assert!(st.wait(job2).unwrap().all_ok());
+}
+
+/// Hostile staging sizes (ones whose byte count overflows, or whose
+/// blocks a P2P table cannot index) are refused with what to change: no
+/// arithmetic overflow panic, no attempt to map petabytes.
+#[test]
+fn huge_staging_config_is_refused() {
+    let rig = HostRig::new(HostLayout::PerLayer);
+    for (i, cfg) in [
+        config(u32::MAX, u32::MAX, u32::MAX),
+        config(2, u32::MAX, 1),
+        config(2, 1, u32::MAX),
+        config(u32::MAX, 1 << 20, 1),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let dir = common::TempDir::new(&format!("staged-huge-cfg-{i}"));
+        let pool = common::create_pool(&dir, rig.geometry(), 8, 1, 2);
+        let tier = Tier::open(pool, Default::default()).unwrap();
+        let e = StagedTier::with_host_double(tier, rig.0.clone(), cfg)
+            .err()
+            .unwrap_or_else(|| panic!("{cfg:?} accepted"));
+        assert!(e.to_string().contains("staging"), "{cfg:?}: {e}");
+    }
+}
+
+/// A caller's stray `unpin` (one more than its pins, as `Tier` and the
+/// handle allow) cannot release a staged load's hold on its keys between
+/// its layer jobs: a store that fills the pool meanwhile evicts other
+/// blocks, never one the load still has to read, and the load lands whole.
+/// (As tests/tier_faults.rs checks for a tier load.)
+#[test]
+fn double_stray_unpin_cannot_release_a_staged_loads_keys() {
+    use kvtier::gpu::staged::StagedPath;
+    use kvtier::gpu::staging::HostCopier;
+    let dir = common::TempDir::new("staged-stray-unpin");
+    let rig = HostRig::new(HostLayout::PerLayer);
+    let g = rig.geometry();
+    let pool = common::create_pool(&dir, g, 4, 1, 2); // 8 slots
+    let mut tier = Tier::open(pool, Default::default()).unwrap();
+    let mut path = StagedPath::with_host_copier(
+        &mut tier,
+        rig.0.clone(),
+        config(2, 8, 8),
+        HostCopier::deferred(),
+    )
+    .unwrap();
+    let old: Vec<u64> = (1..9).collect();
+    let old_mem: Vec<u32> = (0..8).collect();
+    for (&k, &b) in old.iter().zip(&old_mem) {
+        fill(&rig, b, common::seed_of(k));
+    }
+    let s = path.submit_store(&mut tier, &keys(&old), &old_mem).unwrap();
+    assert!(path.wait(&mut tier, s).unwrap().all_ok());
+    rig.clear();
+    let load = path
+        .submit_load(&mut tier, &keys(&[1]), &[40], 0..g.layers)
+        .unwrap();
+    // Layers 0 and 1 land; their copies wait, so layer 2 is not yet read.
+    let t0 = std::time::Instant::now();
+    while tier.jobs_in_flight() > 0 {
+        path.poll(&mut tier).unwrap();
+        assert!(t0.elapsed().as_secs() < 30, "the reads never landed");
+    }
+    tier.unpin(&keys(&[1]));
+    assert_eq!(tier.usage().pinned_blocks, 1, "the load still holds key 1");
+    // Eight new blocks: every unpinned block is evicted for them; with key
+    // 1 held, the pool cannot take all eight and refuses the store.
+    let new: Vec<u64> = (100..108).collect();
+    let new_mem: Vec<u32> = (10..18).collect();
+    if let Ok(s) = path.submit_store(&mut tier, &keys(&new), &new_mem) {
+        let r = path.wait(&mut tier, s).unwrap();
+        assert!(
+            !r.evicted.contains(&kvtier::pool::Key::from_u64(1)),
+            "{r:?}"
+        );
+    }
+    let r = path.wait(&mut tier, load).unwrap();
+    assert!(r.all_ok(), "{r:?}");
+    assert!(matches(&rig, 40, common::seed_of(1), 0..g.layers));
+    assert_eq!(tier.usage().pinned_blocks, 0);
+    path.drain(&mut tier).unwrap();
+}
+
+/// Several threads on one staged `TierHandle` (the default read-first
+/// policy, small staging so layer buffers and store chunks are contended):
+/// each stores its own keys from its own blocks, clears them, loads them
+/// back into other blocks of its own, and checks every byte; meanwhile a
+/// thread looks up and pins/unpins. Everything lands, nothing hangs, and
+/// the pool checks clean.
+#[test]
+fn double_handle_under_several_threads() {
+    use kvtier::handle::TierBuilder;
+    let dir = common::TempDir::new("staged-threads");
+    let rig = HostRig::new(HostLayout::PerLayer);
+    let cache = rig.0.clone();
+    let geo = rig.geometry();
+    let devs = vec![dir.file("a.pool"), dir.file("b.pool")];
+    let h = TierBuilder::default()
+        .create(common::pool_config(geo, 8, &devs, 8))
+        .staging(config(2, 6, 3))
+        .staged_host_double(cache.clone())
+        .build()
+        .unwrap();
+    const THREADS: u64 = 4;
+    const ROUNDS: u64 = 5;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let looker = {
+        let h = h.clone();
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let ks = keys(&(0..THREADS * 100).collect::<Vec<_>>());
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let n = h.lookup_and_pin(&ks[..8]);
+                h.unpin(&ks[..n]);
+                let _ = h.usage().unwrap();
+            }
+        })
+    };
+    let workers: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let h = h.clone();
+            let cache = cache.clone();
+            std::thread::spawn(move || {
+                // Blocks 12t..12t+6 to store from, 12t+6..12t+12 to load into.
+                let src: Vec<u32> = (0..6).map(|i| 12 * t as u32 + i).collect();
+                let dst: Vec<u32> = (0..6).map(|i| 12 * t as u32 + 6 + i).collect();
+                for round in 0..ROUNDS {
+                    let ks: Vec<u64> = (0..6).map(|i| 1000 * (t + 1) + 10 * round + i).collect();
+                    for (&k, &b) in ks.iter().zip(&src) {
+                        cache.fill_block(b, common::seed_of(k));
+                    }
+                    let s = loop {
+                        match h.submit_store(&keys(&ks), &src) {
+                            Ok(s) => break s,
+                            Err(e) if e.kind() == kvtier::ErrorKind::Backpressure => {
+                                std::thread::yield_now()
+                            }
+                            Err(e) => panic!("store: {e}"),
+                        }
+                    };
+                    let r = h.wait(s).unwrap();
+                    assert!(r.all_ok(), "thread {t} round {round}: {r:?}");
+                    for &b in &dst {
+                        cache.write_object(b, 0, 0, &vec![0u8; geo.object_bytes() as usize]);
+                    }
+                    assert_eq!(h.lookup_and_pin(&keys(&ks)), 6);
+                    let l = h.submit_load(&keys(&ks), &dst, 0..geo.layers).unwrap();
+                    h.unpin(&keys(&ks));
+                    for layer in 0..geo.layers {
+                        h.wait_layer(l, layer).unwrap();
+                    }
+                    let r = h.wait(l).unwrap();
+                    assert!(r.all_ok(), "thread {t} round {round}: {r:?}");
+                    for (&k, &b) in ks.iter().zip(&dst) {
+                        assert!(
+                            cache.block_matches(b, common::seed_of(k), 0..geo.layers),
+                            "thread {t} round {round} key {k}: wrong bytes"
+                        );
+                    }
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    looker.join().unwrap();
+    h.close().unwrap();
+    drop(h);
+    let pool = kvtier::Pool::open(&devs, &Default::default()).unwrap();
+    let report = pool.check(|_, _| {}).unwrap();
+    assert_eq!(report.blocks_unverifiable, 0, "{report:?}");
+    assert_eq!(report.blocks_ok, THREADS * ROUNDS * 6, "{report:?}");
+}
+
+/// A staged store larger than the store staging goes out in chunks whose
+/// outcomes land at their own keys' positions, also when a later chunk is
+/// refused (the pool full of pinned blocks): the keys stored are `Done`
+/// and in the pool, the refused ones `Failed` and not, positions intact.
+#[test]
+fn double_chunked_store_outcomes_map_to_their_keys() {
+    use kvtier::gpu::staged::StagedPath;
+    use kvtier::tier::KeyOutcome;
+    let dir = common::TempDir::new("staged-chunks");
+    let rig = HostRig::new(HostLayout::CrossLayer);
+    let pool = common::create_pool(&dir, rig.geometry(), 4, 1, 2); // 8 slots
+    let mut tier = Tier::open(pool, Default::default()).unwrap();
+    let mut path = StagedPath::with_host_double(&mut tier, rig.0.clone(), config(2, 8, 2)).unwrap();
+    let old: Vec<u64> = (1..6).collect();
+    let old_mem: Vec<u32> = (0..5).collect();
+    for (&k, &b) in old.iter().zip(&old_mem) {
+        fill(&rig, b, common::seed_of(k));
+    }
+    let s = path.submit_store(&mut tier, &keys(&old), &old_mem).unwrap();
+    assert!(path.wait(&mut tier, s).unwrap().all_ok());
+    assert_eq!(tier.lookup_and_pin(&keys(&old)), 5); // 3 slots left
+                                                     // Chunks of 2: [50, 51] [52, 1 (already stored)] [53, 54].
+    let ks = [50, 51, 52, 1, 53, 54];
+    let mem: Vec<u32> = (10..16).collect();
+    for (&k, &b) in ks.iter().zip(&mem) {
+        fill(&rig, b, common::seed_of(k));
+    }
+    let s = path.submit_store(&mut tier, &keys(&ks), &mem).unwrap();
+    let r = path.wait(&mut tier, s).unwrap();
+    assert_eq!(r.keys, keys(&ks));
+    assert_eq!(
+        r.outcomes[..4],
+        [
+            KeyOutcome::Done,
+            KeyOutcome::Done,
+            KeyOutcome::Done,
+            KeyOutcome::AlreadyStored
+        ],
+        "{r:?}"
+    );
+    assert!(
+        r.outcomes[4..]
+            .iter()
+            .all(|o| matches!(o, KeyOutcome::Failed(_))),
+        "{r:?}"
+    );
+    for (i, &k) in ks.iter().enumerate() {
+        assert_eq!(
+            tier.contains(&kvtier::pool::Key::from_u64(k)),
+            i < 4,
+            "key {k}"
+        );
+    }
+    tier.unpin(&keys(&old));
+    rig.clear();
+    let l = path
+        .submit_load(
+            &mut tier,
+            &keys(&ks[..3]),
+            &[20, 21, 22],
+            0..rig.geometry().layers,
+        )
+        .unwrap();
+    assert!(path.wait(&mut tier, l).unwrap().all_ok());
+    for (i, &k) in ks[..3].iter().enumerate() {
+        assert!(
+            matches(
+                &rig,
+                20 + i as u32,
+                common::seed_of(k),
+                0..rig.geometry().layers
+            ),
+            "key {k}"
+        );
+    }
+    path.drain(&mut tier).unwrap();
+}
+
+/// Dropping (or closing) a staged handle with loads, issued stores and
+/// deferred stores all in flight returns (no hang), and what reached the
+/// pool verifies: no block is left unverifiable or damaged.
+#[test]
+fn double_handle_drop_with_staged_jobs_in_flight() {
+    use kvtier::handle::TierBuilder;
+    for close in [false, true] {
+        let dir = common::TempDir::new(&format!("staged-drop-{close}"));
+        let rig = HostRig::new(HostLayout::PerLayer);
+        let geo = rig.geometry();
+        let devs = vec![dir.file("a.pool"), dir.file("b.pool")];
+        let h = TierBuilder::default()
+            .create(common::pool_config(geo, 8, &devs, 4))
+            .staging(config(2, 8, 2))
+            .staged_host_double(rig.0.clone())
+            .build()
+            .unwrap();
+        let ks: Vec<u64> = (0..8).collect();
+        let src: Vec<u32> = (0..8).collect();
+        for (&k, &b) in ks.iter().zip(&src) {
+            fill(&rig, b, common::seed_of(k));
+        }
+        let s = h.submit_store(&keys(&ks), &src).unwrap();
+        assert!(h.wait(s).unwrap().all_ok());
+        let t0 = std::time::Instant::now();
+        let _l = h
+            .submit_load(&keys(&ks), &(20..28).collect::<Vec<_>>(), 0..geo.layers)
+            .unwrap();
+        let more: Vec<u64> = (100..108).collect();
+        for (&k, &b) in more.iter().zip(&src) {
+            fill(&rig, b, common::seed_of(k));
+        }
+        let _s = h.submit_store(&keys(&more), &src).unwrap();
+        if close {
+            h.close().unwrap();
+        }
+        drop(h);
+        assert!(t0.elapsed().as_secs() < 30, "drop took {:?}", t0.elapsed());
+        let pool = kvtier::Pool::open(&devs, &Default::default()).unwrap();
+        let report = pool.check(|_, _| {}).unwrap();
+        assert_eq!(report.blocks_unverifiable, 0, "{report:?}");
+        assert!(report.blocks_ok >= 8, "{report:?}");
+        assert_eq!(report.blocks_ok, pool.index().live(), "{report:?}");
+    }
+}
+
+/// A staged store larger than the store staging does not hold the handle
+/// up while its later chunks wait for staging: with the device holding
+/// every I/O, the store's first chunk cannot finish, yet lookups, a load's
+/// submission and another store's acceptance return at once (the handle's
+/// threading contract: the I/O thread never holds the index lock while it
+/// waits for a device). Once the device goes on, every key lands.
+#[test]
+fn double_handle_chunked_store_does_not_block_the_handle() {
+    use common::fault::{FaultEngine, Faults};
+    use kvtier::engine::uring::{UringDevice, UringEngine};
+    use kvtier::handle::{HandleConfig, TierBuilder};
+    use kvtier::sched::Policy;
+    use std::sync::mpsc;
+    use std::sync::Mutex;
+    use std::time::Duration;
+    let dir = common::TempDir::new("staged-chunk-block");
+    let rig = HostRig::new(HostLayout::PerLayer);
+    let geo = rig.geometry();
+    let faults = Arc::new(Mutex::new(Faults::default()));
+    let f = faults.clone();
+    let pcfg = common::pool_config(geo, 8, &[dir.file("a.pool"), dir.file("b.pool")], 4);
+    let h = TierBuilder::default()
+        .custom_engine(move || {
+            let pool = kvtier::Pool::create(&pcfg)?;
+            let devs: Vec<UringDevice> = pool
+                .device_fds()?
+                .into_iter()
+                .map(|(fd, name)| UringDevice { fd, name })
+                .collect();
+            let eng = Box::new(UringEngine::new(&devs, Default::default())?);
+            Ok((pool, Box::new(FaultEngine::wrap(eng, f)) as _))
+        })
+        .config(HandleConfig::default().with_policy(Policy::Naive))
+        .staging(config(2, 8, 2))
+        .staged_host_double(rig.0.clone())
+        .build()
+        .unwrap();
+    let old: Vec<u64> = (1..3).collect();
+    for (&k, b) in old.iter().zip(0..) {
+        fill(&rig, b, common::seed_of(k));
+    }
+    let s0 = h.submit_store(&keys(&old), &[0, 1]).unwrap();
+    assert!(h.wait(s0).unwrap().all_ok());
+    faults.lock().unwrap().hold = true;
+    let ks: Vec<u64> = (10..16).collect();
+    let mem: Vec<u32> = (10..16).collect();
+    for (&k, &b) in ks.iter().zip(&mem) {
+        fill(&rig, b, common::seed_of(k));
+    }
+    let s = h.submit_store(&keys(&ks), &mem).unwrap(); // 3 chunks of 2
+                                                       // Let the I/O thread issue it and reach its second chunk.
+    std::thread::sleep(Duration::from_millis(200));
+    let (tx, rx) = mpsc::channel();
+    let h2 = h.clone();
+    let probe = std::thread::spawn(move || {
+        let n = h2.lookup_prefix(&keys(&[1, 2]));
+        let l = h2.submit_load(&keys(&[1, 2]), &[30, 31], 0..1);
+        let s = h2.submit_store(&keys(&[40]), &[40]);
+        tx.send((n, l.is_ok(), s.is_ok())).unwrap();
+    });
+    let got = rx.recv_timeout(Duration::from_secs(10));
+    faults.lock().unwrap().hold = false;
+    probe.join().unwrap();
+    assert_eq!(
+        got,
+        Ok((2, true, true)),
+        "the handle was held up by a store waiting for staging"
+    );
+    let r = h.wait(s).unwrap();
+    assert!(r.all_ok(), "{r:?}");
+    h.close().unwrap();
+}
+
+/// Chunks of a staged store that wait for staging are gathered later, so
+/// their memory blocks still hold the data to store: a load into them is
+/// refused until the store has gathered them (else the store would take
+/// the load's bytes, with checksums to match, under its keys).
+#[test]
+fn double_load_into_blocks_of_a_store_not_yet_gathered_is_refused() {
+    let dir = common::TempDir::new("staged-pending-gather");
+    let rig = HostRig::new(HostLayout::PerLayer);
+    let g = rig.geometry();
+    let (mut st, _) = staged_over(&rig, &dir, config(2, 8, 2));
+    store_all(&rig, &mut st, &[1], &[40], 1);
+    let ks: Vec<u64> = (10..16).collect();
+    let mem: Vec<u32> = (10..16).collect();
+    for (&k, &b) in ks.iter().zip(&mem) {
+        fill(&rig, b, common::seed_of(k));
+    }
+    let s = st.submit_store(&keys(&ks), &mem).unwrap(); // chunks of 2
+    let e = st.submit_load(&keys(&[1]), &[15], 0..g.layers).unwrap_err();
+    assert!(e.to_string().contains("not yet gathered"), "{e}");
+    let r = st.wait(s).unwrap();
+    assert!(r.all_ok(), "{r:?}");
+    let l = st.submit_load(&keys(&[1]), &[15], 0..g.layers).unwrap();
+    assert!(st.wait(l).unwrap().all_ok());
+    rig.clear();
+    let l = st.submit_load(&keys(&ks), &mem, 0..g.layers).unwrap();
+    assert!(st.wait(l).unwrap().all_ok());
+    for (&k, &b) in ks.iter().zip(&mem) {
+        assert!(matches(&rig, b, common::seed_of(k), 0..g.layers), "key {k}");
+    }
+}
+
+/// Damage layer `layer` of `key`'s block on the SSD.
+fn damage_layer(st: &StagedTier, paths: &[std::path::PathBuf], key: u64, layer: u32) {
+    use std::os::unix::fs::FileExt;
+    let slot = st
+        .tier()
+        .pool()
+        .index()
+        .get(&kvtier::pool::Key::from_u64(key))
+        .unwrap()
+        .slot;
+    let (dev, off) = st.tier().pool().layout().object_offset(slot, layer, 1);
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&paths[dev as usize])
+        .unwrap();
+    f.write_all_at(&[0xa5], off + 3).unwrap();
+    f.sync_all().unwrap();
+}
+
+/// Two loads share a key (a common prefix) whose block is damaged in a late
+/// layer: the load that finds it first drops it from the pool. The other
+/// load fails that key only; its other keys still land whole (its later
+/// layer jobs used to name the dropped key, which the tier refused, and
+/// every key of the load failed).
+#[test]
+fn double_key_dropped_by_another_load_fails_only_that_key() {
+    use kvtier::tier::KeyOutcome;
+    let dir = common::TempDir::new("staged-shared-corrupt");
+    let rig = HostRig::new(HostLayout::PerLayer);
+    let g = rig.geometry();
+    let (mut st, paths) = staged_over(&rig, &dir, config(2, 8, 8));
+    store_all(&rig, &mut st, &[1, 2], &[0, 1], 2);
+    damage_layer(&st, &paths, 1, g.layers - 1);
+    rig.clear();
+    let b = st.submit_load(&keys(&[1]), &[10], 0..g.layers).unwrap();
+    let a = st
+        .submit_load(&keys(&[1, 2]), &[20, 21], 0..g.layers)
+        .unwrap();
+    let ra = st.wait(a).unwrap();
+    let rb = st.wait(b).unwrap();
+    // The layer from which key 1 was left out says so.
+    let ev: Vec<_> = st
+        .layer_events()
+        .into_iter()
+        .filter(|e| e.job == a)
+        .collect();
+    assert_eq!(ev.len(), g.layers as usize);
+    assert!(ev.iter().any(|e| e.error.is_some()), "{ev:?}");
+    assert!(!rb.all_ok(), "{rb:?}");
+    assert!(!ra.outcomes[0].is_ok(), "{ra:?}");
+    assert_eq!(ra.outcomes[1], KeyOutcome::Done, "{ra:?}");
+    assert!(matches(&rig, 21, common::seed_of(2), 0..g.layers));
+    let u = st.tier().usage();
+    assert_eq!(u.pinned_blocks, 0);
+    assert_eq!(u.free_blocks + u.live_blocks, u.total_blocks, "{u:?}");
+}

@@ -103,21 +103,48 @@ impl StagingConfig {
         self
     }
 
-    /// Bytes of pinned host memory this staging takes for `g`.
+    /// Bytes of pinned host memory this staging takes for `g` (`u64::MAX`
+    /// when that overflows: such a staging is refused).
     pub fn bytes(&self, g: &KvGeometry) -> u64 {
-        let obj = g.object_bytes();
-        self.layer_buffers as u64 * 2 * self.load_blocks as u64 * obj
-            + self.store_blocks as u64 * g.objects_per_block() as u64 * obj
+        self.checked_bytes(g).unwrap_or(u64::MAX)
     }
 
-    fn validate(&self) -> Result<()> {
+    // Checked: the sizes come from callers (Python, a CLI flag) and their
+    // product overflowed into a panic (debug) or a wrapped, too-small
+    // staging (release) before it was refused.
+    fn checked_bytes(&self, g: &KvGeometry) -> Option<u64> {
+        let obj = g.object_bytes();
+        let load = (self.layer_buffers as u64)
+            .checked_mul(2 * self.load_blocks as u64)?
+            .checked_mul(obj)?;
+        let store = (self.store_blocks as u64)
+            .checked_mul(g.objects_per_block() as u64)?
+            .checked_mul(obj)?;
+        load.checked_add(store)
+    }
+
+    fn validate(&self, g: &KvGeometry) -> Result<()> {
         if self.layer_buffers < 2 || self.load_blocks == 0 || self.store_blocks == 0 {
             return Err(Error::invalid(format!(
                 "staging of {} layer buffers, {} load blocks, {} store blocks: need at least 2 layer buffers and 1 block each",
                 self.layer_buffers, self.load_blocks, self.store_blocks
             )));
         }
-        Ok(())
+        let objects =
+            (self.load_blocks as u64 + self.store_blocks as u64) * g.objects_per_block() as u64;
+        if objects > u32::MAX as u64 / 2 {
+            return Err(Error::invalid(format!(
+                "staging of {} load blocks and {} store blocks is {objects} objects, more than a P2P table indexes (2^31); lower StagingConfig::load_blocks or store_blocks",
+                self.load_blocks, self.store_blocks
+            )));
+        }
+        match self.checked_bytes(g) {
+            Some(b) if b <= isize::MAX as u64 => Ok(()),
+            _ => Err(Error::invalid(format!(
+                "staging of {} layer buffers of {} load blocks and {} store blocks is more bytes than memory can map; lower StagingConfig's sizes",
+                self.layer_buffers, self.load_blocks, self.store_blocks
+            ))),
+        }
     }
 }
 
@@ -241,6 +268,8 @@ pub struct HbmLayer {
 
 struct LoadJob {
     keys: Vec<Key>,
+    /// The slot each key held when the load began (for `Tier::release_job_keys`).
+    slots: Vec<u64>,
     hbm: Vec<u32>,
     /// The staging place of each key position (slot order: coalesced).
     sblock: Vec<u32>,
@@ -251,6 +280,9 @@ struct LoadJob {
     next_scatter: u32,
     /// Layers from here on are not read: no key is left to read.
     skipped_from: Option<u32>,
+    /// Why keys left out of a layer's read (dropped from the pool meanwhile)
+    /// failed: that layer's event says so.
+    dropped: BTreeMap<u32, Failure>,
     /// Landed layers not yet scattered: (positions read, tier result).
     landed: BTreeMap<u32, (Vec<u32>, JobResult)>,
     /// Layers scattered, waiting for their copy: (layer, counter value, error).
@@ -258,6 +290,9 @@ struct LoadJob {
     outcomes: Vec<Option<KeyOutcome>>,
     tier_jobs_out: u32,
     announced: u32,
+    /// Per layer of `layers` announced: why it failed, for `wait_layer`
+    /// (the events are drained by the caller).
+    layer_errors: Vec<Option<Failure>>,
     /// The load's own counter on a GPU: layer `l` done at `base + l - first + 1`.
     counter: Option<LoadCounter>,
 }
@@ -294,9 +329,13 @@ struct StoreJob {
 /// A staged store, whose chunks are tier stores.
 struct StoreAgg {
     keys: Vec<Key>,
+    mem_blocks: Vec<u32>,
     outcomes: Vec<Option<KeyOutcome>>,
     evicted: Vec<Key>,
     chunks_out: usize,
+    /// Keys from here on are in chunks not yet gathered: they go out as
+    /// store staging frees (`poll`), never with the caller's thread waiting.
+    next: usize,
 }
 
 /// Job ids of the staged path start here, apart from the tier's own.
@@ -352,6 +391,7 @@ impl StagedPath {
         copier: HostCopier,
     ) -> Result<StagedPath> {
         let g = cache.memory().geometry;
+        cfg.validate(&g)?;
         let staging = StagingMemory::host(cfg.bytes(&g).max(1))?;
         let target = cache.memory().clone();
         // SAFETY: the path keeps `cache` alive; staging is its own.
@@ -381,7 +421,7 @@ impl StagedPath {
         // Every region is device memory of ctx's device (aligned for the
         // copy kernels; no device DMAs into it, so not for direct I/O).
         check_gpu_kv_memory(ctx, &mem)?;
-        cfg.validate()?;
+        cfg.validate(&mem.geometry)?;
         let g = mem.geometry;
         let capacity = (2 * cfg.load_blocks as usize)
             .max(cfg.store_blocks as usize * g.objects_per_block() as usize);
@@ -402,7 +442,7 @@ impl StagedPath {
         staging: StagingMemory,
         cfg: StagingConfig,
     ) -> Result<StagedPath> {
-        cfg.validate()?;
+        cfg.validate(&target.geometry)?;
         target.validate_for_copies()?;
         let g = target.geometry;
         if g != *tier.pool().geometry() {
@@ -534,18 +574,18 @@ impl StagedPath {
                 "memory block {b} is the target of two keys in one load"
             )));
         }
-        let n = tier.lookup_and_pin(keys);
-        if n < keys.len() {
-            tier.unpin(&keys[..n]);
-            return Err(Error::UnknownKey {
-                key: keys[n].to_string(),
-            });
+        if let Some(&b) = mem_blocks.iter().find(|&&b| {
+            self.stores
+                .values()
+                .any(|a| a.mem_blocks[a.next..].contains(&b))
+        }) {
+            return Err(Error::invalid(format!(
+                "memory block {b} is read by a store not yet gathered; wait for that store before loading into it"
+            )));
         }
+        // Job pins, not a caller's: see `Tier::hold_job_keys`.
+        let slots = tier.hold_job_keys(keys)?;
         // Staging places in slot order: the pool's coalesced order.
-        let slots: Vec<u64> = keys
-            .iter()
-            .map(|k| tier.pool().index().get(k).map_or(u64::MAX, |e| e.slot))
-            .collect();
         let mut order: Vec<u32> = (0..keys.len() as u32).collect();
         order.sort_by_key(|&p| slots[p as usize]);
         let mut sblock = vec![0; keys.len()];
@@ -559,7 +599,7 @@ impl StagedPath {
                     None => match CompletionCounter::device(ctx) {
                         Ok(c) => (c, 0),
                         Err(e) => {
-                            tier.unpin(keys);
+                            tier.release_job_keys(keys, &slots);
                             return Err(e);
                         }
                     },
@@ -574,11 +614,13 @@ impl StagedPath {
         };
         let id = self.next_job;
         self.next_job += 1;
+        let layers_len = layers.len();
         self.loads.insert(
             id,
             LoadJob {
                 counter,
                 keys: keys.to_vec(),
+                slots,
                 hbm: mem_blocks.to_vec(),
                 sblock,
                 order,
@@ -588,22 +630,28 @@ impl StagedPath {
                 layers,
                 skipped_from: None,
                 landed: BTreeMap::new(),
+                dropped: BTreeMap::new(),
                 copying: VecDeque::new(),
                 outcomes: vec![None; keys.len()],
                 tier_jobs_out: 0,
+                layer_errors: vec![None; layers_len],
             },
         );
         self.submit_layers(tier);
         Ok(id)
     }
 
-    /// Start storing `keys` from the KV memory's `mem_blocks` (all layers):
-    /// the blocks are gathered into staging with their checksums (on the
-    /// GPU) before this returns, so the memory blocks may be reused at once.
-    /// A store larger than the store staging goes out in chunks of
-    /// `store_blocks`; each chunk waits for earlier stores to free staging.
-    /// An error means nothing was accepted; a chunk after the first that
-    /// fails fails its keys in the job's result.
+    /// Start storing `keys` from the KV memory's `mem_blocks` (all layers).
+    /// The blocks are gathered into staging with their checksums (on the
+    /// GPU) in chunks of `store_blocks`, as store staging has room: what
+    /// fits now is gathered before this returns, the rest by later polls,
+    /// so the memory blocks must not be written until the store ends (loads
+    /// into blocks not yet gathered are refused). Nothing here waits for a
+    /// device: a caller holding a lock (the handle's I/O thread holds the
+    /// index's) would hold everyone up while earlier chunks land. Chunks
+    /// go out in submission order, a store's behind the stores before it.
+    /// An error means nothing was accepted; a chunk that fails later fails
+    /// its keys in the job's result.
     pub fn submit_store(
         &mut self,
         tier: &mut Tier,
@@ -620,73 +668,129 @@ impl StagedPath {
             )));
         }
         let id = self.next_job;
-        let chunk = self.cfg.store_blocks as usize;
-        // In the table before the first chunk: a chunk may end while a later
-        // one waits for staging. `chunks_out` counts the one being submitted
-        // too, so the store cannot finish before the last chunk is out.
+        let behind = self.stores.values().any(|a| a.next < a.keys.len());
         self.stores.insert(
             id,
             StoreAgg {
                 keys: keys.to_vec(),
+                mem_blocks: mem_blocks.to_vec(),
                 outcomes: vec![None; keys.len()],
                 evicted: Vec::new(),
-                chunks_out: 1,
+                chunks_out: 0,
+                next: 0,
             },
         );
-        for (c, (kc, mc)) in keys.chunks(chunk).zip(mem_blocks.chunks(chunk)).enumerate() {
-            let r = self.store_chunk(tier, kc, mc);
-            let agg = self.stores.get_mut(&id).expect("inserted above");
+        if !behind {
+            if let Err(e) = self.push_chunks(tier, id) {
+                self.stores.remove(&id);
+                return Err(e);
+            }
+        }
+        self.next_job += 1;
+        self.finish_stores();
+        Ok(id)
+    }
+
+    /// Gather and hand to the tier the chunks of store `id` that store
+    /// staging has room for now. An error only for its first chunk (then
+    /// nothing of the store went out); a later chunk's fails its keys.
+    fn push_chunks(&mut self, tier: &mut Tier, id: JobId) -> Result<()> {
+        let chunk = self.cfg.store_blocks as usize;
+        loop {
+            let Some(a) = self.stores.get_mut(&id) else {
+                return Ok(());
+            };
+            let (start, len) = (a.next, a.keys.len());
+            let end = (start + chunk).min(len);
+            if start >= len || self.store_free.len() < end - start {
+                return Ok(());
+            }
+            let keys = std::mem::take(&mut a.keys);
+            let mem = std::mem::take(&mut a.mem_blocks);
+            let r = self.store_chunk(tier, &keys[start..end], &mem[start..end], &keys[..start]);
+            let a = self.stores.get_mut(&id).expect("in the table");
+            a.keys = keys;
+            a.mem_blocks = mem;
+            a.next = end;
             match r {
                 Ok((t, places)) => {
-                    agg.chunks_out += 1;
+                    a.chunks_out += 1;
                     self.store_jobs.insert(
                         t,
                         StoreJob {
                             id,
-                            offset: c * chunk,
+                            offset: start,
                             places,
                         },
                     );
                 }
-                Err(e) if c == 0 => {
-                    self.stores.remove(&id);
-                    return Err(e);
-                }
+                Err(e) if start == 0 => return Err(e),
                 Err(e) => {
                     let f = Failure::from(&e);
-                    for o in &mut agg.outcomes[c * chunk..c * chunk + kc.len()] {
+                    for o in &mut a.outcomes[start..end] {
                         *o = Some(KeyOutcome::Failed(f.clone()));
                     }
                 }
             }
         }
-        self.next_job += 1;
-        self.stores.get_mut(&id).expect("inserted above").chunks_out -= 1;
-        self.finish_stores();
-        Ok(id)
     }
 
-    /// Gather one chunk into free store places (waiting for them) and hand
-    /// it to the tier: (tier job, places).
+    /// Push the chunks waiting for store staging, oldest store first.
+    fn push_stores(&mut self, tier: &mut Tier) {
+        let mut ids: Vec<JobId> = self
+            .stores
+            .iter()
+            .filter(|(_, a)| a.next < a.keys.len())
+            .map(|(&id, _)| id)
+            .collect();
+        ids.sort_unstable();
+        for id in ids {
+            while let Err(e) = self.push_chunks(tier, id) {
+                // A first chunk failing after the store was accepted fails
+                // its keys; the rest goes on.
+                let f = Failure::from(&e);
+                let a = self.stores.get_mut(&id).expect("listed");
+                let end = a.next;
+                for o in &mut a.outcomes[..end] {
+                    *o = Some(KeyOutcome::Failed(f.clone()));
+                }
+            }
+            if self.stores.get(&id).is_some_and(|a| a.next < a.keys.len()) {
+                break; // later stores wait behind this one
+            }
+        }
+    }
+
+    /// Gather one chunk into free store places (the caller made sure there
+    /// are enough) and hand it to the tier: (tier job, places).
     fn store_chunk(
         &mut self,
         tier: &mut Tier,
         keys: &[Key],
         mem_blocks: &[u32],
+        earlier: &[Key],
     ) -> Result<(JobId, Vec<u32>)> {
-        while self.store_free.len() < keys.len() {
-            let Some(&t) = self.store_jobs.keys().min() else {
-                return Err(Error::invalid(
-                    "store staging exhausted with no store in flight (a bug: report it)",
-                ));
-            };
-            let r = tier.wait(t)?;
-            self.on_tier_result(r);
+        if self.store_free.len() < keys.len() {
+            return Err(Error::invalid(
+                "store staging has no room for a chunk (a bug: report it)",
+            ));
         }
+        // The keys earlier chunks of this store have put in the pool are
+        // held while this chunk allocates, as one tier store holds its own
+        // keys: the staged store must not evict what it reports stored (a
+        // later chunk evicted the first chunks' blocks, all reported Done).
+        let held: Vec<Key> = earlier
+            .iter()
+            .filter(|k| tier.contains(k))
+            .copied()
+            .collect();
+        let slots = tier.hold_job_keys(&held)?;
         let places: Vec<u32> = (0..keys.len())
             .map(|_| self.store_free.pop().expect("counted"))
             .collect();
-        match self.gather_and_store(tier, keys, mem_blocks, &places) {
+        let r = self.gather_and_store(tier, keys, mem_blocks, &places);
+        tier.release_job_keys(&held, &slots);
+        match r {
             Ok(t) => Ok((t, places)),
             Err(e) => {
                 self.store_free.extend(places);
@@ -700,7 +804,7 @@ impl StagedPath {
         let done: Vec<JobId> = self
             .stores
             .iter()
-            .filter(|(_, a)| a.chunks_out == 0)
+            .filter(|(_, a)| a.chunks_out == 0 && a.next >= a.keys.len())
             .map(|(&id, _)| id)
             .collect();
         for id in done {
@@ -785,6 +889,25 @@ impl StagedPath {
                 if self.buffers[(l % b) as usize].is_some() {
                     break; // back-pressure: the buffer's copy is not done yet
                 }
+                // A key another load found damaged left the pool while this
+                // one held it: it fails here, alone (named in a layer job, the
+                // tier refused the job and every key of the load failed).
+                let index = tier.pool().index();
+                for p in 0..job.keys.len() {
+                    if job.outcomes[p].is_none()
+                        && index.get(&job.keys[p]).map(|e| e.slot) != Some(job.slots[p])
+                    {
+                        let f = Failure::new(
+                            ErrorKind::Corrupt,
+                            format!(
+                                "key {} left the pool before layer {l} was read: another load found its block damaged",
+                                job.keys[p]
+                            ),
+                        );
+                        job.dropped.entry(l).or_insert_with(|| f.clone());
+                        job.outcomes[p] = Some(KeyOutcome::Corrupt(f));
+                    }
+                }
                 let live: Vec<u32> = (0..job.keys.len() as u32)
                     .filter(|&p| job.outcomes[p as usize].is_none())
                     .collect();
@@ -864,7 +987,7 @@ impl StagedPath {
                 let Some((live, r)) = job.landed.remove(&l) else {
                     break;
                 };
-                let mut error = None;
+                let mut error = job.dropped.remove(&l);
                 for (i, &p) in live.iter().enumerate() {
                     if let KeyOutcome::Failed(f) | KeyOutcome::Corrupt(f) = &r.outcomes[i] {
                         if job.outcomes[p as usize].is_none() {
@@ -939,6 +1062,7 @@ impl StagedPath {
                     self.buffers[(l % b) as usize] = None;
                 }
                 job.announced = l + 1;
+                job.layer_errors[(l - job.layers.start) as usize] = error.clone();
                 self.events.push_back(HbmLayer {
                     job: id,
                     layer: l,
@@ -955,7 +1079,7 @@ impl StagedPath {
         }
         for id in done {
             let job = self.loads.remove(&id).expect("listed");
-            tier.unpin(&job.keys);
+            tier.release_job_keys(&job.keys, &job.slots);
             if let Some(c) = job.counter {
                 // Layers not copied (failed keys, skipped layers) still
                 // reached their values: every scatter signals, and a skipped
@@ -984,12 +1108,19 @@ impl StagedPath {
         for r in tier.get_finished() {
             self.on_tier_result(r);
         }
+        self.push_stores(tier);
         self.finish_stores();
         // The layer jobs' own events: a staged layer is announced after its copy.
         let _ = tier.layer_events();
         self.scatter_landed()?;
         self.retire(tier)?;
         self.submit_layers(tier);
+        // A load whose every key has failed learns it in `submit_layers`
+        // (its later layers are skipped); with nothing of it in flight no
+        // later event would move it on, so its skipped layers are announced
+        // and the load ended now, or a wait would find nothing to wait for.
+        self.scatter_landed()?;
+        self.retire(tier)?;
         Ok(())
     }
 
@@ -1038,19 +1169,48 @@ impl StagedPath {
         }
     }
 
-    /// Wait until layer `layer` of load `id` is in the KV memory (or the
-    /// load has ended).
+    /// Wait until layer `layer` of load `id` is in the KV memory. As
+    /// `Tier::wait_layer`: an error if the layer failed (a key's bytes did
+    /// not verify, a read failed: its memory must not be used), or, once the
+    /// load has ended, if any key failed; a layer the load does not cover is
+    /// refused (it is never "in memory").
     pub fn wait_layer(&mut self, tier: &mut Tier, id: JobId, layer: u32) -> Result<()> {
-        if !self.known(id) {
+        if !self.known(id) || self.stores.contains_key(&id) {
             return Err(Error::invalid(format!(
-                "no staged job {id} in flight or unreported"
+                "no staged load {id} in flight or unreported"
             )));
         }
         loop {
             self.poll(tier)?;
             match self.loads.get(&id) {
+                Some(j) if !j.layers.contains(&layer) => {
+                    return Err(Error::invalid(format!(
+                        "job {id} is not a load of layer {layer}"
+                    )))
+                }
                 Some(j) if j.announced <= layer => self.wait_some(tier)?,
-                _ => return Ok(()),
+                Some(j) => {
+                    return match &j.layer_errors[(layer - j.layers.start) as usize] {
+                        Some(f) => Err(Error::Failed(
+                            f.context(format_args!("layer {layer} of job {id} failed")),
+                        )),
+                        None => Ok(()),
+                    }
+                }
+                None => {
+                    return match self.finished.get(&id) {
+                        Some(r) if r.kind != JobKind::Load => Err(Error::invalid(format!(
+                            "job {id} is not a load of layer {layer}"
+                        ))),
+                        Some(r) => match r.failures().next() {
+                            Some((k, f)) => Err(Error::Failed(
+                                f.context(format_args!("job {id} failed to load key {k}")),
+                            )),
+                            None => Ok(()),
+                        },
+                        None => Ok(()),
+                    }
+                }
             }
         }
     }

@@ -372,6 +372,41 @@ impl Tier {
         n
     }
 
+    /// Hold `keys` for a load that runs as several tier jobs (the staged
+    /// HBM path's, one tier job per layer) with job pins, as a tier load
+    /// holds its own: a caller's stray `unpin` cannot release them between
+    /// the layer jobs (with a caller's pin, it could, and a store then
+    /// evicted a block the load had still to read). All or nothing: an
+    /// unknown key pins none. Returns each key's slot for
+    /// [`Self::release_job_keys`].
+    pub(crate) fn hold_job_keys(&mut self, keys: &[Key]) -> Result<Vec<u64>> {
+        let mut slots = Vec::with_capacity(keys.len());
+        for k in keys {
+            match self.pool.index().get(k) {
+                Some(e) => slots.push(e.slot),
+                None => return Err(Error::UnknownKey { key: k.to_string() }),
+            }
+        }
+        for k in keys {
+            self.pool.index_mut().pin_job(k);
+            self.pool.index_mut().touch(k);
+        }
+        Ok(slots)
+    }
+
+    /// Give back what [`Self::hold_job_keys`] took; a key dropped meanwhile
+    /// (its block failed verification) gives back its condemned slot.
+    pub(crate) fn release_job_keys(&mut self, keys: &[Key], slots: &[u64]) {
+        let ix = self.pool.index_mut();
+        for (k, &slot) in keys.iter().zip(slots) {
+            if ix.get(k).map(|e| e.slot) == Some(slot) {
+                ix.unpin_job(k);
+            } else {
+                ix.release_condemned(slot);
+            }
+        }
+    }
+
     /// Drop one pin per key. Never fails: unknown or unpinned keys are ignored.
     pub fn unpin(&mut self, keys: &[Key]) {
         for k in keys {
@@ -616,7 +651,12 @@ impl Tier {
     /// by the CPU (GPU memory).
     pub fn layer_crcs(table: &P2pTable, mem_block: u32, layers: u32) -> Option<Vec<u32>> {
         match table.kind() {
-            MemoryKind::Host if mem_block < table.num_blocks() => {
+            // Past the table's layers the indices reach other blocks' objects
+            // (or the header staging), not this block's.
+            MemoryKind::Host
+                if mem_block < table.num_blocks()
+                    && table.geometry().is_some_and(|g| layers <= g.layers) =>
+            {
                 Some(load::layer_crcs(table, mem_block, layers))
             }
             _ => None,

@@ -117,6 +117,21 @@ impl Tier {
         }
         self.check_mem_blocks(keys, mem_blocks)?;
         let geo = *self.pool.geometry();
+        // Given checksums go into the headers unchecked: a list that is not
+        // one per layer was acknowledged, then every load of the block
+        // failed as corrupt (and dropped it).
+        if let Some(c) = crcs
+            .into_iter()
+            .flatten()
+            .flatten()
+            .find(|c| c.len() != geo.layers as usize)
+        {
+            return Err(Error::invalid(format!(
+                "a block's checksum list has {} entries; give one crc32c per layer ({} layers)",
+                c.len(),
+                geo.layers
+            )));
+        }
         let mut outcomes = vec![None; keys.len()];
         let mut new_pos: Vec<u32> = Vec::new();
         if let Some(&b) = mem_blocks

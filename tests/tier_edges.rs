@@ -1,0 +1,113 @@
+//! The tier at its edges: hostile arguments (a clear error, never a panic,
+//! never a store acknowledged that a later load calls corrupt) and stores
+//! large enough that their checksums are taken on a worker thread.
+
+mod common;
+
+use common::*;
+use kvtier::pool::Key;
+use kvtier::tier::{Tier, TierConfig};
+use kvtier::{HostKvCache, HostLayout};
+use std::sync::Arc;
+
+fn rig(dir: &TempDir) -> (Tier, Arc<HostKvCache>) {
+    let geo = tiny_geometry();
+    let pool = create_pool(dir, geo, 4, 1, 2);
+    let mut tier = Tier::open(pool, TierConfig::default()).unwrap();
+    let cache = Arc::new(HostKvCache::new(geo, 8, HostLayout::PerLayer).unwrap());
+    tier.register_host_cache(cache.clone()).unwrap();
+    (tier, cache)
+}
+
+/// Checksums handed to `submit_store_with_crcs` are trusted into the
+/// headers: a list of the wrong length (not one per layer) is refused, as
+/// it would otherwise be acknowledged and then fail every load as corrupt.
+#[test]
+fn store_with_checksums_of_the_wrong_length_is_refused() {
+    let dir = TempDir::new("crc-len");
+    let (mut tier, cache) = rig(&dir);
+    let layers = tiny_geometry().layers;
+    cache.fill_block(0, seed_of(1));
+    let table = tier.p2p_table().unwrap().clone();
+    let mut crcs = Tier::layer_crcs(&table, 0, layers).unwrap();
+    crcs.pop();
+    let e = tier
+        .submit_store_with_crcs(&[Key::from_u64(1)], &[0], Some(&[Some(crcs)]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("checksum") && e.contains(&format!("{layers}")),
+        "{e}"
+    );
+    assert!(!tier.contains(&Key::from_u64(1)));
+    assert_eq!(tier.jobs_in_flight(), 0);
+}
+
+/// `Tier::layer_crcs` asked for more layers than the table holds answers
+/// None (it cannot be read), rather than panicking or hashing another
+/// block's objects.
+#[test]
+fn layer_crcs_past_the_model_is_none() {
+    let dir = TempDir::new("crc-layers");
+    let (tier, _cache) = rig(&dir);
+    let table = tier.p2p_table().unwrap().clone();
+    let layers = tiny_geometry().layers;
+    assert!(Tier::layer_crcs(&table, 7, layers).is_some());
+    assert!(Tier::layer_crcs(&table, 7, layers + 1).is_none());
+    assert!(Tier::layer_crcs(&table, 0, u32::MAX).is_none());
+}
+
+/// A store of more than 32 MiB of blocks has its checksums taken on a
+/// worker thread while the data is written: every header still records the
+/// checksums of its own block (a reopened pool verifies all of them, and a
+/// load verifies and returns the bytes), and a tier dropped with such a
+/// store in flight lands it whole.
+#[test]
+fn large_store_checksums_from_the_worker_verify() {
+    let geo = tiny_geometry();
+    let n: u32 = 1100; // 1100 x 32 KiB: past the inline hashing limit
+    assert!(n as u64 * geo.block_bytes() > 32 << 20);
+    for drop_in_flight in [false, true] {
+        let dir = TempDir::new(&format!("big-store-{drop_in_flight}"));
+        let pool = create_pool(&dir, geo, 8, 2, 70);
+        let paths = pool.paths();
+        let mut tier = Tier::open(pool, TierConfig::default()).unwrap();
+        let cache = Arc::new(HostKvCache::new(geo, n, HostLayout::CrossLayer).unwrap());
+        tier.register_host_cache(cache.clone()).unwrap();
+        let ks: Vec<Key> = (0..n as u64).map(|i| Key::from_u64(10_000 + i)).collect();
+        // Memory blocks in reverse, so a checksum matched to the wrong block shows.
+        let mem: Vec<u32> = (0..n).rev().collect();
+        for (i, &b) in mem.iter().enumerate() {
+            cache.fill_block(b, seed_of(10_000 + i as u64));
+        }
+        let job = tier.submit_store(&ks, &mem).unwrap();
+        if drop_in_flight {
+            drop(tier);
+        } else {
+            let r = tier.wait(job).unwrap();
+            assert!(r.all_ok(), "{:?}", r.failures().next());
+            cache.clear();
+            let target: Vec<u32> = (0..n).collect();
+            let chunk = 500;
+            for (kc, tc) in ks.chunks(chunk).zip(target.chunks(chunk)) {
+                let l = tier.submit_load(kc, tc, 0..geo.layers).unwrap();
+                let r = tier.wait(l).unwrap();
+                assert!(r.all_ok(), "{:?}", r.failures().next());
+            }
+            for i in 0..n {
+                assert!(
+                    cache.block_matches(i, seed_of(10_000 + i as u64), 0..geo.layers),
+                    "block {i}"
+                );
+            }
+            drop(tier);
+        }
+        let pool = kvtier::Pool::open(&paths, &Default::default()).unwrap();
+        let report = pool.check(|_, _| {}).unwrap();
+        assert_eq!(
+            (report.blocks_ok, report.blocks_unverifiable),
+            (n as u64, 0),
+            "{report:?}"
+        );
+    }
+}
