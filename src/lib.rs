@@ -55,14 +55,18 @@ macro_rules! with_setters {
 
 #[warn(missing_docs)]
 pub mod engine;
+#[warn(missing_docs)]
 pub mod error;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod gpu;
+#[warn(missing_docs)]
 pub mod handle;
 #[warn(missing_docs)]
 pub mod host;
+#[warn(missing_docs)]
 pub mod json;
+#[warn(missing_docs)]
 pub mod memory;
 #[warn(missing_docs)]
 pub mod model;
@@ -74,12 +78,14 @@ pub mod plan;
 pub mod pool;
 #[warn(missing_docs)]
 pub mod ring;
+#[warn(missing_docs)]
 pub mod sched;
 #[warn(missing_docs)]
 pub mod scratch;
 pub mod slack;
 #[warn(missing_docs)]
 pub mod submitter;
+#[warn(missing_docs)]
 pub mod tier;
 
 pub use error::{Error, ErrorKind, Failure, IoCause, IoFailure, Result};

@@ -35,6 +35,7 @@ pub enum EngineChoice {
 }
 
 impl EngineChoice {
+    /// `auto`, `uring`, `nvme`, `gpu` or `gpu-host`; `None` for anything else.
     pub fn parse(s: &str) -> Option<EngineChoice> {
         Some(match s {
             "auto" => EngineChoice::Auto,
@@ -132,11 +133,13 @@ impl TierBuilder {
         self
     }
 
+    /// The engine to serve the pool with (default: [`EngineChoice::Auto`]).
     pub fn engine(mut self, engine: EngineChoice) -> Self {
         self.engine = engine;
         self
     }
 
+    /// The handle's settings (default: [`HandleConfig::default`]).
     pub fn config(mut self, config: HandleConfig) -> Self {
         self.config = config;
         self

@@ -122,18 +122,24 @@ with_setters!(TierConfig {
     with_verify_loads => verify_loads: bool,
 });
 
+/// A job of a tier.
 pub type JobId = u64;
 
+/// Whether a job loads or stores.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub enum JobKind {
+    /// Pool to memory.
     Load,
+    /// Memory to pool.
     Store,
 }
 
 /// "Layer `layer` of load `job` is in memory", or failed to load.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LayerDone {
+    /// The load.
     pub job: JobId,
+    /// The layer.
     pub layer: u32,
     /// Why some of the layer's reads failed; its memory must not be used.
     pub error: Option<Failure>,
@@ -146,6 +152,7 @@ pub enum KeyOutcome {
     Done,
     /// Store of a key the pool already held (or another job stored): no I/O.
     AlreadyStored,
+    /// Failed: the failure says why (the key's memory must not be used).
     Failed(Failure),
     /// Loaded bytes did not match the checksum stored with the block: the
     /// failure (kind Corrupt) names the device, offset and key. The block was
@@ -155,25 +162,33 @@ pub enum KeyOutcome {
 }
 
 impl KeyOutcome {
+    /// Done or already stored.
     pub fn is_ok(&self) -> bool {
         !matches!(self, KeyOutcome::Failed(_) | KeyOutcome::Corrupt(_))
     }
 }
 
+/// A finished job: one outcome per key.
 #[derive(Clone, Debug)]
 pub struct JobResult {
+    /// The job.
     pub job: JobId,
+    /// Load or store.
     pub kind: JobKind,
+    /// Its keys, in submission order.
     pub keys: Vec<Key>,
+    /// The outcome of each key.
     pub outcomes: Vec<KeyOutcome>,
     /// Keys a store evicted to make room (for the engine's KV events).
     pub evicted: Vec<Key>,
 }
 
 impl JobResult {
+    /// Every key done.
     pub fn all_ok(&self) -> bool {
         self.outcomes.iter().all(KeyOutcome::is_ok)
     }
+    /// Each failed key with its failure.
     pub fn failures(&self) -> impl Iterator<Item = (&Key, &Failure)> {
         self.keys
             .iter()
@@ -185,21 +200,32 @@ impl JobResult {
     }
 }
 
+/// What the tier holds, for monitoring.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Usage {
+    /// Slots in the pool.
     pub total_blocks: u64,
+    /// Slots holding a stored block.
     pub live_blocks: u64,
+    /// Slots free.
     pub free_blocks: u64,
+    /// Blocks pinned by loads.
     pub pinned_blocks: u64,
     /// Slots being written by stores in flight.
     pub reserved_blocks: u64,
+    /// Bytes of one block.
     pub block_bytes: u64,
+    /// Bytes the pool can hold.
     pub capacity_bytes: u64,
+    /// Bytes of stored blocks.
     pub used_bytes: u64,
+    /// Jobs not finished yet.
     pub jobs_in_flight: usize,
+    /// The engine's counters.
     pub engine: EngineStats,
 }
 
+/// The single-threaded core: a pool, an engine and the registered KV memory; loads and stores as jobs with per-layer completions (the thread-safe front door is [`crate::TierHandle`]).
 pub struct Tier {
     // Field order is drop order: the engine (inside `io`) waits out in-flight
     // I/O before the memory it targets (staging, the host cache) goes away.
@@ -260,10 +286,12 @@ impl Tier {
         })
     }
 
+    /// The pool.
     pub fn pool(&self) -> &Pool {
         &self.pool
     }
 
+    /// The engine.
     pub fn engine(&self) -> &dyn IoEngine {
         self.io.engine()
     }
@@ -414,6 +442,7 @@ impl Tier {
         }
     }
 
+    /// Whether the pool holds `key`.
     pub fn contains(&self, key: &Key) -> bool {
         self.pool.index().get(key).is_some()
     }
@@ -600,6 +629,7 @@ impl Tier {
         self.jobs.count(JobKind::Store)
     }
 
+    /// What the tier holds now.
     pub fn usage(&self) -> Usage {
         let ix = self.pool.index();
         let bb = self.pool.geometry().block_bytes();
@@ -617,6 +647,7 @@ impl Tier {
         }
     }
 
+    /// Its settings.
     pub fn config(&self) -> &TierConfig {
         &self.cfg
     }
