@@ -59,6 +59,7 @@ pub mod engine;
 pub mod error;
 #[doc(hidden)]
 pub mod fuzzing;
+#[warn(missing_docs)]
 pub mod gpu;
 #[warn(missing_docs)]
 pub mod handle;

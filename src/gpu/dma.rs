@@ -37,14 +37,19 @@ pub const PAGE: usize = 4096;
 /// The oldest kernel with `IOMMU_IOAS_MAP_FILE` (Linux 6.13).
 pub(crate) const IOAS_MAP_FILE_KERNEL: (u32, u32) = (6, 13);
 
+/// A way for an NVMe controller to reach GPU-visible memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum DmaPathKind {
+    /// Pinned host memory the controller reaches through the IOMMU; the GPU copies it into HBM.
     HostBounce,
+    /// GPU memory exported as dma-buf and mapped for the device through iommufd.
     DmaBuf,
+    /// GPU memory pages from nvidia_peermem (no IOMMU).
     Peermem,
 }
 
 impl DmaPathKind {
+    /// Its name in reports (`host-bounce`, `dma-buf`, `peermem`).
     pub fn name(self) -> &'static str {
         match self {
             DmaPathKind::HostBounce => "host-bounce",
@@ -82,10 +87,12 @@ impl GpuDmaRegion {
         self.bus
     }
 
+    /// Bytes of the region.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// An empty region.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -101,6 +108,7 @@ impl GpuDmaRegion {
         self.host.as_ref()
     }
 
+    /// The path the region came from.
     pub fn kind(&self) -> DmaPathKind {
         self.kind
     }
@@ -146,6 +154,7 @@ impl GpuDmaRegion {
 /// for queues (SQ, CQ) and data, DMA-contiguous for the controller and
 /// addressable by the GPU's kernels.
 pub trait GpuDmaPath {
+    /// The kind of path.
     fn kind(&self) -> DmaPathKind;
     /// `bytes` bytes aligned to `align` (a power of two) for the controller.
     fn alloc(&mut self, bytes: usize, align: usize) -> Result<GpuDmaRegion>;
@@ -234,6 +243,7 @@ pub struct DmaBufPath {
 }
 
 impl DmaBufPath {
+    /// The path for GPU memory of `ctx`.
     pub fn new(ctx: Context) -> Self {
         DmaBufPath {
             ctx,
@@ -270,6 +280,7 @@ pub struct PeermemPath {
 }
 
 impl PeermemPath {
+    /// The path.
     pub fn new() -> Self {
         PeermemPath {
             root: PathBuf::from("/"),

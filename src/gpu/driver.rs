@@ -135,8 +135,11 @@ pub enum LoadStage {
 #[non_exhaustive]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LoadError {
+    /// The loading step that failed.
     pub stage: LoadStage,
+    /// The driver API version, when it was read.
     pub version: Option<i32>,
+    /// What failed and the fix.
     pub reason: String,
 }
 

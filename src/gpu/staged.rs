@@ -256,7 +256,9 @@ impl StagingMemory {
 /// "Layer `layer` of staged load `job` is in the KV memory."
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HbmLayer {
+    /// The load.
     pub job: JobId,
+    /// The layer.
     pub layer: u32,
     /// Why some keys failed in this layer (their blocks must not be used).
     pub error: Option<Failure>,
@@ -304,8 +306,11 @@ struct LoadJob {
 /// value is never confused.
 #[derive(Clone)]
 pub struct LoadCounter {
+    /// The counter.
     pub counter: Arc<CompletionCounter>,
+    /// Its value before the load's first layer.
     pub base: u32,
+    /// The load's first layer.
     pub first_layer: u32,
 }
 
@@ -489,6 +494,7 @@ impl StagedPath {
         })
     }
 
+    /// Its staging settings.
     pub fn config(&self) -> &StagingConfig {
         &self.cfg
     }
@@ -1255,6 +1261,7 @@ impl StagedPath {
         self.loads.len() + self.stores.len()
     }
 
+    /// Loads in flight.
     pub fn loads_in_flight(&self) -> usize {
         self.loads.len()
     }
@@ -1312,38 +1319,47 @@ impl StagedTier {
         Ok(StagedTier { tier, path })
     }
 
+    /// The tier under the staged path.
     pub fn tier(&self) -> &Tier {
         &self.tier
     }
 
+    /// The staged path.
     pub fn path(&self) -> &StagedPath {
         &self.path
     }
 
+    /// Its staging settings.
     pub fn config(&self) -> &StagingConfig {
         self.path.config()
     }
 
+    /// The GPU KV memory it serves.
     pub fn memory(&self) -> &KvMemory {
         self.path.memory()
     }
 
+    /// The completion counter streams wait on, when there is one.
     pub fn counter(&self) -> Option<&Arc<CompletionCounter>> {
         self.path.counter()
     }
 
+    /// The value the counter takes after the next layer lands.
     pub fn next_counter_value(&self) -> u32 {
         self.path.next_counter_value()
     }
 
+    /// Per layer buffer, the (load, layer) it holds.
     pub fn buffers_in_use(&self) -> Vec<Option<(JobId, u32)>> {
         self.path.buffers_in_use()
     }
 
+    /// The counter of load `id` (while in flight).
     pub fn load_counter(&self, id: JobId) -> Option<LoadCounter> {
         self.path.load_counter(id)
     }
 
+    /// Loads `keys` into GPU memory blocks `mem_blocks` through staging, layer by layer.
     pub fn submit_load(
         &mut self,
         keys: &[Key],
@@ -1354,30 +1370,37 @@ impl StagedTier {
             .submit_load(&mut self.tier, keys, mem_blocks, layers)
     }
 
+    /// Stores GPU memory blocks `mem_blocks` under `keys`, gathered through staging.
     pub fn submit_store(&mut self, keys: &[Key], mem_blocks: &[u32]) -> Result<JobId> {
         self.path.submit_store(&mut self.tier, keys, mem_blocks)
     }
 
+    /// Advances everything in flight without blocking.
     pub fn poll(&mut self) -> Result<()> {
         self.path.poll(&mut self.tier)
     }
 
+    /// Waits for job `id` and returns its result.
     pub fn wait(&mut self, id: JobId) -> Result<JobResult> {
         self.path.wait(&mut self.tier, id)
     }
 
+    /// Waits until `layer` of load `id` is in GPU memory.
     pub fn wait_layer(&mut self, id: JobId, layer: u32) -> Result<()> {
         self.path.wait_layer(&mut self.tier, id, layer)
     }
 
+    /// Layers landed since the last call.
     pub fn layer_events(&mut self) -> Vec<HbmLayer> {
         self.path.layer_events()
     }
 
+    /// Jobs finished since the last call.
     pub fn get_finished(&mut self) -> Vec<JobResult> {
         self.path.get_finished()
     }
 
+    /// Waits for every job in flight.
     pub fn drain(&mut self) -> Result<()> {
         self.path.drain(&mut self.tier)
     }
@@ -1400,6 +1423,7 @@ pub struct LayerWait {
 }
 
 impl LayerWait {
+    /// A waiter for streams of `ctx` (the wait kernel loads on first use).
     pub fn new(ctx: &Context) -> LayerWait {
         LayerWait {
             kernel: None,
