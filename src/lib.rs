@@ -76,6 +76,7 @@ pub mod nvme;
 pub mod p2p;
 #[warn(missing_docs)]
 pub mod plan;
+#[warn(missing_docs)]
 pub mod pool;
 #[warn(missing_docs)]
 pub mod ring;
@@ -83,6 +84,7 @@ pub mod ring;
 pub mod sched;
 #[warn(missing_docs)]
 pub mod scratch;
+#[warn(missing_docs)]
 pub mod slack;
 #[warn(missing_docs)]
 pub mod submitter;
