@@ -9,7 +9,7 @@
 //! 1. `dlopen("libcuda.so.1")` (the name the NVIDIA driver installs);
 //! 2. `dlsym("cuDriverGetVersion")` and call it: a library without it is not a
 //!    CUDA driver, and a driver older than 13.0 lacks symbols of the bindings;
-//! 3. `dlsym` of every symbol in [`REQUIRED`] (and [`GREEN`], reported apart);
+//! 3. `dlsym` of every symbol in `REQUIRED` (and `GREEN`, reported apart);
 //! 4. only then cudarc's `sys::Lib::new("libcuda.so.1")` — our own instance of
 //!    cudarc's raw function table, not its global one — inside `catch_unwind`
 //!    as a last guard; then `cuInit(0)`.
@@ -120,9 +120,9 @@ pub enum LoadStage {
     NotCuda,
     /// `cuDriverGetVersion` failed.
     VersionQuery,
-    /// The driver API is older than [`MIN_DRIVER_API`].
+    /// The driver API is older than `MIN_DRIVER_API`.
     TooOld,
-    /// Symbols of [`REQUIRED`] are missing.
+    /// Symbols of `REQUIRED` are missing.
     MissingSymbols,
     /// cudarc's table could not be built from the library.
     Bindings,

@@ -19,7 +19,7 @@
 //! driver, the old `driver_override`, and the original driver bound again
 //! (or none, if it had none).
 //!
-//! All sysfs access goes through a [`Kernel`]: the real one under `/sys`,
+//! All sysfs access goes through a `Kernel`: the real one under `/sys`,
 //! or, in the tests, a fake sysfs tree of plain files in a temporary
 //! directory whose "kernel" records each write and moves the `driver` link
 //! the way Linux would.

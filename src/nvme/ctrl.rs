@@ -16,7 +16,7 @@
 //!
 //! Every wait is bounded: a register wait by CAP.TO, a command by the
 //! timeouts of [`ControllerOptions`]. A failed command returns an error whose
-//! message holds the NVMe status as [`Status`] prints it (`NVMe status
+//! message holds the NVMe status as [`Status`](super::spec::Status) prints it (`NVMe status
 //! 0x400f (generic: Data SGL Length Invalid)`); a timeout names the register
 //! or the queue and the command ids outstanding.
 //!

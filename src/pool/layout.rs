@@ -59,7 +59,7 @@ pub struct Superblock {
     pub magic: [u8; 8],
     /// Layout version.
     pub version: u32,
-    /// size_of::<Superblock>(), so a reader knows the struct it parses.
+    /// `size_of::<Superblock>()`, so a reader knows the struct it parses.
     pub sb_bytes: u32,
     /// Random id shared by every device of the pool and every block header.
     pub pool_uuid: [u8; 16],
