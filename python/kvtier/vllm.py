@@ -272,6 +272,14 @@ class KvtierConnector(KVConnectorBase_V1):
         stores, when vLLM's tensors are not page aligned (default 64). A step
         loads at most this many blocks from kvtier.
       engine: kvtier engine ("auto" default), policy: store policy ("slack").
+      CUDA KV caches go through kvtier's staged HBM path (pinned host staging
+        of ``staging_blocks`` blocks per load and per store, copy kernels);
+        ``wait_for_layer_load`` then makes the current CUDA stream wait for the
+        layer on the GPU, without a host wait.
+      test_only_staged_host_double: TEST DOUBLE, never for serving: CPU KV
+        tensors go through the staged HBM path as if they were GPU memory,
+        the CPU doing the copy kernels' work (tests of the HBM plumbing on
+        machines without a GPU).
       stats_path: a JSON file the connector keeps its counters in (per rank:
         ``<stats_path>.tp<r>``; the scheduler's: ``<stats_path>.scheduler``).
     """
@@ -324,8 +332,13 @@ class KvtierConnector(KVConnectorBase_V1):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # wait_for_layer_load blocks on the host: it cannot be replayed in a
-        # CUDA graph, so graphs are captured piecewise between attention layers.
+        # CPU caches: wait_for_layer_load blocks on the host, which a CUDA
+        # graph cannot replay. CUDA caches: the wait is a GPU-side
+        # cuStreamWaitValue32, but on a per-load counter whose target value
+        # (the counter's base, which moves with every load, plus the layer)
+        # and even address are only known once the step's loads are
+        # submitted; a captured graph would replay the capture-time values.
+        # So graphs stay piecewise, attention (and these hooks) run eagerly.
         return True
 
     # ------------------------------------------------------------------
@@ -457,6 +470,9 @@ class KvtierConnector(KVConnectorBase_V1):
         self._tier: TierHandle | None = None
         self._server: _LookupServer | None = None
         self._layers: list[torch.Tensor] = []
+        # The staged HBM path (CUDA caches, or its CPU test double).
+        self._hbm = False
+        self._cuda = False
         self._layer_index: dict[str, int] = {}
         self._stage: torch.Tensor | None = None
         self._stage_owner: Any = None
@@ -469,7 +485,8 @@ class KvtierConnector(KVConnectorBase_V1):
         self._store_reqs: dict[str, int] = {}
         self._sending: set[str] = set()
         self._load_errors: set[int] = set()
-        self._stats: dict[str, Any] = {"rank": self._rank, "staged": None, "loaded_blocks": 0,
+        self._stats: dict[str, Any] = {"rank": self._rank, "staged": None, "hbm": None,
+                                       "stream_waits": 0, "loaded_blocks": 0,
                                        "layer_waits": [], "load_error_blocks": 0,
                                        "stored_blocks": 0, "stores_dropped": 0}
 
@@ -477,14 +494,31 @@ class KvtierConnector(KVConnectorBase_V1):
         names = list(kv_caches)
         layers = [kv_caches[n] for n in names]
         t0 = layers[0]
-        if any(t.device.type != "cpu" for t in layers):
+        devices = {t.device.type for t in layers}
+        if devices - {"cpu", "cuda"} or len(devices) != 1:
             raise KvtierError(
-                "KvtierConnector registers CPU KV tensors; CUDA KV caches need kvtier's HBM path"
+                f"KV tensors on {sorted(devices)}; KvtierConnector registers one device's "
+                "CPU or CUDA KV tensors"
             )
-        if t0.dim() < 4 or t0.shape[1] != 2:
+        self._cuda = devices == {"cuda"}
+        double = bool(self._kv_transfer_config.get_from_extra_config(
+            "test_only_staged_host_double", False))
+        if double and self._cuda:
+            raise KvtierError("test_only_staged_host_double stands CPU tensors in for GPU "
+                              "memory; drop it to serve CUDA KV caches")
+        self._hbm = self._cuda or double
+        # Per layer: block-major [blocks, 2, block_size, ...] (vLLM's CPU
+        # cache, FlashInfer) or, on CUDA, [2, blocks, block_size, ...]
+        # (FlashAttention), which kvtier calls per_layer.
+        if t0.dim() >= 4 and t0.shape[1] == 2:
+            layout = "block_major"
+        elif self._hbm and t0.dim() >= 4 and t0.shape[0] == 2:
+            layout = "per_layer"
+        else:
             raise KvtierError(
-                f"KV tensor {names[0]} has shape {tuple(t0.shape)}; KvtierConnector expects vLLM's "
-                "block-major [blocks, 2, block_size, ...] per layer"
+                f"KV tensor {names[0]} has shape {tuple(t0.shape)}; KvtierConnector expects "
+                "vLLM's [blocks, 2, block_size, ...] per layer (or [2, blocks, block_size, ...] "
+                "for CUDA caches)"
             )
         if t0.shape[2] != self._block_size:
             raise KvtierError(
@@ -519,12 +553,21 @@ class KvtierConnector(KVConnectorBase_V1):
             .policy(self._policy)
         )
         aligned = all(t.is_contiguous() and t.data_ptr() % 4096 == 0 for t in layers)
-        if aligned:
-            b = b.kv_memory(layers, layout="block_major")
+        if self._hbm:
+            # kvtier's own pinned staging; the copies only need 16 bytes of
+            # alignment, which torch's allocations have.
+            b = b.staging(layer_buffers=4, load_blocks=self._staging, store_blocks=self._staging)
+            if double:
+                b = b.test_only_staged_host_double()
+            b = b.kv_memory(layers, layout=layout)
+            aligned = True  # no host staging of the connector's own
+        elif aligned:
+            b = b.kv_memory(layers, layout=layout)
         else:
             b = b.host_cache(2 * self._staging, layout="cross_layer")
         self._tier = b.build()
         self._stats["staged"] = not aligned
+        self._stats["hbm"] = ("cuda" if self._cuda else "host double") if self._hbm else None
         if not aligned:
             addr, size = self._tier.host_memory()
             self._stage_owner = (ctypes.c_char * size).from_address(addr)
@@ -576,6 +619,13 @@ class KvtierConnector(KVConnectorBase_V1):
         if layer in done:
             return
         done.add(layer)
+        if self._cuda and self._tier.stream_wait_layer(
+                job, layer, torch.cuda.current_stream().cuda_stream):
+            # The compute stream waits for the layer on the GPU; a failed
+            # layer still releases it, its blocks are reported at the job's
+            # end (wait_for_save) for vLLM's kv_load_failure_policy.
+            self._stats["stream_waits"] += 1
+            return
         try:
             self._tier.wait_layer(job, layer)
         except KvtierError as e:
@@ -637,8 +687,9 @@ class KvtierConnector(KVConnectorBase_V1):
         # Loads: every layer of this step's loads is in by now; take the
         # per-key outcomes, drop the scheduler's pins, free the staging.
         for entry in self._inflight:
-            for layer in range(len(self._layers)):
-                self._finish_layer(entry, layer)
+            if not self._cuda:
+                for layer in range(len(self._layers)):
+                    self._finish_layer(entry, layer)
             job, ld, slots, ids, _ = entry
             r = self._tier.wait(job)
             for bid, err in zip(ids, r.errors):
@@ -650,6 +701,10 @@ class KvtierConnector(KVConnectorBase_V1):
                 self._free_load.extend(slots)
         self._inflight = []
         self._reap_stores()
+        if self._cuda and meta.stores:
+            # kvtier gathers the blocks on its own stream: the forward that
+            # wrote them on the compute stream must be done first.
+            torch.cuda.current_stream().synchronize()
         for st in meta.stores:
             self._store(st)
         _write_stats(f"{self._stats_path}.tp{self._rank}" if self._stats_path else None,
@@ -678,7 +733,9 @@ class KvtierConnector(KVConnectorBase_V1):
             return
         self._stats["stored_blocks"] += n
         # Staged stores copied the blocks already; direct ones read vLLM's
-        # own blocks, which stay allocated until the job is done.
+        # own blocks, which stay allocated until the job is done. The HBM
+        # path counts as direct: it gathers a store's chunks as its store
+        # staging frees, so later chunks read vLLM's blocks after this call.
         direct = slots is None
         self._store_jobs[job] = (slots, st.req_id if direct else None)
         self._store_reqs[st.req_id] = self._store_reqs.get(st.req_id, 0) + int(direct)

@@ -6,6 +6,8 @@
 //! [`ErrorKind`], carrying the kind and, for device failures, the I/O.
 
 use kvtier::error::{Error, ErrorKind, Failure};
+use kvtier::gpu::staged::StagingConfig;
+use kvtier::gpu::{kernels, CompletionCounter, Context, Device};
 use kvtier::handle::{Completions, EngineChoice, Event, HandleConfig, TierBuilder as RsBuilder};
 use kvtier::memory::{HostKvCache, HostLayout, KvLayout, KvMemory, MemoryKind};
 use kvtier::model::{resolve_named, DType, KvGeometry};
@@ -230,6 +232,10 @@ enum Mem {
     Regions {
         regions: Vec<(u64, u64)>,
         layout: String,
+        kind: MemoryKind,
+        /// Per torch tensor: its shape and element size, checked against
+        /// the model at build (raw buffers have none).
+        shapes: Vec<Option<(Vec<u64>, u64)>>,
     },
 }
 
@@ -250,6 +256,8 @@ pub struct TierBuilder {
     mem: Option<Mem>,
     owners: Vec<Py<PyAny>>,
     buffers: Vec<PyBuffer<u8>>,
+    staging: Option<StagingConfig>,
+    staged_host_double: bool,
 }
 
 #[pymethods]
@@ -270,7 +278,44 @@ impl TierBuilder {
             mem: None,
             owners: Vec::new(),
             buffers: Vec::new(),
+            staging: None,
+            staged_host_double: false,
         }
+    }
+
+    /// Pinned host staging of the staged HBM path (CUDA KV tensors):
+    /// `layer_buffers` layers of loads in flight (at least 2), loads of at
+    /// most `load_blocks` blocks, `store_blocks` blocks of stores in flight.
+    /// Defaults: 4 buffers, min(blocks, 1024) and min(blocks, 64).
+    #[pyo3(signature = (layer_buffers = 4, load_blocks = None, store_blocks = None))]
+    fn staging(
+        mut slf: PyRefMut<'_, Self>,
+        layer_buffers: u32,
+        load_blocks: Option<u32>,
+        store_blocks: Option<u32>,
+    ) -> PyResult<PyRefMut<'_, Self>> {
+        if layer_buffers < 2 || load_blocks == Some(0) || store_blocks == Some(0) {
+            return Err(usage(format!(
+                "staging(layer_buffers={layer_buffers}, load_blocks={load_blocks:?}, store_blocks={store_blocks:?}): need at least 2 layer buffers and 1 block each"
+            )));
+        }
+        // Block counts left out follow the memory's size at build.
+        slf.staging = Some(StagingConfig {
+            layer_buffers,
+            load_blocks: load_blocks.unwrap_or(0),
+            store_blocks: store_blocks.unwrap_or(0),
+        });
+        Ok(slf)
+    }
+
+    /// TEST DOUBLE, for tests on machines without a GPU: serve the CPU
+    /// tensors given to kv_memory as if they were GPU memory, through the
+    /// staged HBM path with the CPU doing the staging kernels' copies. The
+    /// same staging, layer order, checksums and errors as on a GPU; no
+    /// device is involved and nothing is faster. Never for serving.
+    fn test_only_staged_host_double(mut slf: PyRefMut<'_, Self>) -> PyRefMut<'_, Self> {
+        slf.staged_host_double = true;
+        slf
     }
 
     /// The pool's backing files or block devices.
@@ -430,10 +475,17 @@ impl TierBuilder {
         let mut regions = Vec::new();
         let mut owners = Vec::new();
         let mut buffers = Vec::new();
+        let mut kinds = Vec::new();
+        let mut shapes = Vec::new();
         for (i, t) in items.iter().enumerate() {
             let (addr, len) = if t.hasattr("data_ptr")? {
-                tensor_region(t, i)?
+                let r = tensor_region(t, i)?;
+                kinds.push(r.kind);
+                shapes.push(Some((r.shape, r.element_size)));
+                (r.addr, r.len)
             } else {
+                kinds.push(MemoryKind::Host);
+                shapes.push(None);
                 // Through byte_buffer: multi-dimensional views (vLLM's
                 // primary_kv_view is (chunks, bytes)) are cast to bytes first.
                 let b = byte_buffer(t, &format!("KV memory {i}"))?;
@@ -454,7 +506,20 @@ impl TierBuilder {
             regions.push((addr, len));
             owners.push(t.clone().unbind());
         }
-        slf.mem = Some(Mem::Regions { regions, layout });
+        let kind = kinds.first().copied().unwrap_or(MemoryKind::Host);
+        if let Some(i) = kinds.iter().position(|k| *k != kind) {
+            return Err(usage(format!(
+                "KV memory {i} is on {} but KV memory 0 is on {}; register one device's KV cache per handle",
+                kind_label(kinds[i]),
+                kind_label(kind)
+            )));
+        }
+        slf.mem = Some(Mem::Regions {
+            regions,
+            layout,
+            kind,
+            shapes,
+        });
         slf.owners = owners;
         slf.buffers = buffers;
         Ok(slf)
@@ -554,30 +619,79 @@ impl TierBuilder {
             cfg.backlog_limit_blocks = n;
         }
         b = b.config(cfg);
-        let (memory, host) =
-            match slf.mem.take() {
-                None => return Err(usage(
+        let double = slf.staged_host_double;
+        let (memory, host, gpu) = match slf.mem.take() {
+            None => {
+                return Err(usage(
                     "no KV memory: call host_cache(blocks) or kv_memory([tensors]) before build()",
-                )),
-                Some(Mem::Host { blocks, layout }) => {
-                    let c = Arc::new(
-                        py.allow_threads(|| HostKvCache::new(g, blocks, layout))
-                            .map_err(to_py)?,
-                    );
-                    let m = c.memory().clone();
-                    b = b.host_cache(c.clone());
-                    (m, Some(c))
+                ))
+            }
+            Some(Mem::Host { blocks, layout }) => {
+                let c = Arc::new(
+                    py.allow_threads(|| HostKvCache::new(g, blocks, layout))
+                        .map_err(to_py)?,
+                );
+                if double {
+                    return Err(usage(
+                            "test_only_staged_host_double() stands CPU tensors given to kv_memory in for GPU memory; it does not apply to host_cache",
+                        ));
                 }
-                Some(Mem::Regions { regions, layout }) => {
-                    let m = memory_of(g, &regions, &layout)?;
-                    // SAFETY: the handle object keeps every tensor and buffer
-                    // (`owners`, `buffers`) alive until the tier is closed and
-                    // dropped, and the memory contract (no writes while a job
-                    // uses a block) is the caller's, as documented on the class.
-                    b = unsafe { b.memory(m.clone()) };
-                    (m, None)
+                let m = c.memory().clone();
+                b = b.host_cache(c.clone());
+                (m, Some(c), None)
+            }
+            Some(Mem::Regions {
+                regions,
+                layout,
+                kind,
+                shapes,
+            }) => {
+                check_shapes(&g, &layout, &shapes)?;
+                if double && kind != MemoryKind::Host {
+                    return Err(usage(
+                            "test_only_staged_host_double() copies with the CPU: give it CPU tensors posing as GPU memory, or drop it to serve CUDA tensors through the real staged path",
+                        ));
                 }
-            };
+                // Memory only copies touch (the staged path's, GPU or
+                // double) needs 16-byte alignment; DMA targets a page.
+                let copies_only = double || kind != MemoryKind::Host;
+                let m = memory_of(g, &regions, &layout, kind, copies_only)?;
+                if let Some(s) = slf.staging {
+                    let d = StagingConfig::for_blocks(m.num_blocks);
+                    b = b.staging(StagingConfig {
+                        layer_buffers: s.layer_buffers,
+                        load_blocks: if s.load_blocks == 0 {
+                            d.load_blocks
+                        } else {
+                            s.load_blocks
+                        },
+                        store_blocks: if s.store_blocks == 0 {
+                            d.store_blocks
+                        } else {
+                            s.store_blocks
+                        },
+                    });
+                }
+                let gpu = match kind {
+                    MemoryKind::Gpu { ordinal } => Some(gpu_context(py, ordinal)?),
+                    MemoryKind::Host => None,
+                };
+                // SAFETY: the handle object keeps every tensor and buffer
+                // (`owners`, `buffers`) alive until the tier is closed and
+                // dropped, and the memory contract (no writes while a job
+                // uses a block) is the caller's, as documented on the class.
+                // The double's memory is host memory (checked above).
+                b = unsafe {
+                    if double {
+                        b.staged_host_double_memory(m.clone())
+                    } else {
+                        b.memory(m.clone())
+                    }
+                };
+                (m, None, gpu)
+            }
+        };
+        let staged = double || gpu.is_some();
         let handle = py.allow_threads(|| b.build()).map_err(to_py)?;
         let completions = handle.completions().map_err(to_py)?;
         Ok(TierHandle {
@@ -587,6 +701,9 @@ impl TierBuilder {
             host,
             namespace,
             model_name: named.name,
+            staged,
+            gpu,
+            waited_counters: Mutex::new(Vec::new()),
             owners: Mutex::new(std::mem::take(&mut slf.owners)),
             buffers: Mutex::new(std::mem::take(&mut slf.buffers)),
         })
@@ -602,27 +719,138 @@ fn policy_of(s: &str) -> Option<Policy> {
     })
 }
 
-/// Address and length of a CPU torch tensor, refusing what cannot be DMA'd.
-fn tensor_region(t: &Bound<'_, PyAny>, i: usize) -> PyResult<(u64, u64)> {
-    let device: String = t.getattr("device")?.getattr("type")?.extract()?;
-    if device != "cpu" {
-        return Err(to_py(Error::Unsupported(format!(
-            "KV tensor {i} is on {device}; this build registers CPU tensors only (CUDA tensors need the HBM path): pass CPU tensors, or stage through host_cache"
-        ))));
+/// A torch tensor's memory as kvtier registers it.
+struct TensorRegion {
+    addr: u64,
+    len: u64,
+    kind: MemoryKind,
+    shape: Vec<u64>,
+    element_size: u64,
+}
+
+fn kind_label(k: MemoryKind) -> String {
+    match k {
+        MemoryKind::Host => "cpu".into(),
+        MemoryKind::Gpu { ordinal } => format!("cuda:{ordinal}"),
     }
+}
+
+/// Address, length and device of a torch tensor (CPU or CUDA), refusing
+/// what kvtier cannot address block by block.
+fn tensor_region(t: &Bound<'_, PyAny>, i: usize) -> PyResult<TensorRegion> {
+    let dev = t.getattr("device")?;
+    let device: String = dev.getattr("type")?.extract()?;
+    let kind = match device.as_str() {
+        "cpu" => MemoryKind::Host,
+        "cuda" => MemoryKind::Gpu {
+            ordinal: dev.getattr("index")?.extract::<Option<u32>>()?.unwrap_or(0),
+        },
+        other => {
+            return Err(to_py(Error::Unsupported(format!(
+                "KV tensor {i} is on {other}; kvtier registers CPU tensors (direct I/O) and CUDA tensors (the staged HBM path): move the cache to cpu or cuda"
+            ))))
+        }
+    };
     if !t.call_method0("is_contiguous")?.extract::<bool>()? {
         return Err(usage(format!(
-            "KV tensor {i} is not contiguous; pass the cache tensor itself, not a strided view"
+            "KV tensor {i} is not contiguous (strides {}); pass the cache tensor itself, not a strided or permuted view",
+            t.call_method0("stride")?.str()?
         )));
     }
+    let shape: Vec<u64> = t.getattr("shape")?.extract()?;
     let addr: u64 = t.call_method0("data_ptr")?.extract()?;
     let numel: u64 = t.call_method0("numel")?.extract()?;
-    let esz: u64 = t.call_method0("element_size")?.extract()?;
-    Ok((addr, numel * esz))
+    let element_size: u64 = t.call_method0("element_size")?.extract()?;
+    Ok(TensorRegion {
+        addr,
+        len: numel * element_size,
+        kind,
+        shape,
+        element_size,
+    })
+}
+
+/// Torch tensors' shapes against the model and the layout: the element
+/// size is the KV dtype's (or 1, a byte view), and the dimension that
+/// separates K from V is 2 where the layout puts it.
+fn check_shapes(g: &KvGeometry, layout: &str, shapes: &[Option<(Vec<u64>, u64)>]) -> PyResult<()> {
+    let dsize = g.dtype.bytes() as u64;
+    for (i, s) in shapes.iter().enumerate() {
+        let Some((shape, esz)) = s else { continue };
+        if *esz != dsize && *esz != 1 {
+            return Err(usage(format!(
+                "KV tensor {i} has {esz}-byte elements but the model's KV dtype {} has {dsize}: pass dtype= to model() to match the cache, or a tensor of that dtype",
+                g.dtype.name()
+            )));
+        }
+        // Only full-rank tensors are checked: flat or byte views are sized
+        // by their byte count alone (memory_of).
+        let (kv_dim, rank) = match layout {
+            "per_layer" => (0, 5),
+            "block_major" => (1, 5),
+            _ => (2, 6),
+        };
+        if shape.len() == rank && shape[kv_dim] != 2 {
+            return Err(usage(format!(
+                "KV tensor {i} has shape {shape:?}: layout {layout:?} has K and V (2) in dimension {kv_dim}; pick the layout that matches the cache"
+            )));
+        }
+        if layout == "cross_layer" && shape.len() == rank && shape[1] != g.layers as u64 {
+            return Err(usage(format!(
+                "cross_layer KV tensor has shape {shape:?}: dimension 1 should be the model's {} layers",
+                g.layers
+            )));
+        }
+        // The dimensions after blocks and K|V are one object: block_size x
+        // heads x dim.
+        if shape.len() == rank {
+            let from = rank - 3;
+            let obj: u64 = shape[from..].iter().product::<u64>() * esz;
+            if obj != g.object_bytes() {
+                return Err(usage(format!(
+                    "KV tensor {i} has shape {shape:?}: dimensions {:?} hold {obj} bytes per block's K (or V), the model's {} has {}; check the model, block_size and dtype given to model()",
+                    &shape[from..],
+                    g.describe(),
+                    g.object_bytes()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The primary context of CUDA device `ordinal` (torch's), after checking
+/// that everything the staged HBM path needs is here: the error names what
+/// is missing and the fix.
+fn gpu_context(py: Python<'_>, ordinal: u32) -> PyResult<Context> {
+    let fix = "CUDA KV tensors are served through kvtier's staged HBM path, which needs the NVIDIA driver (libcuda), a visible GPU and a kvtier built with its kernels (nvcc on PATH when the wheel was built)";
+    let r = py.allow_threads(|| -> Result<Context, (Error, &'static str)> {
+        kernels::staging().map_err(|e| {
+            (
+                e,
+                "rebuild the wheel with nvcc on PATH (CUDA toolkit), or register CPU tensors",
+            )
+        })?;
+        let dev = Device::get(ordinal as i32).map_err(|e| {
+            (
+                e,
+                "install the NVIDIA driver and check CUDA_VISIBLE_DEVICES, or register CPU tensors",
+            )
+        })?;
+        Context::primary(&dev)
+            .map_err(|e| (e, "check the driver (nvidia-smi), or register CPU tensors"))
+    });
+    r.map_err(|(e, hint)| to_py(Error::Unsupported(format!("{fix}: {e}; fix: {hint}"))))
 }
 
 /// The KvMemory these regions describe, checking sizes against the model.
-fn memory_of(g: KvGeometry, regions: &[(u64, u64)], layout: &str) -> PyResult<KvMemory> {
+fn memory_of(
+    g: KvGeometry,
+    regions: &[(u64, u64)],
+    layout: &str,
+    kind: MemoryKind,
+    copies_only: bool,
+) -> PyResult<KvMemory> {
     let obj = g.object_bytes();
     let (layout, per_block, got) = match layout {
         "per_layer" | "block_major" => {
@@ -681,9 +909,13 @@ fn memory_of(g: KvGeometry, regions: &[(u64, u64)], layout: &str) -> PyResult<Kv
         geometry: g,
         num_blocks,
         layout,
-        kind: MemoryKind::Host,
+        kind,
     };
-    m.validate().map_err(to_py)?;
+    if copies_only {
+        m.validate_for_copies().map_err(to_py)?;
+    } else {
+        m.validate().map_err(to_py)?;
+    }
     Ok(m)
 }
 
@@ -832,6 +1064,14 @@ pub struct TierHandle {
     host: Option<Arc<HostKvCache>>,
     namespace: String,
     model_name: String,
+    /// Served through the staged HBM path (on a GPU, or its host double).
+    staged: bool,
+    /// The CUDA context of GPU KV memory (torch's primary context).
+    gpu: Option<Context>,
+    /// Counters a foreign stream was told to wait on: kept until the handle
+    /// goes, since kvtier cannot see when such a stream passes its wait.
+    /// Loads reuse counters, so this holds at most one per concurrent load.
+    waited_counters: Mutex<Vec<Arc<CompletionCounter>>>,
     owners: Mutex<Vec<Py<PyAny>>>,
     buffers: Mutex<Vec<PyBuffer<u8>>>,
 }
@@ -839,6 +1079,17 @@ pub struct TierHandle {
 impl TierHandle {
     fn h(&self) -> &kvtier::TierHandle {
         self.inner.as_ref().expect("set at build")
+    }
+
+    /// write_block and friends copy with the CPU: host memory only.
+    fn check_host(&self, what: &str) -> PyResult<()> {
+        if self.memory.kind != MemoryKind::Host {
+            return Err(usage(format!(
+                "{what} copies with the CPU but the KV memory is on {}; copy through the CUDA tensors themselves (torch)",
+                kind_label(self.memory.kind)
+            )));
+        }
+        Ok(())
     }
 
     fn check_block(&self, block: u32) -> PyResult<()> {
@@ -981,6 +1232,54 @@ impl TierHandle {
             .map_err(to_py)
     }
 
+    /// Make CUDA stream `stream` (a raw handle: torch's
+    /// `torch.cuda.current_stream().cuda_stream`) wait, on the GPU, until
+    /// layer `layer` of load `job` is in the KV memory: the host does not
+    /// wait. Returns True when the wait was queued; False when there is no
+    /// GPU counter to wait on (host memory, the host double, or a load that
+    /// already finished): then call wait_layer(). Failed layers still
+    /// release the stream; their blocks are reported in the job's result.
+    fn stream_wait_layer(
+        &self,
+        py: Python<'_>,
+        job: u64,
+        layer: u32,
+        stream: u64,
+    ) -> PyResult<bool> {
+        let Some(ctx) = &self.gpu else {
+            return Ok(false);
+        };
+        let Some(c) = self.h().load_counter(job).map_err(to_py)? else {
+            return Ok(false);
+        };
+        // SAFETY: the caller passes a live stream of the device's primary
+        // context (torch's); the counter is kept in `waited_counters` until
+        // this handle is dropped, after the tier.
+        py.allow_threads(|| unsafe { c.queue_on_raw_stream(ctx, stream, layer) })
+            .map_err(to_py)?;
+        let mut kept = self
+            .waited_counters
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if !kept.iter().any(|k| Arc::ptr_eq(k, &c.counter)) {
+            kept.push(c.counter);
+        }
+        Ok(true)
+    }
+
+    /// "cpu" or "cuda:N": where the registered KV memory is.
+    #[getter]
+    fn memory_device(&self) -> String {
+        kind_label(self.memory.kind)
+    }
+
+    /// True when the KV memory is served through the staged HBM path
+    /// (CUDA tensors, or the host double standing in for them).
+    #[getter]
+    fn staged(&self) -> bool {
+        self.staged
+    }
+
     /// The result of `job` if it finished (then taken), else None.
     fn try_result(&self, py: Python<'_>, job: u64) -> PyResult<Option<JobResultPy>> {
         Ok(self
@@ -1030,6 +1329,7 @@ impl TierHandle {
     /// `block`, object by object; the rest of the block is zeroed. For
     /// staging through kvtier-allocated memory.
     fn write_block(&self, py: Python<'_>, block: u32, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.check_host("write_block")?;
         let data = byte_buffer(data, "data")?;
         self.check_block(block)?;
         let g = self.memory.geometry;
@@ -1069,6 +1369,7 @@ impl TierHandle {
     /// Copy memory block `block` into `out` (a writable buffer of at most
     /// one block: its first len(out) bytes, objects in (layer, K|V) order).
     fn read_block_into(&self, py: Python<'_>, block: u32, out: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.check_host("read_block_into")?;
         let out = byte_buffer(out, "out")?;
         self.check_block(block)?;
         let g = self.memory.geometry;
@@ -1154,6 +1455,14 @@ impl Drop for TierHandle {
         // tensors must outlive every DMA into them. Dropping Python objects
         // needs no GIL with pyo3 (they are queued until it is held).
         drop(self.inner.take());
+        // Streams told to wait on our counters may not have reached the
+        // wait yet (it reads the counter when they do): let them pass it
+        // before the counters are freed.
+        if let (Some(ctx), Ok(k)) = (&self.gpu, self.waited_counters.get_mut()) {
+            if !k.is_empty() {
+                let _ = ctx.synchronize();
+            }
+        }
         self.owners.get_mut().map(|v| v.clear()).ok();
         self.buffers.get_mut().map(|v| v.clear()).ok();
     }

@@ -36,6 +36,9 @@ def main() -> None:
                 "capacity": "256m",
                 "staging_blocks": 16,
                 "stats_path": sys.argv[3],
+                # More extra config for a run by hand, e.g. the HBM path's
+                # host double: '{"test_only_staged_host_double": true}'.
+                **json.loads(os.environ.get("KVTIER_TEST_EXTRA", "{}")),
             },
         )
     model = os.environ.get("KVTIER_TEST_MODEL", os.path.join(HERE, "tiny-llama"))

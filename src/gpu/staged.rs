@@ -312,6 +312,9 @@ pub struct LoadCounter {
     pub base: u32,
     /// The load's first layer.
     pub first_layer: u32,
+    /// One past the load's last layer: the counter never reaches a value
+    /// for a layer at or beyond it (a wait for one would never end).
+    pub layers_end: u32,
 }
 
 impl LoadCounter {
@@ -320,6 +323,39 @@ impl LoadCounter {
         self.base
             .wrapping_add(layer - self.first_layer)
             .wrapping_add(1)
+    }
+
+    /// Queue on a stream kvtier did not create (a serving engine's compute
+    /// stream: torch's `cuda_stream`, a raw `CUstream` of `ctx`) a wait
+    /// until layer `layer` is in KV memory: `cuStreamWaitValue32(counter >=
+    /// value_for(layer))`, no host call when it is reached. A driver
+    /// without stream memory operations answers with an error (the caller
+    /// then waits on the host); kvtier's own streams use [`LayerWait`],
+    /// which falls back to a wait kernel.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of `ctx` (0: its legacy default stream),
+    /// and the caller keeps `self.counter` alive until the stream has
+    /// passed the wait (a foreign stream cannot hold it, as
+    /// [`Stream::keep_alive`] does for kvtier's own).
+    pub unsafe fn queue_on_raw_stream(&self, ctx: &Context, stream: u64, layer: u32) -> Result<()> {
+        if !(self.first_layer..self.layers_end).contains(&layer) {
+            return Err(Error::invalid(format!(
+                "layer {layer} is not loaded by this job (layers {}..{}): a stream waiting for it would never run",
+                self.first_layer, self.layers_end
+            )));
+        }
+        ctx.bind()?;
+        // SAFETY: the caller's contract: a live stream of the bound context;
+        // the counter is a 4-byte aligned GPU-visible word kept alive by it.
+        unsafe {
+            super::driver::stream_wait_value32(
+                stream as usize as super::driver::CUstream,
+                self.counter.device_ptr(),
+                self.value_for(layer),
+                0, // CU_STREAM_WAIT_VALUE_GEQ
+            )
+        }
     }
 }
 
@@ -385,6 +421,30 @@ impl StagedPath {
         cfg: StagingConfig,
     ) -> Result<StagedPath> {
         Self::with_host_copier(tier, cache, cfg, HostCopier::default())
+    }
+
+    /// The CPU test double over memory the caller owns (e.g. CPU torch
+    /// tensors posing as the GPU's KV memory in Python tests): `mem` is host
+    /// memory, aligned for the copies only (16 bytes), and [`HostCopier`]
+    /// does the copies the kernels do on a GPU.
+    ///
+    /// # Safety
+    /// Every byte `mem` describes is host memory that stays allocated until
+    /// the staged tier is dropped, and no one else writes it while a job
+    /// that targets it is in flight.
+    pub unsafe fn with_host_double_memory(
+        tier: &mut Tier,
+        mem: KvMemory,
+        cfg: StagingConfig,
+    ) -> Result<StagedPath> {
+        if mem.kind != MemoryKind::Host {
+            return Err(Error::invalid(
+                "the staged host double copies with the CPU: its stand-in KV memory must be host memory",
+            ));
+        }
+        let staging = StagingMemory::host(cfg.bytes(&mem.geometry).max(1))?;
+        // SAFETY: the caller's contract for `mem`; staging is its own.
+        unsafe { Self::new(tier, mem, Box::new(HostCopier::default()), staging, cfg) }
     }
 
     /// As [`Self::with_host_double`] with a given double (e.g.
@@ -614,6 +674,7 @@ impl StagedPath {
                     counter,
                     base,
                     first_layer: layers.start,
+                    layers_end: layers.end,
                 })
             }
             None => None,

@@ -64,6 +64,9 @@ enum Memory {
     /// Host memory standing in for GPU memory on the staged path (the CPU
     /// test double of the staging copies).
     StagedDouble(Arc<HostKvCache>),
+    /// Caller-owned host memory standing in for GPU memory on the staged
+    /// path (the same double over, e.g., CPU torch tensors).
+    StagedDoubleRaw(KvMemory),
 }
 
 /// Builds a [`TierHandle`]: where the pool is, whether to create it, which
@@ -183,6 +186,18 @@ impl TierBuilder {
         self
     }
 
+    /// As [`Self::staged_host_double`] over host memory the caller owns
+    /// (CPU tensors posing as the GPU's KV memory): the test double of the
+    /// staged path for bindings that register their own memory.
+    ///
+    /// # Safety
+    /// As [`Self::memory`]; `mem` must be host memory.
+    #[doc(hidden)]
+    pub unsafe fn staged_host_double_memory(mut self, mem: KvMemory) -> Self {
+        self.memory = Some(Memory::StagedDoubleRaw(mem));
+        self
+    }
+
     /// Open the pool, start the engine and the I/O thread, register the
     /// memory. Everything engine-side is created on the I/O thread itself.
     pub fn build(self) -> Result<TierHandle> {
@@ -201,14 +216,14 @@ impl TierBuilder {
         })?;
         let (geometry, mem_blocks) = match &memory {
             Memory::Host(c) | Memory::StagedDouble(c) => (c.memory().geometry, c.num_blocks()),
-            Memory::Raw(m) => (m.geometry, m.num_blocks),
+            Memory::Raw(m) | Memory::StagedDoubleRaw(m) => (m.geometry, m.num_blocks),
         };
         let staging = self
             .staging
             .unwrap_or_else(|| StagingConfig::for_blocks(mem_blocks));
         let host_cache = match &memory {
             Memory::Host(c) => Some(c.clone()),
-            Memory::Raw(_) | Memory::StagedDouble(_) => None,
+            Memory::Raw(_) | Memory::StagedDouble(_) | Memory::StagedDoubleRaw(_) => None,
         };
         let create = self.create;
         let expect = self.expect;
@@ -247,6 +262,13 @@ impl TierBuilder {
                         Memory::Raw(m) => unsafe { tier.register_memory(m)? },
                         Memory::StagedDouble(c) => {
                             staged = Some(StagedPath::with_host_double(&mut tier, c, staging)?)
+                        }
+                        // SAFETY: the caller of `staged_host_double_memory`
+                        // promised the memory outlives the handle's tier.
+                        Memory::StagedDoubleRaw(m) => {
+                            staged = Some(unsafe {
+                                StagedPath::with_host_double_memory(&mut tier, m, staging)?
+                            })
                         }
                     }
                     tier.defer_engine_calls(true);
