@@ -300,11 +300,11 @@ impl TierBuilder {
             )));
         }
         // Block counts left out follow the memory's size at build.
-        slf.staging = Some(StagingConfig {
+        slf.staging = Some(StagingConfig::new(
             layer_buffers,
-            load_blocks: load_blocks.unwrap_or(0),
-            store_blocks: store_blocks.unwrap_or(0),
-        });
+            load_blocks.unwrap_or(0),
+            store_blocks.unwrap_or(0),
+        ));
         Ok(slf)
     }
 
@@ -658,19 +658,19 @@ impl TierBuilder {
                 let m = memory_of(g, &regions, &layout, kind, copies_only)?;
                 if let Some(s) = slf.staging {
                     let d = StagingConfig::for_blocks(m.num_blocks);
-                    b = b.staging(StagingConfig {
-                        layer_buffers: s.layer_buffers,
-                        load_blocks: if s.load_blocks == 0 {
+                    b = b.staging(StagingConfig::new(
+                        s.layer_buffers,
+                        if s.load_blocks == 0 {
                             d.load_blocks
                         } else {
                             s.load_blocks
                         },
-                        store_blocks: if s.store_blocks == 0 {
+                        if s.store_blocks == 0 {
                             d.store_blocks
                         } else {
                             s.store_blocks
                         },
-                    });
+                    ));
                 }
                 let gpu = match kind {
                     MemoryKind::Gpu { ordinal } => Some(gpu_context(py, ordinal)?),
