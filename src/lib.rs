@@ -71,6 +71,7 @@ pub mod json;
 pub mod memory;
 #[warn(missing_docs)]
 pub mod model;
+#[warn(missing_docs)]
 pub mod nvme;
 #[warn(missing_docs)]
 pub mod p2p;

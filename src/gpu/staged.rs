@@ -337,7 +337,7 @@ impl LoadCounter {
     /// `stream` is a live stream of `ctx` (0: its legacy default stream),
     /// and the caller keeps `self.counter` alive until the stream has
     /// passed the wait (a foreign stream cannot hold it, as
-    /// [`Stream::keep_alive`] does for kvtier's own).
+    /// `Stream::keep_alive` does for kvtier's own).
     pub unsafe fn queue_on_raw_stream(&self, ctx: &Context, stream: u64, layer: u32) -> Result<()> {
         if !(self.first_layer..self.layers_end).contains(&layer) {
             return Err(Error::invalid(format!(

@@ -246,10 +246,13 @@ pub struct BlockDevice {
 /// An NVMe controller (or another PCI function of class 0x0108xx) as `kvtier nvme list` shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NvmeController {
+    /// Its PCI address.
     pub addr: String,
     /// `vvvv:dddd`.
     pub id: String,
+    /// PCI class code.
     pub class: u32,
+    /// The kernel driver bound to it.
     pub driver: Option<String>,
     /// Its namespaces' block devices and their partitions (only while the
     /// kernel nvme driver has it).

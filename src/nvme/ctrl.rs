@@ -61,7 +61,9 @@ use std::time::{Duration, Instant};
 /// - the controller reaches DMA memory at the addresses [`DmaRegion::dma`]
 ///   reports for regions from the allocator used with it.
 pub unsafe trait Bar0 {
+    /// Reads the 32-bit register at byte offset `off`.
     fn read32(&self, off: usize) -> u32;
+    /// Writes the 32-bit register at byte offset `off`.
     fn write32(&self, off: usize, v: u32);
     /// A 64-bit register as two 32-bit accesses, low half first (what
     /// controllers accept on every bus; override for native 64-bit access).
@@ -70,6 +72,7 @@ pub unsafe trait Bar0 {
         let hi = self.read32(off + 4) as u64;
         lo | hi << 32
     }
+    /// A 64-bit register as two 32-bit writes, low half first.
     fn write64(&self, off: usize, v: u64) {
         self.write32(off, v as u32);
         self.write32(off + 4, (v >> 32) as u32);
@@ -91,6 +94,7 @@ pub unsafe trait Bar0 {
 pub struct DoorbellMemory {
     /// Host address of BAR0 offset 0x1000.
     pub ptr: *mut u8,
+    /// Bytes of doorbells mapped.
     pub len: usize,
     /// An MMIO mapping of a PCI BAR (a GPU registers it as I/O memory);
     /// false for ordinary memory (the simulator's doorbell page).
@@ -137,6 +141,7 @@ impl DmaRegion {
         }
     }
 
+    /// Host address of the region.
     pub fn ptr(&self) -> *mut u8 {
         self.ptr
     }
@@ -146,10 +151,12 @@ impl DmaRegion {
         self.dma
     }
 
+    /// Bytes.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// No bytes.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -184,24 +191,28 @@ impl DmaRegion {
         }
     }
 
+    /// Copies `data` in at `off` (bounds checked).
     pub fn write(&self, off: usize, data: &[u8]) {
         self.check(off, data.len(), "write");
         // SAFETY: in range; valid while `owner` lives (DmaRegion::new).
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(off), data.len()) }
     }
 
+    /// Copies out from `off` into `out` (bounds checked).
     pub fn read(&self, off: usize, out: &mut [u8]) {
         self.check(off, out.len(), "read");
         // SAFETY: as in `write`.
         unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(off), out.as_mut_ptr(), out.len()) }
     }
 
+    /// The whole region copied out.
     pub fn to_vec(&self) -> Vec<u8> {
         let mut v = vec![0u8; self.len];
         self.read(0, &mut v);
         v
     }
 
+    /// Sets every byte to `byte`.
     pub fn fill(&self, byte: u8) {
         // SAFETY: as in `write`.
         unsafe { std::ptr::write_bytes(self.ptr, byte, self.len) }
@@ -247,8 +258,11 @@ pub trait DmaAlloc {
 /// the device reaches at `dma`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MappedChunk {
+    /// Host address.
     pub host: u64,
+    /// Address the device uses.
     pub dma: u64,
+    /// Bytes.
     pub len: u64,
 }
 
@@ -270,6 +284,7 @@ impl HostMapping {
         }
     }
 
+    /// The pieces, in host address order.
     pub fn chunks(&self) -> &[MappedChunk] {
         &self.chunks
     }
@@ -375,10 +390,12 @@ impl<B: Bar0> DmaQueue<B> {
         }
     }
 
+    /// The submission queue's memory.
     pub fn sq_region(&self) -> &DmaRegion {
         &self.sq
     }
 
+    /// The completion queue's memory.
     pub fn cq_region(&self) -> &DmaRegion {
         &self.cq
     }
@@ -846,18 +863,22 @@ impl<B: Bar0> Controller<B> {
         })
     }
 
+    /// The name in messages.
     pub fn name(&self) -> &str {
         &self.name
     }
 
+    /// Its BAR0.
     pub fn bar(&self) -> &B {
         &self.bar
     }
 
+    /// CAP as read at bring-up.
     pub fn cap(&self) -> Cap {
         self.cap
     }
 
+    /// VS as read at bring-up.
     pub fn version(&self) -> Vs {
         self.vs
     }
@@ -867,22 +888,27 @@ impl<B: Bar0> Controller<B> {
         self.page
     }
 
+    /// Identify Controller data.
     pub fn identify(&self) -> &IdentifyController {
         &self.identify
     }
 
+    /// Identify Namespace data of the data path's namespace.
     pub fn namespace(&self) -> &IdentifyNamespace {
         &self.namespace
     }
 
+    /// The data path's namespace.
     pub fn nsid(&self) -> u32 {
         self.nsid
     }
 
+    /// Bytes of one LBA.
     pub fn lba_bytes(&self) -> u32 {
         self.namespace.lba_bytes
     }
 
+    /// Whether the controller takes SGLs for NVM commands.
     pub fn sgl_supported(&self) -> bool {
         self.identify.sgl_supported()
     }
@@ -893,6 +919,7 @@ impl<B: Bar0> Controller<B> {
         self.max_transfer
     }
 
+    /// I/O queue pairs created.
     pub fn io_queue_count(&self) -> usize {
         self.io.len()
     }
@@ -915,10 +942,12 @@ impl<B: Bar0> Controller<B> {
         })
     }
 
+    /// How long an I/O command may take.
     pub fn io_timeout(&self) -> Duration {
         self.io_timeout
     }
 
+    /// Sets how long an I/O command may take.
     pub fn set_io_timeout(&mut self, timeout: Duration) {
         self.io_timeout = timeout;
     }

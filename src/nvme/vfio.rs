@@ -128,6 +128,7 @@ pub struct VfioDevice {
 }
 
 impl VfioDevice {
+    /// Opens the controller at PCI address `addr` (bound to vfio-pci): its group, a container with the type1 IOMMU, the device, BAR0.
     pub fn open(addr: &str) -> Result<VfioDevice> {
         let dir = pci_device_dir(addr)?;
         match bound_driver(&dir).as_deref() {
@@ -233,6 +234,7 @@ impl VfioDevice {
         })
     }
 
+    /// Its PCI address.
     pub fn addr(&self) -> &str {
         &self.inner.addr
     }
