@@ -28,7 +28,7 @@ const GPU_ENGINE_BUILT: bool = true;
 const NVME_ENGINE_BUILT: bool = true;
 
 /// PCI vendor id of NVIDIA.
-pub const NVIDIA_VENDOR: &str = "0x10de";
+pub(crate) const NVIDIA_VENDOR: &str = "0x10de";
 /// PCI class code of an NVMe controller (mass storage, non-volatile memory, NVMe).
 pub const NVME_CLASS: &str = "0x010802";
 

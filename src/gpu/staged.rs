@@ -380,7 +380,7 @@ struct StoreAgg {
 }
 
 /// Job ids of the staged path start here, apart from the tier's own.
-pub const STAGED_JOB_BASE: JobId = 1 << 62;
+pub(crate) const STAGED_JOB_BASE: JobId = 1 << 62;
 
 /// The staged path's state beside a [`Tier`] whose registered memory is
 /// the staging: every call takes that tier. The tier must be drained

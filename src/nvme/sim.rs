@@ -49,7 +49,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 /// LBA size of the simulated namespace.
-pub const SIM_LBA_BYTES: u64 = 512;
+pub(crate) const SIM_LBA_BYTES: u64 = 512;
 
 /// What the simulated controller reports and how it behaves.
 #[derive(Clone, Debug)]
