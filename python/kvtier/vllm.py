@@ -104,16 +104,33 @@ def _socket_name(pool_dir: str) -> bytes:
 # Lookup protocol, scheduler -> worker: op (1 byte), key count (u32), keys
 # (32 bytes each); reply: a u32 count.
 _LOOKUP, _PIN, _UNPIN = b"L", b"P", b"U"
+# The most keys one request may name: a prefix of 1M blocks is far past any
+# context length, and the bound keeps a hostile peer from making the worker
+# allocate what a u32 count could ask for (128 GiB).
+_MAX_KEYS_PER_REQUEST = 1 << 20
+# Reads are taken in pieces of at most this, so a request is never allocated
+# before its bytes arrive.
+_RECV_PIECE = 1 << 20
 
 
 def _recv_exact(s: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
-        chunk = s.recv(n - len(buf))
+        chunk = s.recv(min(n - len(buf), _RECV_PIECE))
         if not chunk:
             raise ConnectionError("kvtier lookup peer closed the connection")
         buf += chunk
     return bytes(buf)
+
+
+def _same_user(conn: socket.socket) -> bool:
+    """Whether the peer of a Unix socket runs as this process's user."""
+    try:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return False
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid == os.geteuid()
 
 
 class _LookupServer:
@@ -139,6 +156,12 @@ class _LookupServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
+            # An abstract socket has no file permissions: any process in the
+            # network namespace can connect. Only processes of this user (the
+            # engine's scheduler) may pin, unpin or probe the pool.
+            if not _same_user(conn):
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
@@ -146,6 +169,8 @@ class _LookupServer:
             while True:
                 try:
                     op, n = struct.unpack("<cI", _recv_exact(conn, 5))
+                    if op not in (_LOOKUP, _PIN, _UNPIN) or n > _MAX_KEYS_PER_REQUEST:
+                        return  # not our protocol: drop the peer
                     raw = _recv_exact(conn, n * KEY_BYTES)
                 except (ConnectionError, OSError):
                     return
