@@ -262,13 +262,7 @@ fn store_blocks_past_the_header_staging_is_refused() {
     {
         let dir = common::TempDir::new(&format!("staged-hdr-{i}"));
         let pool = common::create_pool(&dir, rig.geometry(), 8, 1, 2);
-        // Set, not a struct literal: config types take new fields.
-        #[allow(clippy::field_reassign_with_default)]
-        let tc = {
-            let mut tc = kvtier::tier::TierConfig::default();
-            tc.header_staging = headers;
-            tc
-        };
+        let tc = kvtier::tier::TierConfig::default().with_header_staging(headers);
         let tier = Tier::open(pool, tc).unwrap();
         match StagedTier::with_host_double(tier, rig.0.clone(), config(2, 4, store)) {
             Ok(_) => assert!(
@@ -302,10 +296,7 @@ fn double_behind_a_tier_handle() {
     let devs = vec![dir.file("a.pool"), dir.file("b.pool")];
     let h = TierBuilder::default()
         .create(common::pool_config(geo, 8, &devs, 4))
-        .config(HandleConfig {
-            policy: Policy::Naive,
-            ..Default::default()
-        })
+        .config(HandleConfig::default().with_policy(Policy::Naive))
         .staging(config(2, 16, 8))
         .staged_host_double(rig.0.clone())
         .build()
@@ -848,10 +839,7 @@ fn double_handle_chunked_store_does_not_block_the_handle() {
             let eng = Box::new(UringEngine::new(&devs, Default::default())?);
             Ok((pool, Box::new(FaultEngine::wrap(eng, f)) as _))
         })
-        .config(HandleConfig {
-            policy: Policy::Naive,
-            ..Default::default()
-        })
+        .config(HandleConfig::default().with_policy(Policy::Naive))
         .staging(config(2, 8, 2))
         .staged_host_double(rig.0.clone())
         .build()

@@ -116,8 +116,6 @@ fn large_store_checksums_from_the_worker_verify() {
 /// or below 2 is refused when the tier is built, naming the field and the
 /// range, instead of allocating whatever was asked.
 #[test]
-// Set, not a struct literal: config types take new fields.
-#[allow(clippy::field_reassign_with_default)]
 fn header_staging_out_of_range_is_refused() {
     for (i, n) in [0, 1, kvtier::tier::MAX_HEADER_STAGING + 1, u32::MAX]
         .into_iter()
@@ -125,9 +123,10 @@ fn header_staging_out_of_range_is_refused() {
     {
         let dir = TempDir::new(&format!("hdr-staging-{i}"));
         let pool = create_pool(&dir, tiny_geometry(), 4, 1, 2);
-        let mut cfg = TierConfig::default();
-        cfg.header_staging = n;
-        let e = Tier::open(pool, cfg).err().unwrap().to_string();
+        let e = Tier::open(pool, TierConfig::default().with_header_staging(n))
+            .err()
+            .unwrap()
+            .to_string();
         assert!(
             e.contains("header_staging")
                 && e.contains(&kvtier::tier::MAX_HEADER_STAGING.to_string()),
@@ -136,7 +135,6 @@ fn header_staging_out_of_range_is_refused() {
     }
     let dir = TempDir::new("hdr-staging-max");
     let pool = create_pool(&dir, tiny_geometry(), 4, 1, 2);
-    let mut cfg = TierConfig::default();
-    cfg.header_staging = kvtier::tier::MAX_HEADER_STAGING;
+    let cfg = TierConfig::default().with_header_staging(kvtier::tier::MAX_HEADER_STAGING);
     Tier::open(pool, cfg).unwrap();
 }

@@ -24,6 +24,7 @@ pub struct DeviceBuffer {
 }
 
 impl DeviceBuffer {
+    /// `len` bytes of device memory in `ctx`.
     pub fn alloc(ctx: &Context, len: usize) -> Result<DeviceBuffer> {
         if len == 0 {
             return Err(Error::invalid("device allocation of 0 bytes"));
@@ -44,14 +45,17 @@ impl DeviceBuffer {
         Ok(b)
     }
 
+    /// The device address.
     pub fn device_ptr(&self) -> u64 {
         self.ptr
     }
 
+    /// Bytes.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// No bytes.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -76,6 +80,7 @@ impl DeviceBuffer {
         unsafe { driver::memcpy_dtoh(out, self.ptr + off as u64) }
     }
 
+    /// The whole buffer copied to the host.
     pub fn to_vec(&self) -> Result<Vec<u8>> {
         let mut v = vec![0; self.len];
         self.read(0, &mut v)?;
@@ -108,6 +113,7 @@ unsafe impl Send for PinnedHostBuffer {}
 unsafe impl Sync for PinnedHostBuffer {}
 
 impl PinnedHostBuffer {
+    /// `len` bytes of pinned, device-mapped host memory in `ctx`.
     pub fn alloc(ctx: &Context, len: usize) -> Result<PinnedHostBuffer> {
         if len == 0 {
             return Err(Error::invalid("pinned allocation of 0 bytes"));
@@ -127,6 +133,7 @@ impl PinnedHostBuffer {
         Ok(b)
     }
 
+    /// The host address.
     pub fn host_ptr(&self) -> *mut u8 {
         self.ptr
     }
@@ -136,10 +143,12 @@ impl PinnedHostBuffer {
         self.dev
     }
 
+    /// Bytes.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// No bytes.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -148,6 +157,7 @@ impl PinnedHostBuffer {
         check_range("pinned buffer", off, len, self.len)
     }
 
+    /// Copies `data` in at `off` (bounds checked).
     pub fn write(&self, off: usize, data: &[u8]) -> Result<()> {
         self.check(off, data.len())?;
         // SAFETY: in range (checked); raw copy, no reference to GPU-written memory.
@@ -155,6 +165,7 @@ impl PinnedHostBuffer {
         Ok(())
     }
 
+    /// Copies out from `off` into `out` (bounds checked).
     pub fn read(&self, off: usize, out: &mut [u8]) -> Result<()> {
         self.check(off, out.len())?;
         // SAFETY: in range (checked); raw copy.
@@ -263,18 +274,22 @@ impl HostRegistration {
         Ok(reg)
     }
 
+    /// The host address.
     pub fn host_ptr(&self) -> *mut u8 {
         self.ptr
     }
 
+    /// The device address.
     pub fn device_ptr(&self) -> u64 {
         self.dev
     }
 
+    /// Bytes.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// No bytes.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -391,6 +406,7 @@ fn check_device_region(ctx: &Context, ordinal: u32, addr: u64, len: u64) -> Resu
 pub enum WaitCond {
     /// `(int32)(*addr - value) >= 0`: a counter that only grows (wraps safely).
     Geq,
+    /// `*addr == value`.
     Eq,
     /// `(*addr & value) != 0`.
     And,
@@ -423,12 +439,14 @@ pub struct CompletionCounter {
 }
 
 impl CompletionCounter {
+    /// A counter in pinned host memory (host and GPU read and write it).
     pub fn host_mapped(ctx: &Context) -> Result<Arc<CompletionCounter>> {
         Ok(Arc::new(CompletionCounter {
             mem: CounterMem::Host(PinnedHostBuffer::alloc(ctx, 4)?),
         }))
     }
 
+    /// A counter in device memory (GPU traffic only).
     pub fn device(ctx: &Context) -> Result<Arc<CompletionCounter>> {
         Ok(Arc::new(CompletionCounter {
             mem: CounterMem::Device(DeviceBuffer::zeroed(ctx, 4)?),
@@ -449,6 +467,7 @@ impl CompletionCounter {
         matches!(self.mem, CounterMem::Double(_))
     }
 
+    /// The counter's device address, for kernels and stream waits.
     pub fn device_ptr(&self) -> u64 {
         match &self.mem {
             CounterMem::Host(b) => b.device_ptr(),

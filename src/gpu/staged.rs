@@ -52,7 +52,9 @@ use crate::p2p::{MemRegion, P2pTable};
 use crate::pool::Key;
 use crate::tier::{JobId, JobKind, JobResult, KeyOutcome, Tier};
 
-/// How much pinned staging the staged path holds.
+/// How much pinned staging the staged path holds: [`StagingConfig::for_blocks`]
+/// and the `with_*` setters.
+#[non_exhaustive]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct StagingConfig {
     /// Layers of loads in flight at once (each its own buffer, reused
@@ -68,6 +70,17 @@ pub struct StagingConfig {
 }
 
 impl StagingConfig {
+    /// `layer_buffers` layer buffers of `load_blocks` blocks each (larger
+    /// loads go in chunks), stores in chunks of `store_blocks` (checked when
+    /// the staged path opens).
+    pub fn new(layer_buffers: u32, load_blocks: u32, store_blocks: u32) -> StagingConfig {
+        StagingConfig {
+            layer_buffers,
+            load_blocks,
+            store_blocks,
+        }
+    }
+
     /// Defaults for KV memory of `num_blocks` blocks: 4 layer buffers of
     /// 1024 blocks (larger loads go in chunks), stores in chunks of 64.
     pub fn for_blocks(num_blocks: u32) -> StagingConfig {
@@ -76,6 +89,27 @@ impl StagingConfig {
             load_blocks: num_blocks.clamp(1, 1024),
             store_blocks: num_blocks.clamp(1, 64),
         }
+    }
+
+    /// With `layer_buffers` layer buffers.
+    #[must_use]
+    pub fn with_layer_buffers(mut self, layer_buffers: u32) -> Self {
+        self.layer_buffers = layer_buffers;
+        self
+    }
+
+    /// With loads of up to `load_blocks` blocks.
+    #[must_use]
+    pub fn with_load_blocks(mut self, load_blocks: u32) -> Self {
+        self.load_blocks = load_blocks;
+        self
+    }
+
+    /// With up to `store_blocks` blocks of stores in staging.
+    #[must_use]
+    pub fn with_store_blocks(mut self, store_blocks: u32) -> Self {
+        self.store_blocks = store_blocks;
+        self
     }
 
     /// Bytes of pinned host memory this staging takes for `g` (`u64::MAX`
@@ -247,7 +281,9 @@ impl StagingMemory {
 /// "Layer `layer` of staged load `job` is in the KV memory."
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HbmLayer {
+    /// The load.
     pub job: JobId,
+    /// The layer.
     pub layer: u32,
     /// Why some keys failed in this layer (their blocks must not be used).
     pub error: Option<Failure>,
@@ -333,8 +369,11 @@ impl LoadJob {
 /// value is never confused.
 #[derive(Clone)]
 pub struct LoadCounter {
+    /// The counter.
     pub counter: Arc<CompletionCounter>,
+    /// Its value before the load's first layer.
     pub base: u32,
+    /// The load's first layer.
     pub first_layer: u32,
     /// One past the load's last layer: the counter never reaches a value
     /// for a layer at or beyond it (a wait for one would never end).
@@ -361,7 +400,7 @@ impl LoadCounter {
     /// `stream` is a live stream of `ctx` (0: its legacy default stream),
     /// and the caller keeps `self.counter` alive until the stream has
     /// passed the wait (a foreign stream cannot hold it, as
-    /// [`Stream::keep_alive`] does for kvtier's own).
+    /// `Stream::keep_alive` does for kvtier's own).
     pub unsafe fn queue_on_raw_stream(&self, ctx: &Context, stream: u64, layer: u32) -> Result<()> {
         if !(self.first_layer..self.layers_end).contains(&layer) {
             return Err(Error::invalid(format!(
@@ -409,7 +448,7 @@ struct StoreAgg {
 }
 
 /// Job ids of the staged path start here, apart from the tier's own.
-pub const STAGED_JOB_BASE: JobId = 1 << 62;
+pub(crate) const STAGED_JOB_BASE: JobId = 1 << 62;
 
 /// The staged path's state beside a [`Tier`] whose registered memory is
 /// the staging: every call takes that tier. The tier must be drained
@@ -588,6 +627,7 @@ impl StagedPath {
         })
     }
 
+    /// Its staging settings.
     pub fn config(&self) -> &StagingConfig {
         &self.cfg
     }
@@ -1457,6 +1497,7 @@ impl StagedPath {
         self.loads.len() + self.stores.len()
     }
 
+    /// Loads in flight.
     pub fn loads_in_flight(&self) -> usize {
         self.loads.len()
     }
@@ -1514,38 +1555,47 @@ impl StagedTier {
         Ok(StagedTier { tier, path })
     }
 
+    /// The tier under the staged path.
     pub fn tier(&self) -> &Tier {
         &self.tier
     }
 
+    /// The staged path.
     pub fn path(&self) -> &StagedPath {
         &self.path
     }
 
+    /// Its staging settings.
     pub fn config(&self) -> &StagingConfig {
         self.path.config()
     }
 
+    /// The GPU KV memory it serves.
     pub fn memory(&self) -> &KvMemory {
         self.path.memory()
     }
 
+    /// The completion counter streams wait on, when there is one.
     pub fn counter(&self) -> Option<&Arc<CompletionCounter>> {
         self.path.counter()
     }
 
+    /// The value the counter takes after the next layer lands.
     pub fn next_counter_value(&self) -> u32 {
         self.path.next_counter_value()
     }
 
+    /// Per layer buffer, the (load, layer) it holds.
     pub fn buffers_in_use(&self) -> Vec<Option<(JobId, u32)>> {
         self.path.buffers_in_use()
     }
 
+    /// The counter of load `id` (while in flight).
     pub fn load_counter(&self, id: JobId) -> Option<LoadCounter> {
         self.path.load_counter(id)
     }
 
+    /// Loads `keys` into GPU memory blocks `mem_blocks` through staging, layer by layer.
     pub fn submit_load(
         &mut self,
         keys: &[Key],
@@ -1556,30 +1606,37 @@ impl StagedTier {
             .submit_load(&mut self.tier, keys, mem_blocks, layers)
     }
 
+    /// Stores GPU memory blocks `mem_blocks` under `keys`, gathered through staging.
     pub fn submit_store(&mut self, keys: &[Key], mem_blocks: &[u32]) -> Result<JobId> {
         self.path.submit_store(&mut self.tier, keys, mem_blocks)
     }
 
+    /// Advances everything in flight without blocking.
     pub fn poll(&mut self) -> Result<()> {
         self.path.poll(&mut self.tier)
     }
 
+    /// Waits for job `id` and returns its result.
     pub fn wait(&mut self, id: JobId) -> Result<JobResult> {
         self.path.wait(&mut self.tier, id)
     }
 
+    /// Waits until `layer` of load `id` is in GPU memory.
     pub fn wait_layer(&mut self, id: JobId, layer: u32) -> Result<()> {
         self.path.wait_layer(&mut self.tier, id, layer)
     }
 
+    /// Layers landed since the last call.
     pub fn layer_events(&mut self) -> Vec<HbmLayer> {
         self.path.layer_events()
     }
 
+    /// Jobs finished since the last call.
     pub fn get_finished(&mut self) -> Vec<JobResult> {
         self.path.get_finished()
     }
 
+    /// Waits for every job in flight.
     pub fn drain(&mut self) -> Result<()> {
         self.path.drain(&mut self.tier)
     }
@@ -1602,6 +1659,7 @@ pub struct LayerWait {
 }
 
 impl LayerWait {
+    /// A waiter for streams of `ctx` (the wait kernel loads on first use).
     pub fn new(ctx: &Context) -> LayerWait {
         LayerWait {
             kernel: None,

@@ -28,9 +28,13 @@ use crate::error::{Error, Result};
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct CopyDesc {
+    /// Source address.
     pub src: u64,
+    /// Destination address.
     pub dst: u64,
+    /// Bytes.
     pub len: u32,
+    /// Zero.
     pub reserved: u32,
 }
 

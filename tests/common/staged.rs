@@ -63,11 +63,7 @@ pub fn staged_over(
 }
 
 pub fn config(layer_buffers: u32, load_blocks: u32, store_blocks: u32) -> StagingConfig {
-    StagingConfig {
-        layer_buffers,
-        load_blocks,
-        store_blocks,
-    }
+    StagingConfig::new(layer_buffers, load_blocks, store_blocks)
 }
 
 /// Fill `mem` with the keys' patterns and store them, `chunk` keys a job.
