@@ -721,11 +721,15 @@ impl StagedPath {
                 "memory block {b} is the target of two keys in one load"
             )));
         }
-        if let Some(&b) = mem_blocks.iter().find(|&&b| {
-            self.stores
-                .values()
-                .any(|a| a.mem_blocks[a.next..].contains(&b))
-        }) {
+        // One set of the blocks stores still have to gather, so the check is
+        // linear in the blocks, not their product (a 64K-token load beside
+        // a large store is 4096 x 4096 blocks).
+        let ungathered: HashSet<u32> = self
+            .stores
+            .values()
+            .flat_map(|a| a.mem_blocks[a.next..].iter().copied())
+            .collect();
+        if let Some(&b) = mem_blocks.iter().find(|&&b| ungathered.contains(&b)) {
             return Err(Error::invalid(format!(
                 "memory block {b} is read by a store not yet gathered; wait for that store before loading into it"
             )));
@@ -806,10 +810,13 @@ impl StagedPath {
         mem_blocks: &[u32],
     ) -> Result<JobId> {
         self.check_blocks(keys, mem_blocks, u32::MAX, "store")?;
-        if let Some(&b) = mem_blocks
-            .iter()
-            .find(|&&b| self.loads.values().any(|j| j.hbm.contains(&b)))
-        {
+        // As for loads: one set of the loads' targets, linear in the blocks.
+        let loading: HashSet<u32> = self
+            .loads
+            .values()
+            .flat_map(|j| j.hbm.iter().copied())
+            .collect();
+        if let Some(&b) = mem_blocks.iter().find(|&&b| loading.contains(&b)) {
             return Err(Error::invalid(format!(
                 "memory block {b} is the target of a load in flight; wait for that load before storing from it"
             )));
