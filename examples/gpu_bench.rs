@@ -859,17 +859,14 @@ fn restore(args: &[String]) -> Res<()> {
             let _ = std::fs::remove_file(&self.0);
         }
     }
-    let pool = Pool::create(&PoolConfig {
-        geometry: geo,
-        model: model.clone(),
-        namespace: format!("gpu_bench/{model}"),
-        group_blocks: 64,
-        devices: vec![DeviceSpec {
-            path: path.clone(),
-            size: Some(pool_bytes),
-        }],
-        force: false,
-    })
+    let pool = Pool::create(
+        &PoolConfig::new(geo, model.clone(), format!("gpu_bench/{model}"))
+            .with_group_blocks(64)
+            .with_devices(vec![DeviceSpec {
+                path: path.clone(),
+                size: Some(pool_bytes),
+            }]),
+    )
     .map_err(e("pool create"))?;
     let _cleanup = Cleanup(path.clone());
     let mut tier = Tier::open(pool, TierConfig::default()).map_err(e("tier open"))?;

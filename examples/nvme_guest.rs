@@ -344,10 +344,7 @@ where
     A: DmaAlloc + Send + 'static,
 {
     let mut dma = new_dma();
-    let opts = ControllerOptions {
-        name: format!("{addr} ({})", args.mode),
-        ..Default::default()
-    };
+    let opts = ControllerOptions::default().with_name(format!("{addr} ({})", args.mode));
     let up = |dma: &mut A| {
         Controller::bring_up(bar.clone(), dma, opts.clone()).expect("controller bring-up")
     };
@@ -460,10 +457,7 @@ fn engine_cases<B, A>(
 {
     let up2 = || {
         let mut dma = new_dma();
-        let opts = ControllerOptions {
-            io_queues: 2,
-            ..opts.clone()
-        };
+        let opts = opts.clone().with_io_queues(2);
         let c = Controller::bring_up(bar.clone(), &mut dma, opts).expect("controller bring-up");
         (c, dma)
     };
@@ -499,19 +493,12 @@ fn engine_cases<B, A>(
     ] {
         case(r, name, || {
             let mut dma = new_dma();
-            let opts = ControllerOptions {
-                io_queues: 2,
-                extra_io_queues: 1,
-                ..opts.clone()
-            };
+            let opts = opts.clone().with_io_queues(2).with_extra_io_queues(1);
             let c = Controller::bring_up(bar.clone(), &mut dma, opts).expect("controller bring-up");
             let ns = NvmeNamespace::new(c, dma, &NvmeConfig::default()).expect("namespace");
             let line = suite::tier_llama3_8b_on(ns, &|ns| {
                 let exec = Box::new(HostGioExecutor::new().expect("host kernel"));
-                let cfg = GpuEngineConfig {
-                    prefer_sgl,
-                    ..Default::default()
-                };
+                let cfg = GpuEngineConfig::default().with_prefer_sgl(prefer_sgl);
                 Box::new(GpuEngine::new(vec![ns.clone()], exec, cfg).expect("GPU engine"))
             });
             println!("ENGINE {name}: {line}");

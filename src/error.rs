@@ -13,27 +13,47 @@
 use std::fmt;
 use std::path::PathBuf;
 
+/// kvtier's result: [`Error`] unless said otherwise.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// Everything kvtier can fail with; each message names the thing and the fix.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A model description (config.json, preset name, geometry flag) that cannot be used.
     #[error("model config {source_name}: {reason}")]
-    ModelConfig { source_name: String, reason: String },
+    ModelConfig {
+        /// The file, preset or flag.
+        source_name: String,
+        /// What is wrong with it.
+        reason: String,
+    },
 
     /// A pool opened with a geometry or namespace other than the one it was created with.
     #[error("pool {path}: {reason}")]
-    GeometryMismatch { path: PathBuf, reason: String },
+    GeometryMismatch {
+        /// The pool's first device.
+        path: PathBuf,
+        /// What differs.
+        reason: String,
+    },
 
     /// A backing file or block device that cannot hold (or cannot be) a pool.
     #[error("backing device {path}: {reason}")]
-    Backing { path: PathBuf, reason: String },
+    Backing {
+        /// The file or block device.
+        path: PathBuf,
+        /// Why it cannot be used.
+        reason: String,
+    },
 
     /// A superblock or header that fails its checks.
     #[error("pool {path}: corrupted {what}: {reason}")]
     Corrupt {
+        /// The device.
         path: PathBuf,
+        /// The structure (superblock, header).
         what: String,
+        /// The check it fails.
         reason: String,
     },
 
@@ -45,14 +65,21 @@ pub enum Error {
     #[error(
         "key {key} is not in the pool; call lookup_prefix first and load only the keys it counts"
     )]
-    UnknownKey { key: String },
+    UnknownKey {
+        /// The key, as text.
+        key: String,
+    },
 
     /// Nothing can be evicted to make room.
     #[error("pool full: {needed} block(s) needed, {free} free, {reserved} being written by stores in flight, and every stored block is pinned ({pinned} pinned); unpin finished loads, wait for stores, or create a larger pool")]
     PoolFull {
+        /// Blocks the request needs.
         needed: u64,
+        /// Blocks free.
         free: u64,
+        /// Blocks pinned by loads.
         pinned: u64,
+        /// Blocks held by stores in flight.
         reserved: u64,
     },
 
@@ -63,9 +90,13 @@ pub enum Error {
     /// An I/O that the device or kernel failed or completed short.
     #[error("I/O error on device {device} at offset {offset} ({len} bytes): {reason}")]
     Device {
+        /// The device's path or name.
         device: String,
+        /// Byte offset of the I/O.
         offset: u64,
+        /// Bytes of the I/O.
         len: u64,
+        /// What the device or kernel said.
         reason: String,
     },
 
@@ -78,15 +109,20 @@ pub enum Error {
     /// the fix; `code` is the raw CUresult when the driver returned one.
     #[error("GPU: {what}: {reason}")]
     Gpu {
+        /// The call or the thing.
         what: String,
+        /// The driver's error and the fix.
         reason: String,
+        /// The raw CUresult, when the driver returned one.
         code: Option<u32>,
     },
 
     /// A plain OS error with what we were doing when it happened.
     #[error("{context}: {source}")]
     Io {
+        /// What kvtier was doing.
         context: String,
+        /// The OS error.
         #[source]
         source: std::io::Error,
     },
@@ -104,9 +140,13 @@ pub enum Error {
     /// checksum mismatch): the block must be treated as missing.
     #[error("corrupt data for key {key} on device {device} at offset {offset}: {message}")]
     CorruptData {
+        /// The key, as text.
         key: String,
+        /// The device's path or name.
         device: String,
+        /// Byte offset of the block.
         offset: u64,
+        /// What did not match.
         message: String,
     },
 
@@ -146,7 +186,10 @@ pub enum IoCause {
     /// The kernel returned this errno.
     Errno(i32),
     /// The I/O moved `done` of its bytes.
-    Short { done: u64 },
+    Short {
+        /// Bytes moved.
+        done: u64,
+    },
     /// The NVMe controller completed the command with this status
     /// (status code type and code, as the engine reports them).
     NvmeStatus(u32),
@@ -161,10 +204,13 @@ pub enum IoCause {
 pub struct IoFailure {
     /// The device's path or name.
     pub device: String,
+    /// Byte offset of the I/O.
     pub offset: u64,
+    /// Bytes of the I/O.
     pub len: u64,
     /// "read", "write" or "flush".
     pub op: &'static str,
+    /// Why it failed.
     pub cause: IoCause,
 }
 
@@ -199,13 +245,16 @@ impl fmt::Display for IoFailure {
 /// on, the I/O that failed (when one did), and a message for people.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Failure {
+    /// What to do about it.
     pub kind: ErrorKind,
     /// The device I/O behind it, for I/O failures.
     pub io: Option<IoFailure>,
+    /// For people.
     pub message: String,
 }
 
 impl Failure {
+    /// A failure of `kind` with no device I/O behind it.
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Failure {
         Failure {
             kind,
@@ -214,6 +263,7 @@ impl Failure {
         }
     }
 
+    /// The failure of one device I/O ([`ErrorKind::Io`]).
     pub fn from_io(io: IoFailure) -> Failure {
         Failure {
             kind: ErrorKind::Io,
@@ -267,6 +317,7 @@ impl From<Error> for Failure {
 }
 
 impl Error {
+    /// An OS error while doing `context`.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         Error::Io {
             context: context.into(),
@@ -274,6 +325,7 @@ impl Error {
         }
     }
 
+    /// An argument out of its range.
     pub fn invalid(msg: impl Into<String>) -> Self {
         Error::InvalidArgument(msg.into())
     }
@@ -327,6 +379,7 @@ impl Error {
 
 /// Attach context to `std::io::Result`s.
 pub trait IoContext<T> {
+    /// An [`Error::Io`] that says `what` was being done.
     fn context(self, what: impl FnOnce() -> String) -> Result<T>;
 }
 

@@ -16,13 +16,13 @@
 //!   simulated controller for tests).
 //! - `gpu`: the CUDA driver layer (loader, contexts, green contexts, memory, DMA paths,
 //!   kernels, [`gpu::probe()`]).
-//! - `engine`: who executes IOCBs (io_uring, userspace NVMe, the GPU kernel);
+//! - `engine`: who executes IOCBs (io_uring, userspace NVMe, the GPU kernel), and
+//!   `engine::choice`, the one decision of which engine this machine can run (the
+//!   builder's automatic engine and `kvtier doctor`'s verdict);
 //!   `submitter` pairs a ring with its engine, above both.
 //! - `tier` (the single-threaded core), `sched` + `slack` + `plan` (when I/O runs),
 //!   `handle` (the thread-safe front door serving engines call: [`TierHandle`],
 //!   opened with [`TierBuilder`]).
-//! - `doctor`: what this machine can run, from the layers above (the builder's
-//!   automatic engine choice runs it).
 //!
 //! The command line (`kvtier` binary: pool, bench, replay, doctor, nvme) is the
 //! `kvtier-cli` crate in `cli/`; this crate has no CLI dependencies.
@@ -32,38 +32,64 @@
 //! fallocate, lseek, flock), `engine::uring` (io_uring through the io-uring crate,
 //! poll), `nvme::{uio, vfio, mmio}` (BAR and DMA mappings, pagemap, VFIO ioctls),
 //! `gpu::driver` (every CUDA driver call), `scratch` (the signal handler that removes
-//! scratch files), and `doctor` (the NVMe admin Identify ioctl). Everything above them
+//! scratch files), and `nvme::passthru` (the kernel driver's NVMe admin ioctl). Everything above them
 //! is safe Rust over those types.
 
-#[warn(missing_docs)]
-pub mod doctor;
+/// `with_*` setters for a config's public fields, each taking the value and
+/// returning the config: the configs are `#[non_exhaustive]`, so code outside
+/// the crate builds one from `Default` (or a constructor) and these.
+macro_rules! with_setters {
+    ($ty:ty { $($(#[$doc:meta])* $setter:ident => $field:ident : $t:ty),* $(,)? }) => {
+        impl $ty {
+            $(
+                $(#[$doc])*
+                #[must_use]
+                pub fn $setter(mut self, $field: $t) -> Self {
+                    self.$field = $field;
+                    self
+                }
+            )*
+        }
+    };
+}
+
 #[warn(missing_docs)]
 pub mod engine;
+#[warn(missing_docs)]
 pub mod error;
 #[doc(hidden)]
 pub mod fuzzing;
+#[warn(missing_docs)]
 pub mod gpu;
+#[warn(missing_docs)]
 pub mod handle;
 #[warn(missing_docs)]
 pub mod host;
+#[warn(missing_docs)]
 pub mod json;
+#[warn(missing_docs)]
 pub mod memory;
 #[warn(missing_docs)]
 pub mod model;
+#[warn(missing_docs)]
 pub mod nvme;
 #[warn(missing_docs)]
 pub mod p2p;
 #[warn(missing_docs)]
 pub mod plan;
+#[warn(missing_docs)]
 pub mod pool;
 #[warn(missing_docs)]
 pub mod ring;
+#[warn(missing_docs)]
 pub mod sched;
 #[warn(missing_docs)]
 pub mod scratch;
+#[warn(missing_docs)]
 pub mod slack;
 #[warn(missing_docs)]
 pub mod submitter;
+#[warn(missing_docs)]
 pub mod tier;
 
 pub use error::{Error, ErrorKind, Failure, IoCause, IoFailure, Result};

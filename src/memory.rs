@@ -12,6 +12,7 @@ use memmap2::{MmapOptions, MmapRaw};
 
 /// K is object 0 of a (block, layer) pair, V is object 1.
 pub const K: u32 = 0;
+/// V is object 1 of a (block, layer) pair.
 pub const V: u32 = 1;
 
 /// How the engine lays out its paged KV memory.
@@ -20,24 +21,35 @@ pub enum KvLayout {
     /// vLLM's per-layer tensors: layer `l` is one tensor shaped
     /// `(2, num_blocks, block_size, kv_heads, head_dim)` at `layer_bases[l]`,
     /// so K of block b is at `base + b*obj` and V at `base + (num_blocks + b)*obj`.
-    PerLayer { layer_bases: Vec<u64> },
+    PerLayer {
+        /// Address of each layer's tensor.
+        layer_bases: Vec<u64>,
+    },
     /// One cross-layer tensor shaped
     /// `(num_blocks, layers, 2, block_size, kv_heads, head_dim)`: a block's 2L
     /// objects are contiguous (vLLM's cross-layer offloading layout, LMCache chunks).
-    CrossLayer { base: u64 },
+    CrossLayer {
+        /// Address of the tensor.
+        base: u64,
+    },
     /// Per-layer tensors, block outermost: layer `l` is one tensor shaped
     /// `(num_blocks, 2, block_size, kv_heads, head_dim)` at `layer_bases[l]`
     /// (vLLM's CPU backend; 0.33 standardises this view), so K of block b is
     /// at `base + 2b*obj` and V right after it.
-    BlockMajor { layer_bases: Vec<u64> },
+    BlockMajor {
+        /// Address of each layer's tensor.
+        layer_bases: Vec<u64>,
+    },
 }
 
 /// Where the memory is: the engines that can reach it differ.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MemoryKind {
+    /// Host memory: every engine reaches it.
     Host,
     /// Device memory of CUDA device `ordinal` (GPU engine only).
     Gpu {
+        /// The CUDA device ordinal.
         ordinal: u32,
     },
 }
@@ -45,10 +57,13 @@ pub enum MemoryKind {
 /// A description of registered KV memory.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KvMemory {
+    /// The geometry of every block.
     pub geometry: KvGeometry,
     /// Paged blocks in the engine's KV cache (vLLM's num_gpu_blocks).
     pub num_blocks: u32,
+    /// Where each block's objects are.
     pub layout: KvLayout,
+    /// Host or GPU memory.
     pub kind: MemoryKind,
 }
 
@@ -164,6 +179,7 @@ impl KvMemory {
         Ok(())
     }
 
+    /// Bytes of all regions together.
     pub fn total_bytes(&self) -> u64 {
         self.regions().iter().map(|r| r.1).sum()
     }
@@ -189,6 +205,7 @@ unsafe impl Sync for DmaBuffer {}
 impl DmaBuffer {
     const HUGE: usize = 2 << 20;
 
+    /// `len` usable bytes, 2 MiB aligned, faulted in (hugetlbfs pages when enough are free, else transparent huge pages).
     pub fn new(len: usize) -> Result<DmaBuffer> {
         // Whole huge pages, plus one so the usable part can start 2 MiB
         // aligned: THP backs only aligned 2 MiB ranges of a mapping, and
@@ -229,19 +246,23 @@ impl DmaBuffer {
         Ok(buf)
     }
 
+    /// Start of the usable bytes.
     pub fn as_mut_ptr(&self) -> *mut u8 {
         // SAFETY: skip < HUGE, inside the mapping.
         unsafe { self.map.as_mut_ptr().add(self.skip) }
     }
 
+    /// Start of the usable bytes, as an address for DMA tables.
     pub fn addr(&self) -> u64 {
         self.as_mut_ptr() as u64
     }
 
+    /// Usable bytes.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// No usable bytes.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -263,7 +284,9 @@ pub fn hugetlb_free_bytes() -> u64 {
 /// Which layout a [`HostKvCache`] allocates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HostLayout {
+    /// One mapping per layer (vLLM's per-layer tensors).
     PerLayer,
+    /// One mapping for all layers (cross-layer, a block's objects contiguous).
     CrossLayer,
 }
 
@@ -286,6 +309,7 @@ unsafe impl Send for HostKvCache {}
 unsafe impl Sync for HostKvCache {}
 
 impl HostKvCache {
+    /// `num_blocks` blocks of `geometry` in `layout`, zeroed.
     pub fn new(geometry: KvGeometry, num_blocks: u32, layout: HostLayout) -> Result<Self> {
         geometry.validate()?;
         let obj = geometry.object_bytes();
@@ -315,10 +339,12 @@ impl HostKvCache {
         Ok(HostKvCache { maps, memory })
     }
 
+    /// The memory as the tier registers it.
     pub fn memory(&self) -> &KvMemory {
         &self.memory
     }
 
+    /// Blocks it holds.
     pub fn num_blocks(&self) -> u32 {
         self.memory.num_blocks
     }

@@ -136,7 +136,7 @@ const MAX_OBJECT_BYTES: u64 = 1 << 30;
 /// The largest config.json read. Real ones are a few KB (the largest, with
 /// label maps, well under 1 MiB); the cap keeps `--model /dev/zero`-like
 /// mistakes from reading without end.
-pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
+pub(crate) const MAX_CONFIG_BYTES: u64 = 16 << 20;
 
 /// The generic validate() has no file or preset to name; constructors pass their own.
 const GEOMETRY_SOURCE: &str = "kv geometry";

@@ -531,10 +531,7 @@ fn idle_gpu_engine_does_not_hold_cumemfree() {
         let mut engine = GpuEngine::new(
             vec![ns.clone()],
             Box::new(exec),
-            GpuEngineConfig {
-                idle_exit,
-                ..Default::default()
-            },
+            GpuEngineConfig::default().with_idle_exit(idle_exit),
         )
         .expect("GPU engine");
         let mut ring = kvtier::ring::GioRing::new(4).unwrap();

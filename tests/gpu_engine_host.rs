@@ -47,10 +47,7 @@ fn tier_llama3_8b_through_the_gpu_engine() {
                 GpuEngine::new(
                     vec![ns.clone()],
                     exec,
-                    GpuEngineConfig {
-                        prefer_sgl,
-                        ..Default::default()
-                    },
+                    GpuEngineConfig::default().with_prefer_sgl(prefer_sgl),
                 )
                 .expect("GPU engine"),
             ) as Box<dyn IoEngine>
@@ -77,16 +74,14 @@ fn errors_timeouts_and_teardown() {
         let mut engine = GpuEngine::new(
             vec![ns.clone()],
             exec,
-            GpuEngineConfig {
-                batch_timeout: Duration::from_millis(200),
+            GpuEngineConfig::default()
+                .with_batch_timeout(Duration::from_millis(200))
                 // Round 1 keeps the kernel resident between IOCBs.
-                idle_exit: if round == 0 {
+                .with_idle_exit(if round == 0 {
                     Some(Duration::ZERO)
                 } else {
                     None
-                },
-                ..Default::default()
-            },
+                }),
         )
         .unwrap_or_else(|e| panic!("engine, round {round}: {e}"));
         let mut ring = kvtier::ring::GioRing::new(4).unwrap();

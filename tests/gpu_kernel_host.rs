@@ -87,10 +87,7 @@ impl Rig {
         let mut ctrl = Controller::bring_up(
             page.clone(),
             &mut dma,
-            ControllerOptions {
-                name: "sim-gpu".into(),
-                ..Default::default()
-            },
+            ControllerOptions::default().with_name("sim-gpu".into()),
         )
         .expect("bring-up");
         let dstrd = ctrl.cap().dstrd();

@@ -162,6 +162,16 @@ fn gpu_round_robin_and_back_pressure() {
 }
 
 #[test]
+fn gpu_large_load_goes_in_chunks() {
+    let Some(ctx) = gpu("gpu_large_load_goes_in_chunks") else {
+        return;
+    };
+    for l in LAYOUTS {
+        large_load_goes_in_chunks(&GpuRig::new(&ctx, l), &format!("gpu-staged-chunked-{l:?}"));
+    }
+}
+
+#[test]
 fn gpu_store_staging_is_bounded() {
     let Some(ctx) = gpu("gpu_store_staging_is_bounded") else {
         return;

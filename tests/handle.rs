@@ -233,11 +233,9 @@ fn completions_eventfd_wakes_poll() {
 #[test]
 fn errors_carry_kinds_backpressure_io_usage() {
     let dir = TempDir::new("handle-kinds");
-    let cfg = HandleConfig {
-        policy: Policy::Sync,
-        backlog_limit_blocks: 4,
-        ..Default::default()
-    };
+    let cfg = HandleConfig::default()
+        .with_policy(Policy::Sync)
+        .with_backlog_limit_blocks(4);
     let (h, cache, faults) = faulty_handle(&dir, 4, 32, cfg);
     h.submit_store(&keys(1..4), &[0, 1, 2]).unwrap();
     let err = h.submit_store(&keys(10..12), &[3, 4]).unwrap_err();
@@ -273,10 +271,7 @@ fn drop_without_close_does_not_hang_and_keeps_acknowledged_stores() {
     let geo: KvGeometry = tiny_geometry();
     let devs = vec![dir.file("a.pool")];
     let cache = Arc::new(HostKvCache::new(geo, 16, HostLayout::PerLayer).unwrap());
-    let cfg = HandleConfig {
-        policy: Policy::Sync,
-        ..Default::default()
-    };
+    let cfg = HandleConfig::default().with_policy(Policy::Sync);
     let h = TierBuilder::default()
         .create(pool_config(geo, 4, &devs, 4))
         .config(cfg.clone())

@@ -24,13 +24,7 @@ fn sim_with(
 }
 
 fn sim(cfg: SimConfig) -> (SimController, Controller<SimController>, impl DmaAlloc) {
-    sim_with(
-        cfg,
-        ControllerOptions {
-            name: "sim".into(),
-            ..Default::default()
-        },
-    )
+    sim_with(cfg, ControllerOptions::default().with_name("sim".into()))
 }
 
 #[test]
@@ -146,12 +140,10 @@ fn flush_and_shutdown() {
 fn several_io_queues() {
     let (_sim, mut c, mut dma) = sim_with(
         SimConfig::default(),
-        ControllerOptions {
-            name: "sim".into(),
-            io_queues: 3,
-            io_depth: 4,
-            ..Default::default()
-        },
+        ControllerOptions::default()
+            .with_name("sim".into())
+            .with_io_queues(3)
+            .with_io_depth(4),
     );
     assert_eq!(c.io_queue_count(), 3);
     assert_eq!(c.io_queue(2).unwrap().qid(), 3);
@@ -251,11 +243,9 @@ fn sim_for_engine(cfg: SimConfig) -> (SimController, Controller<SimController>, 
     let c = Controller::bring_up(
         sim.clone(),
         &mut dma,
-        ControllerOptions {
-            name: "sim".into(),
-            io_queues: 2,
-            ..Default::default()
-        },
+        ControllerOptions::default()
+            .with_name("sim".into())
+            .with_io_queues(2),
     )
     .expect("bring-up");
     (sim, c, dma)
@@ -382,10 +372,7 @@ fn suite_with_doorbells_through_the_page() {
     let mut c = Controller::bring_up(
         page.clone(),
         &mut dma,
-        ControllerOptions {
-            name: "sim-page".into(),
-            ..Default::default()
-        },
+        ControllerOptions::default().with_name("sim-page".into()),
     )
     .expect("bring-up through the doorbell page");
     suite::identify(&c);
@@ -493,14 +480,13 @@ fn pool_on_a_namespace_refuses_a_filesystem_unless_forced() {
     let mut head = AlignedBuf::zeroed(4096);
     head.as_mut_slice()[1080..1082].copy_from_slice(&[0x53, 0xef]); // ext2/3/4 magic
     ns.storage().write_all_at(&head, 0).unwrap();
-    let mut cfg = PoolConfig {
-        geometry: kvtier::model::preset("llama3-8b", 16).unwrap(),
-        model: "llama3-8b".into(),
-        namespace: "t".into(),
-        group_blocks: 4,
-        devices: Vec::new(),
-        force: false,
-    };
+    let mut cfg = PoolConfig::new(
+        kvtier::model::preset("llama3-8b", 16).unwrap(),
+        "llama3-8b",
+        "t",
+    )
+    .with_group_blocks(4)
+    .with_devices(Vec::new());
     let err = Pool::create_on(&cfg, vec![ns.storage()])
         .err()
         .expect("refused")

@@ -378,10 +378,7 @@ fn verify_pool(paths: &[PathBuf], must_survive: &[u64], what: &str) -> Vec<u64> 
             "{what}: key {k} was acknowledged and resident at the power failure but is lost"
         );
     }
-    let cfg = TierConfig {
-        header_staging: 64,
-        ..TierConfig::default()
-    };
+    let cfg = TierConfig::default().with_header_staging(64);
     let mut tier = Tier::open(pool, cfg).unwrap();
     let cache = Arc::new(HostKvCache::new(geo, 16, HostLayout::PerLayer).unwrap());
     tier.register_host_cache(cache.clone()).unwrap();

@@ -73,6 +73,169 @@ fn double_corrupt_block_is_caught() {
     }
 }
 
+#[test]
+fn double_large_load_goes_in_chunks() {
+    for l in LAYOUTS {
+        large_load_goes_in_chunks(&HostRig::new(l), &format!("staged-chunked-load-{l:?}"));
+    }
+}
+
+/// As above with copies that end only when waited for
+/// (`HostCopier::deferred`): a buffer is reused for a later chunk only
+/// after its copy ended.
+#[test]
+fn double_large_load_goes_in_chunks_with_deferred_copies() {
+    use kvtier::gpu::staging::HostCopier;
+    struct Deferred(HostRig);
+    impl KvRig for Deferred {
+        fn geometry(&self) -> KvGeometry {
+            self.0.geometry()
+        }
+        fn num_blocks(&self) -> u32 {
+            self.0.num_blocks()
+        }
+        fn write_object(&self, block: u32, layer: u32, kv: u32, data: &[u8]) {
+            self.0.write_object(block, layer, kv, data)
+        }
+        fn read_object(&self, block: u32, layer: u32, kv: u32) -> Vec<u8> {
+            self.0.read_object(block, layer, kv)
+        }
+        fn clear(&self) {
+            self.0.clear()
+        }
+        fn staged(&self, tier: Tier, cfg: StagingConfig) -> StagedTier {
+            StagedTier::with_host_copier(tier, self.0 .0.clone(), cfg, HostCopier::deferred())
+                .unwrap()
+        }
+    }
+    large_load_goes_in_chunks(
+        &Deferred(HostRig::new(HostLayout::PerLayer)),
+        "staged-chunked-load-deferred",
+    );
+}
+
+/// A copy that fails on a load's last layer (the scatter's launch, or the
+/// write of the load's counter after it) still brings the load's counter
+/// to that layer's value, so a compute stream waiting on it goes on rather
+/// than hanging until a later load reuses the counter; the layer's event
+/// and `wait_layer` say it failed, its keys fail in the result, and the
+/// counter serves a next load from where it was left. On the double, whose
+/// counters are host words written in stream order like a GPU's, with
+/// copies immediate or deferred.
+#[test]
+fn double_failed_last_layer_still_releases_its_counter() {
+    use kvtier::gpu::staging::HostCopier;
+    let rig = HostRig::new(HostLayout::PerLayer);
+    let g = rig.geometry();
+    let last = g.layers - 1;
+    type MakeCopier = fn() -> HostCopier;
+    let copiers: [(&str, MakeCopier); 4] = [
+        ("scatter", || HostCopier::default().fail_scatter(g_last())),
+        ("scatter-deferred", || {
+            HostCopier::deferred().fail_scatter(g_last())
+        }),
+        ("counter", || HostCopier::default().fail_counter(g_last())),
+        ("counter-deferred", || {
+            HostCopier::deferred().fail_counter(g_last())
+        }),
+    ];
+    fn g_last() -> u32 {
+        common::tiny_geometry().layers - 1
+    }
+    for (i, (what, copier)) in copiers.into_iter().enumerate() {
+        let dir = common::TempDir::new(&format!("staged-fail-last-{i}"));
+        let pool = common::create_pool(&dir, g, 64, 1, 2);
+        let tier = Tier::open(pool, Default::default()).unwrap();
+        let mut st =
+            StagedTier::with_host_copier(tier, rig.0.clone(), config(2, 8, 8), copier()).unwrap();
+        let ks: Vec<u64> = (900..904).collect();
+        let mem: Vec<u32> = (0..4).collect();
+        store_all(&rig, &mut st, &ks, &mem, 4);
+        rig.0.clear();
+        let job = st.submit_load(&keys(&ks), &mem, 0..g.layers).unwrap();
+        let c = st.load_counter(job).expect("the double's load counter");
+        let e = st.wait_layer(job, last).unwrap_err().to_string();
+        assert!(e.contains(&format!("layer {last}")), "{what}: {e}");
+        assert_eq!(
+            c.counter.load().unwrap(),
+            c.value_for(last),
+            "{what}: a stream waiting for the failed last layer would hang"
+        );
+        let ev: Vec<_> = st
+            .layer_events()
+            .into_iter()
+            .filter(|e| e.job == job)
+            .collect();
+        assert_eq!(ev.len(), g.layers as usize, "{what}");
+        assert!(
+            ev[..last as usize].iter().all(|e| e.error.is_none()),
+            "{what}"
+        );
+        assert!(ev[last as usize].error.is_some(), "{what}");
+        let r = st.wait(job).unwrap();
+        assert_eq!(r.failures().count(), ks.len(), "{what}");
+        // The counter is reused from the value it was left at.
+        let job2 = st.submit_load(&keys(&ks), &mem, 0..2).unwrap();
+        let c2 = st.load_counter(job2).unwrap();
+        assert!(std::sync::Arc::ptr_eq(&c.counter, &c2.counter), "{what}");
+        assert_eq!(c2.base, c.value_for(last), "{what}");
+        let r2 = st.wait(job2).unwrap();
+        assert!(
+            r2.all_ok(),
+            "{what}: {:?}",
+            r2.failures().collect::<Vec<_>>()
+        );
+        assert_eq!(c.counter.load().unwrap(), c2.value_for(1), "{what}");
+        assert!(matches(&rig, 0, common::seed_of(900), 0..2), "{what}");
+    }
+}
+
+/// A chunked load (4 keys through buffers of 2) whose first chunk's copy
+/// fails: every key fails (never reported loaded), every layer's event
+/// says so in order, and the load's counter still reaches its last
+/// layer's value.
+#[test]
+fn double_failed_chunk_of_a_large_load_fails_it_and_releases_its_counter() {
+    use kvtier::gpu::staging::HostCopier;
+    let rig = HostRig::new(HostLayout::CrossLayer);
+    let g = rig.geometry();
+    for (i, copier) in [
+        HostCopier::default().fail_scatter(0),
+        HostCopier::deferred().fail_scatter(1),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let dir = common::TempDir::new(&format!("staged-fail-chunk-{i}"));
+        let pool = common::create_pool(&dir, g, 64, 1, 2);
+        let tier = Tier::open(pool, Default::default()).unwrap();
+        let mut st =
+            StagedTier::with_host_copier(tier, rig.0.clone(), config(2, 2, 8), copier).unwrap();
+        let ks: Vec<u64> = (950..954).collect();
+        let mem: Vec<u32> = (10..14).collect();
+        store_all(&rig, &mut st, &ks, &mem, 4);
+        let job = st.submit_load(&keys(&ks), &mem, 0..g.layers).unwrap();
+        let c = st.load_counter(job).unwrap();
+        let r = st.wait(job).unwrap();
+        assert_eq!(
+            r.failures().count(),
+            ks.len(),
+            "{i}: {:?}",
+            r.failures().collect::<Vec<_>>()
+        );
+        let ev: Vec<_> = st.layer_events();
+        assert_eq!(
+            ev.iter().map(|e| e.layer).collect::<Vec<_>>(),
+            (0..g.layers).collect::<Vec<_>>(),
+            "{i}"
+        );
+        assert!(ev.iter().all(|e| e.error.is_some()), "{i}: {ev:?}");
+        assert_eq!(c.counter.load().unwrap(), c.value_for(g.layers - 1), "{i}");
+        assert!(st.buffers_in_use().iter().all(Option::is_none), "{i}");
+        assert_eq!(st.tier().usage().pinned_blocks, 0, "{i}");
+    }
+}
+
 /// Bad staging sizes are refused with what to change, before anything is
 /// allocated or registered.
 #[test]
@@ -85,6 +248,37 @@ fn bad_staging_config_is_refused() {
         .err()
         .unwrap();
     assert!(e.to_string().contains("at least 2 layer buffers"), "{e}");
+}
+
+/// A store staging larger than the tier's header staging (every staged
+/// store chunk would be refused by the tier) is refused when the staged
+/// tier is built, naming both fields.
+#[test]
+fn store_blocks_past_the_header_staging_is_refused() {
+    let rig = HostRig::new(HostLayout::PerLayer);
+    for (i, (headers, store, ok)) in [(8, 8, false), (8, 9, false), (8, 7, true)]
+        .into_iter()
+        .enumerate()
+    {
+        let dir = common::TempDir::new(&format!("staged-hdr-{i}"));
+        let pool = common::create_pool(&dir, rig.geometry(), 8, 1, 2);
+        let tc = kvtier::tier::TierConfig::default().with_header_staging(headers);
+        let tier = Tier::open(pool, tc).unwrap();
+        match StagedTier::with_host_double(tier, rig.0.clone(), config(2, 4, store)) {
+            Ok(_) => assert!(
+                ok,
+                "store_blocks {store} with header_staging {headers} accepted"
+            ),
+            Err(e) => {
+                assert!(!ok, "{e}");
+                let e = e.to_string();
+                assert!(
+                    e.contains("store_blocks") && e.contains("header_staging"),
+                    "{e}"
+                );
+            }
+        }
+    }
 }
 
 /// The staged path behind a `TierHandle` (what the Python binding opens):
@@ -102,10 +296,7 @@ fn double_behind_a_tier_handle() {
     let devs = vec![dir.file("a.pool"), dir.file("b.pool")];
     let h = TierBuilder::default()
         .create(common::pool_config(geo, 8, &devs, 4))
-        .config(HandleConfig {
-            policy: Policy::Naive,
-            ..Default::default()
-        })
+        .config(HandleConfig::default().with_policy(Policy::Naive))
         .staging(config(2, 16, 8))
         .staged_host_double(rig.0.clone())
         .build()
@@ -125,9 +316,11 @@ fn double_behind_a_tier_handle() {
     let target: Vec<u32> = (0..16).collect();
     assert_eq!(h.lookup_and_pin(&keys(&ks)), 16);
     let job = h.submit_load(&keys(&ks), &target, 0..geo.layers).unwrap();
-    // The double has no GPU counters: nothing for a compute stream to wait on.
-    assert!(h.load_counter(job).unwrap().is_none());
+    // The double's load counter is a host word (no stream waits on it),
+    // at the last layer's value once the load is done.
+    let c = h.load_counter(job).unwrap().expect("a load's counter");
     let r = h.wait(job).unwrap();
+    assert_eq!(c.counter.load().unwrap(), c.value_for(geo.layers - 1));
     assert!(r.all_ok(), "{:?}", r.failures().collect::<Vec<_>>());
     h.unpin(&keys(&ks));
     for (i, &k) in ks.iter().enumerate() {
@@ -646,10 +839,7 @@ fn double_handle_chunked_store_does_not_block_the_handle() {
             let eng = Box::new(UringEngine::new(&devs, Default::default())?);
             Ok((pool, Box::new(FaultEngine::wrap(eng, f)) as _))
         })
-        .config(HandleConfig {
-            policy: Policy::Naive,
-            ..Default::default()
-        })
+        .config(HandleConfig::default().with_policy(Policy::Naive))
         .staging(config(2, 8, 2))
         .staged_host_double(rig.0.clone())
         .build()

@@ -354,14 +354,13 @@ fn sqpoll_and_no_fixed_buffers_round_trip() {
         let dir = TempDir::new("sqpoll");
         let geo = tiny_geometry();
         let pool = create_pool(&dir, geo, 8, 2, 2);
-        let cfg = TierConfig {
-            uring: kvtier::engine::uring::UringConfig::default()
+        let cfg = TierConfig::default().with_uring(
+            kvtier::engine::uring::UringConfig::default()
                 .with_queue_depth(8)
                 .with_sqpoll_idle_ms(sqpoll)
                 .with_fixed_buffers(fixed)
                 .with_defer_taskrun(false),
-            ..TierConfig::default()
-        };
+        );
         let mut tier = Tier::open(pool, cfg).unwrap();
         let cache = Arc::new(HostKvCache::new(geo, 32, HostLayout::PerLayer).unwrap());
         tier.register_host_cache(cache.clone()).unwrap();
@@ -393,10 +392,8 @@ fn sqpoll_and_no_fixed_buffers_round_trip() {
 fn defer_taskrun_round_trip_and_the_thread_rule() {
     let dir = TempDir::new("defer");
     let geo = tiny_geometry();
-    let cfg = TierConfig {
-        uring: kvtier::engine::uring::UringConfig::default().with_defer_taskrun(true),
-        ..TierConfig::default()
-    };
+    let cfg = TierConfig::default()
+        .with_uring(kvtier::engine::uring::UringConfig::default().with_defer_taskrun(true));
     let pool = create_pool(&dir, geo, 8, 1, 4);
     let mut tier = Tier::open(pool, cfg.clone()).unwrap();
     let cache = Arc::new(HostKvCache::new(geo, 32, HostLayout::PerLayer).unwrap());

@@ -111,3 +111,30 @@ fn large_store_checksums_from_the_worker_verify() {
         );
     }
 }
+
+/// A header staging past its bound (each entry is 4 KiB of host memory)
+/// or below 2 is refused when the tier is built, naming the field and the
+/// range, instead of allocating whatever was asked.
+#[test]
+fn header_staging_out_of_range_is_refused() {
+    for (i, n) in [0, 1, kvtier::tier::MAX_HEADER_STAGING + 1, u32::MAX]
+        .into_iter()
+        .enumerate()
+    {
+        let dir = TempDir::new(&format!("hdr-staging-{i}"));
+        let pool = create_pool(&dir, tiny_geometry(), 4, 1, 2);
+        let e = Tier::open(pool, TierConfig::default().with_header_staging(n))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("header_staging")
+                && e.contains(&kvtier::tier::MAX_HEADER_STAGING.to_string()),
+            "{n}: {e}"
+        );
+    }
+    let dir = TempDir::new("hdr-staging-max");
+    let pool = create_pool(&dir, tiny_geometry(), 4, 1, 2);
+    let cfg = TierConfig::default().with_header_staging(kvtier::tier::MAX_HEADER_STAGING);
+    Tier::open(pool, cfg).unwrap();
+}

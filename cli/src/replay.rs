@@ -118,17 +118,14 @@ impl ReplayRig {
         // Created new, never forced: a file or symlink already at this name
         // is refused rather than formatted.
         let pool_file = ScratchFile::create_new(&dir.join("replay.pool"), "kvtier replay")?;
-        let pool = Pool::create(&PoolConfig {
-            geometry: g,
-            model: "replay".into(),
-            namespace: "replay".into(),
-            group_blocks: group,
-            devices: vec![DeviceSpec {
-                path: pool_file.path().to_path_buf(),
-                size: Some(size),
-            }],
-            force: false,
-        })?;
+        let pool = Pool::create(
+            &PoolConfig::new(g, "replay", "replay")
+                .with_group_blocks(group)
+                .with_devices(vec![DeviceSpec {
+                    path: pool_file.path().to_path_buf(),
+                    size: Some(size),
+                }]),
+        )?;
         crate::bench::check_scratch_pool(&pool, std::slice::from_ref(&pool_file))?;
         let mut tier = Tier::open(pool, tier_cfg)?;
         let cache = Arc::new(HostKvCache::new(g, mem_blocks, HostLayout::PerLayer)?);

@@ -2,7 +2,7 @@
 //! The GPU assertions hold only where there is no NVIDIA device node
 //! (/dev/nvidiactl), so this test stays true on a GPU machine.
 
-use kvtier::doctor::Report;
+use kvtier_cli::doctor::Report;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

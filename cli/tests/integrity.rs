@@ -394,10 +394,7 @@ fn verify_cost() {
     for round in 0..8 {
         let verify = round % 2 == 0;
         let pool = Pool::open(&[dir.file("ssd0.pool")], &OpenExpect::default()).unwrap();
-        let cfg = TierConfig {
-            verify_loads: verify,
-            ..TierConfig::default()
-        };
+        let cfg = TierConfig::default().with_verify_loads(verify);
         let mut tier = Tier::open(pool, cfg).unwrap();
         tier.register_host_cache(cache.clone()).unwrap();
         let t0 = Instant::now();

@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use kvtier::pool::layout::{BlockHeader, DATA_OFFSET};
-use kvtier::pool::{DeviceSpec, Key, OpenExpect, Pool, PoolConfig};
+use kvtier::pool::{DeviceSpec, Key, OpenExpect, Pool};
 use kvtier::tier::{Tier, TierConfig};
 use kvtier::{HostKvCache, HostLayout};
 use std::os::unix::fs::FileExt;
@@ -95,13 +95,10 @@ fn reopen_with_another_models_geometry_is_refused() {
 fn backing_file_too_small_is_refused() {
     let dir = TempDir::new("small");
     let geo = tiny_geometry();
-    let cfg = PoolConfig {
-        devices: vec![DeviceSpec {
-            path: dir.file("a.pool"),
-            size: Some(1 << 20),
-        }],
-        ..pool_config(geo, 8, &[], 1)
-    };
+    let cfg = pool_config(geo, 8, &[], 1).with_devices(vec![DeviceSpec {
+        path: dir.file("a.pool"),
+        size: Some(1 << 20),
+    }]);
     let err = Pool::create(&cfg).err().unwrap().to_string();
     assert!(
         err.contains("a.pool") && err.contains("1 MiB") && err.contains("needs at least"),

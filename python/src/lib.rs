@@ -284,8 +284,9 @@ impl TierBuilder {
     }
 
     /// Pinned host staging of the staged HBM path (CUDA KV tensors):
-    /// `layer_buffers` layers of loads in flight (at least 2), loads of at
-    /// most `load_blocks` blocks, `store_blocks` blocks of stores in flight.
+    /// `layer_buffers` layers of loads in flight (at least 2), each of up to
+    /// `load_blocks` blocks (larger loads go in chunks), `store_blocks`
+    /// blocks of stores in flight.
     /// Defaults: 4 buffers, min(blocks, 1024) and min(blocks, 64).
     #[pyo3(signature = (layer_buffers = 4, load_blocks = None, store_blocks = None))]
     fn staging(
@@ -300,11 +301,11 @@ impl TierBuilder {
             )));
         }
         // Block counts left out follow the memory's size at build.
-        slf.staging = Some(StagingConfig {
+        slf.staging = Some(StagingConfig::new(
             layer_buffers,
-            load_blocks: load_blocks.unwrap_or(0),
-            store_blocks: store_blocks.unwrap_or(0),
-        });
+            load_blocks.unwrap_or(0),
+            store_blocks.unwrap_or(0),
+        ));
         Ok(slf)
     }
 
@@ -592,20 +593,20 @@ impl TierBuilder {
                 })?;
             }
             let per = (cap / paths.len() as u64) & !4095;
-            b = b.create(PoolConfig {
-                geometry: g,
-                model: named.name.clone(),
-                namespace: namespace.clone(),
-                group_blocks: slf.group_blocks,
-                devices: paths
-                    .iter()
-                    .map(|p| DeviceSpec {
-                        path: p.clone(),
-                        size: Some(per),
-                    })
-                    .collect(),
-                force: slf.create == "always",
-            });
+            b = b.create(
+                PoolConfig::new(g, named.name.clone(), namespace.clone())
+                    .with_group_blocks(slf.group_blocks)
+                    .with_devices(
+                        paths
+                            .iter()
+                            .map(|p| DeviceSpec {
+                                path: p.clone(),
+                                size: Some(per),
+                            })
+                            .collect(),
+                    )
+                    .with_force(slf.create == "always"),
+            );
         } else {
             b = b.files(paths.clone()).expect(OpenExpect {
                 geometry: Some(g),
@@ -613,10 +614,8 @@ impl TierBuilder {
             });
         }
         b = b.engine(EngineChoice::parse(&slf.engine).expect("checked by engine()"));
-        let mut cfg = HandleConfig {
-            policy: policy_of(&slf.policy).expect("checked by policy()"),
-            ..HandleConfig::default()
-        };
+        let mut cfg = HandleConfig::default()
+            .with_policy(policy_of(&slf.policy).expect("checked by policy()"));
         if let Some(n) = slf.backlog_blocks {
             cfg.backlog_limit_blocks = n;
         }
@@ -660,19 +659,19 @@ impl TierBuilder {
                 let m = memory_of(g, &regions, &layout, kind, copies_only)?;
                 if let Some(s) = slf.staging {
                     let d = StagingConfig::for_blocks(m.num_blocks);
-                    b = b.staging(StagingConfig {
-                        layer_buffers: s.layer_buffers,
-                        load_blocks: if s.load_blocks == 0 {
+                    b = b.staging(StagingConfig::new(
+                        s.layer_buffers,
+                        if s.load_blocks == 0 {
                             d.load_blocks
                         } else {
                             s.load_blocks
                         },
-                        store_blocks: if s.store_blocks == 0 {
+                        if s.store_blocks == 0 {
                             d.store_blocks
                         } else {
                             s.store_blocks
                         },
-                    });
+                    ));
                 }
                 let gpu = match kind {
                     MemoryKind::Gpu { ordinal } => Some(gpu_context(py, ordinal)?),

@@ -114,15 +114,24 @@ def test_double_partial_layers_and_reopen(tmp_path, tiny_model):
     tier.close()
 
 
-def test_double_load_larger_than_staging_is_refused(tmp_path, tiny_model):
-    t = cache("per_layer", 8)
+def test_double_load_larger_than_staging_goes_in_chunks(tmp_path, tiny_model):
+    t = cache("per_layer", 10)
     tier = builder(tmp_path, tiny_model).kv_memory(t).build()
     keys = [i + 1 for i in range(5)]
-    assert tier.wait(tier.submit_store(keys, list(range(5)))).ok  # stores go in chunks
+    src = list(range(5))
+    want = {(b, l): block_layer(t, "per_layer", b, l).clone() for b in src for l in range(LAYERS)}
+    assert tier.wait(tier.submit_store(keys, src)).ok  # stores go in chunks
     assert tier.lookup_and_pin(keys) == 5
-    with pytest.raises(kvtier.UsageError, match="load_blocks"):
-        tier.submit_load(keys, [3, 4, 5, 6, 7])
+    dst = [5, 6, 7, 8, 9]  # 5 blocks through layer buffers of 4: 2 chunks a layer
+    job = tier.submit_load(keys, dst)
+    for layer in range(LAYERS):
+        tier.wait_layer(job, layer)
+        for s, d in zip(src, dst):
+            assert torch.equal(block_layer(t, "per_layer", d, layer), want[(s, layer)])
+    assert tier.wait(job).ok
     tier.unpin(keys)
+    ev = [e for e in tier.drain_completions() if e.job == job]
+    assert [e.layer for e in ev if e.kind == "layer"] == list(range(LAYERS))
     tier.close()
 
 

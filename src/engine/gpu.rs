@@ -94,7 +94,8 @@ pub trait GioExecutor: Send {
     fn join(&mut self, timeout: Duration) -> Result<()>;
 }
 
-/// Settings of the GPU engine.
+/// Settings of the GPU engine: [`GpuEngineConfig::default`] and the `with_*` setters.
+#[non_exhaustive]
 #[derive(Clone, Debug)]
 pub struct GpuEngineConfig {
     /// NVMe queue pairs the kernel drives per device (one thread block each).
@@ -118,6 +119,19 @@ pub struct GpuEngineConfig {
     /// costs microseconds.
     pub idle_exit: Option<Duration>,
 }
+
+with_setters!(GpuEngineConfig {
+    /// With `queues_per_device` queue pairs per device.
+    with_queues_per_device => queues_per_device: u16,
+    /// With `queue_depth` entries per queue.
+    with_queue_depth => queue_depth: u16,
+    /// Preferring SGL (or forcing PRP).
+    with_prefer_sgl => prefer_sgl: bool,
+    /// With this poll budget per batch of commands.
+    with_batch_timeout => batch_timeout: Duration,
+    /// Stopping the resident kernel after this idle time (`None`: never).
+    with_idle_exit => idle_exit: Option<Duration>,
+});
 
 impl Default for GpuEngineConfig {
     fn default() -> Self {

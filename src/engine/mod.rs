@@ -4,6 +4,7 @@
 //! (CPU-driven, runs everywhere), userspace NVMe through VFIO, and the GPU
 //! engine whose CUDA kernels consume the same IOCB layout.
 
+pub mod choice;
 pub mod gpu;
 pub mod mapped;
 pub mod nvme;

@@ -725,3 +725,21 @@ impl Drop for UringEngine {
         }
     }
 }
+
+/// Whether `len` bytes of fixed buffers can be registered with `ring` here
+/// (RLIMIT_MEMLOCK room, or CAP_IPC_LOCK): registers a zeroed buffer and
+/// unregisters it; `kvtier doctor` reports the answer.
+pub fn fixed_buffers_fit(ring: &IoUring, len: usize) -> std::io::Result<()> {
+    let buf = crate::host::dio::AlignedBuf::zeroed(len);
+    let iov = [libc::iovec {
+        iov_base: buf.as_ptr() as *mut libc::c_void,
+        iov_len: buf.len(),
+    }];
+    // SAFETY: the iovec describes `buf`, which outlives the registration: it is
+    // unregistered below, before `buf` drops, and the ring is never used with it
+    // for I/O.
+    let reg = unsafe { ring.submitter().register_buffers(&iov) };
+    let _ = ring.submitter().unregister_buffers();
+    drop(buf);
+    reg
+}

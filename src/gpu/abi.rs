@@ -30,6 +30,7 @@ pub const GIO_BLOCK_THREADS: u32 = 256;
 pub const GIO_MAX_BATCH: u32 = 1024;
 /// A command id is `(generation << 10) | index in the batch`.
 pub const GIO_CID_INDEX_BITS: u32 = 10;
+/// Mask of the generation bits above the index.
 pub const GIO_CID_GEN_MASK: u32 = 0x3f;
 
 /// `kvtier_gio_kernel` mode: process the IOCBs in the gio SQ at launch, exit.
@@ -65,17 +66,21 @@ pub struct GioQueue {
     pub timeout_ns: u64,
     /// Bytes per descriptor slot, a multiple of `page_bytes`.
     pub desc_bytes: u32,
+    /// Namespace the commands address.
     pub nsid: u32,
     /// Largest transfer of one command, a multiple of the LBA size.
     pub max_transfer: u32,
     /// CC.MPS page size.
     pub page_bytes: u32,
+    /// NVMe queue id.
     pub qid: u16,
+    /// Entries of the SQ and CQ.
     pub depth: u16,
     /// log2 of the LBA size.
     pub lba_shift: u8,
     /// 1: SGLs; 0: PRPs.
     pub use_sgl: u8,
+    /// Zero.
     pub reserved0: u16,
     /// Kernel state: next SQ slot (host: 0).
     pub sq_tail: u16,
@@ -95,6 +100,7 @@ pub struct GioQueue {
     pub commands: u64,
     /// SQ tail doorbell writes.
     pub doorbells: u64,
+    /// Zero.
     pub reserved1: [u64; 2],
 }
 
@@ -115,6 +121,7 @@ pub struct GioRing {
     pub passes: u64,
     /// A power of two >= `iocb_count`.
     pub entries: u32,
+    /// IOCBs in the ring.
     pub iocb_count: u32,
     /// SQ producer counter (host, release store after the ids).
     pub sq_tail: u32,
@@ -131,6 +138,7 @@ pub struct GioRing {
     pub stop: u32,
     /// SQ ids past `iocb_count` that were skipped.
     pub bad_ids: u32,
+    /// Zero.
     pub reserved: [u32; 3],
 }
 
@@ -139,8 +147,11 @@ pub struct GioRing {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct GioDev {
+    /// Index of the device's first queue.
     pub first_queue: u16,
+    /// Queues of the device.
     pub queue_count: u16,
+    /// Zero.
     pub reserved: u32,
 }
 
@@ -156,8 +167,11 @@ pub struct GioEngine {
     pub p2p: u64,
     /// Kernel pointer to the [`GioRing`].
     pub ring: u64,
+    /// Descriptors in the P2P table.
     pub p2p_count: u64,
+    /// Queues (one thread block each).
     pub queue_count: u32,
+    /// Pool devices.
     pub dev_count: u32,
 }
 

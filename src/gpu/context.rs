@@ -39,6 +39,7 @@ impl Device {
         })
     }
 
+    /// The CUDA device ordinal.
     pub fn ordinal(&self) -> i32 {
         self.ordinal
     }
@@ -47,6 +48,7 @@ impl Device {
         self.raw
     }
 
+    /// Streaming multiprocessors of the device.
     pub fn sm_count(&self) -> Result<u32> {
         Ok(driver::device_attr(
             self.raw,
@@ -54,6 +56,7 @@ impl Device {
         )? as u32)
     }
 
+    /// (major, minor) compute capability.
     pub fn compute_capability(&self) -> Result<(i32, i32)> {
         use cudarc::driver::sys::CUdevice_attribute as A;
         Ok((
@@ -151,10 +154,12 @@ impl Context {
         })
     }
 
+    /// The device the context is on.
     pub fn device(&self) -> Device {
         self.inner.device
     }
 
+    /// Whether it is a green context (an SM partition).
     pub fn is_green(&self) -> bool {
         matches!(self.inner.kind, CtxKind::Green(_))
     }
@@ -164,6 +169,7 @@ impl Context {
         driver::ctx_set_current(self.inner.raw)
     }
 
+    /// Whether both are the same CUDA context.
     pub fn same(&self, other: &Context) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
@@ -202,11 +208,22 @@ impl Context {
         })
     }
 
+    /// A new event in this context.
     pub fn event(&self) -> Result<Event> {
         self.bind()?;
         Ok(Event {
             ctx: self.clone(),
-            raw: driver::event_create()?,
+            raw: driver::event_create(true)?,
+        })
+    }
+
+    /// An event for ordering only (no timestamps: cheaper to record);
+    /// `elapsed_ms` on it fails.
+    pub fn sync_event(&self) -> Result<Event> {
+        self.bind()?;
+        Ok(Event {
+            ctx: self.clone(),
+            raw: driver::event_create(false)?,
         })
     }
 }
@@ -261,6 +278,7 @@ unsafe impl Send for Function {}
 unsafe impl Sync for Function {}
 
 impl Function {
+    /// The function's name in its module.
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -269,8 +287,11 @@ impl Function {
 /// Grid and block shape of a launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchConfig {
+    /// Blocks in x, y, z.
     pub grid: (u32, u32, u32),
+    /// Threads per block in x, y, z.
     pub block: (u32, u32, u32),
+    /// Dynamic shared memory per block.
     pub shared_bytes: u32,
 }
 
@@ -294,6 +315,7 @@ pub struct KernelArgs {
 }
 
 impl KernelArgs {
+    /// No arguments yet.
     pub fn new() -> Self {
         Self::default()
     }
@@ -308,10 +330,12 @@ impl KernelArgs {
         self
     }
 
+    /// Arguments pushed.
     pub fn len(&self) -> usize {
         self.ptrs.len()
     }
 
+    /// No arguments pushed.
     pub fn is_empty(&self) -> bool {
         self.ptrs.is_empty()
     }
@@ -348,6 +372,7 @@ impl Drop for Stream {
 }
 
 impl Stream {
+    /// The context the stream belongs to.
     pub fn context(&self) -> &Context {
         &self.ctx
     }
@@ -420,7 +445,7 @@ impl Stream {
     }
 }
 
-/// A CUDA event (timing enabled).
+/// A CUDA event (timing enabled unless made by `Context::sync_event`).
 pub struct Event {
     ctx: Context,
     raw: CUevent,
@@ -439,11 +464,13 @@ impl Drop for Event {
 }
 
 impl Event {
+    /// Records the event on `stream`.
     pub fn record(&self, stream: &Stream) -> Result<()> {
         self.ctx.bind()?;
         driver::event_record(self.raw, stream.raw)
     }
 
+    /// Waits for the event's work to complete.
     pub fn synchronize(&self) -> Result<()> {
         driver::event_synchronize(self.raw)
     }

@@ -37,14 +37,19 @@ pub const PAGE: usize = 4096;
 /// The oldest kernel with `IOMMU_IOAS_MAP_FILE` (Linux 6.13).
 pub(crate) const IOAS_MAP_FILE_KERNEL: (u32, u32) = (6, 13);
 
+/// A way for an NVMe controller to reach GPU-visible memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum DmaPathKind {
+    /// Pinned host memory the controller reaches through the IOMMU; the GPU copies it into HBM.
     HostBounce,
+    /// GPU memory exported as dma-buf and mapped for the device through iommufd.
     DmaBuf,
+    /// GPU memory pages from nvidia_peermem (no IOMMU).
     Peermem,
 }
 
 impl DmaPathKind {
+    /// Its name in reports (`host-bounce`, `dma-buf`, `peermem`).
     pub fn name(self) -> &'static str {
         match self {
             DmaPathKind::HostBounce => "host-bounce",
@@ -82,10 +87,12 @@ impl GpuDmaRegion {
         self.bus
     }
 
+    /// Bytes of the region.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// An empty region.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -101,6 +108,7 @@ impl GpuDmaRegion {
         self.host.as_ref()
     }
 
+    /// The path the region came from.
     pub fn kind(&self) -> DmaPathKind {
         self.kind
     }
@@ -146,6 +154,7 @@ impl GpuDmaRegion {
 /// for queues (SQ, CQ) and data, DMA-contiguous for the controller and
 /// addressable by the GPU's kernels.
 pub trait GpuDmaPath {
+    /// The kind of path.
     fn kind(&self) -> DmaPathKind;
     /// `bytes` bytes aligned to `align` (a power of two) for the controller.
     fn alloc(&mut self, bytes: usize, align: usize) -> Result<GpuDmaRegion>;
@@ -234,6 +243,7 @@ pub struct DmaBufPath {
 }
 
 impl DmaBufPath {
+    /// The path for GPU memory of `ctx`.
     pub fn new(ctx: Context) -> Self {
         DmaBufPath {
             ctx,
@@ -270,6 +280,7 @@ pub struct PeermemPath {
 }
 
 impl PeermemPath {
+    /// The path.
     pub fn new() -> Self {
         PeermemPath {
             root: PathBuf::from("/"),
@@ -306,7 +317,8 @@ fn peermem_error(root: &Path) -> Error {
 
 /// What a machine offers for one path.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub(crate) struct PathCheck {
+pub struct PathCheck {
+    /// The path.
     pub kind: DmaPathKind,
     /// The machine has the prerequisites.
     pub available: bool,
@@ -370,7 +382,7 @@ fn check_dma_buf(root: &Path) -> PathCheck {
 
 /// Which paths the machine under `root` (`/` for this one; a fake tree in
 /// tests) offers.
-pub(crate) fn check_paths(root: &Path) -> Vec<PathCheck> {
+pub fn check_paths(root: &Path) -> Vec<PathCheck> {
     let iommu = non_empty_dir(&root.join("sys/class/iommu"))
         || non_empty_dir(&root.join("sys/kernel/iommu_groups"));
     let vfio = root.join("dev/vfio/vfio").exists() && root.join("sys/module/vfio_pci").exists();

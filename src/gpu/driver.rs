@@ -9,7 +9,7 @@
 //! 1. `dlopen("libcuda.so.1")` (the name the NVIDIA driver installs);
 //! 2. `dlsym("cuDriverGetVersion")` and call it: a library without it is not a
 //!    CUDA driver, and a driver older than 13.0 lacks symbols of the bindings;
-//! 3. `dlsym` of every symbol in [`REQUIRED`] (and [`GREEN`], reported apart);
+//! 3. `dlsym` of every symbol in `REQUIRED` (and `GREEN`, reported apart);
 //! 4. only then cudarc's `sys::Lib::new("libcuda.so.1")` — our own instance of
 //!    cudarc's raw function table, not its global one — inside `catch_unwind`
 //!    as a last guard; then `cuInit(0)`.
@@ -33,7 +33,7 @@ pub use sys::{CUdevResource, CUdevResourceDesc, CUgreenCtx};
 
 /// The library name the NVIDIA driver installs (the unversioned `libcuda.so`
 /// comes only with the toolkit's development files).
-pub(crate) const LIBCUDA: &CStr = c"libcuda.so.1";
+pub const LIBCUDA: &CStr = c"libcuda.so.1";
 
 /// The oldest driver API the bindings (cudarc, `cuda-13000`) can load:
 /// cudarc resolves every symbol of the 13.0 header at load time.
@@ -120,9 +120,9 @@ pub enum LoadStage {
     NotCuda,
     /// `cuDriverGetVersion` failed.
     VersionQuery,
-    /// The driver API is older than [`MIN_DRIVER_API`].
+    /// The driver API is older than `MIN_DRIVER_API`.
     TooOld,
-    /// Symbols of [`REQUIRED`] are missing.
+    /// Symbols of `REQUIRED` are missing.
     MissingSymbols,
     /// cudarc's table could not be built from the library.
     Bindings,
@@ -135,8 +135,11 @@ pub enum LoadStage {
 #[non_exhaustive]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LoadError {
+    /// The loading step that failed.
     pub stage: LoadStage,
+    /// The driver API version, when it was read.
     pub version: Option<i32>,
+    /// What failed and the fix.
     pub reason: String,
 }
 
@@ -766,13 +769,20 @@ pub(crate) fn stream_query(s: CUstream) -> Result<bool> {
     Ok(true)
 }
 
-pub(crate) fn event_create() -> Result<CUevent> {
+/// An event; `timing`: CU_EVENT_DEFAULT (timestamps, for `elapsed_ms`),
+/// else CU_EVENT_DISABLE_TIMING (ordering only, cheaper to record).
+pub(crate) fn event_create(timing: bool) -> Result<CUevent> {
     let d = driver()?;
     let mut e: CUevent = std::ptr::null_mut();
-    // SAFETY: writes one handle; CU_EVENT_DEFAULT keeps timing enabled.
+    let flags = if timing {
+        sys::CUevent_flags::CU_EVENT_DEFAULT
+    } else {
+        sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
+    };
+    // SAFETY: writes one handle.
     check(
         d,
-        unsafe { (d.lib.cuEventCreate)(&mut e, sys::CUevent_flags::CU_EVENT_DEFAULT as c_uint) },
+        unsafe { (d.lib.cuEventCreate)(&mut e, flags as c_uint) },
         || "cuEventCreate".into(),
     )?;
     Ok(e)

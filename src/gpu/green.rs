@@ -25,7 +25,9 @@ use crate::error::{Error, Result};
 /// Minimum and step of an SM group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SmGranularity {
+    /// Fewest SMs in a group.
     pub min: u32,
+    /// Group sizes are multiples of this.
     pub align: u32,
 }
 
@@ -62,9 +64,13 @@ impl SmGranularity {
 /// How `total` SMs divide into an I/O and a compute partition.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SplitPlan {
+    /// SMs of the device.
     pub total: u32,
+    /// SMs of the I/O partition.
     pub io: u32,
+    /// SMs of the compute partition.
     pub compute: u32,
+    /// The device's SM granularity.
     pub granularity: SmGranularity,
 }
 
@@ -152,10 +158,12 @@ impl GreenContext {
         Ok(GreenContext { ctx, sm_count })
     }
 
+    /// SMs the driver gave the partition.
     pub fn sm_count(&self) -> u32 {
         self.sm_count
     }
 
+    /// The green context, for streams and launches.
     pub fn context(&self) -> &Context {
         &self.ctx
     }
@@ -164,8 +172,11 @@ impl GreenContext {
 /// The I/O and compute partitions of one device.
 #[derive(Debug)]
 pub struct SmPartition {
+    /// The I/O partition.
     pub io: GreenContext,
+    /// The compute partition.
     pub compute: GreenContext,
+    /// How the SMs were divided.
     pub plan: SplitPlan,
 }
 

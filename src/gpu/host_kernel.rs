@@ -34,8 +34,11 @@ pub(crate) type WaitCounter = unsafe extern "C" fn(*const u32, u32, u64) -> i32;
 
 /// The host build's entry points.
 pub struct HostKernel {
+    /// Runs the I/O kernel's grid on CPU threads.
     pub run_grid: RunGrid,
+    /// Builds one NVMe command from an IOCTX.
     pub build_command: BuildCommand,
+    /// Waits for a completion counter to reach a value.
     pub wait_counter: WaitCounter,
 }
 

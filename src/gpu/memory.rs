@@ -24,6 +24,7 @@ pub struct DeviceBuffer {
 }
 
 impl DeviceBuffer {
+    /// `len` bytes of device memory in `ctx`.
     pub fn alloc(ctx: &Context, len: usize) -> Result<DeviceBuffer> {
         if len == 0 {
             return Err(Error::invalid("device allocation of 0 bytes"));
@@ -44,14 +45,17 @@ impl DeviceBuffer {
         Ok(b)
     }
 
+    /// The device address.
     pub fn device_ptr(&self) -> u64 {
         self.ptr
     }
 
+    /// Bytes.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// No bytes.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -76,6 +80,7 @@ impl DeviceBuffer {
         unsafe { driver::memcpy_dtoh(out, self.ptr + off as u64) }
     }
 
+    /// The whole buffer copied to the host.
     pub fn to_vec(&self) -> Result<Vec<u8>> {
         let mut v = vec![0; self.len];
         self.read(0, &mut v)?;
@@ -108,6 +113,7 @@ unsafe impl Send for PinnedHostBuffer {}
 unsafe impl Sync for PinnedHostBuffer {}
 
 impl PinnedHostBuffer {
+    /// `len` bytes of pinned, device-mapped host memory in `ctx`.
     pub fn alloc(ctx: &Context, len: usize) -> Result<PinnedHostBuffer> {
         if len == 0 {
             return Err(Error::invalid("pinned allocation of 0 bytes"));
@@ -127,6 +133,7 @@ impl PinnedHostBuffer {
         Ok(b)
     }
 
+    /// The host address.
     pub fn host_ptr(&self) -> *mut u8 {
         self.ptr
     }
@@ -136,10 +143,12 @@ impl PinnedHostBuffer {
         self.dev
     }
 
+    /// Bytes.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// No bytes.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -148,6 +157,7 @@ impl PinnedHostBuffer {
         check_range("pinned buffer", off, len, self.len)
     }
 
+    /// Copies `data` in at `off` (bounds checked).
     pub fn write(&self, off: usize, data: &[u8]) -> Result<()> {
         self.check(off, data.len())?;
         // SAFETY: in range (checked); raw copy, no reference to GPU-written memory.
@@ -155,6 +165,7 @@ impl PinnedHostBuffer {
         Ok(())
     }
 
+    /// Copies out from `off` into `out` (bounds checked).
     pub fn read(&self, off: usize, out: &mut [u8]) -> Result<()> {
         self.check(off, out.len())?;
         // SAFETY: in range (checked); raw copy.
@@ -263,18 +274,22 @@ impl HostRegistration {
         Ok(reg)
     }
 
+    /// The host address.
     pub fn host_ptr(&self) -> *mut u8 {
         self.ptr
     }
 
+    /// The device address.
     pub fn device_ptr(&self) -> u64 {
         self.dev
     }
 
+    /// Bytes.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// No bytes.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -391,6 +406,7 @@ fn check_device_region(ctx: &Context, ordinal: u32, addr: u64, len: u64) -> Resu
 pub enum WaitCond {
     /// `(int32)(*addr - value) >= 0`: a counter that only grows (wraps safely).
     Geq,
+    /// `*addr == value`.
     Eq,
     /// `(*addr & value) != 0`.
     And,
@@ -410,6 +426,8 @@ impl WaitCond {
 enum CounterMem {
     Host(PinnedHostBuffer),
     Device(DeviceBuffer),
+    /// The CPU test double's: a plain host word no GPU can reach.
+    Double(Box<std::sync::atomic::AtomicU32>),
 }
 
 /// A 32-bit completion counter in GPU-visible memory: written by kernels or
@@ -421,22 +439,40 @@ pub struct CompletionCounter {
 }
 
 impl CompletionCounter {
+    /// A counter in pinned host memory (host and GPU read and write it).
     pub fn host_mapped(ctx: &Context) -> Result<Arc<CompletionCounter>> {
         Ok(Arc::new(CompletionCounter {
             mem: CounterMem::Host(PinnedHostBuffer::alloc(ctx, 4)?),
         }))
     }
 
+    /// A counter in device memory (GPU traffic only).
     pub fn device(ctx: &Context) -> Result<Arc<CompletionCounter>> {
         Ok(Arc::new(CompletionCounter {
             mem: CounterMem::Device(DeviceBuffer::zeroed(ctx, 4)?),
         }))
     }
 
+    /// A counter in plain host memory for the CPU test double of the
+    /// staging copies ([`super::staging::HostCopier`]): it is loaded and
+    /// stored like the others, but no stream can wait on it or write it.
+    pub fn host_double() -> Arc<CompletionCounter> {
+        Arc::new(CompletionCounter {
+            mem: CounterMem::Double(Box::new(std::sync::atomic::AtomicU32::new(0))),
+        })
+    }
+
+    /// Whether this is the double's host word (no stream may use it).
+    pub fn is_double(&self) -> bool {
+        matches!(self.mem, CounterMem::Double(_))
+    }
+
+    /// The counter's device address, for kernels and stream waits.
     pub fn device_ptr(&self) -> u64 {
         match &self.mem {
             CounterMem::Host(b) => b.device_ptr(),
             CounterMem::Device(b) => b.device_ptr(),
+            CounterMem::Double(a) => a.as_ptr() as u64,
         }
     }
 
@@ -450,6 +486,7 @@ impl CompletionCounter {
                 b.read(0, &mut v)?;
                 Ok(u32::from_ne_bytes(v))
             }
+            CounterMem::Double(a) => Ok(a.load(std::sync::atomic::Ordering::Acquire)),
         }
     }
 
@@ -463,6 +500,10 @@ impl CompletionCounter {
                 Ok(())
             }
             CounterMem::Device(b) => b.write(0, &v.to_ne_bytes()),
+            CounterMem::Double(a) => {
+                a.store(v, std::sync::atomic::Ordering::Release);
+                Ok(())
+            }
         }
     }
 }
@@ -477,6 +518,7 @@ impl Stream {
         value: u32,
         cond: WaitCond,
     ) -> Result<()> {
+        refuse_double(counter)?;
         self.context().bind()?;
         // SAFETY: a 4-byte aligned GPU-visible word, kept alive by `keep_alive`
         // until the stream has passed the wait.
@@ -489,12 +531,23 @@ impl Stream {
 
     /// Queue a store of `value` into `counter` after the work queued so far.
     pub fn write_counter(&self, counter: &Arc<CompletionCounter>, value: u32) -> Result<()> {
+        refuse_double(counter)?;
         self.context().bind()?;
         // SAFETY: as in `wait_counter`.
         unsafe { driver::stream_write_value32(self.raw(), counter.device_ptr(), value)? };
         self.keep_alive(counter.clone());
         Ok(())
     }
+}
+
+/// A stream handed the CPU double's counter would write a host address.
+fn refuse_double(counter: &CompletionCounter) -> Result<()> {
+    if counter.is_double() {
+        return Err(Error::invalid(
+            "a CPU test double's counter given to a GPU stream; use a counter of the GPU's context",
+        ));
+    }
+    Ok(())
 }
 
 /// `len` bytes at `off` must lie inside a buffer of `total` bytes.

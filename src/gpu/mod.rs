@@ -5,7 +5,7 @@
 //!   function table that kvtier loads itself after probing libcuda with
 //!   `dlopen`/`dlsym` (cudarc's own loader panics without a driver). Nothing
 //!   outside `driver` calls CUDA.
-//! - [`probe`]: what the driver sees ([`probe()`]), never panicking.
+//! - [`probe`](mod@probe): what the driver sees ([`probe()`]), never panicking.
 //! - [`context`]: devices, primary contexts, modules, kernels, streams,
 //!   events — RAII types that hold their context alive.
 //! - [`green`]: green contexts and the I/O / compute SM split.

@@ -16,16 +16,23 @@ pub struct DriverInfo {
     pub version: i32,
     /// Green-context symbols libcuda lacks (empty on any 12.4+ driver).
     pub missing_green_symbols: Vec<&'static str>,
+    /// Each device the driver enumerates.
     pub devices: Vec<DeviceInfo>,
 }
 
+/// One CUDA device.
 #[non_exhaustive]
 #[derive(Clone, Debug, Serialize)]
 pub struct DeviceInfo {
+    /// CUDA ordinal.
     pub ordinal: i32,
+    /// Name as the driver reports it.
     pub name: String,
+    /// Streaming multiprocessors.
     pub sm_count: u32,
+    /// (major, minor).
     pub compute_capability: (i32, i32),
+    /// Bytes of device memory.
     pub total_memory: u64,
     /// PCI address as the driver prints it (`0000:65:00.0`).
     pub pci_bus_id: Option<String>,
@@ -137,7 +144,7 @@ pub struct ProbeFailure {
     pub reason: String,
 }
 
-/// [`probe`], with the failure in the finer steps `doctor` reports (an old driver's
+/// [`probe`], with the failure in the finer steps `kvtier doctor` reports (an old driver's
 /// version, a library that is not libcuda, `cuInit`).
 pub fn probe_detailed() -> std::result::Result<DriverInfo, ProbeFailure> {
     if let Some(e) = driver::load_error() {
@@ -155,7 +162,7 @@ pub fn probe_detailed() -> std::result::Result<DriverInfo, ProbeFailure> {
 }
 
 /// Driver API version as `major.minor` (13000 → "13.0").
-pub(crate) fn version_string(v: i32) -> String {
+pub fn version_string(v: i32) -> String {
     format!("{}.{}", v / 1000, (v % 1000) / 10)
 }
 

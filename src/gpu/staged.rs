@@ -5,7 +5,11 @@
 //! Restore. A load is run as one tier job per layer into a *layer buffer*:
 //! `layer_buffers` pinned host buffers, each holding one layer of up to
 //! `load_blocks` blocks, used round-robin (layer `l` goes to buffer
-//! `l % layer_buffers`). A layer's reads land in its buffer in the pool's
+//! `l % layer_buffers`). A load of more blocks goes in chunks of
+//! `load_blocks`, one tier job and one buffer's turn each (chunk `c` of
+//! layer `l` is unit `l * chunks + c`, in buffer `unit % layer_buffers`);
+//! a layer is announced, and the load's counter reaches its value, once
+//! all its chunks are copied. A layer's reads land in its buffer in the pool's
 //! coalesced order (the load's blocks take staging places in slot order, so
 //! a run of consecutive slots is one contiguous range on the SSD and in the
 //! buffer, K objects then V objects). When the tier has verified the layer
@@ -14,6 +18,10 @@
 //! layer's value into the completion counter: a compute stream waits on it
 //! with `cuStreamWaitValue32` ([`LayerWait`]), the host gets the layer's
 //! event once the counter has passed it, and only then is the buffer reused.
+//! A layer whose copy or counter write fails still brings the load's counter
+//! to its value (from the host once the stream's earlier work is done), so
+//! a compute stream waiting on it never hangs; its event and `wait_layer`
+//! carry the failure, and its keys fail in the load's result.
 //! A layer whose buffer is still busy waits (back-pressure), so staging
 //! stays `layer_buffers` layers however long the prefix; the reads of layer
 //! l+1 run while layer l is copied.
@@ -44,15 +52,17 @@ use crate::p2p::{MemRegion, P2pTable};
 use crate::pool::Key;
 use crate::tier::{JobId, JobKind, JobResult, KeyOutcome, Tier};
 
-/// How much pinned staging the staged path holds.
+/// How much pinned staging the staged path holds: [`StagingConfig::for_blocks`]
+/// and the `with_*` setters.
+#[non_exhaustive]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct StagingConfig {
     /// Layers of loads in flight at once (each its own buffer, reused
     /// round-robin). At least 2, so the reads of one layer overlap the copy
     /// of the one before.
     pub layer_buffers: u32,
-    /// The most blocks one load may restore (one layer buffer holds one
-    /// layer of this many blocks).
+    /// Blocks of one layer a layer buffer holds; a larger load goes through
+    /// in chunks of this many per layer (each a buffer's turn).
     pub load_blocks: u32,
     /// Blocks the stores in flight may hold in staging (all layers each);
     /// a larger store goes out in chunks of this many.
@@ -60,14 +70,46 @@ pub struct StagingConfig {
 }
 
 impl StagingConfig {
-    /// Defaults for KV memory of `num_blocks` blocks: 4 layer buffers, loads
-    /// of up to 1024 blocks, stores of up to 64.
+    /// `layer_buffers` layer buffers of `load_blocks` blocks each (larger
+    /// loads go in chunks), stores in chunks of `store_blocks` (checked when
+    /// the staged path opens).
+    pub fn new(layer_buffers: u32, load_blocks: u32, store_blocks: u32) -> StagingConfig {
+        StagingConfig {
+            layer_buffers,
+            load_blocks,
+            store_blocks,
+        }
+    }
+
+    /// Defaults for KV memory of `num_blocks` blocks: 4 layer buffers of
+    /// 1024 blocks (larger loads go in chunks), stores in chunks of 64.
     pub fn for_blocks(num_blocks: u32) -> StagingConfig {
         StagingConfig {
             layer_buffers: 4,
             load_blocks: num_blocks.clamp(1, 1024),
             store_blocks: num_blocks.clamp(1, 64),
         }
+    }
+
+    /// With `layer_buffers` layer buffers.
+    #[must_use]
+    pub fn with_layer_buffers(mut self, layer_buffers: u32) -> Self {
+        self.layer_buffers = layer_buffers;
+        self
+    }
+
+    /// With loads of up to `load_blocks` blocks.
+    #[must_use]
+    pub fn with_load_blocks(mut self, load_blocks: u32) -> Self {
+        self.load_blocks = load_blocks;
+        self
+    }
+
+    /// With up to `store_blocks` blocks of stores in staging.
+    #[must_use]
+    pub fn with_store_blocks(mut self, store_blocks: u32) -> Self {
+        self.store_blocks = store_blocks;
+        self
     }
 
     /// Bytes of pinned host memory this staging takes for `g` (`u64::MAX`
@@ -97,12 +139,15 @@ impl StagingConfig {
                 self.layer_buffers, self.load_blocks, self.store_blocks
             )));
         }
-        let objects =
-            (self.load_blocks as u64 + self.store_blocks as u64) * g.objects_per_block() as u64;
+        // Saturating: each factor is a u32, the sum of products fits a u64
+        // but not its product with a model's objects per block.
+        let objects = (self.layer_buffers as u64 * self.load_blocks as u64
+            + self.store_blocks as u64)
+            .saturating_mul(g.objects_per_block() as u64);
         if objects > u32::MAX as u64 / 2 {
             return Err(Error::invalid(format!(
-                "staging of {} load blocks and {} store blocks is {objects} objects, more than a P2P table indexes (2^31); lower StagingConfig::load_blocks or store_blocks",
-                self.load_blocks, self.store_blocks
+                "staging of {} layer buffers of {} load blocks and {} store blocks is {objects} objects, more than a P2P table indexes (2^31); lower StagingConfig::layer_buffers, load_blocks or store_blocks",
+                self.layer_buffers, self.load_blocks, self.store_blocks
             )));
         }
         match self.checked_bytes(g) {
@@ -115,10 +160,13 @@ impl StagingConfig {
     }
 }
 
-/// Where each staged object lives: staging blocks `0..load_blocks` are the
-/// layer buffers (layer `l` of block `b` in buffer `l % layer_buffers`, K
-/// objects of all blocks then V objects); blocks from `load_blocks` on are
-/// the store area (a block's 2L objects contiguous).
+/// Where each staged object lives. The tier's staging blocks
+/// `0..layer_buffers * load_blocks` are the layer buffers' places: place
+/// `t` is place `t % load_blocks` of buffer `t / load_blocks`, whatever the
+/// layer (a buffer holds one layer of one chunk of a load at a time: K
+/// objects of all its places then V objects), so a load's chunk is read
+/// into whichever buffer is its turn; the blocks after are the store area
+/// (a block's 2L objects contiguous).
 #[derive(Clone, Copy, Debug)]
 struct Layout {
     obj: u64,
@@ -148,9 +196,9 @@ impl Layout {
         2 * self.load_blocks as u64 * self.obj
     }
 
-    fn load_obj(&self, sblock: u32, layer: u32, kv: u32) -> u64 {
+    fn load_obj(&self, buffer: u32, sblock: u32, kv: u32) -> u64 {
         self.load_base
-            + (layer % self.buffers) as u64 * self.buffer_bytes()
+            + buffer as u64 * self.buffer_bytes()
             + (kv as u64 * self.load_blocks as u64 + sblock as u64) * self.obj
     }
 
@@ -159,12 +207,22 @@ impl Layout {
             + ((s as u64 * self.layers as u64 + layer as u64) * 2 + kv as u64) * self.obj
     }
 
+    /// Tier blocks that are load places (the store places follow).
+    fn load_places(&self) -> u32 {
+        self.buffers * self.load_blocks
+    }
+
+    /// The tier's block of place `sblock` of buffer `buffer`.
+    fn load_place(&self, buffer: u32, sblock: u32) -> u32 {
+        buffer * self.load_blocks + sblock
+    }
+
     /// The tier's memory block `block` (load places first, then store places).
     fn addr(&self, block: u32, layer: u32, kv: u32) -> u64 {
-        if block < self.load_blocks {
-            self.load_obj(block, layer, kv)
+        if block < self.load_places() {
+            self.load_obj(block / self.load_blocks, block % self.load_blocks, kv)
         } else {
-            self.store_obj(block - self.load_blocks, layer, kv)
+            self.store_obj(block - self.load_places(), layer, kv)
         }
     }
 
@@ -223,7 +281,9 @@ impl StagingMemory {
 /// "Layer `layer` of staged load `job` is in the KV memory."
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HbmLayer {
+    /// The load.
     pub job: JobId,
+    /// The layer.
     pub layer: u32,
     /// Why some keys failed in this layer (their blocks must not be used).
     pub error: Option<Failure>,
@@ -233,27 +293,35 @@ pub struct HbmLayer {
     pub counter: u32,
 }
 
+/// A load goes through in *units*: unit `u` is chunk `u % chunks` of layer
+/// `u / chunks` (a chunk is up to `load_blocks` of the load's keys in
+/// staging order), read into buffer `u % layer_buffers`. A load of at most
+/// `load_blocks` keys has one chunk: its units are its layers.
 struct LoadJob {
     keys: Vec<Key>,
     /// The slot each key held when the load began (for `Tier::release_job_keys`).
     slots: Vec<u64>,
     hbm: Vec<u32>,
-    /// The staging place of each key position (slot order: coalesced).
+    /// The place of each key position in its chunk's buffer (slot order:
+    /// coalesced).
     sblock: Vec<u32>,
-    /// Positions in staging order.
+    /// Positions in staging order; chunk `c` is `order[c * load_blocks..]`.
     order: Vec<u32>,
+    chunks: u32,
     layers: Range<u32>,
-    next_submit: u32,
-    next_scatter: u32,
-    /// Layers from here on are not read: no key is left to read.
-    skipped_from: Option<u32>,
+    next_submit: u64,
+    next_scatter: u64,
+    /// Units from here on are not read: no key is left to read.
+    skipped_from: Option<u64>,
     /// Why keys left out of a layer's read (dropped from the pool meanwhile)
     /// failed: that layer's event says so.
     dropped: BTreeMap<u32, Failure>,
-    /// Landed layers not yet scattered: (positions read, tier result).
-    landed: BTreeMap<u32, (Vec<u32>, JobResult)>,
-    /// Layers scattered, waiting for their copy: (layer, counter value, error).
-    copying: VecDeque<(u32, u32, Option<Failure>)>,
+    /// Landed units not yet scattered: (positions read, tier result).
+    landed: BTreeMap<u64, (Vec<u32>, Option<JobResult>)>,
+    /// Why the layer being scattered failed so far (over its chunks).
+    layer_error: Option<Failure>,
+    /// Units scattered, waiting for their copy.
+    copying: VecDeque<Copying>,
     outcomes: Vec<Option<KeyOutcome>>,
     tier_jobs_out: u32,
     announced: u32,
@@ -264,6 +332,36 @@ struct LoadJob {
     counter: Option<LoadCounter>,
 }
 
+/// A unit whose copy was started.
+struct Copying {
+    unit: u64,
+    /// The copier's counter value once it is done.
+    seq: u32,
+    /// The last chunk of its layer: the layer's event, with why it failed.
+    announce: Option<Option<Failure>>,
+}
+
+impl LoadJob {
+    fn units(&self) -> Range<u64> {
+        self.layers.start as u64 * self.chunks as u64..self.layers.end as u64 * self.chunks as u64
+    }
+
+    /// (layer, chunk) of unit `u`.
+    fn unit(&self, u: u64) -> (u32, u32) {
+        (
+            (u / self.chunks as u64) as u32,
+            (u % self.chunks as u64) as u32,
+        )
+    }
+
+    /// The positions of chunk `c`, in staging order.
+    fn chunk(&self, c: u32, load_blocks: u32) -> &[u32] {
+        let lb = load_blocks as usize;
+        let start = c as usize * lb;
+        &self.order[start..(start + lb).min(self.order.len())]
+    }
+}
+
 /// A GPU-visible counter of one load: layer `l` of a load of layers
 /// `first..` is in KV memory once the counter has reached
 /// `base + (l - first) + 1` (wrapping). Counters are reused by later loads,
@@ -271,8 +369,11 @@ struct LoadJob {
 /// value is never confused.
 #[derive(Clone)]
 pub struct LoadCounter {
+    /// The counter.
     pub counter: Arc<CompletionCounter>,
+    /// Its value before the load's first layer.
     pub base: u32,
+    /// The load's first layer.
     pub first_layer: u32,
     /// One past the load's last layer: the counter never reaches a value
     /// for a layer at or beyond it (a wait for one would never end).
@@ -299,13 +400,18 @@ impl LoadCounter {
     /// `stream` is a live stream of `ctx` (0: its legacy default stream),
     /// and the caller keeps `self.counter` alive until the stream has
     /// passed the wait (a foreign stream cannot hold it, as
-    /// [`Stream::keep_alive`] does for kvtier's own).
+    /// `Stream::keep_alive` does for kvtier's own).
     pub unsafe fn queue_on_raw_stream(&self, ctx: &Context, stream: u64, layer: u32) -> Result<()> {
         if !(self.first_layer..self.layers_end).contains(&layer) {
             return Err(Error::invalid(format!(
                 "layer {layer} is not loaded by this job (layers {}..{}): a stream waiting for it would never run",
                 self.first_layer, self.layers_end
             )));
+        }
+        if self.counter.is_double() {
+            return Err(Error::invalid(
+                "this load's counter is the CPU test double's (a host word no stream can wait on); wait on the host (wait_layer)",
+            ));
         }
         ctx.bind()?;
         // SAFETY: the caller's contract: a live stream of the bound context;
@@ -342,7 +448,7 @@ struct StoreAgg {
 }
 
 /// Job ids of the staged path start here, apart from the tier's own.
-pub const STAGED_JOB_BASE: JobId = 1 << 62;
+pub(crate) const STAGED_JOB_BASE: JobId = 1 << 62;
 
 /// The staged path's state beside a [`Tier`] whose registered memory is
 /// the staging: every call takes that tier. The tier must be drained
@@ -354,12 +460,12 @@ pub struct StagedPath {
     layout: Layout,
     target: KvMemory,
     cfg: StagingConfig,
-    /// The user of each layer buffer: (load job, layer).
-    buffers: Vec<Option<(JobId, u32)>>,
+    /// The user of each layer buffer: (load job, layer, unit).
+    buffers: Vec<Option<(JobId, u32, u64)>>,
     store_free: Vec<u32>,
     loads: BTreeMap<JobId, LoadJob>,
-    /// Tier job -> (load job, layer, positions it reads).
-    layer_jobs: HashMap<JobId, (JobId, u32, Vec<u32>)>,
+    /// Tier job -> (load job, unit, positions it reads).
+    layer_jobs: HashMap<JobId, (JobId, u64, Vec<u32>)>,
     store_jobs: HashMap<JobId, StoreJob>,
     stores: HashMap<JobId, StoreAgg>,
     finished: HashMap<JobId, JobResult>,
@@ -367,8 +473,6 @@ pub struct StagedPath {
     events: VecDeque<HbmLayer>,
     seq: u32,
     next_job: JobId,
-    /// To make loads' counters (GPU only).
-    ctx: Option<Context>,
     /// Counters of finished loads, with the value each was left at.
     spare_counters: Vec<(Arc<CompletionCounter>, u32)>,
     _target_owner: Option<Arc<HostKvCache>>,
@@ -455,9 +559,7 @@ impl StagedPath {
         let copier = CudaCopier::new(ctx, capacity)?;
         let staging = StagingMemory::pinned(ctx, cfg.bytes(&g))?;
         // SAFETY: the caller's contract for `mem`; staging is ours.
-        let mut path = unsafe { Self::new(tier, mem, Box::new(copier), staging, cfg)? };
-        path.ctx = Some(ctx.clone());
-        Ok(path)
+        unsafe { Self::new(tier, mem, Box::new(copier), staging, cfg) }
     }
 
     /// # Safety
@@ -470,6 +572,16 @@ impl StagedPath {
         cfg: StagingConfig,
     ) -> Result<StagedPath> {
         cfg.validate(&target.geometry)?;
+        // A staged store chunk of `store_blocks` new blocks is one tier
+        // store: larger than the tier's header staging, every one failed.
+        let headers = tier.config().header_staging;
+        if cfg.store_blocks >= headers {
+            return Err(Error::invalid(format!(
+                "StagingConfig::store_blocks is {} but TierConfig::header_staging is {headers}: a staged store chunk must fit the header staging (at most header_staging - 1 = {} blocks); lower store_blocks or raise header_staging",
+                cfg.store_blocks,
+                headers.saturating_sub(1)
+            )));
+        }
         target.validate_for_copies()?;
         let g = target.geometry;
         if g != *tier.pool().geometry() {
@@ -482,7 +594,7 @@ impl StagedPath {
         let layout = Layout::new(&g, &cfg, staging.buf.addr());
         let table = P2pTable::from_objects(
             g,
-            cfg.load_blocks + cfg.store_blocks,
+            layout.load_places() + cfg.store_blocks,
             MemoryKind::Host,
             layout.regions(),
             |b, l, kv| layout.addr(b, l, kv),
@@ -498,7 +610,7 @@ impl StagedPath {
             target,
             cfg,
             buffers: vec![None; cfg.layer_buffers as usize],
-            store_free: (cfg.load_blocks..cfg.load_blocks + cfg.store_blocks)
+            store_free: (layout.load_places()..layout.load_places() + cfg.store_blocks)
                 .rev()
                 .collect(),
             loads: BTreeMap::new(),
@@ -510,12 +622,12 @@ impl StagedPath {
             events: VecDeque::new(),
             seq: 0,
             next_job: STAGED_JOB_BASE,
-            ctx: None,
             spare_counters: Vec::new(),
             _target_owner: None,
         })
     }
 
+    /// Its staging settings.
     pub fn config(&self) -> &StagingConfig {
         &self.cfg
     }
@@ -532,23 +644,29 @@ impl StagedPath {
     }
 
     /// The counter value the next layer copied will carry: with one load in
-    /// flight, layer `l` of a load submitted now carries
-    /// `next_counter_value() + (l - first layer)`.
+    /// flight, of at most `load_blocks` keys (one chunk a layer), layer `l`
+    /// of a load submitted now carries `next_counter_value() + (l - first
+    /// layer)`; a larger load's layers each take one value per chunk.
     pub fn next_counter_value(&self) -> u32 {
         self.seq.wrapping_add(1)
     }
 
     /// The counter a compute stream waits on for load `id`'s layers
     /// (queue the waits right after `submit_load`, with
-    /// [`LayerWait::queue`] and [`LoadCounter::value_for`]); `None` with
-    /// the host double or once the load has finished.
+    /// [`LayerWait::queue`] and [`LoadCounter::value_for`]); `None` once
+    /// the load has finished. With the host double it is a host word
+    /// ([`CompletionCounter::host_double`]) no stream can wait on, written
+    /// as a GPU's would be.
     pub fn load_counter(&self, id: JobId) -> Option<LoadCounter> {
         self.loads.get(&id)?.counter.clone()
     }
 
     /// Which layer buffers are in use, and by what (load job, layer).
     pub fn buffers_in_use(&self) -> Vec<Option<(JobId, u32)>> {
-        self.buffers.clone()
+        self.buffers
+            .iter()
+            .map(|b| b.map(|(id, l, _)| (id, l)))
+            .collect()
     }
 
     fn check_blocks(&self, keys: &[Key], blocks: &[u32], most: u32, what: &str) -> Result<()> {
@@ -587,7 +705,9 @@ impl StagedPath {
         mem_blocks: &[u32],
         layers: Range<u32>,
     ) -> Result<JobId> {
-        self.check_blocks(keys, mem_blocks, self.cfg.load_blocks, "load")?;
+        // A load larger than a layer buffer goes in chunks: bounded by the
+        // memory's blocks (no two keys to one block).
+        self.check_blocks(keys, mem_blocks, u32::MAX, "load")?;
         let g = self.target.geometry;
         if layers.start >= layers.end || layers.end > g.layers {
             return Err(Error::invalid(format!(
@@ -601,11 +721,15 @@ impl StagedPath {
                 "memory block {b} is the target of two keys in one load"
             )));
         }
-        if let Some(&b) = mem_blocks.iter().find(|&&b| {
-            self.stores
-                .values()
-                .any(|a| a.mem_blocks[a.next..].contains(&b))
-        }) {
+        // One set of the blocks stores still have to gather, so the check is
+        // linear in the blocks, not their product (a 64K-token load beside
+        // a large store is 4096 x 4096 blocks).
+        let ungathered: HashSet<u32> = self
+            .stores
+            .values()
+            .flat_map(|a| a.mem_blocks[a.next..].iter().copied())
+            .collect();
+        if let Some(&b) = mem_blocks.iter().find(|&&b| ungathered.contains(&b)) {
             return Err(Error::invalid(format!(
                 "memory block {b} is read by a store not yet gathered; wait for that store before loading into it"
             )));
@@ -615,31 +739,28 @@ impl StagedPath {
         // Staging places in slot order: the pool's coalesced order.
         let mut order: Vec<u32> = (0..keys.len() as u32).collect();
         order.sort_by_key(|&p| slots[p as usize]);
+        let lb = self.cfg.load_blocks;
         let mut sblock = vec![0; keys.len()];
         for (i, &p) in order.iter().enumerate() {
-            sblock[p as usize] = i as u32;
+            sblock[p as usize] = i as u32 % lb;
         }
-        let counter = match &self.ctx {
-            Some(ctx) => {
-                let (counter, base) = match self.spare_counters.pop() {
-                    Some(c) => c,
-                    None => match CompletionCounter::device(ctx) {
-                        Ok(c) => (c, 0),
-                        Err(e) => {
-                            tier.release_job_keys(keys, &slots);
-                            return Err(e);
-                        }
-                    },
-                };
-                Some(LoadCounter {
-                    counter,
-                    base,
-                    first_layer: layers.start,
-                    layers_end: layers.end,
-                })
-            }
-            None => None,
+        let chunks = (keys.len() as u32).div_ceil(lb);
+        let (counter, base) = match self.spare_counters.pop() {
+            Some(c) => c,
+            None => match self.copier.new_counter() {
+                Ok(c) => (c, 0),
+                Err(e) => {
+                    tier.release_job_keys(keys, &slots);
+                    return Err(e);
+                }
+            },
         };
+        let counter = Some(LoadCounter {
+            counter,
+            base,
+            first_layer: layers.start,
+            layers_end: layers.end,
+        });
         let id = self.next_job;
         self.next_job += 1;
         let layers_len = layers.len();
@@ -652,13 +773,15 @@ impl StagedPath {
                 hbm: mem_blocks.to_vec(),
                 sblock,
                 order,
-                next_submit: layers.start,
-                next_scatter: layers.start,
+                chunks,
+                next_submit: layers.start as u64 * chunks as u64,
+                next_scatter: layers.start as u64 * chunks as u64,
                 announced: layers.start,
                 layers,
                 skipped_from: None,
                 landed: BTreeMap::new(),
                 dropped: BTreeMap::new(),
+                layer_error: None,
                 copying: VecDeque::new(),
                 outcomes: vec![None; keys.len()],
                 tier_jobs_out: 0,
@@ -687,10 +810,13 @@ impl StagedPath {
         mem_blocks: &[u32],
     ) -> Result<JobId> {
         self.check_blocks(keys, mem_blocks, u32::MAX, "store")?;
-        if let Some(&b) = mem_blocks
-            .iter()
-            .find(|&&b| self.loads.values().any(|j| j.hbm.contains(&b)))
-        {
+        // As for loads: one set of the loads' targets, linear in the blocks.
+        let loading: HashSet<u32> = self
+            .loads
+            .values()
+            .flat_map(|j| j.hbm.iter().copied())
+            .collect();
+        if let Some(&b) = mem_blocks.iter().find(|&&b| loading.contains(&b)) {
             return Err(Error::invalid(format!(
                 "memory block {b} is the target of a load in flight; wait for that load before storing from it"
             )));
@@ -871,7 +997,7 @@ impl StagedPath {
         for (i, &b) in mem_blocks.iter().enumerate() {
             for layer in 0..g.layers {
                 for kv in 0..2 {
-                    let s = places[i] - self.layout.load_blocks;
+                    let s = places[i] - self.layout.load_places();
                     list.push(CopyDesc {
                         src: self.target.object_addr(b, layer, kv),
                         dst: self.staging.dev(self.layout.store_obj(s, layer, kv)),
@@ -903,20 +1029,23 @@ impl StagedPath {
         tier.submit_store_with_crcs(keys, places, Some(&per_key))
     }
 
-    /// Submit the next layers of loads whose buffers are free.
+    /// Submit the next units of loads whose buffers are free.
     fn submit_layers(&mut self, tier: &mut Tier) {
         let b = self.cfg.layer_buffers;
+        let lb = self.cfg.load_blocks;
         let ids: Vec<JobId> = self.loads.keys().copied().collect();
         for id in ids {
             loop {
                 let job = self.loads.get_mut(&id).expect("listed");
-                let l = job.next_submit;
-                if l >= job.layers.end || job.skipped_from.is_some() {
+                let u = job.next_submit;
+                if u >= job.units().end || job.skipped_from.is_some() {
                     break;
                 }
-                if self.buffers[(l % b) as usize].is_some() {
+                let buf = (u % b as u64) as u32;
+                if self.buffers[buf as usize].is_some() {
                     break; // back-pressure: the buffer's copy is not done yet
                 }
+                let (l, c) = job.unit(u);
                 // A key another load found damaged left the pool while this
                 // one held it: it fails here, alone (named in a layer job, the
                 // tier refused the job and every key of the load failed).
@@ -936,28 +1065,42 @@ impl StagedPath {
                         job.outcomes[p] = Some(KeyOutcome::Corrupt(f));
                     }
                 }
-                let live: Vec<u32> = (0..job.keys.len() as u32)
+                if job.outcomes.iter().all(Option::is_some) {
+                    job.skipped_from = Some(u);
+                    break;
+                }
+                let live: Vec<u32> = job
+                    .chunk(c, lb)
+                    .iter()
+                    .copied()
                     .filter(|&p| job.outcomes[p as usize].is_none())
                     .collect();
                 if live.is_empty() {
-                    job.skipped_from = Some(l);
-                    break;
+                    // This chunk's keys have all failed, others' have not:
+                    // nothing to read, in order with the rest.
+                    job.landed.insert(u, (live, None));
+                    job.next_submit += 1;
+                    continue;
                 }
                 let keys: Vec<Key> = live.iter().map(|&p| job.keys[p as usize]).collect();
-                let places: Vec<u32> = live.iter().map(|&p| job.sblock[p as usize]).collect();
+                let places: Vec<u32> = live
+                    .iter()
+                    .map(|&p| self.layout.load_place(buf, job.sblock[p as usize]))
+                    .collect();
                 match tier.submit_load(&keys, &places, l..l + 1) {
                     Ok(t) => {
                         job.next_submit += 1;
                         job.tier_jobs_out += 1;
-                        self.buffers[(l % b) as usize] = Some((id, l));
-                        self.layer_jobs.insert(t, (id, l, live));
+                        self.buffers[buf as usize] = Some((id, l, u));
+                        self.layer_jobs.insert(t, (id, u, live));
                     }
                     Err(e) => {
                         let f = Failure::from(&e).context(format_args!("layer {l}"));
-                        for p in live {
-                            job.outcomes[p as usize] = Some(KeyOutcome::Failed(f.clone()));
+                        for o in job.outcomes.iter_mut().filter(|o| o.is_none()) {
+                            *o = Some(KeyOutcome::Failed(f.clone()));
                         }
-                        job.skipped_from = Some(l);
+                        job.layer_error.get_or_insert(f);
+                        job.skipped_from = Some(u);
                     }
                 }
             }
@@ -965,10 +1108,10 @@ impl StagedPath {
     }
 
     fn on_tier_result(&mut self, r: JobResult) {
-        if let Some((id, l, live)) = self.layer_jobs.remove(&r.job) {
+        if let Some((id, u, live)) = self.layer_jobs.remove(&r.job) {
             let job = self.loads.get_mut(&id).expect("a load of a layer job");
             job.tier_jobs_out -= 1;
-            job.landed.insert(l, (live, r));
+            job.landed.insert(u, (live, Some(r)));
         } else if let Some(s) = self.store_jobs.remove(&r.job) {
             self.store_free.extend(s.places);
             if let Some(a) = self.stores.get_mut(&s.id) {
@@ -986,54 +1129,105 @@ impl StagedPath {
         self.finished.insert(r.job, r);
     }
 
-    /// Scatter every landed layer that is next in its load's order.
+    /// Layer `l` of a load is done (copied, failed or skipped): the load's
+    /// counter must reach its value whatever happened, or a compute stream
+    /// waiting on it hangs until a later load reuses the counter. Written
+    /// on the copy stream after the copies; if that fails, from the host
+    /// (after what the stream holds). The error: the counter is stuck.
+    fn advance_counter(
+        copier: &mut dyn DeviceCopier,
+        c: &LoadCounter,
+        l: u32,
+        copy_failed: bool,
+    ) -> Result<()> {
+        let v = c.value_for(l);
+        if !copy_failed && copier.signal_counter(&c.counter, v).is_ok() {
+            return Ok(());
+        }
+        copier.release_counter(&c.counter, v)
+    }
+
+    /// Scatter every landed unit that is next in its load's order.
     fn scatter_landed(&mut self) -> Result<()> {
+        let b = self.cfg.layer_buffers;
+        let lb = self.cfg.load_blocks;
         let ids: Vec<JobId> = self.loads.keys().copied().collect();
         for id in ids {
             loop {
                 let job = self.loads.get_mut(&id).expect("listed");
-                let l = job.next_scatter;
-                if l >= job.layers.end {
+                let u = job.next_scatter;
+                if u >= job.units().end {
                     break;
                 }
-                if job.skipped_from.is_some_and(|s| l >= s) {
+                let (l, c) = job.unit(u);
+                let last = c + 1 == job.chunks;
+                if job.skipped_from.is_some_and(|s| u >= s) {
                     // Not read: announced with the failure once the copies
                     // before it are done.
-                    let f = Failure::new(
-                        ErrorKind::Io,
-                        format!("layer {l} not read: every key of the load failed before it"),
-                    );
-                    // A stream waiting on the load's counter must not hang:
-                    // the value goes up as if the layer had been copied.
-                    if let Some(c) = &job.counter {
-                        self.copier.signal_counter(&c.counter, c.value_for(l))?;
+                    if let Some(f) = job.dropped.remove(&l) {
+                        job.layer_error.get_or_insert(f);
                     }
-                    job.copying.push_back((l, self.seq, Some(f)));
+                    if last {
+                        let mut error = job.layer_error.take().unwrap_or_else(|| {
+                            Failure::new(
+                                ErrorKind::Io,
+                                format!(
+                                    "layer {l} not read: every key of the load failed before it"
+                                ),
+                            )
+                        });
+                        if let Some(cnt) = &job.counter {
+                            if let Err(e) =
+                                Self::advance_counter(self.copier.as_mut(), cnt, l, false)
+                            {
+                                error = error.context(format_args!(
+                                    "and its counter could not be advanced: {e}"
+                                ));
+                            }
+                        }
+                        // Announced once the copy stream has passed the
+                        // counter write, as a copied layer is.
+                        let seq = self.seq.wrapping_add(1);
+                        if self.copier.signal(seq).is_ok() {
+                            self.seq = seq;
+                        }
+                        job.copying.push_back(Copying {
+                            unit: u,
+                            seq: self.seq,
+                            announce: Some(Some(error)),
+                        });
+                    }
                     job.next_scatter += 1;
                     continue;
                 }
-                let Some((live, r)) = job.landed.remove(&l) else {
+                let Some((live, r)) = job.landed.remove(&u) else {
                     break;
                 };
-                let mut error = job.dropped.remove(&l);
-                for (i, &p) in live.iter().enumerate() {
-                    if let KeyOutcome::Failed(f) | KeyOutcome::Corrupt(f) = &r.outcomes[i] {
-                        if job.outcomes[p as usize].is_none() {
-                            job.outcomes[p as usize] = Some(r.outcomes[i].clone());
+                if let Some(f) = job.dropped.remove(&l) {
+                    job.layer_error.get_or_insert(f);
+                }
+                if let Some(r) = &r {
+                    for (i, &p) in live.iter().enumerate() {
+                        if let KeyOutcome::Failed(f) | KeyOutcome::Corrupt(f) = &r.outcomes[i] {
+                            if job.outcomes[p as usize].is_none() {
+                                job.outcomes[p as usize] = Some(r.outcomes[i].clone());
+                            }
+                            job.layer_error.get_or_insert_with(|| f.clone());
                         }
-                        error.get_or_insert_with(|| f.clone());
                     }
                 }
-                let mut list = Vec::with_capacity(2 * job.keys.len());
+                let buf = (u % b as u64) as u32;
+                let chunk = job.chunk(c, lb);
+                let mut list = Vec::with_capacity(2 * chunk.len());
                 for kv in 0..2 {
-                    for &p in &job.order {
+                    for &p in chunk {
                         if job.outcomes[p as usize].is_some() {
                             continue;
                         }
                         list.push(CopyDesc {
                             src: self.staging.dev(self.layout.load_obj(
+                                buf,
                                 job.sblock[p as usize],
-                                l,
                                 kv,
                             )),
                             dst: self.target.object_addr(job.hbm[p as usize], l, kv),
@@ -1048,24 +1242,44 @@ impl StagedPath {
                     self.copier.scatter(&list)
                 };
                 let seq = self.seq.wrapping_add(1);
+                // The load's counter only at a layer's last chunk: a compute
+                // stream waits for whole layers.
                 let copied = copied
-                    .and_then(|()| match &job.counter {
-                        Some(c) => self.copier.signal_counter(&c.counter, c.value_for(l)),
-                        None => Ok(()),
+                    .and_then(|()| match (&job.counter, last) {
+                        (Some(c), true) => self.copier.signal_counter(&c.counter, c.value_for(l)),
+                        _ => Ok(()),
                     })
                     .and_then(|()| self.copier.signal(seq));
-                let job = self.loads.get_mut(&id).expect("listed");
                 if let Err(e) = copied {
-                    let f =
+                    // Whatever of this copy did start ends before its buffer
+                    // can be read into again (its entry below carries no new
+                    // counter value to wait for).
+                    let _ = self.copier.finish();
+                    let mut f =
                         Failure::from(&e).context(format_args!("copying layer {l} to GPU memory"));
+                    if let (Some(cnt), true) = (&job.counter, last) {
+                        if let Err(e) = Self::advance_counter(self.copier.as_mut(), cnt, l, true) {
+                            f = f.context(format_args!(
+                                "and its counter could not be advanced: {e}"
+                            ));
+                        }
+                    }
                     for o in job.outcomes.iter_mut().filter(|o| o.is_none()) {
                         *o = Some(KeyOutcome::Failed(f.clone()));
                     }
-                    error.get_or_insert(f);
-                    job.copying.push_back((l, self.seq, error));
+                    job.layer_error.get_or_insert(f);
+                    job.copying.push_back(Copying {
+                        unit: u,
+                        seq: self.seq,
+                        announce: last.then(|| job.layer_error.take()),
+                    });
                 } else {
                     self.seq = seq;
-                    job.copying.push_back((l, seq, error));
+                    job.copying.push_back(Copying {
+                        unit: u,
+                        seq,
+                        announce: last.then(|| job.layer_error.take()),
+                    });
                 }
                 job.next_scatter += 1;
             }
@@ -1077,28 +1291,35 @@ impl StagedPath {
     /// loads with nothing left.
     fn retire(&mut self, tier: &mut Tier) -> Result<()> {
         let now = self.copier.signaled()?;
-        let b = self.cfg.layer_buffers;
+        let b = self.cfg.layer_buffers as u64;
         let mut done = Vec::new();
         for (&id, job) in self.loads.iter_mut() {
-            while let Some((l, s, _)) = job.copying.front() {
-                if (now.wrapping_sub(*s) as i32) < 0 {
+            while let Some(front) = job.copying.front() {
+                if (now.wrapping_sub(front.seq) as i32) < 0 {
                     break;
                 }
-                let (l, s) = (*l, *s);
-                let (_, _, error) = job.copying.pop_front().expect("front");
-                if self.buffers[(l % b) as usize] == Some((id, l)) {
-                    self.buffers[(l % b) as usize] = None;
+                let Copying {
+                    unit,
+                    seq,
+                    announce,
+                } = job.copying.pop_front().expect("front");
+                let (l, _) = job.unit(unit);
+                let buf = (unit % b) as usize;
+                if self.buffers[buf] == Some((id, l, unit)) {
+                    self.buffers[buf] = None;
                 }
-                job.announced = l + 1;
-                job.layer_errors[(l - job.layers.start) as usize] = error.clone();
-                self.events.push_back(HbmLayer {
-                    job: id,
-                    layer: l,
-                    error,
-                    counter: s,
-                });
+                if let Some(error) = announce {
+                    job.announced = l + 1;
+                    job.layer_errors[(l - job.layers.start) as usize] = error.clone();
+                    self.events.push_back(HbmLayer {
+                        job: id,
+                        layer: l,
+                        error,
+                        counter: seq,
+                    });
+                }
             }
-            if job.next_scatter >= job.layers.end
+            if job.next_scatter >= job.units().end
                 && job.copying.is_empty()
                 && job.tier_jobs_out == 0
             {
@@ -1283,6 +1504,7 @@ impl StagedPath {
         self.loads.len() + self.stores.len()
     }
 
+    /// Loads in flight.
     pub fn loads_in_flight(&self) -> usize {
         self.loads.len()
     }
@@ -1340,38 +1562,47 @@ impl StagedTier {
         Ok(StagedTier { tier, path })
     }
 
+    /// The tier under the staged path.
     pub fn tier(&self) -> &Tier {
         &self.tier
     }
 
+    /// The staged path.
     pub fn path(&self) -> &StagedPath {
         &self.path
     }
 
+    /// Its staging settings.
     pub fn config(&self) -> &StagingConfig {
         self.path.config()
     }
 
+    /// The GPU KV memory it serves.
     pub fn memory(&self) -> &KvMemory {
         self.path.memory()
     }
 
+    /// The completion counter streams wait on, when there is one.
     pub fn counter(&self) -> Option<&Arc<CompletionCounter>> {
         self.path.counter()
     }
 
+    /// The value the counter takes after the next layer lands.
     pub fn next_counter_value(&self) -> u32 {
         self.path.next_counter_value()
     }
 
+    /// Per layer buffer, the (load, layer) it holds.
     pub fn buffers_in_use(&self) -> Vec<Option<(JobId, u32)>> {
         self.path.buffers_in_use()
     }
 
+    /// The counter of load `id` (while in flight).
     pub fn load_counter(&self, id: JobId) -> Option<LoadCounter> {
         self.path.load_counter(id)
     }
 
+    /// Loads `keys` into GPU memory blocks `mem_blocks` through staging, layer by layer.
     pub fn submit_load(
         &mut self,
         keys: &[Key],
@@ -1382,30 +1613,37 @@ impl StagedTier {
             .submit_load(&mut self.tier, keys, mem_blocks, layers)
     }
 
+    /// Stores GPU memory blocks `mem_blocks` under `keys`, gathered through staging.
     pub fn submit_store(&mut self, keys: &[Key], mem_blocks: &[u32]) -> Result<JobId> {
         self.path.submit_store(&mut self.tier, keys, mem_blocks)
     }
 
+    /// Advances everything in flight without blocking.
     pub fn poll(&mut self) -> Result<()> {
         self.path.poll(&mut self.tier)
     }
 
+    /// Waits for job `id` and returns its result.
     pub fn wait(&mut self, id: JobId) -> Result<JobResult> {
         self.path.wait(&mut self.tier, id)
     }
 
+    /// Waits until `layer` of load `id` is in GPU memory.
     pub fn wait_layer(&mut self, id: JobId, layer: u32) -> Result<()> {
         self.path.wait_layer(&mut self.tier, id, layer)
     }
 
+    /// Layers landed since the last call.
     pub fn layer_events(&mut self) -> Vec<HbmLayer> {
         self.path.layer_events()
     }
 
+    /// Jobs finished since the last call.
     pub fn get_finished(&mut self) -> Vec<JobResult> {
         self.path.get_finished()
     }
 
+    /// Waits for every job in flight.
     pub fn drain(&mut self) -> Result<()> {
         self.path.drain(&mut self.tier)
     }
@@ -1428,6 +1666,7 @@ pub struct LayerWait {
 }
 
 impl LayerWait {
+    /// A waiter for streams of `ctx` (the wait kernel loads on first use).
     pub fn new(ctx: &Context) -> LayerWait {
         LayerWait {
             kernel: None,
@@ -1475,11 +1714,12 @@ impl LayerWait {
 mod tests {
     use super::*;
 
-    /// Layer buffers repeat every `layer_buffers` layers, K objects of the
-    /// load places then V objects; the store area follows the buffers with a
-    /// block's 2L objects together; nothing of one overlaps the other.
+    /// Load places are a buffer's whatever the layer: place `t` is place
+    /// `t % load_blocks` of buffer `t / load_blocks`, K objects of a buffer
+    /// then V objects; the store area follows the buffers with a block's 2L
+    /// objects together; nothing of one overlaps the other.
     #[test]
-    fn staging_layout_reuses_buffers_round_robin() {
+    fn staging_layout_places_chunks_in_buffers() {
         let g = KvGeometry {
             layers: 6,
             kv_heads: 2,
@@ -1494,27 +1734,29 @@ mod tests {
         };
         let obj = g.object_bytes();
         let l = Layout::new(&g, &cfg, 1 << 30);
+        assert_eq!(l.load_places(), 6);
         assert_eq!(l.addr(0, 0, 0), 1 << 30);
         assert_eq!(l.addr(2, 0, 0), (1 << 30) + 2 * obj);
         assert_eq!(l.addr(0, 0, 1), (1 << 30) + 3 * obj);
-        assert_eq!(l.addr(1, 1, 0), (1 << 30) + 6 * obj + obj);
-        for b in 0..3 {
+        assert_eq!(l.addr(l.load_place(1, 1), 1, 0), (1 << 30) + 6 * obj + obj);
+        for t in 0..6 {
             for kv in 0..2 {
+                assert_eq!(l.addr(t, 4, kv), l.addr(t, 0, kv), "any layer");
                 assert_eq!(
-                    l.addr(b, 4, kv),
-                    l.addr(b, 0, kv),
-                    "layer 4 reuses buffer 0"
+                    l.addr(t, 1, kv),
+                    l.load_obj(t / 3, t % 3, kv),
+                    "place {t} is buffer {}'s",
+                    t / 3
                 );
-                assert_eq!(l.addr(b, 5, kv), l.addr(b, 1, kv));
             }
         }
         let store0 = (1 << 30) + 2 * 6 * obj;
-        assert_eq!(l.addr(3, 0, 0), store0);
-        assert_eq!(l.addr(3, 5, 1), store0 + 11 * obj);
-        assert_eq!(l.addr(4, 0, 0), store0 + 12 * obj);
+        assert_eq!(l.addr(6, 0, 0), store0);
+        assert_eq!(l.addr(6, 5, 1), store0 + 11 * obj);
+        assert_eq!(l.addr(7, 0, 0), store0 + 12 * obj);
         let r = l.regions();
         assert_eq!(r[0].addr + r[0].len, r[1].addr);
         assert_eq!(r[0].len + r[1].len, cfg.bytes(&g));
-        assert_eq!(l.addr(4, 5, 1) + obj, r[1].addr + r[1].len);
+        assert_eq!(l.addr(7, 5, 1) + obj, r[1].addr + r[1].len);
     }
 }

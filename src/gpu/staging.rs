@@ -17,7 +17,7 @@ use bytemuck::{Pod, Zeroable};
 use std::sync::Arc;
 
 use super::{
-    kernels, CompletionCounter, Context, Function, KernelArgs, LaunchConfig, Module,
+    kernels, CompletionCounter, Context, Event, Function, KernelArgs, LaunchConfig, Module,
     PinnedHostBuffer, Stream,
 };
 use crate::error::{Error, Result};
@@ -28,14 +28,23 @@ use crate::error::{Error, Result};
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct CopyDesc {
+    /// Source address.
     pub src: u64,
+    /// Destination address.
     pub dst: u64,
+    /// Bytes.
     pub len: u32,
+    /// Zero.
     pub reserved: u32,
 }
 
 const _: () = assert!(size_of::<CopyDesc>() == 24);
 const _: () = assert!(std::mem::offset_of!(CopyDesc, len) == 16);
+
+/// Copy lists a [`CudaCopier`] fills in turn: more than the staged path's
+/// layer buffers (4 by default), so a list is normally long done with when
+/// it comes round again.
+const COPY_LISTS: usize = 8;
 
 /// Threads per block of the gather kernel (`KVTIER_STAGING_THREADS`).
 const STAGING_THREADS: u32 = 256;
@@ -67,13 +76,24 @@ pub trait DeviceCopier: Send {
     /// counter: one load's own) becomes `value`. Only for copiers that have
     /// a [`Self::counter`].
     fn signal_counter(&mut self, counter: &Arc<CompletionCounter>, value: u32) -> Result<()>;
+    /// After a copy or a counter write failed: `counter` becomes `value` at
+    /// once, from the host, after whatever was started before (so a later
+    /// write of an older value cannot undo it), and a stream waiting on it
+    /// goes on instead of hanging until a later load reuses the counter.
+    fn release_counter(&mut self, counter: &Arc<CompletionCounter>, value: u32) -> Result<()>;
+    /// A counter for one load, of the kind `signal_counter` writes.
+    fn new_counter(&self) -> Result<Arc<CompletionCounter>>;
 }
 
 /// The test double: the same copies done by the CPU on host addresses.
 /// By default a copy is done when the call returns; [`HostCopier::deferred`]
-/// holds scatters (and the counter) back until [`DeviceCopier::finish`],
+/// holds scatters (and the counters) back until [`DeviceCopier::finish`],
 /// as a GPU's asynchronous copies do, so the staged path's waiting for a
-/// copy is tested on the CPU too.
+/// copy is tested on the CPU too. Loads' counters are host words
+/// ([`CompletionCounter::host_double`]) written in stream order as a GPU's
+/// are, so what a compute stream waiting on one would see is tested too;
+/// [`HostCopier::fail_scatter`] / [`HostCopier::fail_counter`] make a call
+/// fail as a launch or a stream write can on a GPU.
 #[derive(Default)]
 pub struct HostCopier {
     crcs: Vec<u32>,
@@ -81,15 +101,45 @@ pub struct HostCopier {
     deferred: bool,
     pending: Vec<CopyDesc>,
     pending_counter: Option<u32>,
+    /// Loads' counter writes not yet done (deferred), in order.
+    pending_counters: Vec<(Arc<CompletionCounter>, u32)>,
+    scatters: u32,
+    counter_writes: u32,
+    fail_scatter: Option<u32>,
+    fail_counter: Option<u32>,
 }
 
 impl HostCopier {
-    /// A double whose scatters and counter advance only at `finish`.
+    /// A double whose scatters and counters advance only at `finish`.
     pub fn deferred() -> HostCopier {
         HostCopier {
             deferred: true,
             ..HostCopier::default()
         }
+    }
+
+    /// The `n`th scatter (from 0) fails and copies nothing, as a failed launch.
+    pub fn fail_scatter(mut self, n: u32) -> HostCopier {
+        self.fail_scatter = Some(n);
+        self
+    }
+
+    /// The `n`th write of a load's counter (from 0) fails and writes nothing.
+    pub fn fail_counter(mut self, n: u32) -> HostCopier {
+        self.fail_counter = Some(n);
+        self
+    }
+
+    /// Everything started is done: copies, then counters, in order.
+    fn drain(&mut self) -> Result<()> {
+        self.pending.drain(..).for_each(|c| HostCopier::copy(&c));
+        for (c, v) in self.pending_counters.drain(..) {
+            c.store(v)?;
+        }
+        if let Some(v) = self.pending_counter.take() {
+            self.counter = v;
+        }
+        Ok(())
     }
 
     fn copy(c: &CopyDesc) {
@@ -108,6 +158,14 @@ impl HostCopier {
 impl DeviceCopier for HostCopier {
     fn scatter(&mut self, list: &[CopyDesc]) -> Result<()> {
         self.crcs.clear();
+        let n = self.scatters;
+        self.scatters += 1;
+        if self.fail_scatter == Some(n) {
+            return Err(Error::gpu(
+                "staging scatter (host double)",
+                format!("scatter {n} fails as asked"),
+            ));
+        }
         if self.deferred {
             self.pending.extend_from_slice(list);
         } else {
@@ -130,10 +188,7 @@ impl DeviceCopier for HostCopier {
     }
 
     fn finish(&mut self) -> Result<Vec<u32>> {
-        self.pending.drain(..).for_each(|c| HostCopier::copy(&c));
-        if let Some(v) = self.pending_counter.take() {
-            self.counter = v;
-        }
+        self.drain()?;
         Ok(std::mem::take(&mut self.crcs))
     }
 
@@ -150,10 +205,30 @@ impl DeviceCopier for HostCopier {
         Ok(self.counter)
     }
 
-    fn signal_counter(&mut self, _: &Arc<CompletionCounter>, _: u32) -> Result<()> {
-        Err(Error::invalid(
-            "the host double of the staging copies has no GPU counters",
-        ))
+    fn signal_counter(&mut self, counter: &Arc<CompletionCounter>, value: u32) -> Result<()> {
+        let n = self.counter_writes;
+        self.counter_writes += 1;
+        if self.fail_counter == Some(n) {
+            return Err(Error::gpu(
+                "counter write (host double)",
+                format!("counter write {n} fails as asked"),
+            ));
+        }
+        if self.deferred {
+            self.pending_counters.push((counter.clone(), value));
+            Ok(())
+        } else {
+            counter.store(value)
+        }
+    }
+
+    fn release_counter(&mut self, counter: &Arc<CompletionCounter>, value: u32) -> Result<()> {
+        self.drain()?;
+        counter.store(value)
+    }
+
+    fn new_counter(&self) -> Result<Arc<CompletionCounter>> {
+        Ok(CompletionCounter::host_double())
     }
 }
 
@@ -164,10 +239,18 @@ pub struct CudaCopier {
     stream: Stream,
     scatter_fn: Function,
     gather_fn: Function,
-    list: PinnedHostBuffer,
+    /// Copy lists, used in turn: a launch reads its list while the next
+    /// ones are written, so layer l+1's copy is queued while layer l's runs
+    /// (one list synchronized the stream before every launch). Each list's
+    /// event is recorded after the launch that reads it and waited for
+    /// only when that list comes round again.
+    lists: Vec<(PinnedHostBuffer, Event, bool)>,
+    next_list: usize,
     crcs: PinnedHostBuffer,
     capacity: usize,
     last_gather: usize,
+    /// A gather writes `crcs` and `finish` has not read them yet.
+    crcs_busy: bool,
     sms: u32,
     counter: Arc<CompletionCounter>,
     _module: Module,
@@ -196,10 +279,20 @@ impl CudaCopier {
             stream: ctx.stream()?,
             scatter_fn: module.function("kvtier_scatter")?,
             gather_fn: module.function("kvtier_gather_crc32c")?,
-            list: PinnedHostBuffer::alloc(ctx, capacity * size_of::<CopyDesc>())?,
+            lists: (0..COPY_LISTS)
+                .map(|_| {
+                    Ok((
+                        PinnedHostBuffer::alloc(ctx, capacity * size_of::<CopyDesc>())?,
+                        ctx.sync_event()?,
+                        false,
+                    ))
+                })
+                .collect::<Result<_>>()?,
+            next_list: 0,
             crcs: PinnedHostBuffer::alloc(ctx, capacity * 4)?,
             capacity,
             last_gather: 0,
+            crcs_busy: false,
             sms: ctx.device().sm_count()?,
             // Host-mapped: the host polls it to reuse staging, streams wait on it.
             counter: CompletionCounter::host_mapped(ctx)?,
@@ -213,7 +306,9 @@ impl CudaCopier {
         &self.stream
     }
 
-    fn load_list(&mut self, list: &[CopyDesc]) -> Result<u32> {
+    /// Write `list` into the next copy list: (its device address, copies).
+    /// Only the launch that last read that list is waited for.
+    fn load_list(&mut self, list: &[CopyDesc]) -> Result<(u64, u32)> {
         if list.len() > self.capacity {
             return Err(Error::invalid(format!(
                 "{} copies in one call; this copier takes at most {}",
@@ -221,10 +316,23 @@ impl CudaCopier {
                 self.capacity
             )));
         }
-        // The list buffer is reused: the previous launch must be done with it.
-        self.stream.synchronize()?;
-        self.list.write(0, bytemuck::cast_slice(list))?;
-        Ok(list.len() as u32)
+        let (buf, done, used) = &mut self.lists[self.next_list];
+        if *used {
+            done.synchronize()?;
+            *used = false;
+        }
+        buf.write(0, bytemuck::cast_slice(list))?;
+        Ok((buf.device_ptr(), list.len() as u32))
+    }
+
+    /// After a launch that reads the current list: mark where it is done
+    /// with it, and move on to the next list.
+    fn launched(&mut self) -> Result<()> {
+        let (_, done, used) = &mut self.lists[self.next_list];
+        done.record(&self.stream)?;
+        *used = true;
+        self.next_list = (self.next_list + 1) % self.lists.len();
+        Ok(())
     }
 
     fn grid(&self, n: u32) -> u32 {
@@ -234,47 +342,59 @@ impl CudaCopier {
 
 impl DeviceCopier for CudaCopier {
     fn scatter(&mut self, list: &[CopyDesc]) -> Result<()> {
-        let n = self.load_list(list)?;
         self.last_gather = 0;
-        if n == 0 {
+        if list.is_empty() {
             return Ok(());
         }
-        let mut a = KernelArgs::new().arg(self.list.device_ptr()).arg(n);
-        // SAFETY: kvtier_scatter(list, n): the list lives in self.list until
-        // the next call synchronizes; the copies' ranges are the caller's
-        // GPU-visible memory.
+        let (dev, n) = self.load_list(list)?;
+        let mut a = KernelArgs::new().arg(dev).arg(n);
+        // SAFETY: kvtier_scatter(list, n): the list is not written again
+        // before the event `launched` records after this launch has passed;
+        // the copies' ranges are the caller's GPU-visible memory.
         unsafe {
             self.stream.launch(
                 &self.scatter_fn,
                 LaunchConfig::linear(self.grid(n), STAGING_THREADS),
                 &mut a,
-            )
-        }
+            )?
+        };
+        self.launched()
     }
 
     fn gather_crc32c(&mut self, list: &[CopyDesc]) -> Result<()> {
-        let n = self.load_list(list)?;
-        self.last_gather = n as usize;
-        if n == 0 {
+        self.last_gather = 0;
+        if list.is_empty() {
             return Ok(());
         }
+        // One checksum buffer: a previous gather not yet finished (its
+        // checksums unread) must end before this one writes it. Scatters in
+        // flight are not waited for: a store does not wait for loads' copies.
+        if self.crcs_busy {
+            self.stream.synchronize()?;
+        }
+        let (dev, n) = self.load_list(list)?;
+        self.crcs_busy = true;
+        self.last_gather = n as usize;
         let mut a = KernelArgs::new()
-            .arg(self.list.device_ptr())
+            .arg(dev)
             .arg(n)
             .arg(self.crcs.device_ptr());
-        // SAFETY: kvtier_gather_crc32c(list, n, crc): list and crc live in
-        // self until the next call synchronizes; ranges as in scatter.
+        // SAFETY: kvtier_gather_crc32c(list, n, crc): the list as in
+        // scatter; crc is not read or rewritten before the stream is
+        // synchronized; ranges as in scatter.
         unsafe {
             self.stream.launch(
                 &self.gather_fn,
                 LaunchConfig::linear(self.grid(n), STAGING_THREADS),
                 &mut a,
-            )
-        }
+            )?
+        };
+        self.launched()
     }
 
     fn finish(&mut self) -> Result<Vec<u32>> {
         self.stream.synchronize()?;
+        self.crcs_busy = false;
         let mut out = vec![0u8; self.last_gather * 4];
         self.crcs.read(0, &mut out)?;
         self.last_gather = 0;
@@ -299,6 +419,17 @@ impl DeviceCopier for CudaCopier {
 
     fn signal_counter(&mut self, counter: &Arc<CompletionCounter>, value: u32) -> Result<()> {
         self.stream.write_counter(counter, value)
+    }
+
+    fn release_counter(&mut self, counter: &Arc<CompletionCounter>, value: u32) -> Result<()> {
+        // Writes the stream still holds (older values) land first; a stream
+        // in error has nothing more to land, and the host write goes on.
+        let _ = self.stream.synchronize();
+        counter.store(value)
+    }
+
+    fn new_counter(&self) -> Result<Arc<CompletionCounter>> {
+        CompletionCounter::device(&self._ctx)
     }
 }
 

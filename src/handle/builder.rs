@@ -19,9 +19,9 @@ use std::sync::{mpsc, Arc, Condvar, Mutex};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum EngineChoice {
     /// The engine `kvtier doctor` names for this machine (the same
-    /// decision, [`crate::doctor::run`]), within what the pool's location
+    /// decision, [`crate::engine::choice::decide`]), within what the pool's location
     /// allows: files and block devices are served by io_uring; a controller
-    /// by the gpu engine where the doctor says it is usable, else nvme.
+    /// by the gpu engine where the decision says it is usable, else nvme.
     #[default]
     Auto,
     /// io_uring on files or block devices.
@@ -35,6 +35,7 @@ pub enum EngineChoice {
 }
 
 impl EngineChoice {
+    /// `auto`, `uring`, `nvme`, `gpu` or `gpu-host`; `None` for anything else.
     pub fn parse(s: &str) -> Option<EngineChoice> {
         Some(match s {
             "auto" => EngineChoice::Auto,
@@ -135,11 +136,13 @@ impl TierBuilder {
         self
     }
 
+    /// The engine to serve the pool with (default: [`EngineChoice::Auto`]).
     pub fn engine(mut self, engine: EngineChoice) -> Self {
         self.engine = engine;
         self
     }
 
+    /// The handle's settings (default: [`HandleConfig::default`]).
     pub fn config(mut self, config: HandleConfig) -> Self {
         self.config = config;
         self
@@ -349,7 +352,8 @@ fn engine_label(e: EngineChoice) -> &'static str {
     }
 }
 
-/// The engine for `location`, with the reason. `Auto` asks the doctor.
+/// The engine for `location`, with the reason. `Auto` takes the engine decision
+/// (`kvtier doctor`'s verdict, [`crate::engine::choice`]).
 fn resolve_engine(choice: EngineChoice, location: &Location) -> Result<(EngineChoice, String)> {
     match (choice, location) {
         (_, Location::Unset) => Err(Error::invalid(
@@ -369,22 +373,23 @@ fn resolve_engine(choice: EngineChoice, location: &Location) -> Result<(EngineCh
         ))),
         (_, loc) => {
             let dir = match loc {
-                Location::Files(p) => doctor_dir(p),
+                Location::Files(p) => probe_dir(p),
                 _ => std::env::temp_dir(),
             };
-            let report = crate::doctor::run(&dir)?;
-            let verdict = report.engine.as_str();
-            let why = report.engine_reason.clone();
-            match (verdict, loc) {
-                ("gpu", Location::Controller(_)) => Ok((EngineChoice::Gpu, why)),
-                ("nvme", Location::Controller(_)) => Ok((EngineChoice::Nvme, why)),
-                ("gpu" | "nvme", Location::Files(_)) => Ok((
+            use crate::engine::choice::{decide, Engine, Facts};
+            let decision = decide(&Facts::probe(&dir)?);
+            let verdict = decision.engine.as_str();
+            let why = decision.reason;
+            match (decision.engine, loc) {
+                (Engine::Gpu, Location::Controller(_)) => Ok((EngineChoice::Gpu, why)),
+                (Engine::Nvme, Location::Controller(_)) => Ok((EngineChoice::Nvme, why)),
+                (Engine::Gpu | Engine::Nvme, Location::Files(_)) => Ok((
                     EngineChoice::Uring,
                     format!(
                         "the pool is on files or block devices, which io_uring serves (kvtier doctor would pick {verdict} for a pool on a controller: {why})"
                     ),
                 )),
-                ("uring", Location::Files(_)) => Ok((EngineChoice::Uring, why)),
+                (Engine::Uring, Location::Files(_)) => Ok((EngineChoice::Uring, why)),
                 _ => Err(Error::Unsupported(format!(
                     "no engine can serve this pool here: kvtier doctor says {verdict}: {why}"
                 ))),
@@ -393,8 +398,8 @@ fn resolve_engine(choice: EngineChoice, location: &Location) -> Result<(EngineCh
     }
 }
 
-/// The directory the doctor probes for O_DIRECT: the first device's.
-fn doctor_dir(paths: &[PathBuf]) -> PathBuf {
+/// The directory the engine decision probes for O_DIRECT: the first device's.
+fn probe_dir(paths: &[PathBuf]) -> PathBuf {
     paths
         .first()
         .and_then(|p| p.parent())

@@ -67,8 +67,10 @@ use std::time::{Duration, Instant};
 pub type JobId = u64;
 
 /// How the handle schedules work; see [`crate::sched`].
+#[non_exhaustive]
 #[derive(Clone, Debug)]
 pub struct HandleConfig {
+    /// The tier's settings.
     pub tier: TierConfig,
     /// `Slack` (default): stores wait while any load is in flight. `Naive`:
     /// stores go as soon as the I/O thread sees them. `Sync`: stores wait
@@ -93,6 +95,17 @@ impl Default for HandleConfig {
     }
 }
 
+with_setters!(HandleConfig {
+    /// With these tier settings.
+    with_tier => tier: TierConfig,
+    /// With this scheduling policy.
+    with_policy => policy: Policy,
+    /// With a write backlog of at most `backlog_limit_blocks` blocks.
+    with_backlog_limit_blocks => backlog_limit_blocks: u64,
+    /// With at most `stores_per_turn` stores released from the backlog per turn.
+    with_stores_per_turn => stores_per_turn: usize,
+});
+
 /// A completion, in the order the I/O thread saw it; per load, layers in
 /// layer order and all of them before the job's `Finished`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -100,21 +113,33 @@ pub enum Event {
     /// Layer `layer` of load `job` is in memory, or failed (`error`: its
     /// memory must not be used).
     Layer {
+        /// The load.
         job: JobId,
+        /// The layer.
         layer: u32,
+        /// Why some of its reads failed.
         error: Option<Failure>,
     },
     /// `job` finished; `ok` when every key is done. Collect its result with
     /// `wait` / `try_result` (returns at once now) or `get_finished`.
-    Finished { job: JobId, kind: JobKind, ok: bool },
+    Finished {
+        /// The job.
+        job: JobId,
+        /// Load or store.
+        kind: JobKind,
+        /// Every key done.
+        ok: bool,
+    },
 }
 
 /// What the handle holds, for monitoring.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct HandleUsage {
+    /// The tier's usage.
     pub tier: Usage,
     /// Stores accepted and not yet issued, and their blocks.
     pub deferred_stores: usize,
+    /// Blocks of those deferred stores.
     pub deferred_blocks: u64,
 }
 
@@ -411,6 +436,7 @@ impl std::fmt::Debug for TierHandle {
 }
 
 impl TierHandle {
+    /// A [`TierBuilder`] to open one.
     pub fn builder() -> TierBuilder {
         TierBuilder::default()
     }
@@ -425,6 +451,7 @@ impl TierHandle {
         &self.shared.engine_reason
     }
 
+    /// The pool's KV geometry.
     pub fn geometry(&self) -> &KvGeometry {
         &self.shared.geometry
     }
@@ -459,12 +486,14 @@ impl TierHandle {
         }
     }
 
+    /// Whether the pool holds `key` (false once closed).
     pub fn contains(&self, key: &Key) -> bool {
         lock(&self.shared.core)
             .as_ref()
             .is_some_and(|s| s.tier().contains(key))
     }
 
+    /// What the handle holds now.
     pub fn usage(&self) -> Result<HandleUsage> {
         let core = lock(&self.shared.core);
         let s = core.as_ref().ok_or_else(Shared::closed_error)?;
@@ -722,8 +751,9 @@ impl TierHandle {
     /// HBM. A compute stream queues `cuStreamWaitValue32` on it (see
     /// [`crate::gpu::staged::LayerWait`]) right after the submit, so each
     /// layer's attention starts when its copy is done, with no host call in
-    /// between. `None` for host memory, the CPU double, or a load that has
-    /// finished.
+    /// between. `None` for host memory or a load that has finished; with
+    /// the CPU double, a host word no stream can wait on, written as the
+    /// GPU's would be.
     pub fn load_counter(&self, job: JobId) -> Result<Option<LoadCounter>> {
         let core = lock(&self.shared.core);
         let s = core.as_ref().ok_or_else(Shared::closed_error)?;

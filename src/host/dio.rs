@@ -10,7 +10,7 @@ use std::os::fd::{AsFd, AsRawFd};
 use std::ptr::NonNull;
 
 /// Alignment (bytes) of every direct I/O buffer, offset and length kvtier issues.
-pub(crate) const DIRECT_IO_ALIGN: usize = 4096;
+pub const DIRECT_IO_ALIGN: usize = 4096;
 
 /// A zeroed heap buffer aligned to [`DIRECT_IO_ALIGN`], its length a multiple of it: what
 /// `O_DIRECT` and NVMe need.

@@ -221,7 +221,7 @@ pub(crate) fn regular_file_use(meta: &fs::Metadata) -> Option<String> {
 /// Is this path (a block device) mounted, or is any partition of it (or a device-mapper /
 /// md device stacked on it) mounted, or an active swap area? Returns the mount point if so
 /// (`"[SWAP]"` for swap). A path that is not a block device is never mounted: `Ok(None)`.
-pub(crate) fn mounted_at(path: &Path) -> Result<Option<String>> {
+pub fn mounted_at(path: &Path) -> Result<Option<String>> {
     let meta = fs::metadata(path).context(|| format!("stat {}", path.display()))?;
     if !meta.file_type().is_block_device() {
         return Ok(None);
@@ -231,7 +231,7 @@ pub(crate) fn mounted_at(path: &Path) -> Result<Option<String>> {
 
 /// (source, mount point, filesystem type) of the mount that holds `path` (canonical):
 /// the longest mount point that is a prefix of it.
-pub(crate) fn mount_of(path: &Path) -> Option<(String, String, String)> {
+pub fn mount_of(path: &Path) -> Option<(String, String, String)> {
     let text = fs::read_to_string("/proc/self/mounts").ok()?;
     let mut best: Option<(String, String, String)> = None;
     for line in text.lines() {

@@ -104,7 +104,7 @@ pub fn devices(vendor: Option<&str>, class_prefix: &str) -> Option<Vec<PciDev>> 
 
 /// Size of BAR `index` from a PCI device's `resource` file (one "start end
 /// flags" line of hex per resource); `None` when unassigned or unreadable.
-pub(crate) fn bar_size(dev: &Path, index: usize) -> Option<u64> {
+pub fn bar_size(dev: &Path, index: usize) -> Option<u64> {
     let text = fs::read_to_string(dev.join("resource")).ok()?;
     let line = text.lines().nth(index)?;
     let mut f = line.split_whitespace();

@@ -7,12 +7,12 @@ use std::io::{self, ErrorKind};
 use std::os::unix::fs::FileExt;
 
 /// Magic at byte 0 of every kvtier pool device (the superblock starts there).
-pub(crate) const POOL_MAGIC: [u8; 8] = *b"KVTIERPL";
+pub const POOL_MAGIC: [u8; 8] = *b"KVTIERPL";
 
 /// How many leading bytes of a device [`probe_signature`] looks at: 256 KiB, enough for
 /// btrfs (magic at 64 KiB + 64), iso9660/udf (32 KiB + 1) and the ZFS uberblock ring of
 /// vdev label 0 (128 KiB .. 256 KiB).
-pub(crate) const SIGNATURE_PROBE_BYTES: usize = 256 * 1024;
+pub const SIGNATURE_PROBE_BYTES: usize = 256 * 1024;
 
 /// What the first bytes of a device say it holds.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -19,7 +19,7 @@
 //! driver, the old `driver_override`, and the original driver bound again
 //! (or none, if it had none).
 //!
-//! All sysfs access goes through a [`Kernel`]: the real one under `/sys`,
+//! All sysfs access goes through a `Kernel`: the real one under `/sys`,
 //! or, in the tests, a fake sysfs tree of plain files in a temporary
 //! directory whose "kernel" records each write and moves the `driver` link
 //! the way Linux would.
@@ -246,10 +246,13 @@ pub struct BlockDevice {
 /// An NVMe controller (or another PCI function of class 0x0108xx) as `kvtier nvme list` shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NvmeController {
+    /// Its PCI address.
     pub addr: String,
     /// `vvvv:dddd`.
     pub id: String,
+    /// PCI class code.
     pub class: u32,
+    /// The kernel driver bound to it.
     pub driver: Option<String>,
     /// Its namespaces' block devices and their partitions (only while the
     /// kernel nvme driver has it).

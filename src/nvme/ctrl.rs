@@ -16,7 +16,7 @@
 //!
 //! Every wait is bounded: a register wait by CAP.TO, a command by the
 //! timeouts of [`ControllerOptions`]. A failed command returns an error whose
-//! message holds the NVMe status as [`Status`] prints it (`NVMe status
+//! message holds the NVMe status as [`Status`](super::spec::Status) prints it (`NVMe status
 //! 0x400f (generic: Data SGL Length Invalid)`); a timeout names the register
 //! or the queue and the command ids outstanding.
 //!
@@ -61,7 +61,9 @@ use std::time::{Duration, Instant};
 /// - the controller reaches DMA memory at the addresses [`DmaRegion::dma`]
 ///   reports for regions from the allocator used with it.
 pub unsafe trait Bar0 {
+    /// Reads the 32-bit register at byte offset `off`.
     fn read32(&self, off: usize) -> u32;
+    /// Writes the 32-bit register at byte offset `off`.
     fn write32(&self, off: usize, v: u32);
     /// A 64-bit register as two 32-bit accesses, low half first (what
     /// controllers accept on every bus; override for native 64-bit access).
@@ -70,6 +72,7 @@ pub unsafe trait Bar0 {
         let hi = self.read32(off + 4) as u64;
         lo | hi << 32
     }
+    /// A 64-bit register as two 32-bit writes, low half first.
     fn write64(&self, off: usize, v: u64) {
         self.write32(off, v as u32);
         self.write32(off + 4, (v >> 32) as u32);
@@ -91,6 +94,7 @@ pub unsafe trait Bar0 {
 pub struct DoorbellMemory {
     /// Host address of BAR0 offset 0x1000.
     pub ptr: *mut u8,
+    /// Bytes of doorbells mapped.
     pub len: usize,
     /// An MMIO mapping of a PCI BAR (a GPU registers it as I/O memory);
     /// false for ordinary memory (the simulator's doorbell page).
@@ -137,6 +141,7 @@ impl DmaRegion {
         }
     }
 
+    /// Host address of the region.
     pub fn ptr(&self) -> *mut u8 {
         self.ptr
     }
@@ -146,10 +151,12 @@ impl DmaRegion {
         self.dma
     }
 
+    /// Bytes.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// No bytes.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -184,24 +191,28 @@ impl DmaRegion {
         }
     }
 
+    /// Copies `data` in at `off` (bounds checked).
     pub fn write(&self, off: usize, data: &[u8]) {
         self.check(off, data.len(), "write");
         // SAFETY: in range; valid while `owner` lives (DmaRegion::new).
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(off), data.len()) }
     }
 
+    /// Copies out from `off` into `out` (bounds checked).
     pub fn read(&self, off: usize, out: &mut [u8]) {
         self.check(off, out.len(), "read");
         // SAFETY: as in `write`.
         unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(off), out.as_mut_ptr(), out.len()) }
     }
 
+    /// The whole region copied out.
     pub fn to_vec(&self) -> Vec<u8> {
         let mut v = vec![0u8; self.len];
         self.read(0, &mut v);
         v
     }
 
+    /// Sets every byte to `byte`.
     pub fn fill(&self, byte: u8) {
         // SAFETY: as in `write`.
         unsafe { std::ptr::write_bytes(self.ptr, byte, self.len) }
@@ -247,8 +258,11 @@ pub trait DmaAlloc {
 /// the device reaches at `dma`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MappedChunk {
+    /// Host address.
     pub host: u64,
+    /// Address the device uses.
     pub dma: u64,
+    /// Bytes.
     pub len: u64,
 }
 
@@ -270,6 +284,7 @@ impl HostMapping {
         }
     }
 
+    /// The pieces, in host address order.
     pub fn chunks(&self) -> &[MappedChunk] {
         &self.chunks
     }
@@ -375,10 +390,12 @@ impl<B: Bar0> DmaQueue<B> {
         }
     }
 
+    /// The submission queue's memory.
     pub fn sq_region(&self) -> &DmaRegion {
         &self.sq
     }
 
+    /// The completion queue's memory.
     pub fn cq_region(&self) -> &DmaRegion {
         &self.cq
     }
@@ -415,6 +432,7 @@ unsafe impl<B: Bar0> QueueMemory for DmaQueue<B> {
 pub(crate) type IoQueue<B> = QueuePair<DmaQueue<B>, u64>;
 
 /// How [`Controller::bring_up`] sets the controller up.
+#[non_exhaustive]
 #[derive(Clone, Debug)]
 pub struct ControllerOptions {
     /// Names the device in messages (a PCI address, `sim`).
@@ -427,7 +445,9 @@ pub struct ControllerOptions {
     pub io_queues: u16,
     /// Entries per I/O queue (clamped to 2..=CAP.MQES+1).
     pub io_depth: u16,
+    /// How long an admin command may take.
     pub admin_timeout: Duration,
+    /// How long an I/O command may take.
     pub io_timeout: Duration,
     /// A ceiling on one command's transfer besides MDTS; it sizes the
     /// per-queue PRP list pages.
@@ -457,6 +477,29 @@ impl Default for ControllerOptions {
         }
     }
 }
+
+with_setters!(ControllerOptions {
+    /// Named `name` in messages.
+    with_name => name: String,
+    /// With the data path on namespace `nsid`.
+    with_nsid => nsid: u32,
+    /// With `admin_depth` admin queue entries.
+    with_admin_depth => admin_depth: u16,
+    /// With `io_queues` I/O queue pairs.
+    with_io_queues => io_queues: u16,
+    /// With `io_depth` entries per I/O queue.
+    with_io_depth => io_depth: u16,
+    /// With this admin command timeout.
+    with_admin_timeout => admin_timeout: Duration,
+    /// With this I/O command timeout.
+    with_io_timeout => io_timeout: Duration,
+    /// With commands of at most `max_command_bytes`.
+    with_max_command_bytes => max_command_bytes: u64,
+    /// With `sgl_pages` pages of SGL descriptors per I/O queue.
+    with_sgl_pages => sgl_pages: usize,
+    /// With `extra_io_queues` queue pairs left to another owner.
+    with_extra_io_queues => extra_io_queues: u16,
+});
 
 /// Direction of a [`Controller::transfer`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -820,18 +863,22 @@ impl<B: Bar0> Controller<B> {
         })
     }
 
+    /// The name in messages.
     pub fn name(&self) -> &str {
         &self.name
     }
 
+    /// Its BAR0.
     pub fn bar(&self) -> &B {
         &self.bar
     }
 
+    /// CAP as read at bring-up.
     pub fn cap(&self) -> Cap {
         self.cap
     }
 
+    /// VS as read at bring-up.
     pub fn version(&self) -> Vs {
         self.vs
     }
@@ -841,22 +888,27 @@ impl<B: Bar0> Controller<B> {
         self.page
     }
 
+    /// Identify Controller data.
     pub fn identify(&self) -> &IdentifyController {
         &self.identify
     }
 
+    /// Identify Namespace data of the data path's namespace.
     pub fn namespace(&self) -> &IdentifyNamespace {
         &self.namespace
     }
 
+    /// The data path's namespace.
     pub fn nsid(&self) -> u32 {
         self.nsid
     }
 
+    /// Bytes of one LBA.
     pub fn lba_bytes(&self) -> u32 {
         self.namespace.lba_bytes
     }
 
+    /// Whether the controller takes SGLs for NVM commands.
     pub fn sgl_supported(&self) -> bool {
         self.identify.sgl_supported()
     }
@@ -867,6 +919,7 @@ impl<B: Bar0> Controller<B> {
         self.max_transfer
     }
 
+    /// I/O queue pairs created.
     pub fn io_queue_count(&self) -> usize {
         self.io.len()
     }
@@ -889,10 +942,12 @@ impl<B: Bar0> Controller<B> {
         })
     }
 
+    /// How long an I/O command may take.
     pub fn io_timeout(&self) -> Duration {
         self.io_timeout
     }
 
+    /// Sets how long an I/O command may take.
     pub fn set_io_timeout(&mut self, timeout: Duration) {
         self.io_timeout = timeout;
     }

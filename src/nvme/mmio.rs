@@ -9,20 +9,57 @@ use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::Arc;
 
-/// A shared mapping of MMIO registers, unmapped when the last user is dropped.
-struct Mapping {
+/// A mapping this process made (MMIO registers, or anonymous memory for DMA), unmapped
+/// once, when dropped.
+pub(crate) struct Mapping {
     ptr: *mut u8,
     len: usize,
 }
 
-// SAFETY: the mapping is plain MMIO, valid until drop; every access is volatile.
+// SAFETY: the mapping is valid until drop and only reached through raw pointers (MMIO
+// with volatile accesses, DMA memory through the regions handed out of it).
 unsafe impl Send for Mapping {}
-// SAFETY: as above; no interior state beyond the device's registers.
+// SAFETY: as above; it holds no state of its own beyond the address range.
 unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// `len` bytes of fresh private anonymous read-write memory, populated.
+    pub(crate) fn anonymous(len: usize) -> io::Result<Mapping> {
+        // SAFETY: a fresh anonymous mapping; checked below and owned by the Mapping.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Mapping {
+            ptr: ptr.cast(),
+            len,
+        })
+    }
+
+    /// The start of the mapping.
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Its bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+}
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        // SAFETY: ptr/len is the mapping made in `map`, unmapped once.
+        // SAFETY: ptr/len is a mapping made by `anonymous` or `MappedBar0::map`, owned
+        // by this Mapping alone, unmapped once.
         unsafe { libc::munmap(self.ptr.cast(), self.len) };
     }
 }

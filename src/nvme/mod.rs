@@ -11,6 +11,7 @@ pub mod bind;
 pub mod ctrl;
 pub mod mmio;
 pub mod namespace;
+pub mod passthru;
 pub mod queue;
 pub mod sim;
 pub mod spec;

@@ -72,9 +72,13 @@ use std::time::{Duration, Instant};
 pub unsafe trait QueueMemory {
     /// Entries in the SQ and in the CQ (the pair uses queues of equal depth).
     fn depth(&self) -> u16;
+    /// Pointer to SQ entry `i`.
     fn sq_slot(&mut self, i: u16) -> *mut Sqe;
+    /// Pointer to CQ entry `i`.
     fn cq_slot(&self, i: u16) -> *const Cqe;
+    /// Writes the SQ tail doorbell.
     fn ring_sq_doorbell(&mut self, tail: u16);
+    /// Writes the CQ head doorbell.
     fn ring_cq_doorbell(&mut self, head: u16);
 }
 
@@ -103,31 +107,54 @@ impl fmt::Display for CidList {
 /// broke the protocol; the pair should be deleted and recreated.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum QueueError {
+    /// A queue of fewer than 2 entries.
     #[error("NVMe queue {qid} has depth {depth}; a queue needs at least 2 entries")]
-    Depth { qid: u16, depth: u16 },
+    Depth {
+        /// The queue.
+        qid: u16,
+        /// The depth asked for.
+        depth: u16,
+    },
+    /// No room for another command.
     #[error("NVMe queue {qid} is full: {outstanding} command(s) outstanding, {sq_used} SQ slot(s) not yet fetched by the controller, depth {depth}; poll completions before submitting more")]
     Full {
+        /// The queue.
         qid: u16,
+        /// Its depth.
         depth: u16,
+        /// Commands outstanding.
         outstanding: usize,
+        /// SQ entries the controller has not consumed.
         sq_used: u16,
     },
+    /// No completion in time.
     #[error("NVMe queue {qid}: no completion within {waited:?}; {} command(s) outstanding, cids {outstanding}", outstanding.0.len())]
     Timeout {
+        /// The queue.
         qid: u16,
+        /// How long it waited.
         waited: Duration,
+        /// The command ids outstanding.
         outstanding: CidList,
     },
+    /// The controller broke the queue protocol.
     #[error("NVMe queue {qid}: controller protocol error: {reason}")]
-    Protocol { qid: u16, reason: String },
+    Protocol {
+        /// The queue.
+        qid: u16,
+        /// What the controller did wrong.
+        reason: String,
+    },
 }
 
 /// One completed command.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Completion<T> {
+    /// The command id.
     pub cid: u16,
     /// What the submitter passed to [`QueuePair::submit`].
     pub token: T,
+    /// Its status.
     pub status: Status,
     /// Command-specific result (CQE DW0).
     pub dw0: u32,
@@ -192,10 +219,12 @@ impl<M: QueueMemory, T> QueuePair<M, T> {
         })
     }
 
+    /// The queue id.
     pub fn qid(&self) -> u16 {
         self.qid
     }
 
+    /// Entries per queue.
     pub fn depth(&self) -> u16 {
         self.depth
     }
@@ -205,6 +234,7 @@ impl<M: QueueMemory, T> QueuePair<M, T> {
         self.depth as usize - 1
     }
 
+    /// Commands submitted and not completed.
     pub fn outstanding(&self) -> usize {
         self.outstanding
     }
@@ -239,10 +269,12 @@ impl<M: QueueMemory, T> QueuePair<M, T> {
         (self.sq_doorbells, self.cq_doorbells)
     }
 
+    /// Its queue memory.
     pub fn memory(&self) -> &M {
         &self.mem
     }
 
+    /// Its queue memory, to change.
     pub fn memory_mut(&mut self) -> &mut M {
         &mut self.mem
     }

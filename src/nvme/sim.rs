@@ -49,7 +49,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 /// LBA size of the simulated namespace.
-pub const SIM_LBA_BYTES: u64 = 512;
+pub(crate) const SIM_LBA_BYTES: u64 = 512;
 
 /// What the simulated controller reports and how it behaves.
 #[derive(Clone, Debug)]
@@ -60,6 +60,7 @@ pub struct SimConfig {
     pub mdts: u8,
     /// CAP.MQES (0-based); QEMU: 2047.
     pub mqes: u16,
+    /// CAP.DSTRD (doorbell stride, 4 << n bytes).
     pub dstrd: u8,
     /// I/O queue pairs the controller has.
     pub max_io_queues: u16,
@@ -89,10 +90,15 @@ impl Default for SimConfig {
 /// Counters of what the simulated controller executed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SimStats {
+    /// Admin commands executed.
     pub admin_commands: u64,
+    /// I/O commands executed.
     pub io_commands: u64,
+    /// Reads.
     pub reads: u64,
+    /// Writes.
     pub writes: u64,
+    /// Flushes.
     pub flushes: u64,
     /// Largest data transfer of one successful read or write, in bytes.
     pub largest_transfer: u64,
@@ -277,6 +283,7 @@ pub struct SimController {
 type Sg = Vec<(u64, u64)>;
 
 impl SimController {
+    /// A simulated controller that behaves as `cfg` says.
     pub fn new(cfg: SimConfig) -> SimController {
         let arena = Arc::new(Arena {
             allocs: Mutex::new(Vec::new()),
@@ -329,6 +336,7 @@ impl SimController {
         self.core().drop_next = n;
     }
 
+    /// What it executed so far.
     pub fn stats(&self) -> SimStats {
         self.core().stats
     }
@@ -447,10 +455,12 @@ impl SimDoorbellPage {
         self.inner.dma
     }
 
+    /// Bytes.
     pub fn len(&self) -> usize {
         self.inner.bytes
     }
 
+    /// No bytes.
     pub fn is_empty(&self) -> bool {
         self.inner.bytes == 0
     }

@@ -35,7 +35,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 /// Size of the hugepages [`HugeDma`] uses.
-pub const HUGEPAGE: usize = 2 << 20;
+pub(crate) const HUGEPAGE: usize = 2 << 20;
 
 const PCI_COMMAND: u64 = 0x04;
 const PCI_COMMAND_MEMORY: u16 = 1 << 1;

@@ -13,7 +13,7 @@
 //! device. Dropping the last handle unmaps the DMA and closes the fds.
 
 use super::ctrl::{merge_chunks, DmaAlloc, DmaRegion, HostMapping, MappedChunk};
-use super::mmio::MappedBar0;
+use super::mmio::{MappedBar0, Mapping};
 use crate::error::{Error, Result};
 use crate::host::pci::{bound_driver, pci_device_dir};
 use std::fs::{File, OpenOptions};
@@ -128,6 +128,7 @@ pub struct VfioDevice {
 }
 
 impl VfioDevice {
+    /// Opens the controller at PCI address `addr` (bound to vfio-pci): its group, a container with the type1 IOMMU, the device, BAR0.
     pub fn open(addr: &str) -> Result<VfioDevice> {
         let dir = pci_device_dir(addr)?;
         match bound_driver(&dir).as_deref() {
@@ -233,6 +234,7 @@ impl VfioDevice {
         })
     }
 
+    /// Its PCI address.
     pub fn addr(&self) -> &str {
         &self.inner.addr
     }
@@ -253,36 +255,11 @@ impl VfioDevice {
     }
 }
 
-/// One chunk of anonymous memory mapped for DMA at `iova`.
+/// One chunk of anonymous memory mapped for DMA at `iommu.iova`. Field order is drop
+/// order: the IOMMU mapping goes before the memory it maps.
 struct Chunk {
-    inner: Arc<Inner>,
-    ptr: *mut u8,
-    len: usize,
-    iova: u64,
-}
-
-// SAFETY: plain memory valid until drop; regions are not Send/Sync.
-unsafe impl Send for Chunk {}
-unsafe impl Sync for Chunk {}
-
-impl Drop for Chunk {
-    fn drop(&mut self) {
-        let unmap = DmaUnmap {
-            argsz: std::mem::size_of::<DmaUnmap>() as u32,
-            flags: 0,
-            iova: self.iova,
-            size: self.len as u64,
-        };
-        // SAFETY: unmaps what `alloc` mapped, then frees the memory.
-        unsafe {
-            libc::ioctl(
-                self.inner.container.as_raw_fd(),
-                VFIO_IOMMU_UNMAP_DMA as _,
-                &unmap,
-            );
-            libc::munmap(self.ptr.cast(), self.len);
-        }
-    }
+    iommu: HostIommuMap,
+    mem: Mapping,
 }
 
 /// DMA memory for a [`VfioDevice`]: a bump allocator over chunks mapped at
@@ -303,29 +280,30 @@ impl VfioDma {
     }
 
     fn map_chunk(&mut self, len: usize) -> Result<Arc<Chunk>> {
-        // SAFETY: a fresh anonymous mapping; checked below.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE,
-                -1,
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(os_err(format!("mapping {len} bytes for DMA")));
-        }
-        let iova = self.take_iova(len as u64);
+        let mem = Mapping::anonymous(len)
+            .map_err(|e| Error::io(format!("mapping {len} bytes for DMA"), e))?;
+        // SAFETY: `mem` is memory we own; the Chunk keeps it mapped for as long as
+        // the IOMMU mapping lives (it drops first). A failure drops `mem`, unmapped.
+        let iommu = unsafe { self.iommu_map(mem.ptr() as u64, len as u64, "") }?;
+        Ok(Arc::new(Chunk { iommu, mem }))
+    }
+
+    /// One VFIO_IOMMU_MAP_DMA of `size` bytes at `vaddr` (page aligned) at the next free
+    /// IOVA, undone when the result drops; `what` adds to the error.
+    ///
+    /// # Safety
+    /// The memory must stay mapped while the result lives.
+    unsafe fn iommu_map(&self, vaddr: u64, size: u64, what: &str) -> Result<HostIommuMap> {
+        let iova = self.take_iova(size);
         let map = DmaMap {
             argsz: std::mem::size_of::<DmaMap>() as u32,
             flags: VFIO_DMA_MAP_FLAG_READ | VFIO_DMA_MAP_FLAG_WRITE,
-            vaddr: ptr as u64,
+            vaddr,
             iova,
-            size: len as u64,
+            size,
         };
-        // SAFETY: maps memory we own (pinned by the kernel) into the container.
+        // SAFETY: the caller keeps the memory mapped while the mapping lives (this
+        // function's contract); the kernel checks the range is ours and pins it.
         if unsafe {
             libc::ioctl(
                 self.inner.container.as_raw_fd(),
@@ -334,20 +312,15 @@ impl VfioDma {
             )
         } != 0
         {
-            let err = os_err(format!(
-                "VFIO_IOMMU_MAP_DMA of {len} bytes at IOVA {iova:#x}"
-            ));
-            // SAFETY: the mapping made above.
-            unsafe { libc::munmap(ptr, len) };
-            return Err(err);
+            return Err(os_err(format!(
+                "VFIO_IOMMU_MAP_DMA of {size} bytes{what} at IOVA {iova:#x}"
+            )));
         }
-        let chunk = Arc::new(Chunk {
+        Ok(HostIommuMap {
             inner: self.inner.clone(),
-            ptr: ptr.cast(),
-            len,
             iova,
-        });
-        Ok(chunk)
+            size,
+        })
     }
 }
 
@@ -385,39 +358,22 @@ impl DmaAlloc for VfioDma {
         let start = addr as u64 & !4095;
         let end = (addr as u64 + len as u64).next_multiple_of(4096);
         let size = end - start;
-        let iova = self.take_iova(size);
-        let map = DmaMap {
-            argsz: std::mem::size_of::<DmaMap>() as u32,
-            flags: VFIO_DMA_MAP_FLAG_READ | VFIO_DMA_MAP_FLAG_WRITE,
-            vaddr: start,
-            iova,
-            size,
-        };
-        // SAFETY: the caller keeps the memory mapped while the mapping lives
-        // (this function's contract); the kernel checks the range is ours.
-        if unsafe {
-            libc::ioctl(
-                self.inner.container.as_raw_fd(),
-                VFIO_IOMMU_MAP_DMA as _,
-                &map,
+        // SAFETY: the caller keeps the memory mapped while the mapping lives (this
+        // function's contract), and the mapping lives in the HostMapping returned.
+        let iommu = unsafe {
+            self.iommu_map(
+                start,
+                size,
+                " of registered memory (RLIMIT_MEMLOCK must cover it)",
             )
-        } != 0
-        {
-            return Err(os_err(format!(
-                "VFIO_IOMMU_MAP_DMA of {size} bytes of registered memory at IOVA {iova:#x} (RLIMIT_MEMLOCK must cover it)"
-            )));
-        }
+        }?;
         Ok(HostMapping::new(
             merge_chunks([MappedChunk {
                 host: start,
-                dma: iova,
+                dma: iommu.iova,
                 len: size,
             }]),
-            Box::new(HostIommuMap {
-                inner: self.inner.clone(),
-                iova,
-                size,
-            }),
+            Box::new(iommu),
         ))
     }
 
@@ -431,7 +387,7 @@ impl DmaAlloc for VfioDma {
         }
         let fits = |c: &Chunk, used: usize| {
             let off = used.next_multiple_of(align);
-            (off + bytes <= c.len).then_some(off)
+            (off + bytes <= c.mem.len()).then_some(off)
         };
         let found = self
             .chunks
@@ -454,8 +410,8 @@ impl DmaAlloc for VfioDma {
         // owner handle; the bump allocator hands each byte out once.
         Ok(unsafe {
             DmaRegion::new(
-                chunk.ptr.add(off),
-                chunk.iova + off as u64,
+                chunk.mem.ptr().add(off),
+                chunk.iommu.iova + off as u64,
                 bytes,
                 chunk.clone() as Arc<dyn std::any::Any + Send + Sync>,
             )

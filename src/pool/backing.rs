@@ -52,7 +52,9 @@ use sys::{
 /// Which kind of thing backs a pool device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackingKind {
+    /// A regular file.
     File,
+    /// A block device.
     BlockDevice,
 }
 
@@ -756,6 +758,7 @@ impl BackingDevice {
         })
     }
 
+    /// The path it was opened by.
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -766,10 +769,12 @@ impl BackingDevice {
         self.size
     }
 
+    /// File or block device.
     pub fn kind(&self) -> BackingKind {
         self.kind
     }
 
+    /// Read-only or read-write.
     pub fn access(&self) -> Access {
         self.access
     }

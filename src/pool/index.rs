@@ -11,9 +11,12 @@ use super::Key;
 use crate::error::{Error, Result};
 use std::collections::{BTreeSet, HashMap};
 
+/// A key's place in the index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Entry {
+    /// Its slot.
     pub slot: u64,
+    /// The store counter it was written under.
     pub generation: u64,
     /// Pins held by callers (`lookup_and_pin`).
     pub pins: u32,
@@ -39,6 +42,7 @@ enum SlotState {
 /// Slots handed out for a store.
 #[derive(Debug, Default)]
 pub struct Allocation {
+    /// The slots.
     pub slots: Vec<u64>,
     /// The subset of `slots` whose device header is still a live header of
     /// an evicted or stale block: it must be invalidated (and that made
@@ -48,6 +52,7 @@ pub struct Allocation {
     pub evicted: Vec<Key>,
 }
 
+/// Key → slot, the free slots, pins and the LRU order of what may be evicted.
 pub struct Index {
     map: HashMap<Key, Entry>,
     slots: Vec<SlotState>,
@@ -65,6 +70,7 @@ pub struct Index {
 }
 
 impl Index {
+    /// An index of `total_slots` free slots.
     pub fn new(total_slots: u64) -> Self {
         Index {
             map: HashMap::new(),
@@ -81,12 +87,15 @@ impl Index {
         }
     }
 
+    /// Slots in all.
     pub fn total_slots(&self) -> u64 {
         self.slots.len() as u64
     }
+    /// Live blocks.
     pub fn live(&self) -> u64 {
         self.map.len() as u64
     }
+    /// Slots free.
     pub fn free_slots(&self) -> u64 {
         self.free.len() as u64
     }
@@ -94,6 +103,7 @@ impl Index {
     pub fn pinned(&self) -> u64 {
         self.pinned
     }
+    /// Slots reserved by stores in flight.
     pub fn reserved(&self) -> u64 {
         self.total_slots()
             - self.live()
@@ -105,6 +115,7 @@ impl Index {
     pub fn bad_slots(&self) -> u64 {
         self.bad
     }
+    /// Whether `slot` is retired.
     pub fn is_bad(&self, slot: u64) -> bool {
         self.slots.get(slot as usize) == Some(&SlotState::Bad)
     }
@@ -160,14 +171,17 @@ impl Index {
         }
     }
 
+    /// The entry of `key`.
     pub fn get(&self, key: &Key) -> Option<&Entry> {
         self.map.get(key)
     }
 
+    /// The key in `slot`.
     pub fn key_of_slot(&self, slot: u64) -> Option<&Key> {
         self.slot_key.get(&slot)
     }
 
+    /// Every live key and its entry.
     pub fn entries(&self) -> impl Iterator<Item = (&Key, &Entry)> {
         self.map.iter()
     }
@@ -205,6 +219,7 @@ impl Index {
         self.add_pin(key, true)
     }
 
+    /// Drops a job's pin of `key`.
     pub fn unpin_job(&mut self, key: &Key) {
         self.drop_pin(key, true)
     }

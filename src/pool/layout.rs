@@ -57,33 +57,53 @@ pub(crate) const MODEL_NAME_MAX: usize = 64;
 pub struct Superblock {
     /// `POOL_MAGIC` ("KVTIERPL").
     pub magic: [u8; 8],
+    /// Layout version.
     pub version: u32,
-    /// size_of::<Superblock>(), so a reader knows the struct it parses.
+    /// `size_of::<Superblock>()`, so a reader knows the struct it parses.
     pub sb_bytes: u32,
     /// Random id shared by every device of the pool and every block header.
     pub pool_uuid: [u8; 16],
+    /// This device's place in the pool.
     pub device_index: u32,
+    /// Devices of the pool.
     pub device_count: u32,
     /// Bytes of this device the pool uses (never grows).
     pub device_size: u64,
+    /// Byte offset of the first extent group.
     pub data_offset: u64,
+    /// Blocks per extent group.
     pub group_blocks: u32,
+    /// Extent groups on this device.
     pub groups_on_device: u32,
+    /// Extent groups of the pool.
     pub total_groups: u32,
+    /// Model layers.
     pub layers: u32,
+    /// KV heads.
     pub kv_heads: u32,
+    /// Head dimension.
     pub head_dim: u32,
     /// `DType::code`.
     pub dtype: u32,
+    /// Tokens per block.
     pub block_size: u32,
+    /// Bytes of one object.
     pub object_bytes: u64,
+    /// Bytes of a slot's header sector.
     pub slot_header_bytes: u32,
+    /// Bytes of `namespace` used.
     pub namespace_len: u32,
+    /// The namespace.
     pub namespace: [u8; NAMESPACE_MAX],
+    /// Bytes of `model` used.
     pub model_len: u32,
+    /// Zero.
     pub pad0: u32,
+    /// The model name.
     pub model: [u8; MODEL_NAME_MAX],
+    /// Creation time, seconds since the epoch.
     pub created_unix: u64,
+    /// Zero.
     pub reserved: [u8; 196],
     /// crc32c of every byte before it.
     pub crc: u32,
@@ -96,6 +116,7 @@ pub struct Superblock {
 pub struct BlockHeader {
     /// `BLOCK_HEADER_MAGIC`.
     pub magic: [u8; 4],
+    /// Header version.
     pub version: u16,
     /// `BLOCK_FLAG_*`.
     pub flags: u16,
@@ -106,8 +127,11 @@ pub struct BlockHeader {
     pub slot: u64,
     /// Pool-wide store counter: the newest copy of a key wins on rebuild.
     pub generation: u64,
+    /// The key's bytes.
     pub key: [u8; 32],
+    /// Bytes of `key` used.
     pub key_len: u8,
+    /// Zero.
     pub pad0: [u8; 7],
     /// Hash of the pool namespace the key belongs to.
     pub namespace_hash: u64,
@@ -120,6 +144,7 @@ pub struct BlockHeader {
     /// crc32c of the per-layer checksum table that follows the header in its
     /// sector (`BLOCK_FLAG_LAYER_CRCS`).
     pub layer_crcs_crc: u32,
+    /// Zero.
     pub reserved: [u8; 16],
     /// crc32c of every byte before it.
     pub header_crc: u32,
@@ -146,18 +171,22 @@ const _: () = {
 };
 
 impl Superblock {
+    /// Sets `crc` over the bytes before it.
     pub fn seal(&mut self) {
         let bytes = bytemuck::bytes_of(self);
         self.crc = crc32c::crc32c(&bytes[..offset_of!(Superblock, crc)]);
     }
+    /// Whether `crc` matches.
     pub fn crc_ok(&self) -> bool {
         let bytes = bytemuck::bytes_of(self);
         crc32c::crc32c(&bytes[..offset_of!(Superblock, crc)]) == self.crc
     }
+    /// The namespace as text.
     pub fn namespace(&self) -> String {
         let n = (self.namespace_len as usize).min(NAMESPACE_MAX);
         String::from_utf8_lossy(&self.namespace[..n]).into_owned()
     }
+    /// The model name as text.
     pub fn model(&self) -> String {
         let n = (self.model_len as usize).min(MODEL_NAME_MAX);
         String::from_utf8_lossy(&self.model[..n]).into_owned()
@@ -165,10 +194,12 @@ impl Superblock {
 }
 
 impl BlockHeader {
+    /// Sets `header_crc` over the bytes before it.
     pub fn seal(&mut self) {
         let bytes = bytemuck::bytes_of(self);
         self.header_crc = crc32c::crc32c(&bytes[..offset_of!(BlockHeader, header_crc)]);
     }
+    /// Whether `header_crc` matches.
     pub fn crc_ok(&self) -> bool {
         let bytes = bytemuck::bytes_of(self);
         crc32c::crc32c(&bytes[..offset_of!(BlockHeader, header_crc)]) == self.header_crc
@@ -178,6 +209,7 @@ impl BlockHeader {
 /// Where group `g` lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GroupPlace {
+    /// The device.
     pub dev: u16,
     /// Index of the group on its device.
     pub local: u32,
@@ -187,13 +219,17 @@ pub struct GroupPlace {
 /// the per-device group counts.
 #[derive(Clone, Debug)]
 pub struct PoolLayout {
+    /// The KV geometry.
     pub geometry: KvGeometry,
+    /// Blocks per extent group.
     pub group_blocks: u32,
+    /// Extent groups on each device.
     pub groups_per_device: Vec<u32>,
     placement: Vec<GroupPlace>,
 }
 
 impl PoolLayout {
+    /// The layout of `groups_per_device` groups of `group_blocks` blocks, dealt round-robin.
     pub fn new(geometry: KvGeometry, group_blocks: u32, groups_per_device: Vec<u32>) -> Self {
         // Deal groups round-robin: round r takes group r of every device that has one.
         let max = groups_per_device.iter().copied().max().unwrap_or(0);
@@ -221,6 +257,7 @@ impl PoolLayout {
         Self::group_bytes_for(&self.geometry, self.group_blocks)
     }
 
+    /// Bytes of one extent group of `group_blocks` blocks of `g` (headers and data).
     pub fn group_bytes_for(g: &KvGeometry, group_blocks: u32) -> u64 {
         group_blocks as u64 * (SLOT_HEADER_BYTES + g.block_bytes())
     }
@@ -230,14 +267,17 @@ impl PoolLayout {
         (size.saturating_sub(DATA_OFFSET) / Self::group_bytes_for(g, group_blocks)) as u32
     }
 
+    /// Extent groups of the pool.
     pub fn total_groups(&self) -> u32 {
         self.placement.len() as u32
     }
 
+    /// Slots of the pool.
     pub fn total_slots(&self) -> u64 {
         self.placement.len() as u64 * self.group_blocks as u64
     }
 
+    /// Where `group` lives.
     pub fn group_place(&self, group: u32) -> GroupPlace {
         self.placement[group as usize]
     }

@@ -34,6 +34,7 @@ pub struct Key {
 }
 
 impl Key {
+    /// A key of 1 to 32 bytes of content hash.
     pub fn new(hash: &[u8]) -> Result<Key> {
         if hash.is_empty() || hash.len() > 32 {
             return Err(Error::invalid(format!(
@@ -56,6 +57,7 @@ impl Key {
         Key { bytes, len: 8 }
     }
 
+    /// The key's bytes.
     pub fn as_bytes(&self) -> &[u8] {
         &self.bytes[..self.len as usize]
     }
@@ -86,13 +88,18 @@ pub(crate) fn namespace_hash(ns: &str) -> u64 {
 /// One backing device to format: a path and, for files, its size.
 #[derive(Clone, Debug)]
 pub struct DeviceSpec {
+    /// The file or block device.
     pub path: PathBuf,
     /// Bytes; required for files, optional for block devices (whole device).
     pub size: Option<u64>,
 }
 
+/// What [`Pool::create`] formats: build it with [`PoolConfig::new`] and the
+/// `with_*` setters.
+#[non_exhaustive]
 #[derive(Clone, Debug)]
 pub struct PoolConfig {
+    /// The KV geometry of every block.
     pub geometry: KvGeometry,
     /// Model name recorded for `pool info` (free text).
     pub model: String,
@@ -101,20 +108,53 @@ pub struct PoolConfig {
     pub namespace: String,
     /// Blocks per extent group (G).
     pub group_blocks: u32,
+    /// The files or block devices to format (empty for [`Pool::create_on`]).
     pub devices: Vec<DeviceSpec>,
     /// Overwrite devices that hold a filesystem or other data.
     pub force: bool,
 }
 
+impl PoolConfig {
+    /// A pool of `geometry` for `model` serving keys of `namespace`, with
+    /// [`DEFAULT_GROUP_BLOCKS`], no devices yet and no `force`.
+    pub fn new(
+        geometry: KvGeometry,
+        model: impl Into<String>,
+        namespace: impl Into<String>,
+    ) -> PoolConfig {
+        PoolConfig {
+            geometry,
+            model: model.into(),
+            namespace: namespace.into(),
+            group_blocks: DEFAULT_GROUP_BLOCKS,
+            devices: Vec::new(),
+            force: false,
+        }
+    }
+}
+
+with_setters!(PoolConfig {
+    /// With `group_blocks` blocks per extent group.
+    with_group_blocks => group_blocks: u32,
+    /// With these devices.
+    with_devices => devices: Vec<DeviceSpec>,
+    /// Overwriting (or not) devices that hold other data.
+    with_force => force: bool,
+});
+
+/// Blocks per extent group unless the caller says otherwise.
 pub const DEFAULT_GROUP_BLOCKS: u32 = 64;
 
 /// What the caller expects of a pool it opens.
 #[derive(Clone, Debug, Default)]
 pub struct OpenExpect {
+    /// The geometry the pool must have (`None`: any).
     pub geometry: Option<KvGeometry>,
+    /// The namespace the pool must serve (`None`: any).
     pub namespace: Option<String>,
 }
 
+/// A pool: key → slot on the devices, the devices' superblocks, block headers and data.
 pub struct Pool {
     devices: Vec<Box<dyn Storage>>,
     /// Bytes of each device the pool uses (its superblock's `device_size`).
@@ -137,35 +177,55 @@ pub struct Pool {
     damaged_headers: Vec<u64>,
 }
 
+/// One device of a pool, for `pool info`.
 #[non_exhaustive]
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct DeviceInfo {
+    /// The device's path or name.
     pub path: PathBuf,
     /// Bytes of the device the pool uses.
     pub size: u64,
     /// Bytes of the file or block device (at least `size`).
     pub backing_size: u64,
+    /// Extent groups on it.
     pub groups: u32,
 }
 
+/// What `pool info` shows.
 #[non_exhaustive]
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct PoolInfo {
+    /// The pool's id, hex.
     pub uuid: String,
+    /// Model name recorded at create.
     pub model: String,
+    /// Namespace of its keys.
     pub namespace: String,
+    /// KV geometry.
     pub geometry: KvGeometry,
+    /// Bytes of one object (one layer's K or V of a block).
     pub object_bytes: u64,
+    /// Bytes of one block (2L objects).
     pub block_bytes: u64,
+    /// Blocks per extent group.
     pub group_blocks: u32,
+    /// Bytes of one extent group.
     pub group_bytes: u64,
+    /// Its devices.
     pub devices: Vec<DeviceInfo>,
+    /// Slots in all.
     pub total_slots: u64,
+    /// Slots holding a stored block.
     pub live_blocks: u64,
+    /// Slots free.
     pub free_slots: u64,
+    /// Blocks pinned.
     pub pinned_blocks: u64,
+    /// Bytes the pool can hold.
     pub capacity_bytes: u64,
+    /// Bytes of stored blocks.
     pub used_bytes: u64,
+    /// Headers that were ours but failed their checksum at open.
     pub damaged_headers: u64,
     /// Slots whose header sector could not be read at open.
     pub unreadable_headers: u64,
@@ -177,7 +237,9 @@ pub struct PoolInfo {
 #[non_exhaustive]
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct CheckReport {
+    /// Live blocks read.
     pub blocks_checked: u64,
+    /// Blocks whose data matched.
     pub blocks_ok: u64,
     /// Blocks stored from memory the host could not read (GPU memory), which
     /// carry no data checksum: nobody can say whether their bytes are right.
@@ -192,6 +254,7 @@ pub struct CheckReport {
     pub unreadable_data: Vec<(u64, String)>,
     /// Slots retired because their sectors failed a write (capacity lost, no data).
     pub bad_slots: u64,
+    /// Bytes read.
     pub bytes_read: u64,
 }
 
@@ -898,18 +961,23 @@ impl Pool {
         g
     }
 
+    /// The pool's KV geometry.
     pub fn geometry(&self) -> &KvGeometry {
         &self.layout.geometry
     }
+    /// Its address arithmetic.
     pub fn layout(&self) -> &PoolLayout {
         &self.layout
     }
+    /// Its index.
     pub fn index(&self) -> &Index {
         &self.index
     }
+    /// Its index, to change.
     pub fn index_mut(&mut self) -> &mut Index {
         &mut self.index
     }
+    /// Its devices.
     pub fn devices(&self) -> &[Box<dyn Storage>] {
         &self.devices
     }
@@ -933,12 +1001,15 @@ impl Pool {
             })
             .collect()
     }
+    /// The namespace it serves.
     pub fn namespace(&self) -> &str {
         &self.namespace
     }
+    /// Slots whose header failed its checksum at open.
     pub fn damaged_headers(&self) -> &[u64] {
         &self.damaged_headers
     }
+    /// Slots whose header sector could not be read at open.
     pub fn unreadable_headers(&self) -> &[u64] {
         &self.unreadable_headers
     }
@@ -1007,6 +1078,7 @@ impl Pool {
         Ok(dropped)
     }
 
+    /// What `pool info` shows.
     pub fn info(&self) -> PoolInfo {
         let g = &self.layout.geometry;
         PoolInfo {
@@ -1129,6 +1201,7 @@ impl Pool {
         Ok(report)
     }
 
+    /// Its devices' paths or names.
     pub fn paths(&self) -> Vec<PathBuf> {
         self.devices
             .iter()

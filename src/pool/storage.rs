@@ -15,6 +15,7 @@ use crate::host::dio::AlignedBuf;
 use std::os::fd::BorrowedFd;
 use std::path::Path;
 
+/// What a pool's metadata and data go through: a file or block device, or an NVMe namespace driven from userspace.
 pub trait Storage: Send {
     /// Names the device in messages and in `pool info` (a path, or
     /// `nvme:ADDRESS/nsN` for a namespace driven from userspace).

@@ -23,6 +23,7 @@ use crate::tier::{JobId, JobResult, LayerDone, Tier};
 use std::collections::VecDeque;
 use std::ops::Range;
 
+/// When the handle issues loads and stores.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub enum Policy {
     /// Reads first; writes only when no read is in flight and slack is left.
@@ -34,6 +35,7 @@ pub enum Policy {
 }
 
 impl Policy {
+    /// `slack`, `naive` or `sync`; `None` for anything else.
     pub fn parse(s: &str) -> Option<Policy> {
         match s {
             "slack" => Some(Policy::Slack),
@@ -70,6 +72,7 @@ pub enum StoreState {
     Issued(JobId),
 }
 
+/// A tier with a policy: loads at once, stores through a bounded backlog the policy releases (the handle's I/O thread drives it).
 pub struct Scheduler {
     tier: Tier,
     /// The staged HBM path, when the registered memory is GPU memory the
@@ -88,6 +91,7 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
+    /// Schedules `tier`'s I/O by `policy`, with a backlog of at most `backlog_limit_blocks` blocks.
     pub fn new(tier: Tier, policy: Policy, backlog_limit_blocks: u64) -> Scheduler {
         Scheduler {
             tier,
@@ -102,9 +106,11 @@ impl Scheduler {
         }
     }
 
+    /// The tier.
     pub fn tier(&self) -> &Tier {
         &self.tier
     }
+    /// The tier, to change.
     pub fn tier_mut(&mut self) -> &mut Tier {
         &mut self.tier
     }
@@ -131,6 +137,7 @@ impl Scheduler {
         self.staged.as_ref()?.load_counter(job)
     }
 
+    /// Whether GPU memory is served through the staged path.
     pub fn is_staged(&self) -> bool {
         self.staged.is_some()
     }
@@ -159,6 +166,7 @@ impl Scheduler {
         }
     }
 
+    /// Jobs finished since the last call.
     pub fn get_finished(&mut self) -> Vec<JobResult> {
         match &mut self.staged {
             Some(p) => p.get_finished(),
@@ -166,6 +174,7 @@ impl Scheduler {
         }
     }
 
+    /// Tier jobs in flight and stores in the backlog.
     pub fn jobs_in_flight(&self) -> usize {
         match &self.staged {
             Some(p) => p.jobs_in_flight(),
@@ -173,6 +182,7 @@ impl Scheduler {
         }
     }
 
+    /// Loads in flight.
     pub fn loads_in_flight(&self) -> usize {
         match &self.staged {
             Some(p) => p.loads_in_flight(),
@@ -185,6 +195,7 @@ impl Scheduler {
         self.tier.completions_pending() || self.staged.as_ref().is_some_and(|p| p.copies_pending())
     }
 
+    /// Waits for `job` to finish (releasing the backlog as the policy allows) and returns its result.
     pub fn wait(&mut self, job: JobId) -> Result<JobResult> {
         match &mut self.staged {
             Some(p) => p.wait(&mut self.tier, job),
@@ -212,9 +223,11 @@ impl Scheduler {
             None => self.tier.submit_store_with_crcs(keys, mem_blocks, crcs),
         }
     }
+    /// The policy.
     pub fn policy(&self) -> Policy {
         self.policy
     }
+    /// Blocks in the backlog.
     pub fn backlog_blocks(&self) -> u64 {
         self.backlog_blocks
     }

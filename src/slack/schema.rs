@@ -10,15 +10,23 @@ use super::*;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelInfo {
+    /// Model name (`llama3-8b`).
     pub name: String,
+    /// Decoder layers.
     pub layers: u32,
+    /// KV heads per layer.
     pub kv_heads: u32,
+    /// Dimension of one head.
     pub head_dim: u32,
     /// PyTorch spelling (`bfloat16`); see [`DType::name`].
     pub dtype: String,
+    /// Tokens per KV block.
     pub block_size: u32,
+    /// Hidden size.
     pub hidden_size: u32,
+    /// MLP intermediate size.
     pub intermediate_size: u32,
+    /// Query heads per layer.
     pub attention_heads: u32,
 }
 
@@ -26,7 +34,9 @@ pub struct ModelInfo {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GpuInfo {
+    /// GPU name as the driver reports it.
     pub name: String,
+    /// Streaming multiprocessors.
     pub sms: u32,
     /// Dense bf16 peak, TFLOPS.
     pub bf16_tflops: f64,
@@ -52,12 +62,16 @@ pub struct StorageInfo {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
+    /// From FLOP and byte counts against the GPU's peaks.
     Analytic,
+    /// From a profiler trace of a real run.
     Trace,
+    /// Timed with PyTorch on the GPU.
     Torch,
 }
 
 impl Mode {
+    /// Its spelling in the file (`analytic`, `trace`, `torch`).
     pub fn name(self) -> &'static str {
         match self {
             Mode::Analytic => "analytic",
@@ -71,12 +85,17 @@ impl Mode {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Provenance {
+    /// Host name of the machine that made it.
     pub machine: String,
+    /// Its kernel release.
     pub kernel: String,
+    /// kvtier's version.
     pub kvtier_version: String,
     /// `YYYY-MM-DD`.
     pub date: String,
+    /// The command line that made it.
     pub command: String,
+    /// How the compute times were found, in words.
     pub method: String,
 }
 
@@ -84,11 +103,17 @@ pub struct Provenance {
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LayerRow {
+    /// The layer's compute time, microseconds.
     pub compute_us: f64,
+    /// Time to read the layer's KV, microseconds.
     pub read_us: f64,
+    /// Compute time left over the read, microseconds.
     pub slack_us: f64,
+    /// SMs the I/O may take during the layer.
     pub sm_budget: u32,
+    /// Read IOCBs of the layer.
     pub read_iocbs: u32,
+    /// Write IOCBs that fit in the slack.
     pub write_iocbs: u32,
 }
 
@@ -96,8 +121,11 @@ pub struct LayerRow {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Entry {
+    /// Input tokens.
     pub input: u64,
+    /// Tokens of that input already in the pool.
     pub prefix: u64,
+    /// One row per layer.
     pub layers: Vec<LayerRow>,
 }
 
@@ -105,10 +133,15 @@ pub struct Entry {
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DecodeRow {
+    /// Context tokens.
     pub context: u64,
+    /// Time of one decode step, microseconds.
     pub step_us: f64,
+    /// Time in a step the I/O may use, microseconds.
     pub slack_us: f64,
+    /// SMs the I/O may take.
     pub sm_budget: u32,
+    /// Write IOCBs that fit in a step.
     pub write_iocbs: u32,
 }
 
@@ -116,27 +149,44 @@ pub struct DecodeRow {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TableFile {
+    /// The schema's name and version.
     pub schema: String,
+    /// The model.
     pub model: ModelInfo,
+    /// The GPU.
     pub gpu: GpuInfo,
+    /// The storage.
     pub storage: StorageInfo,
+    /// Where the compute times came from.
     pub mode: Mode,
+    /// Whether the times are estimates (not measured).
     pub estimated: bool,
+    /// Who made it, where, when, how.
     pub provenance: Provenance,
+    /// The grid's input lengths.
     pub input_lengths: Vec<u64>,
+    /// The grid's prefix lengths.
     pub prefix_lengths: Vec<u64>,
+    /// One entry per grid point.
     pub entries: Vec<Entry>,
+    /// Decode rows by context.
     pub decode: Vec<DecodeRow>,
 }
 
 /// Everything of a table but its rows: what [`SlackTable::build`] derives rows under.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TableHeader {
+    /// The model.
     pub model: ModelInfo,
+    /// The GPU.
     pub gpu: GpuInfo,
+    /// The storage.
     pub storage: StorageInfo,
+    /// Where the compute times came from.
     pub mode: Mode,
+    /// Whether the times are estimates (not measured).
     pub estimated: bool,
+    /// Who made it, where, when, how.
     pub provenance: Provenance,
 }
 

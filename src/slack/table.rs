@@ -45,8 +45,11 @@ impl LayerSlack {
 pub struct DecodeSlack {
     /// The (clamped) context the answer is for.
     pub context: u64,
+    /// Time of one decode step, microseconds.
     pub step_us: f64,
+    /// Time in a step the I/O may use, microseconds.
     pub slack_us: f64,
+    /// SMs the I/O may take.
     pub sm_budget: u32,
     /// Full write IOCBs of deferred writes that fit in the step.
     pub write_iocbs: u32,
@@ -377,38 +380,47 @@ impl SlackTable {
         self.geometry
     }
 
+    /// The model.
     pub fn model(&self) -> &ModelInfo {
         &self.file.model
     }
 
+    /// The GPU.
     pub fn gpu(&self) -> &GpuInfo {
         &self.file.gpu
     }
 
+    /// The storage.
     pub fn storage(&self) -> &StorageInfo {
         &self.file.storage
     }
 
+    /// Where the compute times came from.
     pub fn mode(&self) -> Mode {
         self.file.mode
     }
 
+    /// Whether the times are estimates.
     pub fn estimated(&self) -> bool {
         self.file.estimated
     }
 
+    /// Who made it, where, when, how.
     pub fn provenance(&self) -> &Provenance {
         &self.file.provenance
     }
 
+    /// Layers of the model.
     pub fn layers(&self) -> u32 {
         self.geometry.layers
     }
 
+    /// The grid's input lengths.
     pub fn input_lengths(&self) -> &[u64] {
         &self.file.input_lengths
     }
 
+    /// The grid's prefix lengths.
     pub fn prefix_lengths(&self) -> &[u64] {
         &self.file.prefix_lengths
     }

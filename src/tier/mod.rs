@@ -52,8 +52,11 @@ use jobs::{Item, JobTable};
 use std::sync::Arc;
 use store::Staging;
 
+/// Settings of a [`Tier`]: [`TierConfig::default`] and the `with_*` setters.
+#[non_exhaustive]
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct TierConfig {
+    /// The io_uring engine's settings (when the tier opens one).
     pub uring: UringConfig,
     /// IOCBs in the gio_uring ring.
     pub ring_depth: u32,
@@ -118,18 +121,46 @@ impl Default for TierConfig {
     }
 }
 
+/// The most block headers [`TierConfig::header_staging`] may stage: 1 GiB
+/// of host memory, far more than any store in flight needs; a larger value
+/// is a mistake (it was allocated as asked, up to 16 TiB).
+pub const MAX_HEADER_STAGING: u32 = 1 << 18;
+
+with_setters!(TierConfig {
+    /// With these io_uring engine settings.
+    with_uring => uring: UringConfig,
+    /// With `ring_depth` IOCBs in the gio_uring ring.
+    with_ring_depth => ring_depth: u32,
+    /// With IOCTXs of at most `max_io_bytes` after coalescing.
+    with_max_io_bytes => max_io_bytes: u64,
+    /// With `header_staging` block headers staged at once.
+    with_header_staging => header_staging: u32,
+    /// With loads running at most `load_lookahead_bytes` ahead of their oldest incomplete layer.
+    with_load_lookahead_bytes => load_lookahead_bytes: u64,
+    /// With `load_inflight_bytes` of one load's reads in flight at once.
+    with_load_inflight_bytes => load_inflight_bytes: u64,
+    /// Verifying (or not) the checksum of every block loaded into host memory.
+    with_verify_loads => verify_loads: bool,
+});
+
+/// A job of a tier.
 pub type JobId = u64;
 
+/// Whether a job loads or stores.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub enum JobKind {
+    /// Pool to memory.
     Load,
+    /// Memory to pool.
     Store,
 }
 
 /// "Layer `layer` of load `job` is in memory", or failed to load.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LayerDone {
+    /// The load.
     pub job: JobId,
+    /// The layer.
     pub layer: u32,
     /// Why some of the layer's reads failed; its memory must not be used.
     pub error: Option<Failure>,
@@ -142,6 +173,7 @@ pub enum KeyOutcome {
     Done,
     /// Store of a key the pool already held (or another job stored): no I/O.
     AlreadyStored,
+    /// Failed: the failure says why (the key's memory must not be used).
     Failed(Failure),
     /// Loaded bytes did not match the checksum stored with the block: the
     /// failure (kind Corrupt) names the device, offset and key. The block was
@@ -151,25 +183,33 @@ pub enum KeyOutcome {
 }
 
 impl KeyOutcome {
+    /// Done or already stored.
     pub fn is_ok(&self) -> bool {
         !matches!(self, KeyOutcome::Failed(_) | KeyOutcome::Corrupt(_))
     }
 }
 
+/// A finished job: one outcome per key.
 #[derive(Clone, Debug)]
 pub struct JobResult {
+    /// The job.
     pub job: JobId,
+    /// Load or store.
     pub kind: JobKind,
+    /// Its keys, in submission order.
     pub keys: Vec<Key>,
+    /// The outcome of each key.
     pub outcomes: Vec<KeyOutcome>,
     /// Keys a store evicted to make room (for the engine's KV events).
     pub evicted: Vec<Key>,
 }
 
 impl JobResult {
+    /// Every key done.
     pub fn all_ok(&self) -> bool {
         self.outcomes.iter().all(KeyOutcome::is_ok)
     }
+    /// Each failed key with its failure.
     pub fn failures(&self) -> impl Iterator<Item = (&Key, &Failure)> {
         self.keys
             .iter()
@@ -181,21 +221,32 @@ impl JobResult {
     }
 }
 
+/// What the tier holds, for monitoring.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Usage {
+    /// Slots in the pool.
     pub total_blocks: u64,
+    /// Slots holding a stored block.
     pub live_blocks: u64,
+    /// Slots free.
     pub free_blocks: u64,
+    /// Blocks pinned by loads.
     pub pinned_blocks: u64,
     /// Slots being written by stores in flight.
     pub reserved_blocks: u64,
+    /// Bytes of one block.
     pub block_bytes: u64,
+    /// Bytes the pool can hold.
     pub capacity_bytes: u64,
+    /// Bytes of stored blocks.
     pub used_bytes: u64,
+    /// Jobs not finished yet.
     pub jobs_in_flight: usize,
+    /// The engine's counters.
     pub engine: EngineStats,
 }
 
+/// The single-threaded core: a pool, an engine and the registered KV memory; loads and stores as jobs with per-layer completions (the thread-safe front door is [`crate::TierHandle`]).
 pub struct Tier {
     // Field order is drop order: the engine (inside `io`) waits out in-flight
     // I/O before the memory it targets (staging, the host cache) goes away.
@@ -241,8 +292,11 @@ impl Tier {
                 pool.geometry().object_bytes()
             )));
         }
-        if cfg.header_staging < 2 {
-            return Err(Error::invalid("header_staging must be at least 2"));
+        if !(2..=MAX_HEADER_STAGING).contains(&cfg.header_staging) {
+            return Err(Error::invalid(format!(
+                "TierConfig::header_staging is {}: it must be 2 to {MAX_HEADER_STAGING} (the most new blocks the stores in flight hold together, {SLOT_HEADER_BYTES} B of host memory each); set it in that range",
+                cfg.header_staging
+            )));
         }
         if !pool.is_writable() {
             return Err(Error::invalid(
@@ -266,10 +320,12 @@ impl Tier {
         })
     }
 
+    /// The pool.
     pub fn pool(&self) -> &Pool {
         &self.pool
     }
 
+    /// The engine.
     pub fn engine(&self) -> &dyn IoEngine {
         self.io.engine()
     }
@@ -420,6 +476,7 @@ impl Tier {
         }
     }
 
+    /// Whether the pool holds `key`.
     pub fn contains(&self, key: &Key) -> bool {
         self.pool.index().get(key).is_some()
     }
@@ -606,6 +663,7 @@ impl Tier {
         self.jobs.count(JobKind::Store)
     }
 
+    /// What the tier holds now.
     pub fn usage(&self) -> Usage {
         let ix = self.pool.index();
         let bb = self.pool.geometry().block_bytes();
@@ -623,6 +681,7 @@ impl Tier {
         }
     }
 
+    /// Its settings.
     pub fn config(&self) -> &TierConfig {
         &self.cfg
     }

@@ -19,6 +19,22 @@ const INLINE_HASH_BYTES: u64 = 32 << 20;
 /// A thread taking checksums: (block, per-layer checksums) when joined.
 type HashWorker = std::thread::JoinHandle<Vec<(usize, Vec<u32>)>>;
 
+/// Run `work` on a thread `spawn` starts, or here when no thread can be had
+/// (`Err` with its result): the OS refusing a thread (a process at its
+/// thread limit) slows a store down, never fails or panics it.
+fn spawn_or_run<T: Send + 'static>(
+    work: impl Fn() -> T + Send + Sync + 'static,
+    spawn: impl FnOnce(Box<dyn FnOnce() -> T + Send>) -> std::io::Result<std::thread::JoinHandle<T>>,
+) -> std::result::Result<std::thread::JoinHandle<T>, T> {
+    // Shared so the work is still here when `spawn` drops the closure it refused.
+    let work = std::sync::Arc::new(work);
+    let theirs = work.clone();
+    match spawn(Box::new(move || theirs())) {
+        Ok(h) => Ok(h),
+        Err(_) => Err(work()),
+    }
+}
+
 /// A store's headers until they are staged.
 pub(super) struct PendingHeaders {
     /// The new blocks, in the order their staging entries were taken.
@@ -233,12 +249,24 @@ impl Tier {
             } else {
                 let table = table.clone();
                 let layers = geo.layers;
-                worker = Some(std::thread::spawn(move || {
+                let hash = move || -> Vec<(usize, Vec<u32>)> {
                     missing
-                        .into_iter()
-                        .map(|(j, mem)| (j, layer_crcs(&table, mem, layers)))
+                        .iter()
+                        .map(|&(j, mem)| (j, layer_crcs(&table, mem, layers)))
                         .collect()
-                }));
+                };
+                match spawn_or_run(hash, |f| {
+                    std::thread::Builder::new()
+                        .name("kvtier-store-crc".into())
+                        .spawn(f)
+                }) {
+                    Ok(w) => worker = Some(w),
+                    Err(got) => {
+                        for (j, c) in got {
+                            block_crcs[j] = Some(c);
+                        }
+                    }
+                }
             }
         }
         let plan = plan_store(
@@ -352,5 +380,27 @@ impl Tier {
             staging.free.extend(st.staging);
         }
         st.evicted
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A refused thread: the work runs on the caller's thread and its
+    /// result comes back, with no panic.
+    #[test]
+    fn refused_thread_runs_the_work_here() {
+        let data: Vec<u32> = (0..1000).collect();
+        let work = move || data.iter().map(|&x| x as u64).sum::<u64>();
+        let got = spawn_or_run(work.clone(), |_| {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::WouldBlock,
+                "Resource temporarily unavailable",
+            ))
+        });
+        assert_eq!(got.err(), Some(499_500));
+        let h = spawn_or_run(work, |f| std::thread::Builder::new().spawn(f)).unwrap();
+        assert_eq!(h.join().unwrap(), 499_500);
     }
 }

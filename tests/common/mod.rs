@@ -83,20 +83,16 @@ pub fn device_bytes(geo: &KvGeometry, g: u32, groups: u64) -> u64 {
 }
 
 pub fn pool_config(geo: KvGeometry, g: u32, devs: &[PathBuf], groups_per_dev: u64) -> PoolConfig {
-    PoolConfig {
-        geometry: geo,
-        model: "test".into(),
-        namespace: "test/ns".into(),
-        group_blocks: g,
-        devices: devs
-            .iter()
-            .map(|p| DeviceSpec {
-                path: p.clone(),
-                size: Some(device_bytes(&geo, g, groups_per_dev)),
-            })
-            .collect(),
-        force: false,
-    }
+    PoolConfig::new(geo, "test", "test/ns")
+        .with_group_blocks(g)
+        .with_devices(
+            devs.iter()
+                .map(|p| DeviceSpec {
+                    path: p.clone(),
+                    size: Some(device_bytes(&geo, g, groups_per_dev)),
+                })
+                .collect(),
+        )
 }
 
 pub fn create_pool(

@@ -531,14 +531,10 @@ where
     B: Bar0 + Send + Sync + 'static,
 {
     let geo = kvtier::model::preset("llama3-8b", 16).unwrap();
-    let pcfg = PoolConfig {
-        geometry: geo,
-        model: "llama3-8b".into(),
-        namespace: "suite/llama3-8b".into(),
-        group_blocks: 8,
-        devices: Vec::new(),
-        force: true,
-    };
+    let pcfg = PoolConfig::new(geo, "llama3-8b", "suite/llama3-8b")
+        .with_group_blocks(8)
+        .with_devices(Vec::new())
+        .with_force(true);
     let pool = Pool::create_on(&pcfg, vec![ns.storage()]).expect("pool on the namespace");
     let mut tier = Tier::with_engine(pool, TierConfig::default(), engine(&ns)).expect("tier");
     const N: u64 = 20; // 2.5 extent groups
@@ -643,12 +639,10 @@ pub fn sim_namespace(
     let c = Controller::bring_up(
         page,
         &mut dma,
-        kvtier::nvme::ctrl::ControllerOptions {
-            name: "sim-page".into(),
-            io_queues: 2,
-            extra_io_queues: extra,
-            ..Default::default()
-        },
+        kvtier::nvme::ctrl::ControllerOptions::default()
+            .with_name("sim-page".into())
+            .with_io_queues(2)
+            .with_extra_io_queues(extra),
     )
     .expect("bring-up through the doorbell page");
     let ns = NvmeNamespace::new(c, dma, &NvmeConfig::default()).expect("namespace");

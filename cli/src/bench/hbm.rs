@@ -336,20 +336,19 @@ pub fn run(
         scratch.iter_mut().for_each(ScratchFile::keep);
     }
     let paths: Vec<PathBuf> = scratch.iter().map(|s| s.path().to_path_buf()).collect();
-    let pool = Pool::create(&PoolConfig {
-        geometry: geo,
-        model: cfg.model.clone(),
-        namespace: format!("bench/{}", cfg.model),
-        group_blocks: cfg.group_blocks,
-        devices: paths
-            .iter()
-            .map(|p| DeviceSpec {
-                path: p.clone(),
-                size: Some(per_dev),
-            })
-            .collect(),
-        force: false,
-    })?;
+    let pool = Pool::create(
+        &PoolConfig::new(geo, cfg.model.clone(), format!("bench/{}", cfg.model))
+            .with_group_blocks(cfg.group_blocks)
+            .with_devices(
+                paths
+                    .iter()
+                    .map(|p| DeviceSpec {
+                        path: p.clone(),
+                        size: Some(per_dev),
+                    })
+                    .collect(),
+            ),
+    )?;
     check_scratch_pool(&pool, &scratch)?;
     // Half the slots: the disk-write ceiling stores the same blocks again
     // under other keys without evicting the ones the read ceiling needs.
@@ -381,11 +380,7 @@ pub fn run(
     } else {
         HostLayout::PerLayer
     };
-    let staging = StagingConfig {
-        layer_buffers: 4,
-        load_blocks: max_blocks.max(1),
-        store_blocks: max_blocks.clamp(1, 256),
-    };
+    let staging = StagingConfig::new(4, max_blocks.max(1), max_blocks.clamp(1, 256));
     let mut report = HbmReport {
         config: cfg.clone(),
         machine: Machine::probe(&cfg.dir),

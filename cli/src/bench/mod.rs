@@ -166,13 +166,11 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
     let geo = cfg.geometry;
     std::fs::create_dir_all(&cfg.dir)
         .map_err(|e| Error::io(format!("creating {}", cfg.dir.display()), e))?;
-    let pool_cfg = |devices: Vec<DeviceSpec>, force: bool| PoolConfig {
-        geometry: geo,
-        model: cfg.model.clone(),
-        namespace: format!("bench/{}", cfg.model),
-        group_blocks: cfg.group_blocks,
-        devices,
-        force,
+    let pool_cfg = |devices: Vec<DeviceSpec>, force: bool| {
+        PoolConfig::new(geo, cfg.model.clone(), format!("bench/{}", cfg.model))
+            .with_group_blocks(cfg.group_blocks)
+            .with_devices(devices)
+            .with_force(force)
     };
     let mut scratch: Vec<ScratchFile> = Vec::new();
     let (pool, engine) = match &cfg.nvme {

@@ -118,11 +118,9 @@ pub(crate) fn run_bench(a: BenchArgs) -> Result<i32> {
         capacity: a.capacity,
         devices: a.devices,
         group_blocks: a.group_blocks,
-        tier: TierConfig {
-            uring: uring_cfg(&a, 64),
-            max_io_bytes: a.max_io,
-            ..TierConfig::default()
-        },
+        tier: TierConfig::default()
+            .with_uring(uring_cfg(&a, 64))
+            .with_max_io_bytes(a.max_io),
         verify: !a.no_verify,
         cross_layer: a.cross_layer,
         store_job_blocks: 4096,

@@ -1,5 +1,5 @@
 //! `kvtier doctor`: what this machine can run and why not (the report is
-//! [`kvtier::doctor`]'s; this prints it).
+//! [`kvtier_cli::doctor`]'s; this prints it).
 
 use crate::*;
 
@@ -15,14 +15,14 @@ pub(crate) struct DoctorArgs {
 
 /// Runs `kvtier doctor`; the exit code.
 pub(crate) fn run(a: DoctorArgs) -> Result<i32> {
-    let report = kvtier::doctor::run(&a.dir)?;
+    let report = kvtier_cli::doctor::run(&a.dir)?;
     if a.json {
         outln!(
             "{}",
             serde_json::to_string_pretty(&report).expect("serializable")
         );
     } else {
-        kvtier_cli::cli::out(&kvtier::doctor::render(&report))?;
+        kvtier_cli::cli::out(&kvtier_cli::doctor::render(&report))?;
     }
     Ok(0)
 }

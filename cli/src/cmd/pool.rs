@@ -66,20 +66,19 @@ pub(crate) fn run(cmd: PoolCmd) -> Result<i32> {
                     geometry.block_size
                 )
             });
-            let pool = Pool::create(&PoolConfig {
-                geometry,
-                model: named.name.clone(),
-                namespace,
-                group_blocks,
-                devices: devs
-                    .iter()
-                    .map(|p| DeviceSpec {
-                        path: p.clone(),
-                        size,
-                    })
-                    .collect(),
-                force,
-            })?;
+            let pool = Pool::create(
+                &PoolConfig::new(geometry, named.name.clone(), namespace)
+                    .with_group_blocks(group_blocks)
+                    .with_devices(
+                        devs.iter()
+                            .map(|p| DeviceSpec {
+                                path: p.clone(),
+                                size,
+                            })
+                            .collect(),
+                    )
+                    .with_force(force),
+            )?;
             print_info(&pool)?;
             Ok(0)
         }

@@ -10,12 +10,15 @@ pub mod idctl {
     pub const SSVID: usize = 2;
     /// Serial Number (ASCII, space padded).
     pub const SN: usize = 4;
+    /// Bytes of the serial number.
     pub const SN_LEN: usize = 20;
     /// Model Number (ASCII, space padded).
     pub const MN: usize = 24;
+    /// Bytes of the model number.
     pub const MN_LEN: usize = 40;
     /// Firmware Revision (ASCII, space padded).
     pub const FR: usize = 64;
+    /// Bytes of the firmware revision.
     pub const FR_LEN: usize = 8;
     /// Maximum Data Transfer Size: `2^MDTS` units of CAP.MPSMIN; 0 = no limit.
     pub const MDTS: usize = 77;
@@ -27,6 +30,7 @@ pub mod idctl {
     pub const OACS: usize = 256;
     /// SQ / CQ entry sizes: required (bits 3:0) and maximum (7:4), log2 bytes.
     pub const SQES: usize = 512;
+    /// Offset of CQES.
     pub const CQES: usize = 513;
     /// Maximum Outstanding Commands (u16; 0 = not reported).
     pub const MAXCMD: usize = 514;
@@ -48,6 +52,7 @@ pub mod idns {
     pub const NCAP: usize = 8;
     /// Namespace Utilization, in logical blocks (u64).
     pub const NUSE: usize = 16;
+    /// Offset of NSFEAT.
     pub const NSFEAT: usize = 24;
     /// Number of LBA Formats, 0-based.
     pub const NLBAF: usize = 25;
@@ -57,6 +62,7 @@ pub mod idns {
     /// LBA Format table: `LBAF_LEN`-byte entries (MS bits 15:0, LBADS
     /// bits 23:16 as log2 bytes, RP bits 25:24).
     pub const LBAF: usize = 128;
+    /// Bytes of one LBA format.
     pub const LBAF_LEN: usize = 4;
     /// Entries the Identify Namespace structure has room for.
     pub const LBAF_MAX: usize = 64;
@@ -67,13 +73,19 @@ pub mod sgls {
     /// Bits 1:0: 00 no SGLs, 01 SGLs with no alignment rule, 10 SGLs whose
     /// Data Blocks must be dword aligned, 11 reserved.
     pub const SUPPORT_MASK: u32 = 0x3;
+    /// SGLs supported, data blocks dword aligned.
     pub const SUPPORT_DWORD_ALIGNED: u32 = 0x2;
+    /// Keyed SGL data blocks supported.
     pub const KEYED: u32 = 1 << 2;
+    /// Bit bucket descriptors supported.
     pub const BIT_BUCKET: u32 = 1 << 16;
+    /// Byte-aligned contiguous metadata pointers supported.
     pub const BYTE_ALIGNED_MPTR: u32 = 1 << 17;
     /// An SGL longer than the transfer is allowed (excess ignored).
     pub const LONGER_THAN_DATA: u32 = 1 << 18;
+    /// Metadata pointers may be SGLs.
     pub const MPTR_SGL: u32 = 1 << 19;
+    /// Address fields of data blocks may be offsets.
     pub const ADDRESS_OFFSET: u32 = 1 << 20;
 }
 
@@ -98,28 +110,42 @@ fn ascii(d: &[u8]) -> String {
 /// The Identify Controller fields kvtier uses.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct IdentifyController {
+    /// PCI vendor id.
     pub vid: u16,
+    /// PCI subsystem vendor id.
     pub ssvid: u16,
+    /// Serial number.
     pub serial: String,
+    /// Model number.
     pub model: String,
+    /// Firmware revision.
     pub firmware: String,
     /// Raw MDTS (see [`IdentifyController::max_transfer_bytes`]).
     pub mdts: u8,
+    /// Controller id.
     pub cntlid: u16,
+    /// NVMe version it reports.
     pub ver: Vs,
+    /// Optional admin command support.
     pub oacs: u16,
+    /// SQ entry size (required and maximum, log2).
     pub sqes: u8,
+    /// CQ entry size (required and maximum, log2).
     pub cqes: u8,
+    /// Most commands outstanding (0: not reported).
     pub maxcmd: u16,
     /// Number of namespaces (largest NSID).
     pub nn: u32,
+    /// Optional NVM command support.
     pub oncs: u16,
+    /// Volatile write cache present.
     pub vwc: u8,
     /// SGL Support; see [`sgls`].
     pub sgls: u32,
 }
 
 impl IdentifyController {
+    /// Decodes the 4096 bytes of Identify Controller.
     pub fn parse(data: &[u8; IDENTIFY_DATA_LEN]) -> IdentifyController {
         IdentifyController {
             vid: le_u16(data, idctl::VID),
@@ -151,6 +177,7 @@ impl IdentifyController {
         self.sgls & sgls::SUPPORT_MASK == sgls::SUPPORT_DWORD_ALIGNED
     }
 
+    /// Bit bucket descriptors supported.
     pub const fn sgl_bit_bucket(&self) -> bool {
         self.sgls & sgls::BIT_BUCKET != 0
     }
@@ -194,6 +221,7 @@ pub struct LbaFormat {
 }
 
 impl LbaFormat {
+    /// Decodes one LBA format dword.
     pub const fn from_u32(v: u32) -> LbaFormat {
         LbaFormat {
             ms: v as u16,
@@ -206,10 +234,22 @@ impl LbaFormat {
 /// Why Identify data cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IdentifyError {
+    /// FLBAS names a format past those reported.
     #[error("Identify Namespace: formatted LBA format {index} is past the {count} format(s) reported (NLBAF)")]
-    FormatIndex { index: usize, count: usize },
+    FormatIndex {
+        /// The format index FLBAS names.
+        index: usize,
+        /// Formats reported.
+        count: usize,
+    },
+    /// The format's LBA size is one kvtier cannot use.
     #[error("Identify Namespace: LBA format {index} has LBADS {lbads} (LBAs of 2^{lbads} bytes); 9..=16 (512 B to 64 KiB) is expected")]
-    LbaSize { index: usize, lbads: u8 },
+    LbaSize {
+        /// The format.
+        index: usize,
+        /// Its LBA data size (log2).
+        lbads: u8,
+    },
 }
 
 /// The Identify Namespace fields kvtier uses.
@@ -217,7 +257,9 @@ pub enum IdentifyError {
 pub struct IdentifyNamespace {
     /// Size in logical blocks (0 for an inactive NSID).
     pub nsze: u64,
+    /// Namespace capacity in LBAs.
     pub ncap: u64,
+    /// Namespace utilization in LBAs.
     pub nuse: u64,
     /// LBA formats reported (1-based: NLBAF + 1).
     pub lba_format_count: usize,
@@ -229,10 +271,12 @@ pub struct IdentifyNamespace {
     pub metadata_bytes: u16,
     /// Metadata is transferred at the end of each LBA (FLBAS bit 4).
     pub extended_lba: bool,
+    /// The LBA formats it supports.
     pub lba_formats: Vec<LbaFormat>,
 }
 
 impl IdentifyNamespace {
+    /// Decodes the 4096 bytes of Identify Namespace.
     pub fn parse(data: &[u8; IDENTIFY_DATA_LEN]) -> Result<IdentifyNamespace, IdentifyError> {
         let count = (data[idns::NLBAF] as usize + 1).min(idns::LBAF_MAX);
         let flbas = data[idns::FLBAS];

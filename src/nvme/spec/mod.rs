@@ -37,12 +37,14 @@ pub struct SglDescriptor {
     pub addr: u64,
     /// Extent length in bytes.
     pub len: u32,
+    /// Zero.
     pub reserved: [u8; 3],
     /// SGL identifier: descriptor type (high nibble) and subtype (low nibble).
     pub sgl_id: u8,
 }
 
 impl SglDescriptor {
+    /// A data block descriptor of `len` bytes at `addr`.
     pub fn data_block(addr: u64, len: u32) -> Self {
         SglDescriptor {
             addr,
@@ -60,22 +62,34 @@ compile_error!("kvtier's NVMe layouts assume a little-endian host (NVMe is littl
 
 /// Admin command set opcodes (submitted on queue 0).
 pub mod admin_opc {
+    /// Delete I/O submission queue.
     pub const DELETE_IO_SQ: u8 = 0x00;
+    /// Create I/O submission queue.
     pub const CREATE_IO_SQ: u8 = 0x01;
+    /// Get log page.
     pub const GET_LOG_PAGE: u8 = 0x02;
+    /// Delete I/O completion queue.
     pub const DELETE_IO_CQ: u8 = 0x04;
+    /// Create I/O completion queue.
     pub const CREATE_IO_CQ: u8 = 0x05;
+    /// Identify.
     pub const IDENTIFY: u8 = 0x06;
+    /// Abort.
     pub const ABORT: u8 = 0x08;
+    /// Set features.
     pub const SET_FEATURES: u8 = 0x09;
+    /// Get features.
     pub const GET_FEATURES: u8 = 0x0a;
 }
 
 /// NVM command set opcodes (I/O queues). The gio_uring IOCTX opcodes are the
 /// same numbers (asserted in `crate::ring::abi`), so an engine copies `IoCtx::op` unchanged.
 pub mod nvm_opc {
+    /// Flush.
     pub const FLUSH: u8 = 0x00;
+    /// Write.
     pub const WRITE: u8 = 0x01;
+    /// Read.
     pub const READ: u8 = 0x02;
 }
 
@@ -103,20 +117,27 @@ pub const IDENTIFY_DATA_LEN: usize = 4096;
 
 /// CDW0 byte 1 holds FUSE (bits 1:0) and PSDT (bits 7:6).
 pub const SQE_FLAGS_FUSE_MASK: u8 = 0x03;
+/// Shift of PSDT in the SQE flags.
 pub const SQE_FLAGS_PSDT_SHIFT: u8 = 6;
+/// PSDT bits of the SQE flags.
 pub const SQE_FLAGS_PSDT_MASK: u8 = 0x03 << SQE_FLAGS_PSDT_SHIFT;
 
 /// Fused operation (CDW0 bits 9:8).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum Fuse {
+    /// Not fused.
     Normal = 0b00,
+    /// First command of a fused pair.
     First = 0b01,
+    /// Second command of a fused pair.
     Second = 0b10,
+    /// Reserved.
     Reserved = 0b11,
 }
 
 impl Fuse {
+    /// The FUSE of these 2 bits.
     pub const fn from_bits(bits: u8) -> Fuse {
         match bits & SQE_FLAGS_FUSE_MASK {
             0b00 => Fuse::Normal,
@@ -142,6 +163,7 @@ pub enum Psdt {
 }
 
 impl Psdt {
+    /// The PSDT of these 2 bits.
     pub const fn from_bits(bits: u8) -> Psdt {
         match bits & 0b11 {
             0b00 => Psdt::Prp,
@@ -160,7 +182,9 @@ impl Psdt {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
 pub struct Dptr {
+    /// PRP entry 1, or the SGL descriptor's first 8 bytes.
     pub prp1: u64,
+    /// PRP entry 2, or the SGL descriptor's last 8 bytes.
     pub prp2: u64,
 }
 
@@ -182,13 +206,19 @@ impl Dptr {
 pub enum DataPtr {
     /// PSDT 00b. `prp2` is 0, the second page, or the address of a PRP list
     /// (see [`build_prps`]).
-    Prp { prp1: u64, prp2: u64 },
+    Prp {
+        /// PRP entry 1.
+        prp1: u64,
+        /// PRP entry 2.
+        prp2: u64,
+    },
     /// PSDT 01b: SGL Descriptor 1, a Data Block (the whole transfer is one
     /// extent), a Segment or a Last Segment pointing at more descriptors.
     Sgl(SglDescriptor),
 }
 
 impl DataPtr {
+    /// The PSDT this pointer needs.
     pub const fn psdt(&self) -> Psdt {
         match self {
             DataPtr::Prp { .. } => Psdt::Prp,
@@ -196,6 +226,7 @@ impl DataPtr {
         }
     }
 
+    /// As the SQE's DPTR field.
     pub fn dptr(&self) -> Dptr {
         match *self {
             DataPtr::Prp { prp1, prp2 } => Dptr { prp1, prp2 },
@@ -223,16 +254,25 @@ pub struct Sqe {
     pub cid: u16,
     /// Namespace ID (1-based; 0 when unused, 0xffffffff for all namespaces).
     pub nsid: u32,
+    /// Command dword 2.
     pub cdw2: u32,
+    /// Command dword 3.
     pub cdw3: u32,
     /// Metadata pointer (unused by kvtier: namespaces have no metadata).
     pub mptr: u64,
+    /// Data pointer.
     pub dptr: Dptr,
+    /// Command dword 10.
     pub cdw10: u32,
+    /// Command dword 11.
     pub cdw11: u32,
+    /// Command dword 12.
     pub cdw12: u32,
+    /// Command dword 13.
     pub cdw13: u32,
+    /// Command dword 14.
     pub cdw14: u32,
+    /// Command dword 15.
     pub cdw15: u32,
 }
 
@@ -347,14 +387,17 @@ impl Sqe {
         sqe
     }
 
+    /// The FUSE field.
     pub const fn fuse(&self) -> Fuse {
         Fuse::from_bits(self.flags)
     }
 
+    /// Sets the FUSE field.
     pub fn set_fuse(&mut self, fuse: Fuse) {
         self.flags = (self.flags & !SQE_FLAGS_FUSE_MASK) | fuse as u8;
     }
 
+    /// The PSDT field.
     pub const fn psdt(&self) -> Psdt {
         Psdt::from_bits(self.flags >> SQE_FLAGS_PSDT_SHIFT)
     }
@@ -411,12 +454,14 @@ pub const CQE_STATUS_PHASE: u16 = 0x0001;
 pub struct Cqe {
     /// Command specific (e.g. Set Features' allocated queue counts).
     pub dw0: u32,
+    /// Dword 1 (command specific).
     pub dw1: u32,
     /// The controller's SQ head pointer when it posted this entry: every SQ
     /// slot before it has been fetched and may be reused.
     pub sq_head: u16,
     /// The submission queue the command came from.
     pub sq_id: u16,
+    /// The command id.
     pub cid: u16,
     /// The raw status field: bit 0 phase tag, bits 8:1 SC, 11:9 SCT, 13:12
     /// CRD, 14 More, 15 DNR. [`Cqe::status`] shifts the phase tag out.
@@ -424,6 +469,7 @@ pub struct Cqe {
 }
 
 impl Cqe {
+    /// The phase tag.
     pub const fn phase(&self) -> bool {
         self.status & CQE_STATUS_PHASE != 0
     }

@@ -5,7 +5,9 @@ use super::*;
 /// A DMA extent (device-visible address and byte length) to describe with PRPs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Extent {
+    /// Start address.
     pub addr: u64,
+    /// Bytes.
     pub len: u64,
 }
 
@@ -33,27 +35,72 @@ impl From<&Extent> for Extent {
 /// Why memory cannot be described with PRPs (or the PRP list does not fit).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PrpError {
+    /// The memory page size is not a power of two of at least 4 KiB.
     #[error("PRP: memory page size {0} is not a power of two of at least 4096")]
     PageSize(u64),
+    /// A transfer of no bytes.
     #[error("PRP: a transfer of 0 bytes has no data pointer")]
     Empty,
+    /// An extent of no bytes.
     #[error("PRP: extent {index} has length 0")]
-    EmptyExtent { index: usize },
+    EmptyExtent {
+        /// Which extent.
+        index: usize,
+    },
+    /// An extent past the end of the address space.
     #[error("PRP: extent {index} at {addr:#x} + {len} bytes wraps the address space")]
-    Overflow { index: usize, addr: u64, len: u64 },
+    Overflow {
+        /// Which extent.
+        index: usize,
+        /// Its start.
+        addr: u64,
+        /// Its bytes.
+        len: u64,
+    },
+    /// The first extent is not dword aligned.
     #[error("PRP: the first extent starts at {addr:#x}, which is not 4-byte aligned")]
-    UnalignedFirst { addr: u64 },
+    UnalignedFirst {
+        /// Its start.
+        addr: u64,
+    },
+    /// An extent after the first starts off a page boundary.
     #[error("PRP: extent {index} starts at {addr:#x}, not on a {page}-byte page boundary; only the first extent may start mid-page (use an SGL for scattered memory)")]
-    UnalignedStart { index: usize, addr: u64, page: u64 },
+    UnalignedStart {
+        /// Which extent.
+        index: usize,
+        /// Its start.
+        addr: u64,
+        /// Memory page size.
+        page: u64,
+    },
+    /// An extent before the last ends off a page boundary.
     #[error("PRP: extent {index} ends at {end:#x}, not on a {page}-byte page boundary; only the last extent may end mid-page (use an SGL for scattered memory)")]
-    UnalignedEnd { index: usize, end: u64, page: u64 },
+    UnalignedEnd {
+        /// Which extent.
+        index: usize,
+        /// Its end.
+        end: u64,
+        /// Memory page size.
+        page: u64,
+    },
+    /// The PRP list memory is not page aligned.
     #[error("PRP: the PRP list at {addr:#x} is not aligned to the {page}-byte page")]
-    ListUnaligned { addr: u64, page: u64 },
+    ListUnaligned {
+        /// The list's address.
+        addr: u64,
+        /// Memory page size.
+        page: u64,
+    },
+    /// The PRP list pages given are too few.
     #[error("PRP: {entries} list entries need {pages} list page(s) of {page} bytes, but the list buffer holds {have} entries")]
     ListTooSmall {
+        /// List entries needed.
         entries: usize,
+        /// List pages needed.
         pages: usize,
+        /// Memory page size.
         page: u64,
+        /// List pages given.
         have: usize,
     },
 }
@@ -162,7 +209,9 @@ pub const fn prp_list_pages_needed(len: u64, page: u64) -> usize {
 /// A command's PRPs, as built by [`build_prps`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Prps {
+    /// PRP entry 1.
     pub prp1: u64,
+    /// PRP entry 2 (a second page, or the PRP list).
     pub prp2: u64,
     /// PRP entries in all (PRP1 included): the memory pages touched.
     pub entries: usize,
@@ -172,6 +221,7 @@ pub struct Prps {
 }
 
 impl Prps {
+    /// As the command's data pointer.
     pub const fn data_ptr(&self) -> DataPtr {
         DataPtr::Prp {
             prp1: self.prp1,

@@ -10,6 +10,7 @@ pub mod reg {
     pub const VS: usize = 0x08;
     /// Interrupt Mask Set / Clear (32-bit).
     pub const INTMS: usize = 0x0c;
+    /// Interrupt mask clear.
     pub const INTMC: usize = 0x10;
     /// Controller Configuration (32-bit).
     pub const CC: usize = 0x14;
@@ -21,6 +22,7 @@ pub mod reg {
     pub const AQA: usize = 0x24;
     /// Admin Submission / Completion Queue Base Address (64-bit).
     pub const ASQ: usize = 0x28;
+    /// Admin completion queue base address.
     pub const ACQ: usize = 0x30;
     /// First doorbell (admin SQ tail).
     pub const DOORBELL_BASE: usize = 0x1000;
@@ -45,16 +47,25 @@ pub const fn bar0_len_for_queues(max_qid: u16, dstrd: u8) -> usize {
 
 /// CAP bit positions.
 pub mod cap {
+    /// Maximum queue entries supported (0-based).
     pub const MQES_MASK: u64 = 0xffff;
+    /// Contiguous queues required.
     pub const CQR: u64 = 1 << 16;
+    /// Shift of arbitration mechanisms supported.
     pub const AMS_SHIFT: u32 = 17;
+    /// Shift of the timeout (500 ms units).
     pub const TO_SHIFT: u32 = 24;
+    /// Shift of the doorbell stride.
     pub const DSTRD_SHIFT: u32 = 32;
+    /// NVM subsystem reset supported.
     pub const NSSRS: u64 = 1 << 36;
+    /// Shift of the command sets supported.
     pub const CSS_SHIFT: u32 = 37;
     /// CAP.CSS bit 0: the NVM command set.
     pub const CSS_NVM: u64 = 1 << 37;
+    /// Shift of the minimum memory page size.
     pub const MPSMIN_SHIFT: u32 = 48;
+    /// Shift of the maximum memory page size.
     pub const MPSMAX_SHIFT: u32 = 52;
 }
 
@@ -88,6 +99,7 @@ impl Cap {
         ((self.0 >> cap::DSTRD_SHIFT) & 0xf) as u8
     }
 
+    /// NVM subsystem reset supported.
     pub const fn nssrs(self) -> bool {
         self.0 & cap::NSSRS != 0
     }
@@ -97,6 +109,7 @@ impl Cap {
         ((self.0 >> cap::CSS_SHIFT) & 0xff) as u8
     }
 
+    /// The NVM command set is supported.
     pub const fn supports_nvm(self) -> bool {
         self.0 & cap::CSS_NVM != 0
     }
@@ -117,15 +130,19 @@ impl Cap {
 pub struct Vs(pub u32);
 
 impl Vs {
+    /// Version `major.minor.tertiary`.
     pub const fn new(major: u16, minor: u8, tertiary: u8) -> Vs {
         Vs(((major as u32) << 16) | ((minor as u32) << 8) | tertiary as u32)
     }
+    /// Major version.
     pub const fn major(self) -> u16 {
         (self.0 >> 16) as u16
     }
+    /// Minor version.
     pub const fn minor(self) -> u8 {
         (self.0 >> 8) as u8
     }
+    /// Tertiary version.
     pub const fn tertiary(self) -> u8 {
         self.0 as u8
     }
@@ -139,18 +156,27 @@ impl fmt::Display for Vs {
 
 /// CC bit positions.
 pub mod cc {
+    /// Enable.
     pub const EN: u32 = 1 << 0;
+    /// Shift of the I/O command set selected.
     pub const CSS_SHIFT: u32 = 4;
+    /// Shift of the memory page size.
     pub const MPS_SHIFT: u32 = 7;
+    /// Shift of the arbitration mechanism.
     pub const AMS_SHIFT: u32 = 11;
+    /// Shift of the shutdown notification.
     pub const SHN_SHIFT: u32 = 14;
+    /// Shutdown notification bits.
     pub const SHN_MASK: u32 = 0x3 << SHN_SHIFT;
+    /// Shift of the I/O SQ entry size.
     pub const IOSQES_SHIFT: u32 = 16;
+    /// Shift of the I/O CQ entry size.
     pub const IOCQES_SHIFT: u32 = 20;
     /// CC.CSS value for the NVM command set.
     pub const CSS_NVM: u32 = 0;
     /// log2 of the SQE and CQE sizes, for IOSQES / IOCQES.
     pub const IOSQES_64B: u32 = 6;
+    /// 16-byte CQ entries (log2).
     pub const IOCQES_16B: u32 = 4;
 }
 
@@ -158,8 +184,11 @@ pub mod cc {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Shn {
+    /// No shutdown requested.
     None = 0,
+    /// Normal shutdown.
     Normal = 1,
+    /// Abrupt shutdown.
     Abrupt = 2,
 }
 
@@ -179,9 +208,11 @@ impl Cc {
             | (cc::IOCQES_16B << cc::IOCQES_SHIFT))
     }
 
+    /// CC.EN.
     pub const fn en(self) -> bool {
         self.0 & cc::EN != 0
     }
+    /// With CC.EN set to `en`.
     pub const fn with_en(self, en: bool) -> Cc {
         Cc(if en {
             self.0 | cc::EN
@@ -189,6 +220,7 @@ impl Cc {
             self.0 & !cc::EN
         })
     }
+    /// CC.CSS (I/O command set).
     pub const fn css(self) -> u8 {
         ((self.0 >> cc::CSS_SHIFT) & 0x7) as u8
     }
@@ -196,18 +228,23 @@ impl Cc {
     pub const fn page_bytes(self) -> u64 {
         1 << (12 + ((self.0 >> cc::MPS_SHIFT) & 0xf))
     }
+    /// CC.AMS (arbitration).
     pub const fn ams(self) -> u8 {
         ((self.0 >> cc::AMS_SHIFT) & 0x7) as u8
     }
+    /// CC.SHN (shutdown notification).
     pub const fn shn(self) -> u8 {
         ((self.0 & cc::SHN_MASK) >> cc::SHN_SHIFT) as u8
     }
+    /// With CC.SHN set to `shn`.
     pub const fn with_shn(self, shn: Shn) -> Cc {
         Cc((self.0 & !cc::SHN_MASK) | ((shn as u32) << cc::SHN_SHIFT))
     }
+    /// CC.IOSQES (log2 of the SQ entry size).
     pub const fn iosqes(self) -> u8 {
         ((self.0 >> cc::IOSQES_SHIFT) & 0xf) as u8
     }
+    /// CC.IOCQES (log2 of the CQ entry size).
     pub const fn iocqes(self) -> u8 {
         ((self.0 >> cc::IOCQES_SHIFT) & 0xf) as u8
     }
@@ -215,20 +252,30 @@ impl Cc {
 
 /// CSTS bit positions.
 pub mod csts {
+    /// Ready.
     pub const RDY: u32 = 1 << 0;
+    /// Controller fatal status.
     pub const CFS: u32 = 1 << 1;
+    /// Shift of the shutdown status.
     pub const SHST_SHIFT: u32 = 2;
+    /// Shutdown status bits.
     pub const SHST_MASK: u32 = 0x3 << SHST_SHIFT;
+    /// NVM subsystem reset occurred.
     pub const NSSRO: u32 = 1 << 4;
+    /// Processing paused.
     pub const PP: u32 = 1 << 5;
 }
 
 /// Shutdown Status (CSTS.SHST).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Shst {
+    /// Normal operation.
     Normal,
+    /// Shutdown processing.
     Occurring,
+    /// Shutdown complete.
     Complete,
+    /// Reserved.
     Reserved,
 }
 
@@ -237,6 +284,7 @@ pub enum Shst {
 pub struct Csts(pub u32);
 
 impl Csts {
+    /// CSTS.RDY.
     pub const fn rdy(self) -> bool {
         self.0 & csts::RDY != 0
     }
@@ -244,6 +292,7 @@ impl Csts {
     pub const fn cfs(self) -> bool {
         self.0 & csts::CFS != 0
     }
+    /// CSTS.SHST.
     pub const fn shst(self) -> Shst {
         match (self.0 & csts::SHST_MASK) >> csts::SHST_SHIFT {
             0 => Shst::Normal,
@@ -252,9 +301,11 @@ impl Csts {
             _ => Shst::Reserved,
         }
     }
+    /// CSTS.NSSRO (NVM subsystem reset occurred).
     pub const fn nssro(self) -> bool {
         self.0 & csts::NSSRO != 0
     }
+    /// CSTS.PP (processing paused).
     pub const fn pp(self) -> bool {
         self.0 & csts::PP != 0
     }

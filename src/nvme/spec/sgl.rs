@@ -14,12 +14,16 @@ pub enum SglType {
     Segment = 0x2,
     /// Points at the last segment of descriptors (data blocks only).
     LastSegment = 0x3,
+    /// Keyed SGL data block.
     KeyedDataBlock = 0x4,
+    /// Transport SGL data block.
     TransportDataBlock = 0x5,
+    /// Vendor specific.
     VendorSpecific = 0xf,
 }
 
 impl SglType {
+    /// The type of a descriptor's high nibble, if defined.
     pub const fn from_nibble(nibble: u8) -> Option<SglType> {
         Some(match nibble {
             0x0 => SglType::DataBlock,
@@ -41,8 +45,11 @@ pub const SGL_SUBTYPE_ADDRESS: u8 = 0x0;
 /// Identifier bytes (type << 4 | subtype) of the descriptors kvtier builds.
 /// Data Block (0h) with subtype Address (0h): the descriptor of one memory extent.
 pub const SGL_ID_DATA_BLOCK: u8 = (SglType::DataBlock as u8) << 4 | SGL_SUBTYPE_ADDRESS;
+/// Identifier byte of a bit bucket descriptor.
 pub const SGL_ID_BIT_BUCKET: u8 = (SglType::BitBucket as u8) << 4;
+/// Identifier byte of a segment descriptor.
 pub const SGL_ID_SEGMENT: u8 = (SglType::Segment as u8) << 4;
+/// Identifier byte of a last segment descriptor.
 pub const SGL_ID_LAST_SEGMENT: u8 = (SglType::LastSegment as u8) << 4;
 
 /// Bytes of one SGL descriptor; a segment's length is a multiple of it.

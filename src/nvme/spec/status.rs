@@ -5,15 +5,22 @@ use std::fmt;
 /// Status Code Type (the SCT field).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Sct {
+    /// Generic command status.
     Generic,
+    /// Command specific status.
     CommandSpecific,
+    /// Media and data integrity errors.
     MediaAndDataIntegrity,
+    /// Path related status.
     Path,
+    /// Vendor specific.
     VendorSpecific,
+    /// A reserved type.
     Reserved(u8),
 }
 
 impl Sct {
+    /// The type of these 3 bits.
     pub const fn from_bits(bits: u8) -> Sct {
         match bits & 0x7 {
             0 => Sct::Generic,
@@ -25,6 +32,7 @@ impl Sct {
         }
     }
 
+    /// Its 3 bits.
     pub const fn bits(self) -> u8 {
         match self {
             Sct::Generic => 0,
@@ -36,6 +44,7 @@ impl Sct {
         }
     }
 
+    /// Its name in messages.
     pub const fn name(self) -> &'static str {
         match self {
             Sct::Generic => "generic",
@@ -50,11 +59,17 @@ impl Sct {
 
 /// Bit layout of [`Status::raw`] (the CQE status field shifted right by one).
 pub const STATUS_SC_MASK: u16 = 0x00ff;
+/// Shift of the status code type.
 pub const STATUS_SCT_SHIFT: u16 = 8;
+/// Status code type bits.
 pub const STATUS_SCT_MASK: u16 = 0x7 << STATUS_SCT_SHIFT;
+/// Shift of the command retry delay.
 pub const STATUS_CRD_SHIFT: u16 = 11;
+/// Command retry delay bits.
 pub const STATUS_CRD_MASK: u16 = 0x3 << STATUS_CRD_SHIFT;
+/// More: a log page has more about it.
 pub const STATUS_MORE: u16 = 1 << 13;
+/// Do not retry.
 pub const STATUS_DNR: u16 = 1 << 14;
 
 /// A completion status: the CQE's 16-bit status field shifted right by one,
@@ -71,35 +86,63 @@ pub const STATUS_DNR: u16 = 1 << 14;
 pub struct Status(u16);
 
 impl Status {
+    /// Generic status 0x00: success.
     pub const SUCCESS: Status = Status::generic(0x00);
+    /// Generic status 0x01: invalid opcode.
     pub const INVALID_OPCODE: Status = Status::generic(0x01);
+    /// Generic status 0x02: invalid field.
     pub const INVALID_FIELD: Status = Status::generic(0x02);
+    /// Generic status 0x03: command id conflict.
     pub const COMMAND_ID_CONFLICT: Status = Status::generic(0x03);
+    /// Generic status 0x04: data transfer error.
     pub const DATA_TRANSFER_ERROR: Status = Status::generic(0x04);
+    /// Generic status 0x05: aborted power loss.
     pub const ABORTED_POWER_LOSS: Status = Status::generic(0x05);
+    /// Generic status 0x06: internal error.
     pub const INTERNAL_ERROR: Status = Status::generic(0x06);
+    /// Generic status 0x07: abort requested.
     pub const ABORT_REQUESTED: Status = Status::generic(0x07);
+    /// Generic status 0x08: aborted SQ deletion.
     pub const ABORTED_SQ_DELETION: Status = Status::generic(0x08);
+    /// Generic status 0x0b: invalid namespace or format.
     pub const INVALID_NAMESPACE_OR_FORMAT: Status = Status::generic(0x0b);
+    /// Generic status 0x0c: command sequence error.
     pub const COMMAND_SEQUENCE_ERROR: Status = Status::generic(0x0c);
+    /// Generic status 0x0d: invalid SGL segment descriptor.
     pub const INVALID_SGL_SEGMENT_DESCRIPTOR: Status = Status::generic(0x0d);
+    /// Generic status 0x0e: invalid number of SGL descriptors.
     pub const INVALID_NUMBER_OF_SGL_DESCRIPTORS: Status = Status::generic(0x0e);
+    /// Generic status 0x0f: data SGL length invalid.
     pub const DATA_SGL_LENGTH_INVALID: Status = Status::generic(0x0f);
+    /// Generic status 0x10: metadata SGL length invalid.
     pub const METADATA_SGL_LENGTH_INVALID: Status = Status::generic(0x10);
+    /// Generic status 0x11: SGL descriptor type invalid.
     pub const SGL_DESCRIPTOR_TYPE_INVALID: Status = Status::generic(0x11);
+    /// Generic status 0x13: PRP offset invalid.
     pub const PRP_OFFSET_INVALID: Status = Status::generic(0x13);
+    /// Generic status 0x16: SGL offset invalid.
     pub const SGL_OFFSET_INVALID: Status = Status::generic(0x16);
+    /// Generic status 0x80: LBA out of range.
     pub const LBA_OUT_OF_RANGE: Status = Status::generic(0x80);
+    /// Generic status 0x81: capacity exceeded.
     pub const CAPACITY_EXCEEDED: Status = Status::generic(0x81);
+    /// Generic status 0x82: namespace not ready.
     pub const NAMESPACE_NOT_READY: Status = Status::generic(0x82);
 
+    /// Command specific status 0x00: completion queue invalid.
     pub const COMPLETION_QUEUE_INVALID: Status = Status::command_specific(0x00);
+    /// Command specific status 0x01: invalid queue identifier.
     pub const INVALID_QUEUE_IDENTIFIER: Status = Status::command_specific(0x01);
+    /// Command specific status 0x02: invalid queue size.
     pub const INVALID_QUEUE_SIZE: Status = Status::command_specific(0x02);
+    /// Command specific status 0x08: invalid interrupt vector.
     pub const INVALID_INTERRUPT_VECTOR: Status = Status::command_specific(0x08);
+    /// Command specific status 0x0c: invalid queue deletion.
     pub const INVALID_QUEUE_DELETION: Status = Status::command_specific(0x0c);
 
+    /// Media and data integrity status 0x80: write fault.
     pub const WRITE_FAULT: Status = Status::media(0x80);
+    /// Media and data integrity status 0x81: unrecovered read error.
     pub const UNRECOVERED_READ_ERROR: Status = Status::media(0x81);
 
     /// From a value in the [`Status::raw`] encoding (bit 15 is ignored).
@@ -112,6 +155,7 @@ impl Status {
         Status(field >> 1)
     }
 
+    /// Status `sc` of type `sct`.
     pub const fn new(sct: Sct, sc: u8) -> Status {
         Status(((sct.bits() as u16) << STATUS_SCT_SHIFT) | sc as u16)
     }
@@ -148,10 +192,12 @@ impl Status {
         self.code() == other.code()
     }
 
+    /// Status code.
     pub const fn sc(self) -> u8 {
         (self.0 & STATUS_SC_MASK) as u8
     }
 
+    /// Status code type.
     pub const fn sct(self) -> Sct {
         Sct::from_bits(((self.0 & STATUS_SCT_MASK) >> STATUS_SCT_SHIFT) as u8)
     }
@@ -161,14 +207,17 @@ impl Status {
         ((self.0 & STATUS_CRD_MASK) >> STATUS_CRD_SHIFT) as u8
     }
 
+    /// The More bit.
     pub const fn more(self) -> bool {
         self.0 & STATUS_MORE != 0
     }
 
+    /// The Do Not Retry bit.
     pub const fn dnr(self) -> bool {
         self.0 & STATUS_DNR != 0
     }
 
+    /// Generic status 0: success.
     pub const fn is_success(self) -> bool {
         self.code() == 0
     }

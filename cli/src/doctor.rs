@@ -1,46 +1,32 @@
 //! `kvtier doctor`: what this machine can run, and why not.
 //!
 //! Every line of the report is something probed on this machine at the time of
-//! the call: sysfs and procfs files (through [`crate::host`]), the CUDA driver as
-//! the GPU engine's own loader sees it ([`crate::gpu::probe()`]), an NVMe Identify through the kernel's admin
-//! passthrough ioctl, io_uring rings created with the features kvtier uses, and
-//! a real `O_DIRECT` write and read on the pool directory. What cannot be told
-//! says `unknown (why)`.
+//! the call: sysfs and procfs files (through [`kvtier::host`]), the CUDA driver as
+//! the GPU engine's own loader sees it ([`kvtier::gpu::probe()`]), an NVMe Identify
+//! through the kernel's admin passthrough ([`kvtier::nvme::passthru`]), io_uring
+//! rings created with the features kvtier uses, and a real `O_DIRECT` write and read
+//! on the pool directory. What cannot be told says `unknown (why)`.
 //!
-//! The one raw call of its own (the NVMe admin ioctl) lives in one small private
-//! function here with a SAFETY comment; the rest is the layers it reports on and
-//! plain reading of files.
-//!
-//! The verdict names the engine kvtier would use: `gpu` (CUDA I/O kernels on a
-//! green-context SM partition), `nvme` (userspace NVMe through VFIO or uio),
-//! or `uring` (io_uring with `O_DIRECT` on the pool directory; works
-//! everywhere), with the reasons the others are out.
+//! The verdict is the library's engine decision ([`kvtier::engine::choice`], the
+//! one `TierBuilder`'s automatic engine takes); this module gathers the detail
+//! around it and renders it: `gpu` (CUDA I/O kernels on a green-context SM
+//! partition), `nvme` (userspace NVMe through VFIO or uio), or `uring` (io_uring
+//! with `O_DIRECT` on the pool directory; works everywhere), with the reasons
+//! the others are out.
 
-use crate::error::{Error, Result};
-use crate::gpu::driver::LIBCUDA;
-use crate::gpu::probe::{probe_detailed, version_string};
-use crate::gpu::LoadStage;
-use crate::host::dio::{dio_align, AlignedBuf, DIRECT_IO_ALIGN};
-use crate::host::mounts::{mount_of, mounted_at};
-use crate::host::pci::{bar_size, devices as pci_devices};
-use crate::host::size::human_bytes as human;
-use crate::host::sysfs::{dir_names, link_name, read_trim};
+use kvtier::engine::choice::{self, Decision, Facts};
+use kvtier::gpu::driver::LIBCUDA;
+use kvtier::gpu::probe::version_string;
+use kvtier::gpu::LoadStage;
+use kvtier::host::mounts::{mount_of, mounted_at};
+use kvtier::host::pci::bar_size;
+use kvtier::host::size::human_bytes as human;
+use kvtier::host::sysfs::{dir_names, link_name, read_trim};
+use kvtier::Result;
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 use std::fs;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-
-/// Whether this build contains the GPU engine (`src/engine/gpu.rs`).
-/// Its prerequisites are still probed and reported; the verdict never picks
-/// an engine the binary does not have.
-const GPU_ENGINE_BUILT: bool = true;
-/// Whether this build contains the userspace NVMe engine (VFIO/uio).
-const NVME_ENGINE_BUILT: bool = true;
-
-const NVIDIA_VENDOR: &str = "0x10de";
-/// PCI class code of an NVMe controller (mass storage, non-volatile memory, NVMe).
-const NVME_CLASS: &str = "0x010802";
 
 /// One probed fact: `ok` is `Some(true)` when it is what kvtier needs,
 /// `Some(false)` when it is missing or broken, `None` when it is only
@@ -106,58 +92,35 @@ fn item(key: &str, value: impl Into<String>, ok: Option<bool>, note: impl Into<S
 /// Probe the machine, with `dir` as the pool directory (created if missing; a
 /// temporary file in it is written, read and removed).
 pub fn run(dir: &Path) -> Result<Report> {
-    let mut gpu = probe_gpu();
-    gpu.items.extend(dma_path_items(Path::new("/")));
-    let iommu = probe_iommu();
-    let vfio = probe_vfio();
-    let nvme = probe_nvme();
-    let uring = probe_uring();
-    let pool = probe_pool_dir(dir)?;
-
-    let (engine, engine_reason, verdicts) = verdict(&gpu, &iommu, &vfio, &nvme, &uring, &pool);
+    let facts = Facts::probe(dir)?;
+    let decision = choice::decide(&facts);
+    let mut gpu = gpu_items(&facts);
+    gpu.extend(dma_path_items(Path::new("/")));
     let memory = memory_path_items(
-        gpu.any_gpu && gpu.driver_ok,
-        crate::gpu::kernels::built_with_kernels(),
-        &crate::gpu::dma::check_paths(Path::new("/")),
+        gpu_usable(&facts),
+        kvtier::gpu::kernels::built_with_kernels(),
+        &kvtier::gpu::dma::check_paths(Path::new("/")),
     );
-    let sections = vec![
-        Section {
-            name: "gpu".into(),
-            items: gpu.items,
-        },
-        Section {
-            name: "iommu".into(),
-            items: iommu.items,
-        },
-        Section {
-            name: "vfio".into(),
-            items: vfio.items,
-        },
-        Section {
-            name: "nvme".into(),
-            items: nvme.items,
-        },
-        Section {
-            name: "io_uring".into(),
-            items: uring.items,
-        },
-        Section {
-            name: "pool_dir".into(),
-            items: pool.items,
-        },
-        Section {
-            name: "memory".into(),
-            items: memory,
-        },
-        Section {
-            name: "engine".into(),
-            items: verdicts,
-        },
-    ];
+    let sections = [
+        ("gpu", gpu),
+        ("iommu", iommu_items(&facts)),
+        ("vfio", vfio_items(&facts)),
+        ("nvme", nvme_items(&facts)),
+        ("io_uring", uring_items(&facts)),
+        ("pool_dir", pool_items(&facts)),
+        ("memory", memory),
+        ("engine", verdict_items(&decision, &facts)),
+    ]
+    .into_iter()
+    .map(|(name, items)| Section {
+        name: name.into(),
+        items,
+    })
+    .collect();
     Ok(Report {
         sections,
-        engine,
-        engine_reason,
+        engine: decision.engine.as_str().to_string(),
+        engine_reason: decision.reason,
     })
 }
 
@@ -211,18 +174,16 @@ fn yes_no(b: bool) -> &'static str {
 // GPU and CUDA driver
 // ---------------------------------------------------------------------------------------
 
-struct GpuFacts {
-    items: Vec<Item>,
-    /// At least one GPU the driver enumerates with green contexts.
-    green_ready: bool,
-    any_gpu: bool,
-    driver_ok: bool,
-    why_not: Vec<String>,
+/// A GPU the driver loads for: one on the PCI bus or one the driver enumerates.
+fn gpu_usable(f: &Facts) -> bool {
+    match &f.driver {
+        Ok(d) => !d.devices.is_empty() || f.gpus_pci.as_ref().is_some_and(|v| !v.is_empty()),
+        Err(_) => false,
+    }
 }
 
-fn probe_gpu() -> GpuFacts {
+fn gpu_items(f: &Facts) -> Vec<Item> {
     let mut items = Vec::new();
-    let mut why_not = Vec::new();
 
     // The kernel side: device nodes and the module's version, independent of libcuda.
     let nvidiactl = exists("/dev/nvidiactl");
@@ -243,9 +204,7 @@ fn probe_gpu() -> GpuFacts {
     ));
 
     // PCI: NVIDIA display/3D controllers and their BAR1 (what P2P DMA into GPU memory targets).
-    let pci = pci_devices(Some(NVIDIA_VENDOR), "0x03");
-    let pci_gpus = pci.as_deref().unwrap_or(&[]);
-    match &pci {
+    match &f.gpus_pci {
         None => items.push(item(
             "PCI GPUs",
             "unknown (cannot read /sys/bus/pci/devices)",
@@ -277,28 +236,21 @@ fn probe_gpu() -> GpuFacts {
     // The user-space driver, through the GPU engine's own loader (gpu::probe): what the
     // engine would see, step by step.
     let library = LIBCUDA.to_string_lossy();
-    let mut green_ready = false;
-    let mut driver_ok = false;
-    let mut any_gpu = !pci_gpus.is_empty();
-    match probe_detailed() {
-        Err(f) if f.stage == Some(LoadStage::NotFound) => {
+    match &f.driver {
+        Err(p) if p.stage == Some(LoadStage::NotFound) => {
             items.push(item(
                 "CUDA driver",
                 "not found",
                 Some(false),
-                format!("dlopen {library} failed: {}", f.reason),
+                format!("dlopen {library} failed: {}", p.reason),
             ));
-            why_not.push("no CUDA driver library (libcuda) on this machine".into());
-            if pci_gpus.is_empty() {
-                why_not.push("no NVIDIA GPU on the PCI bus".into());
-            }
         }
-        Err(f) => {
-            let version = match f.version {
+        Err(p) => {
+            let version = match p.version {
                 Some(v) => version_string(v),
                 None => "unknown".into(),
             };
-            let loaded = !matches!(f.stage, Some(LoadStage::NotCuda | LoadStage::VersionQuery));
+            let loaded = !matches!(p.stage, Some(LoadStage::NotCuda | LoadStage::VersionQuery));
             items.push(item(
                 "CUDA driver",
                 format!("{library} (driver API {version})"),
@@ -306,28 +258,27 @@ fn probe_gpu() -> GpuFacts {
                 if loaded {
                     "loaded with dlopen".to_string()
                 } else {
-                    f.reason.clone()
+                    p.reason.clone()
                 },
             ));
-            match f.stage {
+            match p.stage {
                 Some(LoadStage::TooOld | LoadStage::MissingSymbols | LoadStage::Bindings) => items
                     .push(item(
                         "cudarc bindings",
-                        if f.stage == Some(LoadStage::TooOld) {
+                        if p.stage == Some(LoadStage::TooOld) {
                             "not tried"
                         } else {
                             "fail"
                         },
                         Some(false),
-                        f.reason.clone(),
+                        p.reason.clone(),
                     )),
                 Some(LoadStage::Init) => {
-                    items.push(item("cuInit", f.reason.clone(), Some(false), ""))
+                    items.push(item("cuInit", p.reason.clone(), Some(false), ""))
                 }
-                None => items.push(item("devices", f.reason.clone(), Some(false), "")),
+                None => items.push(item("devices", p.reason.clone(), Some(false), "")),
                 _ => {}
             }
-            why_not.push(f.reason);
         }
         Ok(d) => {
             items.push(item(
@@ -348,11 +299,6 @@ fn probe_gpu() -> GpuFacts {
                 Some(!d.devices.is_empty()),
                 "cuDeviceGetCount",
             ));
-            driver_ok = true;
-            any_gpu |= !d.devices.is_empty();
-            if d.devices.is_empty() {
-                why_not.push("the CUDA driver sees no GPU".into());
-            }
             for g in &d.devices {
                 let bar1 = g
                     .bar1_bytes
@@ -373,7 +319,6 @@ fn probe_gpu() -> GpuFacts {
                     Some(true),
                     format!("PCI {}", g.pci_bus_id.as_deref().unwrap_or("unknown")),
                 ));
-                green_ready |= g.green_contexts;
                 items.push(item(
                     &format!("GPU {} green contexts", g.ordinal),
                     yes_no(g.green_contexts),
@@ -381,27 +326,16 @@ fn probe_gpu() -> GpuFacts {
                     g.green_note.clone(),
                 ));
             }
-            if !d.devices.is_empty() && !green_ready {
-                why_not.push(
-                    "no GPU supports green contexts (driver 12.4+ and Hopper or newer)".into(),
-                );
-            }
         }
     }
-    GpuFacts {
-        items,
-        green_ready,
-        any_gpu,
-        driver_ok,
-        why_not,
-    }
+    items
 }
 
 /// One item per way an NVMe controller can reach GPU-visible memory
-/// (`crate::gpu::dma`): whether the machine under `root` has what the path
+/// (`kvtier::gpu::dma`): whether the machine under `root` has what the path
 /// needs, whether kvtier implements it, and which deployment uses it.
 fn dma_path_items(root: &Path) -> Vec<Item> {
-    crate::gpu::dma::check_paths(root)
+    kvtier::gpu::dma::check_paths(root)
         .into_iter()
         .map(|c| {
             let value = match (c.available, c.implemented) {
@@ -422,14 +356,14 @@ fn dma_path_items(root: &Path) -> Vec<Item> {
 /// Which path each kind of KV memory takes on this machine. Host memory:
 /// every engine DMAs into it. GPU memory: directly only where a GPUDirect
 /// path (dma-buf, peermem) is present *and* implemented; otherwise staged
-/// through pinned host memory (`crate::gpu::staged`), which needs a CUDA
+/// through pinned host memory (`kvtier::gpu::staged`), which needs a CUDA
 /// GPU and the staging kernels.
 fn memory_path_items(
     gpu_usable: bool,
     kernels: bool,
-    paths: &[crate::gpu::dma::PathCheck],
+    paths: &[kvtier::gpu::dma::PathCheck],
 ) -> Vec<Item> {
-    use crate::gpu::dma::DmaPathKind;
+    use kvtier::gpu::dma::DmaPathKind;
     let host = item(
         "host memory",
         "direct",
@@ -472,16 +406,10 @@ fn memory_path_items(
 // IOMMU
 // ---------------------------------------------------------------------------------------
 
-struct IommuFacts {
-    items: Vec<Item>,
-    active: bool,
-}
-
-fn probe_iommu() -> IommuFacts {
+fn iommu_items(f: &Facts) -> Vec<Item> {
     let mut items = Vec::new();
-    let units = dir_names("/sys/class/iommu");
-    let groups = dir_names("/sys/kernel/iommu_groups");
-    match &units {
+    let groups = &f.iommu_groups;
+    match &f.iommu_units {
         Some(u) if !u.is_empty() => items.push(item(
             "IOMMU units",
             u.join(", "),
@@ -501,7 +429,6 @@ fn probe_iommu() -> IommuFacts {
             "",
         )),
     }
-    let group_count = groups.as_ref().map(|g| g.len()).unwrap_or(0);
     items.push(item(
         "IOMMU groups",
         match &groups {
@@ -556,20 +483,14 @@ fn probe_iommu() -> IommuFacts {
         None,
         "GPU memory as dma-buf mapped through iommufd needs it",
     ));
-    let active = units.as_ref().is_some_and(|u| !u.is_empty()) || group_count > 0;
-    IommuFacts { items, active }
+    items
 }
 
 // ---------------------------------------------------------------------------------------
 // vfio and uio
 // ---------------------------------------------------------------------------------------
 
-struct VfioFacts {
-    items: Vec<Item>,
-    noiommu: bool,
-}
-
-fn probe_vfio() -> VfioFacts {
+fn vfio_items(f: &Facts) -> Vec<Item> {
     let mut items = Vec::new();
     for m in [
         "vfio",
@@ -602,8 +523,8 @@ fn probe_vfio() -> VfioFacts {
         Some(container),
         "the VFIO container device",
     ));
-    let noiommu_raw = read_trim("/sys/module/vfio/parameters/enable_unsafe_noiommu_mode");
-    let noiommu = noiommu_raw.as_deref() == Some("Y");
+    let noiommu_raw = &f.vfio_noiommu;
+    let noiommu = f.vfio_noiommu();
     items.push(item(
         "vfio no-IOMMU mode",
         match &noiommu_raw {
@@ -630,26 +551,16 @@ fn probe_vfio() -> VfioFacts {
             format!("/sys/bus/pci/drivers/{drv}"),
         ));
     }
-    VfioFacts { items, noiommu }
+    items
 }
 
 // ---------------------------------------------------------------------------------------
 // NVMe
 // ---------------------------------------------------------------------------------------
 
-struct NvmeFacts {
-    items: Vec<Item>,
-    /// PCI addresses of NVMe controllers bound to vfio-pci.
-    vfio: Vec<String>,
-    uio: Vec<String>,
-}
-
-fn probe_nvme() -> NvmeFacts {
+fn nvme_items(f: &Facts) -> Vec<Item> {
     let mut items = Vec::new();
-    let pci = pci_devices(None, NVME_CLASS);
-    let mut vfio = Vec::new();
-    let mut uio = Vec::new();
-    match &pci {
+    match &f.nvme_pci {
         None => items.push(item(
             "PCI NVMe controllers",
             "unknown (cannot read /sys/bus/pci/devices)",
@@ -665,11 +576,6 @@ fn probe_nvme() -> NvmeFacts {
         Some(v) => {
             for d in v {
                 let drv = d.driver.as_deref().unwrap_or("none");
-                match drv {
-                    "vfio-pci" => vfio.push(d.addr.clone()),
-                    "uio_pci_generic" => uio.push(d.addr.clone()),
-                    _ => {}
-                }
                 items.push(item(
                     &format!("PCI NVMe {}", d.addr),
                     format!("driver {drv}"),
@@ -704,7 +610,7 @@ fn probe_nvme() -> NvmeFacts {
             }
         }
     }
-    NvmeFacts { items, vfio, uio }
+    items
 }
 
 fn probe_controller(name: &str, items: &mut Vec<Item>) {
@@ -778,11 +684,11 @@ fn probe_controller(name: &str, items: &mut Vec<Item>) {
             chardev.display()
         ))
     } else {
-        identify_controller(&chardev).map_err(|e| format!("unknown ({e})"))
+        kvtier::nvme::passthru::identify_controller(&chardev).map_err(|e| format!("unknown ({e})"))
     };
     match result {
         Ok(data) => {
-            use crate::nvme::spec::{IdentifyController, IDENTIFY_DATA_LEN};
+            use kvtier::nvme::spec::{IdentifyController, IDENTIFY_DATA_LEN};
             let data: &[u8; IDENTIFY_DATA_LEN] = &data;
             let id = IdentifyController::parse(data);
             let sgl = id.sgl_supported();
@@ -843,71 +749,11 @@ fn namespace_block_name(entry: &str) -> Option<String> {
     Some(format!("nvme{ctrl}n{ns}"))
 }
 
-/// `struct nvme_passthru_cmd` of `<linux/nvme_ioctl.h>` (72 bytes).
-#[repr(C)]
-#[derive(Default)]
-struct NvmePassthruCmd {
-    opcode: u8,
-    flags: u8,
-    rsvd1: u16,
-    nsid: u32,
-    cdw2: u32,
-    cdw3: u32,
-    metadata: u64,
-    addr: u64,
-    metadata_len: u32,
-    data_len: u32,
-    cdw10: u32,
-    cdw11: u32,
-    cdw12: u32,
-    cdw13: u32,
-    cdw14: u32,
-    cdw15: u32,
-    timeout_ms: u32,
-    result: u32,
-}
-const _: () = assert!(std::mem::size_of::<NvmePassthruCmd>() == 72);
-
-mod ioctl {
-    // NVME_IOCTL_ADMIN_CMD = _IOWR('N', 0x41, struct nvme_admin_cmd).
-    nix::ioctl_readwrite!(nvme_admin_cmd, b'N', 0x41, super::NvmePassthruCmd);
-}
-
-/// Identify Controller (CNS 1) through NVME_IOCTL_ADMIN_CMD on `/dev/nvmeX`.
-fn identify_controller(chardev: &Path) -> std::result::Result<Box<[u8; 4096]>, String> {
-    use crate::nvme::spec::{admin_opc, cns};
-    use std::os::fd::AsRawFd;
-    let f = fs::File::open(chardev).map_err(|e| format!("open {}: {e}", chardev.display()))?;
-    let mut data = Box::new([0u8; 4096]);
-    let mut cmd = NvmePassthruCmd {
-        opcode: admin_opc::IDENTIFY,
-        addr: data.as_mut_ptr() as u64,
-        data_len: data.len() as u32,
-        cdw10: cns::CONTROLLER as u32,
-        timeout_ms: 5000,
-        ..Default::default()
-    };
-    // SAFETY: `f` is an open NVMe controller character device; `cmd` is a valid
-    // nvme_passthru_cmd whose `addr`/`data_len` describe `data`, a 4096-byte buffer that
-    // stays alive and unaliased until the ioctl returns (the kernel copies into it).
-    let rc = unsafe { ioctl::nvme_admin_cmd(f.as_raw_fd(), &mut cmd) }
-        .map_err(|e| format!("NVME_IOCTL_ADMIN_CMD Identify: {e}"))?;
-    if rc != 0 {
-        return Err(format!("Identify failed with NVMe status {rc:#x}"));
-    }
-    Ok(data)
-}
-
 // ---------------------------------------------------------------------------------------
 // io_uring
 // ---------------------------------------------------------------------------------------
 
-struct UringFacts {
-    items: Vec<Item>,
-    why_not: Option<String>,
-}
-
-fn probe_uring() -> UringFacts {
+fn uring_items(f: &Facts) -> Vec<Item> {
     use io_uring::{opcode, register::Probe, IoUring};
     let mut items = Vec::new();
     items.push(item(
@@ -930,18 +776,16 @@ fn probe_uring() -> UringFacts {
         disabled.as_deref().map(|v| v != "2"),
         "/proc/sys/kernel/io_uring_disabled",
     ));
+    // The decision's ring (facts.uring) says whether one can be created; this
+    // one asks it for the features.
     let ring = IoUring::new(8);
-    let (ring_ok, why_not) = match &ring {
-        Ok(_) => (true, None),
-        Err(e) => (false, Some(format!("creating an io_uring failed: {e}"))),
-    };
     items.push(item(
         "ring",
         match &ring {
             Ok(_) => "created".to_string(),
             Err(e) => format!("cannot be created: {e}"),
         },
-        Some(ring_ok),
+        Some(ring.is_ok() && f.uring.is_ok()),
         "io_uring_setup with 8 entries",
     ));
     if let Ok(ring) = &ring {
@@ -980,17 +824,7 @@ fn probe_uring() -> UringFacts {
             )),
         }
         // Fixed buffers need RLIMIT_MEMLOCK room (or CAP_IPC_LOCK).
-        let buf = AlignedBuf::zeroed(1 << 20);
-        let iov = [libc::iovec {
-            iov_base: buf.as_ptr() as *mut libc::c_void,
-            iov_len: buf.len(),
-        }];
-        // SAFETY: the iovec describes `buf`, which outlives the registration: it is
-        // unregistered below, and the ring (declared before `buf`) is never used with it
-        // for I/O.
-        let reg = unsafe { ring.submitter().register_buffers(&iov) };
-        let _ = ring.submitter().unregister_buffers();
-        drop(buf);
+        let reg = kvtier::engine::uring::fixed_buffers_fit(ring, 1 << 20);
         let memlock = memlock_limit();
         items.push(item(
             "fixed buffers",
@@ -1028,7 +862,7 @@ fn probe_uring() -> UringFacts {
         Some(defer.is_ok()),
         "SINGLE_ISSUER | DEFER_TASKRUN (--defer-taskrun); kernel 6.1+",
     ));
-    UringFacts { items, why_not }
+    items
 }
 
 /// "Max locked memory" soft limit from /proc/self/limits.
@@ -1052,24 +886,20 @@ fn memlock_limit() -> String {
 // The pool directory
 // ---------------------------------------------------------------------------------------
 
-struct PoolFacts {
-    items: Vec<Item>,
-    path: PathBuf,
-    why_not: Option<String>,
-}
-
-fn probe_pool_dir(dir: &Path) -> Result<PoolFacts> {
+fn pool_items(f: &Facts) -> Vec<Item> {
     let mut items = Vec::new();
-    let existed = dir.is_dir();
-    fs::create_dir_all(dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
-    let path = fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+    let path = &f.pool_dir;
     items.push(item(
         "directory",
         path.display().to_string(),
         Some(true),
-        if existed { "exists" } else { "created" },
+        if f.pool_dir_existed {
+            "exists"
+        } else {
+            "created"
+        },
     ));
-    match mount_of(&path) {
+    match mount_of(path) {
         Some((src, mp, fstype)) => items.push(item(
             "filesystem",
             fstype.clone(),
@@ -1083,7 +913,7 @@ fn probe_pool_dir(dir: &Path) -> Result<PoolFacts> {
             "",
         )),
     }
-    match nix::sys::statvfs::statvfs(&path) {
+    match nix::sys::statvfs::statvfs(path.as_path()) {
         Ok(s) => {
             let free = s.blocks_available() * s.fragment_size();
             let total = s.blocks() * s.fragment_size();
@@ -1102,25 +932,9 @@ fn probe_pool_dir(dir: &Path) -> Result<PoolFacts> {
         )),
     }
 
-    // O_DIRECT: create, write, read back, statx, remove.
-    let tmp = path.join(format!(".kvtier-doctor-{}.tmp", std::process::id()));
-    // Created new and removed by the guard: a file already at that name is
-    // reported, never written or removed.
-    let (direct, dio) = match crate::scratch::ScratchFile::create_new(&tmp, "kvtier doctor") {
-        Ok(scratch) => {
-            let r = (direct_io_check(&tmp), statx_dio_align(&tmp));
-            drop(scratch);
-            r
-        }
-        Err(e) => (Err(e.to_string()), Err(e.to_string())),
-    };
-    let (direct_ok, why_not) = match &direct {
-        Ok(()) => (true, None),
-        Err(e) => (
-            false,
-            Some(format!("O_DIRECT on {} fails: {e}", path.display())),
-        ),
-    };
+    // O_DIRECT: the decision's own probe (create, write, read back, statx, remove).
+    let direct = &f.direct_io;
+    let direct_ok = direct.is_ok();
     items.push(item(
         "O_DIRECT",
         match &direct {
@@ -1132,7 +946,7 @@ fn probe_pool_dir(dir: &Path) -> Result<PoolFacts> {
     ));
     items.push(item(
         "DIO alignment",
-        match dio {
+        match &f.dio_align {
             Ok(Some((mem, off))) => format!("memory {mem} B, offset {off} B"),
             Ok(None) => "unknown (statx has no STATX_DIOALIGN here: kernel < 6.1 or the filesystem does not report it)".to_string(),
             Err(e) => format!("unknown ({e})"),
@@ -1181,148 +995,24 @@ fn probe_pool_dir(dir: &Path) -> Result<PoolFacts> {
         None,
         "/sys/kernel/mm/transparent_hugepage/enabled",
     ));
-    Ok(PoolFacts {
-        items,
-        path,
-        why_not,
-    })
-}
-
-/// (memory alignment, offset alignment) for direct I/O from statx, when the
-/// kernel and filesystem report them.
-fn statx_dio_align(path: &Path) -> std::result::Result<Option<(u32, u32)>, String> {
-    let f = fs::File::open(path).map_err(|e| format!("open: {e}"))?;
-    let a = dio_align(&f).map_err(|e| format!("statx: {e}"))?;
-    Ok(a.filter(|a| a.memory != 0).map(|a| (a.memory, a.offset)))
-}
-
-fn direct_io_check(tmp: &Path) -> std::result::Result<(), String> {
-    let f = fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_DIRECT | libc::O_NOFOLLOW)
-        .open(tmp)
-        .map_err(|e| format!("open(O_DIRECT): {e}"))?;
-    let mut out = AlignedBuf::zeroed(DIRECT_IO_ALIGN);
-    for (i, b) in out.as_mut_slice().iter_mut().enumerate() {
-        *b = (i % 251) as u8;
-    }
-    f.write_all_at(out.as_slice(), 0)
-        .map_err(|e| format!("direct write: {e}"))?;
-    let mut back = AlignedBuf::zeroed(DIRECT_IO_ALIGN);
-    f.read_exact_at(back.as_mut_slice(), 0)
-        .map_err(|e| format!("direct read: {e}"))?;
-    if back.as_slice() != out.as_slice() {
-        return Err("read back differs from what was written".into());
-    }
-    Ok(())
+    items
 }
 
 // ---------------------------------------------------------------------------------------
 // Verdict
 // ---------------------------------------------------------------------------------------
 
-fn verdict(
-    gpu: &GpuFacts,
-    iommu: &IommuFacts,
-    vfio: &VfioFacts,
-    nvme: &NvmeFacts,
-    uring: &UringFacts,
-    pool: &PoolFacts,
-) -> (String, String, Vec<Item>) {
-    // gpu: GPU + driver + green contexts + a path for the controller into GPU memory.
-    let mut gpu_out = Vec::new();
-    if !GPU_ENGINE_BUILT {
-        gpu_out.push("the GPU engine is not built in this version".to_string());
-    }
-    if !gpu.any_gpu || !gpu.driver_ok || !gpu.green_ready {
-        if gpu.why_not.is_empty() {
-            gpu_out.push(
-                "no GPU with a working driver and green contexts (see the gpu section)".into(),
-            );
-        }
-        gpu_out.extend(gpu.why_not.iter().cloned());
-    }
-    // The GPU engine drives a controller whose queues and data live in
-    // host-pinned memory (src/engine/gpu.rs): it needs a controller on
-    // vfio-pci behind an IOMMU, or on uio (physical addresses). HBM as the
-    // DMA target (dma-buf/iommufd, peermem) is not in this build, so
-    // nvidia_peermem alone does not make the engine usable.
-    let reach = (iommu.active && !nvme.vfio.is_empty()) || !nvme.uio.is_empty();
-    if !reach {
-        gpu_out.push(
-            "no NVMe controller for the GPU kernel to drive (none on vfio-pci with an IOMMU, none on uio_pci_generic); bind one with `kvtier nvme bind`"
-                .into(),
-        );
-    }
-    // nvme: a controller bound to vfio-pci (with an IOMMU or no-IOMMU mode) or uio.
-    let mut nvme_out = Vec::new();
-    if !NVME_ENGINE_BUILT {
-        nvme_out.push("the userspace NVMe engine is not built in this version".to_string());
-    }
-    let vfio_usable = !nvme.vfio.is_empty() && (iommu.active || vfio.noiommu);
-    if !vfio_usable && nvme.uio.is_empty() {
-        nvme_out.push(if !nvme.vfio.is_empty() {
-            format!(
-                "NVMe controller(s) {} are on vfio-pci but there is no IOMMU and no-IOMMU mode is off",
-                nvme.vfio.join(", ")
-            )
-        } else {
-            "no NVMe controller bound to vfio-pci or uio_pci_generic".into()
-        });
-    }
-    // uring: a ring and O_DIRECT on the pool directory.
-    let mut uring_out = Vec::new();
-    if let Some(w) = &uring.why_not {
-        uring_out.push(w.clone());
-    }
-    if let Some(w) = &pool.why_not {
-        uring_out.push(w.clone());
-    }
-
-    let items = vec![
-        verdict_item("gpu", &gpu_out, "usable"),
-        verdict_item("nvme", &nvme_out, "usable"),
+/// One item per engine: usable, or out and why (the decision's own reasons).
+fn verdict_items(d: &Decision, f: &Facts) -> Vec<Item> {
+    vec![
+        verdict_item("gpu", &d.gpu_out, "usable"),
+        verdict_item("nvme", &d.nvme_out, "usable"),
         verdict_item(
             "uring",
-            &uring_out,
-            &format!(
-                "io_uring works and O_DIRECT works on {}",
-                pool.path.display()
-            ),
+            &d.uring_out,
+            &choice::uring_usable_note(&f.pool_dir),
         ),
-    ];
-    let (engine, mut reason) = if gpu_out.is_empty() {
-        (
-            "gpu",
-            "GPU, driver, green contexts and a path into GPU memory are all here".to_string(),
-        )
-    } else if nvme_out.is_empty() {
-        (
-            "nvme",
-            "an NVMe controller is bound to vfio-pci or uio".to_string(),
-        )
-    } else if uring_out.is_empty() {
-        (
-            "uring",
-            format!(
-                "io_uring works and O_DIRECT works on {}",
-                pool.path.display()
-            ),
-        )
-    } else {
-        (
-            "none",
-            format!("no engine can run: {}", uring_out.join("; ")),
-        )
-    };
-    if engine != "gpu" {
-        let _ = write!(reason, "; gpu is out: {}", gpu_out.join(", "));
-    }
-    if engine != "gpu" && engine != "nvme" {
-        let _ = write!(reason, "; nvme is out: {}", nvme_out.join(", "));
-    }
-    (engine.to_string(), reason, items)
+    ]
 }
 
 fn verdict_item(name: &str, out: &[String], ok_note: &str) -> Item {
@@ -1352,7 +1042,7 @@ mod tests {
 
     #[test]
     fn memory_paths_say_direct_or_staged() {
-        use crate::gpu::dma::{DmaPathKind, PathCheck};
+        use kvtier::gpu::dma::{DmaPathKind, PathCheck};
         let check = |kind, available, implemented| PathCheck {
             kind,
             available,
