@@ -461,10 +461,7 @@ fn first_layer_goes_to_the_device_alone_a_quarter_at_a_time() {
     let faults = Arc::new(Mutex::new(Faults::default()));
     let engine = FaultEngine::wrap(uring, faults.clone());
     // One object per read: layer 0 of 16 blocks is 32 reads.
-    let cfg = TierConfig {
-        max_io_bytes: geo.object_bytes(),
-        ..TierConfig::default()
-    };
+    let cfg = TierConfig::default().with_max_io_bytes(geo.object_bytes());
     let mut tier = Tier::with_engine(pool, cfg, Box::new(engine)).unwrap();
     let cache = Arc::new(HostKvCache::new(geo, 16, HostLayout::PerLayer).unwrap());
     tier.register_host_cache(cache.clone()).unwrap();

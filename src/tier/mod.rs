@@ -139,6 +139,8 @@ with_setters!(TierConfig {
     with_load_lookahead_bytes => load_lookahead_bytes: u64,
     /// With `load_inflight_bytes` of one load's reads in flight at once.
     with_load_inflight_bytes => load_inflight_bytes: u64,
+    /// With at most `first_layer_inflight_bytes` of a load's first layer in flight at once.
+    with_first_layer_inflight_bytes => first_layer_inflight_bytes: u64,
     /// Verifying (or not) the checksum of every block loaded into host memory.
     with_verify_loads => verify_loads: bool,
 });
