@@ -709,18 +709,7 @@ impl StagedPath {
         // memory's blocks (no two keys to one block).
         self.check_blocks(keys, mem_blocks, u32::MAX, "load")?;
         let g = self.target.geometry;
-        if layers.start >= layers.end || layers.end > g.layers {
-            return Err(Error::invalid(format!(
-                "layer range {}..{} is empty or outside the model's {} layers",
-                layers.start, layers.end, g.layers
-            )));
-        }
-        let mut seen = HashSet::new();
-        if let Some(&b) = mem_blocks.iter().find(|&&b| !seen.insert(b)) {
-            return Err(Error::invalid(format!(
-                "memory block {b} is the target of two keys in one load"
-            )));
-        }
+        crate::tier::check_load_args(g.layers, mem_blocks, &layers)?;
         // One set of the blocks stores still have to gather, so the check is
         // linear in the blocks, not their product (a 64K-token load beside
         // a large store is 4096 x 4096 blocks).

@@ -10,7 +10,6 @@ use crate::plan::{self, PlannedIo};
 use crate::pool::layout::PoolLayout;
 use crate::pool::{Key, Pool};
 use crate::ring::abi::IOCTX_OP_READ;
-use std::collections::HashSet;
 use std::ops::Range;
 
 impl Tier {
@@ -27,18 +26,7 @@ impl Tier {
         let t0 = std::time::Instant::now();
         self.check_mem_blocks(keys, mem_blocks)?;
         let geo = *self.pool.geometry();
-        if layers.start >= layers.end || layers.end > geo.layers {
-            return Err(Error::invalid(format!(
-                "layer range {}..{} is empty or outside the model's {} layers",
-                layers.start, layers.end, geo.layers
-            )));
-        }
-        let mut seen = HashSet::new();
-        if let Some(&b) = mem_blocks.iter().find(|&&b| !seen.insert(b)) {
-            return Err(Error::invalid(format!(
-                "memory block {b} is the target of two keys in one load"
-            )));
-        }
+        super::check_load_args(geo.layers, mem_blocks, &layers)?;
         if let Some(&b) = mem_blocks
             .iter()
             .find(|&&b| self.jobs.mem_busy(b, JobKind::Store))
@@ -47,17 +35,7 @@ impl Tier {
                 "memory block {b} is being stored by a job in flight; wait for that store before loading into it"
             )));
         }
-        let mut slots = Vec::with_capacity(keys.len());
-        for k in keys {
-            match self.pool.index().get(k) {
-                Some(e) => slots.push(e.slot),
-                None => return Err(Error::UnknownKey { key: k.to_string() }),
-            }
-        }
-        for k in keys {
-            self.pool.index_mut().pin_job(k);
-            self.pool.index_mut().touch(k);
-        }
+        let slots = self.hold_job_keys(keys)?;
         let table = self.table()?.clone();
         let verify = self.cfg.verify_loads && table.kind() == MemoryKind::Host;
         // Only the first layer is planned here: it goes to the device at

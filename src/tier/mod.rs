@@ -745,3 +745,26 @@ impl Drop for Tier {
         }
     }
 }
+
+/// The checks every load's arguments get, whichever path serves it: a
+/// layer range inside the model, and no memory block named by two keys
+/// (two reads racing into one block would leave either's bytes).
+pub(crate) fn check_load_args(
+    layers_in_model: u32,
+    mem_blocks: &[u32],
+    layers: &std::ops::Range<u32>,
+) -> Result<()> {
+    if layers.start >= layers.end || layers.end > layers_in_model {
+        return Err(Error::invalid(format!(
+            "layer range {}..{} is empty or outside the model's {} layers",
+            layers.start, layers.end, layers_in_model
+        )));
+    }
+    let mut seen = std::collections::HashSet::new();
+    if let Some(&b) = mem_blocks.iter().find(|&&b| !seen.insert(b)) {
+        return Err(Error::invalid(format!(
+            "memory block {b} is the target of two keys in one load"
+        )));
+    }
+    Ok(())
+}

@@ -354,27 +354,9 @@ pub fn run(
     // under other keys without evicting the ones the read ceiling needs.
     let slots = pool.index().total_slots() / 2;
     drop(pool);
-    let mut skipped = Vec::new();
-    let contexts: Vec<u64> = cfg
-        .contexts
-        .iter()
-        .copied()
-        .filter(|&t| {
-            let fits = geo.tokens_to_blocks(t) <= slots;
-            if !fits {
-                skipped.push(format!(
-                    "{t} tokens: {} blocks do not fit half the pool's slots ({slots}; raise --capacity)",
-                    geo.tokens_to_blocks(t)
-                ));
-            }
-            fits
-        })
-        .collect();
-    let max_blocks = contexts
-        .iter()
-        .map(|&t| geo.tokens_to_blocks(t))
-        .max()
-        .unwrap_or(0) as u32;
+    let (contexts, skipped, max_blocks) =
+        super::contexts_that_fit(&cfg.contexts, &geo, slots, "half the pool's");
+    let max_blocks = max_blocks as u32;
     let layout = if cfg.cross_layer {
         HostLayout::CrossLayer
     } else {

@@ -218,27 +218,8 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
         scratch.iter_mut().for_each(ScratchFile::keep);
     }
     let slots = pool.index().total_slots();
-    let mut skipped = Vec::new();
-    let contexts: Vec<u64> = cfg
-        .contexts
-        .iter()
-        .copied()
-        .filter(|&t| {
-            let fits = geo.tokens_to_blocks(t) <= slots;
-            if !fits {
-                skipped.push(format!(
-                    "{t} tokens: {} blocks do not fit the pool's {slots} slots (raise --capacity)",
-                    geo.tokens_to_blocks(t)
-                ));
-            }
-            fits
-        })
-        .collect();
-    let max_blocks = contexts
-        .iter()
-        .map(|&t| geo.tokens_to_blocks(t))
-        .max()
-        .unwrap_or(0);
+    let (contexts, skipped, max_blocks) =
+        contexts_that_fit(&cfg.contexts, &geo, slots, "the pool's");
     let mut tier = match engine {
         Some(e) => Tier::with_engine(pool, cfg.tier.clone(), e)?,
         None => Tier::open(pool, cfg.tier.clone())?,
@@ -837,4 +818,32 @@ pub fn render(report: &BenchReport) -> String {
         }
     }
     s
+}
+
+/// The contexts whose blocks fit `slots` (what the run can hold), a line for
+/// each one left out naming the fix, and the most blocks one context needs.
+pub(crate) fn contexts_that_fit(
+    contexts: &[u64],
+    geo: &KvGeometry,
+    slots: u64,
+    whose: &str,
+) -> (Vec<u64>, Vec<String>, u64) {
+    let (fit, over): (Vec<u64>, Vec<u64>) = contexts
+        .iter()
+        .partition(|&&t| geo.tokens_to_blocks(t) <= slots);
+    let skipped = over
+        .iter()
+        .map(|&t| {
+            format!(
+                "{t} tokens: {} blocks do not fit {whose} {slots} slots (raise --capacity)",
+                geo.tokens_to_blocks(t)
+            )
+        })
+        .collect();
+    let max_blocks = fit
+        .iter()
+        .map(|&t| geo.tokens_to_blocks(t))
+        .max()
+        .unwrap_or(0);
+    (fit, skipped, max_blocks)
 }
