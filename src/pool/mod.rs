@@ -163,6 +163,8 @@ pub struct Pool {
     writable: bool,
     layout: PoolLayout,
     crcs: SlotCrcs,
+    /// Joins a layer's V object checksum to its K object's (a layer's crc).
+    kv_concat: CrcConcat,
     /// Appends one layer's checksum to a block's running checksum.
     layer_concat: CrcConcat,
     /// Slots whose header sector could not be read at open: their blocks are lost.
@@ -529,6 +531,7 @@ impl Pool {
         Ok(Pool {
             index: Index::new(layout.total_slots()),
             crcs: SlotCrcs::new(layout.total_slots(), g.layers),
+            kv_concat: CrcConcat::new(g.object_bytes()),
             layer_concat: CrcConcat::new(2 * g.object_bytes()),
             device_sizes: devices.iter().map(|d| d.size()).collect(),
             writable: true,
@@ -687,6 +690,7 @@ impl Pool {
         let mut pool = Pool {
             index: Index::new(layout.total_slots()),
             crcs: SlotCrcs::new(layout.total_slots(), geometry.layers),
+            kv_concat: CrcConcat::new(geometry.object_bytes()),
             layer_concat: CrcConcat::new(2 * geometry.object_bytes()),
             device_sizes,
             writable: true,
@@ -917,6 +921,17 @@ impl Pool {
         let s = slot as usize;
         (self.crcs.kind.get(s) == Some(&CrcKind::Layers))
             .then(|| self.crcs.per_layer[s * self.crcs.layers as usize + layer as usize])
+    }
+
+    /// Joins a layer's V object checksum to its K object's: the layer's
+    /// checksum from its two objects' (built once per pool, not per load).
+    pub(crate) fn kv_concat(&self) -> &CrcConcat {
+        &self.kv_concat
+    }
+
+    /// Appends a layer's checksum to the checksum of the layers before it.
+    pub(crate) fn layer_concat(&self) -> &CrcConcat {
+        &self.layer_concat
     }
 
     /// The crc32c of the whole block in `slot`, if it has one (blocks stored

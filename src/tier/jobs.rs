@@ -6,7 +6,7 @@ use super::store::PendingHeaders;
 use super::{JobId, JobKind, JobResult, KeyOutcome, LayerDone};
 use crate::error::Failure;
 use crate::plan::PlannedIo;
-use crate::pool::{CrcConcat, Key};
+use crate::pool::Key;
 use crate::ring::IocbId;
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
@@ -122,10 +122,6 @@ pub(super) struct LoadCheck {
     pub(super) slots: Vec<u64>,
     /// Verify layers as they land (host memory, `verify_loads`).
     pub(super) verify: bool,
-    /// Joins an object's crc32c to the one before it (K then V of a layer).
-    pub(super) kv_concat: CrcConcat,
-    /// Joins a layer's crc32c to the layers before it.
-    pub(super) layer_concat: CrcConcat,
     /// Per key: running crc32c over the layers loaded so far, for blocks whose
     /// headers carry only a whole-block checksum (checked after the last layer
     /// when the load covers them all).

@@ -60,8 +60,6 @@ impl Tier {
                 running: vec![0; slots.len()],
                 slots,
                 verify,
-                kv_concat: self.kv_concat,
-                layer_concat: self.layer_concat,
                 unplanned: layers.start + 1..layers.end,
             }),
         });
@@ -333,12 +331,12 @@ fn verify_layer(job: &mut Job, layer: u32, pool: &mut Pool) -> Option<Failure> {
             continue;
         }
         let slot = check.slots[p];
-        let crc_now = check.kv_concat.apply(kv[0], kv[1]);
+        let crc_now = pool.kv_concat().apply(kv[0], kv[1]);
         let ok = match pool.layer_crc(slot, layer) {
             Some(want) => crc_now == want,
             // Only a whole-block checksum: checkable once every layer is in.
             None => {
-                check.running[p] = check.layer_concat.apply(check.running[p], crc_now);
+                check.running[p] = pool.layer_concat().apply(check.running[p], crc_now);
                 !last || pool.block_crc(slot).is_none_or(|w| w == check.running[p])
             }
         };

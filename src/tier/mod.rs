@@ -46,7 +46,7 @@ use crate::error::{Error, Failure, Result};
 use crate::memory::{DmaBuffer, HostKvCache, KvMemory, MemoryKind};
 use crate::p2p::P2pTable;
 use crate::pool::layout::SLOT_HEADER_BYTES;
-use crate::pool::{CrcConcat, Key, Pool};
+use crate::pool::{Key, Pool};
 use crate::submitter::Submitter;
 use jobs::{Item, JobTable};
 use std::sync::Arc;
@@ -267,10 +267,6 @@ pub struct Tier {
     defer_engine_calls: bool,
     /// Per-layer timings of loads (`KVTIER_TRACE_LOADS`), for debugging.
     trace: Option<trace::LoadTrace>,
-    /// A load's checksum joins (K to V, layer to layer), built once: each
-    /// costs 0.25 ms to build, which a load's first layer waited for.
-    kv_concat: CrcConcat,
-    layer_concat: CrcConcat,
 }
 
 impl Tier {
@@ -305,10 +301,7 @@ impl Tier {
                 "the pool was opened read-only (Pool::open_read_only); open it with Pool::open to serve it",
             ));
         }
-        let object_bytes = pool.geometry().object_bytes();
         Ok(Tier {
-            kv_concat: CrcConcat::new(object_bytes),
-            layer_concat: CrcConcat::new(2 * object_bytes),
             io: Submitter::new(cfg.ring_depth, engine)?,
             staging: None,
             memory_owner: None,
