@@ -211,14 +211,7 @@ fn tiny_pool() -> (MemStorage, [u8; 16]) {
     let size = DATA_OFFSET
         + TINY_GROUPS * crate::pool::layout::PoolLayout::group_bytes_for(&g, TINY_GROUP);
     let dev = MemStorage::new("fuzz-headers", size);
-    let cfg = PoolConfig {
-        geometry: g,
-        model: "fuzz".into(),
-        namespace: "fuzz/ns".into(),
-        group_blocks: TINY_GROUP,
-        devices: Vec::new(),
-        force: false,
-    };
+    let cfg = PoolConfig::new(g, "fuzz", "fuzz/ns").with_group_blocks(TINY_GROUP);
     let pool = Pool::create_on(&cfg, vec![Box::new(dev.clone())]).expect("a tiny pool formats");
     drop(pool);
     let mut buf = AlignedBuf::zeroed(PAGE as usize);

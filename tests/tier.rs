@@ -502,3 +502,63 @@ fn first_layer_goes_to_the_device_alone_a_quarter_at_a_time() {
     let r = tier.wait(job).unwrap();
     assert!(r.outcomes.iter().all(|o| *o == KeyOutcome::Done), "{r:?}");
 }
+
+/// A prewritten pool: every byte of its files written once at creation
+/// (progress reported up to their size), none left as unwritten extents,
+/// and it stores and loads like any other. A pool created without it is
+/// reported with its never-written bytes (skipped, saying so, where the
+/// file system cannot tell).
+#[test]
+fn prewritten_pool_has_no_unwritten_space_and_round_trips() {
+    let dir = TempDir::new("prewrite");
+    let geo = tiny_geometry();
+    let devs = [dir.file("a.pool"), dir.file("b.pool")];
+    let cfg = pool_config(geo, 8, &devs, 4).with_prewrite(true);
+    let mut calls: Vec<(u64, u64)> = Vec::new();
+    let pool = Pool::create_with_progress(&cfg, &mut |d, t| calls.push((d, t))).unwrap();
+    let total = 2 * device_bytes(&geo, 8, 4);
+    assert_eq!(
+        calls.first(),
+        Some(&(0, total)),
+        "progress starts at 0 of all"
+    );
+    assert_eq!(calls.last(), Some(&(total, total)), "progress ends at all");
+    assert!(calls.windows(2).all(|w| w[0].0 <= w[1].0), "{calls:?}");
+    for d in &pool.info().devices {
+        assert!(
+            matches!(d.unwritten_bytes, Some(0) | None),
+            "{}: {:?} unwritten after prewrite",
+            d.path.display(),
+            d.unwritten_bytes
+        );
+    }
+    let mut tier = Tier::open(pool, TierConfig::default()).unwrap();
+    let cache = Arc::new(HostKvCache::new(geo, 16, HostLayout::PerLayer).unwrap());
+    tier.register_host_cache(cache.clone()).unwrap();
+    let ks: Vec<u64> = (50..66).collect();
+    let mem: Vec<u32> = (0..16).collect();
+    store(&mut tier, &cache, &ks, &mem);
+    cache.clear();
+    let job = tier
+        .submit_load(&keys(50..66), &mem, 0..geo.layers)
+        .unwrap();
+    assert!(tier.wait(job).unwrap().all_ok());
+    for (i, &k) in ks.iter().enumerate() {
+        assert!(cache.block_matches(mem[i], seed_of(k), 0..geo.layers));
+    }
+    drop(tier);
+
+    // Without prewrite: no progress, and the never-written space is told.
+    let plain = TempDir::new("no-prewrite");
+    let mut called = false;
+    let pool = Pool::create_with_progress(
+        &pool_config(geo, 8, &[plain.file("c.pool")], 4),
+        &mut |_, _| called = true,
+    )
+    .unwrap();
+    assert!(!called, "no prewrite, no progress");
+    match pool.info().devices[0].unwritten_bytes {
+        Some(u) if u > 0 => {}
+        other => eprintln!("SKIP: this file system reports no unwritten extents ({other:?})"),
+    }
+}

@@ -258,6 +258,7 @@ pub struct TierBuilder {
     buffers: Vec<PyBuffer<u8>>,
     staging: Option<StagingConfig>,
     staged_host_double: bool,
+    prewrite: bool,
 }
 
 #[pymethods]
@@ -280,7 +281,18 @@ impl TierBuilder {
             buffers: Vec::new(),
             staging: None,
             staged_host_double: false,
+            prewrite: false,
         }
+    }
+
+    /// When the pool is created: write every byte of its files once
+    /// (`capacity` at the disk's write speed), so that first stores run at
+    /// overwrite speed instead of converting the file system's unwritten
+    /// extents (~0.6x on ext4). Block devices are never prewritten.
+    #[pyo3(signature = (enabled = true))]
+    fn prewrite(mut slf: PyRefMut<'_, Self>, enabled: bool) -> PyRefMut<'_, Self> {
+        slf.prewrite = enabled;
+        slf
     }
 
     /// Pinned host staging of the staged HBM path (CUDA KV tensors):
@@ -605,7 +617,8 @@ impl TierBuilder {
                             })
                             .collect(),
                     )
-                    .with_force(slf.create == "always"),
+                    .with_force(slf.create == "always")
+                    .with_prewrite(slf.prewrite),
             );
         } else {
             b = b.files(paths.clone()).expect(OpenExpect {

@@ -16,7 +16,7 @@ use crate::host::dio::AlignedBuf;
 use crate::host::signature::POOL_MAGIC;
 use crate::model::{DType, KvGeometry};
 pub use backing::Access;
-use backing::BackingDevice;
+use backing::{BackingDevice, BackingKind};
 use bytemuck::Zeroable;
 use index::Index;
 use layout::*;
@@ -112,6 +112,15 @@ pub struct PoolConfig {
     pub devices: Vec<DeviceSpec>,
     /// Overwrite devices that hold a filesystem or other data.
     pub force: bool,
+    /// Write every data byte of the pool's regular files once while
+    /// formatting. A filesystem hands out preallocated space as unwritten
+    /// extents, and the first write into one converts it in the journal at
+    /// completion: on ext4 a first store ran at ~0.6x the bandwidth of an
+    /// overwrite (fio, same file system). Prewriting pays that once, at
+    /// creation (a pool's size at the disk's write bandwidth), so stores run
+    /// at overwrite speed from the start. Block devices have no unwritten
+    /// extents and are never prewritten.
+    pub prewrite: bool,
 }
 
 impl PoolConfig {
@@ -129,6 +138,7 @@ impl PoolConfig {
             group_blocks: DEFAULT_GROUP_BLOCKS,
             devices: Vec::new(),
             force: false,
+            prewrite: false,
         }
     }
 }
@@ -140,6 +150,8 @@ with_setters!(PoolConfig {
     with_devices => devices: Vec<DeviceSpec>,
     /// Overwriting (or not) devices that hold other data.
     with_force => force: bool,
+    /// Writing (or not) every data byte of regular pool files at creation.
+    with_prewrite => prewrite: bool,
 });
 
 /// Blocks per extent group unless the caller says otherwise.
@@ -191,6 +203,11 @@ pub struct DeviceInfo {
     pub backing_size: u64,
     /// Extent groups on it.
     pub groups: u32,
+    /// Bytes of a pool file allocated but never written (fallocate's
+    /// unwritten extents, which a first store converts at ~0.6x of overwrite
+    /// speed on ext4; `PoolConfig::prewrite` leaves none). None where the
+    /// file system cannot say, and for block devices and namespaces.
+    pub unwritten_bytes: Option<u64>,
 }
 
 /// What `pool info` shows.
@@ -384,6 +401,41 @@ fn random_uuid() -> Result<[u8; 16]> {
     Ok(u)
 }
 
+/// Write zeros over each (device, offset, length) in large direct writes,
+/// then make them durable (the extent conversions they cost land in the
+/// file system's journal now, not in a later store's flush).
+fn prewrite_spans(
+    devices: &[Box<dyn Storage>],
+    spans: &[(usize, u64, u64)],
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<()> {
+    const CHUNK: u64 = 8 << 20;
+    let total: u64 = spans.iter().map(|s| s.2).sum();
+    if total == 0 {
+        return Ok(());
+    }
+    let zeros = AlignedBuf::zeroed(CHUNK as usize);
+    let mut done = 0u64;
+    progress(0, total);
+    for &(i, offset, len) in spans {
+        let dev = &devices[i];
+        let mut at = 0u64;
+        while at < len {
+            let n = (len - at).min(CHUNK);
+            if n == CHUNK {
+                dev.write_all_at(&zeros, offset + at)?;
+            } else {
+                dev.write_all_at(&AlignedBuf::zeroed(n as usize), offset + at)?;
+            }
+            at += n;
+            done += n;
+            progress(done, total);
+        }
+        dev.sync_data()?;
+    }
+    Ok(())
+}
+
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
@@ -391,17 +443,27 @@ fn hex(b: &[u8]) -> String {
 impl Pool {
     /// Format a new pool over the given devices (files or block devices).
     pub fn create(cfg: &PoolConfig) -> Result<Pool> {
+        Self::create_with_progress(cfg, &mut |_, _| {})
+    }
+
+    /// [`Pool::create`], telling `progress(done, total)` how many bytes of a
+    /// [`PoolConfig::prewrite`] are written (called only when there is one).
+    pub fn create_with_progress(
+        cfg: &PoolConfig,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Pool> {
         Self::check_config(cfg, cfg.devices.len())?;
         let paths: Vec<PathBuf> = cfg.devices.iter().map(|d| d.path.clone()).collect();
         check_named_once(&paths)?;
         let min_size = DATA_OFFSET + PoolLayout::group_bytes_for(&cfg.geometry, cfg.group_blocks);
         let mut devices: Vec<Box<dyn Storage>> = Vec::new();
+        let mut prewrite = Vec::new();
         for d in &cfg.devices {
-            devices.push(Box::new(BackingDevice::create(
-                &d.path, d.size, min_size, cfg.force,
-            )?));
+            let dev = BackingDevice::create(&d.path, d.size, min_size, cfg.force)?;
+            prewrite.push(cfg.prewrite && dev.kind() == BackingKind::File);
+            devices.push(Box::new(dev));
         }
-        Self::format(cfg, devices)
+        Self::format(cfg, devices, &prewrite, progress)
     }
 
     /// Format a new pool over storage the caller opened (an NVMe namespace
@@ -432,7 +494,8 @@ impl Pool {
                 });
             }
         }
-        Self::format(cfg, devices)
+        let none = vec![false; devices.len()];
+        Self::format(cfg, devices, &none, &mut |_, _| {})
     }
 
     fn check_config(cfg: &PoolConfig, devices: usize) -> Result<()> {
@@ -465,7 +528,16 @@ impl Pool {
     /// leaves no pool at all rather than the old superblock and headers over
     /// a half-written new layout (whose header zeroing lands on the old
     /// pool's data, so old keys would read back zeros as if stored).
-    fn format(cfg: &PoolConfig, devices: Vec<Box<dyn Storage>>) -> Result<Pool> {
+    ///
+    /// `prewrite[i]`: write zeros over all of device i (after its old
+    /// superblock is gone, so a crash part way leaves no pool, never an old
+    /// pool whose data was zeroed under its headers).
+    fn format(
+        cfg: &PoolConfig,
+        devices: Vec<Box<dyn Storage>>,
+        prewrite: &[bool],
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Pool> {
         let g = cfg.geometry;
         let zero_sb = AlignedBuf::zeroed(4096);
         for dev in &devices {
@@ -479,6 +551,11 @@ impl Pool {
             .map(|d| PoolLayout::groups_fitting(&g, cfg.group_blocks, d.size()))
             .collect();
         let layout = PoolLayout::new(g, cfg.group_blocks, groups.clone());
+        let spans: Vec<(usize, u64, u64)> = (0..devices.len())
+            .filter(|&i| prewrite.get(i).copied().unwrap_or(false))
+            .map(|i| (i, 0, devices[i].size()))
+            .collect();
+        prewrite_spans(&devices, &spans, progress)?;
         let uuid = random_uuid()?;
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -1115,6 +1192,10 @@ impl Pool {
                     size,
                     backing_size: d.size(),
                     groups: n,
+                    unwritten_bytes: d
+                        .io_fd()
+                        .and_then(|fd| crate::host::extents::space_map(fd, size).ok())
+                        .map(|m| m.unwritten),
                 })
                 .collect(),
             total_slots: self.index.total_slots(),

@@ -47,6 +47,9 @@ pub struct BenchConfig {
     pub force: bool,
     /// Leave the pool files in `dir` afterwards.
     pub keep: bool,
+    /// Write the pool files once at creation, so that stores measure
+    /// overwrites (a pool that has filled once), not a first fill.
+    pub prewrite: bool,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -171,6 +174,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
             .with_group_blocks(cfg.group_blocks)
             .with_devices(devices)
             .with_force(force)
+            .with_prewrite(cfg.prewrite)
     };
     let mut scratch: Vec<ScratchFile> = Vec::new();
     let (pool, engine) = match &cfg.nvme {
@@ -209,7 +213,16 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
                 human_bytes(per_dev),
                 cfg.dir.display()
             ));
-            let pool = Pool::create(&pool_cfg(devices, false))?;
+            let pool =
+                Pool::create_with_progress(&pool_cfg(devices, false), &mut |done, total| {
+                    if done == 0 || done == total || done % (1 << 30) == 0 {
+                        progress(&format!(
+                            "prewriting the pool files: {} of {}",
+                            human_bytes(done),
+                            human_bytes(total)
+                        ))
+                    }
+                })?;
             check_scratch_pool(&pool, &scratch)?;
             (pool, None)
         }

@@ -70,6 +70,12 @@ pub(crate) struct BenchArgs {
     /// Keep the pool files afterwards.
     #[arg(long)]
     keep: bool,
+    /// Store into freshly allocated pool files (their first fill: unwritten
+    /// extents, converted by the file system at each write's completion)
+    /// instead of files written once at creation (`pool create --prewrite`),
+    /// whose stores are overwrites as in a pool that has filled once.
+    #[arg(long)]
+    first_fill: bool,
     /// Raw engine benchmark with fio's vocabulary: read, write, randread, randwrite, randrw.
     #[arg(long)]
     pattern: Option<String>,
@@ -127,6 +133,7 @@ pub(crate) fn run_bench(a: BenchArgs) -> Result<i32> {
         nvme: userspace_target(&a)?,
         force: a.force,
         keep: a.keep,
+        prewrite: !a.first_fill,
     };
     if cfg.nvme.is_some() && a.against_fio {
         return Err(kvtier::Error::invalid(

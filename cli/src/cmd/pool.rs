@@ -23,6 +23,13 @@ pub(crate) enum PoolCmd {
         /// Overwrite a device that holds a filesystem or other data.
         #[arg(long)]
         force: bool,
+        /// Write every byte of the backing files once now (their size at the
+        /// disk's write speed), so that first stores run at overwrite speed:
+        /// a file system hands preallocated space out as unwritten extents,
+        /// and filling them ran at ~0.6x on ext4. Block devices are never
+        /// prewritten.
+        #[arg(long)]
+        prewrite: bool,
     },
     /// Show a pool's geometry, devices and usage.
     Info {
@@ -55,6 +62,7 @@ pub(crate) fn run(cmd: PoolCmd) -> Result<i32> {
             group_blocks,
             namespace,
             force,
+            prewrite,
         } => {
             let named = model.resolve()?;
             let geometry = named.geometry;
@@ -66,7 +74,8 @@ pub(crate) fn run(cmd: PoolCmd) -> Result<i32> {
                     geometry.block_size
                 )
             });
-            let pool = Pool::create(
+            let mut last = std::time::Instant::now();
+            let pool = Pool::create_with_progress(
                 &PoolConfig::new(geometry, named.name.clone(), namespace)
                     .with_group_blocks(group_blocks)
                     .with_devices(
@@ -77,7 +86,22 @@ pub(crate) fn run(cmd: PoolCmd) -> Result<i32> {
                             })
                             .collect(),
                     )
-                    .with_force(force),
+                    .with_force(force)
+                    .with_prewrite(prewrite),
+                &mut |done, total| {
+                    if done == 0 || done == total || last.elapsed().as_millis() > 500 {
+                        let _ = write!(
+                            std::io::stderr(),
+                            "\rprewriting {} of {}",
+                            human_bytes(done),
+                            human_bytes(total)
+                        );
+                        last = std::time::Instant::now();
+                    }
+                    if done == total {
+                        let _ = writeln!(std::io::stderr());
+                    }
+                },
             )?;
             print_info(&pool)?;
             Ok(0)
@@ -201,8 +225,16 @@ fn print_info(pool: &Pool) -> Result<()> {
         } else {
             String::new()
         };
+        let unwritten = match d.unwritten_bytes {
+            Some(u) if u > 0 => format!(
+                "; {} never written: first stores into it run slower (unwritten extents), \
+                 `pool create --prewrite` writes a new pool once",
+                human_bytes(u)
+            ),
+            _ => String::new(),
+        };
         outln!(
-            "  device {n}: {} ({}{backing}, {} groups)",
+            "  device {n}: {} ({}{backing}, {} groups{unwritten})",
             d.path.display(),
             human_bytes(d.size),
             d.groups
