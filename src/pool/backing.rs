@@ -883,11 +883,18 @@ impl BackingDevice {
                 }
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => {
+                    let fix = if e.raw_os_error() == Some(libc::ENOSPC) {
+                        // Only a sparse file (created with --force where the file
+                        // system could not preallocate) or a thin device fills up.
+                        "; the file system or thin device under it is full: free space                          there, or give a smaller --size"
+                    } else {
+                        ""
+                    };
                     return Err(self.device_error(
                         offset,
                         len,
-                        format!("{op} failed after {done} of {len} bytes: {e}"),
-                    ))
+                        format!("{op} failed after {done} of {len} bytes: {e}{fix}"),
+                    ));
                 }
             }
         }

@@ -436,6 +436,18 @@ fn prewrite_spans(
     Ok(())
 }
 
+/// The pool files a failing [`Pool::create`] made, removed when it returns
+/// the error (disarmed by emptying it).
+struct RemoveMadeOnError(Vec<PathBuf>);
+
+impl Drop for RemoveMadeOnError {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
@@ -456,14 +468,25 @@ impl Pool {
         let paths: Vec<PathBuf> = cfg.devices.iter().map(|d| d.path.clone()).collect();
         check_named_once(&paths)?;
         let min_size = DATA_OFFSET + PoolLayout::group_bytes_for(&cfg.geometry, cfg.group_blocks);
+        // Files this call creates are removed if it fails after making
+        // them (a later device refused, the file system full while
+        // formatting or prewriting): a failed create leaves no half-made
+        // pool file taking the space, and never touches one it did not make.
+        let mut made = RemoveMadeOnError(Vec::new());
         let mut devices: Vec<Box<dyn Storage>> = Vec::new();
         let mut prewrite = Vec::new();
         for d in &cfg.devices {
+            let existed = std::fs::symlink_metadata(&d.path).is_ok();
             let dev = BackingDevice::create(&d.path, d.size, min_size, cfg.force)?;
+            if !existed {
+                made.0.push(d.path.clone());
+            }
             prewrite.push(cfg.prewrite && dev.kind() == BackingKind::File);
             devices.push(Box::new(dev));
         }
-        Self::format(cfg, devices, &prewrite, progress)
+        let pool = Self::format(cfg, devices, &prewrite, progress)?;
+        made.0.clear();
+        Ok(pool)
     }
 
     /// Format a new pool over storage the caller opened (an NVMe namespace

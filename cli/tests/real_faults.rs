@@ -1,0 +1,322 @@
+//! kvtier on real faulty storage, through the real io_uring engine and the
+//! `kvtier` binary: small file systems that fill up (tmpfs with `size=`, an
+//! ext2 image on a loop device, which cannot preallocate, so a forced pool
+//! file on it is sparse), loop devices whose backing file shrinks under them,
+//! and pool files changed between runs. Device-mapper (dm-error, dm-flakey)
+//! would be the other source of real EIO; where the kernel has it not, the
+//! EIO paths are covered by the fault double (tests/common/fault.rs).
+//!
+//! The mount and loop parts need root and the tools (`mount`, `losetup`,
+//! `mkfs.ext2`); without them each says "SKIP: ..." and returns. Every mount
+//! and loop device a test makes is undone by a guard, even when it fails.
+
+#[path = "../../tests/common/mod.rs"]
+mod common;
+
+use common::*;
+use kvtier::pool::{Key, OpenExpect, Pool};
+use kvtier::tier::{KeyOutcome, Tier, TierConfig};
+use kvtier::{HostKvCache, HostLayout};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+fn sh(cmd: &str, args: &[&str]) -> Result<String, String> {
+    let out = Command::new(cmd)
+        .args(args)
+        .output()
+        .map_err(|e| format!("{cmd}: {e}"))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+    } else {
+        Err(format!(
+            "{cmd} {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// A mount point, unmounted (lazily if busy) on drop; a loop device that
+/// `mount -o loop` attached goes with it (autoclear).
+struct Mount(PathBuf);
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let p = self.0.to_str().unwrap_or_default().to_string();
+        if sh("umount", &[&p]).is_err() {
+            let _ = sh("umount", &["-l", &p]);
+        }
+    }
+}
+
+/// A loop device over a file, detached on drop.
+struct Loop(PathBuf);
+
+impl Drop for Loop {
+    fn drop(&mut self) {
+        let _ = sh("losetup", &["-d", self.0.to_str().unwrap_or_default()]);
+    }
+}
+
+/// A tmpfs of `bytes` at `dir/name`, or why not.
+fn tmpfs(dir: &TempDir, name: &str, bytes: u64) -> Result<Mount, String> {
+    if !is_root() {
+        return Err("not root".into());
+    }
+    let mnt = dir.file(name);
+    std::fs::create_dir_all(&mnt).map_err(|e| e.to_string())?;
+    sh(
+        "mount",
+        &[
+            "-t",
+            "tmpfs",
+            "-o",
+            &format!("size={bytes}"),
+            "tmpfs",
+            mnt.to_str().unwrap(),
+        ],
+    )?;
+    Ok(Mount(mnt))
+}
+
+/// An ext2 file system of `bytes` on a loop device at `dir/name`: ext2 has
+/// no extents, so fallocate fails there and a forced pool file is sparse.
+fn ext2(dir: &TempDir, name: &str, bytes: u64) -> Result<Mount, String> {
+    if !is_root() {
+        return Err("not root".into());
+    }
+    let img = dir.file(&format!("{name}.img"));
+    std::fs::File::create(&img)
+        .and_then(|f| f.set_len(bytes))
+        .map_err(|e| e.to_string())?;
+    sh("mkfs.ext2", &["-q", "-F", img.to_str().unwrap()])?;
+    let mnt = dir.file(name);
+    std::fs::create_dir_all(&mnt).map_err(|e| e.to_string())?;
+    sh(
+        "mount",
+        &["-o", "loop", img.to_str().unwrap(), mnt.to_str().unwrap()],
+    )?;
+    Ok(Mount(mnt))
+}
+
+macro_rules! or_skip {
+    ($e:expr, $what:expr) => {
+        match $e {
+            Ok(v) => v,
+            Err(why) => {
+                eprintln!("SKIP: {}: {why}", $what);
+                return;
+            }
+        }
+    };
+}
+
+fn kvtier(args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(args)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.code().unwrap_or(-1), text)
+}
+
+fn tiny_config(dir: &Path) -> PathBuf {
+    let p = dir.join("tiny.json");
+    std::fs::write(
+        &p,
+        r#"{"num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "torch_dtype": "bfloat16"}"#,
+    )
+    .unwrap();
+    p
+}
+
+fn free_bytes(dir: &Path) -> u64 {
+    let c = std::ffi::CString::new(dir.to_str().unwrap()).unwrap();
+    // SAFETY: statvfs writes only into the struct it is given.
+    unsafe {
+        let mut s: libc::statvfs = std::mem::zeroed();
+        assert_eq!(libc::statvfs(c.as_ptr(), &mut s), 0);
+        s.f_bavail * s.f_frsize
+    }
+}
+
+#[test]
+fn a_failed_create_leaves_no_file_it_made() {
+    let dir = TempDir::new("createfail");
+    let cfg = tiny_config(dir.path());
+    let a = dir.file("a.pool");
+    let foreign = dir.file("foreign");
+    std::fs::write(&foreign, vec![3u8; 8192]).unwrap();
+    // The second device is refused (it holds data) after the first was made.
+    let (code, text) = kvtier(&[
+        "pool",
+        "create",
+        "--dev",
+        a.to_str().unwrap(),
+        "--dev",
+        foreign.to_str().unwrap(),
+        "--size",
+        "4m",
+        "--model",
+        cfg.to_str().unwrap(),
+        "--group-blocks",
+        "8",
+    ]);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("foreign") && text.contains("--force"), "{text}");
+    assert!(!a.exists(), "the file kvtier created for device 0 is removed");
+    assert_eq!(std::fs::read(&foreign).unwrap(), vec![3u8; 8192]);
+    // Likewise when the second's directory is missing.
+    let (code, text) = kvtier(&[
+        "pool",
+        "create",
+        "--dev",
+        a.to_str().unwrap(),
+        "--dev",
+        dir.file("nodir/b.pool").to_str().unwrap(),
+        "--size",
+        "4m",
+        "--model",
+        cfg.to_str().unwrap(),
+        "--group-blocks",
+        "8",
+    ]);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("does not exist"), "{text}");
+    assert!(!a.exists(), "the file kvtier created for device 0 is removed");
+}
+
+#[test]
+fn create_on_a_full_tmpfs_is_refused_and_leaves_nothing() {
+    let dir = TempDir::new("tmpfsfull");
+    let fs = or_skip!(tmpfs(&dir, "t", 8 << 20), "tmpfs");
+    let cfg = tiny_config(dir.path());
+    let a = fs.0.join("a.pool");
+    let (code, text) = kvtier(&[
+        "pool",
+        "create",
+        "--dev",
+        a.to_str().unwrap(),
+        "--size",
+        "64m",
+        "--model",
+        cfg.to_str().unwrap(),
+        "--group-blocks",
+        "8",
+        "--prewrite",
+    ]);
+    assert_eq!(code, 2, "{text}");
+    assert!(
+        text.contains("a.pool") && text.contains("not enough free space"),
+        "{text}"
+    );
+    assert!(!a.exists());
+    assert!(free_bytes(&fs.0) >= 7 << 20, "no space is left taken");
+}
+
+#[test]
+fn prewrite_of_a_sparse_pool_on_a_full_filesystem_fails_cleanly() {
+    let dir = TempDir::new("prewritefull");
+    let fs = or_skip!(ext2(&dir, "e", 16 << 20), "ext2 on a loop device");
+    let cfg = tiny_config(dir.path());
+    let a = fs.0.join("a.pool");
+    let before = free_bytes(&fs.0);
+    let (code, text) = kvtier(&[
+        "pool",
+        "create",
+        "--dev",
+        a.to_str().unwrap(),
+        "--size",
+        "64m",
+        "--model",
+        cfg.to_str().unwrap(),
+        "--group-blocks",
+        "8",
+        "--prewrite",
+        "--force",
+    ]);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("a.pool"), "{text}");
+    assert!(
+        text.contains("free space") || text.contains("smaller --size"),
+        "the error says how to fix it: {text}"
+    );
+    assert!(!a.exists(), "the half-written file kvtier made is removed");
+    assert!(free_bytes(&fs.0) >= before - (1 << 20), "its space is back");
+}
+
+/// Stores into a sparse pool until its file system is full: the store that
+/// finds no space fails (never acknowledged), every acknowledged key loads
+/// its own bytes, and the reopened pool holds them all and checks clean.
+#[test]
+fn stores_into_a_sparse_pool_on_a_full_filesystem() {
+    let dir = TempDir::new("storefull");
+    let fs = or_skip!(ext2(&dir, "e", 8 << 20), "ext2 on a loop device");
+    let geo = tiny_geometry();
+    let path = fs.0.join("a.pool");
+    // 64 groups of 8 blocks (18 MiB) on an 8 MiB file system.
+    let pool = Pool::create(&pool_config(geo, 8, &[path.clone()], 64).with_force(true)).unwrap();
+    let mut tier = Tier::open(pool, TierConfig::default()).unwrap();
+    let cache = Arc::new(HostKvCache::new(geo, 16, HostLayout::PerLayer).unwrap());
+    tier.register_host_cache(cache.clone()).unwrap();
+    let mut acked = Vec::new();
+    let mut failures = 0;
+    let mut message = String::new();
+    for k in 0..512u64 {
+        let b = (k % 8) as u32;
+        cache.fill_block(b, seed_of(k));
+        let job = tier.submit_store(&[Key::from_u64(k)], &[b]).unwrap();
+        let r = tier.wait(job).unwrap();
+        match &r.outcomes[0] {
+            KeyOutcome::Done => acked.push(k),
+            KeyOutcome::Failed(f) => {
+                failures += 1;
+                message = f.to_string();
+                if failures >= 4 {
+                    break;
+                }
+            }
+            o => panic!("key {k}: {o:?}"),
+        }
+    }
+    assert!(failures > 0, "the file system never filled");
+    assert!(
+        message.contains("No space left") && message.contains("a.pool"),
+        "{message}"
+    );
+    assert!(acked.len() > 10, "{} stored before it filled", acked.len());
+    let check_loads = |tier: &mut Tier, acked: &[u64]| {
+        for chunk in acked.chunks(8) {
+            let keys: Vec<Key> = chunk.iter().map(|&k| Key::from_u64(k)).collect();
+            let mem: Vec<u32> = (8..8 + chunk.len() as u32).collect();
+            let job = tier.submit_load(&keys, &mem, 0..geo.layers).unwrap();
+            let r = tier.wait(job).unwrap();
+            for (i, &k) in chunk.iter().enumerate() {
+                assert_eq!(r.outcomes[i], KeyOutcome::Done, "key {k}");
+                assert!(
+                    cache.block_matches(8 + i as u32, seed_of(k), 0..geo.layers),
+                    "key {k} loads its own bytes"
+                );
+            }
+        }
+    };
+    check_loads(&mut tier, &acked);
+    drop(tier);
+    let pool = Pool::open(std::slice::from_ref(&path), &OpenExpect::default()).unwrap();
+    for &k in &acked {
+        assert!(pool.index().get(&Key::from_u64(k)).is_some(), "key {k}");
+    }
+    assert_eq!(pool.index().live(), acked.len() as u64);
+    drop(pool);
+    let (code, text) = kvtier(&["pool", "check", "--dev", path.to_str().unwrap()]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("pool is clean"), "{text}");
+}
