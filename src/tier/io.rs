@@ -261,6 +261,9 @@ impl Tier {
                 if matches!(step, Step::Flush(_) | Step::Invalidate) && st.abandoned.is_none() {
                     st.abandoned = Some(msg.clone());
                 }
+                if matches!(step, Step::Flush(_)) {
+                    st.flush_failed = true;
+                }
             }
         }
         if let Some(st) = &mut job.store {

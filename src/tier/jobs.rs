@@ -111,6 +111,10 @@ pub(super) struct StoreState {
     pub(super) abandoned: Option<Failure>,
     /// Slots whose writes failed with an I/O error: retired when the job ends.
     pub(super) bad_slots: Vec<u64>,
+    /// A flush of this job failed: the device may be failing as a whole
+    /// (gone, or power lost), so the slots its writes failed on are not
+    /// retired for a fault that need not be in them.
+    pub(super) flush_failed: bool,
     /// Headers not yet staged (they are, just before the header writes).
     pub(super) headers: Option<PendingHeaders>,
 }

@@ -307,6 +307,7 @@ impl Tier {
                 evicted: alloc.evicted,
                 abandoned: None,
                 bad_slots: Vec::new(),
+                flush_failed: false,
                 headers: Some(PendingHeaders {
                     blocks,
                     crcs: block_crcs,
@@ -330,11 +331,14 @@ impl Tier {
         if let Some(h) = st.headers.take() {
             h.join();
         }
-        // Slots are retired only when the device still completed the
-        // job's flushes: a device that fails everything (gone, or
-        // power lost) would otherwise retire every slot it was asked
-        // to write, for a fault that is not in those sectors.
-        let retire = st.abandoned.is_none();
+        // Slots are retired only when no flush of the job failed: a device
+        // that fails everything (gone, or power lost) would otherwise
+        // retire every slot it was asked to write, for a fault that is not
+        // in those sectors. A job abandoned because invalidating an old
+        // header failed with a media error still retires that slot: left
+        // free, it would be the next store's pick and fail it the same
+        // way, and every store after it.
+        let retire = !st.flush_failed;
         for (i, k) in job.keys.iter().enumerate() {
             if let Some(slot) = st.slots[i] {
                 self.jobs.storing.remove(k);
