@@ -261,9 +261,6 @@ impl Tier {
                 if matches!(step, Step::Flush(_) | Step::Invalidate) && st.abandoned.is_none() {
                     st.abandoned = Some(msg.clone());
                 }
-                if matches!(step, Step::Flush(_)) {
-                    st.flush_failed = true;
-                }
             }
         }
         if let Some(st) = &mut job.store {
@@ -292,16 +289,21 @@ impl Tier {
                                 hit(d, o, obj)
                             })
                         });
-                    if touched && !st.bad_slots.contains(&slot) {
-                        st.bad_slots.push(slot);
+                    let bad = if step == Step::Invalidate {
+                        &mut st.unwritable_headers
+                    } else {
+                        &mut st.bad_slots
+                    };
+                    if touched && !bad.contains(&slot) {
+                        bad.push(slot);
                     }
                 }
                 // An invalidation covers slots that are not this job's keys.
                 if step == Step::Invalidate {
                     for &s in &st.invalidated {
                         let (hd, ho) = layout.header_offset(s);
-                        if hit(hd, ho, SLOT_HEADER_BYTES) && !st.bad_slots.contains(&s) {
-                            st.bad_slots.push(s);
+                        if hit(hd, ho, SLOT_HEADER_BYTES) && !st.unwritable_headers.contains(&s) {
+                            st.unwritable_headers.push(s);
                         }
                     }
                 }

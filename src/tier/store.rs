@@ -307,7 +307,7 @@ impl Tier {
                 evicted: alloc.evicted,
                 abandoned: None,
                 bad_slots: Vec::new(),
-                flush_failed: false,
+                unwritable_headers: Vec::new(),
                 headers: Some(PendingHeaders {
                     blocks,
                     crcs: block_crcs,
@@ -331,14 +331,11 @@ impl Tier {
         if let Some(h) = st.headers.take() {
             h.join();
         }
-        // Slots are retired only when no flush of the job failed: a device
-        // that fails everything (gone, or power lost) would otherwise
-        // retire every slot it was asked to write, for a fault that is not
-        // in those sectors. A job abandoned because invalidating an old
-        // header failed with a media error still retires that slot: left
-        // free, it would be the next store's pick and fail it the same
-        // way, and every store after it.
-        let retire = !st.flush_failed;
+        // Slots are retired only when the device still completed the
+        // job's flushes: a device that fails everything (gone, or
+        // power lost) would otherwise retire every slot it was asked
+        // to write, for a fault that is not in those sectors.
+        let retire = st.abandoned.is_none();
         for (i, k) in job.keys.iter().enumerate() {
             if let Some(slot) = st.slots[i] {
                 self.jobs.storing.remove(k);
@@ -351,7 +348,9 @@ impl Tier {
                     // later failure: treat it as stale until rewritten.
                     self.pool.index_mut().abort(slot);
                     self.pool.index_mut().mark_stale_header(slot);
-                    if retire && st.bad_slots.contains(&slot) {
+                    if (retire && st.bad_slots.contains(&slot))
+                        || st.unwritable_headers.contains(&slot)
+                    {
                         self.pool.index_mut().retire(slot);
                     }
                     if job.outcomes[i].is_none() {
@@ -373,6 +372,14 @@ impl Tier {
                     "another job storing the same key failed; store it again",
                 ))
             });
+        }
+        // A failed invalidation abandons its job before any flush could
+        // tell one bad sector from a device failing everything, so its
+        // slots leave use in memory only (not recorded on the device): a
+        // sector that is really bad fails once more after a reopen and is
+        // taken out again, and one that was not comes back.
+        for &s in &st.unwritable_headers {
+            self.pool.index_mut().retire(s);
         }
         if retire && !st.bad_slots.is_empty() {
             // Retired in memory whatever happens; if the bad table
