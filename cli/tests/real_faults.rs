@@ -469,3 +469,68 @@ fn eio_from_a_device_that_lost_its_tail() {
     drop(m);
     drop(lo);
 }
+
+/// A pool file truncated while the tier serves it: keys whose blocks are
+/// gone fail their loads (short reads), never come back as loaded; grown
+/// back with zeros, they fail their checksums (or vanish with their
+/// headers) instead; keys before the cut load their own bytes throughout.
+/// Reopened truncated, the pool is refused with what to do about it.
+#[test]
+fn a_pool_file_truncated_under_a_serving_tier() {
+    let dir = TempDir::new("truncserve");
+    let geo = tiny_geometry();
+    let pool = create_pool(&dir, geo, 8, 1, 4); // 32 slots
+    let path = pool.paths()[0].clone();
+    let layout = pool.layout().clone();
+    let full = std::fs::metadata(&path).unwrap().len();
+    let mut tier = Tier::open(pool, TierConfig::default()).unwrap();
+    let cache = Arc::new(HostKvCache::new(geo, 64, HostLayout::PerLayer).unwrap());
+    tier.register_host_cache(cache.clone()).unwrap();
+    let keys: Vec<Key> = (0..32).map(Key::from_u64).collect();
+    for i in 0..32 {
+        cache.fill_block(i, seed_of(i as u64));
+    }
+    let job = tier.submit_store(&keys, &(0..32).collect::<Vec<_>>()).unwrap();
+    assert!(tier.wait(job).unwrap().all_ok());
+    // Cut the file after its second group's headers.
+    let (_, cut) = layout.header_offset(8);
+    let cut = cut + 4096 * 8;
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    f.set_len(cut).unwrap();
+    let load_all = |tier: &mut Tier| -> (usize, usize) {
+        let (mut ok, mut bad) = (0, 0);
+        for (i, k) in keys.iter().enumerate() {
+            if !tier.contains(k) {
+                bad += 1;
+                continue;
+            }
+            let job = tier.submit_load(&[*k], &[40], 0..geo.layers).unwrap();
+            match &tier.wait(job).unwrap().outcomes[0] {
+                KeyOutcome::Done => {
+                    assert!(
+                        cache.block_matches(40, seed_of(i as u64), 0..geo.layers),
+                        "key {i} loaded Done with bytes it was not stored with"
+                    );
+                    ok += 1;
+                }
+                KeyOutcome::Failed(_) | KeyOutcome::Corrupt(_) => bad += 1,
+                o => panic!("key {i}: {o:?}"),
+            }
+        }
+        (ok, bad)
+    };
+    let (ok, bad) = load_all(&mut tier);
+    assert!(ok >= 8 && bad >= 16, "{ok} loaded, {bad} failed");
+    // Grown back: the lost blocks read as zeros now.
+    f.set_len(full).unwrap();
+    let (ok2, bad2) = load_all(&mut tier);
+    assert!(ok2 <= ok && bad2 >= bad, "{ok2} loaded, {bad2} failed");
+    drop(tier);
+    f.set_len(cut).unwrap();
+    let (code, text) = kvtier(&["pool", "info", "--dev", path.to_str().unwrap()]);
+    assert_eq!(code, 2, "{text}");
+    assert!(
+        text.contains("truncated") && text.contains("truncate -s") && text.contains("--force"),
+        "{text}"
+    );
+}

@@ -291,6 +291,14 @@ pub(crate) fn check_signature(path: &Path, sig: &Signature, force: bool) -> Resu
     }
 }
 
+fn symlink_loop_error(path: &Path) -> Error {
+    backing_error(
+        path,
+        "it is a symbolic link that leads back to itself (a loop of links, or more than \
+         40 in a row); name the pool file or device itself",
+    )
+}
+
 fn min_size_hint() -> &'static str {
     "one superblock and one extent group"
 }
@@ -365,6 +373,11 @@ impl BackingDevice {
                 let target = fs::read_link(path)
                     .map(|t| t.display().to_string())
                     .unwrap_or_else(|_| "?".into());
+                if let Err(e) = fs::metadata(path) {
+                    if e.raw_os_error() == Some(libc::ELOOP) {
+                        return Err(symlink_loop_error(path));
+                    }
+                }
                 return Err(backing_error(
                     path,
                     format!(
@@ -698,6 +711,9 @@ impl BackingDevice {
                     path,
                     "it does not exist; create a pool with `kvtier pool create`",
                 ))
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+                return Err(symlink_loop_error(path))
             }
             Err(e) => return Err(Error::io(format!("stat {}", path.display()), e)),
         };

@@ -448,6 +448,20 @@ impl Drop for RemoveMadeOnError {
     }
 }
 
+/// What to do about a pool device shorter than its superblock says.
+fn truncated_fix(path: &Path, size: u64) -> String {
+    let grow = if std::fs::metadata(path).is_ok_and(|m| m.file_type().is_file()) {
+        format!("`truncate -s {size} {}`", path.display())
+    } else {
+        format!("to {size} bytes")
+    };
+    format!(
+        " (the blocks past its end are lost): restore it, or grow it back {grow} to open \
+         what is left (blocks it lost fail their checks, never load), or reformat it with \
+         `kvtier pool create --force`"
+    )
+}
+
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
@@ -729,9 +743,10 @@ impl Pool {
                 return Err(Error::Backing {
                     path: dev.path().to_path_buf(),
                     reason: format!(
-                        "is {} bytes but the pool was formatted with {}; it was truncated",
+                        "is {} bytes but the pool was formatted with {}; it was truncated{}",
                         dev.size(),
-                        sb.device_size
+                        sb.device_size,
+                        truncated_fix(dev.path(), sb.device_size)
                     ),
                 });
             }
@@ -1500,8 +1515,9 @@ fn check_superblock(sb: &Superblock, path: &Path, backing_size: u64) -> Result<(
         return Err(Error::Backing {
             path: path.to_path_buf(),
             reason: format!(
-                "is {backing_size} bytes but the pool was formatted with {}; it was truncated",
-                sb.device_size
+                "is {backing_size} bytes but the pool was formatted with {}; it was truncated{}",
+                sb.device_size,
+                truncated_fix(path, sb.device_size)
             ),
         });
     }
