@@ -534,3 +534,84 @@ fn a_pool_file_truncated_under_a_serving_tier() {
         "{text}"
     );
 }
+
+fn open_err(paths: &[PathBuf]) -> String {
+    match Pool::open(paths, &OpenExpect::default()) {
+        Ok(_) => panic!("{paths:?} opened"),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// The devices of a pool named in another order, one left out, one from
+/// another pool, one replaced by a copy of its sibling or renamed over by
+/// another pool's: each refused naming the device and the fix, or (in any
+/// order) opened with every key loading its own bytes.
+#[test]
+fn devices_swapped_missing_foreign_or_duplicated() {
+    let da = TempDir::new("swap-a");
+    let db = TempDir::new("swap-b");
+    let geo = tiny_geometry();
+    let a = create_pool(&da, geo, 8, 2, 2);
+    let pa = a.paths();
+    drop(a);
+    let pb = create_pool(&db, geo, 8, 2, 2).paths();
+    // Keys on both devices of pool A.
+    {
+        let pool = Pool::open(&pa, &OpenExpect::default()).unwrap();
+        let mut tier = Tier::open(pool, TierConfig::default()).unwrap();
+        let cache = Arc::new(HostKvCache::new(geo, 32, HostLayout::PerLayer).unwrap());
+        tier.register_host_cache(cache.clone()).unwrap();
+        for i in 0..24 {
+            cache.fill_block(i, seed_of(i as u64));
+        }
+        let keys: Vec<Key> = (0..24).map(Key::from_u64).collect();
+        let job = tier.submit_store(&keys, &(0..24).collect::<Vec<_>>()).unwrap();
+        assert!(tier.wait(job).unwrap().all_ok());
+    }
+    // Swapped: the same pool, every key its own bytes.
+    let swapped = vec![pa[1].clone(), pa[0].clone()];
+    let pool = Pool::open(&swapped, &OpenExpect::default()).unwrap();
+    let mut tier = Tier::open(pool, TierConfig::default()).unwrap();
+    let cache = Arc::new(HostKvCache::new(geo, 32, HostLayout::PerLayer).unwrap());
+    tier.register_host_cache(cache.clone()).unwrap();
+    let keys: Vec<Key> = (0..24).map(Key::from_u64).collect();
+    let job = tier
+        .submit_load(&keys, &(0..24).collect::<Vec<_>>(), 0..geo.layers)
+        .unwrap();
+    assert!(tier.wait(job).unwrap().all_ok());
+    for i in 0..24 {
+        assert!(cache.block_matches(i, seed_of(i as u64), 0..geo.layers), "key {i}");
+    }
+    drop(tier);
+    // One left out.
+    let err = open_err(&pa[..1]);
+    assert!(
+        err.contains("2 device(s) but 1 were named") && err.contains("name every device"),
+        "{err}"
+    );
+    // One from another pool.
+    let err = open_err(&[pa[0].clone(), pb[1].clone()]);
+    assert!(
+        err.contains("belongs to pool") && err.contains("name the devices of one pool"),
+        "{err}"
+    );
+    // Device 1 replaced by a copy of device 0.
+    std::fs::copy(&pa[0], &pa[1]).unwrap();
+    let err = open_err(&pa);
+    assert!(err.contains("device index 0 named twice"), "{err}");
+    // Device 0 renamed over by the other pool's device 0.
+    std::fs::rename(&pb[0], &pa[0]).unwrap();
+    let err = open_err(&pa);
+    assert!(err.contains("belongs to pool"), "{err}");
+    // The CLI says the same, with its exit code for bad input.
+    let (code, text) = kvtier(&[
+        "pool",
+        "check",
+        "--dev",
+        pa[0].to_str().unwrap(),
+        "--dev",
+        pa[1].to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("belongs to pool"), "{text}");
+}
