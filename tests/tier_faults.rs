@@ -171,12 +171,7 @@ fn a_slot_whose_header_cannot_be_invalidated_is_retired() {
     }
     // Every header sector of the least recently used keys' slots dies.
     let victims: Vec<u64> = (0..16u64)
-        .filter(|&s| {
-            tier.pool()
-                .index()
-                .get(&k(0))
-                .is_some_and(|e| e.slot == s)
-        })
+        .filter(|&s| tier.pool().index().get(&k(0)).is_some_and(|e| e.slot == s))
         .collect();
     assert_eq!(victims.len(), 1);
     let (dev, off) = layout.header_offset(victims[0]);

@@ -171,8 +171,14 @@ fn a_failed_create_leaves_no_file_it_made() {
         "8",
     ]);
     assert_eq!(code, 2, "{text}");
-    assert!(text.contains("foreign") && text.contains("--force"), "{text}");
-    assert!(!a.exists(), "the file kvtier created for device 0 is removed");
+    assert!(
+        text.contains("foreign") && text.contains("--force"),
+        "{text}"
+    );
+    assert!(
+        !a.exists(),
+        "the file kvtier created for device 0 is removed"
+    );
     assert_eq!(std::fs::read(&foreign).unwrap(), vec![3u8; 8192]);
     // Likewise when the second's directory is missing.
     let (code, text) = kvtier(&[
@@ -191,7 +197,10 @@ fn a_failed_create_leaves_no_file_it_made() {
     ]);
     assert_eq!(code, 2, "{text}");
     assert!(text.contains("does not exist"), "{text}");
-    assert!(!a.exists(), "the file kvtier created for device 0 is removed");
+    assert!(
+        !a.exists(),
+        "the file kvtier created for device 0 is removed"
+    );
 }
 
 #[test]
@@ -263,7 +272,8 @@ fn stores_into_a_sparse_pool_on_a_full_filesystem() {
     let geo = tiny_geometry();
     let path = fs.0.join("a.pool");
     // 64 groups of 8 blocks (18 MiB) on an 8 MiB file system.
-    let pool = Pool::create(&pool_config(geo, 8, &[path.clone()], 64).with_force(true)).unwrap();
+    let pool = Pool::create(&pool_config(geo, 8, std::slice::from_ref(&path), 64).with_force(true))
+        .unwrap();
     let mut tier = Tier::open(pool, TierConfig::default()).unwrap();
     let cache = Arc::new(HostKvCache::new(geo, 16, HostLayout::PerLayer).unwrap());
     tier.register_host_cache(cache.clone()).unwrap();
@@ -334,11 +344,7 @@ fn stores_into_a_sparse_pool_on_a_full_filesystem() {
 fn eio_from_a_device_that_lost_its_tail() {
     let dir = TempDir::new("eiotail");
     or_skip!(
-        if is_root() {
-            Ok(())
-        } else {
-            Err("not root")
-        },
+        if is_root() { Ok(()) } else { Err("not root") },
         "loop devices"
     );
     let img = dir.file("fs.img");
@@ -346,7 +352,10 @@ fn eio_from_a_device_that_lost_its_tail() {
         .and_then(|f| f.set_len(32 << 20))
         .unwrap();
     or_skip!(
-        sh("mkfs.ext2", &["-q", "-F", "-b", "4096", img.to_str().unwrap()]),
+        sh(
+            "mkfs.ext2",
+            &["-q", "-F", "-b", "4096", img.to_str().unwrap()]
+        ),
         "mkfs.ext2"
     );
     let lo = Loop(PathBuf::from(or_skip!(
@@ -365,7 +374,7 @@ fn eio_from_a_device_that_lost_its_tail() {
     // 64 groups of 8 blocks (18 MiB), every byte written at creation so the
     // file's blocks are laid out now, front to back.
     let pool = Pool::create(
-        &pool_config(geo, 8, &[path.clone()], 64)
+        &pool_config(geo, 8, std::slice::from_ref(&path), 64)
             .with_force(true)
             .with_prewrite(true),
     )
@@ -452,7 +461,9 @@ fn eio_from_a_device_that_lost_its_tail() {
         stored.push(k);
     }
     for &k in stored.iter().rev().take(8) {
-        let job = tier.submit_load(&[Key::from_u64(k)], &[9], 0..geo.layers).unwrap();
+        let job = tier
+            .submit_load(&[Key::from_u64(k)], &[9], 0..geo.layers)
+            .unwrap();
         let r = tier.wait(job).unwrap();
         assert_eq!(r.outcomes[0], KeyOutcome::Done, "key {k}");
         assert!(cache.block_matches(9, seed_of(k), 0..geo.layers), "key {k}");
@@ -462,7 +473,10 @@ fn eio_from_a_device_that_lost_its_tail() {
     // Every dead slot was retired or its key dropped: what is left checks
     // out, and the retired capacity is named.
     assert!(code == 0 || code == 1, "{text}");
-    assert!(text.contains("slot(s) retired after write errors"), "{text}");
+    assert!(
+        text.contains("slot(s) retired after write errors"),
+        "{text}"
+    );
     let pool = Pool::open(std::slice::from_ref(&path), &OpenExpect::default());
     assert!(pool.is_ok(), "the pool still opens: {:?}", pool.err());
     drop(pool);
@@ -490,7 +504,9 @@ fn a_pool_file_truncated_under_a_serving_tier() {
     for i in 0..32 {
         cache.fill_block(i, seed_of(i as u64));
     }
-    let job = tier.submit_store(&keys, &(0..32).collect::<Vec<_>>()).unwrap();
+    let job = tier
+        .submit_store(&keys, &(0..32).collect::<Vec<_>>())
+        .unwrap();
     assert!(tier.wait(job).unwrap().all_ok());
     // Cut the file after its second group's headers.
     let (_, cut) = layout.header_offset(8);
@@ -565,7 +581,9 @@ fn devices_swapped_missing_foreign_or_duplicated() {
             cache.fill_block(i, seed_of(i as u64));
         }
         let keys: Vec<Key> = (0..24).map(Key::from_u64).collect();
-        let job = tier.submit_store(&keys, &(0..24).collect::<Vec<_>>()).unwrap();
+        let job = tier
+            .submit_store(&keys, &(0..24).collect::<Vec<_>>())
+            .unwrap();
         assert!(tier.wait(job).unwrap().all_ok());
     }
     // Swapped: the same pool, every key its own bytes.
@@ -580,7 +598,10 @@ fn devices_swapped_missing_foreign_or_duplicated() {
         .unwrap();
     assert!(tier.wait(job).unwrap().all_ok());
     for i in 0..24 {
-        assert!(cache.block_matches(i, seed_of(i as u64), 0..geo.layers), "key {i}");
+        assert!(
+            cache.block_matches(i, seed_of(i as u64), 0..geo.layers),
+            "key {i}"
+        );
     }
     drop(tier);
     // One left out.
@@ -614,4 +635,101 @@ fn devices_swapped_missing_foreign_or_duplicated() {
     ]);
     assert_eq!(code, 2, "{text}");
     assert!(text.contains("belongs to pool"), "{text}");
+}
+
+/// A pool on a block device (a loop device) that shrinks under a serving
+/// tier: reads past the new end come back short and writes there are
+/// refused; loads of keys there fail, keys before it load their own bytes,
+/// stores keep working on what is left, and a reopen is refused naming the
+/// size the device must have again.
+#[test]
+fn a_block_device_that_shrinks_under_a_serving_tier() {
+    let dir = TempDir::new("bdevshrink");
+    or_skip!(
+        if is_root() { Ok(()) } else { Err("not root") },
+        "loop devices"
+    );
+    let img = dir.file("disk.img");
+    std::fs::File::create(&img)
+        .and_then(|f| f.set_len(16 << 20))
+        .unwrap();
+    let lo = Loop(PathBuf::from(or_skip!(
+        sh("losetup", &["-f", "--show", img.to_str().unwrap()]),
+        "losetup"
+    )));
+    let geo = tiny_geometry();
+    let cfg = kvtier::pool::PoolConfig::new(geo, "test", "test/ns")
+        .with_group_blocks(8)
+        .with_devices(vec![kvtier::pool::DeviceSpec {
+            path: lo.0.clone(),
+            size: None,
+        }]);
+    let pool = Pool::create(&cfg).unwrap();
+    let slots = pool.layout().total_slots();
+    let mut tier = Tier::open(pool, TierConfig::default()).unwrap();
+    let cache = Arc::new(HostKvCache::new(geo, 16, HostLayout::PerLayer).unwrap());
+    tier.register_host_cache(cache.clone()).unwrap();
+    let n = slots.min(48);
+    for k in 0..n {
+        cache.fill_block(0, seed_of(k));
+        let job = tier.submit_store(&[Key::from_u64(k)], &[0]).unwrap();
+        assert!(tier.wait(job).unwrap().all_ok());
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&img)
+        .and_then(|f| f.set_len(2 << 20))
+        .unwrap();
+    sh("losetup", &["-c", lo.0.to_str().unwrap()]).unwrap();
+    let (mut ok, mut failed) = (0, 0);
+    for k in 0..n {
+        let job = tier
+            .submit_load(&[Key::from_u64(k)], &[8], 0..geo.layers)
+            .unwrap();
+        match &tier.wait(job).unwrap().outcomes[0] {
+            KeyOutcome::Done => {
+                assert!(cache.block_matches(8, seed_of(k), 0..geo.layers), "key {k}");
+                ok += 1;
+            }
+            KeyOutcome::Failed(f) | KeyOutcome::Corrupt(f) => {
+                assert!(f.to_string().contains(lo.0.to_str().unwrap()), "{f}");
+                failed += 1;
+            }
+            o => panic!("key {k}: {o:?}"),
+        }
+    }
+    eprintln!("after the shrink: {ok} loaded, {failed} failed");
+    assert!(ok > 0 && failed > 0, "{ok} loaded, {failed} failed");
+    let mut stored = 0;
+    for k in 1000..1000 + slots + 16 {
+        cache.fill_block(0, seed_of(k));
+        let job = tier.submit_store(&[Key::from_u64(k)], &[0]).unwrap();
+        let r = tier.wait(job).unwrap();
+        if let Some((_, f)) = r.failures().next() {
+            let f = f.to_string();
+            assert!(
+                f.contains("shrank under the pool") && f.contains("grow it back"),
+                "{f}"
+            );
+        }
+        if r.all_ok() {
+            stored += 1;
+            let job = tier
+                .submit_load(&[Key::from_u64(k)], &[9], 0..geo.layers)
+                .unwrap();
+            assert_eq!(tier.wait(job).unwrap().outcomes[0], KeyOutcome::Done);
+            assert!(cache.block_matches(9, seed_of(k), 0..geo.layers), "key {k}");
+        }
+    }
+    eprintln!("stores after the shrink: {stored} of {}", slots + 16);
+    // The slots past the end were retired as they failed, so the stores go
+    // on in what is left (they all failed while every free slot lay past it).
+    assert!(stored >= 16, "{stored} stored");
+    drop(tier);
+    let err = open_err(std::slice::from_ref(&lo.0));
+    assert!(
+        err.contains("truncated") && err.contains(&(16u64 << 20).to_string()),
+        "{err}"
+    );
+    drop(lo);
 }

@@ -785,6 +785,16 @@ impl BackingDevice {
         self.size
     }
 
+    /// The bytes it holds now (BLKGETSIZE64, or the file's length), asked
+    /// afresh: a block device can shrink under an open pool. `None` if the
+    /// kernel will not say.
+    pub fn current_size(&self) -> Option<u64> {
+        match self.kind {
+            BackingKind::BlockDevice => block_device_size(&self.file).ok(),
+            BackingKind::File => self.file.metadata().ok().map(|m| m.len()),
+        }
+    }
+
     /// File or block device.
     pub fn kind(&self) -> BackingKind {
         self.kind
