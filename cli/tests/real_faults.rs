@@ -480,6 +480,13 @@ fn eio_from_a_device_that_lost_its_tail() {
     let pool = Pool::open(std::slice::from_ref(&path), &OpenExpect::default());
     assert!(pool.is_ok(), "the pool still opens: {:?}", pool.err());
     drop(pool);
+    // A repair rewrites what cannot be read and retires what still fails:
+    // afterwards the pool checks clean, as the repair said it would.
+    let (code, text) = kvtier(&["pool", "check", "--repair", "--dev", path.to_str().unwrap()]);
+    assert_eq!(code, 0, "{text}");
+    let (code, text) = kvtier(&["pool", "check", "--dev", path.to_str().unwrap()]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("pool is clean"), "{text}");
     drop(m);
     drop(lo);
 }

@@ -157,7 +157,12 @@ fn open_error(path: &Path, kind: BackingKind, e: io::Error) -> Error {
                 "permission denied opening it read-write ({e}); run as a user who may write it"
             ),
         ),
-        (Some(libc::EROFS), _) => backing_error(path, "it is on a read-only filesystem or device"),
+        (Some(libc::EROFS), _) => backing_error(
+            path,
+            "it is on a read-only filesystem or device; make it writable (remount it \
+             read-write) to create or serve a pool there (`kvtier pool info` and `pool check` \
+             without --repair only read)",
+        ),
         _ => Error::io(format!("opening backing device {}", path.display()), e),
     }
 }

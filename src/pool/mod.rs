@@ -1176,7 +1176,8 @@ impl Pool {
     }
 
     /// Drop every block `report` (from `check`) found damaged or unreadable,
-    /// and clear damaged headers, so the pool checks clean afterwards. Returns
+    /// clear damaged headers, and rewrite unreadable header sectors (retiring
+    /// those that still fail), so the pool checks clean afterwards. Returns
     /// how many blocks were dropped. Needs a pool opened for writing.
     pub fn repair(&mut self, report: &CheckReport) -> Result<u64> {
         if !self.writable {
@@ -1199,6 +1200,25 @@ impl Pool {
         let damaged = std::mem::take(&mut self.damaged_headers);
         for slot in damaged {
             if self.clear_header(slot).is_err() {
+                lost_slots.push(slot);
+            }
+        }
+        // A header sector that could not be read: rewriting it lets a drive
+        // remap it. If it reads back now, the slot is in service again;
+        // if not, it is retired for good (recorded in the bad table), so no
+        // store is handed it and the pool checks clean afterwards.
+        let unreadable = std::mem::take(&mut self.unreadable_headers);
+        for slot in unreadable {
+            let (dev, off) = self.layout.header_offset(slot);
+            let revived = self.clear_header(slot).is_ok() && {
+                let mut buf = AlignedBuf::zeroed(SLOT_HEADER_BYTES as usize);
+                self.devices[dev as usize]
+                    .read_exact_at(&mut buf, off)
+                    .is_ok()
+            };
+            if revived {
+                self.index.reinstate(slot);
+            } else {
                 lost_slots.push(slot);
             }
         }

@@ -187,8 +187,9 @@ pub(crate) fn run(cmd: PoolCmd) -> Result<i32> {
             }
             if let Some(n) = repaired {
                 outln!(
-                    "repaired: dropped {n} damaged block(s) and cleared {} damaged header(s); the pool now holds only blocks that verify",
-                    report.damaged_headers.len()
+                    "repaired: dropped {n} damaged block(s), cleared {} damaged header(s) and rewrote {} unreadable header sector(s) (retired where they still fail); the pool now holds only blocks that verify",
+                    report.damaged_headers.len(),
+                    report.unreadable_headers.len()
                 );
                 return Ok(0);
             }
