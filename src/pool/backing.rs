@@ -86,6 +86,8 @@ pub struct BackingDevice {
     kind: BackingKind,
     logical_block_size: u32,
     access: Access,
+    /// This open created the file (it did not exist before).
+    created: bool,
 }
 
 /// How an open backing device is held.
@@ -585,6 +587,7 @@ impl BackingDevice {
             kind: BackingKind::File,
             logical_block_size,
             access: Access::Exclusive,
+            created: guard.armed,
         };
         if !matches!(sig, Signature::Empty | Signature::KvtierPool) {
             dev.wipe_head()?;
@@ -673,6 +676,7 @@ impl BackingDevice {
             kind: BackingKind::BlockDevice,
             logical_block_size,
             access: Access::Exclusive,
+            created: false,
         };
         if !matches!(sig, Signature::Empty | Signature::KvtierPool) {
             dev.wipe_head()?;
@@ -776,6 +780,7 @@ impl BackingDevice {
             kind,
             logical_block_size: lbs,
             access,
+            created: false,
         })
     }
 
@@ -798,6 +803,12 @@ impl BackingDevice {
             BackingKind::BlockDevice => block_device_size(&self.file).ok(),
             BackingKind::File => self.file.metadata().ok().map(|m| m.len()),
         }
+    }
+
+    /// Whether [`BackingDevice::create`] made the file (it was not there
+    /// before): a create that fails later removes only such files.
+    pub fn created(&self) -> bool {
+        self.created
     }
 
     /// File or block device.

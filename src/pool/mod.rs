@@ -490,9 +490,8 @@ impl Pool {
         let mut devices: Vec<Box<dyn Storage>> = Vec::new();
         let mut prewrite = Vec::new();
         for d in &cfg.devices {
-            let existed = std::fs::symlink_metadata(&d.path).is_ok();
             let dev = BackingDevice::create(&d.path, d.size, min_size, cfg.force)?;
-            if !existed {
+            if dev.created() {
                 made.0.push(d.path.clone());
             }
             prewrite.push(cfg.prewrite && dev.kind() == BackingKind::File);
