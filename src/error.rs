@@ -238,6 +238,14 @@ impl fmt::Display for IoFailure {
                  or a thin volume fills as it is written); free space there",
                 std::io::Error::from_raw_os_error(e)
             ),
+            IoCause::Errno(e) if op == "write" && (e == libc::EPERM || e == libc::EROFS) => {
+                write!(
+                    f,
+                    "{}: the device or its file system was made read-only after the pool \
+                     opened it (blockdev --setro, a remount); make it writable again",
+                    std::io::Error::from_raw_os_error(e)
+                )
+            }
             IoCause::Errno(e) => write!(f, "{}", std::io::Error::from_raw_os_error(e)),
             IoCause::Short { done } => write!(f, "short {op}: {done} of {} bytes", self.len),
             IoCause::NvmeStatus(s) => write!(f, "NVMe status {s:#x}"),

@@ -740,3 +740,75 @@ fn a_block_device_that_shrinks_under_a_serving_tier() {
     );
     drop(lo);
 }
+
+/// A block device set read-only under a serving tier (`blockdev --setro`):
+/// stores fail naming the device, nothing is retired for it, loads go on,
+/// and once it is writable again stores succeed in the same slots.
+#[test]
+fn a_block_device_set_read_only_under_a_serving_tier() {
+    let dir = TempDir::new("bdevro");
+    or_skip!(
+        if is_root() { Ok(()) } else { Err("not root") },
+        "loop devices"
+    );
+    let img = dir.file("disk.img");
+    std::fs::File::create(&img)
+        .and_then(|f| f.set_len(8 << 20))
+        .unwrap();
+    let lo = Loop(PathBuf::from(or_skip!(
+        sh("losetup", &["-f", "--show", img.to_str().unwrap()]),
+        "losetup"
+    )));
+    let dev = lo.0.to_str().unwrap().to_string();
+    let geo = tiny_geometry();
+    let cfg = kvtier::pool::PoolConfig::new(geo, "test", "test/ns")
+        .with_group_blocks(8)
+        .with_devices(vec![kvtier::pool::DeviceSpec {
+            path: lo.0.clone(),
+            size: None,
+        }]);
+    let pool = Pool::create(&cfg).unwrap();
+    let mut tier = Tier::open(pool, TierConfig::default()).unwrap();
+    let cache = Arc::new(HostKvCache::new(geo, 16, HostLayout::PerLayer).unwrap());
+    tier.register_host_cache(cache.clone()).unwrap();
+    for k in 0..8 {
+        cache.fill_block(k as u32, seed_of(k));
+    }
+    let keys: Vec<Key> = (0..8).map(Key::from_u64).collect();
+    let job = tier.submit_store(&keys[..4], &[0, 1, 2, 3]).unwrap();
+    assert!(tier.wait(job).unwrap().all_ok());
+    /// Sets the device writable again even if the test fails.
+    struct Rw(String);
+    impl Drop for Rw {
+        fn drop(&mut self) {
+            let _ = sh("blockdev", &["--setrw", &self.0]);
+        }
+    }
+    or_skip!(sh("blockdev", &["--setro", &dev]), "blockdev --setro");
+    let rw = Rw(dev.clone());
+    let job = tier.submit_store(&keys[4..], &[4, 5, 6, 7]).unwrap();
+    let r = tier.wait(job).unwrap();
+    let (_, f) = r
+        .failures()
+        .next()
+        .expect("a store to a read-only device failed");
+    assert!(
+        f.to_string().contains(&dev) && f.to_string().contains("make it writable again"),
+        "{f}"
+    );
+    assert_eq!(tier.lookup_prefix(&keys[4..]), 0, "nothing acknowledged");
+    let job = tier
+        .submit_load(&keys[..4], &[8, 9, 10, 11], 0..geo.layers)
+        .unwrap();
+    assert!(tier.wait(job).unwrap().all_ok());
+    for i in 0..4 {
+        assert!(cache.block_matches(8 + i, seed_of(i as u64), 0..geo.layers));
+    }
+    drop(rw);
+    let bad_before = tier.pool().index().bad_slots();
+    assert_eq!(bad_before, 0, "a read-only device retires nothing");
+    let job = tier.submit_store(&keys[4..], &[4, 5, 6, 7]).unwrap();
+    assert!(tier.wait(job).unwrap().all_ok(), "writable again: stored");
+    drop(tier);
+    drop(lo);
+}
