@@ -13,6 +13,35 @@ macro_rules! note {
 }
 pub(crate) use note;
 
+/// Make `dir` (and its parents) for scratch pool files, or say clearly why
+/// not: a path that exists but is no directory (a block device, a file) is
+/// named as such, not reported as "File exists".
+pub fn make_dir(dir: &std::path::Path) -> Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(m) => {
+            let ft = m.file_type();
+            let what = if ft.is_block_device() {
+                "a block device"
+            } else if ft.is_char_device() {
+                "a character device"
+            } else if ft.is_file() {
+                "a regular file"
+            } else {
+                "not a directory"
+            };
+            Err(Error::invalid(format!(
+                "--dir {}: it is {what}; name a directory to hold the scratch pool files \
+                 (a pool on a block device is made with `kvtier pool create --dev DEVICE`)",
+                dir.display()
+            )))
+        }
+        Err(_) => std::fs::create_dir_all(dir)
+            .map_err(|e| Error::io(format!("creating directory {}", dir.display()), e)),
+    }
+}
+
 /// Parse a size like `4096`, `80k`, `512m`, `4g`, `1t`, `1.5g` (binary units).
 /// A size past 2^64 bytes is an error, never saturated.
 pub fn parse_size(s: &str) -> Result<u64> {

@@ -812,3 +812,41 @@ fn a_block_device_set_read_only_under_a_serving_tier() {
     drop(tier);
     drop(lo);
 }
+
+/// `--dir` naming something that is not a directory (a block or character
+/// device, a file) is refused as such, and nothing is made beside it.
+#[test]
+fn dir_flags_naming_a_non_directory_are_refused_as_such() {
+    let dir = TempDir::new("notadir");
+    let file = dir.file("plain");
+    std::fs::write(&file, b"keep me").unwrap();
+    for (args, what) in [
+        (
+            vec![
+                "bench",
+                "--dir",
+                file.to_str().unwrap(),
+                "--capacity",
+                "64m",
+            ],
+            "a regular file",
+        ),
+        (
+            vec!["bench", "--dir", "/dev/null", "--capacity", "64m"],
+            "a character device",
+        ),
+        (
+            vec!["replay", "--dir", file.to_str().unwrap()],
+            "a regular file",
+        ),
+    ] {
+        let (code, text) = kvtier(&args);
+        assert_eq!(code, 2, "{args:?}: {text}");
+        assert!(
+            text.contains(&format!("it is {what}")) && text.contains("name a directory"),
+            "{args:?}: {text}"
+        );
+    }
+    assert_eq!(std::fs::read(&file).unwrap(), b"keep me");
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+}
