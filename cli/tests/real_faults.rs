@@ -850,3 +850,64 @@ fn dir_flags_naming_a_non_directory_are_refused_as_such() {
     assert_eq!(std::fs::read(&file).unwrap(), b"keep me");
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
 }
+
+/// Things that are no pool device, named to every `pool` subcommand: each
+/// refused at once (a FIFO is never opened, so nothing blocks) naming what
+/// it is and what a device must be, and left as it was.
+#[test]
+fn fifos_sockets_char_devices_and_directories_are_no_pool_devices() {
+    let dir = TempDir::new("notdev");
+    let fifo = dir.file("fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo reads a NUL-terminated path that outlives the call.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let sock = dir.file("sock");
+    let _listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    let link = dir.file("link-to-fifo");
+    std::os::unix::fs::symlink(&fifo, &link).unwrap();
+    let cfg = tiny_config(dir.path());
+    let subdir = dir.file("sub");
+    std::fs::create_dir(&subdir).unwrap();
+    let cases = [
+        (fifo.to_str().unwrap(), "a FIFO"),
+        (sock.to_str().unwrap(), "a socket"),
+        (link.to_str().unwrap(), "a FIFO"),
+        ("/dev/zero", "a character device"),
+        ("/dev/null", "a character device"),
+        ("/dev/full", "a character device"),
+        (subdir.to_str().unwrap(), "a directory"),
+    ];
+    for (dev, what) in cases {
+        for args in [
+            vec!["pool", "info", "--dev", dev],
+            vec!["pool", "check", "--dev", dev],
+            vec!["pool", "check", "--repair", "--dev", dev],
+            vec![
+                "pool",
+                "create",
+                "--dev",
+                dev,
+                "--size",
+                "4m",
+                "--model",
+                cfg.to_str().unwrap(),
+                "--force",
+            ],
+        ] {
+            let t = std::time::Instant::now();
+            let (code, text) = kvtier(&args);
+            assert_eq!(code, 2, "{args:?}: {text}");
+            assert!(
+                text.contains(dev)
+                    && text.contains(&format!("it is {what}"))
+                    && text.contains("must be a regular file or a block device"),
+                "{args:?}: {text}"
+            );
+            assert!(t.elapsed().as_secs() < 10, "{args:?} took {:?}", t.elapsed());
+        }
+    }
+    let ft = std::fs::symlink_metadata(&fifo).unwrap().file_type();
+    use std::os::unix::fs::FileTypeExt;
+    assert!(ft.is_fifo());
+    assert_eq!(std::fs::read_dir(&subdir).unwrap().count(), 0);
+}
