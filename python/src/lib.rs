@@ -21,7 +21,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyRange, PyTuple};
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Once};
+use std::time::Duration;
 
 create_exception!(
     _kvtier,
@@ -135,20 +137,48 @@ fn key_of(o: &Bound<'_, PyAny>, i: usize) -> PyResult<Key> {
     )))
 }
 
+/// Most keys (or blocks) one call takes: 2**22 blocks of 16 tokens are 64M
+/// tokens, far past any prompt; the bound keeps an endless iterator (or a
+/// huge range) from growing a list until the process runs out of memory.
+const MAX_KEYS_PER_CALL: usize = 1 << 22;
+
+fn too_many(what: &str) -> PyErr {
+    usage(format!(
+        "more than {MAX_KEYS_PER_CALL} {what} in one call; split it into calls of at most that many"
+    ))
+}
+
+/// `len(o)` when it has one (an endless iterator has none).
+fn len_hint(o: &Bound<'_, PyAny>) -> Option<usize> {
+    o.len().ok()
+}
+
 fn keys_of(keys: &Bound<'_, PyAny>) -> PyResult<Vec<Key>> {
     if keys.downcast::<PyBytes>().is_ok() {
         return Err(PyTypeError::new_err(
             "keys is one bytes object; pass a list of keys, e.g. [key]",
         ));
     }
-    keys.try_iter()
-        .map_err(|_| PyTypeError::new_err("keys must be a sequence of bytes or ints"))?
-        .enumerate()
-        .map(|(i, k)| key_of(&k?, i))
-        .collect()
+    if len_hint(keys).is_some_and(|n| n > MAX_KEYS_PER_CALL) {
+        return Err(too_many("keys"));
+    }
+    let mut out = Vec::with_capacity(len_hint(keys).unwrap_or(0));
+    let it = keys
+        .try_iter()
+        .map_err(|_| PyTypeError::new_err("keys must be a sequence of bytes or ints"))?;
+    for (i, k) in it.enumerate() {
+        if i == MAX_KEYS_PER_CALL {
+            return Err(too_many("keys"));
+        }
+        out.push(key_of(&k?, i)?);
+    }
+    Ok(out)
 }
 
 fn blocks_of(blocks: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    if len_hint(blocks).is_some_and(|n| n > MAX_KEYS_PER_CALL) {
+        return Err(too_many("blocks"));
+    }
     blocks.extract::<Vec<u32>>().map_err(|_| {
         PyTypeError::new_err(
             "blocks must be a sequence of ints in 0..2**32 (block indexes of the registered KV memory)",
@@ -432,9 +462,14 @@ impl TierBuilder {
 
     /// Most blocks of accepted, not yet issued stores before `submit_store`
     /// raises BackpressureError.
-    fn backlog_limit_blocks(mut slf: PyRefMut<'_, Self>, n: u64) -> PyRefMut<'_, Self> {
+    fn backlog_limit_blocks(mut slf: PyRefMut<'_, Self>, n: u64) -> PyResult<PyRefMut<'_, Self>> {
+        if n == 0 {
+            return Err(usage(
+                "backlog_limit_blocks(0) would refuse every store; give at least 1 (default 65536)",
+            ));
+        }
         slf.backlog_blocks = Some(n);
-        slf
+        Ok(slf)
     }
 
     /// KV memory kvtier allocates (page-aligned, for direct I/O):
@@ -492,6 +527,19 @@ impl TierBuilder {
         let mut shapes = Vec::new();
         for (i, t) in items.iter().enumerate() {
             let (addr, len) = if t.hasattr("data_ptr")? {
+                // The address is taken on the object's word: only torch's
+                // own tensors are believed, never a look-alike.
+                let is_tensor = t
+                    .py()
+                    .import("torch")
+                    .and_then(|m| m.getattr("Tensor"))
+                    .and_then(|c| t.is_instance(&c))
+                    .unwrap_or(false);
+                if !is_tensor {
+                    return Err(PyTypeError::new_err(format!(
+                        "KV memory {i} has a data_ptr but is not a torch.Tensor; pass torch tensors or buffers (bytearray, memoryview, numpy)"
+                    )));
+                }
                 let r = tensor_region(t, i)?;
                 kinds.push(r.kind);
                 shapes.push(Some((r.shape, r.element_size)));
@@ -720,6 +768,8 @@ impl TierBuilder {
             waited_counters: Mutex::new(Vec::new()),
             owners: Mutex::new(std::mem::take(&mut slf.owners)),
             buffers: Mutex::new(std::mem::take(&mut slf.buffers)),
+            forks: FORKS.load(Ordering::SeqCst),
+            closed: AtomicBool::new(false),
         })
     }
 }
@@ -1088,11 +1138,55 @@ pub struct TierHandle {
     waited_counters: Mutex<Vec<Arc<CompletionCounter>>>,
     owners: Mutex<Vec<Py<PyAny>>>,
     buffers: Mutex<Vec<PyBuffer<u8>>>,
+    /// FORKS when the handle was built: a different count means this is a
+    /// forked child, which has the handle's memory but not its I/O thread.
+    forks: u64,
+    /// close() returned: lookups raise ClosedError instead of answering 0.
+    closed: AtomicBool,
 }
+
+/// fork()s this process has gone through, counted in the child.
+static FORKS: AtomicU64 = AtomicU64::new(0);
+
+extern "C" fn count_fork_in_child() {
+    FORKS.fetch_add(1, Ordering::SeqCst);
+}
+
+/// How long a blocking wait sleeps before looking at Python's signals, so
+/// that Ctrl-C (and any signal handler) runs while a job is slow or stuck.
+const WAIT_SLICE: Duration = Duration::from_millis(50);
 
 impl TierHandle {
     fn h(&self) -> &kvtier::TierHandle {
         self.inner.as_ref().expect("set at build")
+    }
+
+    fn forked(&self) -> bool {
+        FORKS.load(Ordering::SeqCst) != self.forks
+    }
+
+    /// The handle, for anything that does I/O or touches the KV memory:
+    /// refused in a forked child, whose copy has no I/O thread (its waits
+    /// would never end) and may lack the memory (kvtier's own is not
+    /// inherited: it is pinned for DMA).
+    fn live(&self) -> PyResult<&kvtier::TierHandle> {
+        if self.forked() {
+            return Err(usage(
+                "this TierHandle was opened before fork(): a child process cannot use it (its I/O thread and DMA memory stay in the parent); open a tier in the child on a pool of its own, or start workers with the 'spawn' method",
+            ));
+        }
+        Ok(self.h())
+    }
+
+    /// `live`, and not closed: for lookups, which would otherwise answer 0.
+    fn open(&self) -> PyResult<&kvtier::TierHandle> {
+        let h = self.live()?;
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(ClosedError::new_err(
+                "the tier handle is closed; open a new one",
+            ));
+        }
+        Ok(h)
     }
 
     /// write_block and friends copy with the CPU: host memory only.
@@ -1161,26 +1255,30 @@ impl TierHandle {
 
     /// How many leading keys the pool holds. No side effects.
     fn lookup(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let h = self.open()?;
         let keys = keys_of(keys)?;
-        Ok(py.allow_threads(|| self.h().lookup_prefix(&keys)))
+        Ok(py.allow_threads(|| h.lookup_prefix(&keys)))
     }
 
     /// Like lookup, and pins the counted keys against eviction until `unpin`.
     fn lookup_and_pin(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let h = self.open()?;
         let keys = keys_of(keys)?;
-        Ok(py.allow_threads(|| self.h().lookup_and_pin(&keys)))
+        Ok(py.allow_threads(|| h.lookup_and_pin(&keys)))
     }
 
     /// Drop one pin per key; unknown keys are ignored.
     fn unpin(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        let h = self.live()?;
         let keys = keys_of(keys)?;
-        py.allow_threads(|| self.h().unpin(&keys));
+        py.allow_threads(|| h.unpin(&keys));
         Ok(())
     }
 
     fn contains(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let h = self.open()?;
         let k = key_of(key, 0)?;
-        Ok(py.allow_threads(|| self.h().contains(&k)))
+        Ok(py.allow_threads(|| h.contains(&k)))
     }
 
     /// Accept a store of `keys` from memory `blocks` (all layers); returns a
@@ -1191,9 +1289,10 @@ impl TierHandle {
         keys: &Bound<'_, PyAny>,
         blocks: &Bound<'_, PyAny>,
     ) -> PyResult<u64> {
+        let h = self.live()?;
         let keys = keys_of(keys)?;
         let blocks = blocks_of(blocks)?;
-        py.allow_threads(|| self.h().submit_store(&keys, &blocks))
+        py.allow_threads(|| h.submit_store(&keys, &blocks))
             .map_err(to_py)
     }
 
@@ -1207,6 +1306,7 @@ impl TierHandle {
         blocks: &Bound<'_, PyAny>,
         layers: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<u64> {
+        let h = self.live()?;
         let keys = keys_of(keys)?;
         let blocks = blocks_of(blocks)?;
         let n = self.memory.geometry.layers;
@@ -1229,21 +1329,38 @@ impl TierHandle {
                 s as u32..e as u32
             }
         };
-        py.allow_threads(|| self.h().submit_load(&keys, &blocks, range))
+        py.allow_threads(|| h.submit_load(&keys, &blocks, range))
             .map_err(to_py)
     }
 
     /// Block (GIL released) until `job` finishes; returns its result once.
+    /// Signals are handled while waiting: a KeyboardInterrupt leaves the
+    /// job running and its result to be collected later.
     fn wait(&self, py: Python<'_>, job: u64) -> PyResult<JobResultPy> {
-        let r = py.allow_threads(|| self.h().wait(job)).map_err(to_py)?;
-        Ok(result_py(py, r))
+        let h = self.live()?;
+        loop {
+            match py
+                .allow_threads(|| h.wait_timeout(job, WAIT_SLICE))
+                .map_err(to_py)?
+            {
+                Some(r) => return Ok(result_py(py, r)),
+                None => py.check_signals()?,
+            }
+        }
     }
 
     /// Block (GIL released) until `layer` of load `job` is in memory;
-    /// raises the layer's failure (its memory must not be used).
+    /// raises the layer's failure (its memory must not be used). Signals
+    /// are handled while waiting, as in wait().
     fn wait_layer(&self, py: Python<'_>, job: u64, layer: u32) -> PyResult<()> {
-        py.allow_threads(|| self.h().wait_layer(job, layer))
-            .map_err(to_py)
+        let h = self.live()?;
+        while !py
+            .allow_threads(|| h.wait_layer_timeout(job, layer, WAIT_SLICE))
+            .map_err(to_py)?
+        {
+            py.check_signals()?;
+        }
+        Ok(())
     }
 
     /// Make CUDA stream `stream` (a raw handle: torch's
@@ -1263,7 +1380,7 @@ impl TierHandle {
         let Some(ctx) = &self.gpu else {
             return Ok(false);
         };
-        let Some(c) = self.h().load_counter(job).map_err(to_py)? else {
+        let Some(c) = self.live()?.load_counter(job).map_err(to_py)? else {
             return Ok(false);
         };
         // SAFETY: the caller passes a live stream of the device's primary
@@ -1297,24 +1414,26 @@ impl TierHandle {
     /// The result of `job` if it finished (then taken), else None.
     fn try_result(&self, py: Python<'_>, job: u64) -> PyResult<Option<JobResultPy>> {
         Ok(self
-            .h()
+            .live()?
             .try_result(job)
             .map_err(to_py)?
             .map(|r| result_py(py, r)))
     }
 
     /// Results of every finished job not yet collected, in finishing order.
-    fn get_finished(&self, py: Python<'_>) -> Vec<JobResultPy> {
-        self.h()
+    fn get_finished(&self, py: Python<'_>) -> PyResult<Vec<JobResultPy>> {
+        Ok(self
+            .live()?
             .get_finished()
             .into_iter()
             .map(|r| result_py(py, r))
-            .collect()
+            .collect())
     }
 
     /// Issue every store in the backlog now, whatever the policy.
     fn flush_stores(&self, py: Python<'_>) -> PyResult<()> {
-        py.allow_threads(|| self.h().flush_stores()).map_err(to_py)
+        let h = self.live()?;
+        py.allow_threads(|| h.flush_stores()).map_err(to_py)
     }
 
     /// An eventfd that polls readable while completions are queued (for
@@ -1334,7 +1453,7 @@ impl TierHandle {
 
     /// Pool and backlog occupancy, engine counters.
     fn usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let u = self.h().usage().map_err(to_py)?;
+        let u = self.live()?.usage().map_err(to_py)?;
         let text = serde_json::to_string(&u).map_err(|e| to_py(Error::invalid(e.to_string())))?;
         py.import("json")?.call_method1("loads", (text,))
     }
@@ -1343,6 +1462,7 @@ impl TierHandle {
     /// `block`, object by object; the rest of the block is zeroed. For
     /// staging through kvtier-allocated memory.
     fn write_block(&self, py: Python<'_>, block: u32, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.live()?;
         self.check_host("write_block")?;
         let data = byte_buffer(data, "data")?;
         self.check_block(block)?;
@@ -1383,6 +1503,7 @@ impl TierHandle {
     /// Copy memory block `block` into `out` (a writable buffer of at most
     /// one block: its first len(out) bytes, objects in (layer, K|V) order).
     fn read_block_into(&self, py: Python<'_>, block: u32, out: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.live()?;
         self.check_host("read_block_into")?;
         let out = byte_buffer(out, "out")?;
         self.check_block(block)?;
@@ -1429,6 +1550,7 @@ impl TierHandle {
     /// Address and length of kvtier-allocated memory (host_cache), for
     /// building a tensor over it; valid while this handle object lives.
     fn host_memory(&self) -> PyResult<(u64, u64)> {
+        self.live()?;
         match (&self.host, &self.memory.layout) {
             (Some(_), KvLayout::CrossLayer { base }) => Ok((*base, self.memory.total_bytes())),
             _ => Err(usage(
@@ -1440,7 +1562,10 @@ impl TierHandle {
     /// Issue the write backlog, wait for every job (GIL released), stop the
     /// I/O thread; raise the first engine failure. Later calls raise ClosedError.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        py.allow_threads(|| self.h().close()).map_err(to_py)
+        let h = self.live()?;
+        let r = py.allow_threads(|| h.close()).map_err(to_py);
+        self.closed.store(true, Ordering::SeqCst);
+        r
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -1465,6 +1590,16 @@ impl TierHandle {
 
 impl Drop for TierHandle {
     fn drop(&mut self) {
+        if self.forked() {
+            // A forked child's copy: the I/O thread (which dropping would
+            // join) lives in the parent, and the kvtier-allocated memory was
+            // not inherited. Leave all of it to the process's exit, and let
+            // the parent's pool alone.
+            std::mem::forget(self.inner.take());
+            std::mem::forget(self.host.take());
+            std::mem::forget(self.gpu.take());
+            return;
+        }
         // The tier first (waits for I/O in flight), then the memory: the
         // tensors must outlive every DMA into them. Dropping Python objects
         // needs no GIL with pyo3 (they are queued until it is held).
@@ -1516,7 +1651,18 @@ fn rust_latency(
     key_base: u64,
 ) -> PyResult<u64> {
     let keys = keys_of(keys)?;
-    let h = handle.h();
+    if !matches!(op, "lookup" | "store" | "load") {
+        return Err(usage(format!(
+            "op {op:?} is unknown; say lookup, store or load"
+        )));
+    }
+    if op != "store" && keys.is_empty() {
+        return Err(usage(format!("op {op:?} needs at least one key")));
+    }
+    if !(1..=1_000_000).contains(&iters) {
+        return Err(usage(format!("iters={iters}: give 1 to 1000000")));
+    }
+    let h = handle.live()?;
     let layers = h.geometry().layers;
     let op = op.to_string();
     py.allow_threads(|| -> kvtier::Result<u64> {
@@ -1547,6 +1693,11 @@ fn rust_latency(
 #[pymodule]
 fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    static AT_FORK: Once = Once::new();
+    // SAFETY: the child handler only increments an atomic.
+    AT_FORK.call_once(|| unsafe {
+        libc::pthread_atfork(None, None, Some(count_fork_in_child));
+    });
     m.add_class::<TierBuilder>()?;
     m.add_class::<TierHandle>()?;
     m.add("JobResult", py.get_type::<JobResultPy>())?;

@@ -591,6 +591,9 @@ impl TierHandle {
     /// no I/O. A full write backlog refuses with `ErrorKind::Backpressure`.
     pub fn submit_store(&self, keys: &[Key], mem_blocks: &[u32]) -> Result<JobId> {
         self.check_blocks(keys, mem_blocks)?;
+        // Refused before any checksum is taken: such a store would never be
+        // accepted, and a caller that retries on backpressure would spin.
+        crate::sched::check_store_fits(keys.len(), self.shared.cfg.backlog_limit_blocks)?;
         // Checksums of the blocks not stored yet, here and without locks, so
         // neither the I/O thread nor lookups wait for the hashing.
         let crcs = match &self.shared.crc_table {
@@ -665,38 +668,85 @@ impl TierHandle {
 
     /// Block until `job` finishes and return (remove) its result.
     pub fn wait(&self, job: JobId) -> Result<JobResult> {
+        Ok(self.wait_until(job, None)?.expect("no deadline"))
+    }
+
+    /// Like `wait`, but gives up after `timeout`: `None` if `job` has not
+    /// finished by then (its result stays to be collected). Callers that
+    /// must stay responsive (a Python thread that handles Ctrl-C) wait in
+    /// slices with this.
+    pub fn wait_timeout(&self, job: JobId, timeout: Duration) -> Result<Option<JobResult>> {
+        self.wait_until(job, Some(Instant::now() + timeout))
+    }
+
+    fn wait_until(&self, job: JobId, deadline: Option<Instant>) -> Result<Option<JobResult>> {
         let mut jobs = lock(&self.shared.jobs);
+        let mut first = true;
         loop {
-            if !jobs.entries.contains_key(&job) {
+            let Some(e) = jobs.entries.get(&job) else {
                 return Err(Error::invalid(format!(
                     "job {job} is unknown or its result was already taken"
                 )));
+            };
+            // Under Sync a deferred store goes only at flush_stores or
+            // close: waiting for it first would never return.
+            if first
+                && matches!(e.phase, Phase::Deferred)
+                && self.shared.cfg.policy == Policy::Sync
+                && self.shared.closing.load(Ordering::SeqCst) == RUNNING
+            {
+                return Err(Error::invalid(format!(
+                    "job {job} is a store held back by the sync policy until flush_stores() or close(): call flush_stores() before waiting for it"
+                )));
             }
+            first = false;
             if let Some(r) = jobs.take(job) {
-                return Ok(r);
+                return Ok(Some(r));
             }
-            jobs = self.wait_for_change(jobs, job)?;
+            let (j, timed_out) = self.wait_for_change(jobs, job, deadline)?;
+            jobs = j;
+            if timed_out {
+                return Ok(jobs.take(job));
+            }
         }
     }
 
-    /// Sleeps until the job table changes, unless the handle can no longer
-    /// finish `job` (a fatal engine error, or closed): then that error.
+    /// Sleeps until the job table changes (or `deadline` passes: then the
+    /// flag is true), unless the handle can no longer finish `job` (a fatal
+    /// engine error, or closed): then that error.
     fn wait_for_change<'a>(
         &'a self,
         jobs: MutexGuard<'a, Jobs>,
         job: JobId,
-    ) -> Result<MutexGuard<'a, Jobs>> {
+        deadline: Option<Instant>,
+    ) -> Result<(MutexGuard<'a, Jobs>, bool)> {
         if let Some(f) = &jobs.fatal {
             return Err(Error::Failed(f.context(format_args!("job {job}"))));
         }
         if jobs.stopped {
             return Err(Shared::closed_error());
         }
-        Ok(self
-            .shared
-            .cond
-            .wait(jobs)
-            .unwrap_or_else(|e| e.into_inner()))
+        Ok(match deadline {
+            None => (
+                self.shared
+                    .cond
+                    .wait(jobs)
+                    .unwrap_or_else(|e| e.into_inner()),
+                false,
+            ),
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Ok((jobs, true));
+                }
+                let (g, t) = self
+                    .shared
+                    .cond
+                    .wait_timeout(jobs, left)
+                    .unwrap_or_else(|e| e.into_inner());
+                (g, t.timed_out())
+            }
+        })
     }
 
     /// The result of `job` if it has finished (then removed), else None.
@@ -713,7 +763,18 @@ impl TierHandle {
     /// Block until layer `layer` of load `job` is in memory. An error (with
     /// the failed I/O in its [`Failure`]) means the layer must not be used.
     pub fn wait_layer(&self, job: JobId, layer: u32) -> Result<()> {
+        self.wait_layer_until(job, layer, None).map(|_| ())
+    }
+
+    /// Like `wait_layer`, but gives up after `timeout`: false if the layer
+    /// is not in memory by then.
+    pub fn wait_layer_timeout(&self, job: JobId, layer: u32, timeout: Duration) -> Result<bool> {
+        self.wait_layer_until(job, layer, Some(Instant::now() + timeout))
+    }
+
+    fn wait_layer_until(&self, job: JobId, layer: u32, deadline: Option<Instant>) -> Result<bool> {
         let mut jobs = lock(&self.shared.jobs);
+        let mut expired = false;
         loop {
             let Some(e) = jobs.entries.get(&job) else {
                 return Err(Error::invalid(format!(
@@ -730,7 +791,7 @@ impl TierHandle {
                     Some(f) => Err(Error::Failed(
                         f.context(format_args!("layer {layer} of job {job} failed")),
                     )),
-                    None => Ok(()),
+                    None => Ok(true),
                 };
             }
             if let Phase::Finished(r) = &e.phase {
@@ -739,10 +800,14 @@ impl TierHandle {
                     Some((k, f)) => Err(Error::Failed(
                         f.context(format_args!("job {job} failed to load key {k}")),
                     )),
-                    None => Ok(()),
+                    None => Ok(true),
                 };
             }
-            jobs = self.wait_for_change(jobs, job)?;
+            if expired {
+                return Ok(false);
+            }
+            // After a timeout, one more look: the change may have come with it.
+            (jobs, expired) = self.wait_for_change(jobs, job, deadline)?;
         }
     }
 
