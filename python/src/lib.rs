@@ -21,7 +21,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyRange, PyTuple};
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Once};
 use std::time::Duration;
 
@@ -527,19 +527,6 @@ impl TierBuilder {
         let mut shapes = Vec::new();
         for (i, t) in items.iter().enumerate() {
             let (addr, len) = if t.hasattr("data_ptr")? {
-                // The address is taken on the object's word: only torch's
-                // own tensors are believed, never a look-alike.
-                let is_tensor = t
-                    .py()
-                    .import("torch")
-                    .and_then(|m| m.getattr("Tensor"))
-                    .and_then(|c| t.is_instance(&c))
-                    .unwrap_or(false);
-                if !is_tensor {
-                    return Err(PyTypeError::new_err(format!(
-                        "KV memory {i} has a data_ptr but is not a torch.Tensor; pass torch tensors or buffers (bytearray, memoryview, numpy)"
-                    )));
-                }
                 let r = tensor_region(t, i)?;
                 kinds.push(r.kind);
                 shapes.push(Some((r.shape, r.element_size)));
@@ -769,7 +756,6 @@ impl TierBuilder {
             owners: Mutex::new(std::mem::take(&mut slf.owners)),
             buffers: Mutex::new(std::mem::take(&mut slf.buffers)),
             forks: FORKS.load(Ordering::SeqCst),
-            closed: AtomicBool::new(false),
         })
     }
 }
@@ -815,6 +801,22 @@ fn tensor_region(t: &Bound<'_, PyAny>, i: usize) -> PyResult<TensorRegion> {
             ))))
         }
     };
+    // Host memory is written by DMA and CPU copies at the address the
+    // object gives: only torch's own tensors are believed, never a
+    // look-alike (CUDA addresses go through the driver, which checks them).
+    if kind == MemoryKind::Host {
+        let is_tensor = t
+            .py()
+            .import("torch")
+            .and_then(|m| m.getattr("Tensor"))
+            .and_then(|c| t.is_instance(&c))
+            .unwrap_or(false);
+        if !is_tensor {
+            return Err(PyTypeError::new_err(format!(
+                "KV memory {i} has a data_ptr but is not a torch.Tensor; pass torch tensors or buffers (bytearray, memoryview, numpy)"
+            )));
+        }
+    }
     if !t.call_method0("is_contiguous")?.extract::<bool>()? {
         return Err(usage(format!(
             "KV tensor {i} is not contiguous (strides {}); pass the cache tensor itself, not a strided or permuted view",
@@ -1141,8 +1143,6 @@ pub struct TierHandle {
     /// FORKS when the handle was built: a different count means this is a
     /// forked child, which has the handle's memory but not its I/O thread.
     forks: u64,
-    /// close() returned: lookups raise ClosedError instead of answering 0.
-    closed: AtomicBool,
 }
 
 /// fork()s this process has gone through, counted in the child.
@@ -1176,17 +1176,6 @@ impl TierHandle {
             ));
         }
         Ok(self.h())
-    }
-
-    /// `live`, and not closed: for lookups, which would otherwise answer 0.
-    fn open(&self) -> PyResult<&kvtier::TierHandle> {
-        let h = self.live()?;
-        if self.closed.load(Ordering::SeqCst) {
-            return Err(ClosedError::new_err(
-                "the tier handle is closed; open a new one",
-            ));
-        }
-        Ok(h)
     }
 
     /// write_block and friends copy with the CPU: host memory only.
@@ -1255,14 +1244,14 @@ impl TierHandle {
 
     /// How many leading keys the pool holds. No side effects.
     fn lookup(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let h = self.open()?;
+        let h = self.live()?;
         let keys = keys_of(keys)?;
         Ok(py.allow_threads(|| h.lookup_prefix(&keys)))
     }
 
     /// Like lookup, and pins the counted keys against eviction until `unpin`.
     fn lookup_and_pin(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let h = self.open()?;
+        let h = self.live()?;
         let keys = keys_of(keys)?;
         Ok(py.allow_threads(|| h.lookup_and_pin(&keys)))
     }
@@ -1276,7 +1265,7 @@ impl TierHandle {
     }
 
     fn contains(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let h = self.open()?;
+        let h = self.live()?;
         let k = key_of(key, 0)?;
         Ok(py.allow_threads(|| h.contains(&k)))
     }
@@ -1563,9 +1552,7 @@ impl TierHandle {
     /// I/O thread; raise the first engine failure. Later calls raise ClosedError.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         let h = self.live()?;
-        let r = py.allow_threads(|| h.close()).map_err(to_py);
-        self.closed.store(true, Ordering::SeqCst);
-        r
+        py.allow_threads(|| h.close()).map_err(to_py)
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

@@ -681,25 +681,12 @@ impl TierHandle {
 
     fn wait_until(&self, job: JobId, deadline: Option<Instant>) -> Result<Option<JobResult>> {
         let mut jobs = lock(&self.shared.jobs);
-        let mut first = true;
         loop {
-            let Some(e) = jobs.entries.get(&job) else {
+            if !jobs.entries.contains_key(&job) {
                 return Err(Error::invalid(format!(
                     "job {job} is unknown or its result was already taken"
                 )));
-            };
-            // Under Sync a deferred store goes only at flush_stores or
-            // close: waiting for it first would never return.
-            if first
-                && matches!(e.phase, Phase::Deferred)
-                && self.shared.cfg.policy == Policy::Sync
-                && self.shared.closing.load(Ordering::SeqCst) == RUNNING
-            {
-                return Err(Error::invalid(format!(
-                    "job {job} is a store held back by the sync policy until flush_stores() or close(): call flush_stores() before waiting for it"
-                )));
             }
-            first = false;
             if let Some(r) = jobs.take(job) {
                 return Ok(Some(r));
             }
