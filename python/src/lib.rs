@@ -115,6 +115,24 @@ fn to_py(e: Error) -> PyErr {
     Python::with_gil(|py| failure_err(py, &Failure::from(e)))
 }
 
+/// Opening a pool or reading a model shares its checks with the CLI, whose
+/// messages name its flags: name the TierBuilder call that does the same.
+fn to_py_builder(e: Error) -> PyErr {
+    let mut f = Failure::from(e);
+    for (cli, py) in [
+        ("`kvtier pool create`", "TierBuilder().create(\"always\").capacity(...)"),
+        ("pass --force", "call create(\"always\")"),
+        ("--force", "create(\"always\")"),
+        ("--size", "capacity()"),
+        ("pass --dtype", "pass dtype= to model()"),
+        ("--dtype", "model(dtype=)"),
+        ("--model", "model()"),
+    ] {
+        f.message = f.message.replace(cli, py);
+    }
+    Python::with_gil(|py| failure_err(py, &f))
+}
+
 fn usage(msg: impl Into<String>) -> PyErr {
     to_py(Error::invalid(msg))
 }
@@ -218,6 +236,11 @@ fn key_bytes<'py>(py: Python<'py>, k: &Key) -> Bound<'py, PyBytes> {
 fn parse_size(o: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
     if let Ok(n) = o.extract::<u64>() {
         return Ok(n);
+    }
+    if o.is_instance_of::<pyo3::types::PyInt>() {
+        return Err(usage(format!(
+            "{what} {o} is out of range: give a positive number of bytes below 2**64, or a string like \"8g\""
+        )));
     }
     let s: String = o.extract().map_err(|_| {
         PyTypeError::new_err(format!(
@@ -588,7 +611,7 @@ impl TierBuilder {
         };
         let named = py
             .allow_threads(|| resolve_named(&spec, block_size, dtype))
-            .map_err(to_py)?;
+            .map_err(to_py_builder)?;
         let g = named.geometry;
         let namespace = slf.namespace.clone().unwrap_or_else(|| {
             format!(
@@ -741,7 +764,7 @@ impl TierBuilder {
             }
         };
         let staged = double || gpu.is_some();
-        let handle = py.allow_threads(|| b.build()).map_err(to_py)?;
+        let handle = py.allow_threads(|| b.build()).map_err(to_py_builder)?;
         let completions = handle.completions().map_err(to_py)?;
         Ok(TierHandle {
             inner: Some(handle),
@@ -1618,7 +1641,7 @@ fn resolve_model<'py>(
         Some(d) => Some(DType::parse(&d).ok_or_else(|| usage(format!("dtype {d:?} is unknown")))?),
         None => None,
     };
-    let n = resolve_named(&spec, block_size, dtype).map_err(to_py)?;
+    let n = resolve_named(&spec, block_size, dtype).map_err(to_py_builder)?;
     let g = n.geometry;
     Ok((geometry_dict(py, &g)?, n.name))
 }
