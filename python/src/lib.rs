@@ -120,7 +120,10 @@ fn to_py(e: Error) -> PyErr {
 fn to_py_builder(e: Error) -> PyErr {
     let mut f = Failure::from(e);
     for (cli, py) in [
-        ("`kvtier pool create`", "TierBuilder().create(\"always\").capacity(...)"),
+        (
+            "`kvtier pool create`",
+            "TierBuilder().create(\"always\").capacity(...)",
+        ),
         ("pass --force", "call create(\"always\")"),
         ("--force", "create(\"always\")"),
         ("--size", "capacity()"),
@@ -1212,6 +1215,18 @@ impl TierHandle {
         Ok(())
     }
 
+    /// Whether `addr..+len` shares a byte with one of `block`'s objects.
+    fn overlaps_block(&self, block: u32, addr: usize, len: usize) -> bool {
+        let g = self.memory.geometry;
+        let obj = g.object_bytes() as usize;
+        (0..g.layers).any(|layer| {
+            (0..2).any(|kv| {
+                let o = self.memory.object_addr(block, layer, kv) as usize;
+                addr < o + obj && o < addr + len
+            })
+        })
+    }
+
     fn check_block(&self, block: u32) -> PyResult<()> {
         if block >= self.memory.num_blocks {
             return Err(usage(format!(
@@ -1491,8 +1506,19 @@ impl TierHandle {
         if !data.is_c_contiguous() {
             return Err(usage("write_block needs a contiguous buffer"));
         }
-        let src = data.buf_ptr() as usize;
         let mem = &self.memory;
+        // `data` may be a view of the KV memory itself (a tensor over
+        // host_memory()): then copy it aside first, so every object gets the
+        // bytes `data` held at the call, whatever order the copies run in.
+        let copy: Option<Vec<u8>> =
+            self.overlaps_block(block, data.buf_ptr() as usize, n)
+                .then(|| {
+                    // SAFETY: buf_ptr..+n is the exported buffer, held by `data`.
+                    unsafe { std::slice::from_raw_parts(data.buf_ptr() as *const u8, n) }.to_vec()
+                });
+        let src = copy
+            .as_ref()
+            .map_or(data.buf_ptr() as usize, |c| c.as_ptr() as usize);
         py.allow_threads(|| {
             for layer in 0..g.layers {
                 for kv in 0..2 {
@@ -1500,8 +1526,9 @@ impl TierHandle {
                     let dst = mem.object_addr(block, layer, kv) as *mut u8;
                     let take = n.saturating_sub(i).min(obj);
                     // SAFETY: dst is one object inside the registered memory
-                    // (block checked above); src+i..+take is inside `data`,
-                    // which the held PyBuffer keeps exported.
+                    // (block checked above); src+i..+take is inside `data`
+                    // (which the held PyBuffer keeps exported) or its copy,
+                    // and does not overlap dst (checked above).
                     unsafe {
                         std::ptr::copy_nonoverlapping((src + i) as *const u8, dst, take);
                         std::ptr::write_bytes(dst.add(take), 0, obj - take);
@@ -1531,8 +1558,15 @@ impl TierHandle {
                 g.block_bytes()
             )));
         }
-        let dst = out.buf_ptr() as usize;
         let mem = &self.memory;
+        // `out` may be a view of the KV memory itself: then gather into a
+        // copy first, so no object is read after an earlier one overwrote it.
+        let mut copy: Option<Vec<u8>> = self
+            .overlaps_block(block, out.buf_ptr() as usize, n)
+            .then(|| vec![0u8; n]);
+        let dst = copy
+            .as_mut()
+            .map_or(out.buf_ptr() as usize, |c| c.as_mut_ptr() as usize);
         py.allow_threads(|| {
             for layer in 0..g.layers {
                 for kv in 0..2 {
@@ -1547,6 +1581,11 @@ impl TierHandle {
                 }
             }
         });
+        if let Some(c) = copy {
+            // SAFETY: `out` is exported writable for n bytes; `c` is a
+            // separate allocation.
+            unsafe { std::ptr::copy_nonoverlapping(c.as_ptr(), out.buf_ptr() as *mut u8, n) };
+        }
         Ok(())
     }
 

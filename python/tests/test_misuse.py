@@ -272,3 +272,33 @@ def test_random_bytes_round_trip_and_corruption_is_reported(tmp_path, tiny_model
     assert isinstance(r.errors[1], kvtier.CorruptError)
     assert tier.read_block(3) == data[1] and tier.read_block(4) == data[3]
     tier.close()
+
+
+def test_block_copies_from_and_into_the_kv_memory_itself(tmp_path, tiny_model):
+    # write_block's data (read_block_into's out) may be a view of the KV
+    # memory, overlapping the block's own objects: the copy must act as if
+    # taken at the call, not abort or mix old and new bytes. In a child: the
+    # overlapping copy this replaced aborted the process.
+    rc, out = run_child(
+        tmp_path,
+        tiny_model,
+        """
+        import ctypes
+        addr, n = tier.host_memory()
+        mv = memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
+        pattern = bytes(range(256)) * (%d // 256)
+        tier.write_block(0, pattern)
+        tier.write_block(1, pattern[::-1])
+        for block, lo in ((0, 100), (1, %d - 300)):
+            want = bytes(mv[lo : lo + %d - 500])
+            tier.write_block(block, mv[lo : lo + %d - 500])
+            print("write", block, tier.read_block(block)[: len(want)] == want)
+        tier.write_block(1, pattern)
+        want = tier.read_block(1)[:16000]
+        tier.read_block_into(1, mv[%d + 50 : %d + 50 + 16000])
+        print("read", bytes(mv[%d + 50 : %d + 50 + 16000]) == want)
+        """
+        % ((BLOCK,) * 8),
+    )
+    assert rc == 0, out
+    assert "write 0 True" in out and "write 1 True" in out and "read True" in out, out
