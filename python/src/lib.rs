@@ -1343,11 +1343,15 @@ impl TierHandle {
                 let r = r.downcast::<PyRange>().map_err(|_| {
                     PyTypeError::new_err("layers must be a range, e.g. range(0, layers)")
                 })?;
-                let (s, e, st): (i64, i64, i64) = (
-                    r.getattr("start")?.extract()?,
-                    r.getattr("stop")?.extract()?,
-                    r.getattr("step")?.extract()?,
-                );
+                let bound = |name: &str| -> PyResult<i64> {
+                    r.getattr(name)?.extract().map_err(|_| {
+                        usage(format!(
+                            "layers {}: its {name} is out of range; give a range within 0..{n}",
+                            r.repr().map(|x| x.to_string()).unwrap_or_default()
+                        ))
+                    })
+                };
+                let (s, e, st) = (bound("start")?, bound("stop")?, bound("step")?);
                 if st != 1 || s < 0 || e <= s || e > n as i64 {
                     return Err(usage(format!(
                         "layers range({s}, {e}, {st}) is not a non-empty step-1 range within 0..{n}"

@@ -302,3 +302,41 @@ def test_block_copies_from_and_into_the_kv_memory_itself(tmp_path, tiny_model):
     )
     assert rc == 0, out
     assert "write 0 True" in out and "write 1 True" in out and "read True" in out, out
+
+
+def test_builder_errors_name_the_python_call(tmp_path, tiny_model):
+    # The pool's checks are shared with the CLI; from Python they must name
+    # the TierBuilder call that fixes them, not a command-line flag.
+    b = kvtier.TierBuilder().directory(tmp_path / "p").capacity(4096).model(tiny_model)
+    with pytest.raises(kvtier.UsageError, match=r"capacity\(\)") as e:
+        b.host_cache(4).build()
+    assert "--" not in str(e.value)
+    (tmp_path / "foreign").write_bytes(b"not a pool" * 1000)
+    b = kvtier.TierBuilder().files([tmp_path / "foreign"]).capacity("16m").model(tiny_model)
+    with pytest.raises(kvtier.UsageError, match=r'create\("always"\)') as e:
+        b.host_cache(4).build()
+    assert (tmp_path / "foreign").read_bytes() == b"not a pool" * 1000
+    for bad in (-1, 2**70):
+        with pytest.raises(kvtier.UsageError, match="out of range"):
+            kvtier.TierBuilder().capacity(bad)
+
+
+def test_registered_buffers_cannot_be_resized_and_ranges_are_checked(tmp_path, tiny_model):
+    import mmap
+
+    m = mmap.mmap(-1, 2 * 8 * 2 * OBJ)  # page aligned, 8 blocks per layer
+    layers = [memoryview(m)[: 8 * 2 * OBJ], memoryview(m)[8 * 2 * OBJ :]]
+    b = kvtier.TierBuilder().directory(tmp_path / "p").capacity("16m").model(tiny_model)
+    tier = b.kv_memory(layers).build()
+    del layers
+    with pytest.raises(BufferError):
+        m.close()  # the handle keeps the memory exported, so it stays mapped
+    tier.write_block(0, b"\x07" * BLOCK)
+    assert tier.wait(tier.submit_store([b"k"], [0])).ok
+    with pytest.raises(kvtier.UsageError, match="layers"):
+        tier.submit_load([b"k"], [1], layers=range(0, 2**70))
+    with pytest.raises(kvtier.UsageError, match="layers"):
+        tier.submit_load([b"k"], [1], layers=range(1, 0))
+    assert tier.wait(tier.submit_load([b"k"], [1], layers=range(1, 2))).ok
+    assert tier.read_block(1)[2 * OBJ :] == b"\x07" * (2 * OBJ)
+    tier.close()
