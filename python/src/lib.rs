@@ -1727,7 +1727,7 @@ fn rust_latency(
                     std::hint::black_box(h.lookup_prefix(&keys));
                 }
                 "store" => {
-                    let j = h.submit_store(&[Key::from_u64(key_base + i as u64)], &[0])?;
+                    let j = h.submit_store(&[Key::from_u64(key_base.wrapping_add(i as u64))], &[0])?;
                     h.wait(j)?;
                 }
                 _ => {

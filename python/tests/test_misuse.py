@@ -237,6 +237,7 @@ def test_rust_latency_arguments_are_checked(tmp_path, tiny_model):
     with pytest.raises(kvtier.UsageError, match="unknown"):
         rust_latency(tier, "lod", [1], 3, 0)
     assert rust_latency(tier, "lookup", [1], 3, 0) > 0
+    assert rust_latency(tier, "store", [], 3, 2**64 - 2) > 0  # keys wrap, no overflow
     tier.close()
 
 
