@@ -235,6 +235,56 @@ fn key_bytes<'py>(py: Python<'py>, k: &Key) -> Bound<'py, PyBytes> {
     PyBytes::new(py, k.as_bytes())
 }
 
+/// An int argument, with errors that name it: pyo3's own conversion says
+/// only "out of range integral type conversion attempted".
+fn int_arg<T>(o: &Bound<'_, PyAny>, name: &str, range: &str) -> PyResult<T>
+where
+    T: for<'a> FromPyObject<'a>,
+{
+    o.extract::<T>().map_err(|_| {
+        if o.is_instance_of::<pyo3::types::PyInt>() {
+            usage(format!(
+                "{name} {o} is out of range: give an int in {range}"
+            ))
+        } else {
+            let t = o
+                .get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default();
+            PyTypeError::new_err(format!("{name} must be an int in {range}, not a {t}"))
+        }
+    })
+}
+
+macro_rules! int_args {
+    ($($f:ident: $t:ty = $name:literal, $range:literal;)*) => {
+        $(fn $f(o: &Bound<'_, PyAny>) -> PyResult<$t> {
+            int_arg(o, $name, $range)
+        })*
+    };
+}
+
+int_args! {
+    devices_arg: u32 = "devices", "1..=64";
+    block_size_arg: u32 = "block_size", "1..=1048576 (tokens per block)";
+    cache_blocks_arg: u32 = "blocks", "1..2**32";
+    rank_arg: u32 = "tp_rank", "0..2**32";
+    backlog_arg: u64 = "backlog_limit_blocks", "1..2**64";
+    block_arg: u32 = "block", "0..memory_blocks";
+    job_arg: u64 = "job", "1..2**64 (an id submit_load or submit_store returned)";
+    layer_arg: u32 = "layer", "0..layers";
+    stream_arg: u64 = "stream", "0..2**64 (torch.cuda.current_stream().cuda_stream)";
+    layer_buffers_arg: u32 = "layer_buffers", "2..2**32";
+}
+
+fn staging_blocks_arg(o: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
+    if o.is_none() {
+        return Ok(None);
+    }
+    int_arg(o, "staging load_blocks/store_blocks", "1..2**32, or None").map(Some)
+}
+
 /// A size in bytes: an int, or a string with a k/m/g/t suffix (powers of 1024).
 fn parse_size(o: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
     if let Ok(n) = o.extract::<u64>() {
@@ -359,9 +409,9 @@ impl TierBuilder {
     #[pyo3(signature = (layer_buffers = 4, load_blocks = None, store_blocks = None))]
     fn staging(
         mut slf: PyRefMut<'_, Self>,
-        layer_buffers: u32,
-        load_blocks: Option<u32>,
-        store_blocks: Option<u32>,
+        #[pyo3(from_py_with = layer_buffers_arg)] layer_buffers: u32,
+        #[pyo3(from_py_with = staging_blocks_arg)] load_blocks: Option<u32>,
+        #[pyo3(from_py_with = staging_blocks_arg)] store_blocks: Option<u32>,
     ) -> PyResult<PyRefMut<'_, Self>> {
         if layer_buffers < 2 || load_blocks == Some(0) || store_blocks == Some(0) {
             return Err(usage(format!(
@@ -388,7 +438,22 @@ impl TierBuilder {
     }
 
     /// The pool's backing files or block devices.
-    fn files(mut slf: PyRefMut<'_, Self>, paths: Vec<PathBuf>) -> PyResult<PyRefMut<'_, Self>> {
+    fn files<'a>(
+        mut slf: PyRefMut<'a, Self>,
+        paths: &Bound<'_, PyAny>,
+    ) -> PyResult<PyRefMut<'a, Self>> {
+        // A str is a sequence too (of characters): refuse it by name.
+        if paths.is_instance_of::<pyo3::types::PyString>()
+            || paths.is_instance_of::<PyBytes>()
+            || paths.hasattr("__fspath__")?
+        {
+            return Err(PyTypeError::new_err(
+                "files takes a list of paths, e.g. files([path]); one path is files([path]) or directory(dir)",
+            ));
+        }
+        let paths: Vec<PathBuf> = paths.extract().map_err(|_| {
+            PyTypeError::new_err("files takes a list of paths (str or os.PathLike)")
+        })?;
         if paths.is_empty() {
             return Err(usage("files([]) names no file; give at least one path"));
         }
@@ -402,7 +467,7 @@ impl TierBuilder {
     fn directory(
         mut slf: PyRefMut<'_, Self>,
         path: PathBuf,
-        devices: u32,
+        #[pyo3(from_py_with = devices_arg)] devices: u32,
     ) -> PyResult<PyRefMut<'_, Self>> {
         if devices == 0 || devices > 64 {
             return Err(usage(format!(
@@ -442,7 +507,7 @@ impl TierBuilder {
     fn model(
         mut slf: PyRefMut<'_, Self>,
         spec: String,
-        block_size: u32,
+        #[pyo3(from_py_with = block_size_arg)] block_size: u32,
         dtype: Option<String>,
     ) -> PyResult<PyRefMut<'_, Self>> {
         slf.model = Some((spec, block_size, dtype));
@@ -458,7 +523,10 @@ impl TierBuilder {
 
     /// The tensor-parallel rank, part of the default namespace: ranks hold
     /// different heads, so their blocks differ under the same hash.
-    fn tp_rank(mut slf: PyRefMut<'_, Self>, rank: u32) -> PyRefMut<'_, Self> {
+    fn tp_rank(
+        mut slf: PyRefMut<'_, Self>,
+        #[pyo3(from_py_with = rank_arg)] rank: u32,
+    ) -> PyRefMut<'_, Self> {
         slf.tp_rank = rank;
         slf
     }
@@ -488,7 +556,10 @@ impl TierBuilder {
 
     /// Most blocks of accepted, not yet issued stores before `submit_store`
     /// raises BackpressureError.
-    fn backlog_limit_blocks(mut slf: PyRefMut<'_, Self>, n: u64) -> PyResult<PyRefMut<'_, Self>> {
+    fn backlog_limit_blocks(
+        mut slf: PyRefMut<'_, Self>,
+        #[pyo3(from_py_with = backlog_arg)] n: u64,
+    ) -> PyResult<PyRefMut<'_, Self>> {
         if n == 0 {
             return Err(usage(
                 "backlog_limit_blocks(0) would refuse every store; give at least 1 (default 65536)",
@@ -504,7 +575,7 @@ impl TierBuilder {
     #[pyo3(signature = (blocks, layout = "cross_layer"))]
     fn host_cache<'a>(
         mut slf: PyRefMut<'a, Self>,
-        blocks: u32,
+        #[pyo3(from_py_with = cache_blocks_arg)] blocks: u32,
         layout: &str,
     ) -> PyResult<PyRefMut<'a, Self>> {
         let layout = match layout {
@@ -1367,7 +1438,11 @@ impl TierHandle {
     /// Block (GIL released) until `job` finishes; returns its result once.
     /// Signals are handled while waiting: a KeyboardInterrupt leaves the
     /// job running and its result to be collected later.
-    fn wait(&self, py: Python<'_>, job: u64) -> PyResult<JobResultPy> {
+    fn wait(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = job_arg)] job: u64,
+    ) -> PyResult<JobResultPy> {
         let h = self.live()?;
         loop {
             match py
@@ -1383,7 +1458,12 @@ impl TierHandle {
     /// Block (GIL released) until `layer` of load `job` is in memory;
     /// raises the layer's failure (its memory must not be used). Signals
     /// are handled while waiting, as in wait().
-    fn wait_layer(&self, py: Python<'_>, job: u64, layer: u32) -> PyResult<()> {
+    fn wait_layer(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = job_arg)] job: u64,
+        #[pyo3(from_py_with = layer_arg)] layer: u32,
+    ) -> PyResult<()> {
         let h = self.live()?;
         while !py
             .allow_threads(|| h.wait_layer_timeout(job, layer, WAIT_SLICE))
@@ -1404,9 +1484,9 @@ impl TierHandle {
     fn stream_wait_layer(
         &self,
         py: Python<'_>,
-        job: u64,
-        layer: u32,
-        stream: u64,
+        #[pyo3(from_py_with = job_arg)] job: u64,
+        #[pyo3(from_py_with = layer_arg)] layer: u32,
+        #[pyo3(from_py_with = stream_arg)] stream: u64,
     ) -> PyResult<bool> {
         let Some(ctx) = &self.gpu else {
             return Ok(false);
@@ -1443,7 +1523,11 @@ impl TierHandle {
     }
 
     /// The result of `job` if it finished (then taken), else None.
-    fn try_result(&self, py: Python<'_>, job: u64) -> PyResult<Option<JobResultPy>> {
+    fn try_result(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = job_arg)] job: u64,
+    ) -> PyResult<Option<JobResultPy>> {
         Ok(self
             .live()?
             .try_result(job)
@@ -1492,7 +1576,12 @@ impl TierHandle {
     /// Copy `data` (bytes-like, at most one block) into memory block
     /// `block`, object by object; the rest of the block is zeroed. For
     /// staging through kvtier-allocated memory.
-    fn write_block(&self, py: Python<'_>, block: u32, data: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn write_block(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = block_arg)] block: u32,
+        data: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         self.live()?;
         self.check_host("write_block")?;
         let data = byte_buffer(data, "data")?;
@@ -1545,7 +1634,12 @@ impl TierHandle {
 
     /// Copy memory block `block` into `out` (a writable buffer of at most
     /// one block: its first len(out) bytes, objects in (layer, K|V) order).
-    fn read_block_into(&self, py: Python<'_>, block: u32, out: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn read_block_into(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = block_arg)] block: u32,
+        out: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         self.live()?;
         self.check_host("read_block_into")?;
         let out = byte_buffer(out, "out")?;
@@ -1594,7 +1688,11 @@ impl TierHandle {
     }
 
     /// Block `block` as bytes (copy).
-    fn read_block<'py>(&self, py: Python<'py>, block: u32) -> PyResult<Bound<'py, PyBytes>> {
+    fn read_block<'py>(
+        &self,
+        py: Python<'py>,
+        #[pyo3(from_py_with = block_arg)] block: u32,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         self.check_block(block)?;
         let n = self.memory.geometry.block_bytes() as usize;
         let buf = pyo3::types::PyByteArray::new(py, &vec![0u8; n]);
@@ -1677,7 +1775,7 @@ impl Drop for TierHandle {
 fn resolve_model<'py>(
     py: Python<'py>,
     spec: String,
-    block_size: u32,
+    #[pyo3(from_py_with = block_size_arg)] block_size: u32,
     dtype: Option<String>,
 ) -> PyResult<(Bound<'py, PyDict>, String)> {
     let dtype = match dtype {
@@ -1727,7 +1825,8 @@ fn rust_latency(
                     std::hint::black_box(h.lookup_prefix(&keys));
                 }
                 "store" => {
-                    let j = h.submit_store(&[Key::from_u64(key_base.wrapping_add(i as u64))], &[0])?;
+                    let j =
+                        h.submit_store(&[Key::from_u64(key_base.wrapping_add(i as u64))], &[0])?;
                     h.wait(j)?;
                 }
                 _ => {

@@ -341,3 +341,39 @@ def test_registered_buffers_cannot_be_resized_and_ranges_are_checked(tmp_path, t
     assert tier.wait(tier.submit_load([b"k"], [1], layers=range(1, 2))).ok
     assert tier.read_block(1)[2 * OBJ :] == b"\x07" * (2 * OBJ)
     tier.close()
+
+
+def test_bad_int_arguments_name_the_argument(tmp_path, tiny_model):
+    # pyo3's own conversion error ("out of range integral type conversion
+    # attempted") names nothing: every int argument's error says which.
+    b = kvtier.TierBuilder()
+    for call, name in [
+        (lambda: b.directory(tmp_path, devices=-1), "devices"),
+        (lambda: b.model(tiny_model, block_size=-16), "block_size"),
+        (lambda: b.host_cache(-1), "blocks"),
+        (lambda: b.tp_rank(2**40), "tp_rank"),
+        (lambda: b.backlog_limit_blocks(-5), "backlog_limit_blocks"),
+        (lambda: kvtier.resolve_model(tiny_model, block_size=2**33), "block_size"),
+        (lambda: b.staging(layer_buffers=-1), "layer_buffers"),
+        (lambda: b.staging(load_blocks=-1), "load_blocks"),
+    ]:
+        with pytest.raises(kvtier.UsageError, match=name):
+            call()
+    with pytest.raises(TypeError, match="block_size"):
+        b.model(tiny_model, block_size=16.0)
+    with pytest.raises(TypeError, match=r"files\(\[path\]\)"):
+        b.files(str(tmp_path / "a.pool"))
+    tier = open_tier(tmp_path, tiny_model)
+    for call, name in [
+        (lambda: tier.wait(-1), "job"),
+        (lambda: tier.wait(2**64), "job"),
+        (lambda: tier.wait_layer(1, -1), "layer"),
+        (lambda: tier.try_result(-3), "job"),
+        (lambda: tier.write_block(-1, b""), "block"),
+        (lambda: tier.read_block(2**32), "block"),
+    ]:
+        with pytest.raises(kvtier.UsageError, match=name):
+            call()
+    with pytest.raises(TypeError, match="job"):
+        tier.wait("1")
+    tier.close()
