@@ -57,7 +57,9 @@ class TierBuilder:
     def kv_memory(self, tensors: Any, layout: Literal["per_layer", "block_major", "cross_layer"] = "per_layer") -> Self:
         """CPU tensors or buffers (direct I/O: 4096-byte aligned), or CUDA
         tensors (the staged HBM path: 16-byte aligned); contiguous, the KV
-        dtype's element size, every layer the same number of blocks."""
+        dtype's element size, every layer the same number of blocks. Never
+        resize a registered tensor's storage while the tier is open: kvtier
+        would write memory torch freed."""
     def staging(self, layer_buffers: int = 4, load_blocks: int | None = None, store_blocks: int | None = None) -> Self:
         """Pinned host staging of the staged HBM path (CUDA tensors)."""
     def test_only_staged_host_double(self) -> Self:

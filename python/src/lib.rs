@@ -597,7 +597,10 @@ impl TierBuilder {
     /// heads, dim)`; "block_major": one per layer, each `(blocks, 2,
     /// block_size, heads, dim)` (vLLM's CPU cache); "cross_layer": one,
     /// `(blocks, layers, 2, block_size, heads, dim)`. Each must be 4096-byte
-    /// aligned for direct I/O.
+    /// aligned for direct I/O. Buffers stay exported (a bytearray or mmap
+    /// cannot be resized or closed); torch cannot be stopped from resizing a
+    /// tensor's storage (`resize_`, `untyped_storage().resize_`), which would
+    /// free memory kvtier still writes: never do that while the tier is open.
     #[pyo3(signature = (tensors, layout = String::from("per_layer")))]
     fn kv_memory<'a>(
         mut slf: PyRefMut<'a, Self>,
