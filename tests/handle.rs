@@ -300,3 +300,37 @@ fn drop_without_close_does_not_hang_and_keeps_acknowledged_stores() {
         "a never-issued store left nothing"
     );
 }
+
+#[test]
+fn an_undrained_completion_stream_stays_bounded_and_keeps_uncollected_jobs() {
+    // A subscriber that never drains, beside a caller that collects every
+    // result with wait(): the stream drops the collected jobs' events once
+    // a few thousand are queued, and keeps every event of a job not yet
+    // collected.
+    let dir = TempDir::new("handle-events");
+    let (h, cache, _) = faulty_handle(&dir, 4, 8, HandleConfig::default());
+    let events = h.completions().unwrap();
+    store_ok(&h, &cache, &[1], &[0]);
+    let layers = h.geometry().layers;
+    let kept = h.submit_load(&keys(1..2), &[7], 0..layers).unwrap();
+    h.wait_layer(kept, layers - 1).unwrap();
+    for i in 0..3000u32 {
+        let j = h.submit_load(&keys(1..2), &[1 + i % 6], 0..layers).unwrap();
+        h.wait(j).unwrap();
+    }
+    let got = events.drain();
+    assert!(
+        got.len() < 2 * 4096,
+        "{} events queued for jobs already collected",
+        got.len()
+    );
+    let of_kept: Vec<&Event> = got
+        .iter()
+        .filter(
+            |e| matches!(e, Event::Layer { job, .. } | Event::Finished { job, .. } if *job == kept),
+        )
+        .collect();
+    assert_eq!(of_kept.len(), layers as usize + 1, "{of_kept:?}");
+    assert!(h.wait(kept).unwrap().all_ok());
+    h.close().unwrap();
+}

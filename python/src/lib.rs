@@ -1561,6 +1561,9 @@ impl TierHandle {
     }
 
     /// Every queued completion event (layer done, job finished), oldest first.
+    /// Events queue from build() on; past a few thousand undrained, those of
+    /// jobs already collected (wait, try_result, get_finished) are dropped,
+    /// so a handle used only through wait() does not grow.
     fn drain_completions(&self, py: Python<'_>) -> Vec<EventPy> {
         self.completions
             .drain()

@@ -377,3 +377,20 @@ def test_bad_int_arguments_name_the_argument(tmp_path, tiny_model):
     with pytest.raises(TypeError, match="job"):
         tier.wait("1")
     tier.close()
+
+
+def test_events_nobody_drains_stay_bounded(tmp_path, tiny_model):
+    # The module subscribes to completion events at build; a caller that
+    # only uses wait() never drains them. They must not pile up per job.
+    tier = open_tier(tmp_path, tiny_model)
+    tier.write_block(0, b"\x01" * BLOCK)
+    assert tier.wait(tier.submit_store([1], [0])).ok
+    kept = tier.submit_load([1], [7])  # not collected: its events stay
+    tier.wait_layer(kept, 1)
+    for i in range(2500):
+        tier.wait(tier.submit_load([1], [1 + i % 6]))
+    events = tier.drain_completions()
+    assert len(events) <= 4096 + 64, len(events)
+    assert [e.kind for e in events if e.job == kept] == ["layer", "layer", "finished"]
+    assert tier.wait(kept).ok
+    tier.close()

@@ -58,7 +58,7 @@ use nix::sys::eventfd::{EfdFlags, EventFd};
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
@@ -144,7 +144,10 @@ pub struct HandleUsage {
 }
 
 /// A stream of [`Event`]s from one handle, for one consumer. Each
-/// `Completions` gets every event from its creation on. Its eventfd polls
+/// `Completions` gets every event from its creation on, except that once
+/// more than a few thousand are queued undrained, those of jobs whose
+/// results were already collected (`wait`, `try_result`, `get_finished`)
+/// are dropped, so a stream nobody drains stays bounded. Its eventfd polls
 /// readable exactly while events are queued, so an epoll loop (or asyncio's
 /// `add_reader`) can sleep on it and then drain with `try_recv`.
 pub struct Completions {
@@ -156,19 +159,50 @@ struct EventQueue {
     cond: Condvar,
     /// Non-zero exactly while `events` is non-empty (both change under the lock).
     fd: EventFd,
+    /// Queue length past which events of collected jobs are dropped (changed
+    /// under the `events` lock).
+    compact_at: AtomicUsize,
+}
+
+/// Events queued before a queue is first compacted. A subscriber that never
+/// drains (a caller that only uses `wait`, as the Python module's own
+/// subscription often is) would otherwise grow its queue by a load's
+/// layers + 1 events per job, without end.
+const EVENTS_KEPT_FLOOR: usize = 4096;
+
+fn event_job(e: &Event) -> JobId {
+    match e {
+        Event::Layer { job, .. } | Event::Finished { job, .. } => *job,
+    }
 }
 
 impl EventQueue {
-    fn push(&self, evs: &[Event]) {
+    /// Queue `evs`. Past `compact_at` events, those of jobs whose results
+    /// were already collected (`live` is false for them) are dropped: no
+    /// consumer can act on them. Events of uncollected jobs are all kept;
+    /// the threshold doubles with what stays, so compaction is amortised.
+    fn push(&self, evs: &[Event], live: &dyn Fn(JobId) -> bool) {
         if evs.is_empty() {
             return;
         }
         let mut q = lock(&self.events);
         let was_empty = q.is_empty();
         q.extend(evs.iter().cloned());
-        if was_empty {
+        if q.len() > self.compact_at.load(Ordering::Relaxed) {
+            q.retain(|e| live(event_job(e)));
+            self.compact_at
+                .store((2 * q.len()).max(EVENTS_KEPT_FLOOR), Ordering::Relaxed);
+        }
+        match (was_empty, q.is_empty()) {
             // Cannot fail: the counter is 0 or 1, far from overflow.
-            let _ = self.fd.write(1);
+            (true, false) => {
+                let _ = self.fd.write(1);
+            }
+            // Everything queued was dropped: stop polling readable.
+            (false, true) => {
+                let _ = self.fd.read();
+            }
+            _ => {}
         }
         self.cond.notify_all();
     }
@@ -327,9 +361,11 @@ impl Jobs {
     }
 
     fn broadcast(&mut self, events: &[Event]) {
+        let entries = &self.entries;
+        let live = |job: JobId| entries.contains_key(&job);
         self.subscribers.retain(|w| match w.upgrade() {
             Some(q) => {
-                q.push(events);
+                q.push(events, &live);
                 true
             }
             None => false,
@@ -512,6 +548,7 @@ impl TierHandle {
             events: Mutex::new(VecDeque::new()),
             cond: Condvar::new(),
             fd,
+            compact_at: AtomicUsize::new(EVENTS_KEPT_FLOOR),
         });
         lock(&self.shared.jobs).subscribers.push(Arc::downgrade(&q));
         Ok(Completions { q })
