@@ -1301,6 +1301,22 @@ impl TierHandle {
         })
     }
 
+    /// CPU copies into (`writes`) or out of a block no unfinished job is
+    /// using that way: a write under a load fails its check (and drops the
+    /// key as corrupt), a write under a store changes what it stores, a
+    /// read under a load sees bytes half in.
+    fn check_block_idle(&self, block: u32, writes: bool) -> PyResult<()> {
+        match self.h().memory_block_use(block) {
+            Some(JobKind::Load) => Err(usage(format!(
+                "memory block {block} is the target of a load not yet finished; wait for it first"
+            ))),
+            Some(JobKind::Store) if writes => Err(usage(format!(
+                "memory block {block} is read by a store not yet finished; wait for it before writing the block"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     fn check_block(&self, block: u32) -> PyResult<()> {
         if block >= self.memory.num_blocks {
             return Err(usage(format!(
@@ -1592,6 +1608,7 @@ impl TierHandle {
         self.check_host("write_block")?;
         let data = byte_buffer(data, "data")?;
         self.check_block(block)?;
+        self.check_block_idle(block, true)?;
         let g = self.memory.geometry;
         let obj = g.object_bytes() as usize;
         let n = data.len_bytes();
@@ -1650,6 +1667,7 @@ impl TierHandle {
         self.check_host("read_block_into")?;
         let out = byte_buffer(out, "out")?;
         self.check_block(block)?;
+        self.check_block_idle(block, false)?;
         let g = self.memory.geometry;
         let obj = g.object_bytes() as usize;
         let n = out.len_bytes();

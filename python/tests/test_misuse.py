@@ -394,3 +394,42 @@ def test_events_nobody_drains_stay_bounded(tmp_path, tiny_model):
     assert [e.kind for e in events if e.job == kept] == ["layer", "layer", "finished"]
     assert tier.wait(kept).ok
     tier.close()
+
+
+def test_overlapping_loads_and_writes_never_cost_a_stored_key(tmp_path, tiny_model):
+    # A load checks the bytes that landed in its memory block against the
+    # stored checksum. A second load (or a write_block) into the same block
+    # meanwhile used to fail that check and drop a good key as corrupt.
+    tier = open_tier(tmp_path, tiny_model, policy="sync")
+    a, b = os.urandom(BLOCK), os.urandom(BLOCK)
+    tier.write_block(0, a)
+    tier.write_block(1, b)
+    tier.flush_stores()
+    job = tier.submit_store([1, 2], [0, 1])
+    tier.flush_stores()
+    assert tier.wait(job).ok
+    for _ in range(20):
+        ja = tier.submit_load([1], [3])
+        try:
+            tier.submit_load([2], [3])
+            pytest.fail("a second load into a block under load was accepted")
+        except kvtier.UsageError as e:
+            assert "block 3" in str(e)
+        want = a
+        try:
+            tier.write_block(3, b)
+            want = b  # accepted only once the load was done
+        except kvtier.UsageError as e:
+            assert "block 3" in str(e)
+        assert tier.wait(ja).ok
+        assert tier.read_block(3) == want
+    assert tier.lookup([1, 2]) == 2
+    # Under a store (held by the sync policy): the block may be read, not written.
+    tier.write_block(4, a)
+    js = tier.submit_store([3], [4])
+    with pytest.raises(kvtier.UsageError, match="block 4"):
+        tier.write_block(4, b)
+    assert tier.read_block(4) == a
+    tier.flush_stores()
+    assert tier.wait(js).ok
+    tier.close()

@@ -584,6 +584,21 @@ impl TierHandle {
         Ok(())
     }
 
+    /// Which unfinished job uses memory block `block`: `Load` while a load
+    /// writes it (its bytes are not yet whole, and a write would fail the
+    /// load's check), `Store` while a store reads it (a write would change
+    /// what it stores), `None` when it is free.
+    pub fn memory_block_use(&self, block: u32) -> Option<JobKind> {
+        let jobs = lock(&self.shared.jobs);
+        if jobs.load_mem.contains_key(&block) {
+            Some(JobKind::Load)
+        } else if jobs.store_mem.contains_key(&block) {
+            Some(JobKind::Store)
+        } else {
+            None
+        }
+    }
+
     /// Start loading `keys` (all in the pool: count them with
     /// `lookup_prefix` or `lookup_and_pin`) into `mem_blocks` for `layers`.
     /// Returns at once; layers complete in layer order (`wait_layer`,
@@ -603,6 +618,14 @@ impl TierHandle {
             if let Some(b) = mem_blocks.iter().find(|b| jobs.store_mem.contains_key(b)) {
                 return Err(Error::invalid(format!(
                     "memory block {b} is read by a store not yet finished; wait for that store before loading into it"
+                )));
+            }
+            // Two loads landing in one block: each checks its bytes in that
+            // memory, so the other's bytes would fail the check and a good
+            // key would be dropped from the pool as corrupt.
+            if let Some(b) = mem_blocks.iter().find(|b| jobs.load_mem.contains_key(b)) {
+                return Err(Error::invalid(format!(
+                    "memory block {b} is the target of a load not yet finished; wait for that load before loading into it again"
                 )));
             }
             let tier_job = s.submit_load(keys, mem_blocks, layers.clone())?;
