@@ -330,6 +330,7 @@ enum Where {
 }
 
 /// What the KV memory is, before `build`.
+#[derive(Clone)]
 enum Mem {
     Host {
         blocks: u32,
@@ -769,7 +770,9 @@ impl TierBuilder {
         }
         b = b.config(cfg);
         let double = slf.staged_host_double;
-        let (memory, host, gpu) = match slf.mem.take() {
+        // Taken only once the tier is open: a build that fails (the pool in
+        // use, a bad path) can be retried on the same builder.
+        let (memory, host, gpu) = match slf.mem.clone() {
             None => {
                 return Err(usage(
                     "no KV memory: call host_cache(blocks) or kv_memory([tensors]) before build()",
@@ -843,6 +846,9 @@ impl TierBuilder {
         let staged = double || gpu.is_some();
         let handle = py.allow_threads(|| b.build()).map_err(to_py_builder)?;
         let completions = handle.completions().map_err(to_py)?;
+        // The memory (and the objects keeping it alive) now belong to this
+        // handle: a second build() must not register it again.
+        slf.mem = None;
         Ok(TierHandle {
             inner: Some(handle),
             completions,

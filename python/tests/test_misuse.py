@@ -433,3 +433,17 @@ def test_overlapping_loads_and_writes_never_cost_a_stored_key(tmp_path, tiny_mod
     tier.flush_stores()
     assert tier.wait(js).ok
     tier.close()
+
+
+def test_a_failed_build_can_be_retried_and_a_builder_serves_once(tmp_path, tiny_model):
+    first = open_tier(tmp_path, tiny_model)
+    b = kvtier.TierBuilder().directory(tmp_path / "pool").model(tiny_model).host_cache(4)
+    with pytest.raises(kvtier.UsageError, match="open"):
+        b.build()  # the pool is open in `first`
+    first.close()
+    del first
+    tier = b.build()  # the same builder, once the pool is free
+    assert tier.memory_blocks == 4
+    with pytest.raises(kvtier.UsageError, match="no KV memory"):
+        b.build()  # its memory belongs to `tier` now
+    tier.close()
