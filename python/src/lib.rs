@@ -310,6 +310,7 @@ fn parse_size(o: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
         Some('m') => (&t[..t.len() - 1], 1 << 20),
         Some('g') => (&t[..t.len() - 1], 1 << 30),
         Some('t') => (&t[..t.len() - 1], 1 << 40),
+        Some('p') => (&t[..t.len() - 1], 1 << 50),
         _ => (t, 1),
     };
     num.trim()
