@@ -33,6 +33,9 @@ def run_child(tmp_path, model, body, timeout=60, memory_gib=None, policy="slack"
     body opens it itself); returns (exit code, output)."""
     pre = f"""
 import os, sys, signal, time, threading
+# A Python started from a terminal: Ctrl-C raises KeyboardInterrupt (a test
+# runner started in the background hands its children SIGINT ignored).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import kvtier
 if {memory_gib!r}:
     import resource
