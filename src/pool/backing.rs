@@ -111,6 +111,21 @@ impl Drop for RemoveOnError<'_> {
     }
 }
 
+/// After taking a file's lock: does `path` still name the file that was opened
+/// (`meta`, from its descriptor)? A process that failed to create it removes it while
+/// holding the lock; one that waited for that lock must not format the unlinked file
+/// and report a pool nobody can open.
+fn check_still_named(path: &Path, meta: &fs::Metadata) -> Result<()> {
+    match fs::metadata(path) {
+        Ok(now) if now.dev() == meta.dev() && now.ino() == meta.ino() => Ok(()),
+        Ok(_) | Err(_) => Err(backing_error(
+            path,
+            "another process removed or replaced it while this one was opening it (two \
+             `pool create` of one file at once?); run the command again",
+        )),
+    }
+}
+
 fn round_down(size: u64) -> u64 {
     size - size % DIRECT_IO_ALIGN as u64
 }
@@ -432,22 +447,31 @@ impl BackingDevice {
             }
         }
 
-        let mut guard = RemoveOnError { path, armed: false };
-        let file = if meta.is_some() {
+        let open_existing = || {
             OpenOptions::new()
                 .read(true)
                 .write(true)
                 .open(path)
-                .map_err(|e| open_error(path, BackingKind::File, e))?
+                .map_err(|e| open_error(path, BackingKind::File, e))
+        };
+        let checked_use = meta.is_some();
+        let (file, created) = if checked_use {
+            (open_existing()?, false)
         } else {
-            let file = OpenOptions::new()
+            match OpenOptions::new()
                 .read(true)
                 .write(true)
                 .create_new(true)
                 .mode(0o600)
                 .open(path)
-                .map_err(|e| match e.kind() {
-                    ErrorKind::NotFound => backing_error(
+            {
+                Ok(f) => (f, true),
+                // Another process created it since we looked (a second
+                // `pool create` of the same file): it is an existing file
+                // now, and its lock or its contents decide below.
+                Err(e) if e.kind() == ErrorKind::AlreadyExists => (open_existing()?, false),
+                Err(e) if e.kind() == ErrorKind::NotFound => {
+                    return Err(backing_error(
                         path,
                         format!(
                             "its directory {} does not exist; create it first",
@@ -456,14 +480,15 @@ impl BackingDevice {
                                 .unwrap_or(Path::new("."))
                                 .display()
                         ),
-                    ),
-                    _ => open_error(path, BackingKind::File, e),
-                })?;
-            guard.armed = true;
-            file
+                    ))
+                }
+                Err(e) => return Err(open_error(path, BackingKind::File, e)),
+            }
         };
         // Lock before looking at (or truncating) anything: a live pool's writer or reader
-        // holds it, and formatting under it would corrupt both.
+        // holds it, and formatting under it would corrupt both. A file this process
+        // created but another one locked first (it opened the new file in between) is
+        // that process's now: a refusal here leaves it alone.
         lock_device(path, &file, Access::Exclusive)?;
         let meta = file
             .metadata()
@@ -473,6 +498,22 @@ impl BackingDevice {
                 path,
                 "it changed while being opened; try again",
             ));
+        }
+        check_still_named(path, &meta)?;
+        // Ours to remove on failure only if nobody else locked it first and wrote to
+        // it: a process that opened our new file, locked it before us and formatted a
+        // pool in it (all while we were descheduled) has made it its own. Declared
+        // after `file`, so dropped before it: a failed create removes its file while
+        // still holding the lock, and whoever waited for that lock then finds the path
+        // gone (`check_still_named`) instead of formatting an unlinked file.
+        let mut guard = RemoveOnError {
+            path,
+            armed: created && meta.len() == 0,
+        };
+        if !created && !checked_use {
+            if let Some(why) = regular_file_use(&meta) {
+                return Err(backing_error(path, why));
+            }
         }
         let len = meta.len();
 
