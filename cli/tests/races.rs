@@ -17,7 +17,6 @@ use kvtier::{HostKvCache, HostLayout};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::Arc;
-use std::time::Duration;
 
 fn iterations(default: usize) -> usize {
     std::env::var("KVTIER_CRASH_ITERS")
@@ -62,11 +61,14 @@ fn finish(child: Child) -> Output {
     child.wait_with_output().unwrap()
 }
 
-/// Kvtier never panics, whatever it is racing.
+/// Kvtier never panics or aborts, whatever it is racing (SIGKILL from the
+/// test aside).
 fn assert_no_panic(out: &Output, what: &str) {
+    use std::os::unix::process::ExitStatusExt;
     let t = text(out);
     assert!(
-        !t.contains("panicked") && out.status.code().is_some(),
+        !t.contains("panicked")
+            && (out.status.code().is_some() || out.status.signal() == Some(9)),
         "{what}: {t} ({:?})",
         out.status
     );
@@ -117,4 +119,232 @@ fn concurrent_creates_of_one_new_file_leave_one_winner_and_a_valid_pool() {
         assert!(pool.check(|_, _| {}).unwrap().is_clean());
     }
     eprintln!("{losers} losing creates");
+}
+
+/// Keys 0..n stored in a one-device pool of the tiny model, `groups` groups of 8.
+fn stored_pool(dir: &TempDir, groups: u64, n: u64) -> PathBuf {
+    let geo = tiny_geometry();
+    let pool = create_pool(dir, geo, 8, 1, groups);
+    let path = pool.paths().remove(0);
+    let mut tier = Tier::open(pool, TierConfig::default()).unwrap();
+    let cache = Arc::new(HostKvCache::new(geo, n as u32, HostLayout::PerLayer).unwrap());
+    tier.register_host_cache(cache.clone()).unwrap();
+    for k in 0..n {
+        cache.fill_block(k as u32, seed_of(k));
+    }
+    let ks: Vec<Key> = (0..n).map(Key::from_u64).collect();
+    let mem: Vec<u32> = (0..n as u32).collect();
+    let job = tier.submit_store(&ks, &mem).unwrap();
+    assert!(tier.wait(job).unwrap().all_ok());
+    path
+}
+
+/// Keys 0..n of the pool at `path`, each with exactly its bytes.
+fn assert_keys_whole(path: &Path, n: u64, what: &str) {
+    let pool = Pool::open(&[path.to_path_buf()], &OpenExpect::default()).unwrap();
+    let geo = *pool.geometry();
+    assert!(
+        pool.check(|_, _| {}).unwrap().is_clean(),
+        "{what}: the old pool checks clean"
+    );
+    assert_eq!(pool.index().live(), n, "{what}: every old key is live");
+    let mut tier = Tier::open(pool, TierConfig::default()).unwrap();
+    let cache = Arc::new(HostKvCache::new(geo, n as u32, HostLayout::PerLayer).unwrap());
+    tier.register_host_cache(cache.clone()).unwrap();
+    let ks: Vec<Key> = (0..n).map(Key::from_u64).collect();
+    let mem: Vec<u32> = (0..n as u32).collect();
+    let job = tier.submit_load(&ks, &mem, 0..geo.layers).unwrap();
+    let r = tier.wait(job).unwrap();
+    for k in 0..n {
+        assert!(
+            r.outcomes[k as usize].is_ok()
+                && cache.block_matches(k as u32, seed_of(k), 0..geo.layers),
+            "{what}: old key {k} came back other than stored: {:?}",
+            r.outcomes[k as usize]
+        );
+    }
+}
+
+/// SIGKILL `kvtier pool create` (plain and `--prewrite`) at random moments,
+/// over a new file and (with `--force`) over a populated pool. Afterwards the
+/// file holds the old pool with every key whole, the new empty pool, or no
+/// pool (refused with an error saying so), and the same command run again
+/// makes the pool; without `--force` it may only refuse because the killed
+/// command had already finished the pool.
+#[test]
+fn sigkill_during_create_leaves_a_pool_or_none_and_the_command_works_again() {
+    let dir = TempDir::new("create-kill");
+    let cfg = tiny_config(&dir);
+    let keys = 48;
+    let old = stored_pool(&dir, 96, keys);
+    let pristine = std::fs::read(&old).unwrap();
+    let size = pristine.len() as u64;
+    let dev = dir.file("new.pool");
+    let mut rng = Rng(0xC0FF_EE00_1234_5678);
+    let per_case = iterations(6);
+    let mut seen = std::collections::BTreeMap::<String, usize>::new();
+    for prewrite in [false, true] {
+        for over_pool in [false, true] {
+            let mut extra = vec![];
+            if prewrite {
+                extra.push("--prewrite");
+            }
+            if over_pool {
+                extra.push("--force");
+            }
+            let path = if over_pool { &old } else { &dev };
+            let reset = || {
+                if over_pool {
+                    std::fs::write(&old, &pristine).unwrap();
+                } else {
+                    let _ = std::fs::remove_file(&dev);
+                }
+            };
+            // How long the whole command takes here: kills land within it.
+            reset();
+            let t0 = std::time::Instant::now();
+            let out = finish(create_cmd(&[path], size, &cfg, &extra).spawn().unwrap());
+            assert!(out.status.success(), "{}", text(&out));
+            let full = t0.elapsed();
+            for i in 0..per_case {
+                let what = format!("prewrite {prewrite}, over a pool {over_pool}, kill {i}");
+                reset();
+                let mut child = create_cmd(&[path], size, &cfg, &extra).spawn().unwrap();
+                let at = full.mul_f64(rng.below(1000) as f64 / 1000.0);
+                std::thread::sleep(at);
+                let _ = child.kill();
+                let out = finish(child);
+                assert_no_panic(&out, &what);
+                let finished = out.status.success();
+                let state = match Pool::open(&[path.clone()], &OpenExpect::default()) {
+                    Ok(p) if over_pool && p.index().live() == keys => {
+                        drop(p);
+                        assert_keys_whole(path, keys, &what);
+                        "old pool"
+                    }
+                    Ok(p) => {
+                        assert_eq!(p.index().live(), 0, "{what}: a new pool is empty");
+                        assert!(p.check(|_, _| {}).unwrap().is_clean(), "{what}");
+                        "new pool"
+                    }
+                    Err(e) => {
+                        assert!(!finished, "{what}: create said done, yet: {e}");
+                        let e = e.to_string();
+                        assert!(
+                            e.contains(path.to_str().unwrap())
+                                && (e.contains("not a kvtier pool") || e.contains("does not exist")),
+                            "{what}: no pool, but the error does not say so: {e}"
+                        );
+                        "no pool"
+                    }
+                };
+                *seen.entry(state.to_string()).or_default() += 1;
+                // The same command again.
+                let again = finish(create_cmd(&[path], size, &cfg, &extra).spawn().unwrap());
+                let t = text(&again);
+                if state == "new pool" && !over_pool {
+                    assert!(
+                        again.status.success()
+                            || (t.contains("holds a kvtier pool") && t.contains("--force")),
+                        "{what}: running it again: {t}"
+                    );
+                } else {
+                    assert!(
+                        again.status.success(),
+                        "{what} ({state}): running it again: {t}"
+                    );
+                }
+                let p = Pool::open(&[path.clone()], &OpenExpect::default())
+                    .unwrap_or_else(|e| panic!("{what}: after running it again: {e}"));
+                assert_eq!(p.index().live(), 0, "{what}");
+                assert!(p.check(|_, _| {}).unwrap().is_clean(), "{what}");
+            }
+        }
+    }
+    eprintln!("after the kills: {seen:?}");
+    assert!(seen.get("no pool").copied().unwrap_or(0) > 0, "{seen:?}");
+}
+
+/// The crash writer's entry point when this binary is re-run as the child.
+#[test]
+fn crash_writer_child() {
+    common::crash::child_main()
+}
+
+/// `kvtier pool check` (and `--repair`, and `info`) started over and over
+/// while a writer stores and is SIGKILLed: each is refused naming the writer
+/// while it lives, and clean after; never "damaged", never a panic or hang.
+#[test]
+fn pool_check_racing_a_writer_and_its_sigkill_is_refused_or_clean() {
+    use std::io::{BufRead, BufReader};
+    let dir = TempDir::new("check-race");
+    let geo = tiny_geometry();
+    let pool = create_pool(&dir, geo, 8, 1, 256);
+    let devs = pool.paths();
+    drop(pool);
+    let dev = devs[0].to_str().unwrap().to_string();
+    let mut rng = Rng(0x0DDB_A11C_0FFE_E000);
+    let (mut refused, mut clean) = (0, 0);
+    for i in 0..iterations(6) {
+        let mut writer = common::crash::writer_command(&devs, (i as u64 + 1) << 32, 8, 400)
+            .spawn()
+            .unwrap();
+        let pid = writer.id();
+        let stdout = writer.stdout.take().unwrap();
+        let mut lines = BufReader::new(stdout).lines().map_while(|l| l.ok());
+        assert!(
+            lines.any(|l| l.starts_with("ACK")),
+            "the writer acknowledged nothing"
+        );
+        let drain = std::thread::spawn(move || lines.count());
+        let kill_after = std::time::Duration::from_millis(rng.below(300));
+        let killer = std::thread::spawn(move || {
+            std::thread::sleep(kill_after);
+            writer.kill().unwrap();
+            writer.wait().unwrap();
+        });
+        let mut after_kill = 0;
+        let t0 = std::time::Instant::now();
+        while after_kill < 2 {
+            let done = killer.is_finished();
+            let args: &[&str] = match rng.below(3) {
+                0 => &["pool", "check"],
+                1 => &["pool", "check", "--repair"],
+                _ => &["pool", "info"],
+            };
+            let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+                .args(args)
+                .args(["--dev", &dev])
+                .output()
+                .unwrap();
+            assert_no_panic(&out, &format!("{args:?}"));
+            let t = text(&out);
+            match out.status.code() {
+                Some(0) => {
+                    assert!(!t.contains("DAMAGED"), "{args:?}: {t}");
+                    clean += 1;
+                }
+                Some(2) if !done => {
+                    assert!(
+                        t.contains("in use") && t.contains(&format!("pid {pid}")),
+                        "{args:?} while the writer lives: {t}"
+                    );
+                    refused += 1;
+                }
+                _ => panic!(
+                    "iteration {i}: {args:?} (writer {}): {t}",
+                    if done { "killed" } else { "alive" }
+                ),
+            }
+            after_kill += done as usize;
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(60),
+                "no end in sight"
+            );
+        }
+        killer.join().unwrap();
+        drain.join().unwrap();
+    }
+    eprintln!("{refused} refused while the writer lived, {clean} clean");
+    assert!(refused > 0 && clean > 0);
 }
