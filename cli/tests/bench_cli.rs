@@ -73,6 +73,40 @@ fn kv_bench_reports_every_figure_and_plots() {
     );
 }
 
+/// `--repeat`: every round on its own fresh (prewritten) pool, then the
+/// medians of each figure; `--first-fill` stores into never-written space.
+#[test]
+fn kv_bench_repeats_rounds_and_reports_medians() {
+    let dir = TempDir::new("benchrep");
+    let (text, v) = bench(
+        &dir,
+        &["--contexts", "1024", "--capacity", "300m", "--repeat", "3"],
+    );
+    assert!(text.contains("medians of 3 rounds"), "{text}");
+    assert!(text.contains("prewriting the pool files"), "{text}");
+    let rounds = v["rounds"].as_array().unwrap();
+    assert_eq!(rounds.len(), 3);
+    let stores: Vec<f64> = rounds
+        .iter()
+        .map(|r| r["results"][0]["store_gib_s"].as_f64().unwrap())
+        .collect();
+    let mut sorted = stores.clone();
+    sorted.sort_by(f64::total_cmp);
+    let m = &v["medians"][0];
+    assert_eq!(m["tokens"], 1024);
+    assert_eq!(m["store_gib_s"].as_f64().unwrap(), sorted[1], "{stores:?}");
+    assert!(m["store_vs_fio_write"].is_null(), "no fio asked for");
+    assert_eq!(v["rounds"][0]["config"]["prewrite"], true);
+
+    let (text, v) = bench(
+        &dir,
+        &["--contexts", "1024", "--capacity", "300m", "--first-fill"],
+    );
+    assert!(!text.contains("prewriting"), "{text}");
+    assert_eq!(v["config"]["prewrite"], false);
+    assert_eq!(v["results"][0]["verified"], true);
+}
+
 #[test]
 fn raw_pattern_and_contention_runs() {
     let dir = TempDir::new("benchraw");

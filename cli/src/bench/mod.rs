@@ -752,6 +752,135 @@ pub fn render_raw(r: &RawReport) -> String {
     s
 }
 
+/// `--repeat N` of the KV bench: N rounds, each a fresh pool (kvtier) then
+/// fio's references on the same directory, and the medians of every figure
+/// and of every round's kvtier/fio ratio (a ratio is taken within a round,
+/// so a slow moment of a shared disk moves both sides of it).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct RepeatedReport {
+    pub rounds: Vec<BenchReport>,
+    pub medians: Vec<ContextMedians>,
+}
+
+/// One context length's medians over the rounds.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ContextMedians {
+    pub tokens: u64,
+    pub store_gib_s: f64,
+    pub retrieve_gib_s: f64,
+    pub first_layer_ms: f64,
+    /// First layer / the average layer of the same restore.
+    pub first_layer_vs_avg: f64,
+    /// Per round store / fio sequential write, then the median.
+    pub store_vs_fio_write: Option<f64>,
+    /// Per round retrieve / fio sequential read, then the median.
+    pub retrieve_vs_fio_read: Option<f64>,
+    pub fio_write_gib_s: Option<f64>,
+    pub fio_read_gib_s: Option<f64>,
+}
+
+/// The middle value (the mean of the two middle ones for an even count).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    match n {
+        0 => f64::NAN,
+        _ if n % 2 == 1 => v[n / 2],
+        _ => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+impl RepeatedReport {
+    /// The medians of `rounds` (each context as measured in every round).
+    pub fn new(rounds: Vec<BenchReport>) -> RepeatedReport {
+        let layers = rounds
+            .first()
+            .map_or(1, |r| r.config.geometry.layers.max(1)) as f64;
+        let tokens: Vec<u64> = rounds
+            .first()
+            .map(|r| r.results.iter().map(|c| c.tokens).collect())
+            .unwrap_or_default();
+        let medians = tokens
+            .iter()
+            .map(|&t| {
+                let per: Vec<(&ContextResult, Option<&FioReferences>)> = rounds
+                    .iter()
+                    .filter_map(|r| {
+                        r.results
+                            .iter()
+                            .find(|c| c.tokens == t)
+                            .map(|c| (c, r.fio.as_ref()))
+                    })
+                    .collect();
+                let of = |f: &dyn Fn(&ContextResult) -> f64| {
+                    median(per.iter().map(|(c, _)| f(c)).collect())
+                };
+                let with_fio = |f: &dyn Fn(&ContextResult, &FioReferences) -> f64| {
+                    let v: Vec<f64> = per.iter().filter_map(|(c, r)| r.map(|r| f(c, r))).collect();
+                    (!v.is_empty()).then(|| median(v))
+                };
+                ContextMedians {
+                    tokens: t,
+                    store_gib_s: of(&|c| c.store_gib_s),
+                    retrieve_gib_s: of(&|c| c.retrieve_gib_s),
+                    first_layer_ms: of(&|c| c.first_layer_ms),
+                    first_layer_vs_avg: of(&|c| {
+                        c.first_layer_ms / (c.retrieve_secs * 1e3 / layers)
+                    }),
+                    store_vs_fio_write: with_fio(&|c, f| {
+                        c.store_gib_s / (f.seq_write.write_bw / GIB).max(1e-9)
+                    }),
+                    retrieve_vs_fio_read: with_fio(&|c, f| {
+                        c.retrieve_gib_s / (f.seq_read.read_bw / GIB).max(1e-9)
+                    }),
+                    fio_write_gib_s: with_fio(&|_, f| f.seq_write.write_bw / GIB),
+                    fio_read_gib_s: with_fio(&|_, f| f.seq_read.read_bw / GIB),
+                }
+            })
+            .collect();
+        RepeatedReport { rounds, medians }
+    }
+}
+
+/// Each round's table, then the medians.
+pub fn render_repeated(r: &RepeatedReport) -> String {
+    let mut s = String::new();
+    for (i, round) in r.rounds.iter().enumerate() {
+        s += &format!("== round {} of {}\n", i + 1, r.rounds.len());
+        s += &render(round);
+        s += "\n";
+    }
+    s += &format!(
+        "== medians of {} rounds (ratios taken within each round)\n{:>8} {:>11} {:>14} {:>10} {:>11} {:>16} {:>10} {:>18} {:>10}\n",
+        r.rounds.len(),
+        "tokens",
+        "store GiB/s",
+        "retrieve GiB/s",
+        "layer0 ms",
+        "layer0/avg",
+        "store/fio write",
+        "fio write",
+        "retrieve/fio read",
+        "fio read"
+    );
+    let opt = |v: Option<f64>, prec: usize| v.map_or("-".to_string(), |x| format!("{x:.prec$}"));
+    for m in &r.medians {
+        s += &format!(
+            "{:>8} {:>11.2} {:>14.2} {:>10.2} {:>11.2} {:>16} {:>10} {:>18} {:>10}\n",
+            m.tokens,
+            m.store_gib_s,
+            m.retrieve_gib_s,
+            m.first_layer_ms,
+            m.first_layer_vs_avg,
+            opt(m.store_vs_fio_write, 3),
+            opt(m.fio_write_gib_s, 2),
+            opt(m.retrieve_vs_fio_read, 3),
+            opt(m.fio_read_gib_s, 2)
+        );
+    }
+    s
+}
+
 /// The report as a table.
 pub fn render(report: &BenchReport) -> String {
     let mut s = String::new();

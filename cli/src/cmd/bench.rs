@@ -97,8 +97,9 @@ pub(crate) struct BenchArgs {
     /// Read alone, write alone, then both at once on the same device.
     #[arg(long)]
     contention: bool,
-    /// Run each --pattern measurement this many times (kvtier and fio
-    /// alternating) and report the medians.
+    /// Run each measurement this many times (kvtier and fio alternating:
+    /// each --pattern run, or each round of the KV bench on a fresh pool) and
+    /// report the medians (of each round's kvtier/fio ratio for the KV bench).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
     repeat: u32,
 }
@@ -144,20 +145,49 @@ pub(crate) fn run_bench(a: BenchArgs) -> Result<i32> {
         return run_hbm_bench(&a, &cfg);
     }
     let bar = Progress::new();
-    // bench::run removes the pool files it created (unless --keep), and
-    // only those, whichever way it returns.
-    let mut report = bench::run(&cfg, |msg| bar.say(msg))?;
-    if a.against_fio {
-        bar.say("fio: sequential and random read references on the same directory");
-        report.fio = Some(bench::fio_references(&cfg, &bar_fn(&bar))?);
+    let mut rounds = Vec::new();
+    for i in 0..a.repeat.max(1) {
+        let say = |msg: &str| {
+            if a.repeat > 1 {
+                bar.say(&format!("round {}/{}: {msg}", i + 1, a.repeat));
+            } else {
+                bar.say(msg)
+            }
+        };
+        // bench::run removes the pool files it created (unless --keep), and
+        // only those, whichever way it returns.
+        let mut report = bench::run(&cfg, say)?;
+        if a.against_fio {
+            say("fio: sequential and random read references on the same directory");
+            report.fio = Some(bench::fio_references(&cfg, &say)?);
+        }
+        rounds.push(report);
     }
     bar.finish();
-    kvtier_cli::cli::out(&bench::render(&report))?;
+    if rounds.len() == 1 {
+        let report = rounds.pop().expect("one round");
+        kvtier_cli::cli::out(&bench::render(&report))?;
+        if let Some(path) = &a.plot {
+            bench::plot(&report, path)?;
+            note(&format!("wrote {}", path.display()));
+        }
+        write_json(&a.json, &report)?;
+        return Ok(0);
+    }
+    let repeated = bench::RepeatedReport::new(rounds);
+    kvtier_cli::cli::out(&bench::render_repeated(&repeated))?;
     if let Some(path) = &a.plot {
-        bench::plot(&report, path)?;
+        // The plot shows the median round's figures: the middle round by
+        // its first context's store bandwidth.
+        let mut order: Vec<&bench::BenchReport> = repeated.rounds.iter().collect();
+        order.sort_by(|x, y| {
+            let f = |r: &bench::BenchReport| r.results.first().map_or(0.0, |c| c.store_gib_s);
+            f(x).total_cmp(&f(y))
+        });
+        bench::plot(order[order.len() / 2], path)?;
         note(&format!("wrote {}", path.display()));
     }
-    write_json(&a.json, &report)?;
+    write_json(&a.json, &repeated)?;
     Ok(0)
 }
 
