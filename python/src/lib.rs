@@ -113,6 +113,16 @@ fn to_py(e: Error) -> PyErr {
     Python::with_gil(|py| failure_err(py, &Failure::from(e)))
 }
 
+/// Whether the file at `p` begins with a kvtier superblock's magic (false when
+/// it cannot be read: then creating over it reports why).
+fn begins_a_pool(p: &std::path::Path) -> bool {
+    use std::io::Read;
+    let mut magic = [0u8; 8];
+    std::fs::File::open(p)
+        .and_then(|mut f| f.read_exact(&mut magic))
+        .is_ok_and(|()| magic == kvtier::host::signature::POOL_MAGIC)
+}
+
 fn usage(msg: impl Into<String>) -> PyErr {
     to_py(Error::invalid(msg))
 }
@@ -576,11 +586,19 @@ impl TierBuilder {
                 .collect(),
         };
         let present = paths.iter().filter(|p| p.exists()).count();
+        // A first build killed before its superblocks landed leaves the files
+        // (allocated, zero, or partly prewritten with zeros) and no pool: "auto"
+        // creates over them, without force, so that anything but zeros in them
+        // is still refused rather than formatted.
+        let no_pool_yet = paths
+            .iter()
+            .filter(|p| p.exists())
+            .all(|p| !begins_a_pool(p));
         let create = match slf.create.as_str() {
             "always" => true,
             "never" => false,
+            _ if present == 0 || no_pool_yet => true,
             _ if present == paths.len() => false,
-            _ if present == 0 => true,
             _ => {
                 return Err(usage(format!(
                     "{present} of the pool's {} files exist: the pool is incomplete; restore the missing ones, or create(\"always\") to format anew",
