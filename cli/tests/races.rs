@@ -67,8 +67,7 @@ fn assert_no_panic(out: &Output, what: &str) {
     use std::os::unix::process::ExitStatusExt;
     let t = text(out);
     assert!(
-        !t.contains("panicked")
-            && (out.status.code().is_some() || out.status.signal() == Some(9)),
+        !t.contains("panicked") && (out.status.code().is_some() || out.status.signal() == Some(9)),
         "{what}: {t} ({:?})",
         out.status
     );
@@ -232,7 +231,8 @@ fn sigkill_during_create_leaves_a_pool_or_none_and_the_command_works_again() {
                         let e = e.to_string();
                         assert!(
                             e.contains(path.to_str().unwrap())
-                                && (e.contains("not a kvtier pool") || e.contains("does not exist")),
+                                && (e.contains("not a kvtier pool")
+                                    || e.contains("does not exist")),
                             "{what}: no pool, but the error does not say so: {e}"
                         );
                         "no pool"
