@@ -108,7 +108,7 @@ fn concurrent_creates_of_one_new_file_leave_one_winner_and_a_valid_pool() {
             "iteration {i}: {:?}",
             outs.iter().map(text).collect::<Vec<_>>()
         );
-        let pool = Pool::open(&[dev.clone()], &OpenExpect::default()).unwrap_or_else(|e| {
+        let pool = Pool::open(std::slice::from_ref(&dev), &OpenExpect::default()).unwrap_or_else(|e| {
             panic!(
                 "iteration {i}: the winner's pool does not open: {e}; {:?}",
                 outs.iter().map(text).collect::<Vec<_>>()
@@ -215,7 +215,7 @@ fn sigkill_during_create_leaves_a_pool_or_none_and_the_command_works_again() {
                 let out = finish(child);
                 assert_no_panic(&out, &what);
                 let finished = out.status.success();
-                let state = match Pool::open(&[path.clone()], &OpenExpect::default()) {
+                let state = match Pool::open(std::slice::from_ref(path), &OpenExpect::default()) {
                     Ok(p) if over_pool && p.index().live() == keys => {
                         drop(p);
                         assert_keys_whole(path, keys, &what);
@@ -254,7 +254,7 @@ fn sigkill_during_create_leaves_a_pool_or_none_and_the_command_works_again() {
                         "{what} ({state}): running it again: {t}"
                     );
                 }
-                let p = Pool::open(&[path.clone()], &OpenExpect::default())
+                let p = Pool::open(std::slice::from_ref(path), &OpenExpect::default())
                     .unwrap_or_else(|e| panic!("{what}: after running it again: {e}"));
                 assert_eq!(p.index().live(), 0, "{what}");
                 assert!(p.check(|_, _| {}).unwrap().is_clean(), "{what}");
