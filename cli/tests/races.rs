@@ -108,12 +108,13 @@ fn concurrent_creates_of_one_new_file_leave_one_winner_and_a_valid_pool() {
             "iteration {i}: {:?}",
             outs.iter().map(text).collect::<Vec<_>>()
         );
-        let pool = Pool::open(std::slice::from_ref(&dev), &OpenExpect::default()).unwrap_or_else(|e| {
-            panic!(
-                "iteration {i}: the winner's pool does not open: {e}; {:?}",
-                outs.iter().map(text).collect::<Vec<_>>()
-            )
-        });
+        let pool =
+            Pool::open(std::slice::from_ref(&dev), &OpenExpect::default()).unwrap_or_else(|e| {
+                panic!(
+                    "iteration {i}: the winner's pool does not open: {e}; {:?}",
+                    outs.iter().map(text).collect::<Vec<_>>()
+                )
+            });
         assert_eq!(pool.index().live(), 0);
         assert!(pool.check(|_, _| {}).unwrap().is_clean());
     }
