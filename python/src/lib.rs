@@ -594,6 +594,24 @@ impl TierBuilder {
             .iter()
             .filter(|p| p.exists())
             .all(|p| !begins_a_pool(p));
+        if slf.create == "auto" && !no_pool_yet {
+            // Some files carry a superblock and others none: a create killed
+            // between its superblock writes, or a file replaced. Opening would
+            // call the bare one "not a kvtier pool" and suggest the CLI.
+            let bare: Vec<String> = paths
+                .iter()
+                .filter(|p| p.exists() && !begins_a_pool(p))
+                .map(|p| p.display().to_string())
+                .collect();
+            if !bare.is_empty() {
+                return Err(usage(format!(
+                    "the pool is incomplete: {} has no superblock while the pool's other files do \
+                     (a create killed part way, or a file replaced); create(\"always\") formats \
+                     the pool anew (its blocks are lost), or restore the file",
+                    bare.join(", ")
+                )));
+            }
+        }
         let create = match slf.create.as_str() {
             "always" => true,
             "never" => false,

@@ -255,3 +255,26 @@ t.close()
         )
         assert tier.lookup([b"\x01" * 32]) == 0
         tier.close()
+
+
+def test_a_pool_whose_files_disagree_says_how_to_recover(tmp_path, tiny_model):
+    """Two pool files, one with its superblock and one without (a create
+    killed between its superblock writes): "auto" neither formats over the
+    one that holds a pool nor calls the other "not a kvtier pool"; the error
+    names the file and create("always")."""
+    b = lambda: (  # noqa: E731
+        kvtier.TierBuilder()
+        .directory(tmp_path / "pool", devices=2)
+        .capacity("16m")
+        .model(tiny_model, block_size=16)
+        .engine("auto")
+        .host_cache(4)
+    )
+    b().build().close()
+    with open(tmp_path / "pool" / "kvtier-1.pool", "r+b") as f:
+        f.write(b"\0" * 4096)
+    with pytest.raises(kvtier.KvtierError, match=r"kvtier-1.pool.*create\(\"always\"\)"):
+        b().build()
+    t = b().create("always").build()
+    t.close()
+    b().build().close()
