@@ -349,3 +349,55 @@ fn pool_check_racing_a_writer_and_its_sigkill_is_refused_or_clean() {
     eprintln!("{refused} refused while the writer lived, {clean} clean");
     assert!(refused > 0 && clean > 0);
 }
+
+/// Two writers starting at once on one two-device pool, naming its devices
+/// in opposite orders: exactly one serves it; the other is refused naming
+/// the holder. (Locking in the order named let each take one device and
+/// both be refused.)
+#[test]
+fn two_writers_naming_the_devices_in_opposite_orders_leave_one_serving() {
+    use std::io::{BufRead, BufReader, Read};
+    let dir = TempDir::new("two-writers");
+    let pool = create_pool(&dir, tiny_geometry(), 8, 2, 16);
+    let devs = pool.paths();
+    drop(pool);
+    let rev: Vec<PathBuf> = devs.iter().rev().cloned().collect();
+    let mut both_refused = 0;
+    for i in 0..iterations(60) {
+        let mut kids: Vec<Child> = [&devs, &rev]
+            .iter()
+            .enumerate()
+            .map(|(j, d)| {
+                common::crash::writer_command(d, ((i * 2 + j) as u64 + 1) << 32, 8, 8)
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let mut serving = 0;
+        let mut errors = Vec::new();
+        for k in &mut kids {
+            let out = k.stdout.take().unwrap();
+            let ready = BufReader::new(out)
+                .lines()
+                .map_while(|l| l.ok())
+                .any(|l| l.ends_with("READY"));
+            if ready {
+                serving += 1;
+            } else {
+                let mut e = String::new();
+                k.stderr.take().unwrap().read_to_string(&mut e).unwrap();
+                errors.push(e);
+            }
+        }
+        for mut k in kids {
+            let _ = k.kill();
+            let _ = k.wait();
+        }
+        for e in &errors {
+            assert!(e.contains("in use") && e.contains("pid "), "{e}");
+        }
+        both_refused += (serving == 0) as usize;
+        assert!(serving <= 1, "iteration {i}: two writers on one pool");
+    }
+    assert_eq!(both_refused, 0, "both writers were refused");
+}

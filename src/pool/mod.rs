@@ -641,8 +641,16 @@ impl Pool {
             return Err(Error::invalid("name the pool's backing devices to open it"));
         }
         check_named_once(paths)?;
+        // Lock the devices in one order whatever order they are named in
+        // (the superblocks say which is which): two writers naming them in
+        // opposite orders could each take one and both be refused.
+        let mut order: Vec<&PathBuf> = paths.iter().collect();
+        order.sort_by_key(|p| {
+            use std::os::unix::fs::MetadataExt;
+            std::fs::metadata(p).map(|m| (m.dev(), m.ino())).ok()
+        });
         let mut devices: Vec<Box<dyn Storage>> = Vec::new();
-        for p in paths {
+        for p in order {
             devices.push(Box::new(BackingDevice::open_with(p, access)?));
         }
         let mut pool = Self::open_on(devices, expect)?;
