@@ -54,6 +54,8 @@ macro_rules! with_setters {
 }
 
 #[warn(missing_docs)]
+pub mod checksum;
+#[warn(missing_docs)]
 pub mod engine;
 #[warn(missing_docs)]
 pub mod error;

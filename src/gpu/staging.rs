@@ -182,7 +182,7 @@ impl DeviceCopier for HostCopier {
             HostCopier::copy(c);
             // SAFETY: as in `copy`: the source range is the caller's memory.
             let bytes = unsafe { std::slice::from_raw_parts(c.src as *const u8, c.len as usize) };
-            self.crcs.push(crc32c::crc32c(bytes));
+            self.crcs.push(crate::checksum::crc32c(bytes));
         }
         Ok(())
     }

@@ -1276,8 +1276,8 @@ impl Pool {
                             report.bytes_read += obj as u64;
                             one.as_slice()
                         };
-                        whole[i] = crc32c::crc32c_append(whole[i], bytes);
-                        layer_crc[i] = crc32c::crc32c_append(layer_crc[i], bytes);
+                        whole[i] = crate::checksum::crc32c_append(whole[i], bytes);
+                        layer_crc[i] = crate::checksum::crc32c_append(layer_crc[i], bytes);
                     }
                 }
                 for &(slot, _) in live.iter() {

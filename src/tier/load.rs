@@ -286,7 +286,7 @@ fn hash_entries(table: &P2pTable, segs: Vec<u32>, split: bool) -> Vec<u32> {
         .sum();
     let hash = |part: &[u32]| -> Vec<u32> {
         part.iter()
-            .map(|&s| crc32c::crc32c(entry_bytes(table, s)))
+            .map(|&s| crate::checksum::crc32c(entry_bytes(table, s)))
             .collect()
     };
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -310,7 +310,7 @@ fn object_bytes(table: &P2pTable, mem_block: u32, layer: u32, kv: u32) -> &[u8] 
 /// crc32c of layer `layer` of a memory block: its K object, then its V object.
 fn layer_crc(table: &P2pTable, mem_block: u32, layer: u32) -> u32 {
     (0..2).fold(0, |crc, kv| {
-        crc32c::crc32c_append(crc, object_bytes(table, mem_block, layer, kv))
+        crate::checksum::crc32c_append(crc, object_bytes(table, mem_block, layer, kv))
     })
 }
 

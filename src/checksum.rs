@@ -1,0 +1,52 @@
+//! crc32c (Castagnoli) of KV data: every block's per-layer checksums when
+//! it is stored, and every byte a load brings back before its layer is
+//! announced. Bulk data goes through carry-less-multiply folding
+//! (`crc-fast`: PCLMULQDQ, VPCLMULQDQ/AVX-512, ARM PMULL, chosen at run
+//! time), 2-2.5x the single-instruction crc32c loop on 32-64 KiB objects;
+//! the values are the standard crc32c, tested against the `crc32c` crate.
+
+use crc_fast::{CrcAlgorithm, Digest};
+
+/// crc32c of `data`.
+#[inline]
+pub fn crc32c(data: &[u8]) -> u32 {
+    crc_fast::crc32_iscsi(data)
+}
+
+/// crc32c of the bytes whose crc32c is `crc` followed by `data`.
+#[inline]
+pub fn crc32c_append(crc: u32, data: &[u8]) -> u32 {
+    if data.is_empty() {
+        return crc;
+    }
+    // The running state of a reflected crc32c is its value before the
+    // final xor with all ones.
+    let mut d = Digest::new_with_init_state(CrcAlgorithm::Crc32Iscsi, (crc ^ u32::MAX) as u64);
+    d.update(data);
+    d.finalize() as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every length around the folding's block sizes, at every alignment,
+    /// appended in pieces: the same value as the crc32c crate.
+    #[test]
+    fn same_values_as_the_reference_crc32c() {
+        let data: Vec<u8> = (0..70_000u32)
+            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+            .collect();
+        assert_eq!(crc32c(b"123456789"), 0xe306_9283);
+        for len in (0..300).chain([4095, 4096, 4097, 32768, 65536, 65537]) {
+            for off in [0, 1, 3, 8, 63] {
+                let d = &data[off..off + len];
+                assert_eq!(crc32c(d), ::crc32c::crc32c(d), "len {len} off {off}");
+                let cut = len / 3;
+                let two = crc32c_append(crc32c(&d[..cut]), &d[cut..]);
+                assert_eq!(two, ::crc32c::crc32c(d), "append len {len} cut {cut}");
+            }
+        }
+        assert_eq!(crc32c_append(0x1234_5678, &[]), 0x1234_5678);
+    }
+}
