@@ -286,7 +286,9 @@ fn file_logical_block_size(path: &Path, file: &File) -> Result<u32> {
 /// Refuse a foreign signature unless forced.
 pub(crate) fn check_signature(path: &Path, sig: &Signature, force: bool) -> Result<()> {
     match sig {
-        Signature::Empty => Ok(()),
+        // What was on it was given up when that create began (with --force if it held
+        // anything): formatting again needs no --force.
+        Signature::Empty | Signature::KvtierUnfinished => Ok(()),
         _ if force => Ok(()),
         Signature::KvtierPool => Err(backing_error(
             path,
@@ -609,7 +611,10 @@ impl BackingDevice {
             logical_block_size,
             access: Access::Exclusive,
         };
-        if !matches!(sig, Signature::Empty | Signature::KvtierPool) {
+        if !matches!(
+            sig,
+            Signature::Empty | Signature::KvtierPool | Signature::KvtierUnfinished
+        ) {
             dev.wipe_head()?;
         }
         guard.armed = false;
@@ -697,7 +702,10 @@ impl BackingDevice {
             logical_block_size,
             access: Access::Exclusive,
         };
-        if !matches!(sig, Signature::Empty | Signature::KvtierPool) {
+        if !matches!(
+            sig,
+            Signature::Empty | Signature::KvtierPool | Signature::KvtierUnfinished
+        ) {
             dev.wipe_head()?;
             if matches!(
                 sig,
@@ -770,6 +778,15 @@ impl BackingDevice {
         };
         let head = read_head(&file, raw_size).context(|| format!("reading {}", path.display()))?;
         let sig = probe_signature(&head);
+        if sig == Signature::KvtierUnfinished {
+            return Err(backing_error(
+                path,
+                format!(
+                    "it is not a kvtier pool (found: {sig}); run that `kvtier pool create` \
+                     again (it needs no --force)"
+                ),
+            ));
+        }
         if sig != Signature::KvtierPool {
             let found = if raw_size == 0 {
                 "it is empty".to_string()

@@ -524,14 +524,16 @@ impl Pool {
     /// Write superblocks and empty header areas on `devices`.
     ///
     /// A device may hold an older pool (reformatting needs `force`). Its
-    /// superblock goes first, durably, on every device: a crash after that
-    /// leaves no pool at all rather than the old superblock and headers over
-    /// a half-written new layout (whose header zeroing lands on the old
-    /// pool's data, so old keys would read back zeros as if stored).
+    /// superblock goes first, durably, on every device, replaced by the
+    /// unfinished mark ([`crate::host::signature::UNFINISHED_MAGIC`]): a
+    /// crash after that leaves no pool at all rather than the old superblock
+    /// and headers over a half-written new layout (whose header zeroing
+    /// lands on the old pool's data, so old keys would read back zeros as if
+    /// stored), and the mark lets the same create run again without force.
     ///
-    /// `prewrite[i]`: write zeros over all of device i (after its old
-    /// superblock is gone, so a crash part way leaves no pool, never an old
-    /// pool whose data was zeroed under its headers).
+    /// `prewrite[i]`: write zeros over all of device i past the mark (after
+    /// its old superblock is gone, so a crash part way leaves no pool, never
+    /// an old pool whose data was zeroed under its headers).
     fn format(
         cfg: &PoolConfig,
         devices: Vec<Box<dyn Storage>>,
@@ -539,9 +541,12 @@ impl Pool {
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Pool> {
         let g = cfg.geometry;
-        let zero_sb = AlignedBuf::zeroed(4096);
+        // Not zeros: a device left so by a kill says what happened, and the
+        // same create runs again on it without --force.
+        let mut unfinished = AlignedBuf::zeroed(4096);
+        unfinished.as_mut_slice()[..8].copy_from_slice(&crate::host::signature::UNFINISHED_MAGIC);
         for dev in &devices {
-            dev.write_all_at(&zero_sb, 0)?;
+            dev.write_all_at(&unfinished, 0)?;
         }
         for dev in &devices {
             dev.sync_data()?;
@@ -553,7 +558,8 @@ impl Pool {
         let layout = PoolLayout::new(g, cfg.group_blocks, groups.clone());
         let spans: Vec<(usize, u64, u64)> = (0..devices.len())
             .filter(|&i| prewrite.get(i).copied().unwrap_or(false))
-            .map(|i| (i, 0, devices[i].size()))
+            // Past the first 4 KiB, just written: the unfinished mark stays.
+            .map(|i| (i, 4096, devices[i].size() - 4096))
             .collect();
         prewrite_spans(&devices, &spans, progress)?;
         let uuid = random_uuid()?;
@@ -1361,6 +1367,14 @@ fn check_superblock(sb: &Superblock, path: &Path, backing_size: u64) -> Result<(
         what: "superblock".into(),
         reason,
     };
+    if sb.magic == crate::host::signature::UNFINISHED_MAGIC {
+        return Err(Error::Backing {
+            path: path.to_path_buf(),
+            reason: "is not a kvtier pool (a kvtier pool create on it did not finish: it was \
+                     killed or failed part way); run that create again (it needs no --force)"
+                .into(),
+        });
+    }
     if sb.magic != POOL_MAGIC {
         return Err(Error::Backing {
             path: path.to_path_buf(),
