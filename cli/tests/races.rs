@@ -416,3 +416,51 @@ fn two_writers_naming_the_devices_in_opposite_orders_leave_one_serving() {
     }
     assert_eq!(both_refused, 0, "both writers were refused");
 }
+
+/// A two-device create killed between its two superblock writes: one file
+/// holds the new (empty) pool's superblock, the other still the mark of that
+/// same create. Running the command again without --force works (the pool
+/// never finished, so it never served a block); a file holding a *finished*
+/// pool beside another create's mark is still refused.
+#[test]
+fn a_create_killed_between_its_superblocks_runs_again_without_force() {
+    use std::os::unix::fs::FileExt;
+    let dir = TempDir::new("create-half");
+    let cfg = tiny_config(&dir);
+    let (a, b) = (dir.file("a.pool"), dir.file("b.pool"));
+    let size = 8 << 20;
+    let out = finish(create_cmd(&[&a, &b], size, &cfg, &[]).spawn().unwrap());
+    assert!(out.status.success(), "{}", text(&out));
+    // What the kill leaves: b's superblock not yet written, its mark (with
+    // the new pool's id, as format writes it) still there.
+    let mut sb = [0u8; 32];
+    std::fs::File::open(&a)
+        .unwrap()
+        .read_exact_at(&mut sb, 0)
+        .unwrap();
+    let mut mark = vec![0u8; 4096];
+    mark[..8].copy_from_slice(&kvtier::host::signature::UNFINISHED_MAGIC);
+    mark[8..24].copy_from_slice(&sb[16..32]);
+    let f = std::fs::OpenOptions::new().write(true).open(&b).unwrap();
+    f.write_all_at(&mark, 0).unwrap();
+    f.sync_all().unwrap();
+    let e = Pool::open(&[a.clone(), b.clone()], &OpenExpect::default())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("did not finish") && e.contains("b.pool"), "{e}");
+    let again = finish(create_cmd(&[&a, &b], size, &cfg, &[]).spawn().unwrap());
+    assert!(again.status.success(), "running it again: {}", text(&again));
+    let p = Pool::open(&[a.clone(), b.clone()], &OpenExpect::default()).unwrap();
+    assert!(p.check(|_, _| {}).unwrap().is_clean());
+    drop(p);
+    // A finished pool (a's id no longer matches a mark from another create).
+    mark[8..24].copy_from_slice(&[0x5a; 16]);
+    f.write_all_at(&mark, 0).unwrap();
+    let again = finish(create_cmd(&[&a, &b], size, &cfg, &[]).spawn().unwrap());
+    let t = text(&again);
+    assert!(
+        !again.status.success() && t.contains("a.pool") && t.contains("--force"),
+        "{t}"
+    );
+}

@@ -74,6 +74,15 @@ impl fmt::Display for Signature {
     }
 }
 
+/// The id of the pool whose create left `head`'s unfinished mark (the 16 bytes after
+/// [`UNFINISHED_MAGIC`]), if it carries one.
+pub fn unfinished_pool_id(head: &[u8]) -> Option<[u8; 16]> {
+    if !magic_at(head, 0, &UNFINISHED_MAGIC) {
+        return None;
+    }
+    head.get(8..24)?.try_into().ok()
+}
+
 /// Does `head` hold `magic` at `offset`? False when `head` is too short.
 fn magic_at(head: &[u8], offset: usize, magic: &[u8]) -> bool {
     head.get(offset..offset + magic.len()) == Some(magic)

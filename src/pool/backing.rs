@@ -308,6 +308,21 @@ pub(crate) fn check_signature(path: &Path, sig: &Signature, force: bool) -> Resu
     }
 }
 
+/// `sig`, or [`Signature::KvtierUnfinished`] for a valid pool superblock whose pool id is
+/// in `unfinished` (that pool's create was killed after this superblock landed).
+fn of_unfinished_create(sig: Signature, head: &[u8], unfinished: &[[u8; 16]]) -> Signature {
+    let n = std::mem::size_of::<crate::pool::layout::Superblock>();
+    if sig != Signature::KvtierPool || unfinished.is_empty() || head.len() < n {
+        return sig;
+    }
+    let sb: crate::pool::layout::Superblock = bytemuck::pod_read_unaligned(&head[..n]);
+    if sb.crc_ok() && unfinished.contains(&sb.pool_uuid) {
+        Signature::KvtierUnfinished
+    } else {
+        sig
+    }
+}
+
 fn min_size_hint() -> &'static str {
     "one superblock and one extent group"
 }
@@ -376,6 +391,19 @@ impl BackingDevice {
         min_size: u64,
         force: bool,
     ) -> Result<BackingDevice> {
+        Self::create_for(path, size, min_size, force, &[])
+    }
+
+    /// [`BackingDevice::create`], formatting without `force` over a pool superblock
+    /// whose id is in `unfinished`: a pool whose create was killed between its
+    /// superblock writes (another of its devices still carries that create's mark).
+    pub(crate) fn create_for(
+        path: &Path,
+        size: Option<u64>,
+        min_size: u64,
+        force: bool,
+        unfinished: &[[u8; 16]],
+    ) -> Result<BackingDevice> {
         let min_size = min_size.max(DIRECT_IO_ALIGN as u64);
         if let Ok(link) = fs::symlink_metadata(path) {
             if link.file_type().is_symlink() && fs::metadata(path).is_err() {
@@ -393,13 +421,15 @@ impl BackingDevice {
         }
         match fs::metadata(path) {
             Ok(meta) => match backing_kind(path, &meta)? {
-                BackingKind::File => Self::create_file(path, Some(meta), size, min_size, force),
+                BackingKind::File => {
+                    Self::create_file(path, Some(meta), size, min_size, force, unfinished)
+                }
                 BackingKind::BlockDevice => {
-                    Self::create_block_device(path, &meta, size, min_size, force)
+                    Self::create_block_device(path, &meta, size, min_size, force, unfinished)
                 }
             },
             Err(e) if e.kind() == ErrorKind::NotFound => {
-                Self::create_file(path, None, size, min_size, force)
+                Self::create_file(path, None, size, min_size, force, unfinished)
             }
             Err(e) => Err(Error::io(format!("stat {}", path.display()), e)),
         }
@@ -411,6 +441,7 @@ impl BackingDevice {
         size: Option<u64>,
         min_size: u64,
         force: bool,
+        unfinished: &[[u8; 16]],
     ) -> Result<BackingDevice> {
         let Some(size) = size else {
             return Err(backing_error(
@@ -523,7 +554,7 @@ impl BackingDevice {
             Signature::Empty
         } else {
             let head = read_head(&file, len).context(|| format!("reading {}", path.display()))?;
-            probe_signature(&head)
+            of_unfinished_create(probe_signature(&head), &head, unfinished)
         };
         if sig == Signature::Empty
             && !force
@@ -627,6 +658,7 @@ impl BackingDevice {
         size: Option<u64>,
         min_size: u64,
         force: bool,
+        unfinished: &[[u8; 16]],
     ) -> Result<BackingDevice> {
         let (file, device_size, logical_block_size) =
             open_block_device(path, meta, Access::Exclusive)?;
@@ -682,7 +714,7 @@ impl BackingDevice {
 
         let head =
             read_head(&file, device_size).context(|| format!("reading {}", path.display()))?;
-        let mut sig = probe_signature(&head);
+        let mut sig = of_unfinished_create(probe_signature(&head), &head, unfinished);
         if sig == Signature::Empty
             && !force
             && data_beyond_head(&file, BackingKind::BlockDevice, device_size)

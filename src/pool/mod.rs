@@ -456,14 +456,62 @@ impl Pool {
         let paths: Vec<PathBuf> = cfg.devices.iter().map(|d| d.path.clone()).collect();
         check_named_once(&paths)?;
         let min_size = DATA_OFFSET + PoolLayout::group_bytes_for(&cfg.geometry, cfg.group_blocks);
+        // Pools whose create was killed between its superblock writes: some
+        // named device still carries that create's mark. Their superblocks
+        // need no force to be formatted over (such a pool never served).
+        let unfinished: Vec<[u8; 16]> = cfg
+            .devices
+            .iter()
+            .filter_map(|d| {
+                use std::io::Read;
+                let mut head = [0u8; 24];
+                std::fs::File::open(&d.path)
+                    .and_then(|mut f| f.read_exact(&mut head))
+                    .ok()?;
+                crate::host::signature::unfinished_pool_id(&head)
+            })
+            .collect();
         let mut devices: Vec<Box<dyn Storage>> = Vec::new();
         let mut prewrite = Vec::new();
         for d in &cfg.devices {
-            let dev = BackingDevice::create(&d.path, d.size, min_size, cfg.force)?;
+            let dev = BackingDevice::create_for(&d.path, d.size, min_size, cfg.force, &unfinished)?;
             prewrite.push(cfg.prewrite && dev.kind() == BackingKind::File);
             devices.push(Box::new(dev));
         }
+        if !cfg.force && !unfinished.is_empty() {
+            Self::recheck_unfinished(&devices)?;
+        }
         Self::format(cfg, devices, &prewrite, progress)
+    }
+
+    /// The marks that let a superblock be formatted over without force were
+    /// read before the devices were locked: another create may have finished
+    /// its pool since. Now that every device is held, a pool superblock is
+    /// formatted over only if one of the devices still carries its create's
+    /// mark; otherwise it is refused as any pool is.
+    fn recheck_unfinished(devices: &[Box<dyn Storage>]) -> Result<()> {
+        use crate::host::signature::{probe_signature, unfinished_pool_id, Signature};
+        let mut heads = Vec::new();
+        for d in devices {
+            let mut head = AlignedBuf::zeroed(4096);
+            d.read_exact_at(&mut head, 0)?;
+            heads.push(head);
+        }
+        let marks: Vec<[u8; 16]> = heads
+            .iter()
+            .filter_map(|h| unfinished_pool_id(h.as_slice()))
+            .collect();
+        for (d, h) in devices.iter().zip(&heads) {
+            if probe_signature(h.as_slice()) != Signature::KvtierPool {
+                continue;
+            }
+            let n = std::mem::size_of::<Superblock>();
+            let sb: Superblock = bytemuck::pod_read_unaligned(&h.as_slice()[..n]);
+            if !marks.contains(&sb.pool_uuid) {
+                return backing::check_signature(d.path(), &Signature::KvtierPool, false);
+            }
+        }
+        Ok(())
     }
 
     /// Format a new pool over storage the caller opened (an NVMe namespace
@@ -543,8 +591,12 @@ impl Pool {
         let g = cfg.geometry;
         // Not zeros: a device left so by a kill says what happened, and the
         // same create runs again on it without --force.
+        // With the new pool's id: a device whose superblock landed before a
+        // kill is known, by that id, to belong to this unfinished create.
+        let uuid = random_uuid()?;
         let mut unfinished = AlignedBuf::zeroed(4096);
         unfinished.as_mut_slice()[..8].copy_from_slice(&crate::host::signature::UNFINISHED_MAGIC);
+        unfinished.as_mut_slice()[8..24].copy_from_slice(&uuid);
         for dev in &devices {
             dev.write_all_at(&unfinished, 0)?;
         }
@@ -562,7 +614,6 @@ impl Pool {
             .map(|i| (i, 4096, devices[i].size() - 4096))
             .collect();
         prewrite_spans(&devices, &spans, progress)?;
-        let uuid = random_uuid()?;
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
