@@ -594,7 +594,18 @@ impl TierBuilder {
             .iter()
             .filter(|p| p.exists())
             .all(|p| !begins_a_pool(p));
-        if slf.create == "auto" && !no_pool_yet {
+        // Some files with a superblock, and one still marked by an unfinished
+        // create: killed between its superblock writes. Creating without force
+        // formats over the superblocks only if that mark is their create's.
+        let interrupted = !no_pool_yet
+            && paths.iter().any(|p| {
+                use std::io::Read;
+                let mut head = [0u8; 24];
+                std::fs::File::open(p)
+                    .and_then(|mut f| f.read_exact(&mut head))
+                    .is_ok_and(|()| kvtier::host::signature::unfinished_pool_id(&head).is_some())
+            });
+        if slf.create == "auto" && !no_pool_yet && !interrupted {
             // Some files carry a superblock and others none: a create killed
             // between its superblock writes, or a file replaced. Opening would
             // call the bare one "not a kvtier pool" and suggest the CLI.
@@ -615,7 +626,7 @@ impl TierBuilder {
         let create = match slf.create.as_str() {
             "always" => true,
             "never" => false,
-            _ if present == 0 || no_pool_yet => true,
+            _ if present == 0 || no_pool_yet || interrupted => true,
             _ if present == paths.len() => false,
             _ => {
                 return Err(usage(format!(
