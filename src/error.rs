@@ -232,6 +232,20 @@ impl fmt::Display for IoFailure {
             )?;
         }
         match self.cause {
+            IoCause::Errno(e) if e == libc::ENOSPC => write!(
+                f,
+                "{}: the file system or thin device under it is full (a sparse pool file \
+                 or a thin volume fills as it is written); free space there",
+                std::io::Error::from_raw_os_error(e)
+            ),
+            IoCause::Errno(e) if op == "write" && (e == libc::EPERM || e == libc::EROFS) => {
+                write!(
+                    f,
+                    "{}: the device or its file system was made read-only after the pool \
+                     opened it (blockdev --setro, a remount); make it writable again",
+                    std::io::Error::from_raw_os_error(e)
+                )
+            }
             IoCause::Errno(e) => write!(f, "{}", std::io::Error::from_raw_os_error(e)),
             IoCause::Short { done } => write!(f, "short {op}: {done} of {} bytes", self.len),
             IoCause::NvmeStatus(s) => write!(f, "NVMe status {s:#x}"),

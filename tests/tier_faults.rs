@@ -147,3 +147,55 @@ fn memory_in_use_by_a_job_in_flight_is_refused() {
     let job = tier.submit_store(&[k(3)], &[3]).unwrap();
     assert!(tier.wait(job).unwrap().all_ok());
 }
+
+/// A slot whose header cannot be written (its sector fails every write) is
+/// retired when invalidating it fails, so the stores after it go elsewhere;
+/// before, the failed invalidation left the slot free, the next store
+/// picked it again, and every later store failed the same way.
+#[test]
+fn a_slot_whose_header_cannot_be_invalidated_is_retired() {
+    let dir = TempDir::new("badinval");
+    let geo = tiny_geometry();
+    let pool = create_pool(&dir, geo, 8, 1, 2); // 16 slots
+    let paths = pool.paths();
+    let layout = pool.layout().clone();
+    let faults = Arc::new(Mutex::new(Faults::default()));
+    let engine = FaultEngine::open(&paths, faults.clone());
+    let mut tier = Tier::with_engine(pool, TierConfig::default(), Box::new(engine)).unwrap();
+    let cache = Arc::new(HostKvCache::new(geo, 4, HostLayout::PerLayer).unwrap());
+    tier.register_host_cache(cache.clone()).unwrap();
+    for i in 0..16 {
+        cache.fill_block(0, seed_of(i));
+        let job = tier.submit_store(&[k(i)], &[0]).unwrap();
+        assert!(tier.wait(job).unwrap().all_ok());
+    }
+    // Every header sector of the least recently used keys' slots dies.
+    let victims: Vec<u64> = (0..16u64)
+        .filter(|&s| tier.pool().index().get(&k(0)).is_some_and(|e| e.slot == s))
+        .collect();
+    assert_eq!(victims.len(), 1);
+    let (dev, off) = layout.header_offset(victims[0]);
+    faults.lock().unwrap().fail_writes = vec![(dev, off..off + 4096)];
+    let mut failed = 0;
+    for i in 100..120 {
+        cache.fill_block(1, seed_of(i));
+        let job = tier.submit_store(&[k(i)], &[1]).unwrap();
+        match &tier.wait(job).unwrap().outcomes[0] {
+            KeyOutcome::Done => {}
+            KeyOutcome::Failed(f) => {
+                assert!(f.message.contains("Input/output error"), "{f}");
+                failed += 1;
+            }
+            o => panic!("{o:?}"),
+        }
+    }
+    assert!(
+        failed <= 1,
+        "{failed} of 20 stores failed on one dead header sector"
+    );
+    for i in 105..120 {
+        let job = tier.submit_load(&[k(i)], &[2], 0..geo.layers).unwrap();
+        assert_eq!(tier.wait(job).unwrap().outcomes[0], KeyOutcome::Done);
+        assert!(cache.block_matches(2, seed_of(i), 0..geo.layers));
+    }
+}

@@ -13,6 +13,35 @@ macro_rules! note {
 }
 pub(crate) use note;
 
+/// Make `dir` (and its parents) for scratch pool files, or say clearly why
+/// not: a path that exists but is no directory (a block device, a file) is
+/// named as such, not reported as "File exists".
+pub fn make_dir(dir: &std::path::Path) -> Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(m) => {
+            let ft = m.file_type();
+            let what = if ft.is_block_device() {
+                "a block device"
+            } else if ft.is_char_device() {
+                "a character device"
+            } else if ft.is_file() {
+                "a regular file"
+            } else {
+                "not a directory"
+            };
+            Err(Error::invalid(format!(
+                "--dir {}: it is {what}; name a directory to hold the scratch pool files \
+                 (a pool on a block device is made with `kvtier pool create --dev DEVICE`)",
+                dir.display()
+            )))
+        }
+        Err(_) => std::fs::create_dir_all(dir)
+            .map_err(|e| Error::io(format!("creating directory {}", dir.display()), e)),
+    }
+}
+
 /// Parse a size like `4096`, `80k`, `512m`, `4g`, `1t`, `1.5g` (binary units).
 /// A size past 2^64 bytes is an error, never saturated.
 pub fn parse_size(s: &str) -> Result<u64> {
@@ -31,9 +60,11 @@ fn parse_size_str(s: &str) -> std::result::Result<u64, String> {
         Some('m') => (&t[..t.len() - 1], 1 << 20),
         Some('g') => (&t[..t.len() - 1], 1 << 30),
         Some('t') => (&t[..t.len() - 1], 1 << 40),
+        // The ranges the flags name reach 1 PiB: it must be writable too.
+        Some('p') => (&t[..t.len() - 1], 1 << 50),
         _ => (t, 1),
     };
-    let bad = || "is not a number with an optional k/m/g/t suffix (e.g. 80k, 4g)".to_string();
+    let bad = || "is not a number with an optional k/m/g/t/p suffix (e.g. 80k, 4g)".to_string();
     let too_big = || "is larger than 16 EiB".to_string();
     if let Ok(n) = num.parse::<u64>() {
         return n.checked_mul(mult).ok_or_else(too_big);
@@ -152,6 +183,16 @@ mod tests {
             assert!(e.contains("larger than 16 EiB"), "{huge}: {e}");
         }
         assert_eq!(parse_size("16777215t").unwrap(), 16777215 << 40);
+        assert_eq!(parse_size("1p").unwrap(), 1 << 50);
+        assert_eq!(parse_size("1PiB").unwrap(), 1 << 50);
+        assert!(
+            size_in("1p", 4096, 1 << 50).is_ok(),
+            "the top of a named range"
+        );
+        assert!(parse_size("16384p")
+            .unwrap_err()
+            .to_string()
+            .contains("16 EiB"));
         assert!(size_in("1e30", 4096, 1 << 50).is_err());
         assert!(size_in("2p", 4096, 1 << 50).is_err());
         assert_eq!(size_in("64g", 4096, 1 << 50).unwrap(), 64 << 30);

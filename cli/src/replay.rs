@@ -113,8 +113,7 @@ impl ReplayRig {
             .checked_mul(kvtier::pool::layout::PoolLayout::group_bytes_for(&g, group))
             .and_then(|b| b.checked_add(kvtier::pool::layout::DATA_OFFSET))
             .ok_or_else(too_big)?;
-        std::fs::create_dir_all(dir)
-            .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+        crate::cli::make_dir(dir)?;
         // Created new, never forced: a file or symlink already at this name
         // is refused rather than formatted.
         let pool_file = ScratchFile::create_new(&dir.join("replay.pool"), "kvtier replay")?;

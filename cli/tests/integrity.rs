@@ -772,6 +772,10 @@ fn unreadable_headers_and_data_lose_only_their_blocks_and_check_names_them() {
     drop(pool);
     let r = open().check(|_, _| {}).unwrap();
     assert_eq!((r.blocks_ok, r.unreadable_data.len()), (17, 0), "{r:?}");
+    // The header sector that still cannot be read was retired for good.
+    assert!(r.unreadable_headers.is_empty(), "{r:?}");
+    assert!(r.is_undamaged(), "{r:?}");
+    assert_eq!(r.bad_slots, 1, "{r:?}");
     assert_eq!(DATA_OFFSET % 4096, 0);
 }
 

@@ -308,10 +308,13 @@ fn pool_check_racing_a_writer_and_its_sigkill_is_refused_or_clean() {
         let pid = writer.id();
         let stdout = writer.stdout.take().unwrap();
         let mut lines = BufReader::new(stdout).lines().map_while(|l| l.ok());
-        assert!(
-            lines.any(|l| l.starts_with("ACK")),
-            "the writer acknowledged nothing"
-        );
+        if !lines.any(|l| l.starts_with("ACK")) {
+            use std::io::Read;
+            let _ = writer.kill();
+            let mut e = String::new();
+            let _ = writer.stderr.take().unwrap().read_to_string(&mut e);
+            panic!("iteration {i}: the writer acknowledged nothing: {e}");
+        }
         let drain = std::thread::spawn(move || lines.count());
         let kill_after = std::time::Duration::from_millis(rng.below(300));
         let killer = std::thread::spawn(move || {

@@ -116,11 +116,23 @@ fn to_py(e: Error) -> PyErr {
 /// Whether the file at `p` begins with a kvtier superblock's magic (false when
 /// it cannot be read: then creating over it reports why).
 fn begins_a_pool(p: &std::path::Path) -> bool {
+    head_of(p).is_some_and(|h| h[..8] == kvtier::host::signature::POOL_MAGIC)
+}
+
+/// The first 24 bytes of a regular file or block device (None for anything
+/// else: opening a FIFO to read would wait for a writer).
+fn head_of(p: &std::path::Path) -> Option<[u8; 24]> {
     use std::io::Read;
-    let mut magic = [0u8; 8];
+    use std::os::unix::fs::FileTypeExt;
+    let ft = std::fs::metadata(p).ok()?.file_type();
+    if !ft.is_file() && !ft.is_block_device() {
+        return None;
+    }
+    let mut head = [0u8; 24];
     std::fs::File::open(p)
-        .and_then(|mut f| f.read_exact(&mut magic))
-        .is_ok_and(|()| magic == kvtier::host::signature::POOL_MAGIC)
+        .and_then(|mut f| f.read_exact(&mut head))
+        .ok()?;
+    Some(head)
 }
 
 fn usage(msg: impl Into<String>) -> PyErr {
@@ -599,11 +611,8 @@ impl TierBuilder {
         // formats over the superblocks only if that mark is their create's.
         let interrupted = !no_pool_yet
             && paths.iter().any(|p| {
-                use std::io::Read;
-                let mut head = [0u8; 24];
-                std::fs::File::open(p)
-                    .and_then(|mut f| f.read_exact(&mut head))
-                    .is_ok_and(|()| kvtier::host::signature::unfinished_pool_id(&head).is_some())
+                head_of(p)
+                    .is_some_and(|h| kvtier::host::signature::unfinished_pool_id(&h).is_some())
             });
         if slf.create == "auto" && !no_pool_yet && !interrupted {
             // Some files carry a superblock and others none: a create killed

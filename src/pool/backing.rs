@@ -86,6 +86,8 @@ pub struct BackingDevice {
     kind: BackingKind,
     logical_block_size: u32,
     access: Access,
+    /// This open created the file (it did not exist before).
+    created: bool,
 }
 
 /// How an open backing device is held.
@@ -172,7 +174,12 @@ fn open_error(path: &Path, kind: BackingKind, e: io::Error) -> Error {
                 "permission denied opening it read-write ({e}); run as a user who may write it"
             ),
         ),
-        (Some(libc::EROFS), _) => backing_error(path, "it is on a read-only filesystem or device"),
+        (Some(libc::EROFS), _) => backing_error(
+            path,
+            "it is on a read-only filesystem or device; make it writable (remount it \
+             read-write) to create or serve a pool there (`kvtier pool info` and `pool check` \
+             without --repair only read)",
+        ),
         _ => Error::io(format!("opening backing device {}", path.display()), e),
     }
 }
@@ -323,6 +330,14 @@ fn of_unfinished_create(sig: Signature, head: &[u8], unfinished: &[[u8; 16]]) ->
     }
 }
 
+fn symlink_loop_error(path: &Path) -> Error {
+    backing_error(
+        path,
+        "it is a symbolic link that leads back to itself (a loop of links, or more than \
+         40 in a row); name the pool file or device itself",
+    )
+}
+
 fn min_size_hint() -> &'static str {
     "one superblock and one extent group"
 }
@@ -410,6 +425,11 @@ impl BackingDevice {
                 let target = fs::read_link(path)
                     .map(|t| t.display().to_string())
                     .unwrap_or_else(|_| "?".into());
+                if let Err(e) = fs::metadata(path) {
+                    if e.raw_os_error() == Some(libc::ELOOP) {
+                        return Err(symlink_loop_error(path));
+                    }
+                }
                 return Err(backing_error(
                     path,
                     format!(
@@ -641,6 +661,7 @@ impl BackingDevice {
             kind: BackingKind::File,
             logical_block_size,
             access: Access::Exclusive,
+            created: guard.armed,
         };
         if !matches!(
             sig,
@@ -733,6 +754,7 @@ impl BackingDevice {
             kind: BackingKind::BlockDevice,
             logical_block_size,
             access: Access::Exclusive,
+            created: false,
         };
         if !matches!(
             sig,
@@ -779,6 +801,9 @@ impl BackingDevice {
                     path,
                     "it does not exist; create a pool with `kvtier pool create`",
                 ))
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+                return Err(symlink_loop_error(path))
             }
             Err(e) => return Err(Error::io(format!("stat {}", path.display()), e)),
         };
@@ -845,6 +870,7 @@ impl BackingDevice {
             kind,
             logical_block_size: lbs,
             access,
+            created: false,
         })
     }
 
@@ -857,6 +883,22 @@ impl BackingDevice {
     /// multiple of [`DIRECT_IO_ALIGN`].
     pub fn size(&self) -> u64 {
         self.size
+    }
+
+    /// The bytes it holds now (BLKGETSIZE64, or the file's length), asked
+    /// afresh: a block device can shrink under an open pool. `None` if the
+    /// kernel will not say.
+    pub fn current_size(&self) -> Option<u64> {
+        match self.kind {
+            BackingKind::BlockDevice => block_device_size(&self.file).ok(),
+            BackingKind::File => self.file.metadata().ok().map(|m| m.len()),
+        }
+    }
+
+    /// Whether [`BackingDevice::create`] made the file (it was not there
+    /// before): a create that fails later removes only such files.
+    pub fn created(&self) -> bool {
+        self.created
     }
 
     /// File or block device.
@@ -973,11 +1015,18 @@ impl BackingDevice {
                 }
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => {
+                    let fix = if e.raw_os_error() == Some(libc::ENOSPC) {
+                        // Only a sparse file (created with --force where the file
+                        // system could not preallocate) or a thin device fills up.
+                        "; the file system or thin device under it is full: free space                          there, or give a smaller --size"
+                    } else {
+                        ""
+                    };
                     return Err(self.device_error(
                         offset,
                         len,
-                        format!("{op} failed after {done} of {len} bytes: {e}"),
-                    ))
+                        format!("{op} failed after {done} of {len} bytes: {e}{fix}"),
+                    ));
                 }
             }
         }

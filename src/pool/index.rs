@@ -136,6 +136,19 @@ impl Index {
         self.bad += 1;
     }
 
+    /// Put a retired slot back in service (its header sector was rewritten
+    /// and reads back): free, with a cleared header.
+    pub fn reinstate(&mut self, slot: u64) {
+        let s = slot as usize;
+        if self.slots.get(s) != Some(&SlotState::Bad) {
+            return;
+        }
+        self.slots[s] = SlotState::Free;
+        self.stale_header[s] = false;
+        self.free.insert(slot);
+        self.bad -= 1;
+    }
+
     /// A block failed verification: take its key out of the index at once so it
     /// is never served again. Returns its slot. The slot stays out of the free
     /// list while loads hold it (`release_condemned` once each finishes), then
@@ -394,6 +407,21 @@ mod tests {
 
     fn k(i: u64) -> Key {
         Key::from_u64(i)
+    }
+
+    #[test]
+    fn a_reinstated_slot_is_free_again_and_only_a_retired_one_is() {
+        let mut ix = Index::new(4);
+        ix.retire(2);
+        assert_eq!((ix.free_slots(), ix.bad_slots()), (3, 1));
+        assert!(ix.is_bad(2));
+        ix.reinstate(2);
+        assert_eq!((ix.free_slots(), ix.bad_slots()), (4, 0));
+        assert!(!ix.is_bad(2));
+        ix.reinstate(2);
+        ix.reinstate(3);
+        assert_eq!((ix.free_slots(), ix.bad_slots()), (4, 0), "no-ops");
+        assert_eq!(ix.reserved(), 0);
     }
 
     fn store(ix: &mut Index, keys: &[u64]) -> Allocation {

@@ -436,6 +436,48 @@ fn prewrite_spans(
     Ok(())
 }
 
+/// The pool files a failing [`Pool::create`] made, removed when it returns
+/// the error (disarmed by emptying it).
+/// The first 24 bytes of a regular file or block device, read without a lock
+/// (None for anything else: opening a FIFO to read would wait for a writer).
+fn head_of(path: &Path) -> Option<[u8; 24]> {
+    use std::io::Read;
+    use std::os::unix::fs::FileTypeExt;
+    let ft = std::fs::metadata(path).ok()?.file_type();
+    if !ft.is_file() && !ft.is_block_device() {
+        return None;
+    }
+    let mut head = [0u8; 24];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut head))
+        .ok()?;
+    Some(head)
+}
+
+struct RemoveMadeOnError(Vec<PathBuf>);
+
+impl Drop for RemoveMadeOnError {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// What to do about a pool device shorter than its superblock says.
+fn truncated_fix(path: &Path, size: u64) -> String {
+    let grow = if std::fs::metadata(path).is_ok_and(|m| m.file_type().is_file()) {
+        format!("`truncate -s {size} {}`", path.display())
+    } else {
+        format!("to {size} bytes")
+    };
+    format!(
+        " (the blocks past its end are lost): restore it, or grow it back {grow} to open \
+         what is left (blocks it lost fail their checks, never load), or reformat it with \
+         `kvtier pool create --force`"
+    )
+}
+
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
@@ -462,26 +504,29 @@ impl Pool {
         let unfinished: Vec<[u8; 16]> = cfg
             .devices
             .iter()
-            .filter_map(|d| {
-                use std::io::Read;
-                let mut head = [0u8; 24];
-                std::fs::File::open(&d.path)
-                    .and_then(|mut f| f.read_exact(&mut head))
-                    .ok()?;
-                crate::host::signature::unfinished_pool_id(&head)
-            })
+            .filter_map(|d| crate::host::signature::unfinished_pool_id(&head_of(&d.path)?))
             .collect();
+        // Files this call creates are removed if it fails after making
+        // them (a later device refused, the file system full while
+        // formatting or prewriting): a failed create leaves no half-made
+        // pool file taking the space, and never touches one it did not make.
+        let mut made = RemoveMadeOnError(Vec::new());
         let mut devices: Vec<Box<dyn Storage>> = Vec::new();
         let mut prewrite = Vec::new();
         for d in &cfg.devices {
             let dev = BackingDevice::create_for(&d.path, d.size, min_size, cfg.force, &unfinished)?;
+            if dev.created() {
+                made.0.push(d.path.clone());
+            }
             prewrite.push(cfg.prewrite && dev.kind() == BackingKind::File);
             devices.push(Box::new(dev));
         }
         if !cfg.force && !unfinished.is_empty() {
             Self::recheck_unfinished(&devices)?;
         }
-        Self::format(cfg, devices, &prewrite, progress)
+        let pool = Self::format(cfg, devices, &prewrite, progress)?;
+        made.0.clear();
+        Ok(pool)
     }
 
     /// The marks that let a superblock be formatted over without force were
@@ -771,9 +816,10 @@ impl Pool {
                 return Err(Error::Backing {
                     path: dev.path().to_path_buf(),
                     reason: format!(
-                        "is {} bytes but the pool was formatted with {}; it was truncated",
+                        "is {} bytes but the pool was formatted with {}; it was truncated{}",
                         dev.size(),
-                        sb.device_size
+                        sb.device_size,
+                        truncated_fix(dev.path(), sb.device_size)
                     ),
                 });
             }
@@ -1203,7 +1249,8 @@ impl Pool {
     }
 
     /// Drop every block `report` (from `check`) found damaged or unreadable,
-    /// and clear damaged headers, so the pool checks clean afterwards. Returns
+    /// clear damaged headers, and rewrite unreadable header sectors (retiring
+    /// those that still fail), so the pool checks clean afterwards. Returns
     /// how many blocks were dropped. Needs a pool opened for writing.
     pub fn repair(&mut self, report: &CheckReport) -> Result<u64> {
         if !self.writable {
@@ -1226,6 +1273,25 @@ impl Pool {
         let damaged = std::mem::take(&mut self.damaged_headers);
         for slot in damaged {
             if self.clear_header(slot).is_err() {
+                lost_slots.push(slot);
+            }
+        }
+        // A header sector that could not be read: rewriting it lets a drive
+        // remap it. If it reads back now, the slot is in service again;
+        // if not, it is retired for good (recorded in the bad table), so no
+        // store is handed it and the pool checks clean afterwards.
+        let unreadable = std::mem::take(&mut self.unreadable_headers);
+        for slot in unreadable {
+            let (dev, off) = self.layout.header_offset(slot);
+            let revived = self.clear_header(slot).is_ok() && {
+                let mut buf = AlignedBuf::zeroed(SLOT_HEADER_BYTES as usize);
+                self.devices[dev as usize]
+                    .read_exact_at(&mut buf, off)
+                    .is_ok()
+            };
+            if revived {
+                self.index.reinstate(slot);
+            } else {
                 lost_slots.push(slot);
             }
         }
@@ -1550,8 +1616,9 @@ fn check_superblock(sb: &Superblock, path: &Path, backing_size: u64) -> Result<(
         return Err(Error::Backing {
             path: path.to_path_buf(),
             reason: format!(
-                "is {backing_size} bytes but the pool was formatted with {}; it was truncated",
-                sb.device_size
+                "is {backing_size} bytes but the pool was formatted with {}; it was truncated{}",
+                sb.device_size,
+                truncated_fix(path, sb.device_size)
             ),
         });
     }

@@ -39,6 +39,12 @@ pub trait Storage: Send {
     fn io_fd(&self) -> Option<BorrowedFd<'_>> {
         None
     }
+
+    /// The bytes the device holds now, asked afresh (a block device can
+    /// shrink under an open pool); `None` where it cannot be asked.
+    fn current_size(&self) -> Option<u64> {
+        None
+    }
 }
 
 impl Storage for BackingDevice {
@@ -59,5 +65,8 @@ impl Storage for BackingDevice {
     }
     fn io_fd(&self) -> Option<BorrowedFd<'_>> {
         Some(BackingDevice::as_fd(self))
+    }
+    fn current_size(&self) -> Option<u64> {
+        BackingDevice::current_size(self)
     }
 }

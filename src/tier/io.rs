@@ -235,8 +235,19 @@ impl Tier {
         if b.hdr.errors > 0 {
             for c in &b.ctx[..b.hdr.count as usize] {
                 if c.status != IOCTX_STATUS_OK {
-                    failures.push((c.tag, Failure::from_io(describe_failure(c, &self.pool))));
-                    if is_media_error(c) {
+                    let past_end = past_the_end(c, &self.pool);
+                    let mut failure = Failure::from_io(describe_failure(c, &self.pool));
+                    if let Some(now) = past_end {
+                        failure.message = format!(
+                            "I/O error on device {} at offset {} ({} bytes): {}",
+                            failure.io.as_ref().map_or("?", |io| io.device.as_str()),
+                            c.dev_offset,
+                            c.len,
+                            shrunk_reason(now, &self.pool, c.dev)
+                        );
+                    }
+                    failures.push((c.tag, failure));
+                    if is_media_error(c) || past_end.is_some() {
                         media_failures.push(*c);
                     }
                 }
@@ -289,16 +300,21 @@ impl Tier {
                                 hit(d, o, obj)
                             })
                         });
-                    if touched && !st.bad_slots.contains(&slot) {
-                        st.bad_slots.push(slot);
+                    let bad = if step == Step::Invalidate {
+                        &mut st.unwritable_headers
+                    } else {
+                        &mut st.bad_slots
+                    };
+                    if touched && !bad.contains(&slot) {
+                        bad.push(slot);
                     }
                 }
                 // An invalidation covers slots that are not this job's keys.
                 if step == Step::Invalidate {
                     for &s in &st.invalidated {
                         let (hd, ho) = layout.header_offset(s);
-                        if hit(hd, ho, SLOT_HEADER_BYTES) && !st.bad_slots.contains(&s) {
-                            st.bad_slots.push(s);
+                        if hit(hd, ho, SLOT_HEADER_BYTES) && !st.unwritable_headers.contains(&s) {
+                            st.unwritable_headers.push(s);
                         }
                     }
                 }
@@ -360,6 +376,27 @@ fn is_media_error(c: &IoCtx) -> bool {
         s if s != IOCTX_STATUS_OK && s < IOCTX_STATUS_ERRNO => (s >> 8) & 0x7 == 2,
         _ => false,
     }
+}
+
+/// A write refused because the device now ends before it: a block device
+/// that shrank under the pool (the kernel says ENOSPC, as for a full thin
+/// device, where the space can come back). Its size now, if so: the slots
+/// past the end are gone like bad sectors, and are retired the same way.
+fn past_the_end(c: &IoCtx, pool: &Pool) -> Option<u64> {
+    if c.op != IOCTX_OP_WRITE || c.status != IOCTX_STATUS_ERRNO || c.result as i32 != libc::ENOSPC {
+        return None;
+    }
+    let now = pool.devices().get(c.dev as usize)?.current_size()?;
+    (now < c.dev_offset + c.len as u64).then_some(now)
+}
+
+fn shrunk_reason(now: u64, pool: &Pool, dev: u16) -> String {
+    let size = pool.devices().get(dev as usize).map_or(0, |d| d.size());
+    format!(
+        "write failed: the device now ends at {now} bytes, before this write: it shrank \
+         under the pool, which uses {size} bytes of it (slots past its end are retired); \
+         grow it back to at least {size} bytes"
+    )
 }
 
 fn describe_failure(c: &IoCtx, pool: &Pool) -> IoFailure {

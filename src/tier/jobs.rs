@@ -111,6 +111,11 @@ pub(super) struct StoreState {
     pub(super) abandoned: Option<Failure>,
     /// Slots whose writes failed with an I/O error: retired when the job ends.
     pub(super) bad_slots: Vec<u64>,
+    /// Slots whose old header could not be invalidated (a media error on
+    /// its sector): taken out of use for this process, whatever became of
+    /// the job. Left free, such a slot would be the next store's pick and
+    /// fail it the same way, and every store after it.
+    pub(super) unwritable_headers: Vec<u64>,
     /// Headers not yet staged (they are, just before the header writes).
     pub(super) headers: Option<PendingHeaders>,
 }

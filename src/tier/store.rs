@@ -307,6 +307,7 @@ impl Tier {
                 evicted: alloc.evicted,
                 abandoned: None,
                 bad_slots: Vec::new(),
+                unwritable_headers: Vec::new(),
                 headers: Some(PendingHeaders {
                     blocks,
                     crcs: block_crcs,
@@ -347,7 +348,9 @@ impl Tier {
                     // later failure: treat it as stale until rewritten.
                     self.pool.index_mut().abort(slot);
                     self.pool.index_mut().mark_stale_header(slot);
-                    if retire && st.bad_slots.contains(&slot) {
+                    if (retire && st.bad_slots.contains(&slot))
+                        || st.unwritable_headers.contains(&slot)
+                    {
                         self.pool.index_mut().retire(slot);
                     }
                     if job.outcomes[i].is_none() {
@@ -369,6 +372,14 @@ impl Tier {
                     "another job storing the same key failed; store it again",
                 ))
             });
+        }
+        // A failed invalidation abandons its job before any flush could
+        // tell one bad sector from a device failing everything, so its
+        // slots leave use in memory only (not recorded on the device): a
+        // sector that is really bad fails once more after a reopen and is
+        // taken out again, and one that was not comes back.
+        for &s in &st.unwritable_headers {
+            self.pool.index_mut().retire(s);
         }
         if retire && !st.bad_slots.is_empty() {
             // Retired in memory whatever happens; if the bad table

@@ -324,8 +324,7 @@ pub fn run(
         }
     }
     let geo = cfg.geometry;
-    std::fs::create_dir_all(&cfg.dir)
-        .map_err(|e| Error::io(format!("creating {}", cfg.dir.display()), e))?;
+    crate::cli::make_dir(&cfg.dir)?;
     let per_dev = (cfg.capacity / cfg.devices as u64) & !4095;
     let mut scratch = Vec::new();
     for i in 0..cfg.devices {

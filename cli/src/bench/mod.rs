@@ -167,8 +167,7 @@ fn cpu_seconds() -> f64 {
 
 pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchReport> {
     let geo = cfg.geometry;
-    std::fs::create_dir_all(&cfg.dir)
-        .map_err(|e| Error::io(format!("creating {}", cfg.dir.display()), e))?;
+    crate::cli::make_dir(&cfg.dir)?;
     let pool_cfg = |devices: Vec<DeviceSpec>, force: bool| {
         PoolConfig::new(geo, cfg.model.clone(), format!("bench/{}", cfg.model))
             .with_group_blocks(cfg.group_blocks)

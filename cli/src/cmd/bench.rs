@@ -254,8 +254,7 @@ fn run_raw_bench(a: &BenchArgs) -> Result<i32> {
         })?,
         None => Pattern::Read,
     };
-    std::fs::create_dir_all(&a.dir)
-        .map_err(|e| kvtier::Error::io(format!("creating {}", a.dir.display()), e))?;
+    kvtier_cli::cli::make_dir(&a.dir)?;
     let w = Workload {
         pattern,
         bs: a.bs,

@@ -75,6 +75,9 @@ pub(crate) fn run(cmd: PoolCmd) -> Result<i32> {
                 )
             });
             let mut last = std::time::Instant::now();
+            // A progress line left open when creating fails: the error
+            // goes on a line of its own.
+            let mut open_line = false;
             let pool = Pool::create_with_progress(
                 &PoolConfig::new(geometry, named.name.clone(), namespace)
                     .with_group_blocks(group_blocks)
@@ -97,12 +100,19 @@ pub(crate) fn run(cmd: PoolCmd) -> Result<i32> {
                             human_bytes(total)
                         );
                         last = std::time::Instant::now();
+                        open_line = true;
                     }
                     if done == total {
                         let _ = writeln!(std::io::stderr());
+                        open_line = false;
                     }
                 },
-            )?;
+            )
+            .inspect_err(|_| {
+                if open_line {
+                    let _ = writeln!(std::io::stderr());
+                }
+            })?;
             print_info(&pool)?;
             Ok(0)
         }
@@ -177,8 +187,9 @@ pub(crate) fn run(cmd: PoolCmd) -> Result<i32> {
             }
             if let Some(n) = repaired {
                 outln!(
-                    "repaired: dropped {n} damaged block(s) and cleared {} damaged header(s); the pool now holds only blocks that verify",
-                    report.damaged_headers.len()
+                    "repaired: dropped {n} damaged block(s), cleared {} damaged header(s) and rewrote {} unreadable header sector(s) (retired where they still fail); the pool now holds only blocks that verify",
+                    report.damaged_headers.len(),
+                    report.unreadable_headers.len()
                 );
                 return Ok(0);
             }

@@ -239,6 +239,20 @@ fn dangling_symlink_sparse_files_and_identities_are_named() {
         "{reason}"
     );
     check_sparse_ok(&link, true).unwrap();
+    // A loop of links is named as one, to create or to open.
+    std::os::unix::fs::symlink(dir.path("loop-b"), dir.path("loop-a")).unwrap();
+    std::os::unix::fs::symlink(dir.path("loop-a"), dir.path("loop-b")).unwrap();
+    for reason in [
+        backing_reason(
+            BackingDevice::create(&dir.path("loop-a"), Some(8 * MIB), MIB, false).unwrap_err(),
+        ),
+        backing_reason(BackingDevice::open(&dir.path("loop-a")).unwrap_err()),
+    ] {
+        assert!(
+            reason.contains("loop of links") && reason.contains("name the pool file"),
+            "{reason}"
+        );
+    }
 
     let a = dir.path("a.pool");
     write_file(&a, &[0u8; 4096]);
