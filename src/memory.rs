@@ -216,6 +216,7 @@ impl DmaBuffer {
         // huge, no compaction needed. Otherwise transparent huge pages.
         if hugetlb_free_bytes() >= rounded as u64 {
             if let Ok(m) = MmapOptions::new().len(rounded).huge(Some(21)).map_anon() {
+                not_inherited(&m);
                 let buf = DmaBuffer {
                     map: MmapRaw::from(m),
                     skip: 0,
@@ -234,6 +235,7 @@ impl DmaBuffer {
             .map_err(|e| Error::io(format!("allocating {len} bytes of DMA memory"), e))?;
         // Best effort: without THP the memory still works, in 4 KiB pages.
         let _ = m.advise(memmap2::Advice::HugePage);
+        not_inherited(&m);
         let map = MmapRaw::from(m);
         let base = map.as_mut_ptr() as usize;
         let skip = (Self::HUGE - base % Self::HUGE) % Self::HUGE;
@@ -266,6 +268,16 @@ impl DmaBuffer {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+}
+
+/// DMA memory stays out of fork()ed children (MADV_DONTFORK), as RDMA
+/// libraries do with registered memory: the kernel copies pages pinned for
+/// I/O at fork rather than sharing them, which for hugetlbfs pages needs
+/// free huge pages and otherwise fails the parent's fork with ENOMEM. A
+/// child has no use for it: the tier's I/O thread stays in the parent.
+fn not_inherited(m: &memmap2::MmapMut) {
+    // Best effort: without it fork still works wherever the copy fits.
+    let _ = m.advise(memmap2::Advice::DontFork);
 }
 
 /// Free bytes of reserved huge pages (HugePages_Free x Hugepagesize).

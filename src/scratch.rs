@@ -10,8 +10,9 @@
 //!   created, so a file someone put in its place is left alone (the file is
 //!   held open until then, so its inode number cannot be reused by another);
 //! - removal happens on drop (success and error paths alike) and, for
-//!   SIGINT, SIGTERM and SIGHUP, from a signal handler before the process
-//!   dies of the signal as it would have.
+//!   SIGINT, SIGTERM and SIGHUP left at their default action, from a signal
+//!   handler before the process dies of the signal as it would have; a
+//!   signal the process already handles or ignores is never taken over.
 
 use crate::error::{Error, Result};
 use std::ffi::CString;
@@ -185,10 +186,14 @@ fn install_handlers() {
             sa.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
             libc::sigemptyset(&mut sa.sa_mask);
             sa.sa_flags = libc::SA_RESETHAND;
-            // A signal the parent set to be ignored stays ignored.
+            // Only a signal that would kill the process as it stands gets
+            // our handler: one the parent set to be ignored stays ignored,
+            // and one the embedding program handles (Python's
+            // KeyboardInterrupt, a server's graceful SIGTERM) stays its own;
+            // the file is then removed on drop as that program unwinds.
             let mut old: libc::sigaction = std::mem::zeroed();
             libc::sigaction(sig, std::ptr::null(), &mut old);
-            if old.sa_sigaction != libc::SIG_IGN {
+            if old.sa_sigaction == libc::SIG_DFL {
                 libc::sigaction(sig, &sa, std::ptr::null_mut());
             }
         }

@@ -329,3 +329,57 @@ fn a_second_close_returns_only_when_the_first_has_finished() {
     first.join().unwrap().unwrap();
     lift.join().unwrap();
 }
+
+#[test]
+fn an_undrained_completion_stream_stays_bounded_and_keeps_uncollected_jobs() {
+    // A subscriber that never drains, beside a caller that collects every
+    // result with wait(): the stream drops the collected jobs' events once
+    // a few thousand are queued, and keeps every event of a job not yet
+    // collected.
+    let dir = TempDir::new("handle-events");
+    let (h, cache, _) = faulty_handle(&dir, 4, 8, HandleConfig::default());
+    let events = h.completions().unwrap();
+    store_ok(&h, &cache, &[1], &[0]);
+    let layers = h.geometry().layers;
+    let kept = h.submit_load(&keys(1..2), &[7], 0..layers).unwrap();
+    h.wait_layer(kept, layers - 1).unwrap();
+    for i in 0..3000u32 {
+        let j = h.submit_load(&keys(1..2), &[1 + i % 6], 0..layers).unwrap();
+        h.wait(j).unwrap();
+    }
+    let got = events.drain();
+    assert!(
+        got.len() < 2 * 4096,
+        "{} events queued for jobs already collected",
+        got.len()
+    );
+    let of_kept: Vec<&Event> = got
+        .iter()
+        .filter(
+            |e| matches!(e, Event::Layer { job, .. } | Event::Finished { job, .. } if *job == kept),
+        )
+        .collect();
+    assert_eq!(of_kept.len(), layers as usize + 1, "{of_kept:?}");
+    assert!(h.wait(kept).unwrap().all_ok());
+    h.close().unwrap();
+}
+
+#[test]
+fn a_second_load_into_a_block_under_load_is_refused_and_the_key_kept() {
+    // Each load checks the bytes in its memory block: a second load landing
+    // there meanwhile would fail the first's check and drop a good key.
+    let dir = TempDir::new("handle-double-load");
+    let (h, cache, _) = faulty_handle(&dir, 4, 8, HandleConfig::default());
+    store_ok(&h, &cache, &[1, 2], &[0, 1]);
+    let layers = h.geometry().layers;
+    for _ in 0..20 {
+        let a = h.submit_load(&keys(1..2), &[3], 0..layers).unwrap();
+        assert_eq!(h.memory_block_use(3), Some(kvtier::tier::JobKind::Load));
+        let err = h.submit_load(&keys(2..3), &[3], 0..layers).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Usage, "{err}");
+        assert!(h.wait(a).unwrap().all_ok());
+        assert_eq!(h.memory_block_use(3), None);
+    }
+    assert_eq!(h.lookup_prefix(&keys(1..3)), 2);
+    h.close().unwrap();
+}

@@ -154,6 +154,73 @@ fn raw_pattern_and_contention_runs() {
     assert!(both["read_bytes"].as_u64().unwrap() > 0 && both["write_bytes"].as_u64().unwrap() > 0);
 }
 
+/// `--buffers`: the raw run's I/Os walk that much memory (one pass over the
+/// file here moves every byte once), under contention too; more than the
+/// limit is refused by name.
+#[test]
+fn raw_pattern_walks_a_larger_buffer() {
+    let dir = TempDir::new("benchbuf");
+    let (text, v) = bench(
+        &dir,
+        &[
+            "--pattern",
+            "write",
+            "--bs",
+            "64k",
+            "--iodepth",
+            "4",
+            "--size",
+            "16m",
+            "--runtime",
+            "0",
+            "--buffers",
+            "8m",
+        ],
+    );
+    assert_eq!(v["buffer_bytes"], 8u64 << 20, "{text}");
+    assert!(text.contains("walk 8 MiB of buffers"), "{text}");
+    let k = &v["runs"][0]["kvtier"];
+    assert_eq!(k["write_bytes"], 16u64 << 20, "{text}");
+    assert_eq!(k["write_ios"], 256, "{text}");
+    let (text, v) = bench(
+        &dir,
+        &[
+            "--contention",
+            "--bs",
+            "64k",
+            "--iodepth",
+            "4",
+            "--size",
+            "32m",
+            "--runtime",
+            "0.3",
+            "--buffers",
+            "4m",
+        ],
+    );
+    let both = &v["runs"][2]["kvtier"];
+    assert!(
+        both["read_bytes"].as_u64().unwrap() > 0 && both["write_bytes"].as_u64().unwrap() > 0,
+        "{text}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args([
+            "bench",
+            "--pattern",
+            "read",
+            "--size",
+            "8m",
+            "--buffers",
+            "1p",
+            "--dir",
+        ])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--buffers"), "{err}");
+}
+
 #[test]
 fn bad_bench_arguments_are_named() {
     let dir = TempDir::new("benchbad");

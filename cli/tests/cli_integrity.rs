@@ -276,7 +276,8 @@ fn replay_never_formats_a_planted_symlink_or_an_existing_file() {
 #[test]
 fn ctrl_c_removes_the_scratch_file() {
     let dir = TempDir::new("cli-sigint");
-    let mut child = kvtier()
+    let mut child = kvtier();
+    child
         .args([
             "bench",
             "--pattern",
@@ -289,9 +290,19 @@ fn ctrl_c_removes_the_scratch_file() {
         ])
         .arg(dir.path())
         .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        .stderr(Stdio::piped());
+    // Ctrl-C reaches a command run from a terminal with SIGINT at its
+    // default action; a test runner started in the background (a shell
+    // without job control) hands its children SIGINT ignored, which kvtier
+    // rightly leaves alone. Give the child a terminal's disposition.
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        child.pre_exec(|| {
+            libc::signal(libc::SIGINT, libc::SIG_DFL);
+            Ok(())
+        });
+    }
+    let mut child = child.spawn().unwrap();
     let file = dir.file("kvtier-bench.dat");
     let start = Instant::now();
     // Wait until the file is laid out and the run is under way.

@@ -94,7 +94,7 @@ pub fn measure(
             rwmix_read: 100,
             numjobs: 1,
         };
-        Ok(raw::run(&w, &UringConfig::default())?.0)
+        Ok(raw::run(&w, 0, &UringConfig::default())?.0)
     };
     progress("reads alone");
     let read = run(Pattern::Read, BW_IO_BYTES, BW_DEPTH, seconds * 0.4)?;

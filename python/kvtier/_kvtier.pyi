@@ -57,7 +57,9 @@ class TierBuilder:
     def kv_memory(self, tensors: Any, layout: Literal["per_layer", "block_major", "cross_layer"] = "per_layer") -> Self:
         """CPU tensors or buffers (direct I/O: 4096-byte aligned), or CUDA
         tensors (the staged HBM path: 16-byte aligned); contiguous, the KV
-        dtype's element size, every layer the same number of blocks."""
+        dtype's element size, every layer the same number of blocks. Never
+        resize a registered tensor's storage while the tier is open: kvtier
+        would write memory torch freed."""
     def staging(self, layer_buffers: int = 4, load_blocks: int | None = None, store_blocks: int | None = None) -> Self:
         """Pinned host staging of the staged HBM path (CUDA tensors)."""
     def test_only_staged_host_double(self) -> Self:
@@ -66,6 +68,8 @@ class TierBuilder:
     def build(self) -> TierHandle: ...
 
 class TierHandle:
+    """Thread-safe. Not usable in a fork()ed child (UsageError there): open
+    tiers in workers started with 'spawn'."""
     @property
     def engine(self) -> str: ...
     @property
@@ -90,10 +94,16 @@ class TierHandle:
     def lookup_and_pin(self, keys: Sequence[Key]) -> int: ...
     def unpin(self, keys: Sequence[Key]) -> None: ...
     def contains(self, key: Key) -> bool: ...
-    def submit_store(self, keys: Sequence[Key], blocks: Sequence[int]) -> int: ...
+    def submit_store(self, keys: Sequence[Key], blocks: Sequence[int]) -> int:
+        """BackpressureError when the backlog is full (retry later); UsageError
+        for a store larger than the whole backlog (split it). At most 2**22
+        keys per call, as for every call that takes keys."""
     def submit_load(self, keys: Sequence[Key], blocks: Sequence[int], layers: range | None = None) -> int: ...
-    def wait(self, job: int) -> JobResult: ...
-    def wait_layer(self, job: int, layer: int) -> None: ...
+    def wait(self, job: int) -> JobResult:
+        """Blocks with the GIL released; Python's signal handlers run meanwhile
+        (KeyboardInterrupt leaves the job running, its result collectable)."""
+    def wait_layer(self, job: int, layer: int) -> None:
+        """As wait(), for one layer of a load."""
     def stream_wait_layer(self, job: int, layer: int, stream: int) -> bool:
         """Make CUDA stream `stream` (torch.cuda.current_stream().cuda_stream)
         wait on the GPU until `layer` of load `job` is in memory; False when

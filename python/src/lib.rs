@@ -21,7 +21,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyRange, PyTuple};
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Once};
+use std::time::Duration;
 
 create_exception!(
     _kvtier,
@@ -135,6 +137,27 @@ fn head_of(p: &std::path::Path) -> Option<[u8; 24]> {
     Some(head)
 }
 
+/// Opening a pool or reading a model shares its checks with the CLI, whose
+/// messages name its flags: name the TierBuilder call that does the same.
+fn to_py_builder(e: Error) -> PyErr {
+    let mut f = Failure::from(e);
+    for (cli, py) in [
+        (
+            "`kvtier pool create`",
+            "TierBuilder().create(\"always\").capacity(...)",
+        ),
+        ("pass --force", "call create(\"always\")"),
+        ("--force", "create(\"always\")"),
+        ("--size", "capacity()"),
+        ("pass --dtype", "pass dtype= to model()"),
+        ("--dtype", "model(dtype=)"),
+        ("--model", "model()"),
+    ] {
+        f.message = f.message.replace(cli, py);
+    }
+    Python::with_gil(|py| failure_err(py, &f))
+}
+
 fn usage(msg: impl Into<String>) -> PyErr {
     to_py(Error::invalid(msg))
 }
@@ -157,20 +180,48 @@ fn key_of(o: &Bound<'_, PyAny>, i: usize) -> PyResult<Key> {
     )))
 }
 
+/// Most keys (or blocks) one call takes: 2**22 blocks of 16 tokens are 64M
+/// tokens, far past any prompt; the bound keeps an endless iterator (or a
+/// huge range) from growing a list until the process runs out of memory.
+const MAX_KEYS_PER_CALL: usize = 1 << 22;
+
+fn too_many(what: &str) -> PyErr {
+    usage(format!(
+        "more than {MAX_KEYS_PER_CALL} {what} in one call; split it into calls of at most that many"
+    ))
+}
+
+/// `len(o)` when it has one (an endless iterator has none).
+fn len_hint(o: &Bound<'_, PyAny>) -> Option<usize> {
+    o.len().ok()
+}
+
 fn keys_of(keys: &Bound<'_, PyAny>) -> PyResult<Vec<Key>> {
     if keys.downcast::<PyBytes>().is_ok() {
         return Err(PyTypeError::new_err(
             "keys is one bytes object; pass a list of keys, e.g. [key]",
         ));
     }
-    keys.try_iter()
-        .map_err(|_| PyTypeError::new_err("keys must be a sequence of bytes or ints"))?
-        .enumerate()
-        .map(|(i, k)| key_of(&k?, i))
-        .collect()
+    if len_hint(keys).is_some_and(|n| n > MAX_KEYS_PER_CALL) {
+        return Err(too_many("keys"));
+    }
+    let mut out = Vec::with_capacity(len_hint(keys).unwrap_or(0));
+    let it = keys
+        .try_iter()
+        .map_err(|_| PyTypeError::new_err("keys must be a sequence of bytes or ints"))?;
+    for (i, k) in it.enumerate() {
+        if i == MAX_KEYS_PER_CALL {
+            return Err(too_many("keys"));
+        }
+        out.push(key_of(&k?, i)?);
+    }
+    Ok(out)
 }
 
 fn blocks_of(blocks: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    if len_hint(blocks).is_some_and(|n| n > MAX_KEYS_PER_CALL) {
+        return Err(too_many("blocks"));
+    }
     blocks.extract::<Vec<u32>>().map_err(|_| {
         PyTypeError::new_err(
             "blocks must be a sequence of ints in 0..2**32 (block indexes of the registered KV memory)",
@@ -206,10 +257,65 @@ fn key_bytes<'py>(py: Python<'py>, k: &Key) -> Bound<'py, PyBytes> {
     PyBytes::new(py, k.as_bytes())
 }
 
+/// An int argument, with errors that name it: pyo3's own conversion says
+/// only "out of range integral type conversion attempted".
+fn int_arg<T>(o: &Bound<'_, PyAny>, name: &str, range: &str) -> PyResult<T>
+where
+    T: for<'a> FromPyObject<'a>,
+{
+    o.extract::<T>().map_err(|_| {
+        if o.is_instance_of::<pyo3::types::PyInt>() {
+            usage(format!(
+                "{name} {o} is out of range: give an int in {range}"
+            ))
+        } else {
+            let t = o
+                .get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default();
+            PyTypeError::new_err(format!("{name} must be an int in {range}, not a {t}"))
+        }
+    })
+}
+
+macro_rules! int_args {
+    ($($f:ident: $t:ty = $name:literal, $range:literal;)*) => {
+        $(fn $f(o: &Bound<'_, PyAny>) -> PyResult<$t> {
+            int_arg(o, $name, $range)
+        })*
+    };
+}
+
+int_args! {
+    devices_arg: u32 = "devices", "1..=64";
+    block_size_arg: u32 = "block_size", "1..=1048576 (tokens per block)";
+    cache_blocks_arg: u32 = "blocks", "1..2**32";
+    rank_arg: u32 = "tp_rank", "0..2**32";
+    backlog_arg: u64 = "backlog_limit_blocks", "1..2**64";
+    block_arg: u32 = "block", "0..memory_blocks";
+    job_arg: u64 = "job", "1..2**64 (an id submit_load or submit_store returned)";
+    layer_arg: u32 = "layer", "0..layers";
+    stream_arg: u64 = "stream", "0..2**64 (torch.cuda.current_stream().cuda_stream)";
+    layer_buffers_arg: u32 = "layer_buffers", "2..2**32";
+}
+
+fn staging_blocks_arg(o: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
+    if o.is_none() {
+        return Ok(None);
+    }
+    int_arg(o, "staging load_blocks/store_blocks", "1..2**32, or None").map(Some)
+}
+
 /// A size in bytes: an int, or a string with a k/m/g/t suffix (powers of 1024).
 fn parse_size(o: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
     if let Ok(n) = o.extract::<u64>() {
         return Ok(n);
+    }
+    if o.is_instance_of::<pyo3::types::PyInt>() {
+        return Err(usage(format!(
+            "{what} {o} is out of range: give a positive number of bytes below 2**64, or a string like \"8g\""
+        )));
     }
     let s: String = o.extract().map_err(|_| {
         PyTypeError::new_err(format!(
@@ -226,6 +332,7 @@ fn parse_size(o: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
         Some('m') => (&t[..t.len() - 1], 1 << 20),
         Some('g') => (&t[..t.len() - 1], 1 << 30),
         Some('t') => (&t[..t.len() - 1], 1 << 40),
+        Some('p') => (&t[..t.len() - 1], 1 << 50),
         _ => (t, 1),
     };
     num.trim()
@@ -246,6 +353,7 @@ enum Where {
 }
 
 /// What the KV memory is, before `build`.
+#[derive(Clone)]
 enum Mem {
     Host {
         blocks: u32,
@@ -325,9 +433,9 @@ impl TierBuilder {
     #[pyo3(signature = (layer_buffers = 4, load_blocks = None, store_blocks = None))]
     fn staging(
         mut slf: PyRefMut<'_, Self>,
-        layer_buffers: u32,
-        load_blocks: Option<u32>,
-        store_blocks: Option<u32>,
+        #[pyo3(from_py_with = layer_buffers_arg)] layer_buffers: u32,
+        #[pyo3(from_py_with = staging_blocks_arg)] load_blocks: Option<u32>,
+        #[pyo3(from_py_with = staging_blocks_arg)] store_blocks: Option<u32>,
     ) -> PyResult<PyRefMut<'_, Self>> {
         if layer_buffers < 2 || load_blocks == Some(0) || store_blocks == Some(0) {
             return Err(usage(format!(
@@ -354,7 +462,22 @@ impl TierBuilder {
     }
 
     /// The pool's backing files or block devices.
-    fn files(mut slf: PyRefMut<'_, Self>, paths: Vec<PathBuf>) -> PyResult<PyRefMut<'_, Self>> {
+    fn files<'a>(
+        mut slf: PyRefMut<'a, Self>,
+        paths: &Bound<'_, PyAny>,
+    ) -> PyResult<PyRefMut<'a, Self>> {
+        // A str is a sequence too (of characters): refuse it by name.
+        if paths.is_instance_of::<pyo3::types::PyString>()
+            || paths.is_instance_of::<PyBytes>()
+            || paths.hasattr("__fspath__")?
+        {
+            return Err(PyTypeError::new_err(
+                "files takes a list of paths, e.g. files([path]); one path is files([path]) or directory(dir)",
+            ));
+        }
+        let paths: Vec<PathBuf> = paths.extract().map_err(|_| {
+            PyTypeError::new_err("files takes a list of paths (str or os.PathLike)")
+        })?;
         if paths.is_empty() {
             return Err(usage("files([]) names no file; give at least one path"));
         }
@@ -368,7 +491,7 @@ impl TierBuilder {
     fn directory(
         mut slf: PyRefMut<'_, Self>,
         path: PathBuf,
-        devices: u32,
+        #[pyo3(from_py_with = devices_arg)] devices: u32,
     ) -> PyResult<PyRefMut<'_, Self>> {
         if devices == 0 || devices > 64 {
             return Err(usage(format!(
@@ -408,7 +531,7 @@ impl TierBuilder {
     fn model(
         mut slf: PyRefMut<'_, Self>,
         spec: String,
-        block_size: u32,
+        #[pyo3(from_py_with = block_size_arg)] block_size: u32,
         dtype: Option<String>,
     ) -> PyResult<PyRefMut<'_, Self>> {
         slf.model = Some((spec, block_size, dtype));
@@ -424,7 +547,10 @@ impl TierBuilder {
 
     /// The tensor-parallel rank, part of the default namespace: ranks hold
     /// different heads, so their blocks differ under the same hash.
-    fn tp_rank(mut slf: PyRefMut<'_, Self>, rank: u32) -> PyRefMut<'_, Self> {
+    fn tp_rank(
+        mut slf: PyRefMut<'_, Self>,
+        #[pyo3(from_py_with = rank_arg)] rank: u32,
+    ) -> PyRefMut<'_, Self> {
         slf.tp_rank = rank;
         slf
     }
@@ -454,9 +580,17 @@ impl TierBuilder {
 
     /// Most blocks of accepted, not yet issued stores before `submit_store`
     /// raises BackpressureError.
-    fn backlog_limit_blocks(mut slf: PyRefMut<'_, Self>, n: u64) -> PyRefMut<'_, Self> {
+    fn backlog_limit_blocks(
+        mut slf: PyRefMut<'_, Self>,
+        #[pyo3(from_py_with = backlog_arg)] n: u64,
+    ) -> PyResult<PyRefMut<'_, Self>> {
+        if n == 0 {
+            return Err(usage(
+                "backlog_limit_blocks(0) would refuse every store; give at least 1 (default 65536)",
+            ));
+        }
         slf.backlog_blocks = Some(n);
-        slf
+        Ok(slf)
     }
 
     /// KV memory kvtier allocates (page-aligned, for direct I/O):
@@ -465,7 +599,7 @@ impl TierBuilder {
     #[pyo3(signature = (blocks, layout = "cross_layer"))]
     fn host_cache<'a>(
         mut slf: PyRefMut<'a, Self>,
-        blocks: u32,
+        #[pyo3(from_py_with = cache_blocks_arg)] blocks: u32,
         layout: &str,
     ) -> PyResult<PyRefMut<'a, Self>> {
         let layout = match layout {
@@ -487,7 +621,10 @@ impl TierBuilder {
     /// heads, dim)`; "block_major": one per layer, each `(blocks, 2,
     /// block_size, heads, dim)` (vLLM's CPU cache); "cross_layer": one,
     /// `(blocks, layers, 2, block_size, heads, dim)`. Each must be 4096-byte
-    /// aligned for direct I/O.
+    /// aligned for direct I/O. Buffers stay exported (a bytearray or mmap
+    /// cannot be resized or closed); torch cannot be stopped from resizing a
+    /// tensor's storage (`resize_`, `untyped_storage().resize_`), which would
+    /// free memory kvtier still writes: never do that while the tier is open.
     #[pyo3(signature = (tensors, layout = String::from("per_layer")))]
     fn kv_memory<'a>(
         mut slf: PyRefMut<'a, Self>,
@@ -575,7 +712,7 @@ impl TierBuilder {
         };
         let named = py
             .allow_threads(|| resolve_named(&spec, block_size, dtype))
-            .map_err(to_py)?;
+            .map_err(to_py_builder)?;
         let g = named.geometry;
         let namespace = slf.namespace.clone().unwrap_or_else(|| {
             format!(
@@ -690,7 +827,9 @@ impl TierBuilder {
         }
         b = b.config(cfg);
         let double = slf.staged_host_double;
-        let (memory, host, gpu) = match slf.mem.take() {
+        // Taken only once the tier is open: a build that fails (the pool in
+        // use, a bad path) can be retried on the same builder.
+        let (memory, host, gpu) = match slf.mem.clone() {
             None => {
                 return Err(usage(
                     "no KV memory: call host_cache(blocks) or kv_memory([tensors]) before build()",
@@ -762,8 +901,11 @@ impl TierBuilder {
             }
         };
         let staged = double || gpu.is_some();
-        let handle = py.allow_threads(|| b.build()).map_err(to_py)?;
+        let handle = py.allow_threads(|| b.build()).map_err(to_py_builder)?;
         let completions = handle.completions().map_err(to_py)?;
+        // The memory (and the objects keeping it alive) now belong to this
+        // handle: a second build() must not register it again.
+        slf.mem = None;
         Ok(TierHandle {
             inner: Some(handle),
             completions,
@@ -776,6 +918,7 @@ impl TierBuilder {
             waited_counters: Mutex::new(Vec::new()),
             owners: Mutex::new(std::mem::take(&mut slf.owners)),
             buffers: Mutex::new(std::mem::take(&mut slf.buffers)),
+            forks: FORKS.load(Ordering::SeqCst),
         })
     }
 }
@@ -821,6 +964,22 @@ fn tensor_region(t: &Bound<'_, PyAny>, i: usize) -> PyResult<TensorRegion> {
             ))))
         }
     };
+    // Host memory is written by DMA and CPU copies at the address the
+    // object gives: only torch's own tensors are believed, never a
+    // look-alike (CUDA addresses go through the driver, which checks them).
+    if kind == MemoryKind::Host {
+        let is_tensor = t
+            .py()
+            .import("torch")
+            .and_then(|m| m.getattr("Tensor"))
+            .and_then(|c| t.is_instance(&c))
+            .unwrap_or(false);
+        if !is_tensor {
+            return Err(PyTypeError::new_err(format!(
+                "KV memory {i} has a data_ptr but is not a torch.Tensor; pass torch tensors or buffers (bytearray, memoryview, numpy)"
+            )));
+        }
+    }
     if !t.call_method0("is_contiguous")?.extract::<bool>()? {
         return Err(usage(format!(
             "KV tensor {i} is not contiguous (strides {}); pass the cache tensor itself, not a strided or permuted view",
@@ -1144,11 +1303,42 @@ pub struct TierHandle {
     waited_counters: Mutex<Vec<Arc<CompletionCounter>>>,
     owners: Mutex<Vec<Py<PyAny>>>,
     buffers: Mutex<Vec<PyBuffer<u8>>>,
+    /// FORKS when the handle was built: a different count means this is a
+    /// forked child, which has the handle's memory but not its I/O thread.
+    forks: u64,
 }
+
+/// fork()s this process has gone through, counted in the child.
+static FORKS: AtomicU64 = AtomicU64::new(0);
+
+extern "C" fn count_fork_in_child() {
+    FORKS.fetch_add(1, Ordering::SeqCst);
+}
+
+/// How long a blocking wait sleeps before looking at Python's signals, so
+/// that Ctrl-C (and any signal handler) runs while a job is slow or stuck.
+const WAIT_SLICE: Duration = Duration::from_millis(50);
 
 impl TierHandle {
     fn h(&self) -> &kvtier::TierHandle {
         self.inner.as_ref().expect("set at build")
+    }
+
+    fn forked(&self) -> bool {
+        FORKS.load(Ordering::SeqCst) != self.forks
+    }
+
+    /// The handle, for anything that does I/O or touches the KV memory:
+    /// refused in a forked child, whose copy has no I/O thread (its waits
+    /// would never end) and may lack the memory (kvtier's own is not
+    /// inherited: it is pinned for DMA).
+    fn live(&self) -> PyResult<&kvtier::TierHandle> {
+        if self.forked() {
+            return Err(usage(
+                "this TierHandle was opened before fork(): a child process cannot use it (its I/O thread and DMA memory stay in the parent); open a tier in the child on a pool of its own, or start workers with the 'spawn' method",
+            ));
+        }
+        Ok(self.h())
     }
 
     /// write_block and friends copy with the CPU: host memory only.
@@ -1160,6 +1350,34 @@ impl TierHandle {
             )));
         }
         Ok(())
+    }
+
+    /// Whether `addr..+len` shares a byte with one of `block`'s objects.
+    fn overlaps_block(&self, block: u32, addr: usize, len: usize) -> bool {
+        let g = self.memory.geometry;
+        let obj = g.object_bytes() as usize;
+        (0..g.layers).any(|layer| {
+            (0..2).any(|kv| {
+                let o = self.memory.object_addr(block, layer, kv) as usize;
+                addr < o + obj && o < addr + len
+            })
+        })
+    }
+
+    /// CPU copies into (`writes`) or out of a block no unfinished job is
+    /// using that way: a write under a load fails its check (and drops the
+    /// key as corrupt), a write under a store changes what it stores, a
+    /// read under a load sees bytes half in.
+    fn check_block_idle(&self, block: u32, writes: bool) -> PyResult<()> {
+        match self.h().memory_block_use(block) {
+            Some(JobKind::Load) => Err(usage(format!(
+                "memory block {block} is the target of a load not yet finished; wait for it first"
+            ))),
+            Some(JobKind::Store) if writes => Err(usage(format!(
+                "memory block {block} is read by a store not yet finished; wait for it before writing the block"
+            ))),
+            _ => Ok(()),
+        }
     }
 
     fn check_block(&self, block: u32) -> PyResult<()> {
@@ -1217,26 +1435,30 @@ impl TierHandle {
 
     /// How many leading keys the pool holds. No side effects.
     fn lookup(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let h = self.live()?;
         let keys = keys_of(keys)?;
-        Ok(py.allow_threads(|| self.h().lookup_prefix(&keys)))
+        Ok(py.allow_threads(|| h.lookup_prefix(&keys)))
     }
 
     /// Like lookup, and pins the counted keys against eviction until `unpin`.
     fn lookup_and_pin(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let h = self.live()?;
         let keys = keys_of(keys)?;
-        Ok(py.allow_threads(|| self.h().lookup_and_pin(&keys)))
+        Ok(py.allow_threads(|| h.lookup_and_pin(&keys)))
     }
 
     /// Drop one pin per key; unknown keys are ignored.
     fn unpin(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        let h = self.live()?;
         let keys = keys_of(keys)?;
-        py.allow_threads(|| self.h().unpin(&keys));
+        py.allow_threads(|| h.unpin(&keys));
         Ok(())
     }
 
     fn contains(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let h = self.live()?;
         let k = key_of(key, 0)?;
-        Ok(py.allow_threads(|| self.h().contains(&k)))
+        Ok(py.allow_threads(|| h.contains(&k)))
     }
 
     /// Accept a store of `keys` from memory `blocks` (all layers); returns a
@@ -1247,9 +1469,10 @@ impl TierHandle {
         keys: &Bound<'_, PyAny>,
         blocks: &Bound<'_, PyAny>,
     ) -> PyResult<u64> {
+        let h = self.live()?;
         let keys = keys_of(keys)?;
         let blocks = blocks_of(blocks)?;
-        py.allow_threads(|| self.h().submit_store(&keys, &blocks))
+        py.allow_threads(|| h.submit_store(&keys, &blocks))
             .map_err(to_py)
     }
 
@@ -1263,6 +1486,7 @@ impl TierHandle {
         blocks: &Bound<'_, PyAny>,
         layers: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<u64> {
+        let h = self.live()?;
         let keys = keys_of(keys)?;
         let blocks = blocks_of(blocks)?;
         let n = self.memory.geometry.layers;
@@ -1272,11 +1496,15 @@ impl TierHandle {
                 let r = r.downcast::<PyRange>().map_err(|_| {
                     PyTypeError::new_err("layers must be a range, e.g. range(0, layers)")
                 })?;
-                let (s, e, st): (i64, i64, i64) = (
-                    r.getattr("start")?.extract()?,
-                    r.getattr("stop")?.extract()?,
-                    r.getattr("step")?.extract()?,
-                );
+                let bound = |name: &str| -> PyResult<i64> {
+                    r.getattr(name)?.extract().map_err(|_| {
+                        usage(format!(
+                            "layers {}: its {name} is out of range; give a range within 0..{n}",
+                            r.repr().map(|x| x.to_string()).unwrap_or_default()
+                        ))
+                    })
+                };
+                let (s, e, st) = (bound("start")?, bound("stop")?, bound("step")?);
                 if st != 1 || s < 0 || e <= s || e > n as i64 {
                     return Err(usage(format!(
                         "layers range({s}, {e}, {st}) is not a non-empty step-1 range within 0..{n}"
@@ -1285,21 +1513,47 @@ impl TierHandle {
                 s as u32..e as u32
             }
         };
-        py.allow_threads(|| self.h().submit_load(&keys, &blocks, range))
+        py.allow_threads(|| h.submit_load(&keys, &blocks, range))
             .map_err(to_py)
     }
 
     /// Block (GIL released) until `job` finishes; returns its result once.
-    fn wait(&self, py: Python<'_>, job: u64) -> PyResult<JobResultPy> {
-        let r = py.allow_threads(|| self.h().wait(job)).map_err(to_py)?;
-        Ok(result_py(py, r))
+    /// Signals are handled while waiting: a KeyboardInterrupt leaves the
+    /// job running and its result to be collected later.
+    fn wait(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = job_arg)] job: u64,
+    ) -> PyResult<JobResultPy> {
+        let h = self.live()?;
+        loop {
+            match py
+                .allow_threads(|| h.wait_timeout(job, WAIT_SLICE))
+                .map_err(to_py)?
+            {
+                Some(r) => return Ok(result_py(py, r)),
+                None => py.check_signals()?,
+            }
+        }
     }
 
     /// Block (GIL released) until `layer` of load `job` is in memory;
-    /// raises the layer's failure (its memory must not be used).
-    fn wait_layer(&self, py: Python<'_>, job: u64, layer: u32) -> PyResult<()> {
-        py.allow_threads(|| self.h().wait_layer(job, layer))
-            .map_err(to_py)
+    /// raises the layer's failure (its memory must not be used). Signals
+    /// are handled while waiting, as in wait().
+    fn wait_layer(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = job_arg)] job: u64,
+        #[pyo3(from_py_with = layer_arg)] layer: u32,
+    ) -> PyResult<()> {
+        let h = self.live()?;
+        while !py
+            .allow_threads(|| h.wait_layer_timeout(job, layer, WAIT_SLICE))
+            .map_err(to_py)?
+        {
+            py.check_signals()?;
+        }
+        Ok(())
     }
 
     /// Make CUDA stream `stream` (a raw handle: torch's
@@ -1312,14 +1566,14 @@ impl TierHandle {
     fn stream_wait_layer(
         &self,
         py: Python<'_>,
-        job: u64,
-        layer: u32,
-        stream: u64,
+        #[pyo3(from_py_with = job_arg)] job: u64,
+        #[pyo3(from_py_with = layer_arg)] layer: u32,
+        #[pyo3(from_py_with = stream_arg)] stream: u64,
     ) -> PyResult<bool> {
         let Some(ctx) = &self.gpu else {
             return Ok(false);
         };
-        let Some(c) = self.h().load_counter(job).map_err(to_py)? else {
+        let Some(c) = self.live()?.load_counter(job).map_err(to_py)? else {
             return Ok(false);
         };
         // SAFETY: the caller passes a live stream of the device's primary
@@ -1351,26 +1605,32 @@ impl TierHandle {
     }
 
     /// The result of `job` if it finished (then taken), else None.
-    fn try_result(&self, py: Python<'_>, job: u64) -> PyResult<Option<JobResultPy>> {
+    fn try_result(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = job_arg)] job: u64,
+    ) -> PyResult<Option<JobResultPy>> {
         Ok(self
-            .h()
+            .live()?
             .try_result(job)
             .map_err(to_py)?
             .map(|r| result_py(py, r)))
     }
 
     /// Results of every finished job not yet collected, in finishing order.
-    fn get_finished(&self, py: Python<'_>) -> Vec<JobResultPy> {
-        self.h()
+    fn get_finished(&self, py: Python<'_>) -> PyResult<Vec<JobResultPy>> {
+        Ok(self
+            .live()?
             .get_finished()
             .into_iter()
             .map(|r| result_py(py, r))
-            .collect()
+            .collect())
     }
 
     /// Issue every store in the backlog now, whatever the policy.
     fn flush_stores(&self, py: Python<'_>) -> PyResult<()> {
-        py.allow_threads(|| self.h().flush_stores()).map_err(to_py)
+        let h = self.live()?;
+        py.allow_threads(|| h.flush_stores()).map_err(to_py)
     }
 
     /// An eventfd that polls readable while completions are queued (for
@@ -1380,6 +1640,9 @@ impl TierHandle {
     }
 
     /// Every queued completion event (layer done, job finished), oldest first.
+    /// Events queue from build() on; past a few thousand undrained, those of
+    /// jobs already collected (wait, try_result, get_finished) are dropped,
+    /// so a handle used only through wait() does not grow.
     fn drain_completions(&self, py: Python<'_>) -> Vec<EventPy> {
         self.completions
             .drain()
@@ -1390,7 +1653,7 @@ impl TierHandle {
 
     /// Pool and backlog occupancy, engine counters.
     fn usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let u = self.h().usage().map_err(to_py)?;
+        let u = self.live()?.usage().map_err(to_py)?;
         let text = serde_json::to_string(&u).map_err(|e| to_py(Error::invalid(e.to_string())))?;
         py.import("json")?.call_method1("loads", (text,))
     }
@@ -1398,10 +1661,17 @@ impl TierHandle {
     /// Copy `data` (bytes-like, at most one block) into memory block
     /// `block`, object by object; the rest of the block is zeroed. For
     /// staging through kvtier-allocated memory.
-    fn write_block(&self, py: Python<'_>, block: u32, data: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn write_block(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = block_arg)] block: u32,
+        data: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        self.live()?;
         self.check_host("write_block")?;
         let data = byte_buffer(data, "data")?;
         self.check_block(block)?;
+        self.check_block_idle(block, true)?;
         let g = self.memory.geometry;
         let obj = g.object_bytes() as usize;
         let n = data.len_bytes();
@@ -1415,8 +1685,19 @@ impl TierHandle {
         if !data.is_c_contiguous() {
             return Err(usage("write_block needs a contiguous buffer"));
         }
-        let src = data.buf_ptr() as usize;
         let mem = &self.memory;
+        // `data` may be a view of the KV memory itself (a tensor over
+        // host_memory()): then copy it aside first, so every object gets the
+        // bytes `data` held at the call, whatever order the copies run in.
+        let copy: Option<Vec<u8>> =
+            self.overlaps_block(block, data.buf_ptr() as usize, n)
+                .then(|| {
+                    // SAFETY: buf_ptr..+n is the exported buffer, held by `data`.
+                    unsafe { std::slice::from_raw_parts(data.buf_ptr() as *const u8, n) }.to_vec()
+                });
+        let src = copy
+            .as_ref()
+            .map_or(data.buf_ptr() as usize, |c| c.as_ptr() as usize);
         py.allow_threads(|| {
             for layer in 0..g.layers {
                 for kv in 0..2 {
@@ -1424,8 +1705,9 @@ impl TierHandle {
                     let dst = mem.object_addr(block, layer, kv) as *mut u8;
                     let take = n.saturating_sub(i).min(obj);
                     // SAFETY: dst is one object inside the registered memory
-                    // (block checked above); src+i..+take is inside `data`,
-                    // which the held PyBuffer keeps exported.
+                    // (block checked above); src+i..+take is inside `data`
+                    // (which the held PyBuffer keeps exported) or its copy,
+                    // and does not overlap dst (checked above).
                     unsafe {
                         std::ptr::copy_nonoverlapping((src + i) as *const u8, dst, take);
                         std::ptr::write_bytes(dst.add(take), 0, obj - take);
@@ -1438,10 +1720,17 @@ impl TierHandle {
 
     /// Copy memory block `block` into `out` (a writable buffer of at most
     /// one block: its first len(out) bytes, objects in (layer, K|V) order).
-    fn read_block_into(&self, py: Python<'_>, block: u32, out: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn read_block_into(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = block_arg)] block: u32,
+        out: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        self.live()?;
         self.check_host("read_block_into")?;
         let out = byte_buffer(out, "out")?;
         self.check_block(block)?;
+        self.check_block_idle(block, false)?;
         let g = self.memory.geometry;
         let obj = g.object_bytes() as usize;
         let n = out.len_bytes();
@@ -1454,8 +1743,15 @@ impl TierHandle {
                 g.block_bytes()
             )));
         }
-        let dst = out.buf_ptr() as usize;
         let mem = &self.memory;
+        // `out` may be a view of the KV memory itself: then gather into a
+        // copy first, so no object is read after an earlier one overwrote it.
+        let mut copy: Option<Vec<u8>> = self
+            .overlaps_block(block, out.buf_ptr() as usize, n)
+            .then(|| vec![0u8; n]);
+        let dst = copy
+            .as_mut()
+            .map_or(out.buf_ptr() as usize, |c| c.as_mut_ptr() as usize);
         py.allow_threads(|| {
             for layer in 0..g.layers {
                 for kv in 0..2 {
@@ -1470,11 +1766,20 @@ impl TierHandle {
                 }
             }
         });
+        if let Some(c) = copy {
+            // SAFETY: `out` is exported writable for n bytes; `c` is a
+            // separate allocation.
+            unsafe { std::ptr::copy_nonoverlapping(c.as_ptr(), out.buf_ptr() as *mut u8, n) };
+        }
         Ok(())
     }
 
     /// Block `block` as bytes (copy).
-    fn read_block<'py>(&self, py: Python<'py>, block: u32) -> PyResult<Bound<'py, PyBytes>> {
+    fn read_block<'py>(
+        &self,
+        py: Python<'py>,
+        #[pyo3(from_py_with = block_arg)] block: u32,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         self.check_block(block)?;
         let n = self.memory.geometry.block_bytes() as usize;
         let buf = pyo3::types::PyByteArray::new(py, &vec![0u8; n]);
@@ -1485,6 +1790,7 @@ impl TierHandle {
     /// Address and length of kvtier-allocated memory (host_cache), for
     /// building a tensor over it; valid while this handle object lives.
     fn host_memory(&self) -> PyResult<(u64, u64)> {
+        self.live()?;
         match (&self.host, &self.memory.layout) {
             (Some(_), KvLayout::CrossLayer { base }) => Ok((*base, self.memory.total_bytes())),
             _ => Err(usage(
@@ -1496,7 +1802,8 @@ impl TierHandle {
     /// Issue the write backlog, wait for every job (GIL released), stop the
     /// I/O thread; raise the first engine failure. Later calls raise ClosedError.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        py.allow_threads(|| self.h().close()).map_err(to_py)
+        let h = self.live()?;
+        py.allow_threads(|| h.close()).map_err(to_py)
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -1521,6 +1828,16 @@ impl TierHandle {
 
 impl Drop for TierHandle {
     fn drop(&mut self) {
+        if self.forked() {
+            // A forked child's copy: the I/O thread (which dropping would
+            // join) lives in the parent, and the kvtier-allocated memory was
+            // not inherited. Leave all of it to the process's exit, and let
+            // the parent's pool alone.
+            std::mem::forget(self.inner.take());
+            std::mem::forget(self.host.take());
+            std::mem::forget(self.gpu.take());
+            return;
+        }
         // The tier first (waits for I/O in flight), then the memory: the
         // tensors must outlive every DMA into them. Dropping Python objects
         // needs no GIL with pyo3 (they are queued until it is held).
@@ -1545,14 +1862,14 @@ impl Drop for TierHandle {
 fn resolve_model<'py>(
     py: Python<'py>,
     spec: String,
-    block_size: u32,
+    #[pyo3(from_py_with = block_size_arg)] block_size: u32,
     dtype: Option<String>,
 ) -> PyResult<(Bound<'py, PyDict>, String)> {
     let dtype = match dtype {
         Some(d) => Some(DType::parse(&d).ok_or_else(|| usage(format!("dtype {d:?} is unknown")))?),
         None => None,
     };
-    let n = resolve_named(&spec, block_size, dtype).map_err(to_py)?;
+    let n = resolve_named(&spec, block_size, dtype).map_err(to_py_builder)?;
     let g = n.geometry;
     Ok((geometry_dict(py, &g)?, n.name))
 }
@@ -1572,7 +1889,18 @@ fn rust_latency(
     key_base: u64,
 ) -> PyResult<u64> {
     let keys = keys_of(keys)?;
-    let h = handle.h();
+    if !matches!(op, "lookup" | "store" | "load") {
+        return Err(usage(format!(
+            "op {op:?} is unknown; say lookup, store or load"
+        )));
+    }
+    if op != "store" && keys.is_empty() {
+        return Err(usage(format!("op {op:?} needs at least one key")));
+    }
+    if !(1..=1_000_000).contains(&iters) {
+        return Err(usage(format!("iters={iters}: give 1 to 1000000")));
+    }
+    let h = handle.live()?;
     let layers = h.geometry().layers;
     let op = op.to_string();
     py.allow_threads(|| -> kvtier::Result<u64> {
@@ -1584,7 +1912,8 @@ fn rust_latency(
                     std::hint::black_box(h.lookup_prefix(&keys));
                 }
                 "store" => {
-                    let j = h.submit_store(&[Key::from_u64(key_base + i as u64)], &[0])?;
+                    let j =
+                        h.submit_store(&[Key::from_u64(key_base.wrapping_add(i as u64))], &[0])?;
                     h.wait(j)?;
                 }
                 _ => {
@@ -1603,6 +1932,11 @@ fn rust_latency(
 #[pymodule]
 fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    static AT_FORK: Once = Once::new();
+    // SAFETY: the child handler only increments an atomic.
+    AT_FORK.call_once(|| unsafe {
+        libc::pthread_atfork(None, None, Some(count_fork_in_child));
+    });
     m.add_class::<TierBuilder>()?;
     m.add_class::<TierHandle>()?;
     m.add("JobResult", py.get_type::<JobResultPy>())?;

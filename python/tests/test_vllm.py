@@ -362,10 +362,15 @@ def test_tier_backpressure_fails_the_job_at_once(tmp_path):
     ctx = ReqContext("r")
     tier.submit_store(TransferJob(1, keys[:2], np.array([0, 1]), False, ctx))
     t0 = time.monotonic()
-    tier.submit_store(TransferJob(2, keys[2:5], np.array([2, 3, 4]), False, ctx))
+    tier.submit_store(TransferJob(2, keys[2:4], np.array([2, 3]), False, ctx))
     assert time.monotonic() - t0 < 1.0  # refused, not blocked
     done = {r.job_id: r.success for r in tier.get_finished_jobs()}
-    assert done.get(2) is False and tier.stores_refused == 3
+    assert done.get(2) is False and tier.stores_refused == 2
+    # A store larger than the whole backlog never fits: a misconfiguration
+    # (logged), failed at once, not counted as passing backpressure.
+    tier.submit_store(TransferJob(3, keys[4:7], np.array([4, 5, 6]), False, ctx))
+    done = {r.job_id: r.success for r in tier.get_finished_jobs()}
+    assert done.get(3) is False and tier.stores_refused == 2
     tier.drain_jobs()
     tier.shutdown()
 

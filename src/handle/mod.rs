@@ -58,7 +58,7 @@ use nix::sys::eventfd::{EfdFlags, EventFd};
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
@@ -144,7 +144,10 @@ pub struct HandleUsage {
 }
 
 /// A stream of [`Event`]s from one handle, for one consumer. Each
-/// `Completions` gets every event from its creation on. Its eventfd polls
+/// `Completions` gets every event from its creation on, except that once
+/// more than a few thousand are queued undrained, those of jobs whose
+/// results were already collected (`wait`, `try_result`, `get_finished`)
+/// are dropped, so a stream nobody drains stays bounded. Its eventfd polls
 /// readable exactly while events are queued, so an epoll loop (or asyncio's
 /// `add_reader`) can sleep on it and then drain with `try_recv`.
 pub struct Completions {
@@ -156,19 +159,50 @@ struct EventQueue {
     cond: Condvar,
     /// Non-zero exactly while `events` is non-empty (both change under the lock).
     fd: EventFd,
+    /// Queue length past which events of collected jobs are dropped (changed
+    /// under the `events` lock).
+    compact_at: AtomicUsize,
+}
+
+/// Events queued before a queue is first compacted. A subscriber that never
+/// drains (a caller that only uses `wait`, as the Python module's own
+/// subscription often is) would otherwise grow its queue by a load's
+/// layers + 1 events per job, without end.
+const EVENTS_KEPT_FLOOR: usize = 4096;
+
+fn event_job(e: &Event) -> JobId {
+    match e {
+        Event::Layer { job, .. } | Event::Finished { job, .. } => *job,
+    }
 }
 
 impl EventQueue {
-    fn push(&self, evs: &[Event]) {
+    /// Queue `evs`. Past `compact_at` events, those of jobs whose results
+    /// were already collected (`live` is false for them) are dropped: no
+    /// consumer can act on them. Events of uncollected jobs are all kept;
+    /// the threshold doubles with what stays, so compaction is amortised.
+    fn push(&self, evs: &[Event], live: &dyn Fn(JobId) -> bool) {
         if evs.is_empty() {
             return;
         }
         let mut q = lock(&self.events);
         let was_empty = q.is_empty();
         q.extend(evs.iter().cloned());
-        if was_empty {
+        if q.len() > self.compact_at.load(Ordering::Relaxed) {
+            q.retain(|e| live(event_job(e)));
+            self.compact_at
+                .store((2 * q.len()).max(EVENTS_KEPT_FLOOR), Ordering::Relaxed);
+        }
+        match (was_empty, q.is_empty()) {
             // Cannot fail: the counter is 0 or 1, far from overflow.
-            let _ = self.fd.write(1);
+            (true, false) => {
+                let _ = self.fd.write(1);
+            }
+            // Everything queued was dropped: stop polling readable.
+            (false, true) => {
+                let _ = self.fd.read();
+            }
+            _ => {}
         }
         self.cond.notify_all();
     }
@@ -327,9 +361,11 @@ impl Jobs {
     }
 
     fn broadcast(&mut self, events: &[Event]) {
+        let entries = &self.entries;
+        let live = |job: JobId| entries.contains_key(&job);
         self.subscribers.retain(|w| match w.upgrade() {
             Some(q) => {
-                q.push(events);
+                q.push(events, &live);
                 true
             }
             None => false,
@@ -514,6 +550,7 @@ impl TierHandle {
             events: Mutex::new(VecDeque::new()),
             cond: Condvar::new(),
             fd,
+            compact_at: AtomicUsize::new(EVENTS_KEPT_FLOOR),
         });
         lock(&self.shared.jobs).subscribers.push(Arc::downgrade(&q));
         Ok(Completions { q })
@@ -549,6 +586,21 @@ impl TierHandle {
         Ok(())
     }
 
+    /// Which unfinished job uses memory block `block`: `Load` while a load
+    /// writes it (its bytes are not yet whole, and a write would fail the
+    /// load's check), `Store` while a store reads it (a write would change
+    /// what it stores), `None` when it is free.
+    pub fn memory_block_use(&self, block: u32) -> Option<JobKind> {
+        let jobs = lock(&self.shared.jobs);
+        if jobs.load_mem.contains_key(&block) {
+            Some(JobKind::Load)
+        } else if jobs.store_mem.contains_key(&block) {
+            Some(JobKind::Store)
+        } else {
+            None
+        }
+    }
+
     /// Start loading `keys` (all in the pool: count them with
     /// `lookup_prefix` or `lookup_and_pin`) into `mem_blocks` for `layers`.
     /// Returns at once; layers complete in layer order (`wait_layer`,
@@ -568,6 +620,14 @@ impl TierHandle {
             if let Some(b) = mem_blocks.iter().find(|b| jobs.store_mem.contains_key(b)) {
                 return Err(Error::invalid(format!(
                     "memory block {b} is read by a store not yet finished; wait for that store before loading into it"
+                )));
+            }
+            // Two loads landing in one block: each checks its bytes in that
+            // memory, so the other's bytes would fail the check and a good
+            // key would be dropped from the pool as corrupt.
+            if let Some(b) = mem_blocks.iter().find(|b| jobs.load_mem.contains_key(b)) {
+                return Err(Error::invalid(format!(
+                    "memory block {b} is the target of a load not yet finished; wait for that load before loading into it again"
                 )));
             }
             let tier_job = s.submit_load(keys, mem_blocks, layers.clone())?;
@@ -593,6 +653,9 @@ impl TierHandle {
     /// no I/O. A full write backlog refuses with `ErrorKind::Backpressure`.
     pub fn submit_store(&self, keys: &[Key], mem_blocks: &[u32]) -> Result<JobId> {
         self.check_blocks(keys, mem_blocks)?;
+        // Refused before any checksum is taken: such a store would never be
+        // accepted, and a caller that retries on backpressure would spin.
+        crate::sched::check_store_fits(keys.len(), self.shared.cfg.backlog_limit_blocks)?;
         // Checksums of the blocks not stored yet, here and without locks, so
         // neither the I/O thread nor lookups wait for the hashing.
         let crcs = match &self.shared.crc_table {
@@ -667,6 +730,18 @@ impl TierHandle {
 
     /// Block until `job` finishes and return (remove) its result.
     pub fn wait(&self, job: JobId) -> Result<JobResult> {
+        Ok(self.wait_until(job, None)?.expect("no deadline"))
+    }
+
+    /// Like `wait`, but gives up after `timeout`: `None` if `job` has not
+    /// finished by then (its result stays to be collected). Callers that
+    /// must stay responsive (a Python thread that handles Ctrl-C) wait in
+    /// slices with this.
+    pub fn wait_timeout(&self, job: JobId, timeout: Duration) -> Result<Option<JobResult>> {
+        self.wait_until(job, Some(Instant::now() + timeout))
+    }
+
+    fn wait_until(&self, job: JobId, deadline: Option<Instant>) -> Result<Option<JobResult>> {
         let mut jobs = lock(&self.shared.jobs);
         loop {
             if !jobs.entries.contains_key(&job) {
@@ -675,30 +750,52 @@ impl TierHandle {
                 )));
             }
             if let Some(r) = jobs.take(job) {
-                return Ok(r);
+                return Ok(Some(r));
             }
-            jobs = self.wait_for_change(jobs, job)?;
+            let (j, timed_out) = self.wait_for_change(jobs, job, deadline)?;
+            jobs = j;
+            if timed_out {
+                return Ok(jobs.take(job));
+            }
         }
     }
 
-    /// Sleeps until the job table changes, unless the handle can no longer
-    /// finish `job` (a fatal engine error, or closed): then that error.
+    /// Sleeps until the job table changes (or `deadline` passes: then the
+    /// flag is true), unless the handle can no longer finish `job` (a fatal
+    /// engine error, or closed): then that error.
     fn wait_for_change<'a>(
         &'a self,
         jobs: MutexGuard<'a, Jobs>,
         job: JobId,
-    ) -> Result<MutexGuard<'a, Jobs>> {
+        deadline: Option<Instant>,
+    ) -> Result<(MutexGuard<'a, Jobs>, bool)> {
         if let Some(f) = &jobs.fatal {
             return Err(Error::Failed(f.context(format_args!("job {job}"))));
         }
         if jobs.stopped {
             return Err(Shared::closed_error());
         }
-        Ok(self
-            .shared
-            .cond
-            .wait(jobs)
-            .unwrap_or_else(|e| e.into_inner()))
+        Ok(match deadline {
+            None => (
+                self.shared
+                    .cond
+                    .wait(jobs)
+                    .unwrap_or_else(|e| e.into_inner()),
+                false,
+            ),
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Ok((jobs, true));
+                }
+                let (g, t) = self
+                    .shared
+                    .cond
+                    .wait_timeout(jobs, left)
+                    .unwrap_or_else(|e| e.into_inner());
+                (g, t.timed_out())
+            }
+        })
     }
 
     /// The result of `job` if it has finished (then removed), else None.
@@ -715,7 +812,18 @@ impl TierHandle {
     /// Block until layer `layer` of load `job` is in memory. An error (with
     /// the failed I/O in its [`Failure`]) means the layer must not be used.
     pub fn wait_layer(&self, job: JobId, layer: u32) -> Result<()> {
+        self.wait_layer_until(job, layer, None).map(|_| ())
+    }
+
+    /// Like `wait_layer`, but gives up after `timeout`: false if the layer
+    /// is not in memory by then.
+    pub fn wait_layer_timeout(&self, job: JobId, layer: u32, timeout: Duration) -> Result<bool> {
+        self.wait_layer_until(job, layer, Some(Instant::now() + timeout))
+    }
+
+    fn wait_layer_until(&self, job: JobId, layer: u32, deadline: Option<Instant>) -> Result<bool> {
         let mut jobs = lock(&self.shared.jobs);
+        let mut expired = false;
         loop {
             let Some(e) = jobs.entries.get(&job) else {
                 return Err(Error::invalid(format!(
@@ -732,7 +840,7 @@ impl TierHandle {
                     Some(f) => Err(Error::Failed(
                         f.context(format_args!("layer {layer} of job {job} failed")),
                     )),
-                    None => Ok(()),
+                    None => Ok(true),
                 };
             }
             if let Phase::Finished(r) = &e.phase {
@@ -741,10 +849,14 @@ impl TierHandle {
                     Some((k, f)) => Err(Error::Failed(
                         f.context(format_args!("job {job} failed to load key {k}")),
                     )),
-                    None => Ok(()),
+                    None => Ok(true),
                 };
             }
-            jobs = self.wait_for_change(jobs, job)?;
+            if expired {
+                return Ok(false);
+            }
+            // After a timeout, one more look: the change may have come with it.
+            (jobs, expired) = self.wait_for_change(jobs, job, deadline)?;
         }
     }
 

@@ -1018,7 +1018,7 @@ impl BackingDevice {
                     let fix = if e.raw_os_error() == Some(libc::ENOSPC) {
                         // Only a sparse file (created with --force where the file
                         // system could not preallocate) or a thin device fills up.
-                        "; the file system or thin device under it is full: free space                          there, or give a smaller --size"
+                        "; the file system or thin device under it is full: free space there, or make the pool smaller"
                     } else {
                         ""
                     };

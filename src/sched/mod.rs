@@ -23,6 +23,18 @@ use crate::tier::{JobId, JobResult, LayerDone, Tier};
 use std::collections::VecDeque;
 use std::ops::Range;
 
+/// A store of `blocks` blocks can ever enter a backlog of `limit` blocks:
+/// one larger is a usage error (split it), not backpressure, since no
+/// amount of draining makes it fit.
+pub fn check_store_fits(blocks: usize, limit: u64) -> Result<()> {
+    if blocks as u64 > limit {
+        return Err(Error::invalid(format!(
+            "a store of {blocks} blocks is larger than the whole write backlog ({limit} blocks) and could never be accepted: split it into stores of at most {limit} blocks, or raise the backlog limit"
+        )));
+    }
+    Ok(())
+}
+
 /// When the handle issues loads and stores.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub enum Policy {
@@ -282,6 +294,7 @@ impl Scheduler {
         mem_blocks: &[u32],
         crcs: Option<Vec<Option<Vec<u32>>>>,
     ) -> Result<()> {
+        check_store_fits(keys.len(), self.backlog_limit_blocks)?;
         let n = keys.len() as u64;
         if self.backlog_blocks + n > self.backlog_limit_blocks {
             return Err(Error::Backpressure(format!(

@@ -551,6 +551,9 @@ pub struct RawRun {
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct RawReport {
     pub workload: Workload,
+    /// Memory kvtier's I/Os took their buffers from in turn (fio's is
+    /// always iodepth x bs).
+    pub buffer_bytes: u64,
     pub machine: Machine,
     pub engine: UringConfig,
     pub fio_version: Option<String>,
@@ -567,6 +570,7 @@ pub fn raw_suite(
     against_fio: bool,
     repeat: u32,
     engine: &UringConfig,
+    buffer_bytes: u64,
     keep: bool,
     progress: &dyn Fn(&str),
 ) -> Result<RawReport> {
@@ -596,8 +600,8 @@ pub fn raw_suite(
         for i in 0..repeat.max(1) {
             progress(&format!("kvtier: {name} ({}/{})", i + 1, repeat.max(1)));
             ks.push(match streams {
-                Some(s) => raw::run_streams(w, s, engine)?,
-                None => raw::run(w, engine)?,
+                Some(s) => raw::run_streams(w, s, buffer_bytes, engine)?,
+                None => raw::run(w, buffer_bytes, engine)?,
             });
             if against_fio && streams.is_none() {
                 progress(&format!("fio: {name} ({}/{})", i + 1, repeat.max(1)));
@@ -664,6 +668,7 @@ pub fn raw_suite(
     }
     Ok(RawReport {
         workload: w.clone(),
+        buffer_bytes: buffer_bytes.max(w.bs * w.iodepth as u64),
         machine: Machine::probe(w.file.parent().unwrap_or(std::path::Path::new("."))),
         engine: engine.clone(),
         fio_version,
@@ -682,6 +687,14 @@ pub fn render_raw(r: &RawReport) -> String {
     );
     if let Some(v) = &r.fio_version {
         s += &format!("reference: {v}, ioengine=io_uring direct=1, same file, same run\n");
+    }
+    let fio_buffer = r.workload.bs * r.workload.iodepth as u64;
+    if r.buffer_bytes > fio_buffer {
+        s += &format!(
+            "kvtier's I/Os walk {} of buffers in turn (fio reuses its {} = iodepth x bs)\n",
+            human_bytes(r.buffer_bytes),
+            human_bytes(fio_buffer)
+        );
     }
     s += &format!(
         "\n{:<34} {:>11} {:>11} {:>10} {:>10} {:>9} {:>9}\n",

@@ -62,20 +62,30 @@ pub struct EngineReport {
     pub huge_page_share: Option<f64>,
 }
 
-/// Run one workload (fio's vocabulary) through kvtier's engine.
-pub fn run(w: &Workload, engine_cfg: &UringConfig) -> Result<(IoResult, EngineReport)> {
+/// Run one workload (fio's vocabulary) through kvtier's engine; the I/Os
+/// take their buffers in turn from `buffer_bytes` of memory (at least
+/// iodepth x bs, which is fio's buffer).
+pub fn run(
+    w: &Workload,
+    buffer_bytes: u64,
+    engine_cfg: &UringConfig,
+) -> Result<(IoResult, EngineReport)> {
     let streams = vec![Stream {
         pattern: w.pattern,
         iodepth: w.iodepth,
         region: (0, w.size),
     }];
-    run_streams(w, &streams, engine_cfg)
+    run_streams(w, &streams, buffer_bytes, engine_cfg)
 }
+
+/// The most memory `--buffers` may spread I/Os over.
+pub const MAX_BUFFER_BYTES: u64 = 64 << 30;
 
 /// Run several streams at once on one file (the contention benchmark).
 pub fn run_streams(
     w: &Workload,
     streams: &[Stream],
+    buffer_bytes: u64,
     engine_cfg: &UringConfig,
 ) -> Result<(IoResult, EngineReport)> {
     if w.bs == 0 || w.bs % 4096 != 0 || w.bs > u32::MAX as u64 {
@@ -104,11 +114,27 @@ pub fn run_streams(
         .custom_flags(libc::O_DIRECT)
         .open(&w.file)
         .map_err(|e| Error::io(format!("opening {} with O_DIRECT", w.file.display()), e))?;
-    let buffers = kvtier::memory::DmaBuffer::new((w.bs * total_depth as u64) as usize)?;
+    if buffer_bytes > MAX_BUFFER_BYTES {
+        return Err(Error::invalid(format!(
+            "--buffers {buffer_bytes} bytes is more than the {} GiB a raw run may use; give less",
+            MAX_BUFFER_BYTES >> 30
+        )));
+    }
+    // Each stream owns buffer slots in proportion to its depth; a freed
+    // slot goes to the back of its stream's queue, so with more slots than
+    // the depth the I/Os walk all of that memory (a KV store's source or
+    // target is gigabytes, fio's iodepth x bs buffer is reused).
+    let slots_total = ((buffer_bytes / w.bs).min(u32::MAX as u64) as u32).max(total_depth);
+    crate::cli::check_host_memory(
+        slots_total as u64 * w.bs,
+        "the raw run's buffers",
+        "give smaller --buffers",
+    )?;
+    let buffers = kvtier::memory::DmaBuffer::new((w.bs * slots_total as u64) as usize)?;
     let table = Arc::new(P2pTable::for_buffers(
         buffers.addr(),
         w.bs as u32,
-        total_depth,
+        slots_total,
     )?);
     let mut engine = UringEngine::new(
         &[UringDevice {
@@ -128,10 +154,19 @@ pub fn run_streams(
     let mut rng = Rng(0x5EED ^ w.size);
     let mut seq_next: Vec<u64> = streams.iter().map(|s| s.region.0).collect();
     let mut in_flight: HashMap<IocbId, (u32, Slot)> = HashMap::new();
-    let mut free_bufs: Vec<(u32, usize)> = Vec::new();
+    // Per stream: its free buffer slots (oldest first) and I/Os in flight.
+    let mut free_slots: Vec<std::collections::VecDeque<u32>> = Vec::new();
+    let mut stream_out: Vec<u32> = vec![0; streams.len()];
+    let mut next_slot = 0u32;
     for (si, s) in streams.iter().enumerate() {
-        let first: u32 = streams[..si].iter().map(|s| s.iodepth).sum();
-        free_bufs.extend((first..first + s.iodepth).map(|b| (b, si)));
+        let n = if si + 1 == streams.len() {
+            slots_total - next_slot
+        } else {
+            (slots_total as u64 * s.iodepth as u64 / total_depth as u64) as u32
+        }
+        .max(s.iodepth);
+        free_slots.push((next_slot..next_slot + n).collect());
+        next_slot += n;
     }
     let mut res = IoResult::default();
     let mut lat_r: Vec<u32> = Vec::new();
@@ -145,8 +180,20 @@ pub fn run_streams(
         let time_up = deadline.is_some_and(|d| t0.elapsed() >= d);
         let budget_up = deadline.is_none() && issued_bytes >= byte_budget;
         if !(time_up || budget_up) {
-            // Refill every free slot, then one kick submits them all.
-            while let Some((buf, si)) = free_bufs.pop() {
+            // Refill every stream to its depth, then one kick submits them all.
+            let ready = (0..streams.len()).flat_map(|si| {
+                std::iter::repeat_n(si, (streams[si].iodepth - stream_out[si]) as usize)
+            });
+            for si in ready.collect::<Vec<_>>() {
+                // One pass moves exactly `size` bytes (fio's `size`), not
+                // up to a refill more.
+                if deadline.is_none() && issued_bytes >= byte_budget {
+                    break;
+                }
+                let Some(buf) = free_slots[si].pop_front() else {
+                    continue;
+                };
+                stream_out[si] += 1;
                 let s = &streams[si];
                 let blocks = (s.region.1 - s.region.0) / w.bs;
                 let op = match s.pattern {
@@ -226,7 +273,8 @@ pub fn run_streams(
                 res.write_ios += 1;
                 lat_w.push(us);
             }
-            free_bufs.push((buf, slot.stream));
+            free_slots[slot.stream].push_back(buf);
+            stream_out[slot.stream] -= 1;
         }
     }
     res.secs = t0.elapsed().as_secs_f64();
@@ -240,7 +288,7 @@ pub fn run_streams(
     let report = EngineReport {
         describe: io.engine().describe(),
         stats: io.engine().stats(),
-        huge_page_share: super::huge_page_share(&[(buffers.addr(), w.bs * total_depth as u64)]),
+        huge_page_share: super::huge_page_share(&[(buffers.addr(), w.bs * slots_total as u64)]),
     };
     Ok((res, report))
 }

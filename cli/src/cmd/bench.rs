@@ -88,6 +88,12 @@ pub(crate) struct BenchArgs {
     /// Seconds per --pattern run (0: one pass over --size).
     #[arg(long, default_value = "10", value_parser = parse_runtime)]
     runtime: f64,
+    /// Memory the --pattern I/Os take their buffers from in turn (e.g. 8g:
+    /// like a KV cache's gigabytes), instead of iodepth x bs reused as fio
+    /// does. On a VM, DMA from a large footprint can cost bandwidth that a
+    /// small reused buffer hides.
+    #[arg(long, value_parser = parse_pool_size)]
+    buffers: Option<u64>,
     /// Read percentage for randrw.
     #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(0..=100))]
     rwmixread: u32,
@@ -272,6 +278,7 @@ fn run_raw_bench(a: &BenchArgs) -> Result<i32> {
         a.against_fio,
         a.repeat,
         &uring_cfg(a, 32),
+        a.buffers.unwrap_or(0),
         a.keep,
         &bar_fn(&bar),
     )?;

@@ -1,0 +1,449 @@
+"""The kvtier module used wrongly, as a careless user or an attacker would.
+
+Every misuse must end in a Python exception that names the thing and the
+fix: never a crash, a hang, a panic, a signal taken over or memory without
+bound; and no load may return bytes that differ from what was stored.
+Checks that could hang or kill the process when they regress run in a
+child interpreter with a time (and memory) limit.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import kvtier
+
+OBJ = 16 * 2 * 64 * 2  # block_size x kv_heads x head_dim x bf16
+BLOCK = 2 * 2 * OBJ  # 2 layers, K and V
+
+
+def open_tier(path, model, blocks=8, **kw):
+    b = kvtier.TierBuilder().directory(path / "pool").capacity("16m").model(model, block_size=16)
+    for k, v in kw.items():
+        getattr(b, k)(v)
+    return b.host_cache(blocks).build()
+
+
+def run_child(tmp_path, model, body, timeout=60, memory_gib=None, policy="slack"):
+    """Runs `body` in a fresh interpreter importing this kvtier, with
+    `open_tier()` opening a pool in tmp_path (and `tier` one, unless the
+    body opens it itself); returns (exit code, output)."""
+    pre = f"""
+import os, sys, signal, time, threading
+import kvtier
+if {memory_gib!r}:
+    import resource
+    lim = {memory_gib!r} << 30
+    resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
+def open_tier():
+    return (kvtier.TierBuilder().directory({str(tmp_path / "pool")!r}).capacity("16m")
+            .policy({policy!r}).model({model!r}, block_size=16).host_cache(8).build())
+if "tier = open_tier()" not in {body!r}:
+    tier = open_tier()
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    try:
+        p = subprocess.run(
+            [sys.executable, "-c", pre + textwrap.dedent(body)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"hung for {timeout} s: {e.stdout!r} {e.stderr!r}")
+    return p.returncode, p.stdout + p.stderr
+
+
+def test_signals_stay_with_python(tmp_path, tiny_model):
+    # Opening a tier must not take over the process's signals: Ctrl-C is
+    # still KeyboardInterrupt, and a server's own SIGTERM handler still runs.
+    rc, out = run_child(
+        tmp_path,
+        tiny_model,
+        """
+        got = []
+        signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+        tier = open_tier()
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(2)
+            print("no KeyboardInterrupt")
+        except KeyboardInterrupt:
+            print("KeyboardInterrupt")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+        print("SIGTERM handled", got == [signal.SIGTERM])
+        tier.close()
+        """,
+    )
+    assert rc == 0, out
+    assert "KeyboardInterrupt" in out and "no KeyboardInterrupt" not in out, out
+    assert "SIGTERM handled True" in out, out
+
+
+def test_a_blocked_wait_lets_signals_through(tmp_path, tiny_model):
+    # Under "sync" a store goes at flush_stores() (another thread may call
+    # it): a wait() for it blocks until then. Ctrl-C, or any signal handler,
+    # must still run meanwhile and end the wait; the job stays collectable.
+    rc, out = run_child(
+        tmp_path,
+        tiny_model,
+        """
+        tier.write_block(0, b"\\1" * 100)
+        job = tier.submit_store([b"k"], [0])
+        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        t0 = time.monotonic()
+        try:
+            tier.wait(job)
+            print("waited")
+        except KeyboardInterrupt:
+            print("interrupted", time.monotonic() - t0 < 5)
+        class Alarm(Exception):
+            pass
+        def on_alarm(s, f):
+            raise Alarm()
+        signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        try:
+            tier.wait(job)
+        except Alarm:
+            print("alarm ran")
+        tier.flush_stores()
+        print("after flush", tier.wait(job).ok)
+        tier.close()
+        """,
+        timeout=30,
+        policy="sync",
+    )
+    assert rc == 0, out
+    assert "interrupted True" in out and "alarm ran" in out and "after flush True" in out, out
+
+
+def test_forked_child_is_refused_and_parent_unaffected(tmp_path, tiny_model):
+    rc, out = run_child(
+        tmp_path,
+        tiny_model,
+        """
+        data = os.urandom(%d)
+        tier.write_block(0, data)
+        assert tier.wait(tier.submit_store([b"a"], [0])).ok
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(10)
+            for name, f in [("lookup", lambda: tier.lookup([b"a"])),
+                            ("load", lambda: tier.submit_load([b"a"], [1])),
+                            ("read_block", lambda: tier.read_block(0)),
+                            ("wait", lambda: tier.wait(1)),
+                            ("close", lambda: tier.close())]:
+                try:
+                    f()
+                    print("child", name, "ran")
+                except kvtier.UsageError as e:
+                    print("child", name, "refused", "fork" in str(e))
+            del tier
+            sys.stdout.flush()
+            os._exit(0)
+        _, st = os.waitpid(pid, 0)
+        print("child exit", st)
+        r = tier.wait(tier.submit_load([b"a"], [2]))
+        print("parent load", r.ok, tier.read_block(2) == data)
+        tier.close()
+        """
+        % BLOCK,
+    )
+    assert rc == 0, out
+    for name in ("lookup", "load", "read_block", "wait", "close"):
+        assert f"child {name} refused True" in out, out
+    assert "child exit 0" in out and "parent load True True" in out, out
+
+
+def test_endless_or_huge_key_lists_are_refused(tmp_path, tiny_model):
+    # Memory-limited child: an unbounded list would die of MemoryError.
+    rc, out = run_child(
+        tmp_path,
+        tiny_model,
+        """
+        import itertools
+        for name, f in [("count", lambda: tier.lookup(itertools.count())),
+                        ("range", lambda: tier.lookup(range(2**40))),
+                        ("blocks", lambda: tier.submit_store([1], range(2**40)))]:
+            try:
+                f()
+                print(name, "accepted")
+            except kvtier.UsageError as e:
+                print(name, "refused", "split" in str(e))
+        """,
+        memory_gib=3,
+    )
+    assert rc == 0, out
+    for name in ("count", "range", "blocks"):
+        assert f"{name} refused True" in out, out
+
+
+def test_store_larger_than_the_backlog_is_a_usage_error(tmp_path, tiny_model):
+    # Backpressure means "retry later"; a store that can never fit must not
+    # say so, or a retrying caller (LMCache's adapter does) spins forever.
+    tier = open_tier(tmp_path, tiny_model, backlog_limit_blocks=4, policy="sync")
+    with pytest.raises(kvtier.UsageError, match="split"):
+        tier.submit_store([1, 2, 3, 4, 5], [0, 1, 2, 3, 4])
+    job = tier.submit_store([1, 2, 3], [0, 1, 2])
+    with pytest.raises(kvtier.BackpressureError):
+        tier.submit_store([7, 8], [3, 4])  # this one only has to wait
+    tier.flush_stores()
+    assert tier.wait(job).ok
+    tier.close()
+    with pytest.raises(kvtier.UsageError, match="at least 1"):
+        kvtier.TierBuilder().backlog_limit_blocks(0)
+
+
+def test_lookalike_tensor_is_refused():
+    # kv_memory believes a tensor's data_ptr(): an object that only looks
+    # like one would have kvtier DMA into any address it names.
+    class Fake:
+        shape = (2, 8, 16, 2, 64)
+
+        class device:
+            type = "cpu"
+            index = None
+
+        def data_ptr(self):
+            return 4096
+
+        def is_contiguous(self):
+            return True
+
+        def numel(self):
+            return 2 * 8 * 16 * 2 * 64
+
+        def element_size(self):
+            return 2
+
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        kvtier.TierBuilder().kv_memory([Fake(), Fake()])
+
+
+def test_rust_latency_arguments_are_checked(tmp_path, tiny_model):
+    from kvtier._kvtier import rust_latency
+
+    tier = open_tier(tmp_path, tiny_model)
+    with pytest.raises(kvtier.UsageError, match="at least one key"):
+        rust_latency(tier, "load", [], 3, 0)
+    with pytest.raises(kvtier.UsageError, match="iters"):
+        rust_latency(tier, "lookup", [1], 2**60, 0)
+    with pytest.raises(kvtier.UsageError, match="unknown"):
+        rust_latency(tier, "lod", [1], 3, 0)
+    assert rust_latency(tier, "lookup", [1], 3, 0) > 0
+    assert rust_latency(tier, "store", [], 3, 2**64 - 2) > 0  # keys wrap, no overflow
+    tier.close()
+
+
+def test_random_bytes_round_trip_and_corruption_is_reported(tmp_path, tiny_model):
+    data = [os.urandom(BLOCK) for _ in range(6)]
+    keys = [os.urandom(32) for _ in range(6)]
+    with open_tier(tmp_path, tiny_model) as tier:
+        for b, d in enumerate(data):
+            tier.write_block(b, d)
+        assert tier.wait(tier.submit_store(keys, range(6))).ok
+        for b in range(8):
+            tier.write_block(b, b"")  # cleared
+        r = tier.wait(tier.submit_load(keys[::-1], range(6)))
+        assert r.ok
+        for b, d in enumerate(data[::-1]):
+            assert tier.read_block(b) == d
+    # Flip one bit of key 2's second-layer V on disk.
+    pool = tmp_path / "pool" / "kvtier-0.pool"
+    raw = pool.read_bytes()
+    off = raw.find(data[2][3 * OBJ : 4 * OBJ])
+    assert off > 0
+    with open(pool, "r+b") as f:
+        f.seek(off + 17)
+        f.write(bytes([raw[off + 17] ^ 0x10]))
+    tier = open_tier(tmp_path, tiny_model, create="never")
+    tier.write_block(0, b"")
+    job = tier.submit_load(keys[1:4], [3, 0, 4])
+    tier.wait_layer(job, 0)
+    with pytest.raises(kvtier.CorruptError):
+        tier.wait_layer(job, 1)
+    r = tier.wait(job)
+    assert r.outcomes == ["done", "corrupt", "done"]
+    assert isinstance(r.errors[1], kvtier.CorruptError)
+    assert tier.read_block(3) == data[1] and tier.read_block(4) == data[3]
+    tier.close()
+
+
+def test_block_copies_from_and_into_the_kv_memory_itself(tmp_path, tiny_model):
+    # write_block's data (read_block_into's out) may be a view of the KV
+    # memory, overlapping the block's own objects: the copy must act as if
+    # taken at the call, not abort or mix old and new bytes. In a child: the
+    # overlapping copy this replaced aborted the process.
+    rc, out = run_child(
+        tmp_path,
+        tiny_model,
+        """
+        import ctypes
+        addr, n = tier.host_memory()
+        mv = memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
+        pattern = bytes(range(256)) * (%d // 256)
+        tier.write_block(0, pattern)
+        tier.write_block(1, pattern[::-1])
+        for block, lo in ((0, 100), (1, %d - 300)):
+            want = bytes(mv[lo : lo + %d - 500])
+            tier.write_block(block, mv[lo : lo + %d - 500])
+            print("write", block, tier.read_block(block)[: len(want)] == want)
+        tier.write_block(1, pattern)
+        want = tier.read_block(1)[:16000]
+        tier.read_block_into(1, mv[%d + 50 : %d + 50 + 16000])
+        print("read", bytes(mv[%d + 50 : %d + 50 + 16000]) == want)
+        """
+        % ((BLOCK,) * 8),
+    )
+    assert rc == 0, out
+    assert "write 0 True" in out and "write 1 True" in out and "read True" in out, out
+
+
+def test_builder_errors_name_the_python_call(tmp_path, tiny_model):
+    # The pool's checks are shared with the CLI; from Python they must name
+    # the TierBuilder call that fixes them, not a command-line flag.
+    b = kvtier.TierBuilder().directory(tmp_path / "p").capacity(4096).model(tiny_model)
+    with pytest.raises(kvtier.UsageError, match=r"capacity\(\)") as e:
+        b.host_cache(4).build()
+    assert "--" not in str(e.value)
+    (tmp_path / "foreign").write_bytes(b"not a pool" * 1000)
+    b = kvtier.TierBuilder().files([tmp_path / "foreign"]).capacity("16m").model(tiny_model)
+    with pytest.raises(kvtier.UsageError, match=r'create\("always"\)') as e:
+        b.host_cache(4).build()
+    assert (tmp_path / "foreign").read_bytes() == b"not a pool" * 1000
+    for bad in (-1, 2**70):
+        with pytest.raises(kvtier.UsageError, match="out of range"):
+            kvtier.TierBuilder().capacity(bad)
+
+
+def test_registered_buffers_cannot_be_resized_and_ranges_are_checked(tmp_path, tiny_model):
+    import mmap
+
+    m = mmap.mmap(-1, 2 * 8 * 2 * OBJ)  # page aligned, 8 blocks per layer
+    layers = [memoryview(m)[: 8 * 2 * OBJ], memoryview(m)[8 * 2 * OBJ :]]
+    b = kvtier.TierBuilder().directory(tmp_path / "p").capacity("16m").model(tiny_model)
+    tier = b.kv_memory(layers).build()
+    del layers
+    with pytest.raises(BufferError):
+        m.close()  # the handle keeps the memory exported, so it stays mapped
+    tier.write_block(0, b"\x07" * BLOCK)
+    assert tier.wait(tier.submit_store([b"k"], [0])).ok
+    with pytest.raises(kvtier.UsageError, match="layers"):
+        tier.submit_load([b"k"], [1], layers=range(0, 2**70))
+    with pytest.raises(kvtier.UsageError, match="layers"):
+        tier.submit_load([b"k"], [1], layers=range(1, 0))
+    assert tier.wait(tier.submit_load([b"k"], [1], layers=range(1, 2))).ok
+    assert tier.read_block(1)[2 * OBJ :] == b"\x07" * (2 * OBJ)
+    tier.close()
+
+
+def test_bad_int_arguments_name_the_argument(tmp_path, tiny_model):
+    # pyo3's own conversion error ("out of range integral type conversion
+    # attempted") names nothing: every int argument's error says which.
+    b = kvtier.TierBuilder()
+    for call, name in [
+        (lambda: b.directory(tmp_path, devices=-1), "devices"),
+        (lambda: b.model(tiny_model, block_size=-16), "block_size"),
+        (lambda: b.host_cache(-1), "blocks"),
+        (lambda: b.tp_rank(2**40), "tp_rank"),
+        (lambda: b.backlog_limit_blocks(-5), "backlog_limit_blocks"),
+        (lambda: kvtier.resolve_model(tiny_model, block_size=2**33), "block_size"),
+        (lambda: b.staging(layer_buffers=-1), "layer_buffers"),
+        (lambda: b.staging(load_blocks=-1), "load_blocks"),
+    ]:
+        with pytest.raises(kvtier.UsageError, match=name):
+            call()
+    with pytest.raises(TypeError, match="block_size"):
+        b.model(tiny_model, block_size=16.0)
+    with pytest.raises(TypeError, match=r"files\(\[path\]\)"):
+        b.files(str(tmp_path / "a.pool"))
+    tier = open_tier(tmp_path, tiny_model)
+    for call, name in [
+        (lambda: tier.wait(-1), "job"),
+        (lambda: tier.wait(2**64), "job"),
+        (lambda: tier.wait_layer(1, -1), "layer"),
+        (lambda: tier.try_result(-3), "job"),
+        (lambda: tier.write_block(-1, b""), "block"),
+        (lambda: tier.read_block(2**32), "block"),
+    ]:
+        with pytest.raises(kvtier.UsageError, match=name):
+            call()
+    with pytest.raises(TypeError, match="job"):
+        tier.wait("1")
+    tier.close()
+
+
+def test_events_nobody_drains_stay_bounded(tmp_path, tiny_model):
+    # The module subscribes to completion events at build; a caller that
+    # only uses wait() never drains them. They must not pile up per job.
+    tier = open_tier(tmp_path, tiny_model)
+    tier.write_block(0, b"\x01" * BLOCK)
+    assert tier.wait(tier.submit_store([1], [0])).ok
+    kept = tier.submit_load([1], [7])  # not collected: its events stay
+    tier.wait_layer(kept, 1)
+    for i in range(2500):
+        tier.wait(tier.submit_load([1], [1 + i % 6]))
+    events = tier.drain_completions()
+    assert len(events) <= 4096 + 64, len(events)
+    assert [e.kind for e in events if e.job == kept] == ["layer", "layer", "finished"]
+    assert tier.wait(kept).ok
+    tier.close()
+
+
+def test_overlapping_loads_and_writes_never_cost_a_stored_key(tmp_path, tiny_model):
+    # A load checks the bytes that landed in its memory block against the
+    # stored checksum. A second load (or a write_block) into the same block
+    # meanwhile used to fail that check and drop a good key as corrupt.
+    tier = open_tier(tmp_path, tiny_model, policy="sync")
+    a, b = os.urandom(BLOCK), os.urandom(BLOCK)
+    tier.write_block(0, a)
+    tier.write_block(1, b)
+    tier.flush_stores()
+    job = tier.submit_store([1, 2], [0, 1])
+    tier.flush_stores()
+    assert tier.wait(job).ok
+    for _ in range(20):
+        ja = tier.submit_load([1], [3])
+        try:
+            tier.submit_load([2], [3])
+            pytest.fail("a second load into a block under load was accepted")
+        except kvtier.UsageError as e:
+            assert "block 3" in str(e)
+        want = a
+        try:
+            tier.write_block(3, b)
+            want = b  # accepted only once the load was done
+        except kvtier.UsageError as e:
+            assert "block 3" in str(e)
+        assert tier.wait(ja).ok
+        assert tier.read_block(3) == want
+    assert tier.lookup([1, 2]) == 2
+    # Under a store (held by the sync policy): the block may be read, not written.
+    tier.write_block(4, a)
+    js = tier.submit_store([3], [4])
+    with pytest.raises(kvtier.UsageError, match="block 4"):
+        tier.write_block(4, b)
+    assert tier.read_block(4) == a
+    tier.flush_stores()
+    assert tier.wait(js).ok
+    tier.close()
+
+
+def test_a_failed_build_can_be_retried_and_a_builder_serves_once(tmp_path, tiny_model):
+    first = open_tier(tmp_path, tiny_model)
+    b = kvtier.TierBuilder().directory(tmp_path / "pool").model(tiny_model).host_cache(4)
+    with pytest.raises(kvtier.UsageError, match="open"):
+        b.build()  # the pool is open in `first`
+    first.close()
+    del first
+    tier = b.build()  # the same builder, once the pool is free
+    assert tier.memory_blocks == 4
+    with pytest.raises(kvtier.UsageError, match="no KV memory"):
+        b.build()  # its memory belongs to `tier` now
+    tier.close()
