@@ -301,6 +301,35 @@ fn drop_without_close_does_not_hang_and_keeps_acknowledged_stores() {
     );
 }
 
+/// `close` from two threads at once: the second returns only once the
+/// first has finished every job, so either caller may take Ok as "all
+/// stores durable" and exit the process.
+#[test]
+fn a_second_close_returns_only_when_the_first_has_finished() {
+    let dir = TempDir::new("handle-close2");
+    let (h, cache, faults) = faulty_handle(&dir, 4, 32, HandleConfig::default());
+    faults.lock().unwrap().hold = true;
+    cache.fill_block(0, seed_of(7));
+    let st = h.submit_store(&keys(7..8), &[0]).unwrap();
+    let h1 = h.clone();
+    let first = std::thread::spawn(move || h1.close());
+    // Give the first close time to take the I/O thread.
+    std::thread::sleep(Duration::from_millis(100));
+    let f = faults.clone();
+    let lift = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        f.lock().unwrap().hold = false;
+    });
+    h.close().unwrap();
+    let r = h.try_result(st).unwrap();
+    assert!(
+        r.is_some_and(|r| r.all_ok()),
+        "the second close returned while the first was still writing"
+    );
+    first.join().unwrap().unwrap();
+    lift.join().unwrap();
+}
+
 #[test]
 fn an_undrained_completion_stream_stays_bounded_and_keeps_uncollected_jobs() {
     // A subscriber that never drains, beside a caller that collects every

@@ -138,3 +138,56 @@ fn header_staging_out_of_range_is_refused() {
     let cfg = TierConfig::default().with_header_staging(kvtier::tier::MAX_HEADER_STAGING);
     Tier::open(pool, cfg).unwrap();
 }
+
+/// Two loads writing one memory block at once (in one job, or in two jobs in
+/// flight together) would each verify the other's bytes: the loser reads as
+/// corrupt and its key, stored and acknowledged, is dropped from the pool.
+/// Both are refused with an error naming the block; the keys stay.
+#[test]
+fn loads_into_one_memory_block_at_once_are_refused_and_lose_no_key() {
+    let dir = TempDir::new("load-overlap");
+    let (mut tier, cache) = rig(&dir);
+    let layers = tiny_geometry().layers;
+    for k in 1..=2u64 {
+        cache.fill_block(k as u32, seed_of(k));
+    }
+    let ks = [Key::from_u64(1), Key::from_u64(2)];
+    let job = tier.submit_store(&ks, &[1, 2]).unwrap();
+    assert!(tier.wait(job).unwrap().all_ok());
+
+    // One job, one block named twice.
+    let e = tier
+        .submit_load(&ks, &[5, 5], 0..layers)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        e.contains("memory block 5") && e.contains("two keys"),
+        "a load naming block 5 twice: {e:?}"
+    );
+    // Two jobs in flight together.
+    let a = tier.submit_load(&ks[..1], &[6], 0..layers).unwrap();
+    match tier.submit_load(&ks[1..], &[6], 0..layers) {
+        Ok(b) => {
+            let rb = tier.wait(b).map(|r| r.outcomes);
+            let ra = tier.wait(a).map(|r| r.outcomes);
+            panic!(
+                "a second load into block 6 while the first runs was accepted: {ra:?} {rb:?}; keys kept: {} {}",
+                tier.contains(&ks[0]),
+                tier.contains(&ks[1])
+            );
+        }
+        Err(e) => assert!(e.to_string().contains("memory block 6"), "{e}"),
+    }
+    assert!(tier.wait(a).unwrap().all_ok());
+    assert!(cache.block_matches(6, seed_of(1), 0..layers));
+    assert!(
+        tier.contains(&ks[0]) && tier.contains(&ks[1]),
+        "no key lost"
+    );
+    // Different layers of one block at once do not overlap: both go.
+    let a = tier.submit_load(&ks[1..], &[7], 0..2).unwrap();
+    let b = tier.submit_load(&ks[1..], &[7], 2..layers).unwrap();
+    assert!(tier.wait(a).unwrap().all_ok() && tier.wait(b).unwrap().all_ok());
+    assert!(cache.block_matches(7, seed_of(2), 0..layers));
+}

@@ -115,6 +115,28 @@ fn to_py(e: Error) -> PyErr {
     Python::with_gil(|py| failure_err(py, &Failure::from(e)))
 }
 
+/// Whether the file at `p` begins with a kvtier superblock's magic (false when
+/// it cannot be read: then creating over it reports why).
+fn begins_a_pool(p: &std::path::Path) -> bool {
+    head_of(p).is_some_and(|h| h[..8] == kvtier::host::signature::POOL_MAGIC)
+}
+
+/// The first 24 bytes of a regular file or block device (None for anything
+/// else: opening a FIFO to read would wait for a writer).
+fn head_of(p: &std::path::Path) -> Option<[u8; 24]> {
+    use std::io::Read;
+    use std::os::unix::fs::FileTypeExt;
+    let ft = std::fs::metadata(p).ok()?.file_type();
+    if !ft.is_file() && !ft.is_block_device() {
+        return None;
+    }
+    let mut head = [0u8; 24];
+    std::fs::File::open(p)
+        .and_then(|mut f| f.read_exact(&mut head))
+        .ok()?;
+    Some(head)
+}
+
 /// Opening a pool or reading a model shares its checks with the CLI, whose
 /// messages name its flags: name the TierBuilder call that does the same.
 fn to_py_builder(e: Error) -> PyErr {
@@ -713,11 +735,45 @@ impl TierBuilder {
                 .collect(),
         };
         let present = paths.iter().filter(|p| p.exists()).count();
+        // A first build killed before its superblocks landed leaves the files
+        // (allocated, zero, or partly prewritten with zeros) and no pool: "auto"
+        // creates over them, without force, so that anything but zeros in them
+        // is still refused rather than formatted.
+        let no_pool_yet = paths
+            .iter()
+            .filter(|p| p.exists())
+            .all(|p| !begins_a_pool(p));
+        // Some files with a superblock, and one still marked by an unfinished
+        // create: killed between its superblock writes. Creating without force
+        // formats over the superblocks only if that mark is their create's.
+        let interrupted = !no_pool_yet
+            && paths.iter().any(|p| {
+                head_of(p)
+                    .is_some_and(|h| kvtier::host::signature::unfinished_pool_id(&h).is_some())
+            });
+        if slf.create == "auto" && !no_pool_yet && !interrupted {
+            // Some files carry a superblock and others none: a create killed
+            // between its superblock writes, or a file replaced. Opening would
+            // call the bare one "not a kvtier pool" and suggest the CLI.
+            let bare: Vec<String> = paths
+                .iter()
+                .filter(|p| p.exists() && !begins_a_pool(p))
+                .map(|p| p.display().to_string())
+                .collect();
+            if !bare.is_empty() {
+                return Err(usage(format!(
+                    "the pool is incomplete: {} has no superblock while the pool's other files do \
+                     (a create killed part way, or a file replaced); create(\"always\") formats \
+                     the pool anew (its blocks are lost), or restore the file",
+                    bare.join(", ")
+                )));
+            }
+        }
         let create = match slf.create.as_str() {
             "always" => true,
             "never" => false,
+            _ if present == 0 || no_pool_yet || interrupted => true,
             _ if present == paths.len() => false,
-            _ if present == 0 => true,
             _ => {
                 return Err(usage(format!(
                     "{present} of the pool's {} files exist: the pool is incomplete; restore the missing ones, or create(\"always\") to format anew",

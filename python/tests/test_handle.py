@@ -198,3 +198,95 @@ def test_bad_input_raises_clear_errors(tmp_path, tiny_model):
     with pytest.raises(kvtier.ClosedError):
         tier.submit_store([b"a"], [0])
     assert tier.lookup([b"a"]) == 0
+
+
+def test_a_first_build_killed_before_its_superblock_builds_again(tmp_path, tiny_model):
+    """create("auto") over the files a SIGKILLed first build left: allocated,
+    all zero, no superblock yet. The next start must create the pool there,
+    not refuse the files as "not a kvtier pool" forever."""
+    d = tmp_path / "pool"
+    d.mkdir()
+    with open(d / "kvtier-0.pool", "wb") as f:
+        f.truncate(16 << 20)
+    tier = open_tier(tmp_path, tiny_model)
+    data = os.urandom(BLOCK)
+    tier.write_block(0, data)
+    key = b"\x07" * 32
+    assert tier.wait(tier.submit_store([key], [0])).ok
+    tier.close()
+    # Files that hold data but no pool are still refused: nothing is lost.
+    with open(d / "kvtier-0.pool", "r+b") as f:
+        f.write(b"\0" * 4096)
+    with pytest.raises(kvtier.KvtierError, match="kvtier-0.pool"):
+        open_tier(tmp_path, tiny_model)
+
+
+def test_sigkill_during_a_first_build_never_blocks_the_next(tmp_path, tiny_model):
+    """SIGKILL a process in its first build (create("auto") with prewrite, so
+    the files exist for a while before their superblock): a new build on the
+    same directory always works, and finds an empty pool."""
+    import subprocess
+    import sys
+    import time
+
+    script = f"""
+import kvtier, sys
+t = (kvtier.TierBuilder().directory({str(tmp_path / "pool")!r}).capacity("256m")
+     .model({tiny_model!r}, block_size=16).engine("auto").prewrite(True)
+     .host_cache(4).build())
+print("BUILT", flush=True)
+t.close()
+"""
+    for delay in (0.05, 0.2, 0.4, 0.8):
+        for f in (tmp_path / "pool").glob("*"):
+            f.unlink()
+        p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+        time.sleep(delay)
+        p.kill()
+        p.wait()
+        tier = (
+            kvtier.TierBuilder()
+            .directory(tmp_path / "pool")
+            .capacity("256m")
+            .model(tiny_model, block_size=16)
+            .engine("auto")
+            .host_cache(4)
+            .build()
+        )
+        assert tier.lookup([b"\x01" * 32]) == 0
+        tier.close()
+
+
+def test_a_pool_whose_files_disagree_says_how_to_recover(tmp_path, tiny_model):
+    """Two pool files, one with its superblock and one without (a create
+    killed between its superblock writes): "auto" neither formats over the
+    one that holds a pool nor calls the other "not a kvtier pool"; the error
+    names the file and create("always")."""
+    b = lambda: (  # noqa: E731
+        kvtier.TierBuilder()
+        .directory(tmp_path / "pool", devices=2)
+        .capacity("16m")
+        .model(tiny_model, block_size=16)
+        .engine("auto")
+        .host_cache(4)
+    )
+    b().build().close()
+    with open(tmp_path / "pool" / "kvtier-1.pool", "r+b") as f:
+        f.write(b"\0" * 4096)
+    with pytest.raises(kvtier.KvtierError, match=r"kvtier-1.pool.*create\(\"always\"\)"):
+        b().build()
+    t = b().create("always").build()
+    t.close()
+    b().build().close()
+    # The mark that create leaves until its superblock lands, with the id of
+    # the pool file 0 holds: killed between the two. "auto" creates anew.
+    with open(tmp_path / "pool" / "kvtier-0.pool", "rb") as f:
+        uuid = f.read(32)[16:32]
+    with open(tmp_path / "pool" / "kvtier-1.pool", "r+b") as f:
+        f.write(b"KVTIERFM" + uuid + b"\0" * (4096 - 24))
+    b().build().close()
+    # A mark of some other create beside a finished pool is no licence.
+    with open(tmp_path / "pool" / "kvtier-1.pool", "r+b") as f:
+        f.write(b"KVTIERFM" + b"\x5a" * 16 + b"\0" * (4096 - 24))
+    with pytest.raises(kvtier.KvtierError, match=r"kvtier-0.pool"):
+        b().build()

@@ -337,6 +337,7 @@ impl TierBuilder {
         let owner = Arc::new(Owner {
             shared: shared.clone(),
             thread: Mutex::new(Some(thread)),
+            close_error: Mutex::new(None),
         });
         let _ = go_tx.send(shared.clone());
         Ok(TierHandle { shared, owner })

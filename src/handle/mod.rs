@@ -432,6 +432,8 @@ impl Shared {
 struct Owner {
     shared: Arc<Shared>,
     thread: Mutex<Option<JoinHandle<Result<()>>>>,
+    /// What the first `close` returned, when it failed: later ones say it too.
+    close_error: Mutex<Option<Failure>>,
 }
 
 impl Drop for Owner {
@@ -889,9 +891,16 @@ impl TierHandle {
     /// calls on any clone fail with `ErrorKind::Closed` (lookups return 0,
     /// `unpin` does nothing). Results not yet collected stay collectable.
     pub fn close(&self) -> Result<()> {
-        let t = lock(&self.owner.thread).take();
-        let Some(t) = t else {
-            return Ok(());
+        // Held until the I/O thread is joined: a `close` on another clone at
+        // the same time waits here for every job, rather than returning Ok
+        // while stores are still being written (its caller may take that as
+        // "all durable" and exit).
+        let mut thread = lock(&self.owner.thread);
+        let Some(t) = thread.take() else {
+            return match lock(&self.owner.close_error).as_ref() {
+                Some(f) => Err(Error::Failed(f.context("closing the tier handle"))),
+                None => Ok(()),
+            };
         };
         let _ = self.shared.closing.compare_exchange(
             RUNNING,
@@ -900,12 +909,17 @@ impl TierHandle {
             Ordering::SeqCst,
         );
         self.shared.ring();
-        match t.join() {
+        let r = match t.join() {
             Ok(r) => r,
             Err(_) => Err(Error::Closed(
                 "the tier's I/O thread panicked; its jobs did not finish".into(),
             )),
+        };
+        if let Err(e) = &r {
+            *lock(&self.owner.close_error) = Some(Failure::from(e));
         }
+        drop(thread);
+        r
     }
 }
 

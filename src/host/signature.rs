@@ -9,6 +9,11 @@ use std::os::unix::fs::FileExt;
 /// Magic at byte 0 of every kvtier pool device (the superblock starts there).
 pub const POOL_MAGIC: [u8; 8] = *b"KVTIERPL";
 
+/// Magic at byte 0 of a device while `kvtier pool create` formats it: written (durably)
+/// over the old superblock before anything else, replaced by the superblock last. A
+/// device still carrying it holds no pool: a create was killed or failed part way.
+pub const UNFINISHED_MAGIC: [u8; 8] = *b"KVTIERFM";
+
 /// How many leading bytes of a device [`probe_signature`] looks at: 256 KiB, enough for
 /// btrfs (magic at 64 KiB + 64), iso9660/udf (32 KiB + 1) and the ZFS uberblock ring of
 /// vdev label 0 (128 KiB .. 256 KiB).
@@ -21,6 +26,8 @@ pub enum Signature {
     Empty,
     /// Begins with [`POOL_MAGIC`].
     KvtierPool,
+    /// Begins with [`UNFINISHED_MAGIC`]: a kvtier create that did not finish.
+    KvtierUnfinished,
     /// A recognised filesystem, partition table or volume signature. The name is one of
     /// "ext2/3/4", "xfs", "btrfs", "swap", "vfat", "exfat", "ntfs", "iso9660", "udf",
     /// "squashfs", "f2fs", "zfs", "LVM2 PV", "LUKS", "linux_raid_member", "bcache",
@@ -35,6 +42,9 @@ impl fmt::Display for Signature {
         match self {
             Signature::Empty => f.write_str("nothing (its first bytes are all zero)"),
             Signature::KvtierPool => f.write_str("a kvtier pool"),
+            Signature::KvtierUnfinished => f.write_str(
+                "a kvtier pool create that did not finish: it was killed or failed part way",
+            ),
             Signature::Unknown => f.write_str("data kvtier does not recognise"),
             Signature::Filesystem(name) => {
                 let text = match *name {
@@ -64,6 +74,15 @@ impl fmt::Display for Signature {
     }
 }
 
+/// The id of the pool whose create left `head`'s unfinished mark (the 16 bytes after
+/// [`UNFINISHED_MAGIC`]), if it carries one.
+pub fn unfinished_pool_id(head: &[u8]) -> Option<[u8; 16]> {
+    if !magic_at(head, 0, &UNFINISHED_MAGIC) {
+        return None;
+    }
+    head.get(8..24)?.try_into().ok()
+}
+
 /// Does `head` hold `magic` at `offset`? False when `head` is too short.
 fn magic_at(head: &[u8], offset: usize, magic: &[u8]) -> bool {
     head.get(offset..offset + magic.len()) == Some(magic)
@@ -86,6 +105,9 @@ fn u64_at(head: &[u8], offset: usize) -> Option<[u8; 8]> {
 pub fn probe_signature(head: &[u8]) -> Signature {
     if magic_at(head, 0, &POOL_MAGIC) {
         return Signature::KvtierPool;
+    }
+    if magic_at(head, 0, &UNFINISHED_MAGIC) {
+        return Signature::KvtierUnfinished;
     }
     if let Some(name) = recognised_signature(head) {
         return Signature::Filesystem(name);

@@ -113,6 +113,21 @@ impl Drop for RemoveOnError<'_> {
     }
 }
 
+/// After taking a file's lock: does `path` still name the file that was opened
+/// (`meta`, from its descriptor)? A process that failed to create it removes it while
+/// holding the lock; one that waited for that lock must not format the unlinked file
+/// and report a pool nobody can open.
+fn check_still_named(path: &Path, meta: &fs::Metadata) -> Result<()> {
+    match fs::metadata(path) {
+        Ok(now) if now.dev() == meta.dev() && now.ino() == meta.ino() => Ok(()),
+        Ok(_) | Err(_) => Err(backing_error(
+            path,
+            "another process removed or replaced it while this one was opening it (two \
+             `pool create` of one file at once?); run the command again",
+        )),
+    }
+}
+
 fn round_down(size: u64) -> u64 {
     size - size % DIRECT_IO_ALIGN as u64
 }
@@ -278,7 +293,9 @@ fn file_logical_block_size(path: &Path, file: &File) -> Result<u32> {
 /// Refuse a foreign signature unless forced.
 pub(crate) fn check_signature(path: &Path, sig: &Signature, force: bool) -> Result<()> {
     match sig {
-        Signature::Empty => Ok(()),
+        // What was on it was given up when that create began (with --force if it held
+        // anything): formatting again needs no --force.
+        Signature::Empty | Signature::KvtierUnfinished => Ok(()),
         _ if force => Ok(()),
         Signature::KvtierPool => Err(backing_error(
             path,
@@ -295,6 +312,21 @@ pub(crate) fn check_signature(path: &Path, sig: &Signature, force: bool) -> Resu
              the kvtier pool magic and matches no known filesystem); pass --force to \
              overwrite it (its contents will be lost)",
         )),
+    }
+}
+
+/// `sig`, or [`Signature::KvtierUnfinished`] for a valid pool superblock whose pool id is
+/// in `unfinished` (that pool's create was killed after this superblock landed).
+fn of_unfinished_create(sig: Signature, head: &[u8], unfinished: &[[u8; 16]]) -> Signature {
+    let n = std::mem::size_of::<crate::pool::layout::Superblock>();
+    if sig != Signature::KvtierPool || unfinished.is_empty() || head.len() < n {
+        return sig;
+    }
+    let sb: crate::pool::layout::Superblock = bytemuck::pod_read_unaligned(&head[..n]);
+    if sb.crc_ok() && unfinished.contains(&sb.pool_uuid) {
+        Signature::KvtierUnfinished
+    } else {
+        sig
     }
 }
 
@@ -374,6 +406,19 @@ impl BackingDevice {
         min_size: u64,
         force: bool,
     ) -> Result<BackingDevice> {
+        Self::create_for(path, size, min_size, force, &[])
+    }
+
+    /// [`BackingDevice::create`], formatting without `force` over a pool superblock
+    /// whose id is in `unfinished`: a pool whose create was killed between its
+    /// superblock writes (another of its devices still carries that create's mark).
+    pub(crate) fn create_for(
+        path: &Path,
+        size: Option<u64>,
+        min_size: u64,
+        force: bool,
+        unfinished: &[[u8; 16]],
+    ) -> Result<BackingDevice> {
         let min_size = min_size.max(DIRECT_IO_ALIGN as u64);
         if let Ok(link) = fs::symlink_metadata(path) {
             if link.file_type().is_symlink() && fs::metadata(path).is_err() {
@@ -396,13 +441,15 @@ impl BackingDevice {
         }
         match fs::metadata(path) {
             Ok(meta) => match backing_kind(path, &meta)? {
-                BackingKind::File => Self::create_file(path, Some(meta), size, min_size, force),
+                BackingKind::File => {
+                    Self::create_file(path, Some(meta), size, min_size, force, unfinished)
+                }
                 BackingKind::BlockDevice => {
-                    Self::create_block_device(path, &meta, size, min_size, force)
+                    Self::create_block_device(path, &meta, size, min_size, force, unfinished)
                 }
             },
             Err(e) if e.kind() == ErrorKind::NotFound => {
-                Self::create_file(path, None, size, min_size, force)
+                Self::create_file(path, None, size, min_size, force, unfinished)
             }
             Err(e) => Err(Error::io(format!("stat {}", path.display()), e)),
         }
@@ -414,6 +461,7 @@ impl BackingDevice {
         size: Option<u64>,
         min_size: u64,
         force: bool,
+        unfinished: &[[u8; 16]],
     ) -> Result<BackingDevice> {
         let Some(size) = size else {
             return Err(backing_error(
@@ -452,22 +500,31 @@ impl BackingDevice {
             }
         }
 
-        let mut guard = RemoveOnError { path, armed: false };
-        let file = if meta.is_some() {
+        let open_existing = || {
             OpenOptions::new()
                 .read(true)
                 .write(true)
                 .open(path)
-                .map_err(|e| open_error(path, BackingKind::File, e))?
+                .map_err(|e| open_error(path, BackingKind::File, e))
+        };
+        let checked_use = meta.is_some();
+        let (file, created) = if checked_use {
+            (open_existing()?, false)
         } else {
-            let file = OpenOptions::new()
+            match OpenOptions::new()
                 .read(true)
                 .write(true)
                 .create_new(true)
                 .mode(0o600)
                 .open(path)
-                .map_err(|e| match e.kind() {
-                    ErrorKind::NotFound => backing_error(
+            {
+                Ok(f) => (f, true),
+                // Another process created it since we looked (a second
+                // `pool create` of the same file): it is an existing file
+                // now, and its lock or its contents decide below.
+                Err(e) if e.kind() == ErrorKind::AlreadyExists => (open_existing()?, false),
+                Err(e) if e.kind() == ErrorKind::NotFound => {
+                    return Err(backing_error(
                         path,
                         format!(
                             "its directory {} does not exist; create it first",
@@ -476,14 +533,15 @@ impl BackingDevice {
                                 .unwrap_or(Path::new("."))
                                 .display()
                         ),
-                    ),
-                    _ => open_error(path, BackingKind::File, e),
-                })?;
-            guard.armed = true;
-            file
+                    ))
+                }
+                Err(e) => return Err(open_error(path, BackingKind::File, e)),
+            }
         };
         // Lock before looking at (or truncating) anything: a live pool's writer or reader
-        // holds it, and formatting under it would corrupt both.
+        // holds it, and formatting under it would corrupt both. A file this process
+        // created but another one locked first (it opened the new file in between) is
+        // that process's now: a refusal here leaves it alone.
         lock_device(path, &file, Access::Exclusive)?;
         let meta = file
             .metadata()
@@ -494,13 +552,29 @@ impl BackingDevice {
                 "it changed while being opened; try again",
             ));
         }
+        check_still_named(path, &meta)?;
+        // Ours to remove on failure only if nobody else locked it first and wrote to
+        // it: a process that opened our new file, locked it before us and formatted a
+        // pool in it (all while we were descheduled) has made it its own. Declared
+        // after `file`, so dropped before it: a failed create removes its file while
+        // still holding the lock, and whoever waited for that lock then finds the path
+        // gone (`check_still_named`) instead of formatting an unlinked file.
+        let mut guard = RemoveOnError {
+            path,
+            armed: created && meta.len() == 0,
+        };
+        if !created && !checked_use {
+            if let Some(why) = regular_file_use(&meta) {
+                return Err(backing_error(path, why));
+            }
+        }
         let len = meta.len();
 
         let mut sig = if len == 0 {
             Signature::Empty
         } else {
             let head = read_head(&file, len).context(|| format!("reading {}", path.display()))?;
-            probe_signature(&head)
+            of_unfinished_create(probe_signature(&head), &head, unfinished)
         };
         if sig == Signature::Empty
             && !force
@@ -589,7 +663,10 @@ impl BackingDevice {
             access: Access::Exclusive,
             created: guard.armed,
         };
-        if !matches!(sig, Signature::Empty | Signature::KvtierPool) {
+        if !matches!(
+            sig,
+            Signature::Empty | Signature::KvtierPool | Signature::KvtierUnfinished
+        ) {
             dev.wipe_head()?;
         }
         guard.armed = false;
@@ -602,6 +679,7 @@ impl BackingDevice {
         size: Option<u64>,
         min_size: u64,
         force: bool,
+        unfinished: &[[u8; 16]],
     ) -> Result<BackingDevice> {
         let (file, device_size, logical_block_size) =
             open_block_device(path, meta, Access::Exclusive)?;
@@ -657,7 +735,7 @@ impl BackingDevice {
 
         let head =
             read_head(&file, device_size).context(|| format!("reading {}", path.display()))?;
-        let mut sig = probe_signature(&head);
+        let mut sig = of_unfinished_create(probe_signature(&head), &head, unfinished);
         if sig == Signature::Empty
             && !force
             && data_beyond_head(&file, BackingKind::BlockDevice, device_size)
@@ -678,7 +756,10 @@ impl BackingDevice {
             access: Access::Exclusive,
             created: false,
         };
-        if !matches!(sig, Signature::Empty | Signature::KvtierPool) {
+        if !matches!(
+            sig,
+            Signature::Empty | Signature::KvtierPool | Signature::KvtierUnfinished
+        ) {
             dev.wipe_head()?;
             if matches!(
                 sig,
@@ -754,6 +835,15 @@ impl BackingDevice {
         };
         let head = read_head(&file, raw_size).context(|| format!("reading {}", path.display()))?;
         let sig = probe_signature(&head);
+        if sig == Signature::KvtierUnfinished {
+            return Err(backing_error(
+                path,
+                format!(
+                    "it is not a kvtier pool (found: {sig}); run that `kvtier pool create` \
+                     again (it needs no --force)"
+                ),
+            ));
+        }
         if sig != Signature::KvtierPool {
             let found = if raw_size == 0 {
                 "it is empty".to_string()

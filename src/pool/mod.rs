@@ -438,6 +438,22 @@ fn prewrite_spans(
 
 /// The pool files a failing [`Pool::create`] made, removed when it returns
 /// the error (disarmed by emptying it).
+/// The first 24 bytes of a regular file or block device, read without a lock
+/// (None for anything else: opening a FIFO to read would wait for a writer).
+fn head_of(path: &Path) -> Option<[u8; 24]> {
+    use std::io::Read;
+    use std::os::unix::fs::FileTypeExt;
+    let ft = std::fs::metadata(path).ok()?.file_type();
+    if !ft.is_file() && !ft.is_block_device() {
+        return None;
+    }
+    let mut head = [0u8; 24];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut head))
+        .ok()?;
+    Some(head)
+}
+
 struct RemoveMadeOnError(Vec<PathBuf>);
 
 impl Drop for RemoveMadeOnError {
@@ -482,6 +498,14 @@ impl Pool {
         let paths: Vec<PathBuf> = cfg.devices.iter().map(|d| d.path.clone()).collect();
         check_named_once(&paths)?;
         let min_size = DATA_OFFSET + PoolLayout::group_bytes_for(&cfg.geometry, cfg.group_blocks);
+        // Pools whose create was killed between its superblock writes: some
+        // named device still carries that create's mark. Their superblocks
+        // need no force to be formatted over (such a pool never served).
+        let unfinished: Vec<[u8; 16]> = cfg
+            .devices
+            .iter()
+            .filter_map(|d| crate::host::signature::unfinished_pool_id(&head_of(&d.path)?))
+            .collect();
         // Files this call creates are removed if it fails after making
         // them (a later device refused, the file system full while
         // formatting or prewriting): a failed create leaves no half-made
@@ -490,16 +514,49 @@ impl Pool {
         let mut devices: Vec<Box<dyn Storage>> = Vec::new();
         let mut prewrite = Vec::new();
         for d in &cfg.devices {
-            let dev = BackingDevice::create(&d.path, d.size, min_size, cfg.force)?;
+            let dev = BackingDevice::create_for(&d.path, d.size, min_size, cfg.force, &unfinished)?;
             if dev.created() {
                 made.0.push(d.path.clone());
             }
             prewrite.push(cfg.prewrite && dev.kind() == BackingKind::File);
             devices.push(Box::new(dev));
         }
+        if !cfg.force && !unfinished.is_empty() {
+            Self::recheck_unfinished(&devices)?;
+        }
         let pool = Self::format(cfg, devices, &prewrite, progress)?;
         made.0.clear();
         Ok(pool)
+    }
+
+    /// The marks that let a superblock be formatted over without force were
+    /// read before the devices were locked: another create may have finished
+    /// its pool since. Now that every device is held, a pool superblock is
+    /// formatted over only if one of the devices still carries its create's
+    /// mark; otherwise it is refused as any pool is.
+    fn recheck_unfinished(devices: &[Box<dyn Storage>]) -> Result<()> {
+        use crate::host::signature::{probe_signature, unfinished_pool_id, Signature};
+        let mut heads = Vec::new();
+        for d in devices {
+            let mut head = AlignedBuf::zeroed(4096);
+            d.read_exact_at(&mut head, 0)?;
+            heads.push(head);
+        }
+        let marks: Vec<[u8; 16]> = heads
+            .iter()
+            .filter_map(|h| unfinished_pool_id(h.as_slice()))
+            .collect();
+        for (d, h) in devices.iter().zip(&heads) {
+            if probe_signature(h.as_slice()) != Signature::KvtierPool {
+                continue;
+            }
+            let n = std::mem::size_of::<Superblock>();
+            let sb: Superblock = bytemuck::pod_read_unaligned(&h.as_slice()[..n]);
+            if !marks.contains(&sb.pool_uuid) {
+                return backing::check_signature(d.path(), &Signature::KvtierPool, false);
+            }
+        }
+        Ok(())
     }
 
     /// Format a new pool over storage the caller opened (an NVMe namespace
@@ -560,14 +617,16 @@ impl Pool {
     /// Write superblocks and empty header areas on `devices`.
     ///
     /// A device may hold an older pool (reformatting needs `force`). Its
-    /// superblock goes first, durably, on every device: a crash after that
-    /// leaves no pool at all rather than the old superblock and headers over
-    /// a half-written new layout (whose header zeroing lands on the old
-    /// pool's data, so old keys would read back zeros as if stored).
+    /// superblock goes first, durably, on every device, replaced by the
+    /// unfinished mark ([`crate::host::signature::UNFINISHED_MAGIC`]): a
+    /// crash after that leaves no pool at all rather than the old superblock
+    /// and headers over a half-written new layout (whose header zeroing
+    /// lands on the old pool's data, so old keys would read back zeros as if
+    /// stored), and the mark lets the same create run again without force.
     ///
-    /// `prewrite[i]`: write zeros over all of device i (after its old
-    /// superblock is gone, so a crash part way leaves no pool, never an old
-    /// pool whose data was zeroed under its headers).
+    /// `prewrite[i]`: write zeros over all of device i past the mark (after
+    /// its old superblock is gone, so a crash part way leaves no pool, never
+    /// an old pool whose data was zeroed under its headers).
     fn format(
         cfg: &PoolConfig,
         devices: Vec<Box<dyn Storage>>,
@@ -575,9 +634,16 @@ impl Pool {
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Pool> {
         let g = cfg.geometry;
-        let zero_sb = AlignedBuf::zeroed(4096);
+        // Not zeros: a device left so by a kill says what happened, and the
+        // same create runs again on it without --force.
+        // With the new pool's id: a device whose superblock landed before a
+        // kill is known, by that id, to belong to this unfinished create.
+        let uuid = random_uuid()?;
+        let mut unfinished = AlignedBuf::zeroed(4096);
+        unfinished.as_mut_slice()[..8].copy_from_slice(&crate::host::signature::UNFINISHED_MAGIC);
+        unfinished.as_mut_slice()[8..24].copy_from_slice(&uuid);
         for dev in &devices {
-            dev.write_all_at(&zero_sb, 0)?;
+            dev.write_all_at(&unfinished, 0)?;
         }
         for dev in &devices {
             dev.sync_data()?;
@@ -589,10 +655,10 @@ impl Pool {
         let layout = PoolLayout::new(g, cfg.group_blocks, groups.clone());
         let spans: Vec<(usize, u64, u64)> = (0..devices.len())
             .filter(|&i| prewrite.get(i).copied().unwrap_or(false))
-            .map(|i| (i, 0, devices[i].size()))
+            // Past the first 4 KiB, just written: the unfinished mark stays.
+            .map(|i| (i, 4096, devices[i].size() - 4096))
             .collect();
         prewrite_spans(&devices, &spans, progress)?;
-        let uuid = random_uuid()?;
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
@@ -677,8 +743,16 @@ impl Pool {
             return Err(Error::invalid("name the pool's backing devices to open it"));
         }
         check_named_once(paths)?;
+        // Lock the devices in one order whatever order they are named in
+        // (the superblocks say which is which): two writers naming them in
+        // opposite orders could each take one and both be refused.
+        let mut order: Vec<&PathBuf> = paths.iter().collect();
+        order.sort_by_key(|p| {
+            use std::os::unix::fs::MetadataExt;
+            std::fs::metadata(p).map(|m| (m.dev(), m.ino())).ok()
+        });
         let mut devices: Vec<Box<dyn Storage>> = Vec::new();
-        for p in paths {
+        for p in order {
             devices.push(Box::new(BackingDevice::open_with(p, access)?));
         }
         let mut pool = Self::open_on(devices, expect)?;
@@ -1410,6 +1484,14 @@ fn check_superblock(sb: &Superblock, path: &Path, backing_size: u64) -> Result<(
         what: "superblock".into(),
         reason,
     };
+    if sb.magic == crate::host::signature::UNFINISHED_MAGIC {
+        return Err(Error::Backing {
+            path: path.to_path_buf(),
+            reason: "is not a kvtier pool (a kvtier pool create on it did not finish: it was \
+                     killed or failed part way); run that create again (it needs no --force)"
+                .into(),
+        });
+    }
     if sb.magic != POOL_MAGIC {
         return Err(Error::Backing {
             path: path.to_path_buf(),

@@ -251,6 +251,34 @@ impl JobTable {
         })
     }
 
+    /// A block of `mem_blocks` that a load in flight writes in one of
+    /// `layers`, with that load's layers. Two loads writing one block's layer
+    /// at once would each verify the other's bytes: the loser reads as
+    /// corrupt, and a key stored and acknowledged is dropped from the pool.
+    pub(super) fn load_overlap(
+        &self,
+        mem_blocks: &[u32],
+        layers: &Range<u32>,
+    ) -> Option<(u32, Range<u32>)> {
+        if !mem_blocks.iter().any(|&b| self.mem_busy(b, JobKind::Load)) {
+            return None;
+        }
+        let mine: std::collections::HashSet<u32> = mem_blocks.iter().copied().collect();
+        self.live
+            .values()
+            .filter(|j| {
+                j.kind == JobKind::Load
+                    && j.layers.start < layers.end
+                    && layers.start < j.layers.end
+            })
+            .find_map(|j| {
+                j.mem_blocks
+                    .iter()
+                    .find(|b| mine.contains(b))
+                    .map(|&b| (b, j.layers.clone()))
+            })
+    }
+
     /// Take a job out of flight (its result goes to `finish`).
     pub(super) fn remove(&mut self, id: JobId) -> Option<Job> {
         let job = self.live.remove(&id)?;

@@ -35,6 +35,13 @@ impl Tier {
                 "memory block {b} is being stored by a job in flight; wait for that store before loading into it"
             )));
         }
+        if let Some((b, theirs)) = self.jobs.load_overlap(mem_blocks, &layers) {
+            return Err(Error::invalid(format!(
+                "memory block {b} is being loaded into (layers {}..{}) by a job in flight; \
+                 wait for that load before loading into it again",
+                theirs.start, theirs.end
+            )));
+        }
         let slots = self.hold_job_keys(keys)?;
         let table = self.table()?.clone();
         let verify = self.cfg.verify_loads && table.kind() == MemoryKind::Host;
