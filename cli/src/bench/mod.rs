@@ -68,6 +68,11 @@ pub struct ContextResult {
     pub store_cpu_us_per_object: f64,
     pub retrieve_cpu_us_per_object: f64,
     pub verified: bool,
+    /// The same bytes written by kvtier's engine alone (no checksums,
+    /// headers or flushes) to the same pool file, from memory as large as
+    /// the context, walked in turn (`--pattern write --buffers`): what the
+    /// disk gives any writer of that much memory. Single-file pools only.
+    pub engine_write_gib_s: Option<f64>,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -356,7 +361,33 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
             store_cpu_us_per_object: store_cpu * 1e6 / objects as f64,
             retrieve_cpu_us_per_object: retrieve_cpu * 1e6 / objects as f64,
             verified,
+            engine_write_gib_s: None,
         });
+    }
+    // The engine-alone write of each context's bytes, on the pool file
+    // itself once the tier and its memory are gone.
+    drop(tier);
+    drop(cache);
+    if let [file] = &scratch[..] {
+        for r in &mut results {
+            progress(&format!(
+                "{} tokens: the engine alone writing {} from as much memory",
+                r.tokens,
+                human_bytes(r.bytes)
+            ));
+            let w = Workload {
+                pattern: Pattern::Write,
+                bs: cfg.tier.max_io_bytes,
+                iodepth: cfg.tier.uring.queue_depth,
+                size: r.bytes,
+                runtime_secs: 0.0,
+                file: file.path().to_path_buf(),
+                rwmix_read: 100,
+                numjobs: 1,
+            };
+            let (io, _) = raw::run(&w, r.bytes, &cfg.tier.uring)?;
+            r.engine_write_gib_s = Some(io.write_bw / GIB);
+        }
     }
     Ok(BenchReport {
         config: cfg.clone(),
@@ -789,6 +820,9 @@ pub struct ContextMedians {
     pub retrieve_vs_fio_read: Option<f64>,
     pub fio_write_gib_s: Option<f64>,
     pub fio_read_gib_s: Option<f64>,
+    /// Per round store / the engine alone writing the same bytes from as
+    /// much memory, then the median.
+    pub store_vs_engine_write: Option<f64>,
 }
 
 /// The middle value (the mean of the two middle ones for an even count).
@@ -847,6 +881,15 @@ impl RepeatedReport {
                     }),
                     fio_write_gib_s: with_fio(&|_, f| f.seq_write.write_bw / GIB),
                     fio_read_gib_s: with_fio(&|_, f| f.seq_read.read_bw / GIB),
+                    store_vs_engine_write: {
+                        let v: Vec<f64> = per
+                            .iter()
+                            .filter_map(|(c, _)| {
+                                c.engine_write_gib_s.map(|e| c.store_gib_s / e.max(1e-9))
+                            })
+                            .collect();
+                        (!v.is_empty()).then(|| median(v))
+                    },
                 }
             })
             .collect();
@@ -863,7 +906,7 @@ pub fn render_repeated(r: &RepeatedReport) -> String {
         s += "\n";
     }
     s += &format!(
-        "== medians of {} rounds (ratios taken within each round)\n{:>8} {:>11} {:>14} {:>10} {:>11} {:>16} {:>10} {:>18} {:>10}\n",
+        "== medians of {} rounds (ratios taken within each round)\n{:>8} {:>11} {:>14} {:>10} {:>11} {:>16} {:>10} {:>18} {:>10} {:>20}\n",
         r.rounds.len(),
         "tokens",
         "store GiB/s",
@@ -873,12 +916,13 @@ pub fn render_repeated(r: &RepeatedReport) -> String {
         "store/fio write",
         "fio write",
         "retrieve/fio read",
-        "fio read"
+        "fio read",
+        "store/engine write"
     );
     let opt = |v: Option<f64>, prec: usize| v.map_or("-".to_string(), |x| format!("{x:.prec$}"));
     for m in &r.medians {
         s += &format!(
-            "{:>8} {:>11.2} {:>14.2} {:>10.2} {:>11.2} {:>16} {:>10} {:>18} {:>10}\n",
+            "{:>8} {:>11.2} {:>14.2} {:>10.2} {:>11.2} {:>16} {:>10} {:>18} {:>10} {:>20}\n",
             m.tokens,
             m.store_gib_s,
             m.retrieve_gib_s,
@@ -887,10 +931,21 @@ pub fn render_repeated(r: &RepeatedReport) -> String {
             opt(m.store_vs_fio_write, 3),
             opt(m.fio_write_gib_s, 2),
             opt(m.retrieve_vs_fio_read, 3),
-            opt(m.fio_read_gib_s, 2)
+            opt(m.fio_read_gib_s, 2),
+            opt(m.store_vs_engine_write, 3)
         );
     }
     s
+}
+
+/// ", {x}x the engine alone writing the same bytes from as much memory".
+fn engine_write_note(r: &ContextResult) -> String {
+    r.engine_write_gib_s.map_or(String::new(), |e| {
+        format!(
+            ", {:.3}x kvtier's engine alone writing the same bytes from as much memory ({e:.2} GiB/s)",
+            r.store_gib_s / e.max(1e-9)
+        )
+    })
 }
 
 /// The report as a table.
@@ -939,6 +994,19 @@ pub fn render(report: &BenchReport) -> String {
     for k in &report.skipped {
         s += &format!("skipped {k}\n");
     }
+    if report.fio.is_none() {
+        for r in report
+            .results
+            .iter()
+            .filter(|r| r.engine_write_gib_s.is_some())
+        {
+            s += &format!(
+                "{:>8} tokens: store{}\n",
+                r.tokens,
+                engine_write_note(r).trim_start_matches(',')
+            );
+        }
+    }
     if let Some(h) = report.huge_page_share {
         s += &format!(
             "host KV memory in huge pages: {:.0}% (fewer DMA segments per I/O; on a VM a low share costs bandwidth)\n",
@@ -963,11 +1031,12 @@ pub fn render(report: &BenchReport) -> String {
         );
         for r in &report.results {
             s += &format!(
-                "{:>8} tokens: retrieve {:.3}x fio sequential read, {:.1}x fio random object reads; store {:.3}x fio sequential write\n",
+                "{:>8} tokens: retrieve {:.3}x fio sequential read, {:.1}x fio random object reads; store {:.3}x fio sequential write{}\n",
                 r.tokens,
                 r.retrieve_gib_s / seq,
                 r.retrieve_gib_s / (f.rand_read.read_bw / GIB).max(1e-9),
-                r.store_gib_s / wseq.max(1e-9)
+                r.store_gib_s / wseq.max(1e-9),
+                engine_write_note(r)
             );
         }
     }
