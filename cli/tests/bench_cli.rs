@@ -97,7 +97,15 @@ fn kv_bench_repeats_rounds_and_reports_medians() {
     assert_eq!(m["store_gib_s"].as_f64().unwrap(), sorted[1], "{stores:?}");
     assert!(m["store_vs_fio_write"].is_null(), "no fio asked for");
     assert!(m["store_vs_engine_write"].as_f64().unwrap() > 0.0, "{text}");
+    assert!(
+        m["retrieve_vs_engine_read"].as_f64().unwrap() > 0.0,
+        "{text}"
+    );
     assert!(text.contains("the engine alone writing"), "{text}");
+    assert!(
+        text.contains("retrieve") && text.contains("the engine alone reading"),
+        "{text}"
+    );
     assert_eq!(v["rounds"][0]["config"]["prewrite"], true);
 
     let (text, v) = bench(

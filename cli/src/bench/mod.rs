@@ -73,6 +73,9 @@ pub struct ContextResult {
     /// the context, walked in turn (`--pattern write --buffers`): what the
     /// disk gives any writer of that much memory. Single-file pools only.
     pub engine_write_gib_s: Option<f64>,
+    /// The same, reading: the engine alone reading the context's bytes
+    /// from the pool file into as much memory.
+    pub engine_read_gib_s: Option<f64>,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -362,6 +365,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
             retrieve_cpu_us_per_object: retrieve_cpu * 1e6 / objects as f64,
             verified,
             engine_write_gib_s: None,
+            engine_read_gib_s: None,
         });
     }
     // The engine-alone write of each context's bytes, on the pool file
@@ -371,11 +375,11 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
     if let [file] = &scratch[..] {
         for r in &mut results {
             progress(&format!(
-                "{} tokens: the engine alone writing {} from as much memory",
+                "{} tokens: the engine alone writing and reading {} from and into as much memory",
                 r.tokens,
                 human_bytes(r.bytes)
             ));
-            let w = Workload {
+            let mut w = Workload {
                 pattern: Pattern::Write,
                 bs: cfg.tier.max_io_bytes,
                 iodepth: cfg.tier.uring.queue_depth,
@@ -387,6 +391,9 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
             };
             let (io, _) = raw::run(&w, r.bytes, &cfg.tier.uring)?;
             r.engine_write_gib_s = Some(io.write_bw / GIB);
+            w.pattern = Pattern::Read;
+            let (io, _) = raw::run(&w, r.bytes, &cfg.tier.uring)?;
+            r.engine_read_gib_s = Some(io.read_bw / GIB);
         }
     }
     Ok(BenchReport {
@@ -823,6 +830,9 @@ pub struct ContextMedians {
     /// Per round store / the engine alone writing the same bytes from as
     /// much memory, then the median.
     pub store_vs_engine_write: Option<f64>,
+    /// Per round retrieve / the engine alone reading the same bytes into
+    /// as much memory, then the median.
+    pub retrieve_vs_engine_read: Option<f64>,
 }
 
 /// The middle value (the mean of the two middle ones for an even count).
@@ -861,6 +871,10 @@ impl RepeatedReport {
                 let of = |f: &dyn Fn(&ContextResult) -> f64| {
                     median(per.iter().map(|(c, _)| f(c)).collect())
                 };
+                let of_some = |f: &dyn Fn(&ContextResult) -> Option<f64>| {
+                    let v: Vec<f64> = per.iter().filter_map(|(c, _)| f(c)).collect();
+                    (!v.is_empty()).then(|| median(v))
+                };
                 let with_fio = |f: &dyn Fn(&ContextResult, &FioReferences) -> f64| {
                     let v: Vec<f64> = per.iter().filter_map(|(c, r)| r.map(|r| f(c, r))).collect();
                     (!v.is_empty()).then(|| median(v))
@@ -881,15 +895,12 @@ impl RepeatedReport {
                     }),
                     fio_write_gib_s: with_fio(&|_, f| f.seq_write.write_bw / GIB),
                     fio_read_gib_s: with_fio(&|_, f| f.seq_read.read_bw / GIB),
-                    store_vs_engine_write: {
-                        let v: Vec<f64> = per
-                            .iter()
-                            .filter_map(|(c, _)| {
-                                c.engine_write_gib_s.map(|e| c.store_gib_s / e.max(1e-9))
-                            })
-                            .collect();
-                        (!v.is_empty()).then(|| median(v))
-                    },
+                    store_vs_engine_write: of_some(&|c| {
+                        c.engine_write_gib_s.map(|e| c.store_gib_s / e.max(1e-9))
+                    }),
+                    retrieve_vs_engine_read: of_some(&|c| {
+                        c.engine_read_gib_s.map(|e| c.retrieve_gib_s / e.max(1e-9))
+                    }),
                 }
             })
             .collect();
@@ -906,7 +917,7 @@ pub fn render_repeated(r: &RepeatedReport) -> String {
         s += "\n";
     }
     s += &format!(
-        "== medians of {} rounds (ratios taken within each round)\n{:>8} {:>11} {:>14} {:>10} {:>11} {:>16} {:>10} {:>18} {:>10} {:>20}\n",
+        "== medians of {} rounds (ratios taken within each round)\n{:>8} {:>11} {:>14} {:>10} {:>11} {:>16} {:>10} {:>18} {:>10} {:>20} {:>22}\n",
         r.rounds.len(),
         "tokens",
         "store GiB/s",
@@ -917,12 +928,13 @@ pub fn render_repeated(r: &RepeatedReport) -> String {
         "fio write",
         "retrieve/fio read",
         "fio read",
-        "store/engine write"
+        "store/engine write",
+        "retrieve/engine read"
     );
     let opt = |v: Option<f64>, prec: usize| v.map_or("-".to_string(), |x| format!("{x:.prec$}"));
     for m in &r.medians {
         s += &format!(
-            "{:>8} {:>11.2} {:>14.2} {:>10.2} {:>11.2} {:>16} {:>10} {:>18} {:>10} {:>20}\n",
+            "{:>8} {:>11.2} {:>14.2} {:>10.2} {:>11.2} {:>16} {:>10} {:>18} {:>10} {:>20} {:>22}\n",
             m.tokens,
             m.store_gib_s,
             m.retrieve_gib_s,
@@ -932,7 +944,8 @@ pub fn render_repeated(r: &RepeatedReport) -> String {
             opt(m.fio_write_gib_s, 2),
             opt(m.retrieve_vs_fio_read, 3),
             opt(m.fio_read_gib_s, 2),
-            opt(m.store_vs_engine_write, 3)
+            opt(m.store_vs_engine_write, 3),
+            opt(m.retrieve_vs_engine_read, 3)
         );
     }
     s
@@ -944,6 +957,16 @@ fn engine_write_note(r: &ContextResult) -> String {
         format!(
             ", {:.3}x kvtier's engine alone writing the same bytes from as much memory ({e:.2} GiB/s)",
             r.store_gib_s / e.max(1e-9)
+        )
+    })
+}
+
+/// "retrieve {x}x the engine alone reading the same bytes into as much memory".
+fn engine_read_note(r: &ContextResult) -> String {
+    r.engine_read_gib_s.map_or(String::new(), |e| {
+        format!(
+            "; retrieve {:.3}x the engine alone reading them into as much memory ({e:.2} GiB/s)",
+            r.retrieve_gib_s / e.max(1e-9)
         )
     })
 }
@@ -1001,9 +1024,10 @@ pub fn render(report: &BenchReport) -> String {
             .filter(|r| r.engine_write_gib_s.is_some())
         {
             s += &format!(
-                "{:>8} tokens: store{}\n",
+                "{:>8} tokens: store{}{}\n",
                 r.tokens,
-                engine_write_note(r).trim_start_matches(',')
+                engine_write_note(r).trim_start_matches(','),
+                engine_read_note(r)
             );
         }
     }
@@ -1036,7 +1060,7 @@ pub fn render(report: &BenchReport) -> String {
                 r.retrieve_gib_s / seq,
                 r.retrieve_gib_s / (f.rand_read.read_bw / GIB).max(1e-9),
                 r.store_gib_s / wseq.max(1e-9),
-                engine_write_note(r)
+                engine_write_note(r) + &engine_read_note(r)
             );
         }
     }
