@@ -3,8 +3,9 @@
 //! Rooms, bottom up (docs/design.md tells the design):
 //!
 //! - `host`: facts about the machine (PCI functions in sysfs, mounts and holders,
-//!   filesystem signatures, direct-I/O alignment and [`host::dio::AlignedBuf`], byte
-//!   sizes for people).
+//!   filesystem signatures, direct-I/O alignment and [`host::dio::AlignedBuf`], which of
+//!   a file was never written, byte sizes for people).
+//! - `checksum`: crc32c of bulk KV data (what stores record and loads verify).
 //! - `model` (KV geometry), `json` (strict JSON readers), `error`.
 //! - `pool`: key → slot on the SSDs; `pool::backing` opens the files and block devices
 //!   kvtier was given and refuses anyone else's data.
@@ -28,7 +29,7 @@
 //! `kvtier-cli` crate in `cli/`; this crate has no CLI dependencies.
 //!
 //! Raw syscalls and ioctls live in small modules behind safe types: `host::dio`
-//! (statx), `pool::backing`'s `sys`, `scan` and `locks` (block-device ioctls,
+//! (statx), `host::extents` (FIEMAP), `pool::backing`'s `sys`, `scan` and `locks` (block-device ioctls,
 //! fallocate, lseek, flock), `engine::uring` (io_uring through the io-uring crate,
 //! poll), `nvme::{uio, vfio, mmio}` (BAR and DMA mappings, pagemap, VFIO ioctls),
 //! `gpu::driver` (every CUDA driver call), `scratch` (the signal handler that removes
