@@ -157,10 +157,7 @@ fn crash_writer_child() {
 
 #[test]
 fn sigkill_during_stores_loses_nothing_acknowledged() {
-    let iters: usize = std::env::var("KVTIER_CRASH_ITERS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(60);
+    let iters = crash_iterations(60);
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     let geo = tiny_geometry();
 

@@ -349,13 +349,6 @@ fn verify(
     total
 }
 
-fn iterations() -> usize {
-    std::env::var("KVTIER_CRASH_ITERS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(16)
-}
-
 /// 5-400 ms after the child is ready: inside the first jobs, mid-stream,
 /// inside a close / drop / reopen cycle.
 fn delay(rng: &mut Rng) -> Duration {
@@ -364,7 +357,7 @@ fn delay(rng: &mut Rng) -> Duration {
 
 #[test]
 fn sigkill_through_the_handle_loses_nothing_acknowledged() {
-    let iters = iterations();
+    let iters = crash_iterations(16);
     let mut rng = Rng(0x5DEE_CE66_D1CE_4E5B);
     let geo = tiny_geometry();
     // No eviction: 2 devices x 512 groups x 8 blocks.
@@ -403,7 +396,7 @@ fn sigkill_through_the_handle_loses_nothing_acknowledged() {
 
 #[test]
 fn sigkill_through_the_handle_while_evicting_keeps_the_newest() {
-    let iters = iterations();
+    let iters = crash_iterations(16);
     let mut rng = Rng(0x2545_F491_4F6C_DD1D);
     let geo = tiny_geometry();
     // 2 devices x 8 groups x 8 blocks = 128 slots: every run evicts.

@@ -24,25 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 fn kvtier(args: &[&str]) -> (i32, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args(args)
-        .output()
-        .unwrap();
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    (out.status.code().unwrap_or(-1), text)
-}
-
-/// A config.json of `tiny_geometry` (with `--block-size 16`).
-fn tiny_config(dir: &TempDir) -> PathBuf {
-    let cfg = dir.file("config.json");
-    std::fs::write(
-        &cfg,
-        r#"{"num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 2,
-            "num_key_value_heads": 2, "torch_dtype": "bfloat16"}"#,
-    )
-    .unwrap();
-    cfg
+    run_cli(env!("CARGO_BIN_EXE_kvtier"), args)
 }
 
 fn ks(range: std::ops::Range<u64>) -> Vec<Key> {

@@ -9,7 +9,6 @@ use kvtier::pool::{DeviceSpec, Key, OpenExpect, Pool};
 use kvtier::tier::{Tier, TierConfig};
 use kvtier::{HostKvCache, HostLayout};
 use std::os::unix::fs::FileExt;
-use std::process::Command;
 use std::sync::Arc;
 
 /// `kvtier pool create --dev DEV --size SIZE --model MODEL` plus `extra`.
@@ -29,13 +28,7 @@ fn create(dev: &std::path::Path, size: &str, model: &str, extra: &[&str]) -> (i3
 }
 
 fn kvtier(args: &[&str]) -> (i32, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args(args)
-        .output()
-        .unwrap();
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    (out.status.code().unwrap_or(-1), text)
+    run_cli(env!("CARGO_BIN_EXE_kvtier"), args)
 }
 
 fn stored_pool(dir: &TempDir, keys: u64) -> Vec<std::path::PathBuf> {

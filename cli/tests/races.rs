@@ -18,25 +18,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::Arc;
 
-fn iterations(default: usize) -> usize {
-    std::env::var("KVTIER_CRASH_ITERS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(default)
-}
-
-/// A config.json of `tiny_geometry` (with `--block-size 16`).
-fn tiny_config(dir: &TempDir) -> PathBuf {
-    let cfg = dir.file("config.json");
-    std::fs::write(
-        &cfg,
-        r#"{"num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 2,
-            "num_key_value_heads": 2, "torch_dtype": "bfloat16"}"#,
-    )
-    .unwrap();
-    cfg
-}
-
 /// `kvtier pool create` of the tiny model on `devs`, each `size` bytes.
 fn create_cmd(devs: &[&Path], size: u64, cfg: &Path, extra: &[&str]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_kvtier"));
@@ -79,7 +60,7 @@ fn concurrent_creates_of_one_new_file_leave_one_winner_and_a_valid_pool() {
     let cfg = tiny_config(&dir);
     let size = 4 << 20;
     let mut losers = 0;
-    for i in 0..iterations(100) {
+    for i in 0..crash_iterations(100) {
         let dev = dir.file(&format!("race{i}.pool"));
         let children: Vec<Child> = (0..3)
             .map(|_| create_cmd(&[&dev], size, &cfg, &[]).spawn().unwrap())
@@ -181,7 +162,7 @@ fn sigkill_during_create_leaves_a_pool_or_none_and_the_command_works_again() {
     let size = pristine.len() as u64;
     let dev = dir.file("new.pool");
     let mut rng = Rng(0xC0FF_EE00_1234_5678);
-    let per_case = iterations(6);
+    let per_case = crash_iterations(6);
     let mut seen = std::collections::BTreeMap::<String, usize>::new();
     for prewrite in [false, true] {
         for over_pool in [false, true] {
@@ -301,7 +282,7 @@ fn pool_check_racing_a_writer_and_its_sigkill_is_refused_or_clean() {
     let dev = devs[0].to_str().unwrap().to_string();
     let mut rng = Rng(0x0DDB_A11C_0FFE_E000);
     let (mut refused, mut clean) = (0, 0);
-    for i in 0..iterations(6) {
+    for i in 0..crash_iterations(6) {
         let mut writer = common::crash::writer_command(&devs, (i as u64 + 1) << 32, 8, 400)
             .spawn()
             .unwrap();
@@ -381,7 +362,7 @@ fn two_writers_naming_the_devices_in_opposite_orders_leave_one_serving() {
     drop(pool);
     let rev: Vec<PathBuf> = devs.iter().rev().cloned().collect();
     let mut both_refused = 0;
-    for i in 0..iterations(60) {
+    for i in 0..crash_iterations(60) {
         let mut kids: Vec<Child> = [&devs, &rev]
             .iter()
             .enumerate()

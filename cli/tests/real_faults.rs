@@ -105,6 +105,22 @@ fn ext2(dir: &TempDir, name: &str, bytes: u64) -> Result<Mount, String> {
     Ok(Mount(mnt))
 }
 
+/// A loop block device over a new `bytes`-byte image `dir/name` (detached
+/// when dropped).
+fn loop_device(dir: &TempDir, name: &str, bytes: u64) -> Result<Loop, String> {
+    if !is_root() {
+        return Err("not root".into());
+    }
+    let img = dir.file(name);
+    std::fs::File::create(&img)
+        .and_then(|f| f.set_len(bytes))
+        .map_err(|e| e.to_string())?;
+    Ok(Loop(PathBuf::from(sh(
+        "losetup",
+        &["-f", "--show", img.to_str().unwrap()],
+    )?)))
+}
+
 macro_rules! or_skip {
     ($e:expr, $what:expr) => {
         match $e {
@@ -118,24 +134,7 @@ macro_rules! or_skip {
 }
 
 fn kvtier(args: &[&str]) -> (i32, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args(args)
-        .output()
-        .unwrap();
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    (out.status.code().unwrap_or(-1), text)
-}
-
-fn tiny_config(dir: &Path) -> PathBuf {
-    let p = dir.join("tiny.json");
-    std::fs::write(
-        &p,
-        r#"{"num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 2,
-            "num_key_value_heads": 2, "torch_dtype": "bfloat16"}"#,
-    )
-    .unwrap();
-    p
+    run_cli(env!("CARGO_BIN_EXE_kvtier"), args)
 }
 
 fn free_bytes(dir: &Path) -> u64 {
@@ -151,7 +150,7 @@ fn free_bytes(dir: &Path) -> u64 {
 #[test]
 fn a_failed_create_leaves_no_file_it_made() {
     let dir = TempDir::new("createfail");
-    let cfg = tiny_config(dir.path());
+    let cfg = tiny_config(&dir);
     let a = dir.file("a.pool");
     let foreign = dir.file("foreign");
     std::fs::write(&foreign, vec![3u8; 8192]).unwrap();
@@ -207,7 +206,7 @@ fn a_failed_create_leaves_no_file_it_made() {
 fn create_on_a_full_tmpfs_is_refused_and_leaves_nothing() {
     let dir = TempDir::new("tmpfsfull");
     let fs = or_skip!(tmpfs(&dir, "t", 8 << 20), "tmpfs");
-    let cfg = tiny_config(dir.path());
+    let cfg = tiny_config(&dir);
     let a = fs.0.join("a.pool");
     let (code, text) = kvtier(&[
         "pool",
@@ -235,7 +234,7 @@ fn create_on_a_full_tmpfs_is_refused_and_leaves_nothing() {
 fn prewrite_of_a_sparse_pool_on_a_full_filesystem_fails_cleanly() {
     let dir = TempDir::new("prewritefull");
     let fs = or_skip!(ext2(&dir, "e", 16 << 20), "ext2 on a loop device");
-    let cfg = tiny_config(dir.path());
+    let cfg = tiny_config(&dir);
     let a = fs.0.join("a.pool");
     let before = free_bytes(&fs.0);
     let (code, text) = kvtier(&[
@@ -357,25 +356,15 @@ fn stores_into_a_sparse_pool_on_a_full_filesystem() {
 #[test]
 fn eio_from_a_device_that_lost_its_tail() {
     let dir = TempDir::new("eiotail");
-    or_skip!(
-        if is_root() { Ok(()) } else { Err("not root") },
-        "loop devices"
-    );
+    let lo = or_skip!(loop_device(&dir, "fs.img", 32 << 20), "loop devices");
     let img = dir.file("fs.img");
-    std::fs::File::create(&img)
-        .and_then(|f| f.set_len(32 << 20))
-        .unwrap();
     or_skip!(
         sh(
             "mkfs.ext2",
-            &["-q", "-F", "-b", "4096", img.to_str().unwrap()]
+            &["-q", "-F", "-b", "4096", lo.0.to_str().unwrap()]
         ),
         "mkfs.ext2"
     );
-    let lo = Loop(PathBuf::from(or_skip!(
-        sh("losetup", &["-f", "--show", img.to_str().unwrap()]),
-        "losetup"
-    )));
     let mnt = dir.file("m");
     std::fs::create_dir_all(&mnt).unwrap();
     or_skip!(
@@ -666,18 +655,8 @@ fn devices_swapped_missing_foreign_or_duplicated() {
 #[test]
 fn a_block_device_that_shrinks_under_a_serving_tier() {
     let dir = TempDir::new("bdevshrink");
-    or_skip!(
-        if is_root() { Ok(()) } else { Err("not root") },
-        "loop devices"
-    );
+    let lo = or_skip!(loop_device(&dir, "disk.img", 16 << 20), "loop devices");
     let img = dir.file("disk.img");
-    std::fs::File::create(&img)
-        .and_then(|f| f.set_len(16 << 20))
-        .unwrap();
-    let lo = Loop(PathBuf::from(or_skip!(
-        sh("losetup", &["-f", "--show", img.to_str().unwrap()]),
-        "losetup"
-    )));
     let geo = tiny_geometry();
     let cfg = kvtier::pool::PoolConfig::new(geo, "test", "test/ns")
         .with_group_blocks(8)
@@ -761,18 +740,7 @@ fn a_block_device_that_shrinks_under_a_serving_tier() {
 #[test]
 fn a_block_device_set_read_only_under_a_serving_tier() {
     let dir = TempDir::new("bdevro");
-    or_skip!(
-        if is_root() { Ok(()) } else { Err("not root") },
-        "loop devices"
-    );
-    let img = dir.file("disk.img");
-    std::fs::File::create(&img)
-        .and_then(|f| f.set_len(8 << 20))
-        .unwrap();
-    let lo = Loop(PathBuf::from(or_skip!(
-        sh("losetup", &["-f", "--show", img.to_str().unwrap()]),
-        "losetup"
-    )));
+    let lo = or_skip!(loop_device(&dir, "disk.img", 8 << 20), "loop devices");
     let dev = lo.0.to_str().unwrap().to_string();
     let geo = tiny_geometry();
     let cfg = kvtier::pool::PoolConfig::new(geo, "test", "test/ns")
@@ -879,7 +847,7 @@ fn fifos_sockets_char_devices_and_directories_are_no_pool_devices() {
     let _listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
     let link = dir.file("link-to-fifo");
     std::os::unix::fs::symlink(&fifo, &link).unwrap();
-    let cfg = tiny_config(dir.path());
+    let cfg = tiny_config(&dir);
     let subdir = dir.file("sub");
     std::fs::create_dir(&subdir).unwrap();
     let cases = [

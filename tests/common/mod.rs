@@ -76,6 +76,37 @@ pub fn tiny_geometry() -> KvGeometry {
     }
 }
 
+/// Iterations of a kill-at-random-points test: `default`, or
+/// `KVTIER_CRASH_ITERS` when set (to run more by hand).
+pub fn crash_iterations(default: usize) -> usize {
+    std::env::var("KVTIER_CRASH_ITERS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
+/// A config.json of `tiny_geometry` (with `--block-size 16`) in `dir`.
+pub fn tiny_config(dir: &TempDir) -> PathBuf {
+    let cfg = dir.file("config.json");
+    std::fs::write(
+        &cfg,
+        r#"{"num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "torch_dtype": "bfloat16"}"#,
+    )
+    .unwrap();
+    cfg
+}
+
+/// Runs the `kvtier` binary at `bin` (the CLI tests pass
+/// `env!("CARGO_BIN_EXE_kvtier")`) with `args`: its exit code (-1 when a
+/// signal ended it) and its stdout then stderr.
+pub fn run_cli(bin: &str, args: &[&str]) -> (i32, String) {
+    let out = std::process::Command::new(bin).args(args).output().unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.code().unwrap_or(-1), text)
+}
+
 /// Bytes of a device that holds `groups` extent groups of `g` blocks.
 pub fn device_bytes(geo: &KvGeometry, g: u32, groups: u64) -> u64 {
     kvtier::pool::layout::DATA_OFFSET
