@@ -78,6 +78,13 @@ pub struct ContextResult {
     pub engine_read_gib_s: Option<f64>,
 }
 
+impl ContextResult {
+    /// Time to the first layer over the restore's average layer time.
+    pub fn first_layer_vs_avg(&self, layers: u32) -> f64 {
+        self.first_layer_ms / (self.retrieve_secs * 1e3 / layers.max(1) as f64)
+    }
+}
+
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct BenchReport {
     pub config: BenchConfig,
@@ -849,9 +856,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 impl RepeatedReport {
     /// The medians of `rounds` (each context as measured in every round).
     pub fn new(rounds: Vec<BenchReport>) -> RepeatedReport {
-        let layers = rounds
-            .first()
-            .map_or(1, |r| r.config.geometry.layers.max(1)) as f64;
+        let layers = rounds.first().map_or(1, |r| r.config.geometry.layers);
         let tokens: Vec<u64> = rounds
             .first()
             .map(|r| r.results.iter().map(|c| c.tokens).collect())
@@ -884,9 +889,7 @@ impl RepeatedReport {
                     store_gib_s: of(&|c| c.store_gib_s),
                     retrieve_gib_s: of(&|c| c.retrieve_gib_s),
                     first_layer_ms: of(&|c| c.first_layer_ms),
-                    first_layer_vs_avg: of(&|c| {
-                        c.first_layer_ms / (c.retrieve_secs * 1e3 / layers)
-                    }),
+                    first_layer_vs_avg: of(&|c| c.first_layer_vs_avg(layers)),
                     store_vs_fio_write: with_fio(&|c, f| {
                         c.store_gib_s / (f.seq_write.write_bw / GIB).max(1e-9)
                     }),
@@ -1007,7 +1010,7 @@ pub fn render(report: &BenchReport) -> String {
             r.store_gib_s,
             r.retrieve_gib_s,
             r.first_layer_ms,
-            r.first_layer_ms / (r.retrieve_secs * 1e3 / g.layers as f64),
+            r.first_layer_vs_avg(g.layers),
             r.ios_per_layer,
             r.syscalls_per_layer,
             r.store_cpu_us_per_object,

@@ -181,66 +181,65 @@ pub fn run_streams(
         let budget_up = deadline.is_none() && issued_bytes >= byte_budget;
         if !(time_up || budget_up) {
             // Refill every stream to its depth, then one kick submits them all.
-            let ready = (0..streams.len()).flat_map(|si| {
-                std::iter::repeat_n(si, (streams[si].iodepth - stream_out[si]) as usize)
-            });
-            for si in ready.collect::<Vec<_>>() {
-                // One pass moves exactly `size` bytes (fio's `size`), not
-                // up to a refill more.
-                if deadline.is_none() && issued_bytes >= byte_budget {
-                    break;
-                }
-                let Some(buf) = free_slots[si].pop_front() else {
-                    continue;
-                };
-                stream_out[si] += 1;
-                let s = &streams[si];
-                let blocks = (s.region.1 - s.region.0) / w.bs;
-                let op = match s.pattern {
-                    Pattern::Read | Pattern::RandRead => IOCTX_OP_READ,
-                    Pattern::Write | Pattern::RandWrite => IOCTX_OP_WRITE,
-                    Pattern::RandRw => {
-                        if rng.next() % 100 < w.rwmix_read as u64 {
-                            IOCTX_OP_READ
-                        } else {
-                            IOCTX_OP_WRITE
-                        }
+            'refill: for si in 0..streams.len() {
+                while stream_out[si] < streams[si].iodepth {
+                    // One pass moves exactly `size` bytes (fio's `size`), not
+                    // up to a refill more.
+                    if deadline.is_none() && issued_bytes >= byte_budget {
+                        break 'refill;
                     }
-                };
-                let offset = if s.pattern.is_random() {
-                    s.region.0 + (rng.next() % blocks) * w.bs
-                } else {
-                    let o = seq_next[si];
-                    seq_next[si] = if o + 2 * w.bs > s.region.1 {
-                        s.region.0
-                    } else {
-                        o + w.bs
+                    let Some(buf) = free_slots[si].pop_front() else {
+                        break;
                     };
-                    o
-                };
-                let id = io
-                    .get_iocb()
-                    .ok_or_else(|| Error::Ring("no free IOCB".into()))?;
-                let ctx = IoCtx {
-                    dev_offset: offset,
-                    len: w.bs as u32,
-                    op,
-                    ..IoCtx::default()
-                };
-                io.ring_mut().push_ctx(id, ctx, &[buf]);
-                io.submit(id)?;
-                in_flight.insert(
-                    id,
-                    (
-                        buf,
-                        Slot {
-                            stream: si,
-                            op,
-                            started: Instant::now(),
-                        },
-                    ),
-                );
-                issued_bytes += w.bs;
+                    stream_out[si] += 1;
+                    let s = &streams[si];
+                    let blocks = (s.region.1 - s.region.0) / w.bs;
+                    let op = match s.pattern {
+                        Pattern::Read | Pattern::RandRead => IOCTX_OP_READ,
+                        Pattern::Write | Pattern::RandWrite => IOCTX_OP_WRITE,
+                        Pattern::RandRw => {
+                            if rng.next() % 100 < w.rwmix_read as u64 {
+                                IOCTX_OP_READ
+                            } else {
+                                IOCTX_OP_WRITE
+                            }
+                        }
+                    };
+                    let offset = if s.pattern.is_random() {
+                        s.region.0 + (rng.next() % blocks) * w.bs
+                    } else {
+                        let o = seq_next[si];
+                        seq_next[si] = if o + 2 * w.bs > s.region.1 {
+                            s.region.0
+                        } else {
+                            o + w.bs
+                        };
+                        o
+                    };
+                    let id = io
+                        .get_iocb()
+                        .ok_or_else(|| Error::Ring("no free IOCB".into()))?;
+                    let ctx = IoCtx {
+                        dev_offset: offset,
+                        len: w.bs as u32,
+                        op,
+                        ..IoCtx::default()
+                    };
+                    io.ring_mut().push_ctx(id, ctx, &[buf]);
+                    io.submit(id)?;
+                    in_flight.insert(
+                        id,
+                        (
+                            buf,
+                            Slot {
+                                stream: si,
+                                op,
+                                started: Instant::now(),
+                            },
+                        ),
+                    );
+                    issued_bytes += w.bs;
+                }
             }
             // No kick: wait_cqe submits the refill in its own io_uring_enter.
         } else if in_flight.is_empty() {
