@@ -245,7 +245,25 @@ impl DmaBuffer {
             // SAFETY: off < rounded, inside the mapping past `skip`.
             unsafe { buf.as_mut_ptr().add(off).write_volatile(0) };
         }
+        buf.collapse_into_huge_pages(rounded);
         Ok(buf)
+    }
+
+    /// Ask the kernel to move the first `len` usable bytes into transparent
+    /// huge pages now (MADV_COLLAPSE, Linux 6.1+). A fault takes a huge page
+    /// only when one is free at that moment, so on a machine whose memory is
+    /// fragmented (this VM's kernel counted 16297 THP fault fallbacks over a
+    /// day of benchmarks) some 2 MiB ranges come back in 4 KiB pages: 512
+    /// DMA segments per I/O instead of one. Best effort: an older kernel, THP
+    /// off, or no huge page to be had leaves the memory as it is, still
+    /// correct; ranges already huge cost only the scan.
+    fn collapse_into_huge_pages(&self, len: usize) {
+        // SAFETY: the range is inside this mapping; MADV_COLLAPSE keeps the
+        // contents (it copies them into the new pages) and changes nothing
+        // else about the mapping.
+        unsafe {
+            libc::madvise(self.as_mut_ptr().cast(), len, libc::MADV_COLLAPSE);
+        }
     }
 
     /// Start of the usable bytes.
