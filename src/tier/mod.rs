@@ -395,7 +395,7 @@ impl Tier {
         self.io.engine_mut().register_memory(table.clone())?;
         self.table = Some(table);
         self.staging = Some(Staging {
-            map,
+            map: Arc::new(map),
             first_index,
             free: (1..n).rev().collect(),
         });

@@ -11,13 +11,15 @@ use crate::memory::{DmaBuffer, MemoryKind};
 use crate::pool::layout::SLOT_HEADER_BYTES;
 use crate::pool::{Key, Pool};
 use std::collections::HashSet;
+use std::sync::Arc;
 
 /// Below this many bytes of blocks to hash, a store hashes them itself
 /// rather than start a worker.
 const INLINE_HASH_BYTES: u64 = 32 << 20;
 
-/// A thread taking checksums: (block, per-layer checksums) when joined.
-type HashWorker = std::thread::JoinHandle<Vec<(usize, Vec<u32>)>>;
+/// A thread taking checksums and building the header sectors of the blocks
+/// it hashed: (block, its header's state) when joined.
+type HashWorker = std::thread::JoinHandle<Vec<(usize, HeaderState)>>;
 
 /// Run `work` on a thread `spawn` starts, or here when no thread can be had
 /// (`Err` with its result): the OS refusing a thread (a process at its
@@ -35,62 +37,95 @@ fn spawn_or_run<T: Send + 'static>(
     }
 }
 
+/// Where one new block's header sector stands.
+pub(super) enum HeaderState {
+    /// Still to be built, from these per-layer checksums (None: memory the
+    /// host cannot read, stored without them).
+    Todo(Option<Vec<u32>>),
+    /// Built in its staging entry by the checksum worker; the pool still
+    /// has to record what loads verify against.
+    Built { layer_crcs: Vec<u32>, data_crc: u32 },
+}
+
+/// A block the checksum worker hashes, and where its header sector goes.
+struct ToHash {
+    /// Its index among the store's new blocks.
+    block: usize,
+    /// Its staging entry.
+    entry: u32,
+    key: Key,
+    generation: u64,
+    slot: u64,
+    mem_block: u32,
+}
+
 /// A store's headers until they are staged.
 pub(super) struct PendingHeaders {
     /// The new blocks, in the order their staging entries were taken.
     blocks: Vec<NewBlock>,
-    /// Per new block: its per-layer checksums (None for device memory).
-    crcs: Vec<Option<Vec<u32>>>,
-    /// The worker taking the missing checksums: (block, checksums).
+    /// Per new block: its header's state (the worker's blocks are `Todo(None)`
+    /// until it is joined).
+    states: Vec<HeaderState>,
+    /// The worker hashing the blocks without given checksums.
     worker: Option<HashWorker>,
 }
 
 impl PendingHeaders {
-    /// Every block's checksums (waiting for the worker if it still runs).
-    pub(super) fn join(mut self) -> (Vec<NewBlock>, Vec<Option<Vec<u32>>>) {
+    /// Every block with its header's state (waiting for the worker if it
+    /// still runs).
+    pub(super) fn join(mut self) -> Vec<(NewBlock, HeaderState)> {
         if let Some(w) = self.worker.take() {
-            // A worker that panicked left its checksums missing: those
-            // blocks are then stored without them (verified by nothing,
-            // which `pool check` reports), never with wrong ones.
+            // A worker that panicked left its blocks `Todo(None)`: they are
+            // then stored without checksums (verified by nothing, which
+            // `pool check` reports), never with wrong ones.
             if let Ok(got) = w.join() {
-                for (j, c) in got {
-                    self.crcs[j] = Some(c);
+                for (j, state) in got {
+                    self.states[j] = state;
                 }
             }
         }
-        (self.blocks, self.crcs)
+        self.blocks.into_iter().zip(self.states).collect()
     }
 }
 
-/// Write the headers of a store into its staging entries, just before the
-/// header writes (its data is on the device by then).
+/// Put every header of a store into its staging entry, just before the
+/// header writes (its data is on the device by then): most were built by
+/// the checksum worker while the data was being written.
 pub(super) fn stage_headers(pool: &mut Pool, staging: &Staging, job: &mut Job) {
     let st = job.store.as_mut().expect("a store");
     let Some(pending) = st.headers.take() else {
         return;
     };
-    let (blocks, crcs) = pending.join();
     let mut sector = vec![0u8; SLOT_HEADER_BYTES as usize];
-    for (j, b) in blocks.iter().enumerate() {
-        let p = b.pos as usize;
-        pool.write_header_sector(
-            &mut sector,
-            &job.keys[p],
-            b.slot,
-            st.generations[p],
-            crcs[j].as_deref(),
-        );
-        let ptr = staging.entry_ptr(b.header_seg - staging.first_index);
-        // SAFETY: a staging entry is 4 KiB owned by this job until it finishes.
-        unsafe {
-            std::ptr::copy_nonoverlapping(sector.as_ptr(), ptr, sector.len());
+    for (b, state) in pending.join() {
+        match state {
+            HeaderState::Built {
+                layer_crcs,
+                data_crc,
+            } => pool.set_slot_crcs(b.slot, Some(data_crc), Some(&layer_crcs)),
+            HeaderState::Todo(crcs) => {
+                let p = b.pos as usize;
+                pool.write_header_sector(
+                    &mut sector,
+                    &job.keys[p],
+                    b.slot,
+                    st.generations[p],
+                    crcs.as_deref(),
+                );
+                let ptr = staging.entry_ptr(b.header_seg - staging.first_index);
+                // SAFETY: a staging entry is 4 KiB owned by this job until it finishes.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(sector.as_ptr(), ptr, sector.len());
+                }
+            }
         }
     }
 }
 
 /// The header staging arena: 4 KiB buffers registered in the P2P table.
 pub(super) struct Staging {
-    pub(super) map: DmaBuffer,
+    /// Shared with checksum workers, which build header sectors in it.
+    pub(super) map: Arc<DmaBuffer>,
     pub(super) first_index: u32,
     pub(super) free: Vec<u32>,
 }
@@ -100,12 +135,17 @@ impl Staging {
     pub(super) const ZERO: u32 = 0;
 
     fn entry_ptr(&self, i: u32) -> *mut u8 {
-        // SAFETY: i < entries (callers use indices from `free`/ZERO).
-        unsafe {
-            self.map
-                .as_mut_ptr()
-                .add(i as usize * SLOT_HEADER_BYTES as usize)
-        }
+        entry_ptr(&self.map, i)
+    }
+}
+
+/// Entry `i` of a staging arena.
+fn entry_ptr(map: &DmaBuffer, i: u32) -> *mut u8 {
+    assert!((i as usize + 1) * SLOT_HEADER_BYTES as usize <= map.len());
+    // SAFETY: inside the arena (checked above).
+    unsafe {
+        map.as_mut_ptr()
+            .add(i as usize * SLOT_HEADER_BYTES as usize)
     }
 }
 
@@ -228,31 +268,71 @@ impl Tier {
             .collect();
         // The data checksums the headers record: given, or taken here for a
         // small store, or on a worker while the data is being written (a
-        // 64K-token llama3-8b store hashes 8 GiB: ~0.9 s of CPU that would
+        // 64K-token llama3-8b store hashes 8 GiB: ~0.5 s of CPU that would
         // otherwise delay the first data write).
-        let mut block_crcs: Vec<Option<Vec<u32>>> = blocks
+        let mut states: Vec<HeaderState> = blocks
             .iter()
-            .map(|b| crcs.and_then(|c| c[b.pos as usize].clone()))
+            .map(|b| HeaderState::Todo(crcs.and_then(|c| c[b.pos as usize].clone())))
             .collect();
         let mut worker = None;
         if table.kind() == MemoryKind::Host {
-            let missing: Vec<(usize, u32)> = blocks
-                .iter()
-                .enumerate()
-                .filter(|&(j, _)| block_crcs[j].is_none())
-                .map(|(j, b)| (j, b.mem_block))
+            let missing: Vec<usize> = (0..blocks.len())
+                .filter(|&j| matches!(states[j], HeaderState::Todo(None)))
                 .collect();
             if missing.len() as u64 * geo.block_bytes() <= INLINE_HASH_BYTES {
-                for (j, mem) in missing {
-                    block_crcs[j] = Some(layer_crcs(&table, mem, geo.layers));
+                for j in missing {
+                    states[j] = HeaderState::Todo(Some(layer_crcs(
+                        &table,
+                        blocks[j].mem_block,
+                        geo.layers,
+                    )));
                 }
             } else {
+                // The worker builds each block's header sector in its staging
+                // entry as soon as it has the block's checksums.
+                let staging = self.staging.as_ref().expect("registered");
+                let arena = staging.map.clone();
+                let work: Vec<ToHash> = missing
+                    .iter()
+                    .map(|&j| {
+                        let b = &blocks[j];
+                        ToHash {
+                            block: j,
+                            entry: b.header_seg - first_seg,
+                            key: keys[b.pos as usize],
+                            generation: generations[b.pos as usize],
+                            slot: b.slot,
+                            mem_block: b.mem_block,
+                        }
+                    })
+                    .collect();
+                let writer = self.pool.header_writer();
                 let table = table.clone();
                 let layers = geo.layers;
-                let hash = move || -> Vec<(usize, Vec<u32>)> {
-                    missing
-                        .iter()
-                        .map(|&(j, mem)| (j, layer_crcs(&table, mem, layers)))
+                let hash = move || -> Vec<(usize, HeaderState)> {
+                    work.iter()
+                        .map(|w| {
+                            let layer_crcs = layer_crcs(&table, w.mem_block, layers);
+                            let ptr = entry_ptr(&arena, w.entry);
+                            // SAFETY: the block's staging entry (4 KiB) is
+                            // this job's, and nothing else touches it until
+                            // the job stages its headers or finishes, both
+                            // of which join this worker first; `arena` keeps
+                            // the memory alive.
+                            let sector = unsafe {
+                                std::slice::from_raw_parts_mut(ptr, SLOT_HEADER_BYTES as usize)
+                            };
+                            let data_crc = writer
+                                .write(sector, &w.key, w.slot, w.generation, Some(&layer_crcs))
+                                .expect("built from checksums");
+                            (
+                                w.block,
+                                HeaderState::Built {
+                                    layer_crcs,
+                                    data_crc,
+                                },
+                            )
+                        })
                         .collect()
                 };
                 match spawn_or_run(hash, |f| {
@@ -262,8 +342,8 @@ impl Tier {
                 }) {
                     Ok(w) => worker = Some(w),
                     Err(got) => {
-                        for (j, c) in got {
-                            block_crcs[j] = Some(c);
+                        for (j, state) in got {
+                            states[j] = state;
                         }
                     }
                 }
@@ -310,7 +390,7 @@ impl Tier {
                 unwritable_headers: Vec::new(),
                 headers: Some(PendingHeaders {
                     blocks,
-                    crcs: block_crcs,
+                    states,
                     worker,
                 }),
             }),
