@@ -448,3 +448,51 @@ fn a_create_killed_between_its_superblocks_runs_again_without_force() {
         "{t}"
     );
 }
+
+/// A pool closed while a child that another thread forked still holds a copy
+/// of its descriptor (between that child's fork and its exec) opens again
+/// from another process: the copy goes within milliseconds, so the open
+/// waits it out instead of calling the closed pool "in use" by this process
+/// (a test harness spawning commands on other threads saw that).
+#[test]
+fn a_pool_closed_while_a_forked_child_holds_its_descriptor_opens_elsewhere() {
+    let dir = TempDir::new("fork-copy");
+    let path = stored_pool(&dir, 4, 8);
+    let pool = Pool::open(std::slice::from_ref(&path), &OpenExpect::default()).unwrap();
+    // SAFETY: the child only sleeps and exits (async-signal-safe calls),
+    // holding copies of this process's descriptors meanwhile.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        let ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 100_000_000,
+        };
+        // SAFETY: as above.
+        unsafe {
+            libc::nanosleep(&ts, std::ptr::null_mut());
+            libc::_exit(0);
+        }
+    }
+    assert!(pid > 0, "fork failed");
+    drop(pool);
+    let (code, out) = run_cli(
+        env!("CARGO_BIN_EXE_kvtier"),
+        &["pool", "info", "--dev", path.to_str().unwrap()],
+    );
+    let mut status = 0;
+    // SAFETY: waits for the child forked above.
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert_eq!(code, 0, "{out}");
+    // A holder that stays is still refused, naming it.
+    let pool = Pool::open(std::slice::from_ref(&path), &OpenExpect::default()).unwrap();
+    let (code, out) = run_cli(
+        env!("CARGO_BIN_EXE_kvtier"),
+        &["pool", "info", "--dev", path.to_str().unwrap()],
+    );
+    assert_ne!(code, 0, "{out}");
+    assert!(
+        out.contains("in use") && out.contains(&std::process::id().to_string()),
+        "{out}"
+    );
+    drop(pool);
+}

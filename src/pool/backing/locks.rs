@@ -7,8 +7,9 @@ use super::*;
 /// has already exited: the kernel releases a dead process's files when its io_uring
 /// rings are torn down, which may be tens of milliseconds after the exit.
 pub(super) const RELEASE_GRACE: std::time::Duration = std::time::Duration::from_millis(1500);
-/// How long an open waits for a lock this very process holds (see `lock_device`).
-pub(super) const SELF_GRACE: std::time::Duration = std::time::Duration::from_millis(300);
+/// How long an open waits for a lock a live process (this one included) holds before
+/// refusing (see `lock_device`).
+pub(super) const LIVE_GRACE: std::time::Duration = std::time::Duration::from_millis(300);
 
 /// A process holding a `flock` on a file: its pid and whether the lock is exclusive.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -128,7 +129,7 @@ pub(super) fn in_use_error(path: &Path, access: Access, holders: &[LockHolder]) 
 
 /// Take the lock that goes with `access` on an open backing device. A conflicting lock
 /// whose holders have all exited is waited out for [`RELEASE_GRACE`]; one held by a live
-/// process (or by this one) is refused at once, naming it.
+/// process (or by this one) is refused after [`LIVE_GRACE`], naming it.
 pub(super) fn lock_device(path: &Path, file: &File, access: Access) -> Result<()> {
     let op = match access {
         Access::Exclusive => libc::LOCK_EX,
@@ -151,14 +152,17 @@ pub(super) fn lock_device(path: &Path, file: &File, access: Access) -> Result<()
             .metadata()
             .context(|| format!("stat {}", path.display()))?;
         let holders = lock_holders(&meta);
-        let me = std::process::id() as i32;
-        let other = holders.iter().any(|h| h.pid != me && process_alive(h.pid));
-        // A lock this process holds may be a child's inherited copy of our
-        // descriptor for the moment between its fork and exec: wait that out
-        // briefly before calling it a second open.
-        let mine = holders.iter().any(|h| h.pid == me);
+        // A live holder's lock may be only a copy of its descriptor that a
+        // child forked by another of its threads holds for the moment between
+        // fork and exec (/proc/locks names the process that took the lock,
+        // not the one holding the copy): a test harness or a server closing
+        // the pool while another thread spawns a command made the next open
+        // fail as "in use by pid N" although N had closed it. Such a copy goes
+        // within milliseconds; a real holder is still refused after
+        // LIVE_GRACE. Holders that have all exited get RELEASE_GRACE.
+        let live = holders.iter().any(|h| process_alive(h.pid));
         let now = std::time::Instant::now();
-        if other || now >= deadline || (mine && now + RELEASE_GRACE - SELF_GRACE >= deadline) {
+        if now >= deadline || (live && now + RELEASE_GRACE - LIVE_GRACE >= deadline) {
             return Err(in_use_error(path, access, &holders));
         }
         std::thread::sleep(std::time::Duration::from_millis(10));
