@@ -369,14 +369,18 @@ fn a_second_load_into_a_block_under_load_is_refused_and_the_key_kept() {
     // Each load checks the bytes in its memory block: a second load landing
     // there meanwhile would fail the first's check and drop a good key.
     let dir = TempDir::new("handle-double-load");
-    let (h, cache, _) = faulty_handle(&dir, 4, 8, HandleConfig::default());
+    let (h, cache, faults) = faulty_handle(&dir, 4, 8, HandleConfig::default());
     store_ok(&h, &cache, &[1, 2], &[0, 1]);
     let layers = h.geometry().layers;
     for _ in 0..20 {
+        // The first load's reads are held, so it is still in flight when
+        // the second arrives (a tiny load could otherwise finish first).
+        faults.lock().unwrap().hold = true;
         let a = h.submit_load(&keys(1..2), &[3], 0..layers).unwrap();
         assert_eq!(h.memory_block_use(3), Some(kvtier::tier::JobKind::Load));
         let err = h.submit_load(&keys(2..3), &[3], 0..layers).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Usage, "{err}");
+        faults.lock().unwrap().hold = false;
         assert!(h.wait(a).unwrap().all_ok());
         assert_eq!(h.memory_block_use(3), None);
     }
