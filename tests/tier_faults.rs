@@ -199,3 +199,66 @@ fn a_slot_whose_header_cannot_be_invalidated_is_retired() {
         assert!(cache.block_matches(2, seed_of(i), 0..geo.layers));
     }
 }
+
+/// A read that delivers wrong bytes once (the device still holds the stored
+/// ones) costs no key: the verifier looks at the device again, copies the
+/// good bytes in and the load succeeds with exactly what was stored. Bytes
+/// that are wrong on the device itself still fail as corrupt and leave the
+/// pool. Before, one bad transfer dropped a good, acknowledged key.
+#[test]
+fn a_read_garbled_once_is_healed_from_the_device_and_keeps_its_key() {
+    let dir = TempDir::new("garble");
+    let geo = tiny_geometry();
+    let pool = create_pool(&dir, geo, 8, 1, 2);
+    let paths = pool.paths();
+    let layout = pool.layout().clone();
+    let faults = Arc::new(Mutex::new(Faults::default()));
+    let engine = FaultEngine::open(&paths, faults.clone());
+    let mut tier = Tier::with_engine(pool, TierConfig::default(), Box::new(engine)).unwrap();
+    let cache = Arc::new(HostKvCache::new(geo, 4, HostLayout::PerLayer).unwrap());
+    tier.register_host_cache(cache.clone()).unwrap();
+    for i in 0..2 {
+        cache.fill_block(i as u32, seed_of(i));
+    }
+    let job = tier.submit_store(&[k(0), k(1)], &[0, 1]).unwrap();
+    assert!(tier.wait(job).unwrap().all_ok());
+
+    // Layer 1's V object of key 0 comes back with a flipped byte, once.
+    let slot0 = tier.pool().index().get(&k(0)).unwrap().slot;
+    let (dev, off) = layout.object_offset(slot0, 1, 1);
+    faults.lock().unwrap().garble_reads_once = vec![(dev, off + 100..off + 101)];
+    cache.clear();
+    let job = tier.submit_load(&[k(0)], &[2], 0..geo.layers).unwrap();
+    let got = tier.wait(job).unwrap();
+    assert!(
+        faults.lock().unwrap().garble_reads_once.is_empty(),
+        "the garbled read happened"
+    );
+    assert_eq!(got.outcomes[0], KeyOutcome::Done, "{got:?}");
+    assert!(cache.block_matches(2, seed_of(0), 0..geo.layers));
+    assert!(tier.contains(&k(0)), "a good block stays in the pool");
+
+    // Key 1's layer 0 K object is wrong on the device itself.
+    let slot1 = tier.pool().index().get(&k(1)).unwrap().slot;
+    let (dev, off) = layout.object_offset(slot1, 0, 0);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&paths[dev as usize])
+        .unwrap();
+    use std::os::unix::fs::FileExt;
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, off + 7).unwrap();
+    f.write_all_at(&[b[0] ^ 0x80], off + 7).unwrap();
+    f.sync_all().unwrap();
+    let job = tier.submit_load(&[k(1)], &[3], 0..geo.layers).unwrap();
+    let got = tier.wait(job).unwrap();
+    match &got.outcomes[0] {
+        KeyOutcome::Corrupt(f) => assert!(
+            f.message.contains("same wrong bytes") && f.message.contains("dropped"),
+            "{f}"
+        ),
+        o => panic!("damaged on the device, yet {o:?}"),
+    }
+    assert!(!tier.contains(&k(1)), "a damaged block leaves the pool");
+}

@@ -222,7 +222,9 @@ impl Tier {
                 }
                 let layer = job.layers_done;
                 if job.load.as_ref().is_some_and(|l| l.verify) {
-                    if let Some(msg) = verify_layer(job, layer, &mut self.pool) {
+                    if let Some(msg) =
+                        verify_layer(job, layer, &mut self.pool, self.table.as_deref())
+                    {
                         job.items[li].failed.get_or_insert(msg);
                     }
                 }
@@ -321,10 +323,81 @@ pub(super) fn layer_crcs(table: &P2pTable, mem_block: u32, layers: u32) -> Vec<u
         .collect()
 }
 
-/// Verify layer `layer` of every key a load has not already failed; a key
-/// whose bytes differ from its stored checksum becomes `Corrupt` and leaves
-/// the pool. Returns the first mismatch's message (the layer's error).
-fn verify_layer(job: &mut Job, layer: u32, pool: &mut Pool) -> Option<Failure> {
+/// What a second look at the device found for a layer whose landed bytes
+/// differ from their stored checksum.
+#[derive(Debug, PartialEq, Eq)]
+enum SecondLook {
+    /// The device holds the stored bytes, and they are now in memory: the
+    /// first transfer went wrong, not the block.
+    Healed,
+    /// The device holds the stored bytes, but memory still differs after
+    /// they were copied in (something else writes that memory block).
+    MemoryChanging,
+    /// The device's bytes differ too, or cannot be read: the block is bad.
+    Damaged(String),
+}
+
+/// Read layer `layer` of `slot` from the device again, bypassing the engine,
+/// and compare it with `want`, the layer's stored checksum; when it matches,
+/// copy it into memory block `mem_block` and check memory once more. A block
+/// is condemned (dropped from the pool) only on this evidence: a single bad
+/// transfer must not cost a good, acknowledged key.
+fn second_look(
+    pool: &Pool,
+    table: &P2pTable,
+    slot: u64,
+    layer: u32,
+    mem_block: u32,
+    want: u32,
+) -> SecondLook {
+    let obj = pool.geometry().object_bytes() as usize;
+    let mut halves = Vec::with_capacity(2);
+    for kv in 0..2 {
+        let (dev, off) = pool.layout().object_offset(slot, layer, kv);
+        let Some(storage) = pool.devices().get(dev as usize) else {
+            return SecondLook::Damaged(format!("device #{dev} is not in the pool"));
+        };
+        let mut buf = crate::host::dio::AlignedBuf::zeroed(obj);
+        if let Err(e) = storage.read_exact_at(&mut buf, off) {
+            return SecondLook::Damaged(format!("reading it again failed: {e}"));
+        }
+        halves.push(buf);
+    }
+    let on_device = halves.iter().fold(0, |crc, h| {
+        crate::checksum::crc32c_append(crc, h.as_slice())
+    });
+    if on_device != want {
+        return SecondLook::Damaged("the device returned the same wrong bytes again".into());
+    }
+    for (kv, h) in halves.iter().enumerate() {
+        let d = table
+            .entry(table.index(mem_block, layer, kv as u32))
+            .expect("a registered memory block");
+        debug_assert_eq!(d.len as usize, obj);
+        // SAFETY: the descriptor addresses registered host memory of this
+        // load's target block, which the load owns until it finishes (stores
+        // from it and other loads into it are refused meanwhile).
+        unsafe { std::ptr::copy_nonoverlapping(h.as_ptr(), d.addr as *mut u8, obj) };
+    }
+    if layer_crc(table, mem_block, layer) == want {
+        SecondLook::Healed
+    } else {
+        SecondLook::MemoryChanging
+    }
+}
+
+/// Verify layer `layer` of every key a load has not already failed. A key
+/// whose bytes differ from its stored checksum gets a second look at the
+/// device (`second_look`): if the device holds the stored bytes they are
+/// copied in and the key is fine (or fails as an I/O error, kept in the
+/// pool, when memory keeps changing); otherwise it becomes `Corrupt` and
+/// leaves the pool. Returns the first failure (the layer's error).
+fn verify_layer(
+    job: &mut Job,
+    layer: u32,
+    pool: &mut Pool,
+    table: Option<&P2pTable>,
+) -> Option<Failure> {
     let last = layer + 1 == pool.geometry().layers && job.layers.start == 0;
     let li = (layer - job.layers.start) as usize;
     let kv_crcs = &job.items[li].check.as_ref()?.kv_crcs;
@@ -360,6 +433,31 @@ fn verify_layer(job: &mut Job, layer: u32, pool: &mut Pool) -> Option<Failure> {
             .get(dev as usize)
             .map(|d| d.path().display().to_string())
             .unwrap_or_else(|| format!("#{dev}"));
+        // Blocks with only a whole-block checksum have no per-layer one to
+        // look again against: they are judged on the first transfer.
+        let look = match (table, pool.layer_crc(slot, layer)) {
+            (Some(t), Some(want)) => {
+                Some(second_look(pool, t, slot, layer, job.mem_blocks[p], want))
+            }
+            _ => None,
+        };
+        let damage = match look {
+            Some(SecondLook::Healed) => continue,
+            Some(SecondLook::MemoryChanging) => {
+                let failure = Failure::new(
+                    crate::error::ErrorKind::Io,
+                    format!(
+                        "key {key}: layer {layer} landed in memory block {} with bytes other than                          the device's, and that memory changed again after they were copied in:                          something else writes it while it is being loaded; the block on {device}                          is intact and stays in the pool, load it again once nothing else writes                          that memory",
+                        job.mem_blocks[p]
+                    ),
+                );
+                job.outcomes[p] = Some(KeyOutcome::Failed(failure.clone()));
+                first.get_or_insert(failure);
+                continue;
+            }
+            Some(SecondLook::Damaged(why)) => format!(" ({why})"),
+            None => String::new(),
+        };
         // Only drop the key if the index still maps it to the slot this load
         // read (it may have been dropped and stored anew meanwhile).
         let dropped = if pool.index().get(&key).map(|e| e.slot) == Some(slot) {
@@ -377,7 +475,7 @@ fn verify_layer(job: &mut Job, layer: u32, pool: &mut Pool) -> Option<Failure> {
             &device,
             off,
             &format!(
-                "layer {layer} (slot {slot}) does not match the checksum stored with it; {dropped}"
+                "layer {layer} (slot {slot}) does not match the checksum stored with it{damage}; {dropped}"
             ),
         );
         job.outcomes[p] = Some(KeyOutcome::Corrupt(failure.clone()));

@@ -49,6 +49,11 @@ pub struct Faults {
     pub fail_writes: Vec<(u16, Range<u64>)>,
     /// Reads touching these fail with EIO.
     pub fail_reads: Vec<(u16, Range<u64>)>,
+    /// The first read touching each of these completes OK with one byte of
+    /// it flipped, then the entry is gone: a transfer that went wrong once
+    /// (a bad bus, a DMA racing a stray write), over bytes the device still
+    /// holds intact.
+    pub garble_reads_once: Vec<(u16, Range<u64>)>,
     /// Writes touching these complete OK but never reach the file.
     pub drop_writes: Vec<(u16, Range<u64>)>,
     /// Writes touching these complete OK but only their first half reaches
@@ -322,6 +327,15 @@ impl FaultEngine {
                 }
                 let mut buf = vec![0u8; io.len as usize];
                 files[dev].read_exact_at(&mut buf, io.dev_offset).unwrap();
+                let end = io.dev_offset + io.len as u64;
+                if let Some(i) = f
+                    .garble_reads_once
+                    .iter()
+                    .position(|(d, r)| *d == io.dev && r.start < end && io.dev_offset < r.end)
+                {
+                    let (_, r) = f.garble_reads_once.remove(i);
+                    buf[(r.start.max(io.dev_offset) - io.dev_offset) as usize] ^= 0x01;
+                }
                 // SAFETY: as for writes; the load's target memory is the
                 // tier's to fill while the job is in flight.
                 unsafe { scatter_extents(&buf, &extents) };
