@@ -25,6 +25,35 @@ fn rig(dir: &TempDir, groups: u64) -> (Tier, Arc<Mutex<Faults>>) {
     (tier, gates)
 }
 
+/// A tier on a one-device pool of 16 slots (2 groups of 8) whose I/O the
+/// fault double does on the pool's file, with 4 blocks of host memory.
+struct FileRig {
+    tier: Tier,
+    cache: Arc<HostKvCache>,
+    faults: Arc<Mutex<Faults>>,
+    layout: kvtier::pool::layout::PoolLayout,
+    paths: Vec<std::path::PathBuf>,
+}
+
+fn file_rig(dir: &TempDir) -> FileRig {
+    let geo = tiny_geometry();
+    let pool = create_pool(dir, geo, 8, 1, 2);
+    let paths = pool.paths();
+    let layout = pool.layout().clone();
+    let faults = Arc::new(Mutex::new(Faults::default()));
+    let engine = FaultEngine::open(&paths, faults.clone());
+    let mut tier = Tier::with_engine(pool, TierConfig::default(), Box::new(engine)).unwrap();
+    let cache = Arc::new(HostKvCache::new(geo, 4, HostLayout::PerLayer).unwrap());
+    tier.register_host_cache(cache.clone()).unwrap();
+    FileRig {
+        tier,
+        cache,
+        faults,
+        layout,
+        paths,
+    }
+}
+
 fn k(i: u64) -> Key {
     Key::from_u64(i)
 }
@@ -156,14 +185,13 @@ fn memory_in_use_by_a_job_in_flight_is_refused() {
 fn a_slot_whose_header_cannot_be_invalidated_is_retired() {
     let dir = TempDir::new("badinval");
     let geo = tiny_geometry();
-    let pool = create_pool(&dir, geo, 8, 1, 2); // 16 slots
-    let paths = pool.paths();
-    let layout = pool.layout().clone();
-    let faults = Arc::new(Mutex::new(Faults::default()));
-    let engine = FaultEngine::open(&paths, faults.clone());
-    let mut tier = Tier::with_engine(pool, TierConfig::default(), Box::new(engine)).unwrap();
-    let cache = Arc::new(HostKvCache::new(geo, 4, HostLayout::PerLayer).unwrap());
-    tier.register_host_cache(cache.clone()).unwrap();
+    let FileRig {
+        mut tier,
+        cache,
+        faults,
+        layout,
+        ..
+    } = file_rig(&dir);
     for i in 0..16 {
         cache.fill_block(0, seed_of(i));
         let job = tier.submit_store(&[k(i)], &[0]).unwrap();
@@ -209,14 +237,13 @@ fn a_slot_whose_header_cannot_be_invalidated_is_retired() {
 fn a_read_garbled_once_is_healed_from_the_device_and_keeps_its_key() {
     let dir = TempDir::new("garble");
     let geo = tiny_geometry();
-    let pool = create_pool(&dir, geo, 8, 1, 2);
-    let paths = pool.paths();
-    let layout = pool.layout().clone();
-    let faults = Arc::new(Mutex::new(Faults::default()));
-    let engine = FaultEngine::open(&paths, faults.clone());
-    let mut tier = Tier::with_engine(pool, TierConfig::default(), Box::new(engine)).unwrap();
-    let cache = Arc::new(HostKvCache::new(geo, 4, HostLayout::PerLayer).unwrap());
-    tier.register_host_cache(cache.clone()).unwrap();
+    let FileRig {
+        mut tier,
+        cache,
+        faults,
+        layout,
+        paths,
+    } = file_rig(&dir);
     for i in 0..2 {
         cache.fill_block(i as u32, seed_of(i));
     }
