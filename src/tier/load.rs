@@ -447,7 +447,11 @@ fn verify_layer(
                 let failure = Failure::new(
                     crate::error::ErrorKind::Io,
                     format!(
-                        "key {key}: layer {layer} landed in memory block {} with bytes other than                          the device's, and that memory changed again after they were copied in:                          something else writes it while it is being loaded; the block on {device}                          is intact and stays in the pool, load it again once nothing else writes                          that memory",
+                        "key {key}: layer {layer} landed in memory block {} with bytes other than \
+                         the device's, and that memory changed again after they were copied \
+                         in: something else writes it while it is being loaded; the block on \
+                         {device} is intact and stays in the pool; load it again once nothing \
+                         else writes that memory",
                         job.mem_blocks[p]
                     ),
                 );

@@ -123,6 +123,14 @@ pub(crate) fn run_bench(a: BenchArgs) -> Result<i32> {
         return run_raw_bench(&a);
     }
     let named = a.model.resolve()?;
+    // Checked before any pool is created and prewritten (seconds per GiB).
+    let object = named.geometry.object_bytes();
+    if a.max_io < object {
+        return Err(kvtier::Error::invalid(format!(
+            "--max-io {} is smaller than one KV object of {} ({object} B); pass at least {object}",
+            a.max_io, named.name
+        )));
+    }
     let cfg = BenchConfig {
         dir: a.dir.clone(),
         model: named.name,
