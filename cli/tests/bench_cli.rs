@@ -272,6 +272,19 @@ fn bad_bench_arguments_are_named() {
         "{err}"
     );
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    // A capacity too small for one extent group names the bench's flag.
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(["bench", "--capacity", "64m", "--dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("raise --capacity") && !err.contains("--size"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
 
 #[test]

@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import time
+import uuid
 
 import numpy as np
 import pytest
@@ -31,6 +32,26 @@ from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, Schedul
 from vllm.v1.request import Request  # noqa: E402
 
 import kvtier.vllm as kv  # noqa: E402
+
+
+@pytest.fixture
+def offload_region():
+    """Makes vLLM SharedOffloadRegions; their /dev/shm files are removed after
+    the test (vLLM unlinks only in cleanup(), which would unmap memory the
+    test's tier may still hold)."""
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    made = []
+
+    def make(prefix, **kw):
+        region = SharedOffloadRegion(engine_id=f"{prefix}-{uuid.uuid4().hex}", rank=None, **kw)
+        made.append(region.mmap_path)
+        return region
+
+    yield make
+    for path in made:
+        if os.path.exists(path):
+            os.unlink(path)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY_DIR = os.path.join(HERE, "tiny-llama")
@@ -271,11 +292,9 @@ def test_real_engine_second_engine_hits_and_matches(tmp_path, random_model):
 # ----------------------------------------------------------------------
 
 
-def test_tier_under_tiering_manager_stores_and_promotes(tmp_path):
-    import uuid
+def test_tier_under_tiering_manager_stores_and_promotes(tmp_path, offload_region):
 
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
-    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
     from vllm.v1.kv_offload.tiering.manager import (
         CPUPrimaryTierOffloadingManager,
@@ -283,9 +302,8 @@ def test_tier_under_tiering_manager_stores_and_promotes(tmp_path):
     )
 
     chunk = 2 * LAYERS * BS * PER_TOKEN * 2  # a 16-token block of tiny-llama, bf16
-    region = SharedOffloadRegion(
-        engine_id=f"kvtier-test-{uuid.uuid4().hex}", num_chunks=4, rank=None,
-        kv_bytes_per_chunk=chunk, cpu_page_size=chunk,
+    region = offload_region(
+        "kvtier-test", num_chunks=4, kv_bytes_per_chunk=chunk, cpu_page_size=chunk,
     )
     primary = CPUPrimaryTierOffloadingManager(num_chunks=4, mmap_region=region)
     view = primary.get_kv_memoryview()
@@ -345,16 +363,14 @@ def test_tier_under_tiering_manager_stores_and_promotes(tmp_path):
     tier.shutdown()
 
 
-def test_tier_backpressure_fails_the_job_at_once(tmp_path):
-    import uuid
+def test_tier_backpressure_fails_the_job_at_once(tmp_path, offload_region):
 
     from vllm.v1.kv_offload.base import ReqContext, make_offload_key
-    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
     from vllm.v1.kv_offload.tiering.base import TransferJob
 
     chunk = 8192
-    region = SharedOffloadRegion(engine_id=f"kvtier-bp-{uuid.uuid4().hex}", num_chunks=8,
-                                 rank=None, kv_bytes_per_chunk=chunk, cpu_page_size=chunk)
+    region = offload_region("kvtier-bp", num_chunks=8, kv_bytes_per_chunk=chunk,
+                            cpu_page_size=chunk)
     view = region.create_kv_memoryview()
     tier = kv.KvtierTier(None, view, "KvtierTier", pool_dir=str(tmp_path / "bp"),
                          capacity="16m", policy="sync", backlog_limit_blocks=2)

@@ -206,6 +206,30 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
         }
         None => {
             let per_dev = (cfg.capacity / cfg.devices as u64) & !4095;
+            // Named in the bench's own flags (the pool's error names `pool
+            // create --size`), before any file is made.
+            let min_dev = kvtier::pool::layout::DATA_OFFSET
+                + kvtier::pool::layout::PoolLayout::group_bytes_for(
+                    &cfg.geometry,
+                    cfg.group_blocks,
+                );
+            if per_dev < min_dev {
+                return Err(Error::invalid(format!(
+                    "--capacity {} over {} device(s) gives each {}; one superblock and one extent \
+                     group of {} blocks need {} per device: raise --capacity to at least {}{}",
+                    human_bytes(cfg.capacity),
+                    cfg.devices,
+                    human_bytes(per_dev),
+                    cfg.group_blocks,
+                    human_bytes(min_dev),
+                    human_bytes(min_dev * cfg.devices as u64),
+                    if cfg.group_blocks > 1 {
+                        " (or lower --group-blocks)"
+                    } else {
+                        ""
+                    }
+                )));
+            }
             // Created new here, so a file already at one of these names
             // (or a symlink planted there) is refused, never formatted;
             // dropped on every way out of this function, which removes
