@@ -229,6 +229,44 @@ extern "C" fn on_signal(sig: libc::c_int) {
     }
 }
 
+/// A directory for one test's files, `kvtier-TAG-PID-NANOS` under
+/// `$KVTIER_TEST_DIR` or the system's temporary directory, removed with
+/// everything in it when dropped. Test support (shared by the crates' unit
+/// and integration tests), not for commands: they use [`ScratchFile`].
+#[doc(hidden)]
+pub struct TestDir(pub std::path::PathBuf);
+
+impl TestDir {
+    /// Make a new one; panics if it cannot (a test's setup failing).
+    pub fn new(tag: &str) -> TestDir {
+        let base = std::env::var_os("KVTIER_TEST_DIR")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(std::env::temp_dir);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let p = base.join(format!("kvtier-{tag}-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&p)
+            .unwrap_or_else(|e| panic!("making test directory {}: {e}", p.display()));
+        TestDir(p)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+
+    /// A path for `name` inside it.
+    pub fn file(&self, name: &str) -> std::path::PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TestDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -120,18 +120,13 @@ mod tests {
     use std::io::Write;
     use std::os::fd::AsFd;
 
-    fn scratch(name: &str) -> std::path::PathBuf {
-        let dir = std::env::temp_dir().join(format!("kvtier-extents-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        dir.join(name)
-    }
-
     /// Written, preallocated and sparse parts of one file each land in
     /// their own count (skipped, saying so, where the file system has no
     /// FIEMAP or no unwritten extents).
     #[test]
     fn written_unwritten_and_holes_are_told_apart() {
-        let path = scratch("mixed");
+        let dir = crate::scratch::TestDir::new("extents");
+        let path = dir.file("mixed");
         let mut f = std::fs::File::create(&path).unwrap();
         const MIB: u64 = 1 << 20;
         f.write_all(&vec![7u8; MIB as usize]).unwrap();

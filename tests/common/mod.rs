@@ -33,37 +33,7 @@ impl Rng {
 }
 
 /// A directory removed on drop.
-pub struct TempDir(pub PathBuf);
-
-impl TempDir {
-    pub fn new(tag: &str) -> TempDir {
-        let base = std::env::var_os("KVTIER_TEST_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(std::env::temp_dir);
-        let p = base.join(format!(
-            "kvtier-{tag}-{}-{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos()
-        ));
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-    pub fn path(&self) -> &Path {
-        &self.0
-    }
-    pub fn file(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+pub use kvtier::scratch::TestDir as TempDir;
 
 /// 4 layers x 2 kv heads x 64 head dim x bf16, block 16: 4 KiB objects, 32 KiB blocks.
 pub fn tiny_geometry() -> KvGeometry {

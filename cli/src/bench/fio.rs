@@ -884,15 +884,10 @@ fio: some trailing line"#;
         assert!(run_fio(&w).is_err());
     }
 
-    fn scratch(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("kvtier-fio-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        dir.join(name)
-    }
-
     #[test]
     fn prepare_file_writes_every_byte() {
-        let path = scratch("prep.dat");
+        let dir = kvtier::scratch::TestDir::new("fio-test");
+        let path = dir.file("prep.dat");
         let size = (3 << 20) + 4096 + 100; // a partial chunk and an unaligned tail
         prepare_file(&path, size, false).unwrap();
         let m = std::fs::metadata(&path).unwrap();
@@ -933,7 +928,8 @@ fio: some trailing line"#;
             eprintln!("note: fio is not installed; skipping the fio run (apt-get install fio)");
             return;
         };
-        let path = scratch("fio.dat");
+        let dir = kvtier::scratch::TestDir::new("fio-test");
+        let path = dir.file("fio.dat");
         prepare_file(&path, 64 << 20, true).unwrap();
         let w = Workload {
             pattern: Pattern::RandRead,

@@ -354,12 +354,6 @@ pub fn plot_lines_svg(
 mod tests {
     use super::*;
 
-    fn scratch(name: &str) -> std::path::PathBuf {
-        let dir = std::env::temp_dir().join(format!("kvtier-plot-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        dir.join(name)
-    }
-
     #[test]
     fn labels_read_like_context_lengths() {
         assert_eq!(token_label(4096.0), "4K");
@@ -373,7 +367,8 @@ mod tests {
 
     #[test]
     fn writes_svg_with_every_label() {
-        let path = scratch("bw.svg");
+        let dir = kvtier::scratch::TestDir::new("plot-test");
+        let path = dir.file("bw.svg");
         let ctx = [4096.0, 16384.0, 65536.0, 131072.0];
         let series = vec![
             Series {
@@ -421,7 +416,8 @@ mod tests {
 
     #[test]
     fn draws_edge_cases() {
-        let path = scratch("edge.svg");
+        let dir = kvtier::scratch::TestDir::new("plot-test");
+        let path = dir.file("edge.svg");
         // No series, only references; a single point; zero bandwidth.
         plot_bandwidth_svg(&path, "refs only", &[], &[("fio seq read".into(), 1.0)]).unwrap();
         assert!(std::fs::read_to_string(&path).unwrap().contains("\n128K\n"));
