@@ -234,57 +234,39 @@ fn raw_pattern_walks_a_larger_buffer() {
 #[test]
 fn bad_bench_arguments_are_named() {
     let dir = TempDir::new("benchbad");
-    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args(["bench", "--pattern", "sideways", "--dir"])
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    // Refused (the error on stderr), leaving nothing in --dir.
+    let refused = |args: &[&str]| -> String {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+            .arg("bench")
+            .args(args)
+            .arg("--dir")
+            .arg(dir.path())
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} was not refused");
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            0,
+            "{args:?}"
+        );
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = refused(&["--pattern", "sideways"]);
     assert!(err.contains("unknown --pattern \"sideways\""), "{err}");
-    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args([
-            "bench",
-            "--pattern",
-            "read",
-            "--bs",
-            "1000",
-            "--size",
-            "1m",
-            "--dir",
-        ])
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused(&["--pattern", "read", "--bs", "1000", "--size", "1m"]);
     assert!(err.contains("--bs 1000"), "{err}");
-    // Refused before a pool is made: nothing left in --dir.
-    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args(["bench", "--max-io", "4096", "--capacity", "1g", "--dir"])
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    // Refused before a pool is made and prewritten.
+    let err = refused(&["--max-io", "4096", "--capacity", "1g"]);
     assert!(
         err.contains("--max-io 4096") && err.contains("32768") && !err.contains("prewriting"),
         "{err}"
     );
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     // A capacity too small for one extent group names the bench's flag.
-    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args(["bench", "--capacity", "64m", "--dir"])
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused(&["--capacity", "64m"]);
     assert!(
         err.contains("raise --capacity") && !err.contains("--size"),
         "{err}"
     );
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
 
 #[test]
