@@ -137,6 +137,19 @@ fn kvtier(args: &[&str]) -> (i32, String) {
     run_cli(env!("CARGO_BIN_EXE_kvtier"), args)
 }
 
+/// `kvtier pool create` of the tiny model in groups of 8 blocks on `devs`,
+/// each `size`, with `extra` flags.
+fn create_tiny(devs: &[&Path], size: &str, cfg: &Path, extra: &[&str]) -> (i32, String) {
+    let mut args = vec!["pool", "create"];
+    for d in devs {
+        args.extend(["--dev", d.to_str().unwrap()]);
+    }
+    let cfg = cfg.to_str().unwrap();
+    args.extend(["--size", size, "--model", cfg, "--group-blocks", "8"]);
+    args.extend(extra);
+    kvtier(&args)
+}
+
 fn free_bytes(dir: &Path) -> u64 {
     let c = std::ffi::CString::new(dir.to_str().unwrap()).unwrap();
     // SAFETY: statvfs writes only into the struct it is given.
@@ -155,20 +168,7 @@ fn a_failed_create_leaves_no_file_it_made() {
     let foreign = dir.file("foreign");
     std::fs::write(&foreign, vec![3u8; 8192]).unwrap();
     // The second device is refused (it holds data) after the first was made.
-    let (code, text) = kvtier(&[
-        "pool",
-        "create",
-        "--dev",
-        a.to_str().unwrap(),
-        "--dev",
-        foreign.to_str().unwrap(),
-        "--size",
-        "4m",
-        "--model",
-        cfg.to_str().unwrap(),
-        "--group-blocks",
-        "8",
-    ]);
+    let (code, text) = create_tiny(&[&a, &foreign], "4m", &cfg, &[]);
     assert_eq!(code, 2, "{text}");
     assert!(
         text.contains("foreign") && text.contains("--force"),
@@ -180,20 +180,7 @@ fn a_failed_create_leaves_no_file_it_made() {
     );
     assert_eq!(std::fs::read(&foreign).unwrap(), vec![3u8; 8192]);
     // Likewise when the second's directory is missing.
-    let (code, text) = kvtier(&[
-        "pool",
-        "create",
-        "--dev",
-        a.to_str().unwrap(),
-        "--dev",
-        dir.file("nodir/b.pool").to_str().unwrap(),
-        "--size",
-        "4m",
-        "--model",
-        cfg.to_str().unwrap(),
-        "--group-blocks",
-        "8",
-    ]);
+    let (code, text) = create_tiny(&[&a, &dir.file("nodir/b.pool")], "4m", &cfg, &[]);
     assert_eq!(code, 2, "{text}");
     assert!(text.contains("does not exist"), "{text}");
     assert!(
@@ -208,19 +195,7 @@ fn create_on_a_full_tmpfs_is_refused_and_leaves_nothing() {
     let fs = or_skip!(tmpfs(&dir, "t", 8 << 20), "tmpfs");
     let cfg = tiny_config(&dir);
     let a = fs.0.join("a.pool");
-    let (code, text) = kvtier(&[
-        "pool",
-        "create",
-        "--dev",
-        a.to_str().unwrap(),
-        "--size",
-        "64m",
-        "--model",
-        cfg.to_str().unwrap(),
-        "--group-blocks",
-        "8",
-        "--prewrite",
-    ]);
+    let (code, text) = create_tiny(&[&a], "64m", &cfg, &["--prewrite"]);
     assert_eq!(code, 2, "{text}");
     assert!(
         text.contains("a.pool") && text.contains("not enough free space"),
@@ -237,20 +212,7 @@ fn prewrite_of_a_sparse_pool_on_a_full_filesystem_fails_cleanly() {
     let cfg = tiny_config(&dir);
     let a = fs.0.join("a.pool");
     let before = free_bytes(&fs.0);
-    let (code, text) = kvtier(&[
-        "pool",
-        "create",
-        "--dev",
-        a.to_str().unwrap(),
-        "--size",
-        "64m",
-        "--model",
-        cfg.to_str().unwrap(),
-        "--group-blocks",
-        "8",
-        "--prewrite",
-        "--force",
-    ]);
+    let (code, text) = create_tiny(&[&a], "64m", &cfg, &["--prewrite", "--force"]);
     assert_eq!(code, 2, "{text}");
     assert!(text.contains("a.pool"), "{text}");
     assert!(
