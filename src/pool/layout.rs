@@ -262,6 +262,12 @@ impl PoolLayout {
         group_blocks as u64 * (SLOT_HEADER_BYTES + g.block_bytes())
     }
 
+    /// The smallest device a pool of `group_blocks`-block groups of `g` fits
+    /// on: its superblock area and one extent group.
+    pub fn min_device_bytes(g: &KvGeometry, group_blocks: u32) -> u64 {
+        DATA_OFFSET + Self::group_bytes_for(g, group_blocks)
+    }
+
     /// How many groups fit in a device of `size` bytes.
     pub fn groups_fitting(g: &KvGeometry, group_blocks: u32, size: u64) -> u32 {
         (size.saturating_sub(DATA_OFFSET) / Self::group_bytes_for(g, group_blocks)) as u32

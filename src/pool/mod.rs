@@ -556,7 +556,7 @@ impl Pool {
         Self::check_config(cfg, cfg.devices.len())?;
         let paths: Vec<PathBuf> = cfg.devices.iter().map(|d| d.path.clone()).collect();
         check_named_once(&paths)?;
-        let min_size = DATA_OFFSET + PoolLayout::group_bytes_for(&cfg.geometry, cfg.group_blocks);
+        let min_size = PoolLayout::min_device_bytes(&cfg.geometry, cfg.group_blocks);
         // Pools whose create was killed between its superblock writes: some
         // named device still carries that create's mark. Their superblocks
         // need no force to be formatted over (such a pool never served).
@@ -625,7 +625,7 @@ impl Pool {
     /// `cfg.force`.
     pub fn create_on(cfg: &PoolConfig, devices: Vec<Box<dyn Storage>>) -> Result<Pool> {
         Self::check_config(cfg, devices.len())?;
-        let min_size = DATA_OFFSET + PoolLayout::group_bytes_for(&cfg.geometry, cfg.group_blocks);
+        let min_size = PoolLayout::min_device_bytes(&cfg.geometry, cfg.group_blocks);
         for d in &devices {
             let probe = (crate::host::signature::SIGNATURE_PROBE_BYTES as u64).min(d.size())
                 as usize

@@ -208,11 +208,8 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
             let per_dev = (cfg.capacity / cfg.devices as u64) & !4095;
             // Named in the bench's own flags (the pool's error names `pool
             // create --size`), before any file is made.
-            let min_dev = kvtier::pool::layout::DATA_OFFSET
-                + kvtier::pool::layout::PoolLayout::group_bytes_for(
-                    &cfg.geometry,
-                    cfg.group_blocks,
-                );
+            let min_dev =
+                kvtier::pool::layout::PoolLayout::min_device_bytes(&cfg.geometry, cfg.group_blocks);
             if per_dev < min_dev {
                 return Err(Error::invalid(format!(
                     "--capacity {} over {} device(s) gives each {}; one superblock and one extent \
