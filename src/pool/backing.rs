@@ -42,7 +42,7 @@ mod locks;
 mod scan;
 mod sys;
 
-use locks::{in_use_error, lock_device, lock_holders, process_alive, LIVE_GRACE, RELEASE_GRACE};
+use locks::{in_use_error, lock_device, lock_holders, refuse_live_holders, RELEASE_GRACE};
 use scan::data_beyond_head;
 use sys::{
     allocate_file, block_device_logical_block_size, block_device_read_only,
@@ -215,7 +215,7 @@ fn open_block_device(path: &Path, meta: &fs::Metadata, access: Access) -> Result
             ),
         ));
     }
-    let deadline = std::time::Instant::now() + RELEASE_GRACE;
+    let started = std::time::Instant::now();
     let file = loop {
         match OpenOptions::new()
             .read(true)
@@ -228,14 +228,12 @@ fn open_block_device(path: &Path, meta: &fs::Metadata, access: Access) -> Result
                 // Another kvtier process names itself through its lock; a process that
                 // just exited may still hold the claim until its io_uring rings are torn
                 // down, so that is waited out briefly rather than reported as "in use".
-                // A live holder is waited out for LIVE_GRACE, as in `lock_device`: its
-                // claim may be a forked child's passing copy of its descriptor.
+                // A live holder is waited out briefly too (`refuse_live_holders`).
                 let holders = lock_holders(meta);
-                let live = holders.iter().any(|h| process_alive(h.pid));
-                if live && std::time::Instant::now() + RELEASE_GRACE - LIVE_GRACE >= deadline {
+                if refuse_live_holders(&holders, started) {
                     return Err(in_use_error(path, access, &holders));
                 }
-                if std::time::Instant::now() >= deadline {
+                if started.elapsed() >= RELEASE_GRACE {
                     return Err(open_error(path, BackingKind::BlockDevice, e));
                 }
                 std::thread::sleep(std::time::Duration::from_millis(10));

@@ -127,6 +127,18 @@ pub(super) fn in_use_error(path: &Path, access: Access, holders: &[LockHolder]) 
     backing_error(path, reason)
 }
 
+/// Whether an open that began waiting at `started` for a conflicting claim held by
+/// `holders` should give up now and name them: once [`LIVE_GRACE`] has passed while any
+/// holder is alive. A live holder's claim may be only a copy of its descriptor that a
+/// child forked by another of its threads holds for the moment between fork and exec
+/// (/proc/locks names the process that took a lock, not the one holding the copy): a
+/// test harness or a server closing the pool while another thread spawned a command
+/// made the next open fail as "in use by pid N" although N had closed it. Such a copy
+/// goes within milliseconds; holders that have all exited get [`RELEASE_GRACE`].
+pub(super) fn refuse_live_holders(holders: &[LockHolder], started: std::time::Instant) -> bool {
+    started.elapsed() >= LIVE_GRACE && holders.iter().any(|h| process_alive(h.pid))
+}
+
 /// Take the lock that goes with `access` on an open backing device. A conflicting lock
 /// whose holders have all exited is waited out for [`RELEASE_GRACE`]; one held by a live
 /// process (or by this one) is refused after [`LIVE_GRACE`], naming it.
@@ -135,7 +147,7 @@ pub(super) fn lock_device(path: &Path, file: &File, access: Access) -> Result<()
         Access::Exclusive => libc::LOCK_EX,
         Access::Shared => libc::LOCK_SH,
     } | libc::LOCK_NB;
-    let deadline = std::time::Instant::now() + RELEASE_GRACE;
+    let started = std::time::Instant::now();
     loop {
         // SAFETY: flock takes an open descriptor and flags; `file` is open for the call.
         let rc = unsafe { libc::flock(file.as_raw_fd(), op) };
@@ -152,17 +164,7 @@ pub(super) fn lock_device(path: &Path, file: &File, access: Access) -> Result<()
             .metadata()
             .context(|| format!("stat {}", path.display()))?;
         let holders = lock_holders(&meta);
-        // A live holder's lock may be only a copy of its descriptor that a
-        // child forked by another of its threads holds for the moment between
-        // fork and exec (/proc/locks names the process that took the lock,
-        // not the one holding the copy): a test harness or a server closing
-        // the pool while another thread spawns a command made the next open
-        // fail as "in use by pid N" although N had closed it. Such a copy goes
-        // within milliseconds; a real holder is still refused after
-        // LIVE_GRACE. Holders that have all exited get RELEASE_GRACE.
-        let live = holders.iter().any(|h| process_alive(h.pid));
-        let now = std::time::Instant::now();
-        if now >= deadline || (live && now + RELEASE_GRACE - LIVE_GRACE >= deadline) {
+        if started.elapsed() >= RELEASE_GRACE || refuse_live_holders(&holders, started) {
             return Err(in_use_error(path, access, &holders));
         }
         std::thread::sleep(std::time::Duration::from_millis(10));

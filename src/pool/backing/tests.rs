@@ -1,4 +1,4 @@
-use super::locks::{parse_lock_holders, LockHolder};
+use super::locks::{parse_lock_holders, process_alive, LockHolder};
 use super::*;
 use crate::host::mounts::mounted_at;
 use crate::host::signature::POOL_MAGIC;
