@@ -172,8 +172,14 @@ def test_bad_input_raises_clear_errors(tmp_path, tiny_model):
     bad = [raw[off : off + 2 * 4 * OBJ - 4096], layers[1]]
     with pytest.raises(kvtier.UsageError, match="same size|aligned"):
         kvtier.TierBuilder().directory(tmp_path / "p").capacity("16m").model(tiny_model).kv_memory(bad).build()
+    # Two separate layers, each 64 bytes past a 4096 boundary whatever address the allocator gave.
+    n = 2 * 4 * OBJ
+    far = torch.zeros(2 * n + 3 * 4096, dtype=torch.uint8)
+    start = (-far.data_ptr()) % 4096 + 64
+    second = start + n + 4096
+    mis = [far[start : start + n], far[second : second + n]]
+    assert all(t.data_ptr() % 4096 == 64 for t in mis)
     with pytest.raises(kvtier.UsageError, match="not aligned to 4096"):
-        mis = [raw[64 : 64 + 2 * 4 * OBJ], raw[64 : 64 + 2 * 4 * OBJ]]
         kvtier.TierBuilder().directory(tmp_path / "p2").capacity("16m").model(tiny_model).kv_memory(mis).build()
 
     tier = open_tier(tmp_path, tiny_model, blocks=2)
