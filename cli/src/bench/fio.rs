@@ -211,6 +211,10 @@ pub fn fio_args(w: &Workload) -> Vec<String> {
     a.push("--fixedbufs".to_string());
     a.push("--registerfiles".to_string());
     a.push("--hipri=0".to_string());
+    // Percentiles of the total latency (submission to completion), which is
+    // what kvtier's side times; fio's default percentiles leave out the time
+    // an I/O spends being submitted.
+    a.push("--lat_percentiles=1".to_string());
     // kvtier's buffers are huge-page backed (memory::DmaBuffer); give fio the
     // same footing when the system has huge pages reserved for it, so the
     // reference is the device's best and not fio's 4 KiB-page DMA segments.
@@ -355,7 +359,7 @@ impl FioSide {
 
     fn p99_us(&self) -> f64 {
         let p = |l: &FioLat| l.percentile.get("99.000000").copied();
-        p(&self.clat_ns).or_else(|| p(&self.lat_ns)).unwrap_or(0.0) / 1000.0
+        p(&self.lat_ns).or_else(|| p(&self.clat_ns)).unwrap_or(0.0) / 1000.0
     }
 }
 
@@ -765,6 +769,16 @@ fio: some trailing line"#;
         assert!(close(r.lat_p99_us_read, 3194.88));
         assert_eq!(r.lat_p99_us_write, 0.0);
         assert!(close(r.cpu_sys_secs, 0.07592408 * 1.001));
+
+        // With --lat_percentiles=1 the total latency's percentiles (what
+        // kvtier's side times) win over the completion latency's.
+        let total = RANDREAD_JSON.replace(
+            r#""lat_ns": { "mean": 2181020.694146, "N": 14690 }"#,
+            r#""lat_ns": { "mean": 2181020.694146, "N": 14690, "percentile": { "99.000000": 3203072 } }"#,
+        );
+        assert_ne!(total, RANDREAD_JSON);
+        let r = parse_fio_json(&total, "fio-3.33").unwrap();
+        assert!(close(r.lat_p99_us_read, 3203.072));
     }
 
     #[test]
@@ -841,6 +855,7 @@ fio: some trailing line"#;
             "--fixedbufs",
             "--registerfiles",
             "--hipri=0",
+            "--lat_percentiles=1",
         ] {
             assert!(a.iter().any(|x| x == want), "{want} missing from {a:?}");
         }
