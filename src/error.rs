@@ -71,7 +71,7 @@ pub enum Error {
     },
 
     /// Nothing can be evicted to make room.
-    #[error("pool full: {needed} block(s) needed, {free} free, {reserved} being written by stores in flight, and every stored block is pinned ({pinned} pinned); unpin finished loads, wait for stores, or create a larger pool")]
+    #[error("pool full: {needed} block(s) needed, {free} free, {reserved} being written by stores in flight, {pinned} stored block(s) pinned by loads and none unpinned to evict{}; unpin finished loads, wait for stores, or create a larger pool", retired_note(*.retired))]
     PoolFull {
         /// Blocks the request needs.
         needed: u64,
@@ -81,6 +81,8 @@ pub enum Error {
         pinned: u64,
         /// Blocks held by stores in flight.
         reserved: u64,
+        /// Slots retired after device errors (capacity lost for good).
+        retired: u64,
     },
 
     /// An argument out of its range (block ids, layer ranges, job ids, sizes).
@@ -406,5 +408,16 @@ impl<T> IoContext<T> for std::io::Result<T> {
 impl From<nix::Error> for Error {
     fn from(e: nix::Error) -> Self {
         Error::io("system call", std::io::Error::from(e))
+    }
+}
+
+/// The pool-full message's word on retired slots, when there are any.
+fn retired_note(retired: u64) -> String {
+    if retired == 0 {
+        String::new()
+    } else {
+        format!(
+            ", and {retired} slot(s) retired after device errors (their capacity is lost until the device is replaced or the pool recreated; `kvtier pool check` lists them)"
+        )
     }
 }

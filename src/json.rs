@@ -16,6 +16,13 @@ pub fn excerpt(s: &str, max: usize) -> String {
     format!("{head}... ({} more characters)", n - max)
 }
 
+/// Serialize a path as its text, with any bytes that are not UTF-8 shown as
+/// U+FFFD (serde's own path serializer fails on them, and a report must not
+/// fail over a directory's name): `#[serde(serialize_with = "kvtier::json::path_lossy")]`.
+pub fn path_lossy<S: serde::Serializer>(p: &Path, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&p.to_string_lossy())
+}
+
 /// A JSON value for an error message, shortened by [`excerpt`].
 pub(crate) fn value_excerpt(v: &Value) -> String {
     excerpt(&v.to_string(), 60)
@@ -44,7 +51,7 @@ pub(crate) fn list_excerpt(v: &[u64]) -> String {
 /// before a byte is read. Errors are the reason alone; the caller names
 /// the file and the fix.
 pub(crate) fn read_user_file(path: &Path, max_bytes: u64) -> Result<String, String> {
-    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    use std::os::unix::fs::OpenOptionsExt;
     let file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
@@ -55,19 +62,7 @@ pub(crate) fn read_user_file(path: &Path, max_bytes: u64) -> Result<String, Stri
         .map_err(|e| format!("cannot read it ({e})"))?;
     let ft = meta.file_type();
     if !ft.is_file() {
-        let kind = if ft.is_dir() {
-            "a directory"
-        } else if ft.is_fifo() {
-            "a FIFO"
-        } else if ft.is_char_device() {
-            "a character device"
-        } else if ft.is_block_device() {
-            "a block device"
-        } else if ft.is_socket() {
-            "a socket"
-        } else {
-            "not a regular file"
-        };
+        let kind = crate::host::file_kind(&ft);
         return Err(format!("it is {kind}, not a regular file"));
     }
     let too_big = |len: u64| {

@@ -17,20 +17,10 @@ pub(crate) use note;
 /// not: a path that exists but is no directory (a block device, a file) is
 /// named as such, not reported as "File exists".
 pub fn make_dir(dir: &std::path::Path) -> Result<()> {
-    use std::os::unix::fs::FileTypeExt;
     match std::fs::metadata(dir) {
         Ok(m) if m.is_dir() => Ok(()),
         Ok(m) => {
-            let ft = m.file_type();
-            let what = if ft.is_block_device() {
-                "a block device"
-            } else if ft.is_char_device() {
-                "a character device"
-            } else if ft.is_file() {
-                "a regular file"
-            } else {
-                "not a directory"
-            };
+            let what = kvtier::host::file_kind(&m.file_type());
             Err(Error::invalid(format!(
                 "--dir {}: it is {what}; name a directory to hold the scratch pool files \
                  (a pool on a block device is made with `kvtier pool create --dev DEVICE`)",
@@ -88,9 +78,10 @@ fn parse_size_str(s: &str) -> std::result::Result<u64, String> {
 pub fn size_in(s: &str, min: u64, max: u64) -> std::result::Result<u64, String> {
     let range = || {
         format!(
-            "give a size from {} to {} (e.g. 64g)",
+            "give a size from {} to {} with a unit (k, m, g, t: e.g. {})",
             human_bytes(min),
-            human_bytes(max)
+            human_bytes(max),
+            size_example(min, max)
         )
     };
     let v = parse_size_str(s).map_err(|why| format!("{why}; {}", range()))?;
@@ -98,6 +89,21 @@ pub fn size_in(s: &str, min: u64, max: u64) -> std::result::Result<u64, String> 
         return Err(format!("out of range; {}", range()));
     }
     Ok(v)
+}
+
+/// A round size within `[min, max]` for an error's example: 64g, or the
+/// largest power-of-two unit size that fits.
+fn size_example(min: u64, max: u64) -> String {
+    let want = (64u64 << 30).clamp(min, max);
+    for (unit, shift) in [("t", 40), ("g", 30), ("m", 20), ("k", 10)] {
+        if want >= 1 << shift {
+            let n = want >> shift;
+            if n << shift >= min {
+                return format!("{n}{unit}");
+            }
+        }
+    }
+    want.to_string()
 }
 
 /// A clap value parser: a finite number within `[min, max]` (NaN, infinities
@@ -196,6 +202,16 @@ mod tests {
         assert!(size_in("1e30", 4096, 1 << 50).is_err());
         assert!(size_in("2p", 4096, 1 << 50).is_err());
         assert_eq!(size_in("64g", 4096, 1 << 50).unwrap(), 64 << 30);
+        // The example in the error is inside the range it states.
+        for (min, max, example) in [
+            (1, 1 << 30, "1g"),
+            (4096, 1 << 50, "64g"),
+            (1 << 20, 16 << 20, "16m"),
+        ] {
+            let e = size_in("0", min, max).unwrap_err();
+            assert!(e.contains(&format!("e.g. {example})")), "{e}");
+            assert_eq!(size_in(example, min, max).map(|_| ()), Ok(()), "{e}");
+        }
         assert!(size_in("2048", 4096, 1 << 50)
             .unwrap_err()
             .contains("4 KiB to 1 PiB"));

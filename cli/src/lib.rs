@@ -7,4 +7,5 @@ pub mod bench;
 pub mod cli;
 pub mod doctor;
 pub mod nvme_cli;
+pub mod output;
 pub mod replay;

@@ -9,6 +9,7 @@ use kvtier::tier::TierConfig;
 use kvtier::Result;
 use kvtier_cli::bench::{self, BenchConfig};
 use kvtier_cli::cli::{f64_in, size_in};
+use kvtier_cli::output::ReportKind;
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -173,11 +174,25 @@ fn bar_fn(bar: &Progress) -> impl Fn(&str) + '_ {
     move |m: &str| bar.say(m)
 }
 
+/// Check each given report path (flag, path, kind) before the work starts.
+fn report_paths_ok(paths: &[(&str, &Option<PathBuf>, ReportKind)]) -> Result<()> {
+    for (flag, path, kind) in paths {
+        if let Some(p) = path {
+            kvtier_cli::output::check_report_path(flag, p, *kind)?;
+        }
+    }
+    Ok(())
+}
+
 fn write_json<T: serde::Serialize>(path: &Option<PathBuf>, report: &T) -> Result<()> {
     if let Some(path) = path {
-        let text = serde_json::to_string_pretty(report).expect("serializable");
-        std::fs::write(path, text)
-            .map_err(|e| kvtier::Error::io(format!("writing {}", path.display()), e))?;
+        let text = serde_json::to_string_pretty(report).map_err(|e| {
+            kvtier::Error::io(
+                format!("--json {}: rendering the report", path.display()),
+                std::io::Error::other(e),
+            )
+        })?;
+        kvtier_cli::output::write_report("--json", path, ReportKind::Json, text.as_bytes())?;
         note(&format!("wrote {}", path.display()));
     }
     Ok(())

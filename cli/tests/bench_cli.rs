@@ -267,6 +267,78 @@ fn bad_bench_arguments_are_named() {
         err.contains("raise --capacity") && !err.contains("--size"),
         "{err}"
     );
+
+    // A report path that holds something other than a report is refused
+    // before any work, and left as it was.
+    let other = TempDir::new("benchbad-other");
+    let precious = other.file("held.pool");
+    std::fs::write(&precious, b"KVTIERSB not a report").unwrap();
+    for flag in ["--json", "--plot"] {
+        let err = refused(&[
+            flag,
+            precious.to_str().unwrap(),
+            "--contexts",
+            "16",
+            "--capacity",
+            "64m",
+            "--group-blocks",
+            "4",
+        ]);
+        assert!(
+            err.contains(flag)
+                && err.contains("held.pool")
+                && err.contains("remove it or name another file"),
+            "{err}"
+        );
+        assert_eq!(std::fs::read(&precious).unwrap(), b"KVTIERSB not a report");
+    }
+    let err = refused(&["--plot", "/dev/full", "--contexts", "16"]);
+    assert!(err.contains("not a regular file"), "{err}");
+}
+
+/// Contexts smaller than one --max-io I/O (a block or two), in a directory
+/// whose name is not UTF-8: the run, its engine-alone comparison and the
+/// JSON report all complete, and a second run replaces its own report.
+#[test]
+fn tiny_contexts_and_a_non_utf8_directory() {
+    use std::os::unix::ffi::OsStrExt;
+    let top = TempDir::new("benchtiny");
+    let dir = top.path().join(std::ffi::OsStr::from_bytes(b"d\xff\xfe"));
+    let json = top.file("tiny.json");
+    for _ in 0..2 {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+            .arg("bench")
+            .arg("--dir")
+            .arg(&dir)
+            .args([
+                "--contexts",
+                "16,64",
+                "--capacity",
+                "64m",
+                "--group-blocks",
+                "4",
+                "--json",
+            ])
+            .arg(&json)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{text}");
+        assert!(text.contains("engine alone"), "{text}");
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let results = v["results"].as_array().unwrap();
+        assert_eq!(results.len(), 2, "{v}");
+        assert!(
+            results[0]["engine_write_gib_s"].as_f64().unwrap() > 0.0,
+            "{v}"
+        );
+        assert!(
+            v["config"]["dir"].as_str().unwrap().contains('\u{fffd}'),
+            "{v}"
+        );
+    }
 }
 
 #[test]

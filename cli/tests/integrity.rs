@@ -612,6 +612,54 @@ fn forge(path: &Path, edit: impl FnOnce(&mut Superblock)) {
     f.write_all_at(bytemuck::bytes_of(&sb), 0).unwrap();
 }
 
+/// Block headers rewritten with valid checksums but impossible fields: a
+/// version this build never wrote, or a generation so high that later
+/// stores' generations would wrap (losing "newest generation wins"). Each is
+/// a damaged header, the pool opens, and stores after it are found again.
+#[test]
+fn forged_block_headers_with_valid_checksums_are_damaged() {
+    use kvtier::pool::layout::BlockHeader;
+    let layout = PoolLayout::new(tiny_geometry(), 8, vec![2]);
+    type Edit = fn(&mut BlockHeader);
+    let cases: [(&str, Edit); 3] = [
+        ("version 0", |h| h.version = 0),
+        ("version 2", |h| h.version = h.version.wrapping_add(1)),
+        ("generation u64::MAX", |h| h.generation = u64::MAX),
+    ];
+    for (what, edit) in cases {
+        let dir = TempDir::new("forgedhdr");
+        let paths = stored_pool(&dir, 2, 4);
+        let (_, off) = layout.header_offset(1);
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&paths[0])
+            .unwrap();
+        let mut raw = vec![0u8; std::mem::size_of::<BlockHeader>()];
+        f.read_exact_at(&mut raw, off).unwrap();
+        let mut h: BlockHeader = bytemuck::pod_read_unaligned(&raw);
+        edit(&mut h);
+        h.seal();
+        f.write_all_at(bytemuck::bytes_of(&h), off).unwrap();
+        drop(f);
+        let pool = Pool::open(&paths, &OpenExpect::default()).unwrap();
+        assert_eq!(pool.damaged_headers(), &[1], "{what}");
+        assert_eq!(pool.index().live(), 3, "{what}");
+        // A store after it commits and is found again with its bytes.
+        let geo = *pool.geometry();
+        let mut tier = Tier::open(pool, TierConfig::default()).unwrap();
+        let cache = Arc::new(HostKvCache::new(geo, 1, HostLayout::PerLayer).unwrap());
+        tier.register_host_cache(cache.clone()).unwrap();
+        cache.fill_block(0, seed_of(7));
+        let job = tier.submit_store(&ks(7..8), &[0]).unwrap();
+        assert!(tier.wait(job).unwrap().all_ok(), "{what}");
+        drop(tier);
+        let (live, wrong) = load_all(&paths);
+        assert_eq!(live, 4, "{what}");
+        assert!(wrong.is_empty(), "{what}: {wrong:?}");
+    }
+}
+
 #[test]
 fn forged_superblocks_with_valid_checksums_are_refused_by_field() {
     let dir = TempDir::new("forged");

@@ -180,6 +180,22 @@ fn corrupted_data_is_reported_by_check() {
         text.contains("bad data: slot 1 key 0100000000000000"),
         "{text}"
     );
+    // --json: stdout is one JSON document; the verdict goes to stderr.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args([
+            "pool",
+            "check",
+            "--json",
+            "--dev",
+            paths[0].to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)));
+    assert_eq!(v["bad_data"].as_array().map(Vec::len), Some(1), "{v}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("pool is DAMAGED"));
 }
 
 #[test]

@@ -286,6 +286,12 @@ pub fn run(a: &Args, command_line: &str) -> Result<Outcome> {
     }
     let path = out_path(&a.out, &shape.name, &gpu.key);
     let src = path.display().to_string();
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| Error::io(format!("--out: creating {}", dir.display()), e))?;
+    }
+    // Before profiling (minutes on a GPU): never truncate what is not a table.
+    kvtier_cli::output::check_report_path("--out", &path, kvtier_cli::output::ReportKind::Json)?;
 
     // Storage first: it is the step that can fail on a bad directory.
     let storage = match &a.pool_dir {
@@ -442,7 +448,12 @@ pub fn run(a: &Args, command_line: &str) -> Result<Outcome> {
         },
     };
     let table = SlackTable::build(header, inputs, prefixes, &compute_us, &decode, &src)?;
-    write_atomically(&path, &table.to_json_string())?;
+    kvtier_cli::output::write_report(
+        "--out",
+        &path,
+        kvtier_cli::output::ReportKind::Json,
+        table.to_json_string().as_bytes(),
+    )?;
     Ok(Outcome { path, table })
 }
 
@@ -507,21 +518,6 @@ fn from_trace(a: &Args, t: &Trace) -> Result<Grid> {
         .map(|&c| Ok((c, t.step_us(c)?)))
         .collect::<Result<Vec<_>>>()?;
     Ok((inputs, prefixes, compute_us, decode))
-}
-
-fn write_atomically(path: &Path, text: &str) -> Result<()> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
-    }
-    let tmp = path.with_extension("json.tmp");
-    std::fs::write(&tmp, text).map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
-    std::fs::rename(&tmp, path).map_err(|e| {
-        Error::io(
-            format!("renaming {} to {}", tmp.display(), path.display()),
-            e,
-        )
-    })
 }
 
 /// (machine, kernel) from /proc: "CPU model x N CPUs, M GiB RAM", kernel release.

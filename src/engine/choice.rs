@@ -64,6 +64,15 @@ impl Facts {
     /// temporary file in it is written, read and removed).
     pub fn probe(dir: &Path) -> Result<Facts> {
         let existed = dir.is_dir();
+        if let Ok(m) = fs::metadata(dir) {
+            if !m.is_dir() {
+                return Err(Error::invalid(format!(
+                    "pool directory {}: it is {}, not a directory; name the directory the pool files go in",
+                    dir.display(),
+                    crate::host::file_kind(&m.file_type())
+                )));
+            }
+        }
         fs::create_dir_all(dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
         let pool_dir = fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
         // O_DIRECT: create, write, read back, statx, remove. Created new and removed

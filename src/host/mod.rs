@@ -12,3 +12,25 @@ pub mod pci;
 pub mod signature;
 pub mod size;
 pub mod sysfs;
+
+/// What kind of file `ft` is, for messages: "a directory", "a FIFO", ...
+pub fn file_kind(ft: &std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if ft.is_file() {
+        "a regular file"
+    } else if ft.is_dir() {
+        "a directory"
+    } else if ft.is_fifo() {
+        "a FIFO"
+    } else if ft.is_char_device() {
+        "a character device"
+    } else if ft.is_block_device() {
+        "a block device"
+    } else if ft.is_socket() {
+        "a socket"
+    } else if ft.is_symlink() {
+        "a symbolic link"
+    } else {
+        "an unknown kind of file"
+    }
+}

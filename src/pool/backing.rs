@@ -140,17 +140,7 @@ fn backing_kind(path: &Path, meta: &fs::Metadata) -> Result<BackingKind> {
     } else if ft.is_block_device() {
         Ok(BackingKind::BlockDevice)
     } else {
-        let what = if ft.is_dir() {
-            "a directory"
-        } else if ft.is_char_device() {
-            "a character device"
-        } else if ft.is_fifo() {
-            "a FIFO"
-        } else if ft.is_socket() {
-            "a socket"
-        } else {
-            "neither a regular file nor a block device"
-        };
+        let what = crate::host::file_kind(&ft);
         Err(backing_error(
             path,
             format!(

@@ -279,6 +279,7 @@ impl Index {
                 free,
                 pinned: self.pinned,
                 reserved: self.reserved(),
+                retired: self.bad,
             });
         }
         let mut evicted = Vec::new();
@@ -407,6 +408,21 @@ mod tests {
 
     fn k(i: u64) -> Key {
         Key::from_u64(i)
+    }
+
+    #[test]
+    fn pool_full_says_when_retired_slots_took_the_room() {
+        let mut ix = Index::new(4);
+        let e = ix.allocate(5).unwrap_err().to_string();
+        assert!(e.contains("pool full") && !e.contains("retired"), "{e}");
+        for s in 0..3 {
+            ix.retire(s);
+        }
+        let e = ix.allocate(2).unwrap_err().to_string();
+        assert!(
+            e.contains("1 free") && e.contains("3 slot(s) retired") && e.contains("pool check"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -25,6 +25,12 @@ use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 pub use storage::Storage;
 
+/// The highest generation a live header may carry. Generations count stores
+/// from 1; a forged header claiming more (up to u64::MAX) would make every
+/// later store's generation wrap and lose "newest generation wins", so it is
+/// damaged instead.
+pub const MAX_GENERATION: u64 = 1 << 62;
+
 /// A block's identity: its content hash (up to 32 bytes: vLLM BlockHash,
 /// LMCache chunk hash) within the pool's namespace.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -196,6 +202,7 @@ pub struct Pool {
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct DeviceInfo {
     /// The device's path or name.
+    #[serde(serialize_with = "crate::json::path_lossy")]
     pub path: PathBuf,
     /// Bytes of the device the pool uses.
     pub size: u64,
@@ -1097,6 +1104,8 @@ impl Pool {
             return HeaderKind::Empty;
         }
         if !h.crc_ok()
+            || h.version != FORMAT_VERSION as u16
+            || h.generation > MAX_GENERATION
             || h.slot != slot
             || h.state != BLOCK_STATE_LIVE
             || h.data_len != self.layout.geometry.block_bytes()
@@ -1216,6 +1225,9 @@ impl Pool {
 
     /// A fresh generation number for a store.
     pub fn next_generation(&mut self) -> u64 {
+        // Never past MAX_GENERATION: headers above it are refused as damaged
+        // (2^62 stores at ten million a second take 14,000 years).
+        debug_assert!(self.next_generation <= MAX_GENERATION);
         let g = self.next_generation;
         self.next_generation += 1;
         g

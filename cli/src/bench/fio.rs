@@ -99,6 +99,7 @@ pub struct Workload {
     pub size: u64,
     /// Time-based run length; 0 means "transfer `size` bytes once".
     pub runtime_secs: f64,
+    #[serde(serialize_with = "kvtier::json::path_lossy")]
     pub file: PathBuf,
     /// Percent of I/Os that are reads, for `randrw` (fio's `rwmixread`; 50 by default).
     pub rwmix_read: u32,

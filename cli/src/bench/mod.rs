@@ -26,6 +26,7 @@ use std::time::Instant;
 
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct BenchConfig {
+    #[serde(serialize_with = "kvtier::json::path_lossy")]
     pub dir: PathBuf,
     pub model: String,
     pub geometry: KvGeometry,
@@ -266,7 +267,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
         scratch.iter_mut().for_each(ScratchFile::keep);
     }
     let slots = pool.index().total_slots();
-    let (contexts, skipped, max_blocks) =
+    let (contexts, mut skipped, max_blocks) =
         contexts_that_fit(&cfg.contexts, &geo, slots, "the pool's");
     let mut tier = match engine {
         Some(e) => Tier::with_engine(pool, cfg.tier.clone(), e)?,
@@ -407,9 +408,11 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
                 r.tokens,
                 human_bytes(r.bytes)
             ));
+            // The store's largest I/O, or the whole context when it is
+            // smaller (a few blocks).
             let mut w = Workload {
                 pattern: Pattern::Write,
-                bs: cfg.tier.max_io_bytes,
+                bs: cfg.tier.max_io_bytes.min(r.bytes),
                 iodepth: cfg.tier.uring.queue_depth,
                 size: r.bytes,
                 runtime_secs: 0.0,
@@ -417,11 +420,24 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
                 rwmix_read: 100,
                 numjobs: 1,
             };
-            let (io, _) = raw::run(&w, r.bytes, &cfg.tier.uring)?;
-            r.engine_write_gib_s = Some(io.write_bw / GIB);
-            w.pattern = Pattern::Read;
-            let (io, _) = raw::run(&w, r.bytes, &cfg.tier.uring)?;
-            r.engine_read_gib_s = Some(io.read_bw / GIB);
+            // A comparison beside the results: if it cannot run, say so
+            // and keep the results.
+            let mut alone = || -> Result<(f64, f64)> {
+                let (wr, _) = raw::run(&w, r.bytes, &cfg.tier.uring)?;
+                w.pattern = Pattern::Read;
+                let (rd, _) = raw::run(&w, r.bytes, &cfg.tier.uring)?;
+                Ok((wr.write_bw / GIB, rd.read_bw / GIB))
+            };
+            match alone() {
+                Ok((wr, rd)) => {
+                    r.engine_write_gib_s = Some(wr);
+                    r.engine_read_gib_s = Some(rd);
+                }
+                Err(e) => skipped.push(format!(
+                    "{} tokens: the engine-alone comparison did not run: {e}",
+                    r.tokens
+                )),
+            }
         }
     }
     Ok(BenchReport {
@@ -597,6 +613,7 @@ pub fn plot(report: &BenchReport, path: &std::path::Path) -> Result<()> {
         ));
     }
     plot::plot_bandwidth_svg(
+        "--plot",
         path,
         &format!(
             "kvtier {} on {}",

@@ -136,6 +136,7 @@ fn plot_error(path: &Path, e: &dyn std::fmt::Display) -> Error {
 /// lines (e.g. fio's sequential and random read bandwidth, GiB/s). Writes an
 /// SVG of 900x540 with a title, axis labels and a legend.
 pub fn plot_bandwidth_svg(
+    flag: &str,
     path: &Path,
     title: &str,
     series: &[Series],
@@ -198,84 +199,88 @@ pub fn plot_bandwidth_svg(
 
     let draw_err = |e: &dyn std::fmt::Display| plot_error(path, e);
 
-    let root = SVGBackend::new(path, (WIDTH, HEIGHT)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| draw_err(&e))?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 22))
-        .margin(16)
-        .x_label_area_size(52)
-        .y_label_area_size(64)
-        .build_cartesian_2d(Log2Axis::new(x0..x1, keys), ymin..ymax)
-        .map_err(|e| draw_err(&e))?;
-    let x_fmt = |v: &f64| token_label(v.exp2());
-    let y_fmt = |v: &f64| format!("{v:.1}");
-    chart
-        .configure_mesh()
-        .x_desc("context length (tokens, log2 scale)")
-        .y_desc("bandwidth (GiB/s)")
-        .x_label_formatter(&x_fmt)
-        .y_label_formatter(&y_fmt)
-        .axis_desc_style(("sans-serif", 16))
-        .label_style(("sans-serif", 13))
-        .y_max_light_lines(2)
-        .light_line_style(RGBColor(238, 238, 238))
-        .bold_line_style(RGBColor(205, 205, 205))
-        .draw()
-        .map_err(|e| draw_err(&e))?;
-
-    for (i, (label, gib_s)) in references.iter().enumerate() {
-        let style = REF_COLORS[i % REF_COLORS.len()].stroke_width(2);
-        chart
-            .draw_series(DashedLineSeries::new(
-                [(x0, *gib_s), (x1, *gib_s)],
-                10,
-                6,
-                style,
-            ))
-            .map_err(|e| draw_err(&e))?
-            .label(format!("{label} ({gib_s:.2} GiB/s)"))
-            .legend(move |(x, y)| DashedPathElement::new([(x, y), (x + 22, y)], 6, 4, style));
-    }
-
-    for (i, (label, pts)) in lines.iter().enumerate() {
-        let color = LINE_COLORS[i % LINE_COLORS.len()];
-        chart
-            .draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2)))
-            .map_err(|e| draw_err(&e))?
-            .label(*label)
-            .legend(move |(x, y)| {
-                EmptyElement::at((x, y))
-                    + PathElement::new([(0, 0), (22, 0)], color.stroke_width(2))
-                    + Circle::new((11, 0), 4, color.filled())
-            });
-        chart
-            .draw_series(PointSeries::of_element(
-                pts.iter().copied(),
-                4,
-                color.filled(),
-                &|c, size, style| Circle::new(c, size, style),
-            ))
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| draw_err(&e))?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 22))
+            .margin(16)
+            .x_label_area_size(52)
+            .y_label_area_size(64)
+            .build_cartesian_2d(Log2Axis::new(x0..x1, keys), ymin..ymax)
             .map_err(|e| draw_err(&e))?;
-    }
-
-    if !lines.is_empty() || !references.is_empty() {
+        let x_fmt = |v: &f64| token_label(v.exp2());
+        let y_fmt = |v: &f64| format!("{v:.1}");
         chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .margin(10)
-            .label_font(("sans-serif", 14))
-            .background_style(WHITE.mix(0.9))
-            .border_style(RGBColor(160, 160, 160))
+            .configure_mesh()
+            .x_desc("context length (tokens, log2 scale)")
+            .y_desc("bandwidth (GiB/s)")
+            .x_label_formatter(&x_fmt)
+            .y_label_formatter(&y_fmt)
+            .axis_desc_style(("sans-serif", 16))
+            .label_style(("sans-serif", 13))
+            .y_max_light_lines(2)
+            .light_line_style(RGBColor(238, 238, 238))
+            .bold_line_style(RGBColor(205, 205, 205))
             .draw()
             .map_err(|e| draw_err(&e))?;
+
+        for (i, (label, gib_s)) in references.iter().enumerate() {
+            let style = REF_COLORS[i % REF_COLORS.len()].stroke_width(2);
+            chart
+                .draw_series(DashedLineSeries::new(
+                    [(x0, *gib_s), (x1, *gib_s)],
+                    10,
+                    6,
+                    style,
+                ))
+                .map_err(|e| draw_err(&e))?
+                .label(format!("{label} ({gib_s:.2} GiB/s)"))
+                .legend(move |(x, y)| DashedPathElement::new([(x, y), (x + 22, y)], 6, 4, style));
+        }
+
+        for (i, (label, pts)) in lines.iter().enumerate() {
+            let color = LINE_COLORS[i % LINE_COLORS.len()];
+            chart
+                .draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2)))
+                .map_err(|e| draw_err(&e))?
+                .label(*label)
+                .legend(move |(x, y)| {
+                    EmptyElement::at((x, y))
+                        + PathElement::new([(0, 0), (22, 0)], color.stroke_width(2))
+                        + Circle::new((11, 0), 4, color.filled())
+                });
+            chart
+                .draw_series(PointSeries::of_element(
+                    pts.iter().copied(),
+                    4,
+                    color.filled(),
+                    &|c, size, style| Circle::new(c, size, style),
+                ))
+                .map_err(|e| draw_err(&e))?;
+        }
+
+        if !lines.is_empty() || !references.is_empty() {
+            chart
+                .configure_series_labels()
+                .position(SeriesLabelPosition::UpperLeft)
+                .margin(10)
+                .label_font(("sans-serif", 14))
+                .background_style(WHITE.mix(0.9))
+                .border_style(RGBColor(160, 160, 160))
+                .draw()
+                .map_err(|e| draw_err(&e))?;
+        }
+        root.present().map_err(|e| draw_err(&e))?;
     }
-    root.present().map_err(|e| draw_err(&e))?;
-    Ok(())
+    crate::output::write_report(flag, path, crate::output::ReportKind::Svg, svg.as_bytes())
 }
 
 /// Lines on linear axes (e.g. `kvtier replay --sweep`: bubble time against
 /// hit rate). `series` points are (x, y); labels go to the legend.
 pub fn plot_lines_svg(
+    flag: &str,
     path: &Path,
     title: &str,
     x_desc: &str,
@@ -301,53 +306,58 @@ pub fn plot_lines_svg(
     let ymax = all().fold(0.0f64, |m, &(_, y)| m.max(y));
     let ymax = if ymax > 0.0 { ymax } else { 1.0 } * (1.15 + 0.06 * series.len() as f64);
     let draw_err = |e: &dyn std::fmt::Display| plot_error(path, e);
-    let root = SVGBackend::new(path, (WIDTH, HEIGHT)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| draw_err(&e))?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 22))
-        .margin(16)
-        .x_label_area_size(52)
-        .y_label_area_size(64)
-        .build_cartesian_2d((x0 - pad)..(x1 + pad), 0.0..ymax)
-        .map_err(|e| draw_err(&e))?;
-    chart
-        .configure_mesh()
-        .x_desc(x_desc)
-        .y_desc(y_desc)
-        .axis_desc_style(("sans-serif", 16))
-        .label_style(("sans-serif", 13))
-        .light_line_style(RGBColor(238, 238, 238))
-        .draw()
-        .map_err(|e| draw_err(&e))?;
-    for (i, s) in series.iter().enumerate() {
-        let color = LINE_COLORS[i % LINE_COLORS.len()];
-        let mut pts = s.points.clone();
-        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-        chart
-            .draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2)))
-            .map_err(|e| draw_err(&e))?
-            .label(s.label.as_str())
-            .legend(move |(x, y)| PathElement::new([(x, y), (x + 22, y)], color.stroke_width(2)));
-        chart
-            .draw_series(PointSeries::of_element(
-                pts.iter().copied(),
-                4,
-                color.filled(),
-                &|c, size, style| Circle::new(c, size, style),
-            ))
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| draw_err(&e))?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 22))
+            .margin(16)
+            .x_label_area_size(52)
+            .y_label_area_size(64)
+            .build_cartesian_2d((x0 - pad)..(x1 + pad), 0.0..ymax)
             .map_err(|e| draw_err(&e))?;
+        chart
+            .configure_mesh()
+            .x_desc(x_desc)
+            .y_desc(y_desc)
+            .axis_desc_style(("sans-serif", 16))
+            .label_style(("sans-serif", 13))
+            .light_line_style(RGBColor(238, 238, 238))
+            .draw()
+            .map_err(|e| draw_err(&e))?;
+        for (i, s) in series.iter().enumerate() {
+            let color = LINE_COLORS[i % LINE_COLORS.len()];
+            let mut pts = s.points.clone();
+            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+            chart
+                .draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2)))
+                .map_err(|e| draw_err(&e))?
+                .label(s.label.as_str())
+                .legend(move |(x, y)| {
+                    PathElement::new([(x, y), (x + 22, y)], color.stroke_width(2))
+                });
+            chart
+                .draw_series(PointSeries::of_element(
+                    pts.iter().copied(),
+                    4,
+                    color.filled(),
+                    &|c, size, style| Circle::new(c, size, style),
+                ))
+                .map_err(|e| draw_err(&e))?;
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .margin(10)
+            .label_font(("sans-serif", 14))
+            .background_style(WHITE.mix(0.9))
+            .border_style(RGBColor(160, 160, 160))
+            .draw()
+            .map_err(|e| draw_err(&e))?;
+        root.present().map_err(|e| draw_err(&e))?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .margin(10)
-        .label_font(("sans-serif", 14))
-        .background_style(WHITE.mix(0.9))
-        .border_style(RGBColor(160, 160, 160))
-        .draw()
-        .map_err(|e| draw_err(&e))?;
-    root.present().map_err(|e| draw_err(&e))?;
-    Ok(())
+    crate::output::write_report(flag, path, crate::output::ReportKind::Svg, svg.as_bytes())
 }
 
 #[cfg(test)]
@@ -392,7 +402,7 @@ mod tests {
             ("fio seq read".to_string(), 6.8),
             ("fio rand read 80k".to_string(), 5.9),
         ];
-        plot_bandwidth_svg(&path, "Llama-3-8B on /mnt/nvme", &series, &refs).unwrap();
+        plot_bandwidth_svg("--plot", &path, "Llama-3-8B on /mnt/nvme", &series, &refs).unwrap();
         let svg = std::fs::read_to_string(&path).unwrap();
         assert!(svg.contains("<svg"), "{svg}");
         assert!(svg.contains("width=\"900\"") && svg.contains("height=\"540\""));
@@ -419,13 +429,20 @@ mod tests {
         let dir = kvtier::scratch::TestDir::new("plot-test");
         let path = dir.file("edge.svg");
         // No series, only references; a single point; zero bandwidth.
-        plot_bandwidth_svg(&path, "refs only", &[], &[("fio seq read".into(), 1.0)]).unwrap();
+        plot_bandwidth_svg(
+            "--plot",
+            &path,
+            "refs only",
+            &[],
+            &[("fio seq read".into(), 1.0)],
+        )
+        .unwrap();
         assert!(std::fs::read_to_string(&path).unwrap().contains("\n128K\n"));
         let one = Series {
             label: "retrieve".into(),
             points: vec![(32768.0, 0.0)],
         };
-        plot_bandwidth_svg(&path, "one point", &[one], &[]).unwrap();
+        plot_bandwidth_svg("--plot", &path, "one point", &[one], &[]).unwrap();
         assert!(std::fs::read_to_string(&path).unwrap().contains("\n32K\n"));
         std::fs::remove_file(&path).unwrap();
 
@@ -433,14 +450,14 @@ mod tests {
             label: "bad".into(),
             points: vec![(0.0, 1.0)],
         };
-        assert!(plot_bandwidth_svg(&path, "t", &[bad], &[]).is_err());
+        assert!(plot_bandwidth_svg("--plot", &path, "t", &[bad], &[]).is_err());
         let nan = Series {
             label: "nan".into(),
             points: vec![(4096.0, f64::NAN)],
         };
-        assert!(plot_bandwidth_svg(&path, "t", &[nan], &[]).is_err());
+        assert!(plot_bandwidth_svg("--plot", &path, "t", &[nan], &[]).is_err());
         let missing_dir = Path::new("/nonexistent-kvtier-dir/plot.svg");
-        let e = plot_bandwidth_svg(missing_dir, "t", &[], &[]).unwrap_err();
+        let e = plot_bandwidth_svg("--plot", missing_dir, "t", &[], &[]).unwrap_err();
         assert!(
             e.to_string().contains("/nonexistent-kvtier-dir/plot.svg"),
             "{e}"

@@ -185,33 +185,45 @@ pub(crate) fn run(cmd: PoolCmd) -> Result<i32> {
                     );
                 }
             }
-            if let Some(n) = repaired {
-                outln!(
-                    "repaired: dropped {n} damaged block(s), cleared {} damaged header(s) and rewrote {} unreadable header sector(s) (retired where they still fail); the pool now holds only blocks that verify",
-                    report.damaged_headers.len(),
-                    report.unreadable_headers.len()
-                );
-                return Ok(0);
-            }
-            if report.is_clean() {
-                outln!("pool is clean");
-                Ok(0)
+            // The verdict (the exit status carries it too); with --json it
+            // goes to stderr so stdout stays one JSON document.
+            let (verdict, code) = if let Some(n) = repaired {
+                (
+                    format!(
+                        "repaired: dropped {n} damaged block(s), cleared {} damaged header(s) and rewrote {} unreadable header sector(s) (retired where they still fail); the pool now holds only blocks that verify",
+                        report.damaged_headers.len(),
+                        report.unreadable_headers.len()
+                    ),
+                    0,
+                )
+            } else if report.is_clean() {
+                ("pool is clean".to_string(), 0)
             } else if report.is_undamaged() {
-                outln!(
-                    "pool is NOT VERIFIED: no damage found, but {} block(s) carry no checksum",
-                    report.blocks_unverifiable
-                );
-                Ok(1)
+                (
+                    format!(
+                        "pool is NOT VERIFIED: no damage found, but {} block(s) carry no checksum",
+                        report.blocks_unverifiable
+                    ),
+                    1,
+                )
             } else {
-                outln!(
-                    "pool is DAMAGED: {} damaged header(s), {} unreadable header(s), {} block(s) with bad data, {} unreadable; `kvtier pool check --repair` drops them",
-                    report.damaged_headers.len(),
-                    report.unreadable_headers.len(),
-                    report.bad_data.len(),
-                    report.unreadable_data.len()
-                );
-                Ok(1)
+                (
+                    format!(
+                        "pool is DAMAGED: {} damaged header(s), {} unreadable header(s), {} block(s) with bad data, {} unreadable; `kvtier pool check --repair` drops them",
+                        report.damaged_headers.len(),
+                        report.unreadable_headers.len(),
+                        report.bad_data.len(),
+                        report.unreadable_data.len()
+                    ),
+                    1,
+                )
+            };
+            if json {
+                note(&verdict);
+            } else {
+                outln!("{verdict}");
             }
+            Ok(code)
         }
     }
 }

@@ -42,6 +42,10 @@ pub(crate) struct ReplayArgs {
 }
 
 pub(crate) fn run_replay(a: ReplayArgs) -> Result<i32> {
+    report_paths_ok(&[
+        ("--json", &a.json, ReportKind::Json),
+        ("--sweep", &a.sweep, ReportKind::Svg),
+    ])?;
     if a.sweep.is_some() {
         return run_replay_sweep(a);
     }
@@ -260,6 +264,7 @@ fn run_replay_sweep(a: ReplayArgs) -> Result<i32> {
     bar.finish();
     let path = a.sweep.as_ref().expect("checked");
     plot_lines_svg(
+        "--sweep",
         path,
         &format!("bubble time against hit rate ({total} tokens, compute x{scale:.3})"),
         "prefix cache hit rate (%)",
