@@ -344,6 +344,18 @@ impl HostKvCache {
         geometry.validate()?;
         let obj = geometry.object_bytes();
         let per_layer = 2 * num_blocks as u64 * obj;
+        // Pinned memory beyond the machine's can never be had: say so
+        // rather than fail an mmap of terabytes with ENOMEM.
+        let total = per_layer.saturating_mul(geometry.layers as u64);
+        if let Some(have) = crate::host::mem_total() {
+            if total > have {
+                return Err(Error::invalid(format!(
+                    "a host KV cache of {num_blocks} blocks needs {} but this machine has {} of memory; give fewer blocks",
+                    crate::host::size::human_bytes(total),
+                    crate::host::size::human_bytes(have)
+                )));
+            }
+        }
         let map = |len: u64| DmaBuffer::new(len as usize);
         let (maps, layout) = match layout {
             HostLayout::PerLayer => {

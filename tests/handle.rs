@@ -365,6 +365,38 @@ fn an_undrained_completion_stream_stays_bounded_and_keeps_uncollected_jobs() {
 }
 
 #[test]
+fn results_nobody_collects_are_bounded_by_backpressure() {
+    // Fire-and-forget stores (of a key already stored: no I/O) until the job
+    // table is full: the next submit is backpressure naming the fix, and
+    // collecting the results makes room again.
+    let dir = TempDir::new("handle-uncollected");
+    let (h, cache, _) = faulty_handle(&dir, 4, 8, HandleConfig::default());
+    store_ok(&h, &cache, &[1], &[0]);
+    let mut submitted = 0usize;
+    let refusal = loop {
+        match h.submit_store(&keys(1..2), &[0]) {
+            Ok(_) => submitted += 1,
+            Err(e) if e.to_string().contains("not collected") => break e,
+            // The write backlog is full for a moment: the I/O thread catches up.
+            Err(e) if e.kind() == kvtier::ErrorKind::Backpressure => {
+                std::thread::sleep(std::time::Duration::from_millis(1))
+            }
+            Err(e) => panic!("{e}"),
+        }
+    };
+    assert_eq!(refusal.kind(), kvtier::ErrorKind::Backpressure);
+    assert!(refusal.to_string().contains("get_finished"), "{refusal}");
+    assert_eq!(submitted, kvtier::handle::MAX_JOBS);
+    let mut collected = 0;
+    while collected < submitted {
+        collected += h.get_finished().len();
+    }
+    let j = h.submit_store(&keys(1..2), &[0]).unwrap();
+    assert!(h.wait(j).unwrap().all_ok());
+    h.close().unwrap();
+}
+
+#[test]
 fn a_second_load_into_a_block_under_load_is_refused_and_the_key_kept() {
     // Each load checks the bytes in its memory block: a second load landing
     // there meanwhile would fail the first's check and drop a good key.

@@ -150,7 +150,7 @@ pub fn is_broken_pipe(e: &Error) -> bool {
 /// KV caches are faulted in up front, so an impossible size would end in
 /// the OOM killer rather than an error.
 pub fn check_host_memory(bytes: u64, what: &str, fix: &str) -> Result<()> {
-    let Some(avail) = mem_available() else {
+    let Some(avail) = kvtier::host::mem_available() else {
         return Ok(());
     };
     if bytes > avail {
@@ -161,14 +161,6 @@ pub fn check_host_memory(bytes: u64, what: &str, fix: &str) -> Result<()> {
         )));
     }
     Ok(())
-}
-
-/// MemAvailable from /proc/meminfo, bytes.
-fn mem_available() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
 }
 
 #[cfg(test)]

@@ -130,56 +130,66 @@ class KvtierL2:
 
     def submit_batch_exists(self, keys: Sequence[str]) -> int:
         # Answered at once: a kvtier lookup is an index read, never I/O.
-        fid = self._new_id()
+        self._refuse_if_closed()
         found = [self.tier.contains(_key(k)) for k in keys]
-        self._complete(fid, True, "", found)
+        with self._lock:
+            self._refuse_if_closed()
+            fid = self._next
+            self._next += 1
+            self._done.append((fid, True, "", found))
+            os.eventfd_write(self._efd, 1)
         return fid
 
     def drain_completions(self) -> list[Completion]:
+        """Completions since the last call. After close() it returns what
+        was left and never touches the event fd (closed, its number free
+        for reuse by any file)."""
         with self._lock:
             done, self._done = self._done, []
-            try:
-                os.eventfd_read(self._efd)
-            except BlockingIOError:
-                pass
+            if not self._closed:
+                try:
+                    os.eventfd_read(self._efd)
+                except BlockingIOError:
+                    pass
         return done
 
     def close(self) -> None:
         """Finish queued operations, then issue the write backlog and close the pool."""
-        if self._closed:
-            return
-        self._closed = True
-        for _ in self._threads:
-            self._ops.put(None)
+        with self._lock:
+            if self._closed:
+                return
+            # Under the lock: a submit either queued its operation before the
+            # workers' stop marks (and it completes) or sees the tier closed.
+            self._closed = True
+            for _ in self._threads:
+                self._ops.put(None)
         for t in self._threads:
             t.join()
         self.tier.close()
-        os.close(self._efd)
+        with self._lock:
+            os.close(self._efd)
+            self._efd = -1
 
     def usage(self) -> dict[str, Any]:
         return self.tier.usage()
 
     # -- internals -------------------------------------------------------
 
-    def _new_id(self) -> int:
-        with self._lock:
-            fid = self._next
-            self._next += 1
-        return fid
-
     def _complete(self, fid: int, ok: bool, error: str, results: list[bool] | None) -> None:
         with self._lock:
             self._done.append((fid, ok, error, results))
             os.eventfd_write(self._efd, 1)
 
-    def _submit(self, op: str, keys: Sequence[str], memviews: Sequence[memoryview]) -> int:
+    def _refuse_if_closed(self) -> None:
         if self._closed:
-            raise RuntimeError("KvtierL2 is closed")
+            raise RuntimeError("KvtierL2 is closed: open a new one to submit more")
+
+    def _submit(self, op: str, keys: Sequence[str], memviews: Sequence[memoryview]) -> int:
+        self._refuse_if_closed()
         if len(keys) != len(memviews):
             raise ValueError(
                 f"{len(keys)} keys but {len(memviews)} buffers: give one buffer per key"
             )
-        fid = self._new_id()
         for i, mv in enumerate(memviews):
             n = memoryview(mv).nbytes
             if n > self.block_bytes:
@@ -188,7 +198,11 @@ class KvtierL2:
                     f"object {i} has {n} bytes, more than a kvtier block of {self.block_bytes}: "
                     "adapter_params.chunk_size and model must match LMCache's chunk_size and model"
                 )
-        self._ops.put((op, fid, list(keys), list(memviews)))
+        with self._lock:
+            self._refuse_if_closed()
+            fid = self._next
+            self._next += 1
+            self._ops.put((op, fid, list(keys), list(memviews)))
         return fid
 
     def _worker(self, staging: list[int]) -> None:

@@ -21,7 +21,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyRange, PyTuple};
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Once};
 use std::time::Duration;
 
@@ -142,6 +142,18 @@ fn head_of(p: &std::path::Path) -> Option<[u8; 24]> {
 fn to_py_builder(e: Error) -> PyErr {
     let mut f = Failure::from(e);
     for (cli, py) in [
+        (
+            "run that `kvtier pool create` again (it needs no --force)",
+            "build it again (no create(\"always\") needed)",
+        ),
+        (
+            "run that create again (it needs no --force)",
+            "build it again (no create(\"always\") needed)",
+        ),
+        (
+            "`kvtier pool create --force`",
+            "TierBuilder().create(\"always\")",
+        ),
         (
             "`kvtier pool create`",
             "TierBuilder().create(\"always\").capacity(...)",
@@ -309,6 +321,11 @@ fn staging_blocks_arg(o: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
 
 /// A size in bytes: an int, or a string with a k/m/g/t suffix (powers of 1024).
 fn parse_size(o: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
+    if o.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be bytes as an int or a string like \"8g\", not a bool"
+        )));
+    }
     if let Ok(n) = o.extract::<u64>() {
         return Ok(n);
     }
@@ -335,16 +352,23 @@ fn parse_size(o: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
         Some('p') => (&t[..t.len() - 1], 1 << 50),
         _ => (t, 1),
     };
-    num.trim()
+    let bytes = num
+        .trim()
         .parse::<f64>()
         .ok()
         .filter(|v| v.is_finite() && *v > 0.0)
-        .map(|v| (v * mul as f64) as u64)
+        .map(|v| v * mul as f64)
         .ok_or_else(|| {
             usage(format!(
                 "{what} {s:?} is not a size; write bytes or e.g. \"512m\", \"8g\""
             ))
-        })
+        })?;
+    if bytes >= 18_446_744_073_709_551_616.0 {
+        return Err(usage(format!(
+            "{what} {s:?} is out of range: give a size below 16 EiB, e.g. \"8g\""
+        )));
+    }
+    Ok(bytes as u64)
 }
 
 enum Where {
@@ -710,9 +734,8 @@ impl TierBuilder {
             })?),
             None => None,
         };
-        let named = py
-            .allow_threads(|| resolve_named(&spec, block_size, dtype))
-            .map_err(to_py_builder)?;
+        let named =
+            without_gil(py, || resolve_named(&spec, block_size, dtype)).map_err(to_py_builder)?;
         let g = named.geometry;
         let namespace = slf.namespace.clone().unwrap_or_else(|| {
             format!(
@@ -798,6 +821,15 @@ impl TierBuilder {
                 })?;
             }
             let per = (cap / paths.len() as u64) & !4095;
+            let min = kvtier::pool::layout::PoolLayout::min_device_bytes(&g, slf.group_blocks);
+            if per < min {
+                return Err(usage(format!(
+                    "capacity({cap}) gives each of {} pool file(s) {per} bytes, less than the {min} the smallest pool of this model needs (one group of {} blocks and the superblock area); give at least capacity({})",
+                    paths.len(),
+                    slf.group_blocks,
+                    min * paths.len() as u64
+                )));
+            }
             b = b.create(
                 PoolConfig::new(g, named.name.clone(), namespace.clone())
                     .with_group_blocks(slf.group_blocks)
@@ -837,8 +869,7 @@ impl TierBuilder {
             }
             Some(Mem::Host { blocks, layout }) => {
                 let c = Arc::new(
-                    py.allow_threads(|| HostKvCache::new(g, blocks, layout))
-                        .map_err(to_py)?,
+                    without_gil(py, || HostKvCache::new(g, blocks, layout)).map_err(to_py)?,
                 );
                 if double {
                     return Err(usage(
@@ -901,7 +932,7 @@ impl TierBuilder {
             }
         };
         let staged = double || gpu.is_some();
-        let handle = py.allow_threads(|| b.build()).map_err(to_py_builder)?;
+        let handle = without_gil(py, || b.build()).map_err(to_py_builder)?;
         let completions = handle.completions().map_err(to_py)?;
         // The memory (and the objects keeping it alive) now belong to this
         // handle: a second build() must not register it again.
@@ -964,32 +995,52 @@ fn tensor_region(t: &Bound<'_, PyAny>, i: usize) -> PyResult<TensorRegion> {
             ))))
         }
     };
-    // Host memory is written by DMA and CPU copies at the address the
-    // object gives: only torch's own tensors are believed, never a
-    // look-alike (CUDA addresses go through the driver, which checks them).
-    if kind == MemoryKind::Host {
-        let is_tensor = t
-            .py()
-            .import("torch")
-            .and_then(|m| m.getattr("Tensor"))
-            .and_then(|c| t.is_instance(&c))
-            .unwrap_or(false);
-        if !is_tensor {
-            return Err(PyTypeError::new_err(format!(
-                "KV memory {i} has a data_ptr but is not a torch.Tensor; pass torch tensors or buffers (bytearray, memoryview, numpy)"
-            )));
-        }
+    // KV memory is written by DMA, CPU copies and GPU kernels at the address
+    // and length the object gives. A subclass of torch.Tensor can override
+    // data_ptr, numel or shape: refused. Host memory is believed only from
+    // torch's own tensor type, with its methods taken from the class (an
+    // attribute set on the instance, which tensors take, cannot stand in for
+    // them); a CUDA region is checked against the driver at registration.
+    let torch = t.py().import("torch")?;
+    let torch_tensor = torch.getattr("Tensor")?;
+    let parameter = torch.getattr("nn")?.getattr("Parameter")?;
+    let is_tensor = t.is_instance(&torch_tensor)?;
+    let exact = t.get_type().is(&torch_tensor) || t.get_type().is(&parameter);
+    let name = || {
+        t.get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_else(|_| "?".into())
+    };
+    if is_tensor && !exact {
+        return Err(PyTypeError::new_err(format!(
+            "KV tensor {i} is a {}, a subclass of torch.Tensor; pass the plain tensor (t.as_subclass(torch.Tensor)), whose address and size kvtier can trust",
+            name()
+        )));
     }
-    if !t.call_method0("is_contiguous")?.extract::<bool>()? {
+    if kind == MemoryKind::Host && !is_tensor {
+        return Err(PyTypeError::new_err(format!(
+            "KV memory {i} is a {} with a data_ptr, not a torch.Tensor; pass torch tensors or buffers (bytearray, memoryview, numpy)",
+            name()
+        )));
+    }
+    let method = |m: &str| {
+        if exact {
+            torch_tensor.getattr(m)?.call1((t,))
+        } else {
+            t.call_method0(m)
+        }
+    };
+    if !method("is_contiguous")?.extract::<bool>()? {
         return Err(usage(format!(
             "KV tensor {i} is not contiguous (strides {}); pass the cache tensor itself, not a strided or permuted view",
-            t.call_method0("stride")?.str()?
+            method("stride")?.str()?
         )));
     }
     let shape: Vec<u64> = t.getattr("shape")?.extract()?;
-    let addr: u64 = t.call_method0("data_ptr")?.extract()?;
-    let numel: u64 = t.call_method0("numel")?.extract()?;
-    let element_size: u64 = t.call_method0("element_size")?.extract()?;
+    let addr: u64 = method("data_ptr")?.extract()?;
+    let numel: u64 = method("numel")?.extract()?;
+    let element_size: u64 = method("element_size")?.extract()?;
     Ok(TensorRegion {
         addr,
         len: numel * element_size,
@@ -1053,7 +1104,7 @@ fn check_shapes(g: &KvGeometry, layout: &str, shapes: &[Option<(Vec<u64>, u64)>]
 /// is missing and the fix.
 fn gpu_context(py: Python<'_>, ordinal: u32) -> PyResult<Context> {
     let fix = "CUDA KV tensors are served through kvtier's staged HBM path, which needs the NVIDIA driver (libcuda), a visible GPU and a kvtier built with its kernels (nvcc on PATH when the wheel was built)";
-    let r = py.allow_threads(|| -> Result<Context, (Error, &'static str)> {
+    let r = without_gil(py, || -> Result<Context, (Error, &'static str)> {
         kernels::staging().map_err(|e| {
             (
                 e,
@@ -1315,6 +1366,38 @@ extern "C" fn count_fork_in_child() {
     FORKS.fetch_add(1, Ordering::SeqCst);
 }
 
+/// Set by an atexit hook: the interpreter is exiting.
+static EXITING: AtomicBool = AtomicBool::new(false);
+
+#[pyfunction]
+fn _mark_exiting() {
+    EXITING.store(true, Ordering::SeqCst);
+}
+
+/// Run `f` with the GIL released. Once the interpreter is exiting, a thread
+/// other than the main one never takes the GIL back: CPython ends such a
+/// (daemon) thread with pthread_exit as it retakes the GIL, and that forced
+/// unwind through Rust frames aborts the whole process ("FATAL: exception
+/// not rethrown") instead of letting it exit. The thread parks until the
+/// process is gone; its call never returns, as CPython would have it.
+fn without_gil<T, F>(py: Python<'_>, f: F) -> T
+where
+    F: Send + FnOnce() -> T,
+    T: Send,
+{
+    py.allow_threads(|| {
+        let r = f();
+        // SAFETY: gettid and getpid have no preconditions.
+        let main_thread = unsafe { libc::gettid() == libc::getpid() };
+        if EXITING.load(Ordering::SeqCst) && !main_thread {
+            loop {
+                std::thread::park();
+            }
+        }
+        r
+    })
+}
+
 /// How long a blocking wait sleeps before looking at Python's signals, so
 /// that Ctrl-C (and any signal handler) runs while a job is slow or stuck.
 const WAIT_SLICE: Duration = Duration::from_millis(50);
@@ -1437,28 +1520,28 @@ impl TierHandle {
     fn lookup(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
         let h = self.live()?;
         let keys = keys_of(keys)?;
-        Ok(py.allow_threads(|| h.lookup_prefix(&keys)))
+        Ok(without_gil(py, || h.lookup_prefix(&keys)))
     }
 
     /// Like lookup, and pins the counted keys against eviction until `unpin`.
     fn lookup_and_pin(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
         let h = self.live()?;
         let keys = keys_of(keys)?;
-        Ok(py.allow_threads(|| h.lookup_and_pin(&keys)))
+        Ok(without_gil(py, || h.lookup_and_pin(&keys)))
     }
 
     /// Drop one pin per key; unknown keys are ignored.
     fn unpin(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
         let h = self.live()?;
         let keys = keys_of(keys)?;
-        py.allow_threads(|| h.unpin(&keys));
+        without_gil(py, || h.unpin(&keys));
         Ok(())
     }
 
     fn contains(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<bool> {
         let h = self.live()?;
         let k = key_of(key, 0)?;
-        Ok(py.allow_threads(|| h.contains(&k)))
+        Ok(without_gil(py, || h.contains(&k)))
     }
 
     /// Accept a store of `keys` from memory `blocks` (all layers); returns a
@@ -1472,8 +1555,7 @@ impl TierHandle {
         let h = self.live()?;
         let keys = keys_of(keys)?;
         let blocks = blocks_of(blocks)?;
-        py.allow_threads(|| h.submit_store(&keys, &blocks))
-            .map_err(to_py)
+        without_gil(py, || h.submit_store(&keys, &blocks)).map_err(to_py)
     }
 
     /// Start loading `keys` (all in the pool) into memory `blocks` for
@@ -1513,8 +1595,7 @@ impl TierHandle {
                 s as u32..e as u32
             }
         };
-        py.allow_threads(|| h.submit_load(&keys, &blocks, range))
-            .map_err(to_py)
+        without_gil(py, || h.submit_load(&keys, &blocks, range)).map_err(to_py)
     }
 
     /// Block (GIL released) until `job` finishes; returns its result once.
@@ -1527,10 +1608,7 @@ impl TierHandle {
     ) -> PyResult<JobResultPy> {
         let h = self.live()?;
         loop {
-            match py
-                .allow_threads(|| h.wait_timeout(job, WAIT_SLICE))
-                .map_err(to_py)?
-            {
+            match without_gil(py, || h.wait_timeout(job, WAIT_SLICE)).map_err(to_py)? {
                 Some(r) => return Ok(result_py(py, r)),
                 None => py.check_signals()?,
             }
@@ -1547,10 +1625,7 @@ impl TierHandle {
         #[pyo3(from_py_with = layer_arg)] layer: u32,
     ) -> PyResult<()> {
         let h = self.live()?;
-        while !py
-            .allow_threads(|| h.wait_layer_timeout(job, layer, WAIT_SLICE))
-            .map_err(to_py)?
-        {
+        while !without_gil(py, || h.wait_layer_timeout(job, layer, WAIT_SLICE)).map_err(to_py)? {
             py.check_signals()?;
         }
         Ok(())
@@ -1579,8 +1654,7 @@ impl TierHandle {
         // SAFETY: the caller passes a live stream of the device's primary
         // context (torch's); the counter is kept in `waited_counters` until
         // this handle is dropped, after the tier.
-        py.allow_threads(|| unsafe { c.queue_on_raw_stream(ctx, stream, layer) })
-            .map_err(to_py)?;
+        without_gil(py, || unsafe { c.queue_on_raw_stream(ctx, stream, layer) }).map_err(to_py)?;
         let mut kept = self
             .waited_counters
             .lock()
@@ -1630,7 +1704,7 @@ impl TierHandle {
     /// Issue every store in the backlog now, whatever the policy.
     fn flush_stores(&self, py: Python<'_>) -> PyResult<()> {
         let h = self.live()?;
-        py.allow_threads(|| h.flush_stores()).map_err(to_py)
+        without_gil(py, || h.flush_stores()).map_err(to_py)
     }
 
     /// An eventfd that polls readable while completions are queued (for
@@ -1698,7 +1772,7 @@ impl TierHandle {
         let src = copy
             .as_ref()
             .map_or(data.buf_ptr() as usize, |c| c.as_ptr() as usize);
-        py.allow_threads(|| {
+        without_gil(py, || {
             for layer in 0..g.layers {
                 for kv in 0..2 {
                     let i = (layer * 2 + kv) as usize * obj;
@@ -1752,7 +1826,7 @@ impl TierHandle {
         let dst = copy
             .as_mut()
             .map_or(out.buf_ptr() as usize, |c| c.as_mut_ptr() as usize);
-        py.allow_threads(|| {
+        without_gil(py, || {
             for layer in 0..g.layers {
                 for kv in 0..2 {
                     let i = (layer * 2 + kv) as usize * obj;
@@ -1803,7 +1877,7 @@ impl TierHandle {
     /// I/O thread; raise the first engine failure. Later calls raise ClosedError.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         let h = self.live()?;
-        py.allow_threads(|| h.close()).map_err(to_py)
+        without_gil(py, || h.close()).map_err(to_py)
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -1903,7 +1977,7 @@ fn rust_latency(
     let h = handle.live()?;
     let layers = h.geometry().layers;
     let op = op.to_string();
-    py.allow_threads(|| -> kvtier::Result<u64> {
+    without_gil(py, || -> kvtier::Result<u64> {
         let mut t = Vec::with_capacity(iters);
         for i in 0..iters {
             let s = std::time::Instant::now();
@@ -1937,6 +2011,10 @@ fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
     AT_FORK.call_once(|| unsafe {
         libc::pthread_atfork(None, None, Some(count_fork_in_child));
     });
+    // Before the interpreter ends daemon threads: see without_gil.
+    py.import("atexit")?
+        .getattr("register")?
+        .call1((wrap_pyfunction!(_mark_exiting, m)?,))?;
     m.add_class::<TierBuilder>()?;
     m.add_class::<TierHandle>()?;
     m.add("JobResult", py.get_type::<JobResultPy>())?;

@@ -183,3 +183,31 @@ def test_storage_manager_store_evict_prefetch(tmp_path, tiny_model):
         sm.finish_read_prefetched(keys)
     finally:
         sm.close()
+
+
+def test_kvtier_l2_after_close_never_touches_its_old_event_fd(tmp_path, tiny_model):
+    import os
+
+    from kvtier.lmcache import KvtierL2
+
+    l2 = KvtierL2(model=tiny_model, chunk_size=CHUNK, path=str(tmp_path / "p"),
+                  capacity="16m", staging_blocks=4)
+    fid = l2.submit_batch_exists(["k"])
+    efd = l2.event_fd()
+    l2.close()
+    l2.close()  # twice is fine
+    # The fd number is free again: a file that gets it must be left alone.
+    victim = open(tmp_path / "victim", "w+b", buffering=0)
+    try:
+        for submit in (lambda: l2.submit_batch_exists(["k"]),
+                       lambda: l2.submit_batch_set(["k"], [memoryview(bytearray(8))]),
+                       lambda: l2.submit_batch_get(["k"], [memoryview(bytearray(8))])):
+            with pytest.raises(RuntimeError, match="closed"):
+                submit()
+        # What completed before close is still handed over, once.
+        assert [c[0] for c in l2.drain_completions()] == [fid]
+        assert l2.drain_completions() == []
+        if victim.fileno() == efd:
+            assert os.pread(victim.fileno(), 64, 0) == b""
+    finally:
+        victim.close()

@@ -312,7 +312,7 @@ def test_builder_errors_name_the_python_call(tmp_path, tiny_model):
     # The pool's checks are shared with the CLI; from Python they must name
     # the TierBuilder call that fixes them, not a command-line flag.
     b = kvtier.TierBuilder().directory(tmp_path / "p").capacity(4096).model(tiny_model)
-    with pytest.raises(kvtier.UsageError, match=r"capacity\(\)") as e:
+    with pytest.raises(kvtier.UsageError, match=r"give at least capacity\(\d+\)") as e:
         b.host_cache(4).build()
     assert "--" not in str(e.value)
     (tmp_path / "foreign").write_bytes(b"not a pool" * 1000)
@@ -450,3 +450,99 @@ def test_a_failed_build_can_be_retried_and_a_builder_serves_once(tmp_path, tiny_
     with pytest.raises(kvtier.UsageError, match="no KV memory"):
         b.build()  # its memory belongs to `tier` now
     tier.close()
+
+
+def test_tensor_subclasses_and_shadowed_methods_are_not_believed(tmp_path, tiny_model):
+    torch = pytest.importorskip("torch")
+    obj = 16 * 2 * 64 * 2
+    n = 2 * 4 * obj
+    raws = [torch.zeros(n + 4096, dtype=torch.uint8) for _ in range(2)]
+    layers = []
+    for raw in raws:
+        off = (-raw.data_ptr()) % 4096
+        layers.append(raw[off:off + n].view(torch.bfloat16).view(2, 4, 16, 2, 64))
+
+    class Evil(torch.Tensor):
+        def data_ptr(self):
+            return 4096 * 1000
+
+    def build(mem, d):
+        return (kvtier.TierBuilder().directory(tmp_path / d).capacity("16m")
+                .model(tiny_model).kv_memory(mem).build())
+
+    with pytest.raises(TypeError, match="subclass of torch.Tensor"):
+        build([layers[0].as_subclass(Evil), layers[1]], "a")
+    # An attribute set on a plain tensor does not stand in for its method:
+    # the tier registers (and uses) the real address.
+    layers[0].data_ptr = lambda: 4096 * 1000
+    tier = build(layers, "b")
+    data = bytes(range(256)) * (2 * 2 * obj // 256)
+    tier.write_block(1, data)
+    assert tier.read_block(1) == data
+    tier.close()
+
+
+def test_read_only_memory_is_refused_at_registration(tmp_path, tiny_model):
+    import mmap
+    import warnings
+
+    torch = pytest.importorskip("torch")
+    per = 2 * 4 * 16 * 2 * 64 * 2
+    m = mmap.mmap(-1, 2 * per, prot=mmap.PROT_READ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ro = torch.frombuffer(m, dtype=torch.bfloat16)
+    layers = [ro[: per // 2].view(2, 4, 16, 2, 64), ro[per // 2:].view(2, 4, 16, 2, 64)]
+    with pytest.raises(kvtier.KvtierError, match="cannot receive loads"):
+        (kvtier.TierBuilder().directory(tmp_path / "p").capacity("16m")
+         .model(tiny_model).kv_memory(layers).build())
+
+
+def test_exit_with_a_daemon_thread_waiting_is_clean(tmp_path, tiny_model):
+    # CPython ends daemon threads at exit as they retake the GIL; a thread
+    # inside a kvtier wait must not turn that into an abort (exit 134).
+    script = textwrap.dedent(f"""
+        import threading, time, kvtier
+        t = (kvtier.TierBuilder().directory({str(tmp_path / 'p')!r}).capacity("16m")
+             .model({tiny_model!r}).host_cache(2).policy("sync").build())
+        t.write_block(0, b"x")
+        job = t.submit_store([b"k"], [0])   # held until flush_stores()
+        for _ in range(3):
+            threading.Thread(target=t.wait, args=(job,), daemon=True).start()
+        time.sleep(0.2)
+        print("main returns", flush=True)
+    """)
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+        assert "main returns" in r.stdout
+
+
+def test_a_damaged_superblock_names_the_python_fix(tmp_path, tiny_model):
+    tier = open_tier(tmp_path, tiny_model)
+    tier.close()
+    (pool,) = [p for p in (tmp_path / "pool").iterdir() if p.suffix == ".pool"]
+    with open(pool, "r+b") as f:
+        f.seek(105)
+        b = f.read(1)
+        f.seek(105)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(kvtier.CorruptError) as e:
+        open_tier(tmp_path, tiny_model, create="never")
+    msg = str(e.value)
+    assert 'create("always")' in msg and "kvtier pool create" not in msg, msg
+    assert "create create" not in msg and "--force" not in msg, msg
+
+
+def test_sizes_and_cache_lengths_out_of_reach_are_named(tmp_path, tiny_model):
+    b = lambda: kvtier.TierBuilder().directory(tmp_path / "p").model(tiny_model)
+    with pytest.raises(TypeError, match="not a bool"):
+        b().capacity(True)
+    with pytest.raises(kvtier.UsageError, match="out of range"):
+        b().capacity("99999999999999999999t")
+    with pytest.raises(kvtier.UsageError, match=r"smallest pool .* give at least capacity"):
+        b().capacity("1e3").host_cache(2).build()
+    with pytest.raises(kvtier.UsageError, match="fewer blocks"):
+        b().capacity("16m").host_cache(2**32 - 1).build()
+    assert not (tmp_path / "p").exists() or not any((tmp_path / "p").iterdir())

@@ -164,6 +164,11 @@ struct EventQueue {
     compact_at: AtomicUsize,
 }
 
+/// Jobs the table holds at most: running, or finished with their results
+/// not yet collected. A serving engine has hundreds in flight; past this a
+/// submit is refused as backpressure until results are collected.
+pub const MAX_JOBS: usize = 1 << 16;
+
 /// Events queued before a queue is first compacted. A subscriber that never
 /// drains (a caller that only uses `wait`, as the Python module's own
 /// subscription often is) would otherwise grow its queue by a load's
@@ -586,6 +591,18 @@ impl TierHandle {
         Ok(())
     }
 
+    /// A new job needs room in the job table: results nobody collects
+    /// would otherwise grow it (about a kilobyte a job) without bound.
+    fn check_job_room(jobs: &Jobs) -> Result<()> {
+        if jobs.entries.len() >= MAX_JOBS {
+            return Err(Error::Backpressure(format!(
+                "{} jobs are running or finished with their results not collected (at most {MAX_JOBS}); collect results with wait, try_result or get_finished, then submit again",
+                jobs.entries.len()
+            )));
+        }
+        Ok(())
+    }
+
     /// Which unfinished job uses memory block `block`: `Load` while a load
     /// writes it (its bytes are not yet whole, and a write would fail the
     /// load's check), `Store` while a store reads it (a write would change
@@ -617,6 +634,7 @@ impl TierHandle {
             let s = core.as_mut().ok_or_else(Shared::closed_error)?;
             let mut jobs = lock(&self.shared.jobs);
             self.check_open(&jobs)?;
+            Self::check_job_room(&jobs)?;
             if let Some(b) = mem_blocks.iter().find(|b| jobs.store_mem.contains_key(b)) {
                 return Err(Error::invalid(format!(
                     "memory block {b} is read by a store not yet finished; wait for that store before loading into it"
@@ -687,6 +705,7 @@ impl TierHandle {
             let s = core.as_mut().ok_or_else(Shared::closed_error)?;
             let mut jobs = lock(&self.shared.jobs);
             self.check_open(&jobs)?;
+            Self::check_job_room(&jobs)?;
             if let Some(b) = mem_blocks.iter().find(|b| jobs.load_mem.contains_key(b)) {
                 return Err(Error::invalid(format!(
                     "memory block {b} is the target of a load not yet finished; wait for that load before storing from it"
