@@ -248,6 +248,13 @@ impl fmt::Display for IoFailure {
                     std::io::Error::from_raw_os_error(e)
                 )
             }
+            IoCause::Errno(e) if e == libc::EFAULT => write!(
+                f,
+                "{}: the KV memory of this transfer is not mapped {} in this process (freed, \
+                 resized or made read-only after it was registered?); the device is not at fault",
+                std::io::Error::from_raw_os_error(e),
+                if op == "read" { "writable" } else { "readable" }
+            ),
             IoCause::Errno(e) => write!(f, "{}", std::io::Error::from_raw_os_error(e)),
             IoCause::Short { done } => write!(f, "short {op}: {done} of {} bytes", self.len),
             IoCause::NvmeStatus(s) => write!(f, "NVMe status {s:#x}"),
@@ -419,5 +426,36 @@ fn retired_note(retired: u64) -> String {
         format!(
             ", and {retired} slot(s) retired after device errors (their capacity is lost until the device is replaced or the pool recreated; `kvtier pool check` lists them)"
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn io_failures_say_whose_fault_the_errno_is() {
+        let at = |op: &'static str, e: i32| {
+            IoFailure {
+                device: "/pool/kvtier-0.pool".into(),
+                offset: 4096,
+                len: 8192,
+                op,
+                cause: IoCause::Errno(e),
+            }
+            .to_string()
+        };
+        let m = at("read", libc::EFAULT);
+        assert!(
+            m.contains("not mapped writable") && m.contains("device is not at fault"),
+            "{m}"
+        );
+        assert!(at("write", libc::EFAULT).contains("not mapped readable"));
+        let m = at("write", libc::ENOSPC);
+        assert!(
+            m.contains("offset 4096 (8192 bytes)") && m.contains("free space"),
+            "{m}"
+        );
+        assert!(!at("read", libc::EIO).contains("not at fault"));
     }
 }

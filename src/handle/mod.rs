@@ -765,7 +765,7 @@ impl TierHandle {
         loop {
             if !jobs.entries.contains_key(&job) {
                 return Err(Error::invalid(format!(
-                    "job {job} is unknown or its result was already taken"
+                    "job {job} is unknown or its result was already taken (by wait, try_result or get_finished: each result is handed out once, to one caller)"
                 )));
             }
             if let Some(r) = jobs.take(job) {
@@ -822,7 +822,7 @@ impl TierHandle {
         let mut jobs = lock(&self.shared.jobs);
         if !jobs.entries.contains_key(&job) {
             return Err(Error::invalid(format!(
-                "job {job} is unknown or its result was already taken"
+                "job {job} is unknown or its result was already taken (by wait, try_result or get_finished: each result is handed out once, to one caller)"
             )));
         }
         Ok(jobs.take(job))
@@ -846,7 +846,7 @@ impl TierHandle {
         loop {
             let Some(e) = jobs.entries.get(&job) else {
                 return Err(Error::invalid(format!(
-                    "job {job} is unknown or its result was already taken"
+                    "job {job} is unknown or its result was already taken (by wait, try_result or get_finished: each result is handed out once, to one caller)"
                 )));
             };
             if e.kind != JobKind::Load || !e.layers.contains(&layer) {

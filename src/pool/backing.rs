@@ -164,6 +164,13 @@ fn open_error(path: &Path, kind: BackingKind, e: io::Error) -> Error {
                 "permission denied opening it read-write ({e}); run as a user who may write it"
             ),
         ),
+        (Some(libc::EMFILE) | Some(libc::ENFILE), _) => backing_error(
+            path,
+            format!(
+                "this process may open no more files ({e}); raise the open-file limit \
+                 (`ulimit -n`, LimitNOFILE= for a service) or name fewer devices"
+            ),
+        ),
         (Some(libc::EROFS), _) => backing_error(
             path,
             "it is on a read-only filesystem or device; make it writable (remount it \
@@ -525,6 +532,19 @@ impl BackingDevice {
                         ),
                     ))
                 }
+                Err(e) if e.kind() == ErrorKind::PermissionDenied => {
+                    return Err(backing_error(
+                        path,
+                        format!(
+                            "permission denied creating it in {} ({e}); create the pool in a \
+                             directory this user may write",
+                            path.parent()
+                                .filter(|p| !p.as_os_str().is_empty())
+                                .unwrap_or(Path::new("."))
+                                .display()
+                        ),
+                    ))
+                }
                 Err(e) => return Err(open_error(path, BackingKind::File, e)),
             }
         };
@@ -808,7 +828,18 @@ impl BackingDevice {
                     .read(true)
                     .write(access == Access::Exclusive)
                     .open(path)
-                    .map_err(|e| open_error(path, kind, e))?;
+                    .map_err(|e| match e.kind() {
+                        ErrorKind::PermissionDenied if access != Access::Exclusive => {
+                            backing_error(
+                                path,
+                                format!(
+                                    "permission denied opening it to read ({e}); run as a user \
+                                     who may read it"
+                                ),
+                            )
+                        }
+                        _ => open_error(path, kind, e),
+                    })?;
                 lock_device(path, &file, access)?;
                 let meta = file
                     .metadata()

@@ -558,7 +558,7 @@ impl Tier {
             Ok(())
         } else {
             Err(Error::invalid(format!(
-                "job {id} is unknown or its result was already taken"
+                "job {id} is unknown or its result was already taken (by wait, poll or get_finished: each result is handed out once)"
             )))
         }
     }

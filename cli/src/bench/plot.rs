@@ -262,19 +262,25 @@ pub fn plot_bandwidth_svg(
         }
 
         if !lines.is_empty() || !references.is_empty() {
-            chart
-                .configure_series_labels()
-                .position(SeriesLabelPosition::UpperLeft)
-                .margin(10)
-                .label_font(("sans-serif", 14))
-                .background_style(WHITE.mix(0.9))
-                .border_style(RGBColor(160, 160, 160))
-                .draw()
-                .map_err(|e| draw_err(&e))?;
+            draw_legend(&mut chart).map_err(|e| draw_err(&e))?;
         }
         root.present().map_err(|e| draw_err(&e))?;
     }
     crate::output::write_report(flag, path, crate::output::ReportKind::Svg, svg.as_bytes())
+}
+
+/// The legend both plots draw: upper left, over a light background.
+fn draw_legend<'a, CT: plotters::coord::CoordTranslate>(
+    chart: &mut ChartContext<'a, SVGBackend<'a>, CT>,
+) -> std::result::Result<(), DrawingAreaErrorKind<<SVGBackend<'a> as DrawingBackend>::ErrorType>> {
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .margin(10)
+        .label_font(("sans-serif", 14))
+        .background_style(WHITE.mix(0.9))
+        .border_style(RGBColor(160, 160, 160))
+        .draw()
 }
 
 /// Lines on linear axes (e.g. `kvtier replay --sweep`: bubble time against
@@ -346,15 +352,7 @@ pub fn plot_lines_svg(
                 ))
                 .map_err(|e| draw_err(&e))?;
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .margin(10)
-            .label_font(("sans-serif", 14))
-            .background_style(WHITE.mix(0.9))
-            .border_style(RGBColor(160, 160, 160))
-            .draw()
-            .map_err(|e| draw_err(&e))?;
+        draw_legend(&mut chart).map_err(|e| draw_err(&e))?;
         root.present().map_err(|e| draw_err(&e))?;
     }
     crate::output::write_report(flag, path, crate::output::ReportKind::Svg, svg.as_bytes())

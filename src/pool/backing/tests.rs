@@ -720,3 +720,22 @@ fn loop_device_create_open_and_mount_checks() {
     }
     drop(lo);
 }
+
+#[test]
+fn open_errors_name_the_limit_or_the_mode() {
+    let p = Path::new("/pools/d29.pool");
+    for errno in [libc::EMFILE, libc::ENFILE] {
+        let m = open_error(p, BackingKind::File, io::Error::from_raw_os_error(errno)).to_string();
+        assert!(m.contains("d29.pool") && m.contains("ulimit -n"), "{m}");
+    }
+    let m = open_error(
+        p,
+        BackingKind::File,
+        io::Error::from_raw_os_error(libc::EACCES),
+    )
+    .to_string();
+    assert!(
+        m.contains("read-write") && m.contains("run as a user"),
+        "{m}"
+    );
+}
