@@ -545,4 +545,7 @@ def test_sizes_and_cache_lengths_out_of_reach_are_named(tmp_path, tiny_model):
         b().capacity("1e3").host_cache(2).build()
     with pytest.raises(kvtier.UsageError, match="fewer blocks"):
         b().capacity("16m").host_cache(2**32 - 1).build()
+    for bad in ("a\x00b", "a\nb"):
+        with pytest.raises(kvtier.UsageError, match="control character"):
+            b().capacity("16m").namespace(bad).host_cache(2).build()
     assert not (tmp_path / "p").exists() or not any((tmp_path / "p").iterdir())

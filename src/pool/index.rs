@@ -477,7 +477,7 @@ mod tests {
         }
         let err = ix.allocate(1).unwrap_err().to_string();
         assert!(
-            err.contains("pool full") && err.contains("4 pinned"),
+            err.contains("pool full") && err.contains("4 stored block(s) pinned"),
             "{err}"
         );
         // A job pin survives a caller's stray unpins.

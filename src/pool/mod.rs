@@ -677,6 +677,14 @@ impl Pool {
                 cfg.namespace.len()
             )));
         }
+        // It is printed by `pool info` and in errors, and compared at open.
+        if let Some((at, c)) = cfg.namespace.char_indices().find(|(_, c)| c.is_control()) {
+            return Err(Error::invalid(format!(
+                "namespace {:?} has a control character ({}) at byte {at}; use printable text",
+                cfg.namespace,
+                c.escape_unicode()
+            )));
+        }
         Ok(())
     }
 
