@@ -176,6 +176,22 @@ fn bar_fn(bar: &Progress) -> impl Fn(&str) + '_ {
 
 /// Check each given report path (flag, path, kind) before the work starts.
 fn report_paths_ok(paths: &[(&str, &Option<PathBuf>, ReportKind)]) -> Result<()> {
+    let given: Vec<(&str, &PathBuf)> = paths
+        .iter()
+        .filter_map(|(flag, p, _)| p.as_ref().map(|p| (*flag, p)))
+        .collect();
+    for (i, (flag, p)) in given.iter().enumerate() {
+        let same = |q: &PathBuf| {
+            q == *p
+                || matches!((std::fs::canonicalize(q), std::fs::canonicalize(p)), (Ok(a), Ok(b)) if a == b)
+        };
+        if let Some((other, _)) = given[i + 1..].iter().find(|(_, q)| same(q)) {
+            return Err(kvtier::Error::invalid(format!(
+                "{flag} and {other} name the same file {}; give each report its own file",
+                p.display()
+            )));
+        }
+    }
     for (flag, path, kind) in paths {
         if let Some(p) = path {
             kvtier_cli::output::check_report_path(flag, p, *kind)?;
@@ -192,6 +208,10 @@ fn write_json<T: serde::Serialize>(path: &Option<PathBuf>, report: &T) -> Result
                 std::io::Error::other(e),
             )
         })?;
+        let text = kvtier_cli::output::mark_json_report(
+            &text,
+            concat!("kvtier ", env!("CARGO_PKG_VERSION")),
+        );
         kvtier_cli::output::write_report("--json", path, ReportKind::Json, text.as_bytes())?;
         note(&format!("wrote {}", path.display()));
     }

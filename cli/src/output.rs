@@ -26,15 +26,48 @@ impl ReportKind {
         }
     }
 
-    /// Whether `head` (the whole file, at most `RECOGNISE_BYTES`) is one.
+    /// Whether `text` (the whole file, at most `RECOGNISE_BYTES`) is one of
+    /// kvtier's: JSON with the marker kvtier writes into its reports (or a
+    /// field only its earlier reports have: bench's machine, replay's
+    /// bubble_us, a slack table's schema), not any JSON (a model's
+    /// config.json named by mistake); an SVG document for a plot.
     fn recognises(self, text: &[u8]) -> bool {
         match self {
-            ReportKind::Json => serde_json::from_slice::<serde_json::Value>(text).is_ok(),
+            ReportKind::Json => {
+                let has = |needle: &str| text.windows(needle.len()).any(|w| w == needle.as_bytes());
+                serde_json::from_slice::<serde_json::Value>(text).is_ok()
+                    && [
+                        REPORT_MARKER,
+                        "\"machine\"",
+                        "\"bubble_us\"",
+                        "\"kvtier-slack/",
+                    ]
+                    .iter()
+                    .any(|m| has(m))
+            }
             ReportKind::Svg => {
                 let t = text.trim_ascii();
                 (t.starts_with(b"<svg") || t.starts_with(b"<?xml")) && t.ends_with(b"</svg>")
             }
         }
+    }
+}
+
+/// The field kvtier puts first in every JSON report object it writes, so
+/// that a later run knows the file for one of its own.
+pub const REPORT_MARKER: &str = "\"kvtier_report\"";
+
+/// `json` (an object or array as serde_json writes it) with the report
+/// marker as the first field of a top-level object.
+pub fn mark_json_report(json: &str, what: &str) -> String {
+    match json.strip_prefix('{') {
+        Some(rest) if !rest.trim_start().starts_with('}') => {
+            format!(
+                "{{\n  {REPORT_MARKER}: {},{rest}",
+                serde_json::Value::from(what)
+            )
+        }
+        _ => json.to_string(),
     }
 }
 
@@ -72,10 +105,15 @@ pub fn check_report_path(flag: &str, path: &Path, kind: ReportKind) -> Result<()
         }
         Err(e) => return Err(Error::io(format!("{flag} {shown}"), e)),
     };
+    let ft = meta.file_type();
+    if is_stream(&ft) {
+        // A terminal, /dev/stdout, /dev/null, a pipe: written as a stream.
+        return Ok(());
+    }
     if !meta.is_file() {
         return Err(Error::invalid(format!(
             "{flag} {shown} is not a regular file ({}); name a file for {}",
-            kvtier::host::file_kind(&meta.file_type()),
+            kvtier::host::file_kind(&ft),
             kind.what()
         )));
     }
@@ -103,30 +141,72 @@ pub fn check_report_path(flag: &str, path: &Path, kind: ReportKind) -> Result<()
     }
 }
 
+/// Character devices, FIFOs and sockets take a report as a stream.
+fn is_stream(ft: &std::fs::FileType) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    ft.is_char_device() || ft.is_fifo() || ft.is_socket()
+}
+
 /// Write `bytes` as the report at `path` (given as `flag`): checked again
 /// (something may have appeared there during the run), written to a
-/// temporary file in the same directory, synced, and renamed over `path`.
-/// A symbolic link to a report is followed: its target is replaced.
+/// temporary file in the same directory with the old file's permissions,
+/// synced, and renamed over `path`. A symbolic link to a report is
+/// followed (its target is replaced); a file that cannot be replaced by a
+/// rename (a bind-mounted file) is rewritten in place; a character device
+/// or a pipe is written to.
 pub fn write_report(flag: &str, path: &Path, kind: ReportKind, bytes: &[u8]) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
     check_report_path(flag, path, kind)?;
+    let failed = |e| Error::io(format!("{flag}: writing {}", path.display()), e);
+    let old = std::fs::metadata(path).ok();
+    if old.as_ref().is_some_and(|m| is_stream(&m.file_type())) {
+        return std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .and_then(|mut f| f.write_all(bytes))
+            .map_err(failed);
+    }
     let target = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
     let name = target
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "report".into());
-    let tmp = parent_dir(&target).join(format!(".{name}.kvtier-{}.tmp", std::process::id()));
-    let written = std::fs::OpenOptions::new()
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let tmp = parent_dir(&target).join(format!(
+        ".{name}.kvtier-{}-{nonce:08x}.tmp",
+        std::process::id()
+    ));
+    let mode = old.as_ref().map_or(0o644, |m| {
+        use std::os::unix::fs::PermissionsExt;
+        m.permissions().mode() & 0o7777
+    });
+    let mut file = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
+        .mode(mode)
         .open(&tmp)
-        .and_then(|mut f| {
-            f.write_all(bytes)?;
-            f.sync_all()
+        .map_err(failed)?;
+    // From here the temporary file is ours to remove.
+    let written = file
+        .write_all(bytes)
+        .and_then(|()| file.sync_all())
+        .and_then(|()| {
+            std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(mode))
         })
-        .and_then(|()| std::fs::rename(&tmp, &target));
+        .and_then(|()| match std::fs::rename(&tmp, &target) {
+            // A bind-mounted file (a container's volume) cannot be replaced:
+            // rewrite it in place, as it was checked to be a report.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EXDEV) | Some(libc::EBUSY)) => {
+                std::fs::write(&target, bytes)?;
+                std::fs::remove_file(&tmp)
+            }
+            other => other,
+        });
     if let Err(e) = written {
         let _ = std::fs::remove_file(&tmp);
-        return Err(Error::io(format!("{flag}: writing {}", path.display()), e));
+        return Err(failed(e));
     }
     Ok(())
 }
@@ -150,9 +230,32 @@ mod tests {
         check_report_path("--json", &json, ReportKind::Json).unwrap();
         std::fs::write(&json, "").unwrap();
         check_report_path("--json", &json, ReportKind::Json).unwrap();
-        write_report("--json", &json, ReportKind::Json, b"{\"a\": 1}").unwrap();
-        write_report("--json", &json, ReportKind::Json, b"{\"a\": 2}").unwrap();
-        assert_eq!(std::fs::read(&json).unwrap(), b"{\"a\": 2}");
+        let report = |n: u32| mark_json_report(&format!("{{\n  \"a\": {n}\n}}"), "test");
+        write_report("--json", &json, ReportKind::Json, report(1).as_bytes()).unwrap();
+        write_report("--json", &json, ReportKind::Json, report(2).as_bytes()).unwrap();
+        assert_eq!(std::fs::read_to_string(&json).unwrap(), report(2));
+        assert!(report(2).starts_with("{\n  \"kvtier_report\": \"test\",\n  \"a\": 2"));
+        // Any other JSON (a model's config.json named by mistake) is kept.
+        let config = dir.path().join("config.json");
+        std::fs::write(&config, b"{\"num_hidden_layers\": 32}").unwrap();
+        assert!(write_report("--json", &config, ReportKind::Json, b"{}").is_err());
+        assert_eq!(
+            std::fs::read(&config).unwrap(),
+            b"{\"num_hidden_layers\": 32}"
+        );
+        // Reports from before the marker: bench's (machine) and replay's.
+        for legacy in ["{\"machine\": {}}", "[[\"slack\", {\"bubble_us\": 1.0}]]"] {
+            std::fs::write(&config, legacy).unwrap();
+            check_report_path("--json", &config, ReportKind::Json).unwrap();
+        }
+        // The old file's permissions carry over.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&json, std::fs::Permissions::from_mode(0o600)).unwrap();
+        write_report("--json", &json, ReportKind::Json, report(3).as_bytes()).unwrap();
+        assert_eq!(
+            std::fs::metadata(&json).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
 
         // A pool-like file is refused and left as it was.
         let pool = dir.path().join("p.pool");
@@ -182,8 +285,12 @@ mod tests {
         // Not a regular file; a directory that is not there.
         let e = check_report_path("--json", dir.path(), ReportKind::Json).unwrap_err();
         assert!(e.to_string().contains("not a regular file"), "{e}");
-        let e = check_report_path("--json", Path::new("/dev/full"), ReportKind::Json).unwrap_err();
-        assert!(e.to_string().contains("not a regular file"), "{e}");
+        // A character device is written as a stream; a full one says so.
+        check_report_path("--json", Path::new("/dev/null"), ReportKind::Json).unwrap();
+        write_report("--json", Path::new("/dev/null"), ReportKind::Json, b"{}").unwrap();
+        let e =
+            write_report("--json", Path::new("/dev/full"), ReportKind::Json, b"{}").unwrap_err();
+        assert!(e.to_string().contains("No space left"), "{e}");
         let e = check_report_path("--json", &dir.path().join("no/r.json"), ReportKind::Json)
             .unwrap_err();
         assert!(e.to_string().contains("create it first"), "{e}");
@@ -191,8 +298,8 @@ mod tests {
         // A link to a report writes through to it; no temporary file is left.
         let link = dir.path().join("link.json");
         std::os::unix::fs::symlink(&json, &link).unwrap();
-        write_report("--json", &link, ReportKind::Json, b"[3]").unwrap();
-        assert_eq!(std::fs::read(&json).unwrap(), b"[3]");
+        write_report("--json", &link, ReportKind::Json, report(4).as_bytes()).unwrap();
+        assert_eq!(std::fs::read_to_string(&json).unwrap(), report(4));
         assert!(std::fs::symlink_metadata(&link)
             .unwrap()
             .file_type()

@@ -292,8 +292,30 @@ fn bad_bench_arguments_are_named() {
         );
         assert_eq!(std::fs::read(&precious).unwrap(), b"KVTIERSB not a report");
     }
-    let err = refused(&["--plot", "/dev/full", "--contexts", "16"]);
+    let err = refused(&[
+        "--plot",
+        "/dev/full",
+        "--contexts",
+        "16",
+        "--capacity",
+        "64m",
+        "--group-blocks",
+        "4",
+    ]);
+    assert!(
+        err.contains("--plot") && err.contains("No space left"),
+        "{err}"
+    );
+    let err = refused(&["--plot", other.path().to_str().unwrap(), "--contexts", "16"]);
     assert!(err.contains("not a regular file"), "{err}");
+    let same = other.file("same.out");
+    let err = refused(&[
+        "--plot",
+        same.to_str().unwrap(),
+        "--json",
+        same.to_str().unwrap(),
+    ]);
+    assert!(err.contains("same file"), "{err}");
 }
 
 /// Contexts smaller than one --max-io I/O (a block or two), in a directory

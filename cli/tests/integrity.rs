@@ -621,10 +621,13 @@ fn forged_block_headers_with_valid_checksums_are_damaged() {
     use kvtier::pool::layout::BlockHeader;
     let layout = PoolLayout::new(tiny_geometry(), 8, vec![2]);
     type Edit = fn(&mut BlockHeader);
-    let cases: [(&str, Edit); 3] = [
+    let cases: [(&str, Edit); 4] = [
         ("version 0", |h| h.version = 0),
         ("version 2", |h| h.version = h.version.wrapping_add(1)),
         ("generation u64::MAX", |h| h.generation = u64::MAX),
+        ("generation 2^62", |h| {
+            h.generation = kvtier::pool::MAX_GENERATION
+        }),
     ];
     for (what, edit) in cases {
         let dir = TempDir::new("forgedhdr");

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import BackpressureError, KvtierError, TierBuilder, TierHandle
+from ._kvtier import _exiting
 
 __all__ = ["KvtierL2"]
 
@@ -163,12 +164,20 @@ class KvtierL2:
             self._closed = True
             for _ in self._threads:
                 self._ops.put(None)
-        for t in self._threads:
-            t.join()
-        self.tier.close()
-        with self._lock:
-            os.close(self._efd)
-            self._efd = -1
+        try:
+            for t in self._threads:
+                # Once the interpreter exits, a worker inside a kvtier call
+                # never returns from it (kvtier parks it rather than let
+                # CPython end it mid-call): do not wait for it then.
+                while t.is_alive() and not _exiting():
+                    t.join(0.1)
+        finally:
+            try:
+                self.tier.close()
+            finally:
+                with self._lock:
+                    os.close(self._efd)
+                    self._efd = -1
 
     def usage(self) -> dict[str, Any]:
         return self.tier.usage()

@@ -919,10 +919,14 @@ class KvtierTier(SecondaryTierManager):
                 kj = self._tier.submit_store(kk, chunks)
             else:
                 kj = self._tier.submit_load(kk, chunks)
-        except BackpressureError:
-            self.stores_refused += len(keys)
-            if self.bp_detector is not None:
-                self.bp_detector.policy.on_store_skipped(len(keys))
+        except BackpressureError as e:
+            if store:
+                self.stores_refused += len(keys)
+                if self.bp_detector is not None:
+                    self.bp_detector.policy.on_store_skipped(len(keys))
+            else:
+                # Loads meet back-pressure only from a full job table.
+                logger.warning("kvtier tier: load %d refused: %s", job.job_id, e)
             self._done.append(JobResult(job_id=job.job_id, success=False))
             return
         except KvtierError as e:

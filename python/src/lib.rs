@@ -21,7 +21,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyRange, PyTuple};
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Once};
 use std::time::Duration;
 
@@ -1024,6 +1024,30 @@ fn tensor_region(t: &Bound<'_, PyAny>, i: usize) -> PyResult<TensorRegion> {
             name()
         )));
     }
+    // With torch function handling off, so that a TorchFunctionMode cannot
+    // answer these calls for a plain tensor either.
+    let no_torch_function = torch.getattr("_C")?.call_method0("DisableTorchFunction")?;
+    no_torch_function.call_method0("__enter__")?;
+    let region = tensor_facts(t, &torch_tensor, exact, i);
+    no_torch_function.call_method1("__exit__", (t.py().None(), t.py().None(), t.py().None()))?;
+    let (shape, addr, len, element_size) = region?;
+    Ok(TensorRegion {
+        addr,
+        len,
+        kind,
+        shape,
+        element_size,
+    })
+}
+
+/// A tensor's shape, address, byte length and element size (see
+/// `tensor_region`), its methods taken from the class when `exact`.
+fn tensor_facts(
+    t: &Bound<'_, PyAny>,
+    torch_tensor: &Bound<'_, PyAny>,
+    exact: bool,
+    i: usize,
+) -> PyResult<(Vec<u64>, u64, u64, u64)> {
     let method = |m: &str| {
         if exact {
             torch_tensor.getattr(m)?.call1((t,))
@@ -1041,13 +1065,12 @@ fn tensor_region(t: &Bound<'_, PyAny>, i: usize) -> PyResult<TensorRegion> {
     let addr: u64 = method("data_ptr")?.extract()?;
     let numel: u64 = method("numel")?.extract()?;
     let element_size: u64 = method("element_size")?.extract()?;
-    Ok(TensorRegion {
-        addr,
-        len: numel * element_size,
-        kind,
-        shape,
-        element_size,
-    })
+    let len = numel.checked_mul(element_size).ok_or_else(|| {
+        usage(format!(
+            "KV tensor {i} claims {numel} elements of {element_size} bytes, more than the address space; pass the cache tensor itself"
+        ))
+    })?;
+    Ok((shape, addr, len, element_size))
 }
 
 /// Torch tensors' shapes against the model and the layout: the element
@@ -1368,18 +1391,30 @@ extern "C" fn count_fork_in_child() {
 
 /// Set by an atexit hook: the interpreter is exiting.
 static EXITING: AtomicBool = AtomicBool::new(false);
+/// The thread that ran the hook (the one finalizing the interpreter).
+static EXIT_TID: AtomicI64 = AtomicI64::new(0);
 
 #[pyfunction]
 fn _mark_exiting() {
+    // SAFETY: gettid has no preconditions.
+    EXIT_TID.store(unsafe { libc::gettid() } as i64, Ordering::SeqCst);
     EXITING.store(true, Ordering::SeqCst);
 }
 
+/// Whether the interpreter has begun exiting (kvtier's atexit hook ran):
+/// threads other than the exiting one no longer come back from kvtier calls.
+#[pyfunction]
+fn _exiting() -> bool {
+    EXITING.load(Ordering::SeqCst)
+}
+
 /// Run `f` with the GIL released. Once the interpreter is exiting, a thread
-/// other than the main one never takes the GIL back: CPython ends such a
-/// (daemon) thread with pthread_exit as it retakes the GIL, and that forced
-/// unwind through Rust frames aborts the whole process ("FATAL: exception
-/// not rethrown") instead of letting it exit. The thread parks until the
-/// process is gone; its call never returns, as CPython would have it.
+/// other than the one finalizing it never takes the GIL back: CPython up to
+/// 3.13 ends such a (daemon) thread with pthread_exit as it retakes the GIL,
+/// and that forced unwind through Rust frames aborts the whole process
+/// ("FATAL: exception not rethrown") instead of letting it exit. The thread
+/// parks until the process is gone; its call never returns, as CPython
+/// would have it. (3.14 parks such threads itself; the hook is not set there.)
 fn without_gil<T, F>(py: Python<'_>, f: F) -> T
 where
     F: Send + FnOnce() -> T,
@@ -1387,9 +1422,10 @@ where
 {
     py.allow_threads(|| {
         let r = f();
-        // SAFETY: gettid and getpid have no preconditions.
-        let main_thread = unsafe { libc::gettid() == libc::getpid() };
-        if EXITING.load(Ordering::SeqCst) && !main_thread {
+        // SAFETY: gettid has no preconditions.
+        if EXITING.load(Ordering::SeqCst)
+            && unsafe { libc::gettid() } as i64 != EXIT_TID.load(Ordering::SeqCst)
+        {
             loop {
                 std::thread::park();
             }
@@ -2012,9 +2048,14 @@ fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
         libc::pthread_atfork(None, None, Some(count_fork_in_child));
     });
     // Before the interpreter ends daemon threads: see without_gil.
-    py.import("atexit")?
-        .getattr("register")?
-        .call1((wrap_pyfunction!(_mark_exiting, m)?,))?;
+    let vi = py.import("sys")?.getattr("version_info")?;
+    let version: (u32, u32) = (vi.get_item(0)?.extract()?, vi.get_item(1)?.extract()?);
+    if version < (3, 14) {
+        py.import("atexit")?
+            .getattr("register")?
+            .call1((wrap_pyfunction!(_mark_exiting, m)?,))?;
+    }
+    m.add_function(wrap_pyfunction!(_exiting, m)?)?;
     m.add_class::<TierBuilder>()?;
     m.add_class::<TierHandle>()?;
     m.add("JobResult", py.get_type::<JobResultPy>())?;

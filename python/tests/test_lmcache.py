@@ -211,3 +211,36 @@ def test_kvtier_l2_after_close_never_touches_its_old_event_fd(tmp_path, tiny_mod
             assert os.pread(victim.fileno(), 64, 0) == b""
     finally:
         victim.close()
+
+
+def test_kvtier_l2_closed_by_an_early_atexit_handler_finishes_and_keeps_its_stores(tmp_path, tiny_model):
+    # An atexit handler registered before kvtier was imported runs after
+    # kvtier's own hook: close() must neither hang on a worker kvtier parked
+    # nor lose the store that worker submitted.
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import atexit, threading
+        holder = []
+        atexit.register(lambda: (holder[0].close(), print("closed", flush=True)))
+        from kvtier.lmcache import KvtierL2
+        l2 = KvtierL2(model={tiny_model!r}, chunk_size={CHUNK}, path={str(tmp_path / 'p')!r},
+                      capacity="16m", staging_blocks=4)
+        holder.append(l2)
+        l2.submit_batch_set(["k"], [memoryview(bytearray(b"\\x07" * {CHUNK_BYTES}))])
+        print("main returns", flush=True)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+    assert "main returns" in r.stdout and "closed" in r.stdout, r.stdout
+    from kvtier.lmcache import KvtierL2
+
+    l2 = KvtierL2(model=tiny_model, chunk_size=CHUNK, path=str(tmp_path / "p"), staging_blocks=4)
+    try:
+        fid = l2.submit_batch_exists(["k"])
+        (done,) = [c for c in l2.drain_completions() if c[0] == fid]
+        assert done[3] == [True], done
+    finally:
+        l2.close()

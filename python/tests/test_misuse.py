@@ -480,6 +480,22 @@ def test_tensor_subclasses_and_shadowed_methods_are_not_believed(tmp_path, tiny_
     tier.write_block(1, data)
     assert tier.read_block(1) == data
     tier.close()
+    del layers[0].data_ptr
+    # Nor does a torch function mode that answers for tensors' methods.
+    from torch.overrides import TorchFunctionMode
+
+    class Lying(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in (torch.Tensor.data_ptr, torch.Tensor.numel):
+                return 4096 * 1000
+            return func(*args, **(kwargs or {}))
+
+    with Lying():
+        assert torch.Tensor.data_ptr(layers[1]) == 4096 * 1000  # the mode is live
+        tier = build(layers, "c")
+    tier.write_block(2, data)
+    assert tier.read_block(2) == data
+    tier.close()
 
 
 def test_read_only_memory_is_refused_at_registration(tmp_path, tiny_model):

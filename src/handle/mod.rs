@@ -595,8 +595,13 @@ impl TierHandle {
     /// would otherwise grow it (about a kilobyte a job) without bound.
     fn check_job_room(jobs: &Jobs) -> Result<()> {
         if jobs.entries.len() >= MAX_JOBS {
+            let held = jobs
+                .entries
+                .values()
+                .filter(|e| matches!(e.phase, Phase::Deferred))
+                .count();
             return Err(Error::Backpressure(format!(
-                "{} jobs are running or finished with their results not collected (at most {MAX_JOBS}); collect results with wait, try_result or get_finished, then submit again",
+                "{} jobs are running, held or finished with their results not collected (at most {MAX_JOBS}; {held} are stores the policy holds in the write backlog: flush_stores issues them); collect results with wait, try_result or get_finished, then submit again",
                 jobs.entries.len()
             )));
         }
@@ -901,8 +906,15 @@ impl TierHandle {
     /// Results of every finished job not yet collected, in finishing order.
     pub fn get_finished(&self) -> Vec<JobResult> {
         let mut jobs = lock(&self.shared.jobs);
-        let ids: Vec<JobId> = jobs.finished_order.iter().copied().collect();
-        ids.into_iter().filter_map(|id| jobs.take(id)).collect()
+        // Every finished job leaves the order at once (one pass, not a
+        // retain per job: thousands may wait here).
+        let ids = std::mem::take(&mut jobs.finished_order);
+        ids.into_iter()
+            .filter_map(|id| match jobs.entries.remove(&id)?.phase {
+                Phase::Finished(r) => Some(r),
+                _ => None,
+            })
+            .collect()
     }
 
     /// Issue the write backlog, wait for every job, stop the I/O thread and

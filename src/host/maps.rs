@@ -3,14 +3,18 @@
 //! CPU copies; a read-only mapping (a tensor over a read-only buffer or
 //! file) would fault in a copy or fail a DMA with EFAULT far from its cause.
 
-/// Why `[addr, addr + len)` is not all mapped readable and writable in this
-/// process, or `Ok` when it is (or when `/proc/self/maps` cannot be read,
-/// where nothing can be told).
-pub fn check_read_write(addr: u64, len: u64) -> Result<(), String> {
+/// The first of `regions` (address, length) that is not all mapped
+/// readable and writable in this process, with why; `Ok` when all are (or
+/// when `/proc/self/maps` cannot be read, where nothing can be told). The
+/// maps are read once for all regions.
+pub fn check_read_write(regions: &[(u64, u64)]) -> Result<(), (u64, u64, String)> {
     let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
         return Ok(());
     };
-    check_in(&maps, addr, len)
+    for &(addr, len) in regions {
+        check_in(&maps, addr, len).map_err(|why| (addr, len, why))?;
+    }
+    Ok(())
 }
 
 fn check_in(maps: &str, addr: u64, len: u64) -> Result<(), String> {
@@ -79,9 +83,19 @@ mod tests {
     #[test]
     fn this_process_sees_its_own_memory() {
         let v = vec![0u8; 1 << 20];
-        assert_eq!(check_read_write(v.as_ptr() as u64, v.len() as u64), Ok(()));
+        let w = vec![0u8; 4096];
+        let live = [
+            (v.as_ptr() as u64, v.len() as u64),
+            (w.as_ptr() as u64, 4096),
+        ];
+        assert_eq!(check_read_write(&live), Ok(()));
         let ro: &'static [u8] = b"a string constant in a read-only section";
-        assert!(check_read_write(ro.as_ptr() as u64, ro.len() as u64).is_err());
-        assert!(check_read_write(8, 8).is_err(), "page 0 is never mapped");
+        let bad = (ro.as_ptr() as u64, ro.len() as u64);
+        let e = check_read_write(&[live[0], bad, live[1]]).unwrap_err();
+        assert_eq!((e.0, e.1), bad, "{}", e.2);
+        assert!(
+            check_read_write(&[(8, 8)]).is_err(),
+            "page 0 is never mapped"
+        );
     }
 }

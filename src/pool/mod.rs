@@ -25,7 +25,7 @@ use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 pub use storage::Storage;
 
-/// The highest generation a live header may carry. Generations count stores
+/// Live headers carry generations below this. Generations count stores
 /// from 1; a forged header claiming more (up to u64::MAX) would make every
 /// later store's generation wrap and lose "newest generation wins", so it is
 /// damaged instead.
@@ -1113,7 +1113,7 @@ impl Pool {
         }
         if !h.crc_ok()
             || h.version != FORMAT_VERSION as u16
-            || h.generation > MAX_GENERATION
+            || h.generation >= MAX_GENERATION
             || h.slot != slot
             || h.state != BLOCK_STATE_LIVE
             || h.data_len != self.layout.geometry.block_bytes()
@@ -1235,7 +1235,7 @@ impl Pool {
     pub fn next_generation(&mut self) -> u64 {
         // Never past MAX_GENERATION: headers above it are refused as damaged
         // (2^62 stores at ten million a second take 14,000 years).
-        debug_assert!(self.next_generation <= MAX_GENERATION);
+        debug_assert!(self.next_generation < MAX_GENERATION);
         let g = self.next_generation;
         self.next_generation += 1;
         g

@@ -362,12 +362,10 @@ impl Tier {
         if mem.kind == MemoryKind::Host {
             // Its shape first (alignment, overlaps, overflow): clearer errors.
             mem.validate()?;
-            for (addr, len) in mem.regions() {
-                if let Err(why) = crate::host::maps::check_read_write(addr, len) {
-                    return Err(Error::Registration(format!(
-                        "KV memory at {addr:#x} ({len} bytes) cannot receive loads: {why}; register memory this process can write (not a read-only buffer, tensor or file mapping)"
-                    )));
-                }
+            if let Err((addr, len, why)) = crate::host::maps::check_read_write(&mem.regions()) {
+                return Err(Error::Registration(format!(
+                    "KV memory at {addr:#x} ({len} bytes) cannot receive loads: {why}; register memory this process can write (not a read-only buffer, tensor or file mapping)"
+                )));
             }
         }
         // SAFETY: the caller's contract covers the table built from `mem`.
