@@ -438,12 +438,12 @@ fn defer_taskrun_round_trip_and_the_thread_rule() {
     .unwrap();
 }
 
-/// A load's first layer reaches the device alone, at most a quarter of it
-/// at a time, so its reads land one after another and are verified as they
+/// A load's first layer reaches the device alone, at most half of it at a
+/// time, so its reads land one after another and are verified as they
 /// land; no later layer is issued beside it; every layer still arrives
 /// whole and verified.
 #[test]
-fn first_layer_goes_to_the_device_alone_a_quarter_at_a_time() {
+fn first_layer_goes_to_the_device_alone_half_at_a_time() {
     use common::fault::{FaultEngine, Faults};
     use kvtier::engine::uring::{UringDevice, UringEngine};
     use std::sync::Mutex;
@@ -476,15 +476,15 @@ fn first_layer_goes_to_the_device_alone_a_quarter_at_a_time() {
         .unwrap();
     assert_eq!(
         tier.engine().in_flight(),
-        8,
-        "a quarter of layer 0's 32 reads goes out at submission"
+        16,
+        "half of layer 0's 32 reads goes out at submission"
     );
     for _ in 0..5 {
         tier.poll().unwrap();
     }
     assert_eq!(
         tier.engine().in_flight(),
-        8,
+        16,
         "nothing more (no later layer) goes out while those are held"
     );
     assert_eq!(tier.layers_done(job), Some(0));

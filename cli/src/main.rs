@@ -125,7 +125,7 @@ impl ModelArgs {
         let dtype = match &self.dtype {
             Some(d) => Some(DType::parse(d).ok_or_else(|| {
                 kvtier::Error::invalid(format!(
-                    "unknown --dtype {:?}; use bfloat16, float16, float32, float8_e4m3fn or float8_e5m2",
+                    "unknown --dtype {:?}; use bfloat16, float16, float32, fp8 (float8_e4m3fn) or fp8_e5m2 (float8_e5m2)",
                     kvtier_cli::cli::excerpt(d, 40)
                 ))
             })?),

@@ -1976,7 +1976,11 @@ fn resolve_model<'py>(
     dtype: Option<String>,
 ) -> PyResult<(Bound<'py, PyDict>, String)> {
     let dtype = match dtype {
-        Some(d) => Some(DType::parse(&d).ok_or_else(|| usage(format!("dtype {d:?} is unknown")))?),
+        Some(d) => Some(DType::parse(&d).ok_or_else(|| {
+            usage(format!(
+                "dtype {d:?} is unknown; say bfloat16, float16, float32, fp8 or fp8_e5m2"
+            ))
+        })?),
         None => None,
     };
     let n = resolve_named(&spec, block_size, dtype).map_err(to_py_builder)?;

@@ -116,10 +116,13 @@ impl Tier {
             let out: u64 = job.items.iter().map(|i| i.bytes_out).sum();
             let item = &job.items[ix];
             let next = item.ios[item.next..].first().map_or(0, |io| io.len as u64);
-            // The first layer in at least four landings, so all but the
-            // last quarter is hashed while the rest is on its way.
+            // The first layer in at least two landings with two reads in
+            // flight, so all but the last read is hashed while the rest is on
+            // its way and the device always has the next read (one at a time
+            // left it idle between reads: layer 0 at 4K tokens took 1.42x
+            // the average layer against 1.34x, medians of 4 same-run pairs).
             let cap = match ix {
-                0 => (item.bytes() / 4).min(self.cfg.first_layer_inflight_bytes),
+                0 => (item.bytes() / 2).min(self.cfg.first_layer_inflight_bytes),
                 _ => self.cfg.load_inflight_bytes,
             };
             if out > 0 && out + next > cap {

@@ -79,7 +79,7 @@ pub struct TierConfig {
     #[serde(default = "load_inflight_bytes_default")]
     pub load_inflight_bytes: u64,
     /// Bytes of a load's first layer in flight at once (at least one I/O,
-    /// at most a quarter of the layer). The first layer is what the compute
+    /// at most half of the layer). The first layer is what the compute
     /// waits for first: its reads go out a few at a time so they land one
     /// after another and each is verified as it lands, leaving only the
     /// last ones' checksums between its landing and the layer's announcement (with the whole layer in
