@@ -273,17 +273,23 @@ fn bad_bench_arguments_are_named() {
     let other = TempDir::new("benchbad-other");
     let precious = other.file("held.pool");
     std::fs::write(&precious, b"KVTIERSB not a report").unwrap();
+    // The smallest KV bench: one 16-token context on a 64 MiB pool.
+    fn tiny<'a>(head: &[&'a str]) -> Vec<&'a str> {
+        [
+            head,
+            &[
+                "--contexts",
+                "16",
+                "--capacity",
+                "64m",
+                "--group-blocks",
+                "4",
+            ],
+        ]
+        .concat()
+    }
     for flag in ["--json", "--plot"] {
-        let err = refused(&[
-            flag,
-            precious.to_str().unwrap(),
-            "--contexts",
-            "16",
-            "--capacity",
-            "64m",
-            "--group-blocks",
-            "4",
-        ]);
+        let err = refused(&tiny(&[flag, precious.to_str().unwrap()]));
         assert!(
             err.contains(flag)
                 && err.contains("held.pool")
@@ -292,16 +298,7 @@ fn bad_bench_arguments_are_named() {
         );
         assert_eq!(std::fs::read(&precious).unwrap(), b"KVTIERSB not a report");
     }
-    let err = refused(&[
-        "--plot",
-        "/dev/full",
-        "--contexts",
-        "16",
-        "--capacity",
-        "64m",
-        "--group-blocks",
-        "4",
-    ]);
+    let err = refused(&tiny(&["--plot", "/dev/full"]));
     assert!(
         err.contains("--plot") && err.contains("No space left"),
         "{err}"
