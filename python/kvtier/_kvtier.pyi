@@ -131,3 +131,5 @@ def resolve_model(spec: str, block_size: int = 16, dtype: str | None = None) -> 
 def rust_latency(handle: TierHandle, op: Literal["lookup", "store", "load"], keys: Sequence[Key], iters: int, key_base: int) -> int: ...
 def _exiting() -> bool:
     """Whether the interpreter has begun exiting (kvtier's atexit hook ran)."""
+def _exit_grace(on: bool) -> None:
+    """Enter or leave a stretch of an exit handler that waits for threads inside kvtier calls."""

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import BackpressureError, KvtierError, TierBuilder, TierHandle
-from ._kvtier import _exiting
+from ._kvtier import _exit_grace, _exiting
 
 __all__ = ["KvtierL2"]
 
@@ -164,14 +164,18 @@ class KvtierL2:
             self._closed = True
             for _ in self._threads:
                 self._ops.put(None)
+        # Called from an exit handler: kvtier parks threads coming back from
+        # its calls once the interpreter exits (rather than let CPython end
+        # them mid-call); while this waits for its workers they may finish.
+        grace = _exiting()
+        if grace:
+            _exit_grace(True)
         try:
             for t in self._threads:
-                # Once the interpreter exits, a worker inside a kvtier call
-                # never returns from it (kvtier parks it rather than let
-                # CPython end it mid-call): do not wait for it then.
-                while t.is_alive() and not _exiting():
-                    t.join(0.1)
+                t.join()
         finally:
+            if grace:
+                _exit_grace(False)
             try:
                 self.tier.close()
             finally:

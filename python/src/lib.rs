@@ -1408,6 +1408,24 @@ fn _exiting() -> bool {
     EXITING.load(Ordering::SeqCst)
 }
 
+/// While above zero, threads come back from kvtier calls even though the
+/// interpreter is exiting: an exit handler is waiting for them (blocked in
+/// a join, without the GIL), so they retake the GIL before finalization
+/// starts. Raised and lowered by `_exit_grace`.
+static EXIT_GRACE: AtomicU64 = AtomicU64::new(0);
+
+/// Enter (`True`) or leave (`False`) a stretch of an exit handler that
+/// waits for threads inside kvtier calls (KvtierL2.close joining its
+/// workers): while in it, they finish their calls instead of parking.
+#[pyfunction]
+fn _exit_grace(on: bool) {
+    if on {
+        EXIT_GRACE.fetch_add(1, Ordering::SeqCst);
+    } else {
+        let _ = EXIT_GRACE.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |g| g.checked_sub(1));
+    }
+}
+
 /// Run `f` with the GIL released. Once the interpreter is exiting, a thread
 /// other than the one finalizing it never takes the GIL back: CPython up to
 /// 3.13 ends such a (daemon) thread with pthread_exit as it retakes the GIL,
@@ -1426,8 +1444,8 @@ where
         if EXITING.load(Ordering::SeqCst)
             && unsafe { libc::gettid() } as i64 != EXIT_TID.load(Ordering::SeqCst)
         {
-            loop {
-                std::thread::park();
+            while EXIT_GRACE.load(Ordering::SeqCst) == 0 {
+                std::thread::park_timeout(Duration::from_millis(5));
             }
         }
         r
@@ -2060,6 +2078,7 @@ fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
             .call1((wrap_pyfunction!(_mark_exiting, m)?,))?;
     }
     m.add_function(wrap_pyfunction!(_exiting, m)?)?;
+    m.add_function(wrap_pyfunction!(_exit_grace, m)?)?;
     m.add_class::<TierBuilder>()?;
     m.add_class::<TierHandle>()?;
     m.add("JobResult", py.get_type::<JobResultPy>())?;
