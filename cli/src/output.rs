@@ -1,11 +1,12 @@
 //! Report files the commands write when asked (`--json`, `--plot`, `--sweep`,
 //! the profiler's `--out`). A path is checked before the work starts, so a
 //! long run never ends in a refusal, and kvtier replaces an existing file only
-//! when it can tell the file is a report of the same kind (empty, JSON for a
-//! JSON report, an SVG for a plot): a pool, a data file or anything else named
-//! by mistake is refused, never truncated. A report is written whole to a
-//! temporary file beside it and renamed over the path, so a full disk or a
-//! kill leaves the old file or the new one, never half of one.
+//! when it can tell the file is one of its reports of the same kind (empty,
+//! JSON carrying kvtier's report marker, an SVG for a plot): a pool, a model's
+//! config.json or anything else named by mistake is refused, never truncated.
+//! A report is written whole to a temporary file beside it and renamed over
+//! the path, so a full disk or a kill leaves the old file or the new one,
+//! never half of one; a pipe or character device is written as a stream.
 
 use kvtier::{Error, Result};
 use std::io::{Read, Write};

@@ -335,6 +335,13 @@ fn symlink_loop_error(path: &Path) -> Error {
     )
 }
 
+/// The directory a new file at `path` goes in ("." for a bare name).
+fn containing_dir(path: &Path) -> &Path {
+    path.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+}
+
 fn min_size_hint() -> &'static str {
     "one superblock and one extent group"
 }
@@ -525,10 +532,7 @@ impl BackingDevice {
                         path,
                         format!(
                             "its directory {} does not exist; create it first",
-                            path.parent()
-                                .filter(|p| !p.as_os_str().is_empty())
-                                .unwrap_or(Path::new("."))
-                                .display()
+                            containing_dir(path).display()
                         ),
                     ))
                 }
@@ -538,10 +542,7 @@ impl BackingDevice {
                         format!(
                             "permission denied creating it in {} ({e}); create the pool in a \
                              directory this user may write",
-                            path.parent()
-                                .filter(|p| !p.as_os_str().is_empty())
-                                .unwrap_or(Path::new("."))
-                                .display()
+                            containing_dir(path).display()
                         ),
                     ))
                 }

@@ -199,15 +199,8 @@ pub fn plot_bandwidth_svg(
 
     let draw_err = |e: &dyn std::fmt::Display| plot_error(path, e);
 
-    let mut svg = String::new();
-    {
-        let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT)).into_drawing_area();
-        root.fill(&WHITE).map_err(|e| draw_err(&e))?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(title, ("sans-serif", 22))
-            .margin(16)
-            .x_label_area_size(52)
-            .y_label_area_size(64)
+    write_svg(flag, path, |root| {
+        let mut chart = frame(root, title)
             .build_cartesian_2d(Log2Axis::new(x0..x1, keys), ymin..ymax)
             .map_err(|e| draw_err(&e))?;
         let x_fmt = |v: &f64| token_label(v.exp2());
@@ -264,9 +257,38 @@ pub fn plot_bandwidth_svg(
         if !lines.is_empty() || !references.is_empty() {
             draw_legend(&mut chart).map_err(|e| draw_err(&e))?;
         }
-        root.present().map_err(|e| draw_err(&e))?;
+        Ok(())
+    })
+}
+
+/// Draw a plot with `draw` on a white SVG canvas of WIDTH x HEIGHT, then
+/// write it as the report `path` (given as `flag`).
+fn write_svg(
+    flag: &str,
+    path: &Path,
+    draw: impl FnOnce(&DrawingArea<SVGBackend<'_>, plotters::coord::Shift>) -> Result<()>,
+) -> Result<()> {
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| plot_error(path, &e))?;
+        draw(&root)?;
+        root.present().map_err(|e| plot_error(path, &e))?;
     }
     crate::output::write_report(flag, path, crate::output::ReportKind::Svg, svg.as_bytes())
+}
+
+/// The frame both plots share: a title, margins and room for axis labels.
+fn frame<'a, 'b>(
+    root: &'a DrawingArea<SVGBackend<'b>, plotters::coord::Shift>,
+    title: &str,
+) -> ChartBuilder<'a, 'b, SVGBackend<'b>> {
+    let mut b = ChartBuilder::on(root);
+    b.caption(title, ("sans-serif", 22))
+        .margin(16)
+        .x_label_area_size(52)
+        .y_label_area_size(64);
+    b
 }
 
 /// The legend both plots draw: upper left, over a light background.
@@ -312,15 +334,8 @@ pub fn plot_lines_svg(
     let ymax = all().fold(0.0f64, |m, &(_, y)| m.max(y));
     let ymax = if ymax > 0.0 { ymax } else { 1.0 } * (1.15 + 0.06 * series.len() as f64);
     let draw_err = |e: &dyn std::fmt::Display| plot_error(path, e);
-    let mut svg = String::new();
-    {
-        let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT)).into_drawing_area();
-        root.fill(&WHITE).map_err(|e| draw_err(&e))?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(title, ("sans-serif", 22))
-            .margin(16)
-            .x_label_area_size(52)
-            .y_label_area_size(64)
+    write_svg(flag, path, |root| {
+        let mut chart = frame(root, title)
             .build_cartesian_2d((x0 - pad)..(x1 + pad), 0.0..ymax)
             .map_err(|e| draw_err(&e))?;
         chart
@@ -353,9 +368,8 @@ pub fn plot_lines_svg(
                 .map_err(|e| draw_err(&e))?;
         }
         draw_legend(&mut chart).map_err(|e| draw_err(&e))?;
-        root.present().map_err(|e| draw_err(&e))?;
-    }
-    crate::output::write_report(flag, path, crate::output::ReportKind::Svg, svg.as_bytes())
+        Ok(())
+    })
 }
 
 #[cfg(test)]
