@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::fault::{FaultEngine, Faults};
+use common::fault::{FaultEngine, Faults, Stall};
 use common::*;
 use kvtier::engine::uring::{UringDevice, UringEngine};
 use kvtier::error::ErrorKind;
@@ -184,6 +184,51 @@ fn lookups_and_other_jobs_do_not_wait_behind_a_held_load() {
         "released once the read is done"
     );
     assert!(h.contains(&Key::from_u64(50)));
+    h.close().unwrap();
+}
+
+/// The I/O thread stopped in the middle of its poll turn (inside the engine,
+/// every lock of the turn held: what hashing a landed layer or planning a
+/// store looks like from outside) holds up no lookup, pin or unpin: they
+/// take the index's own lock. Before, they queued behind the whole turn.
+#[test]
+fn lookups_and_pins_do_not_wait_for_the_io_threads_turn() {
+    let dir = TempDir::new("handle-turn");
+    let (h, cache, faults) = faulty_handle(&dir, 4, 32, HandleConfig::default());
+    store_ok(&h, &cache, &[1, 2, 3, 4], &[0, 1, 2, 3]);
+    let stall = Arc::new(Stall::default());
+    faults.lock().unwrap().stall = Some(stall.clone());
+    stall.arm();
+    let load = h.submit_load(&keys(1..5), &[10, 11, 12, 13], 0..4).unwrap();
+    assert!(
+        stall.wait_entered(Duration::from_secs(30)),
+        "the I/O thread never entered the engine for the load"
+    );
+    // From another thread, so that a lookup that waits for the turn shows
+    // as a missing answer rather than hanging the test.
+    let h2 = h.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let caller = std::thread::spawn(move || {
+        let hit = h2.lookup_prefix(&keys(1..9));
+        let pinned = h2.lookup_and_pin(&keys(1..3));
+        let has = h2.contains(&Key::from_u64(4)) && !h2.contains(&Key::from_u64(9));
+        h2.unpin(&keys(1..3));
+        let _ = tx.send((hit, pinned, has));
+    });
+    let answer = rx.recv_timeout(Duration::from_secs(20));
+    // Let the turn go on either way, so a failure does not leave a stopped thread.
+    stall.release();
+    caller.join().unwrap();
+    assert_eq!(
+        answer.expect("lookups waited for the I/O thread's turn"),
+        (4, 2, true)
+    );
+    assert!(h.wait(load).unwrap().all_ok());
+    assert_eq!(
+        h.usage().unwrap().tier.pinned_blocks,
+        0,
+        "the pins were dropped"
+    );
     h.close().unwrap();
 }
 

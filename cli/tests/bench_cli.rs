@@ -391,6 +391,69 @@ fn against_fio_reports_ratios_when_fio_is_installed() {
     assert!(v["fio_version"].as_str().unwrap().starts_with("fio"));
 }
 
+/// `--lookups`: lookup and pin+unpin latency idle and while loads run, per
+/// round, with busy/idle p99 ratios; every stored key is found throughout
+/// (the run fails otherwise); the pool file is removed. No figure is
+/// asserted beyond being there.
+#[test]
+fn lookup_latency_bench_reports_idle_and_busy_rounds() {
+    let dir = TempDir::new("benchlookups");
+    let (text, v) = bench(
+        &dir,
+        &[
+            "--lookups",
+            "--contexts",
+            "512",
+            "--lookup-samples",
+            "200",
+            "--repeat",
+            "2",
+            "--group-blocks",
+            "4",
+        ],
+    );
+    assert!(
+        text.contains("p99 busy/idle") && text.contains("median over 2 round(s)"),
+        "{text}"
+    );
+    let rounds = v["rounds"].as_array().unwrap();
+    assert_eq!(rounds.len(), 2);
+    for r in rounds {
+        for phase in ["idle", "busy"] {
+            for call in ["lookup", "pin_unpin"] {
+                let l = &r[phase][call];
+                assert_eq!(l["samples"], 200, "{phase} {call}");
+                let (p50, p99, max) = (
+                    l["p50_us"].as_f64().unwrap(),
+                    l["p99_us"].as_f64().unwrap(),
+                    l["max_us"].as_f64().unwrap(),
+                );
+                assert!(0.0 < p50 && p50 <= p99 && p99 <= max, "{phase} {call}: {l}");
+            }
+        }
+        assert!(r["busy"]["loads"].as_u64().unwrap() >= 1, "{r}");
+        assert!(r["busy"]["load_gib_s"].as_f64().unwrap() > 0.0);
+    }
+    assert!(v["median_lookup_p99_ratio"].as_f64().unwrap() > 0.0);
+    assert_eq!(v["config"]["tokens"], 512);
+    assert!(
+        !dir.file("lookup0.pool").exists(),
+        "the pool file is removed"
+    );
+    // Only on pool files with the uring engine, without fio.
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(["bench", "--lookups", "--against-fio", "--dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--lookups") && err.contains("--against-fio"),
+        "{err}"
+    );
+}
+
 /// The userspace engines need a controller, named or from
 /// $KVTIER_NVME_DEVICE, that exists and is bound to a userspace driver;
 /// fio cannot be the reference there; --nvme means nothing to uring.

@@ -1054,6 +1054,8 @@ impl StagedPath {
                         job.outcomes[p] = Some(KeyOutcome::Corrupt(f));
                     }
                 }
+                // Never held into the submit below (it locks the index too).
+                drop(index);
                 if job.outcomes.iter().all(Option::is_some) {
                     job.skipped_from = Some(u);
                     break;

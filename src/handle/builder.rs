@@ -12,7 +12,7 @@ use crate::sched::Scheduler;
 use crate::tier::Tier;
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicU8;
+use std::sync::atomic::{AtomicBool, AtomicU8};
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 
 /// Which engine serves the pool.
@@ -293,8 +293,11 @@ impl TierBuilder {
                     sched.tier().p2p_table().cloned()
                 };
                 let engine_name = sched.tier().engine().name().to_string();
+                let index = sched.tier().shared_index();
                 let shared = Arc::new(Shared {
                     core: Mutex::new(Some(sched)),
+                    index,
+                    index_open: AtomicBool::new(true),
                     jobs: Mutex::new(Jobs::default()),
                     cond: Condvar::new(),
                     doorbell: EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)

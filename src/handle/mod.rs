@@ -10,12 +10,16 @@
 //!   dropped on the I/O thread only. An io_uring set up with
 //!   `SINGLE_ISSUER | DEFER_TASKRUN` therefore never sees another thread; no
 //!   method of the handle enters the engine.
-//! - `lookup_prefix`, `lookup_and_pin`, `unpin`, `contains` and `usage` read
-//!   or update the pool's index under a short lock that the I/O thread never
-//!   holds while it sleeps or waits for a device; they never wait behind a
-//!   load, a store or another caller's `wait`.
-//! - `submit_load` plans its reads on the calling thread under the same lock
-//!   and returns at once; the I/O thread issues them. `submit_store` takes
+//! - `lookup_prefix`, `lookup_and_pin`, `unpin` and `contains` read or
+//!   update the pool's index under the index's own lock
+//!   ([`crate::pool::index::SharedIndex`]), which every holder keeps for a
+//!   few index operations only: they never wait behind the I/O thread's
+//!   poll turn (reaping, checksum hashing, planning), a submit's planning,
+//!   a load, a store or another caller's `wait`. `usage` takes the core
+//!   lock, which the I/O thread never holds while it sleeps or waits for a
+//!   device.
+//! - `submit_load` plans its reads on the calling thread under the core
+//!   lock and returns at once; the I/O thread issues them. `submit_store` takes
 //!   the data checksums on the calling thread (outside every lock) and puts
 //!   the store in the write backlog; the I/O thread issues it when the
 //!   policy allows (read first, write deferred: [`crate::sched`]). A full
@@ -50,6 +54,7 @@ use crate::gpu::staged::LoadCounter;
 use crate::memory::HostKvCache;
 use crate::model::KvGeometry;
 use crate::p2p::P2pTable;
+use crate::pool::index::SharedIndex;
 use crate::pool::Key;
 use crate::sched::{Policy, Scheduler};
 use crate::tier::{self, JobKind, JobResult, KeyOutcome, Tier, TierConfig, Usage};
@@ -58,7 +63,7 @@ use nix::sys::eventfd::{EfdFlags, EventFd};
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
@@ -397,9 +402,14 @@ const CLOSE_DROP: u8 = 2;
 
 struct Shared {
     /// The scheduler and the tier inside it. `None` once the I/O thread has
-    /// dropped them. Held only for index operations and planning, never
-    /// while anyone sleeps.
+    /// dropped them. Held for a poll turn (reaping, hashing, planning) or a
+    /// submit's planning, never while anyone sleeps.
     core: Mutex<Option<Scheduler>>,
+    /// The tier's pool index, under its own lock: lookups, pins and unpins
+    /// take only this one, never `core`.
+    index: SharedIndex,
+    /// False once the I/O thread has dropped the tier: lookups answer 0.
+    index_open: AtomicBool,
     jobs: Mutex<Jobs>,
     cond: Condvar,
     /// Wakes the I/O thread: new work, or close.
@@ -505,35 +515,40 @@ impl TierHandle {
     }
 
     /// How many leading keys the pool holds. No side effects. 0 once closed.
+    /// Takes only the index's lock: never waits for the I/O thread.
     pub fn lookup_prefix(&self, keys: &[Key]) -> usize {
-        match lock(&self.shared.core).as_ref() {
-            Some(s) => s.tier().lookup_prefix(keys),
-            None => 0,
+        if !self.shared.index_open.load(Ordering::Acquire) {
+            return 0;
         }
+        self.shared.index.lock().lookup_prefix(keys)
     }
 
     /// Like `lookup_prefix`, and pins the keys it counts so that no store
     /// evicts them before the load that needs them. Undo with `unpin`.
+    /// Takes only the index's lock: never waits for the I/O thread.
     pub fn lookup_and_pin(&self, keys: &[Key]) -> usize {
-        match lock(&self.shared.core).as_mut() {
-            Some(s) => s.tier_mut().lookup_and_pin(keys),
-            None => 0,
+        if !self.shared.index_open.load(Ordering::Acquire) {
+            return 0;
         }
+        self.shared.index.lock().lookup_and_pin(keys)
     }
 
     /// Drop one pin per key. Never fails: unknown or unpinned keys (and a
     /// closed handle) are ignored.
     pub fn unpin(&self, keys: &[Key]) {
-        if let Some(s) = lock(&self.shared.core).as_mut() {
-            s.tier_mut().unpin(keys);
+        if !self.shared.index_open.load(Ordering::Acquire) {
+            return;
+        }
+        let mut ix = self.shared.index.lock();
+        for k in keys {
+            ix.unpin(k);
         }
     }
 
     /// Whether the pool holds `key` (false once closed).
     pub fn contains(&self, key: &Key) -> bool {
-        lock(&self.shared.core)
-            .as_ref()
-            .is_some_and(|s| s.tier().contains(key))
+        self.shared.index_open.load(Ordering::Acquire)
+            && self.shared.index.lock().get(key).is_some()
     }
 
     /// What the handle holds now.
@@ -683,10 +698,12 @@ impl TierHandle {
         // neither the I/O thread nor lookups wait for the hashing.
         let crcs = match &self.shared.crc_table {
             Some(table) => {
+                if !self.shared.index_open.load(Ordering::Acquire) {
+                    return Err(Shared::closed_error());
+                }
                 let present: Vec<bool> = {
-                    let core = lock(&self.shared.core);
-                    let s = core.as_ref().ok_or_else(Shared::closed_error)?;
-                    keys.iter().map(|k| s.tier().contains(k)).collect()
+                    let ix = self.shared.index.lock();
+                    keys.iter().map(|k| ix.get(k).is_some()).collect()
                 };
                 let layers = self.shared.geometry.layers;
                 Some(
@@ -1058,6 +1075,7 @@ fn io_main(shared: Arc<Shared>) -> Result<()> {
     }
     // Drop the tier here, on its own thread (its engine may be bound to it).
     let sched = lock(&shared.core).take();
+    shared.index_open.store(false, Ordering::Release);
     if let Some(mut s) = sched {
         if let Err(e) = s.drain() {
             first_error.get_or_insert(e);

@@ -10,6 +10,7 @@
 use super::Key;
 use crate::error::{Error, Result};
 use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// A key's place in the index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,6 +51,34 @@ pub struct Allocation {
     pub needs_invalidate: Vec<u64>,
     /// Keys evicted to make room.
     pub evicted: Vec<Key>,
+}
+
+/// A pool's index behind its own lock, shared by the pool and the readers
+/// that must never wait for the pool's I/O (a handle's `lookup_and_pin` and
+/// `unpin`, while its I/O thread hashes a landed layer or plans a store).
+/// Every holder keeps the lock for one index operation (or a few, never
+/// across I/O or hashing), so a lookup waits at most for that.
+///
+/// Only the tier that owns the pool adds or removes keys (commit, evict,
+/// condemn, abort); other holders read, pin and unpin. Pins and eviction
+/// both happen under this lock, so a key pinned here is never evicted.
+#[derive(Clone)]
+pub struct SharedIndex(Arc<Mutex<Index>>);
+
+impl SharedIndex {
+    /// Share `index`.
+    pub fn new(index: Index) -> Self {
+        SharedIndex(Arc::new(Mutex::new(index)))
+    }
+
+    /// The index, locked. Hold the guard for index operations only: never
+    /// across I/O, hashing or another lock of the same index (it is not
+    /// reentrant).
+    pub fn lock(&self) -> MutexGuard<'_, Index> {
+        // A panic on another thread between two statements leaves the index
+        // consistent: each method finishes its change before returning.
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 /// Key → slot, the free slots, pins and the LRU order of what may be evicted.
@@ -214,6 +243,22 @@ impl Index {
             }
             e.tick = t;
         }
+    }
+
+    /// How many leading keys are live. No side effects.
+    pub fn lookup_prefix(&self, keys: &[Key]) -> usize {
+        keys.iter().take_while(|k| self.map.contains_key(k)).count()
+    }
+
+    /// Like `lookup_prefix`, and pins (and touches) the keys it counts, in
+    /// one step: a key counted is a key pinned, whatever evicts next.
+    pub fn lookup_and_pin(&mut self, keys: &[Key]) -> usize {
+        let n = self.lookup_prefix(keys);
+        for k in &keys[..n] {
+            self.pin(k);
+            self.touch(k);
+        }
+        n
     }
 
     /// Pin a live key against eviction for a caller. False if the key is not live.

@@ -18,7 +18,7 @@ use crate::model::{DType, KvGeometry};
 pub use backing::Access;
 use backing::{BackingDevice, BackingKind};
 use bytemuck::Zeroable;
-use index::Index;
+use index::{Index, SharedIndex};
 use layout::*;
 use std::fmt;
 use std::os::fd::OwnedFd;
@@ -191,7 +191,7 @@ pub struct Pool {
     namespace: String,
     namespace_hash: u64,
     model: String,
-    index: Index,
+    index: SharedIndex,
     next_generation: u64,
     /// Headers that had our magic and uuid but failed their checksum at open.
     damaged_headers: Vec<u64>,
@@ -782,7 +782,7 @@ impl Pool {
             dev.sync_data()?;
         }
         Ok(Pool {
-            index: Index::new(layout.total_slots()),
+            index: SharedIndex::new(Index::new(layout.total_slots())),
             crcs: SlotCrcs::new(layout.total_slots(), g.layers),
             kv_concat: CrcConcat::new(g.object_bytes()),
             layer_concat: CrcConcat::new(2 * g.object_bytes()),
@@ -950,7 +950,7 @@ impl Pool {
         let device_sizes = found.iter().map(|(sb, _)| sb.device_size).collect();
         let devices: Vec<Box<dyn Storage>> = found.into_iter().map(|(_, d)| d).collect();
         let mut pool = Pool {
-            index: Index::new(layout.total_slots()),
+            index: SharedIndex::new(Index::new(layout.total_slots())),
             crcs: SlotCrcs::new(layout.total_slots(), geometry.layers),
             kv_concat: CrcConcat::new(geometry.object_bytes()),
             layer_concat: CrcConcat::new(2 * geometry.object_bytes()),
@@ -982,12 +982,12 @@ impl Pool {
             let sectors = self.read_group_headers(group);
             for (i, sector) in sectors.iter().enumerate() {
                 let slot = group as u64 * g + i as u64;
-                if self.index.is_bad(slot) {
+                if self.index.lock().is_bad(slot) {
                     continue;
                 }
                 let Some(sector) = sector else {
                     self.unreadable_headers.push(slot);
-                    self.index.retire(slot);
+                    self.index.lock().retire(slot);
                     continue;
                 };
                 let h: BlockHeader =
@@ -997,14 +997,14 @@ impl Pool {
                         max_gen = max_gen.max(h.generation);
                         let whole = (h.flags & BLOCK_FLAG_NO_DATA_CRC == 0).then_some(h.data_crc);
                         self.crcs.set(slot, whole, layer_crcs.as_deref());
-                        self.index.load_header(key, slot, h.generation);
+                        self.index.lock().load_header(key, slot, h.generation);
                     }
                     HeaderKind::Damaged => self.damaged_headers.push(slot),
                     HeaderKind::Empty => {}
                 }
             }
         }
-        self.index.order_lru_by_generation();
+        self.index.lock().order_lru_by_generation();
         self.next_generation = max_gen + 1;
         Ok(())
     }
@@ -1058,7 +1058,7 @@ impl Pool {
             for e in b[32..32 + 8 * count].chunks(8) {
                 let slot = u64::from_le_bytes(e.try_into().expect("8 bytes"));
                 if slot < total && self.layout.header_offset(slot).0 as usize == dev {
-                    self.index.retire(slot);
+                    self.index.lock().retire(slot);
                 }
             }
         }
@@ -1070,7 +1070,7 @@ impl Pool {
     /// persisting; the slots are retired in memory regardless.
     pub fn retire_slots(&mut self, slots: &[u64]) -> Result<()> {
         for &s in slots {
-            self.index.retire(s);
+            self.index.lock().retire(s);
         }
         if !self.writable {
             return Ok(());
@@ -1084,7 +1084,7 @@ impl Pool {
         let mut first_err = None;
         for dev in devs {
             let bad: Vec<u64> = device_slots(&self.layout, dev)
-                .filter(|&s| self.index.is_bad(s) && !self.unreadable_headers.contains(&s))
+                .filter(|&s| self.index.lock().is_bad(s) && !self.unreadable_headers.contains(&s))
                 .take(BAD_TABLE_MAX)
                 .collect();
             let mut buf = AlignedBuf::zeroed(BAD_TABLE_BYTES);
@@ -1249,13 +1249,18 @@ impl Pool {
     pub fn layout(&self) -> &PoolLayout {
         &self.layout
     }
-    /// Its index.
-    pub fn index(&self) -> &Index {
-        &self.index
+    /// Its index, locked: hold the guard for index operations only (see
+    /// [`SharedIndex::lock`]).
+    pub fn index(&self) -> std::sync::MutexGuard<'_, Index> {
+        self.index.lock()
     }
-    /// Its index, to change.
-    pub fn index_mut(&mut self) -> &mut Index {
-        &mut self.index
+    /// Its index, locked, to change.
+    pub fn index_mut(&mut self) -> std::sync::MutexGuard<'_, Index> {
+        self.index.lock()
+    }
+    /// Its index, for a reader on another thread ([`SharedIndex`]).
+    pub fn shared_index(&self) -> SharedIndex {
+        self.index.clone()
     }
     /// Its devices.
     pub fn devices(&self) -> &[Box<dyn Storage>] {
@@ -1304,11 +1309,11 @@ impl Pool {
     /// or None if the key was not live. If the header cannot be cleared the
     /// slot keeps a stale mark, so the next store into it clears it first.
     pub fn drop_damaged(&mut self, key: &Key) -> Result<Option<u64>> {
-        let Some(e) = self.index.get(key).copied() else {
+        let Some(e) = self.index.lock().get(key).copied() else {
             return Ok(None);
         };
         let cleared = self.clear_header(e.slot);
-        self.index.condemn(key, cleared.is_ok());
+        self.index.lock().condemn(key, cleared.is_ok());
         cleared.map(|_| Some(e.slot))
     }
 
@@ -1338,7 +1343,7 @@ impl Pool {
         let mut dropped = 0;
         let mut lost_slots = Vec::new();
         for (slot, _) in report.bad_data.iter().chain(&report.unreadable_data) {
-            let Some(key) = self.index.key_of_slot(*slot).copied() else {
+            let Some(key) = self.index.lock().key_of_slot(*slot).copied() else {
                 continue;
             };
             if self.drop_damaged(&key).is_err() {
@@ -1367,7 +1372,7 @@ impl Pool {
                     .is_ok()
             };
             if revived {
-                self.index.reinstate(slot);
+                self.index.lock().reinstate(slot);
             } else {
                 lost_slots.push(slot);
             }
@@ -1381,6 +1386,23 @@ impl Pool {
     /// What `pool info` shows.
     pub fn info(&self) -> PoolInfo {
         let g = &self.layout.geometry;
+        let devices = self
+            .devices
+            .iter()
+            .zip(&self.layout.groups_per_device)
+            .zip(&self.device_sizes)
+            .map(|((d, &n), &size)| DeviceInfo {
+                path: d.path().to_path_buf(),
+                size,
+                backing_size: d.size(),
+                groups: n,
+                unwritten_bytes: d
+                    .io_fd()
+                    .and_then(|fd| crate::host::extents::space_map(fd, size).ok())
+                    .map(|m| m.unwritten),
+            })
+            .collect();
+        let ix = self.index.lock();
         PoolInfo {
             uuid: hex(&self.uuid),
             model: self.model.clone(),
@@ -1390,31 +1412,16 @@ impl Pool {
             block_bytes: g.block_bytes(),
             group_blocks: self.layout.group_blocks,
             group_bytes: self.layout.group_bytes(),
-            devices: self
-                .devices
-                .iter()
-                .zip(&self.layout.groups_per_device)
-                .zip(&self.device_sizes)
-                .map(|((d, &n), &size)| DeviceInfo {
-                    path: d.path().to_path_buf(),
-                    size,
-                    backing_size: d.size(),
-                    groups: n,
-                    unwritten_bytes: d
-                        .io_fd()
-                        .and_then(|fd| crate::host::extents::space_map(fd, size).ok())
-                        .map(|m| m.unwritten),
-                })
-                .collect(),
-            total_slots: self.index.total_slots(),
-            live_blocks: self.index.live(),
-            free_slots: self.index.free_slots(),
-            pinned_blocks: self.index.pinned(),
-            capacity_bytes: self.index.total_slots() * g.block_bytes(),
-            used_bytes: self.index.live() * g.block_bytes(),
+            devices,
+            total_slots: ix.total_slots(),
+            live_blocks: ix.live(),
+            free_slots: ix.free_slots(),
+            pinned_blocks: ix.pinned(),
+            capacity_bytes: ix.total_slots() * g.block_bytes(),
+            used_bytes: ix.live() * g.block_bytes(),
             damaged_headers: self.damaged_headers.len() as u64,
             unreadable_headers: self.unreadable_headers.len() as u64,
-            bad_slots: self.index.bad_slots() - self.unreadable_headers.len() as u64,
+            bad_slots: ix.bad_slots() - self.unreadable_headers.len() as u64,
         }
     }
 
@@ -1425,7 +1432,7 @@ impl Pool {
         let mut report = CheckReport {
             damaged_headers: self.damaged_headers.clone(),
             unreadable_headers: self.unreadable_headers.clone(),
-            bad_slots: self.index.bad_slots() - self.unreadable_headers.len() as u64,
+            bad_slots: self.index.lock().bad_slots() - self.unreadable_headers.len() as u64,
             ..Default::default()
         };
         let g = self.layout.group_blocks as u64;
@@ -1433,7 +1440,7 @@ impl Pool {
         let obj = geo.object_bytes() as usize;
         let total = self.layout.total_groups();
         let mut live_by_group: Vec<Vec<(u64, Key)>> = vec![Vec::new(); total as usize];
-        for (k, e) in self.index.entries() {
+        for (k, e) in self.index.lock().entries() {
             live_by_group[(e.slot / g) as usize].push((e.slot, *k));
         }
         for (group, live) in live_by_group.iter_mut().enumerate() {

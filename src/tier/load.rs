@@ -251,7 +251,7 @@ impl Tier {
         let slots = job.load.take().map(|l| l.slots).unwrap_or_default();
         for (i, k) in job.keys.iter().enumerate() {
             let slot = slots.get(i).copied();
-            let ix = self.pool.index_mut();
+            let mut ix = self.pool.index_mut();
             if slot.is_none() || ix.get(k).map(|e| e.slot) == slot {
                 ix.unpin_job(k);
             } else if let Some(s) = slot {

@@ -422,20 +422,20 @@ impl Tier {
 
     /// How many leading keys the pool holds. No side effects (no LRU touch, no pin).
     pub fn lookup_prefix(&self, keys: &[Key]) -> usize {
-        keys.iter()
-            .take_while(|k| self.pool.index().get(k).is_some())
-            .count()
+        self.pool.index().lookup_prefix(keys)
     }
 
     /// Like `lookup_prefix`, and pins the keys it counts so they cannot be
     /// evicted before the load that needs them. Undo with `unpin`.
     pub fn lookup_and_pin(&mut self, keys: &[Key]) -> usize {
-        let n = self.lookup_prefix(keys);
-        for k in &keys[..n] {
-            self.pool.index_mut().pin(k);
-            self.pool.index_mut().touch(k);
-        }
-        n
+        self.pool.index_mut().lookup_and_pin(keys)
+    }
+
+    /// The pool's index for readers on other threads: lookups, pins and
+    /// unpins through it never wait for this tier's I/O, hashing or
+    /// planning (see [`crate::pool::index::SharedIndex`]).
+    pub fn shared_index(&self) -> crate::pool::index::SharedIndex {
+        self.pool.shared_index()
     }
 
     /// Hold `keys` for a load that runs as several tier jobs (the staged
@@ -447,15 +447,17 @@ impl Tier {
     /// [`Self::release_job_keys`].
     pub(crate) fn hold_job_keys(&mut self, keys: &[Key]) -> Result<Vec<u64>> {
         let mut slots = Vec::with_capacity(keys.len());
+        // One lock for the check and the pins: nothing evicts in between.
+        let mut ix = self.pool.index_mut();
         for k in keys {
-            match self.pool.index().get(k) {
+            match ix.get(k) {
                 Some(e) => slots.push(e.slot),
                 None => return Err(Error::UnknownKey { key: k.to_string() }),
             }
         }
         for k in keys {
-            self.pool.index_mut().pin_job(k);
-            self.pool.index_mut().touch(k);
+            ix.pin_job(k);
+            ix.touch(k);
         }
         Ok(slots)
     }
@@ -463,7 +465,7 @@ impl Tier {
     /// Give back what [`Self::hold_job_keys`] took; a key dropped meanwhile
     /// (its block failed verification) gives back its condemned slot.
     pub(crate) fn release_job_keys(&mut self, keys: &[Key], slots: &[u64]) {
-        let ix = self.pool.index_mut();
+        let mut ix = self.pool.index_mut();
         for (k, &slot) in keys.iter().zip(slots) {
             if ix.get(k).map(|e| e.slot) == Some(slot) {
                 ix.unpin_job(k);
@@ -475,8 +477,9 @@ impl Tier {
 
     /// Drop one pin per key. Never fails: unknown or unpinned keys are ignored.
     pub fn unpin(&mut self, keys: &[Key]) {
+        let mut ix = self.pool.index_mut();
         for k in keys {
-            self.pool.index_mut().unpin(k);
+            ix.unpin(k);
         }
     }
 

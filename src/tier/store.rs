@@ -203,8 +203,15 @@ impl Tier {
         let mut in_job = HashSet::new();
         let mut already = Vec::new();
         for (i, k) in keys.iter().enumerate() {
-            if self.pool.index().get(k).is_some() {
-                self.pool.index_mut().touch(k);
+            let stored = {
+                let mut ix = self.pool.index_mut();
+                let stored = ix.get(k).is_some();
+                if stored {
+                    ix.touch(k);
+                }
+                stored
+            };
+            if stored {
                 outcomes[i] = Some(KeyOutcome::AlreadyStored);
                 already.push(*k);
             } else if let Some(&owner) = self.jobs.storing.get(k) {
@@ -234,14 +241,17 @@ impl Tier {
         }
         // Keys reported as already stored must not be evicted by this very
         // job's allocation: hold them while it runs.
-        for k in &already {
-            self.pool.index_mut().pin_job(k);
-        }
-        let alloc = self.pool.index_mut().allocate(n as u64);
-        for k in &already {
-            self.pool.index_mut().unpin_job(k);
-        }
-        let alloc = alloc?;
+        let alloc = {
+            let mut ix = self.pool.index_mut();
+            for k in &already {
+                ix.pin_job(k);
+            }
+            let alloc = ix.allocate(n as u64);
+            for k in &already {
+                ix.unpin_job(k);
+            }
+            alloc
+        }?;
         let table = self.table()?.clone();
         let staging = self.staging.as_mut().expect("registered");
         let stage: Vec<u32> = (0..n)
@@ -426,13 +436,15 @@ impl Tier {
                 } else {
                     // Its header may have reached the device before a
                     // later failure: treat it as stale until rewritten.
-                    self.pool.index_mut().abort(slot);
-                    self.pool.index_mut().mark_stale_header(slot);
+                    let mut ix = self.pool.index_mut();
+                    ix.abort(slot);
+                    ix.mark_stale_header(slot);
                     if (retire && st.bad_slots.contains(&slot))
                         || st.unwritable_headers.contains(&slot)
                     {
-                        self.pool.index_mut().retire(slot);
+                        ix.retire(slot);
                     }
+                    drop(ix);
                     if job.outcomes[i].is_none() {
                         let why = st
                             .abandoned

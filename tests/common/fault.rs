@@ -38,7 +38,8 @@ use std::os::fd::RawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 pub use super::Rng;
 
@@ -67,6 +68,9 @@ pub struct Faults {
     pub failed_writes: u64,
     /// Hold every IOCB until this is false again.
     pub hold: bool,
+    /// Stop the thread that enters the engine (`submit` or `reap`: inside
+    /// the handle I/O thread's poll turn) while the stall is armed.
+    pub stall: Option<Arc<Stall>>,
     /// `Some(jobs)`: only IOCBs of these jobs (IOCB user_data) run; the
     /// others wait until their job is added or the gate is `None`.
     pub gates: Option<HashSet<u64>>,
@@ -158,6 +162,56 @@ fn touches(list: &[(u16, Range<u64>)], dev: u16, off: u64, len: u64) -> bool {
         .any(|(d, r)| *d == dev && off < r.end && r.start < off + len)
 }
 
+/// Stops whoever enters a [`FaultEngine`] while armed: the handle's I/O
+/// thread, in the middle of its poll turn, with every lock of that turn
+/// held, for as long as a test needs to see what waits for it.
+#[derive(Default, Debug)]
+pub struct Stall {
+    /// (armed, a thread is stopped in it)
+    state: Mutex<(bool, bool)>,
+    cond: Condvar,
+}
+
+impl Stall {
+    /// The next thread to enter the engine stops there until `release`.
+    pub fn arm(&self) {
+        self.state.lock().unwrap().0 = true;
+    }
+
+    /// Whether a thread is stopped in the engine, waiting at most `timeout`.
+    pub fn wait_entered(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut g = self.state.lock().unwrap();
+        while !g.1 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            g = self.cond.wait_timeout(g, left).unwrap().0;
+        }
+        true
+    }
+
+    /// Let the stopped thread go; the stall stays disarmed.
+    pub fn release(&self) {
+        let mut g = self.state.lock().unwrap();
+        g.0 = false;
+        self.cond.notify_all();
+    }
+
+    fn enter(&self) {
+        let mut g = self.state.lock().unwrap();
+        if g.0 {
+            g.1 = true;
+            self.cond.notify_all();
+            while g.0 {
+                g = self.cond.wait(g).unwrap();
+            }
+            g.1 = false;
+        }
+    }
+}
+
 /// Where a [`FaultEngine`] runs the I/O it lets through.
 enum Backend {
     Files(Vec<File>),
@@ -213,6 +267,14 @@ impl FaultEngine {
             stats: EngineStats::default(),
             held: Vec::new(),
             held_ctx: 0,
+        }
+    }
+
+    /// Stops here while the faults' stall is armed (not under their lock).
+    fn stall_here(&self) {
+        let stall = self.faults.lock().unwrap().stall.clone();
+        if let Some(s) = stall {
+            s.enter();
         }
     }
 
@@ -365,9 +427,11 @@ impl IoEngine for FaultEngine {
         Ok(())
     }
     fn submit(&mut self, ring: &mut GioRing) -> kvtier::Result<()> {
+        self.stall_here();
         self.pump(ring)
     }
     fn reap(&mut self, ring: &mut GioRing, wait: bool) -> kvtier::Result<()> {
+        self.stall_here();
         // Held IOCBs go out once their hold or gate is lifted.
         self.pump(ring)?;
         match &mut self.backend {

@@ -95,7 +95,13 @@ pub fn round_trip(rig: &dyn KvRig, tag: &str) {
     store_all(rig, &mut st, &ks, &mem, 16);
     assert_eq!(st.tier().lookup_prefix(&keys(&ks)), 40);
     for &k in &ks {
-        let e = st.tier().pool().index().get(&Key::from_u64(k)).unwrap();
+        let e = st
+            .tier()
+            .pool()
+            .index()
+            .get(&Key::from_u64(k))
+            .copied()
+            .unwrap();
         for l in 0..g.layers {
             let mut want = object(seed_of(k), l, 0, &g);
             want.extend(object(seed_of(k), l, 1, &g));

@@ -8,6 +8,7 @@
 
 pub mod fio;
 pub mod hbm;
+pub mod lookup;
 pub mod plot;
 pub mod raw;
 
@@ -884,7 +885,7 @@ pub struct ContextMedians {
 }
 
 /// The middle value (the mean of the two middle ones for an even count).
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     let n = v.len();
     match n {

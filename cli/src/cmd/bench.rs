@@ -103,6 +103,15 @@ pub(crate) struct BenchArgs {
     /// Read alone, write alone, then both at once on the same device.
     #[arg(long)]
     contention: bool,
+    /// Lookup latency instead: `lookup_prefix` and `lookup_and_pin` +
+    /// `unpin` of 16 stored keys on a TierHandle, timed idle and while
+    /// another thread loads the first --contexts context again and again,
+    /// in --repeat alternating rounds (p50/p99/p99.9/max, busy/idle p99).
+    #[arg(long)]
+    lookups: bool,
+    /// Calls timed per phase of --lookups (one about every 100 us).
+    #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(100..=10_000_000))]
+    lookup_samples: u64,
     /// Run each measurement this many times (kvtier and fio alternating:
     /// each --pattern run, or each round of the KV bench on a fresh pool) and
     /// report the medians (of each round's kvtier/fio ratio for the KV bench).
@@ -126,6 +135,9 @@ pub(crate) fn run_bench(a: BenchArgs) -> Result<i32> {
     ])?;
     if a.pattern.is_some() || a.contention {
         return run_raw_bench(&a);
+    }
+    if a.lookups {
+        return run_lookup_bench(&a);
     }
     let named = a.model.resolve()?;
     // Checked before any pool is created and prewritten (seconds per GiB).
@@ -227,6 +239,37 @@ fn run_hbm_bench(a: &BenchArgs, cfg: &BenchConfig) -> Result<i32> {
     let report = hbm::run(cfg, which, |msg| bar.say(msg))?;
     bar.finish();
     kvtier_cli::cli::out(&hbm::render(&report))?;
+    write_json(&a.json, &report)?;
+    Ok(0)
+}
+
+/// `kvtier bench --lookups`.
+fn run_lookup_bench(a: &BenchArgs) -> Result<i32> {
+    use kvtier_cli::bench::lookup::{self, LookupConfig};
+    if a.engine != "uring" || a.memory != "host" || a.against_fio || a.plot.is_some() {
+        return Err(kvtier::Error::invalid(
+            "--lookups runs on pool files with the uring engine and host memory, without fio or a plot; drop --engine, --memory, --against-fio and --plot",
+        ));
+    }
+    let named = a.model.resolve()?;
+    let cfg = LookupConfig {
+        dir: a.dir.clone(),
+        model: named.name,
+        geometry: named.geometry,
+        tokens: a.contexts[0],
+        group_blocks: a.group_blocks,
+        tier: TierConfig::default()
+            .with_uring(uring_cfg(a, 64))
+            .with_max_io_bytes(a.max_io.max(named.geometry.object_bytes())),
+        lookup_keys: 16,
+        samples: a.lookup_samples as usize,
+        rounds: a.repeat,
+        keep: a.keep,
+    };
+    let bar = Progress::new();
+    let report = lookup::run(&cfg, |msg| bar.say(msg))?;
+    bar.finish();
+    kvtier_cli::cli::out(&lookup::render(&report))?;
     write_json(&a.json, &report)?;
     Ok(0)
 }
