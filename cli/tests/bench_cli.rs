@@ -63,6 +63,15 @@ fn kv_bench_reports_every_figure_and_plots() {
     ] {
         assert!(r[f].as_f64().unwrap() > 0.0, "{f}");
     }
+    // The engine alone writing the same bytes, and the same run with its
+    // one flush counted: never faster than without it.
+    let (alone, durable) = (
+        r["engine_write_gib_s"].as_f64().unwrap(),
+        r["engine_write_durable_gib_s"].as_f64().unwrap(),
+    );
+    assert!(0.0 < durable && durable <= alone, "{alone} {durable}");
+    assert!(text.contains("followed by one flush"), "{text}");
+    assert!(v["peak_rss"]["kvtier_bytes"].as_u64().unwrap() > 256 << 21);
     assert!(v["machine"]["kernel"].as_str().unwrap().len() > 1);
     assert_eq!(v["config"]["geometry"]["layers"], 32);
     let svg_text = std::fs::read_to_string(&svg).unwrap();
@@ -389,6 +398,36 @@ fn against_fio_reports_ratios_when_fio_is_installed() {
     );
     assert!(v["runs"][0]["fio"]["read_bw"].as_f64().unwrap() > 0.0);
     assert!(v["fio_version"].as_str().unwrap().starts_with("fio"));
+}
+
+/// `--mem-budget`: a context whose KV cache would take more host memory
+/// than the budget is skipped, and the report says why and how to run it.
+#[test]
+fn contexts_over_the_memory_budget_are_skipped_and_named() {
+    let dir = TempDir::new("benchbudget");
+    let (text, v) = bench(
+        &dir,
+        &[
+            "--contexts",
+            "16,1024",
+            "--capacity",
+            "256m",
+            "--group-blocks",
+            "4",
+            "--mem-budget",
+            "64m",
+        ],
+    );
+    let results = v["results"].as_array().unwrap();
+    assert_eq!(results.len(), 1, "{text}");
+    assert_eq!(results[0]["tokens"], 16);
+    assert!(
+        text.contains("skipped 1024 tokens")
+            && text.contains("128 MiB of host memory")
+            && text.contains("raise --mem-budget"),
+        "{text}"
+    );
+    assert!(text.contains("peak RSS: kvtier"), "{text}");
 }
 
 /// `--lookups`: lookup and pin+unpin latency idle and while loads run, per

@@ -93,6 +93,7 @@ pub fn measure(
             file: file.clone(),
             rwmix_read: 100,
             numjobs: 1,
+            end_fsync: false,
         };
         Ok(raw::run(&w, 0, &UringConfig::default())?.0)
     };

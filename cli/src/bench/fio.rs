@@ -105,6 +105,10 @@ pub struct Workload {
     pub rwmix_read: u32,
     /// Jobs (processes) doing the workload at once; 1 by default.
     pub numjobs: u32,
+    /// Flush the file once at the end of the writes, and count that flush
+    /// in the run's time (fio's `--end_fsync=1`; kvtier's engine: one
+    /// FLUSH IOCB): what makes the bytes written durable.
+    pub end_fsync: bool,
 }
 
 /// What one run moved, how fast, and at what host cost: the shape both
@@ -128,6 +132,9 @@ pub struct IoResult {
     pub lat_p99_us_read: f64,
     pub lat_mean_us_write: f64,
     pub lat_p99_us_write: f64,
+    /// Seconds of the end flush (`Workload::end_fsync`), included in
+    /// `secs` (kvtier's engine; fio does not report it apart).
+    pub end_flush_secs: f64,
 }
 
 impl IoResult {
@@ -201,6 +208,11 @@ pub fn fio_args(w: &Workload) -> Vec<String> {
     a.push(format!("--iodepth={}", w.iodepth));
     a.push(format!("--size={}", fio_size(w.size)));
     a.push(format!("--numjobs={}", w.numjobs.max(1)));
+    if w.end_fsync {
+        // fio fsyncs inside the job, before it takes its run time: the
+        // bandwidth it reports includes the flush.
+        a.push("--end_fsync=1".to_string());
+    }
     if w.runtime_secs > 0.0 {
         a.push("--time_based".to_string());
         a.push(format!("--runtime={}", fio_runtime(w.runtime_secs)));
@@ -417,6 +429,7 @@ pub fn parse_fio_json(stdout: &str, version: &str) -> Result<IoResult> {
         lat_p99_us_read: r.p99_us(),
         lat_mean_us_write: wr.lat_ns.mean / 1000.0,
         lat_p99_us_write: wr.p99_us(),
+        end_flush_secs: 0.0,
     })
 }
 
@@ -831,6 +844,7 @@ fio: some trailing line"#;
             file,
             rwmix_read: 70,
             numjobs: 1,
+            end_fsync: false,
         }
     }
 
@@ -863,6 +877,11 @@ fio: some trailing line"#;
         assert!(a[0].starts_with("--name="));
         assert!(!a.iter().any(|x| x.starts_with("--allow_file_create")));
         assert!(!a.iter().any(|x| x.starts_with("--rwmixread")));
+        assert!(!a.iter().any(|x| x.starts_with("--end_fsync")));
+        // A durable write: one fsync at the end, inside fio's run time.
+        let mut w = workload(Pattern::Write, missing.clone());
+        w.end_fsync = true;
+        assert!(fio_args(&w).iter().any(|x| x == "--end_fsync=1"));
 
         // Sequential: no norandommap; one pass over `size` when runtime is 0;
         // an existing file is never created by fio.
@@ -956,6 +975,7 @@ fio: some trailing line"#;
             file: path.clone(),
             rwmix_read: 50,
             numjobs: 1,
+            end_fsync: false,
         };
         // Filesystems without O_DIRECT (tmpfs) or sandboxes without
         // io_uring: fio itself cannot run this workload there.

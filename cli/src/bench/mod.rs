@@ -52,6 +52,11 @@ pub struct BenchConfig {
     /// Write the pool files once at creation, so that stores measure
     /// overwrites (a pool that has filled once), not a first fill.
     pub prewrite: bool,
+    /// Most host memory a context's KV cache may take (`--mem-budget`):
+    /// larger contexts are skipped, saying so. The run's peak RSS is about
+    /// the largest context that runs (fio runs after it is freed).
+    #[serde(default)]
+    pub mem_budget: Option<u64>,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -78,6 +83,12 @@ pub struct ContextResult {
     /// The same, reading: the engine alone reading the context's bytes
     /// from the pool file into as much memory.
     pub engine_read_gib_s: Option<f64>,
+    /// The same write followed by one flush, the flush in the time: the
+    /// durable reference a store (which acknowledges only durable bytes)
+    /// is held to. From the same run as `engine_write_gib_s` (that one
+    /// leaves the flush out).
+    #[serde(default)]
+    pub engine_write_durable_gib_s: Option<f64>,
 }
 
 impl ContextResult {
@@ -101,6 +112,28 @@ pub struct BenchReport {
     /// I/O, which on a VM's virtio disk costs bandwidth: a cause of runs
     /// that differ while fio (in 4 KiB pages every time) does not.
     pub huge_page_share: Option<f64>,
+    /// Peak resident memory of this process so far (getrusage); None where
+    /// the kernel does not say. fio runs after the KV cache is freed.
+    #[serde(default)]
+    pub peak_rss: Option<PeakRss>,
+}
+
+/// Peak resident set size, bytes. (Not fio's: a child's peak counts what
+/// it shared with this process when it was forked.)
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct PeakRss {
+    pub kvtier_bytes: u64,
+}
+
+impl PeakRss {
+    /// Now, from getrusage (ru_maxrss, KiB on Linux).
+    pub fn now() -> Option<PeakRss> {
+        // SAFETY: getrusage fills the struct we pass.
+        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+        (unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } == 0).then(|| PeakRss {
+            kvtier_bytes: ru.ru_maxrss.max(0) as u64 * 1024,
+        })
+    }
 }
 
 /// fio on the same filesystem as the pool, in the same run.
@@ -115,9 +148,14 @@ pub struct FioReferences {
     pub rand_read: IoResult,
     pub rand_read_cmd: Vec<String>,
     /// The device's best sequential write (no fsync), chosen like
-    /// `seq_read`: what a store is measured against.
+    /// `seq_read`.
     pub seq_write: IoResult,
     pub seq_write_cmd: Vec<String>,
+    /// fio's sequential write at `seq_write`'s size and depth with
+    /// `--end_fsync=1` (one fsync after the writes, in fio's run time): a
+    /// store acknowledges only durable bytes, so this is its reference.
+    pub seq_write_durable: IoResult,
+    pub seq_write_durable_cmd: Vec<String>,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -270,6 +308,11 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
     let slots = pool.index().total_slots();
     let (contexts, mut skipped, max_blocks) =
         contexts_that_fit(&cfg.contexts, &geo, slots, "the pool's");
+    let (contexts, over_budget, max_blocks) = match cfg.mem_budget {
+        Some(budget) => contexts_within_memory(&contexts, &geo, budget),
+        None => (contexts, Vec::new(), max_blocks),
+    };
+    skipped.extend(over_budget);
     let mut tier = match engine {
         Some(e) => Tier::with_engine(pool, cfg.tier.clone(), e)?,
         None => Tier::open(pool, cfg.tier.clone())?,
@@ -284,6 +327,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
             skipped,
             fio: None,
             huge_page_share: None,
+            peak_rss: PeakRss::now(),
         });
     }
     crate::cli::check_host_memory(
@@ -396,6 +440,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
             verified,
             engine_write_gib_s: None,
             engine_read_gib_s: None,
+            engine_write_durable_gib_s: None,
         });
     }
     // The engine-alone write of each context's bytes, on the pool file
@@ -420,18 +465,25 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
                 file: file.path().to_path_buf(),
                 rwmix_read: 100,
                 numjobs: 1,
+                end_fsync: false,
             };
             // A comparison beside the results: if it cannot run, say so
             // and keep the results.
-            let mut alone = || -> Result<(f64, f64)> {
+            let mut alone = || -> Result<(f64, f64, f64)> {
+                // One write pass, then one flush: the write's bandwidth
+                // without the flush and with it, from the same run.
+                w.end_fsync = true;
                 let (wr, _) = raw::run(&w, r.bytes, &cfg.tier.uring)?;
                 w.pattern = Pattern::Read;
+                w.end_fsync = false;
                 let (rd, _) = raw::run(&w, r.bytes, &cfg.tier.uring)?;
-                Ok((wr.write_bw / GIB, rd.read_bw / GIB))
+                let unflushed = wr.write_bytes as f64 / (wr.secs - wr.end_flush_secs).max(1e-9);
+                Ok((unflushed / GIB, wr.write_bw / GIB, rd.read_bw / GIB))
             };
             match alone() {
-                Ok((wr, rd)) => {
+                Ok((wr, durable, rd)) => {
                     r.engine_write_gib_s = Some(wr);
+                    r.engine_write_durable_gib_s = Some(durable);
                     r.engine_read_gib_s = Some(rd);
                 }
                 Err(e) => skipped.push(format!(
@@ -449,6 +501,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
         skipped,
         fio: None,
         huge_page_share,
+        peak_rss: PeakRss::now(),
     })
 }
 
@@ -524,7 +577,7 @@ pub fn fio_references(cfg: &BenchConfig, progress: &dyn Fn(&str)) -> Result<FioR
         human_bytes(size)
     ));
     fio::prepare_file(&file, size, true)?;
-    let run = |pattern, bs: u64, iodepth| -> Result<(IoResult, Vec<String>)> {
+    let run_fsync = |pattern, bs: u64, iodepth, end_fsync| -> Result<(IoResult, Vec<String>)> {
         let w = Workload {
             pattern,
             bs,
@@ -534,14 +587,17 @@ pub fn fio_references(cfg: &BenchConfig, progress: &dyn Fn(&str)) -> Result<FioR
             file: file.clone(),
             rwmix_read: 100,
             numjobs: 1,
+            end_fsync,
         };
         progress(&format!(
-            "fio: {} bs={} iodepth={iodepth}",
+            "fio: {} bs={} iodepth={iodepth}{}",
             pattern.fio_name(),
-            human_bytes(bs)
+            human_bytes(bs),
+            if end_fsync { " end_fsync=1" } else { "" }
         ));
         Ok((fio::run_fio(&w)?, fio::fio_args(&w)))
     };
+    let run = |pattern, bs, iodepth| run_fsync(pattern, bs, iodepth, false);
     // Writes first, then flushed: what the host's cache still holds after
     // them would otherwise be written back under the reads (and under the
     // next run's restore when runs alternate).
@@ -551,6 +607,14 @@ pub fn fio_references(cfg: &BenchConfig, progress: &dyn Fn(&str)) -> Result<FioR
         cfg.tier.max_io_bytes,
         cfg.tier.uring.queue_depth,
     );
+    // The durable write at the better shape of the two.
+    let better = match (&wa, &wb) {
+        (Ok(a), Ok(b)) if b.0.write_bw > a.0.write_bw => {
+            (cfg.tier.max_io_bytes, cfg.tier.uring.queue_depth)
+        }
+        _ => (1 << 20, 16),
+    };
+    let wd = run_fsync(Pattern::Write, better.0, better.1, true);
     std::fs::File::open(&file)
         .and_then(|f| f.sync_all())
         .map_err(|e| Error::io(format!("flushing {}", file.display()), e))?;
@@ -562,7 +626,7 @@ pub fn fio_references(cfg: &BenchConfig, progress: &dyn Fn(&str)) -> Result<FioR
     );
     let r = run(Pattern::RandRead, cfg.geometry.object_bytes(), 32);
     drop(scratch);
-    let (a, b, r, wa, wb) = (a?, b?, r?, wa?, wb?);
+    let (a, b, r, wa, wb, wd) = (a?, b?, r?, wa?, wb?, wd?);
     let seq = if a.0.read_bw >= b.0.read_bw { a } else { b };
     let wseq = if wa.0.write_bw >= wb.0.write_bw {
         wa
@@ -577,6 +641,8 @@ pub fn fio_references(cfg: &BenchConfig, progress: &dyn Fn(&str)) -> Result<FioR
         rand_read_cmd: r.1,
         seq_write: wseq.0,
         seq_write_cmd: wseq.1,
+        seq_write_durable: wd.0,
+        seq_write_durable_cmd: wd.1,
     })
 }
 
@@ -882,6 +948,12 @@ pub struct ContextMedians {
     /// Per round retrieve / the engine alone reading the same bytes into
     /// as much memory, then the median.
     pub retrieve_vs_engine_read: Option<f64>,
+    /// Per round store / fio's sequential write with `--end_fsync=1`.
+    pub store_vs_fio_write_durable: Option<f64>,
+    pub fio_write_durable_gib_s: Option<f64>,
+    /// Per round store / the engine alone writing the same bytes followed
+    /// by one flush.
+    pub store_vs_engine_write_durable: Option<f64>,
 }
 
 /// The middle value (the mean of the two middle ones for an even count).
@@ -946,6 +1018,14 @@ impl RepeatedReport {
                     retrieve_vs_engine_read: of_some(&|c| {
                         c.engine_read_gib_s.map(|e| c.retrieve_gib_s / e.max(1e-9))
                     }),
+                    store_vs_fio_write_durable: with_fio(&|c, f| {
+                        c.store_gib_s / (f.seq_write_durable.write_bw / GIB).max(1e-9)
+                    }),
+                    fio_write_durable_gib_s: with_fio(&|_, f| f.seq_write_durable.write_bw / GIB),
+                    store_vs_engine_write_durable: of_some(&|c| {
+                        c.engine_write_durable_gib_s
+                            .map(|e| c.store_gib_s / e.max(1e-9))
+                    }),
                 }
             })
             .collect();
@@ -993,17 +1073,38 @@ pub fn render_repeated(r: &RepeatedReport) -> String {
             opt(m.retrieve_vs_engine_read, 3)
         );
     }
+    // A store acknowledges only durable bytes: its references with a flush.
+    s += &format!(
+        "durable references (medians of each round's ratio):\n{:>8} {:>24} {:>20} {:>27}\n",
+        "tokens", "store/fio write+fsync", "fio write+fsync", "store/engine write+flush"
+    );
+    for m in &r.medians {
+        s += &format!(
+            "{:>8} {:>24} {:>20} {:>27}\n",
+            m.tokens,
+            opt(m.store_vs_fio_write_durable, 3),
+            opt(m.fio_write_durable_gib_s, 2),
+            opt(m.store_vs_engine_write_durable, 3)
+        );
+    }
     s
 }
 
 /// ", {x}x the engine alone writing the same bytes from as much memory".
 fn engine_write_note(r: &ContextResult) -> String {
-    r.engine_write_gib_s.map_or(String::new(), |e| {
+    let mut s = r.engine_write_gib_s.map_or(String::new(), |e| {
         format!(
             ", {:.3}x kvtier's engine alone writing the same bytes from as much memory ({e:.2} GiB/s)",
             r.store_gib_s / e.max(1e-9)
         )
-    })
+    });
+    if let Some(d) = r.engine_write_durable_gib_s {
+        s += &format!(
+            ", {:.3}x it followed by one flush ({d:.2} GiB/s)",
+            r.store_gib_s / d.max(1e-9)
+        );
+    }
+    s
 }
 
 /// "retrieve {x}x the engine alone reading the same bytes into as much memory".
@@ -1082,6 +1183,17 @@ pub fn render(report: &BenchReport) -> String {
             h * 100.0
         );
     }
+    if let Some(p) = report.peak_rss {
+        s += &format!(
+            "peak RSS: kvtier {}{}\n",
+            human_bytes(p.kvtier_bytes),
+            report
+                .config
+                .mem_budget
+                .map(|b| format!(" (--mem-budget {} for the KV cache)", human_bytes(b)))
+                .unwrap_or_default()
+        );
+    }
     if let Some(f) = &report.fio {
         let seq = f.seq_read.read_bw / GIB;
         s += &format!(
@@ -1098,13 +1210,20 @@ pub fn render(report: &BenchReport) -> String {
             wseq,
             f.seq_write_cmd.join(" ")
         );
+        let wdur = f.seq_write_durable.write_bw / GIB;
+        s += &format!(
+            "reference: sequential write + end fsync {:.2} GiB/s [{}]\n",
+            wdur,
+            f.seq_write_durable_cmd.join(" ")
+        );
         for r in &report.results {
             s += &format!(
-                "{:>8} tokens: retrieve {:.3}x fio sequential read, {:.1}x fio random object reads; store {:.3}x fio sequential write{}\n",
+                "{:>8} tokens: retrieve {:.3}x fio sequential read, {:.1}x fio random object reads; store {:.3}x fio sequential write, {:.3}x fio write + end fsync{}\n",
                 r.tokens,
                 r.retrieve_gib_s / seq,
                 r.retrieve_gib_s / (f.rand_read.read_bw / GIB).max(1e-9),
                 r.store_gib_s / wseq.max(1e-9),
+                r.store_gib_s / wdur.max(1e-9),
                 engine_write_note(r) + &engine_read_note(r)
             );
         }
@@ -1140,6 +1259,37 @@ pub(crate) fn contexts_that_fit(
     (fit, skipped, max_blocks)
 }
 
+/// The contexts whose host KV memory (one block of memory per block stored)
+/// fits `budget` bytes, a line for each one left out saying what it needs
+/// and what this machine has, and the most blocks one context needs.
+pub(crate) fn contexts_within_memory(
+    contexts: &[u64],
+    geo: &KvGeometry,
+    budget: u64,
+) -> (Vec<u64>, Vec<String>, u64) {
+    let need = |t: u64| geo.tokens_to_blocks(t).saturating_mul(geo.block_bytes());
+    let (fit, over): (Vec<u64>, Vec<u64>) = contexts.iter().partition(|&&t| need(t) <= budget);
+    let avail = kvtier::host::mem_available()
+        .map(|a| format!("; this machine has {} available", human_bytes(a)))
+        .unwrap_or_default();
+    let skipped = over
+        .iter()
+        .map(|&t| {
+            format!(
+                "{t} tokens: its KV cache needs {} of host memory, over the --mem-budget of {}{avail} (raise --mem-budget to run it)",
+                human_bytes(need(t)),
+                human_bytes(budget)
+            )
+        })
+        .collect();
+    let max_blocks = fit
+        .iter()
+        .map(|&t| geo.tokens_to_blocks(t))
+        .max()
+        .unwrap_or(0);
+    (fit, skipped, max_blocks)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1147,6 +1297,26 @@ mod tests {
     /// Memory on reserved (hugetlbfs) pages counts as huge: smaps reports
     /// those pages as Private_Hugetlb, never in Rss, and the share said 0%
     /// for them (an 8 GiB cache with two layers there read "93%").
+    #[test]
+    fn contexts_over_the_memory_budget_are_skipped_with_the_reason() {
+        let geo = kvtier::model::preset("llama3-8b", 16).unwrap();
+        // 2 MiB blocks: 4096 tokens = 512 MiB, 16384 = 2 GiB, 65536 = 8 GiB.
+        let (fit, skipped, max) = contexts_within_memory(&[4096, 16384, 65536], &geo, 4 << 30);
+        assert_eq!(fit, vec![4096, 16384]);
+        assert_eq!(max, 1024);
+        assert_eq!(skipped.len(), 1);
+        assert!(
+            skipped[0].starts_with("65536 tokens")
+                && skipped[0].contains("8 GiB")
+                && skipped[0].contains("--mem-budget of 4 GiB")
+                && skipped[0].contains("raise --mem-budget"),
+            "{}",
+            skipped[0]
+        );
+        let (fit, skipped, max) = contexts_within_memory(&[65536], &geo, 1 << 30);
+        assert!(fit.is_empty() && max == 0 && skipped.len() == 1);
+    }
+
     #[test]
     fn huge_page_share_counts_hugetlb_pages() {
         const LEN: usize = 4 << 20;

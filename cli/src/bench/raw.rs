@@ -276,6 +276,36 @@ pub fn run_streams(
             stream_out[slot.stream] -= 1;
         }
     }
+    if w.end_fsync && res.write_bytes > 0 {
+        // One flush after the last write completed: the bytes are durable
+        // when it completes (fio's --end_fsync=1), and the run's time
+        // includes it.
+        let f0 = Instant::now();
+        let id = io
+            .get_iocb()
+            .ok_or_else(|| Error::Ring("no free IOCB".into()))?;
+        let ctx = IoCtx {
+            op: IOCTX_OP_FLUSH,
+            ..IoCtx::default()
+        };
+        io.ring_mut().push_ctx(id, ctx, &[]);
+        io.submit(id)?;
+        let done = io.wait_cqe()?;
+        let c = io.ring().iocb(done).ctx[0];
+        io.release(done);
+        if c.status != IOCTX_STATUS_OK {
+            return Err(Error::Device {
+                device: w.file.display().to_string(),
+                offset: 0,
+                len: 0,
+                reason: format!(
+                    "the end flush failed: status {:#x} result {}",
+                    c.status, c.result
+                ),
+            });
+        }
+        res.end_flush_secs = f0.elapsed().as_secs_f64();
+    }
     res.secs = t0.elapsed().as_secs_f64();
     let (u1, s1) = cpu_times();
     res.cpu_usr_secs = u1 - u0;

@@ -112,6 +112,11 @@ pub(crate) struct BenchArgs {
     /// Calls timed per phase of --lookups (one about every 100 us).
     #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(100..=10_000_000))]
     lookup_samples: u64,
+    /// Most host memory one context's KV cache may take (the run's peak RSS
+    /// is about this plus fio's buffers): larger contexts are skipped, and
+    /// the report says so. Default: no limit beyond the memory available.
+    #[arg(long, value_parser = parse_pool_size)]
+    mem_budget: Option<u64>,
     /// Run each measurement this many times (kvtier and fio alternating:
     /// each --pattern run, or each round of the KV bench on a fresh pool) and
     /// report the medians (of each round's kvtier/fio ratio for the KV bench).
@@ -166,6 +171,7 @@ pub(crate) fn run_bench(a: BenchArgs) -> Result<i32> {
         force: a.force,
         keep: a.keep,
         prewrite: !a.first_fill,
+        mem_budget: a.mem_budget,
     };
     if cfg.nvme.is_some() && a.against_fio {
         return Err(kvtier::Error::invalid(
@@ -326,6 +332,7 @@ fn run_raw_bench(a: &BenchArgs) -> Result<i32> {
         file: a.dir.join("kvtier-bench.dat"),
         rwmix_read: a.rwmixread,
         numjobs: 1,
+        end_fsync: false,
     };
     let bar = Progress::new();
     let report = bench::raw_suite(
