@@ -1,7 +1,7 @@
 //! Driving the engine: put planned I/O into IOCBs, account completions to
 //! their jobs, and finish jobs whose work is done.
 
-use super::jobs::{FlushAfter, IocbUse, Item, Step};
+use super::jobs::{FlushAfter, IocbUse, Item, Step, GROUP_FLUSH};
 use super::store::stage_headers;
 use super::{trace, JobId, JobKind, JobResult, KeyOutcome, Tier};
 use crate::error::{Failure, IoCause, IoFailure, Result};
@@ -51,6 +51,9 @@ impl Tier {
                 while self.issue_one(id)? {
                     progressed = true;
                 }
+            }
+            if self.issue_group_flush()? {
+                progressed = true;
             }
             let live = &self.jobs.live;
             self.jobs.issue_queue.retain(|id| {
@@ -138,8 +141,22 @@ impl Tier {
                 return Ok(false);
             }
         }
-        // Skip I/O for keys that already failed (headers of failed data).
         let step = job.items[ix].step;
+        if job.store.is_some() && matches!(step, Step::Flush(_)) {
+            // Group commit: this step waits for the next group flush, which
+            // completes it (`on_group_flush`); it issues nothing itself. It
+            // joins only once every write before it has completed (stores
+            // run their steps in order): the flush it joins is issued after.
+            if !job.items[..ix].iter().all(Item::complete) {
+                return Ok(false);
+            }
+            let item = &mut job.items[ix];
+            item.next = item.ios.len();
+            item.iocbs_out += 1;
+            self.jobs.flush_group.waiting.push((id, ix));
+            return Ok(true);
+        }
+        // Skip I/O for keys that already failed (headers of failed data).
         if step == Step::Headers && job.items[ix].next == 0 {
             let staging = self.staging.as_ref().expect("a store has staging");
             stage_headers(&mut self.pool, staging, job);
@@ -217,6 +234,10 @@ impl Tier {
             self.io.release(iocb);
             return;
         };
+        if u.job == GROUP_FLUSH {
+            self.on_group_flush(iocb);
+            return;
+        }
         let (id, ix, first_io) = (u.job, u.item, u.first_io);
         let ring = self.io.ring();
         let b = ring.iocb(iocb);
@@ -257,9 +278,110 @@ impl Tier {
             }
         }
         self.io.release(iocb);
+        self.account(id, ix, u.bytes, failures, media_failures);
+    }
+
+    /// Issue the next group flush when none is in flight and flush steps
+    /// wait: one FLUSH per device any of them wrote, in one IOCB. True if
+    /// one was issued.
+    fn issue_group_flush(&mut self) -> Result<bool> {
+        let g = &self.jobs.flush_group;
+        if g.in_flight.is_some() || g.waiting.is_empty() {
+            return Ok(false);
+        }
+        let mut devs: Vec<u16> = g
+            .waiting
+            .iter()
+            .filter_map(|(id, ix)| self.jobs.live.get(id).map(|j| &j.items[*ix]))
+            .flat_map(|item| item.ios.iter().map(|io| io.dev))
+            .collect();
+        devs.sort_unstable();
+        devs.dedup();
+        let Some(iocb) = self.io.get_iocb() else {
+            return Ok(false);
+        };
+        let ring = self.io.ring_mut();
+        // The first waiting job's: a test double that holds one job's I/O
+        // holds the flush that job waits for.
+        ring.iocb_mut(iocb).hdr.user_data = g.waiting[0].0;
+        for dev in devs {
+            let ctx = IoCtx {
+                dev,
+                op: IOCTX_OP_FLUSH,
+                ..IoCtx::default()
+            };
+            // One context per device: far fewer than an IOCB holds.
+            let _ = ring.push_ctx(iocb, ctx, &[]);
+        }
+        let g = &mut self.jobs.flush_group;
+        let members = std::mem::take(&mut g.waiting);
+        g.issued += 1;
+        g.steps += members.len() as u64;
+        g.in_flight = Some((iocb, members));
+        self.jobs.iocb_owner.insert(
+            iocb,
+            IocbUse {
+                job: GROUP_FLUSH,
+                item: 0,
+                first_io: 0,
+                bytes: 0,
+            },
+        );
+        self.io.submit(iocb)?;
+        Ok(true)
+    }
+
+    /// A group flush completed: each flush step it served completes, with
+    /// the failure of any device of that step whose flush failed.
+    fn on_group_flush(&mut self, iocb: IocbId) {
+        let members = match self.jobs.flush_group.in_flight.take() {
+            Some((id, members)) if id == iocb => members,
+            other => {
+                self.jobs.flush_group.in_flight = other;
+                self.io.release(iocb);
+                return;
+            }
+        };
+        let b = self.io.ring().iocb(iocb);
+        let failed: Vec<(u16, Failure)> = b.ctx[..b.hdr.count as usize]
+            .iter()
+            .filter(|c| c.status != IOCTX_STATUS_OK)
+            .map(|c| (c.dev, Failure::from_io(describe_failure(c, &self.pool))))
+            .collect();
+        self.io.release(iocb);
+        for (id, ix) in members {
+            let Some(job) = self.jobs.live.get(&id) else {
+                continue;
+            };
+            // As its own flush would have failed: per planned flush, the
+            // run it serves.
+            let failures: Vec<(u32, Failure)> = job.items[ix]
+                .ios
+                .iter()
+                .filter_map(|io| {
+                    failed
+                        .iter()
+                        .find(|(d, _)| *d == io.dev)
+                        .map(|(_, f)| (io.run, f.clone()))
+                })
+                .collect();
+            self.account(id, ix, 0, failures, Vec::new());
+        }
+    }
+
+    /// Account one completed IOCB's worth of item `ix` of job `id`: its
+    /// bytes, its failures (per run), the slots its media errors hit.
+    fn account(
+        &mut self,
+        id: JobId,
+        ix: usize,
+        bytes: u64,
+        failures: Vec<(u32, Failure)>,
+        media_failures: Vec<IoCtx>,
+    ) {
         let job = self.jobs.live.get_mut(&id).expect("IOCB of a live job");
         job.items[ix].iocbs_out -= 1;
-        job.items[ix].bytes_out -= u.bytes;
+        job.items[ix].bytes_out -= bytes;
         let step = job.items[ix].step;
         if let (Some(t), Step::LoadLayer(layer)) = (self.trace.as_mut(), step) {
             t.event(id, layer, trace::Ev::Land);

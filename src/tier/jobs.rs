@@ -182,6 +182,30 @@ pub(super) struct IocbUse {
     pub(super) bytes: u64,
 }
 
+/// The `IocbUse::job` of a group flush's IOCB: it belongs to no one job.
+pub(super) const GROUP_FLUSH: JobId = JobId::MAX;
+
+/// Group commit: the stores in flight share their flushes. A store's flush
+/// step (after its invalidations, its data, its headers) does not issue a
+/// flush of its own: it waits for the next group flush, issued once the
+/// group flush before it has completed, that flushes every device the
+/// waiting steps wrote. So one flush makes the data of some stores durable
+/// together with the headers of others and the invalidations of others
+/// still, while their writes keep the device busy. Each waiting step joined
+/// after every write of its job's step before it had completed, and the
+/// group flush it joins is issued after that: what a flush of its own, issued
+/// then, would have made durable, the group flush makes durable too.
+#[derive(Default)]
+pub(super) struct FlushGroup {
+    /// Flush steps (job, item) waiting for the next group flush.
+    pub(super) waiting: Vec<(JobId, usize)>,
+    /// The group flush in flight: its IOCB and the steps it completes.
+    pub(super) in_flight: Option<(IocbId, Vec<(JobId, usize)>)>,
+    /// Group flushes issued, and flush steps they completed (monitoring).
+    pub(super) issued: u64,
+    pub(super) steps: u64,
+}
+
 /// Every job of a tier and what it holds, in one place.
 pub(super) struct JobTable {
     /// Jobs not yet finished.
@@ -201,6 +225,8 @@ pub(super) struct JobTable {
     pub(super) finished: HashMap<JobId, JobResult>,
     pub(super) finished_order: VecDeque<JobId>,
     pub(super) layer_events: VecDeque<LayerDone>,
+    /// Stores' flushes, shared (group commit).
+    pub(super) flush_group: FlushGroup,
     next_id: JobId,
 }
 
@@ -216,6 +242,7 @@ impl JobTable {
             finished: HashMap::new(),
             finished_order: VecDeque::new(),
             layer_events: VecDeque::new(),
+            flush_group: FlushGroup::default(),
             next_id: 1,
         }
     }

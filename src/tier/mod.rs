@@ -17,7 +17,9 @@
 //! then flushed; (3) headers are written, then flushed; (4) only then do the
 //! keys enter the index and the job report success. A crash at any point
 //! leaves either the old state or the new one visible, never a header over
-//! data it does not describe.
+//! data it does not describe. The stores in flight share those flushes
+//! (group commit): each flush step waits for the next flush issued after it
+//! was reached, which serves every store waiting then.
 //!
 //! Loads into host memory verify every layer against the crc32c its header
 //! recorded before the layer is announced: a block whose bytes differ from what
@@ -706,6 +708,15 @@ impl Tier {
     /// sleeps on the engine's fds to wake up for).
     pub fn completions_pending(&self) -> bool {
         self.io.ring().cq_len() > 0
+    }
+
+    /// Group commit so far: (group flushes issued, store flush steps they
+    /// completed). Each store has up to three flush steps (after its
+    /// invalidations, its data, its headers); stores in flight together
+    /// share flushes, so the second figure exceeds the first.
+    pub fn group_flushes(&self) -> (u64, u64) {
+        let g = &self.jobs.flush_group;
+        (g.issued, g.steps)
     }
 
     /// Jobs not yet finished (loads and stores).

@@ -10,7 +10,10 @@
 //! Each step's I/Os may run in any order and in parallel; a step starts only
 //! after every step before it completed (the job runs its items
 //! sequentially). Nothing here touches a device or memory: the tier turns the
-//! plan into IOCBs, and the unit tests below check the plan itself.
+//! plan into IOCBs, and the unit tests below check the plan itself. A flush
+//! step names the devices to flush; the tier serves it with a flush shared by
+//! the stores in flight (group commit: `jobs::FlushGroup`), issued after the
+//! step before it completed, as the step's own flush would have been.
 
 use super::jobs::{FlushAfter, Step};
 use crate::plan::{self, PlannedIo};

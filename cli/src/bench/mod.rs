@@ -74,6 +74,9 @@ pub struct ContextResult {
     pub syscalls_per_layer: f64,
     pub store_cpu_us_per_object: f64,
     pub retrieve_cpu_us_per_object: f64,
+    /// Device flushes the store issued (its jobs share them: group commit).
+    #[serde(default)]
+    pub store_flushes: u64,
     pub verified: bool,
     /// The same bytes written by kvtier's engine alone (no checksums,
     /// headers or flushes) to the same pool file, from memory as large as
@@ -365,6 +368,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
         let objects = blocks * geo.objects_per_block() as u64;
 
         progress(&format!("{tokens} tokens: storing {}", human_bytes(bytes)));
+        let flushes0 = tier.usage().engine.flushes;
         let cpu0 = cpu_seconds();
         let t0 = Instant::now();
         let mut jobs = Vec::new();
@@ -386,6 +390,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
         }
         let store_secs = t0.elapsed().as_secs_f64();
         let store_cpu = cpu_seconds() - cpu0;
+        let store_flushes = tier.usage().engine.flushes - flushes0;
 
         cache.clear();
         progress(&format!("{tokens} tokens: retrieving layer by layer"));
@@ -437,6 +442,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
             syscalls_per_layer: (s1.syscalls - s0.syscalls) as f64 / geo.layers as f64,
             store_cpu_us_per_object: store_cpu * 1e6 / objects as f64,
             retrieve_cpu_us_per_object: retrieve_cpu * 1e6 / objects as f64,
+            store_flushes,
             verified,
             engine_write_gib_s: None,
             engine_read_gib_s: None,
@@ -1133,7 +1139,7 @@ pub fn render(report: &BenchReport) -> String {
         report.machine.filesystem_of_dir
     );
     s += &format!(
-        "{:>8} {:>10} {:>11} {:>13} {:>11} {:>10} {:>10} {:>12} {:>14} {:>14}\n",
+        "{:>8} {:>10} {:>11} {:>13} {:>11} {:>10} {:>10} {:>12} {:>14} {:>14} {:>14}\n",
         "tokens",
         "size",
         "store GiB/s",
@@ -1143,11 +1149,12 @@ pub fn render(report: &BenchReport) -> String {
         "I/O/layer",
         "enter/layer",
         "store us/obj",
-        "load us/obj"
+        "load us/obj",
+        "store flushes"
     );
     for r in &report.results {
         s += &format!(
-            "{:>8} {:>10} {:>11.2} {:>13.2} {:>11.2} {:>10.2} {:>10.1} {:>12.1} {:>14.3} {:>14.3}\n",
+            "{:>8} {:>10} {:>11.2} {:>13.2} {:>11.2} {:>10.2} {:>10.1} {:>12.1} {:>14.3} {:>14.3} {:>14}\n",
             r.tokens,
             human_bytes(r.bytes),
             r.store_gib_s,
@@ -1157,7 +1164,8 @@ pub fn render(report: &BenchReport) -> String {
             r.ios_per_layer,
             r.syscalls_per_layer,
             r.store_cpu_us_per_object,
-            r.retrieve_cpu_us_per_object
+            r.retrieve_cpu_us_per_object,
+            r.store_flushes
         );
     }
     for k in &report.skipped {

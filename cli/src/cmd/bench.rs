@@ -100,6 +100,10 @@ pub(crate) struct BenchArgs {
     /// Run fio (io_uring, direct=1) with the same workload on the same file and print kvtier/fio ratios.
     #[arg(long)]
     against_fio: bool,
+    /// Blocks per store job: a context is stored as jobs of this many
+    /// blocks, all submitted at once (16: LMCache's 256-token chunks).
+    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    store_job_blocks: u32,
     /// Read alone, write alone, then both at once on the same device.
     #[arg(long)]
     contention: bool,
@@ -166,7 +170,7 @@ pub(crate) fn run_bench(a: BenchArgs) -> Result<i32> {
             .with_max_io_bytes(a.max_io),
         verify: !a.no_verify,
         cross_layer: a.cross_layer,
-        store_job_blocks: 4096,
+        store_job_blocks: a.store_job_blocks,
         nvme: userspace_target(&a)?,
         force: a.force,
         keep: a.keep,
