@@ -63,6 +63,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from . import BackpressureError, KvtierError, TierBuilder, TierHandle
+from ._vllm_layout import KvMapping, map_kv_caches
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -276,6 +277,13 @@ def _pool_model_config(path: str, layers: int, kv_heads: int, head_dim: int, nam
         json.dump(cfg, f)
     os.replace(tmp, path)
     return path
+
+
+def _model_tail(model: str) -> str:
+    """The last 40 characters of a model's name or path, printable: it names
+    the pool's model and starts its namespace."""
+    clean = "".join(c if c.isalnum() or c in "._-/" else "_" for c in model).strip("/.")
+    return clean[-40:] or "model"
 
 
 def _write_stats(path: str | None, stats: dict[str, Any]) -> None:
@@ -498,7 +506,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self._rank = 0
         self._tier: TierHandle | None = None
         self._server: _LookupServer | None = None
-        self._layers: list[torch.Tensor] = []
+        self._map: KvMapping | None = None
         # The staged HBM path (CUDA caches, or its CPU test double).
         self._hbm = False
         self._cuda = False
@@ -519,11 +527,50 @@ class KvtierConnector(KVConnectorBase_V1):
                                        "layer_waits": [], "load_error_blocks": 0,
                                        "stored_blocks": 0, "stores_dropped": 0}
 
+    def _kv_groups_check(self) -> None:
+        """Refuses, at start, a model whose KV cache kvtier would serve wrong:
+        several cache groups (hybrid models) or state that is not attention KV."""
+        cfg = self._kv_cache_config
+        if cfg is None:
+            return
+        groups = [g for g in cfg.kv_cache_groups if getattr(g, "enable_kv_transfer", True)]
+        kinds = [f"{type(g.kv_cache_spec).__name__} x {len(g.layer_names)} layers" for g in groups]
+        if len(groups) != 1:
+            raise KvtierError(
+                f"this model's KV cache has {len(groups)} groups ({'; '.join(kinds)}); "
+                "KvtierConnector serves one group of attention layers: run vLLM with "
+                "--disable-hybrid-kv-cache-manager where the model allows it, or without kvtier"
+            )
+        from vllm.v1.kv_cache_interface import AttentionSpec
+
+        spec = groups[0].kv_cache_spec
+        if not isinstance(spec, AttentionSpec):
+            raise KvtierError(
+                f"this model's KV cache is {kinds[0]}, not attention KV; KvtierConnector "
+                "serves attention KV caches (full attention, GQA, MHA, MLA)"
+            )
+
+    def _identity(self) -> dict[str, Any]:
+        """What, besides the physical layout, decides the bytes of a block."""
+        mc = self._vllm_config.model_config
+        try:
+            hf = mc.hf_config.to_json_string(use_diff=False)
+        except Exception:  # a config transformers cannot serialise: its repr
+            hf = repr(mc.hf_config)
+        cfg = self._kv_cache_config
+        spec = repr(cfg.kv_cache_groups[0].kv_cache_spec) if cfg and cfg.kv_cache_groups else None
+        return {
+            "model": str(mc.model),
+            "hf_config": hashlib.sha256(hf.encode()).hexdigest(),
+            "kv_cache_dtype": str(self._vllm_config.cache_config.cache_dtype),
+            "kv_spec": spec,
+            "tp_size": self._tp_size,
+            "tp_rank": self._rank,
+        }
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        names = list(kv_caches)
-        layers = [kv_caches[n] for n in names]
-        t0 = layers[0]
-        devices = {t.device.type for t in layers}
+        self._kv_groups_check()
+        devices = {t.device.type for t in kv_caches.values()}
         if devices - {"cpu", "cuda"} or len(devices) != 1:
             raise KvtierError(
                 f"KV tensors on {sorted(devices)}; KvtierConnector registers one device's "
@@ -536,63 +583,43 @@ class KvtierConnector(KVConnectorBase_V1):
             raise KvtierError("test_only_staged_host_double stands CPU tensors in for GPU "
                               "memory; drop it to serve CUDA KV caches")
         self._hbm = self._cuda or double
-        # Per layer: block-major [blocks, 2, block_size, ...] (vLLM's CPU
-        # cache, FlashInfer) or, on CUDA, [2, blocks, block_size, ...]
-        # (FlashAttention), which kvtier calls per_layer.
-        if t0.dim() >= 4 and t0.shape[1] == 2:
-            layout = "block_major"
-        elif self._hbm and t0.dim() >= 4 and t0.shape[0] == 2:
-            layout = "per_layer"
-        else:
-            raise KvtierError(
-                f"KV tensor {names[0]} has shape {tuple(t0.shape)}; KvtierConnector expects "
-                "vLLM's [blocks, 2, block_size, ...] per layer (or [2, blocks, block_size, ...] "
-                "for CUDA caches)"
-            )
-        if t0.shape[2] != self._block_size:
-            raise KvtierError(
-                f"KV tensor block dimension {t0.shape[2]} differs from cache block_size "
-                f"{self._block_size}; kernel block splitting is not supported"
-            )
-        mc = self._vllm_config.model_config
-        kv_heads = mc.get_num_kv_heads(self._vllm_config.parallel_config)
-        head = mc.get_head_size()
-        per_tok = 1
-        for d in t0.shape[3:]:
-            per_tok *= d
-        if per_tok != kv_heads * head:
-            raise KvtierError(
-                f"KV tensor {names[0]} holds {per_tok} elements per token, not "
-                f"kv_heads {kv_heads} x head_size {head}"
-            )
-        self._layers = layers
-        self._layer_index = {n: i for i, n in enumerate(names)}
-        self._stats["layer_waits"] = [0] * len(layers)
+        cfg = self._kv_cache_config
+        # The layout vLLM resolved; the mapping itself is read off the
+        # tensors' addresses and strides (see _vllm_layout).
+        vllm_layout = (getattr(cfg, "kv_cache_layout", None)
+                       or getattr(self._vllm_config.cache_config, "kv_cache_layout", None))
+        m = map_kv_caches(kv_caches, cfg.num_blocks if cfg is not None else None,
+                          self._block_size, vllm_layout, self._identity())
+        self._map = m
+        self._layer_index = dict(m.layer_of)
+        self._stats["layer_waits"] = [0] * m.layers
+        self._stats["layout"] = {"vllm": m.vllm_layout, "kvtier": m.layout,
+                                 "page_bytes": m.page_bytes, "layers": m.layers}
         rank_dir = self._rank_dir(self._rank)
-        cfg = _pool_model_config(os.path.join(rank_dir, "model-geometry.json"), len(layers),
-                                 kv_heads, head, str(mc.model))
-        dtype = str(t0.dtype).removeprefix("torch.")
+        name = _model_tail(str(self._vllm_config.model_config.model))
         b = (
             TierBuilder()
             .directory(os.path.join(rank_dir, "pool"))
             .capacity(self._capacity)
             .prewrite(self._prewrite)
-            .model(cfg, block_size=self._block_size, dtype=dtype)
+            .geometry(layers=m.layers, kv_heads=m.kv_heads, head_dim=m.head_dim, dtype=m.dtype,
+                      block_size=self._block_size, name=f"vllm:{name}"[:64])
+            .namespace(f"vllm/{name}@{m.fingerprint[:16]}/tp{self._rank}")
             .tp_rank(self._rank)
             .engine(self._engine)
             .policy(self._policy)
         )
-        aligned = all(t.is_contiguous() and t.data_ptr() % 4096 == 0 for t in layers)
+        aligned = all(r.data_ptr() % 4096 == 0 for r in m.regions)
         if self._hbm:
             # kvtier's own pinned staging; the copies only need 16 bytes of
             # alignment, which torch's allocations have.
             b = b.staging(layer_buffers=4, load_blocks=self._staging, store_blocks=self._staging)
             if double:
                 b = b.test_only_staged_host_double()
-            b = b.kv_memory(layers, layout=layout)
+            b = b.kv_memory(m.regions, layout=m.layout)
             aligned = True  # no host staging of the connector's own
         elif aligned:
-            b = b.kv_memory(layers, layout=layout)
+            b = b.kv_memory(m.regions, layout=m.layout)
         else:
             b = b.host_cache(2 * self._staging, layout="cross_layer")
         self._tier = b.build()
@@ -601,18 +628,19 @@ class KvtierConnector(KVConnectorBase_V1):
         if not aligned:
             addr, size = self._tier.host_memory()
             self._stage_owner = (ctypes.c_char * size).from_address(addr)
-            self._stage = (
-                torch.frombuffer(self._stage_owner, dtype=torch.uint8)
-                .view(t0.dtype)
-                .view(2 * self._staging, len(layers), *t0.shape[1:])
-            )
+            # Staging slot s holds block pages in kvtier's cross-layer order:
+            # [slot, layer, page bytes], the same bytes the pages hold.
+            self._stage = torch.frombuffer(self._stage_owner, dtype=torch.uint8).view(
+                2 * self._staging, m.layers, m.page_bytes)
             self._free_load = list(range(self._staging))
             self._free_store = list(range(self._staging, 2 * self._staging))
             logger.info(
-                "kvtier: vLLM's KV tensors are not 4096-byte aligned (%#x); staging through "
-                "%d page-aligned blocks", t0.data_ptr(), 2 * self._staging)
+                "kvtier: vLLM's KV cache is not 4096-byte aligned (%#x); staging through "
+                "%d page-aligned blocks (%d MiB)", m.regions[0].data_ptr(), 2 * self._staging,
+                (2 * self._staging * m.layers * m.page_bytes) >> 20)
         self._server = _LookupServer(_socket_name(rank_dir), self._tier)
-        logger.info("kvtier: rank %d pool %s, engine %s", self._rank, rank_dir, self._tier.engine)
+        logger.info("kvtier: rank %d pool %s, engine %s, %s", self._rank, rank_dir,
+                    self._tier.engine, m.describe())
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -663,7 +691,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self._load_errors.update(ids)
             return
         if slots is not None:
-            dst = self._layers[layer]
+            dst = self._map.pages[layer]
             dst[torch.tensor(ids)] = self._stage[torch.tensor(slots), layer]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -718,7 +746,7 @@ class KvtierConnector(KVConnectorBase_V1):
         # per-key outcomes, drop the scheduler's pins, free the staging.
         for entry in self._inflight:
             if not self._cuda:
-                for layer in range(len(self._layers)):
+                for layer in range(self._map.layers):
                     self._finish_layer(entry, layer)
             job, ld, slots, ids, _ = entry
             r = self._tier.wait(job)
@@ -752,8 +780,8 @@ class KvtierConnector(KVConnectorBase_V1):
                 return
             slots = [self._free_store.pop() for _ in range(n)]
             idx, sidx = torch.tensor(st.block_ids), torch.tensor(slots)
-            for layer, t in enumerate(self._layers):
-                self._stage[sidx, layer] = t[idx]
+            for layer, pages in enumerate(self._map.pages):
+                self._stage[sidx, layer] = pages[idx]
         try:
             job = self._tier.submit_store(st.keys, slots if slots is not None else st.block_ids)
         except BackpressureError:

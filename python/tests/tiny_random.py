@@ -1,24 +1,43 @@
-"""A tiny llama with random weights (normal init, seeded), saved where vLLM
-and transformers both load it: the local config.json of tiny-llama plus
-model.safetensors. Unlike vLLM's dummy weights (uniform +-1e-3, near-uniform
-attention), these make the output depend on the prefix's KV."""
+"""Tiny models with random weights (normal init, seeded), saved where vLLM
+and transformers both load them: a config.json plus model.safetensors.
+Unlike vLLM's dummy weights (uniform +-1e-3, near-uniform attention), these
+make the output depend on the prefix's KV.
 
+``make(dest)`` is the project's tiny llama (2 KV heads, head_dim 64);
+``make(dest, kv_heads=8, heads=16, head_dim=128)`` and friends give the
+shapes users serve (GQA, MHA, MQA, head_dim 64/128/256)."""
+
+import json
 import os
 import shutil
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def make(dest: str, seed: int = 0) -> str:
+def make(dest: str, seed: int = 0, *, kv_heads: int | None = None, heads: int | None = None,
+         head_dim: int | None = None, layers: int | None = None) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if os.path.exists(os.path.join(dest, "model.safetensors")):
         return dest
     os.makedirs(dest, exist_ok=True)
-    shutil.copy(os.path.join(HERE, "tiny-llama", "config.json"), dest)
-    cfg = LlamaConfig.from_pretrained(dest)
+    with open(os.path.join(HERE, "tiny-llama", "config.json")) as f:
+        cfg = json.load(f)
+    if kv_heads is not None:
+        heads = heads or kv_heads
+        cfg.update(num_key_value_heads=kv_heads, num_attention_heads=heads, head_dim=head_dim,
+                   hidden_size=max(128, min(heads * head_dim, 512)),
+                   _name_or_path=f"kvtier-tiny-llama-kv{kv_heads}-h{heads}-d{head_dim}")
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
+    if kv_heads is None and layers is None:
+        shutil.copy(os.path.join(HERE, "tiny-llama", "config.json"), dest)
+    else:
+        with open(os.path.join(dest, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+    config = LlamaConfig.from_pretrained(dest)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(dest, safe_serialization=True)
     return dest
