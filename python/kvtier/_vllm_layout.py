@@ -66,6 +66,12 @@ class KvMapping:
     """Per kvtier layer, a ``(num_blocks, page_bytes)`` byte view of the pages."""
     num_blocks: int
     page_bytes: int
+    """Bytes of one block of one layer in vLLM's memory."""
+    slot_bytes: int
+    """Bytes kvtier keeps for a page: ``page_bytes`` or, when that is not two
+    whole sectors, the next size that is (the page then goes through staging)."""
+    padding_fix: str | None
+    """When pages are padded: why, and the block size that avoids it."""
     block_size: int
     kv_heads: int
     head_dim: int
@@ -78,9 +84,14 @@ class KvMapping:
     def layers(self) -> int:
         return len(self.layer_names)
 
+    @property
+    def padded(self) -> bool:
+        return self.slot_bytes != self.page_bytes
+
     def describe(self) -> str:
-        return (f"{self.layers} layers x {self.num_blocks} blocks of {self.page_bytes} B pages "
-                f"(vLLM layout {self.vllm_layout}, kvtier {self.layout})")
+        pad = f" in {self.slot_bytes} B slots" if self.padded else ""
+        return (f"{self.layers} layers x {self.num_blocks} blocks of {self.page_bytes} B pages"
+                f"{pad} (vLLM layout {self.vllm_layout}, kvtier {self.layout})")
 
 
 def kvtier_dtype(dtype: torch.dtype) -> str:
@@ -203,24 +214,22 @@ def map_kv_caches(
     remap = {old: new for new, old in enumerate(order)}
     layer_of = {n: remap[i] for n, i in layer_of.items()}
     pages = [_byte_view(t, (nb, page), (bstride, 1)) for t in tensors]
-    # Two objects per page: each half is block_size x kv_heads x head_dim.
-    if page % (2 * block_size * esz):
-        raise KvtierError(
-            f"a {page} B page of {block_size} tokens does not halve into whole elements; "
-            "kvtier cannot describe this cache"
-        )
-    per_token = page // (2 * block_size * esz)  # elements per token in each half
+    # Two objects per page: each half is block_size x kv_heads x head_dim
+    # elements, in whole 4096-byte sectors (direct I/O). A page that does not
+    # halve into sectors (an MLA latent at 16-token blocks: 18432 B) gets a
+    # padded slot, copied through kvtier's staging; nothing is read into or
+    # written from vLLM's own memory directly then.
+    tok = page // block_size if page % block_size == 0 else 0
+    unit = math.lcm(8192, 2 * block_size * esz)
+    slot = -(-page // unit) * unit
+    per_token = slot // (2 * block_size * esz)  # elements per token in each half
     heads = t0.shape[1] if t0.dim() >= 4 and per_token % t0.shape[1] == 0 else 1
-    half = page // 2
-    if half % 4096:
-        tok = page // block_size
-        step = 8192 // math.gcd(8192, tok)
-        raise KvtierError(
-            f"a block of this model's KV cache is {page} B per layer ({block_size} tokens x "
-            f"{tok} B); kvtier stores a page as two objects of whole 4096-byte sectors (direct "
-            f"I/O), so it needs a page that is a multiple of 8192 B: use a block_size that is a "
-            f"multiple of {step}"
-        )
+    step = 8192 // math.gcd(8192, tok) if tok else 0
+    fix = (f"a block of this model's KV cache is {page} B per layer ({block_size} tokens"
+           + (f" x {tok} B" if tok else "") + "); kvtier stores a page as two objects of whole "
+           "4096-byte sectors (direct I/O), so a page it moves without staging must be a "
+           "multiple of 8192 B: use a block_size (vLLM: --block-size) that is a multiple of "
+           f"{step}" if step else "")
     logical = [int(x) for x in t0.shape[1:]]
     inner_order = sorted(range(1, t0.dim()), key=lambda d: -t0.stride(d))
     fp_src = {
@@ -228,6 +237,7 @@ def map_kv_caches(
         "vllm_layout": layout_name,
         "kvtier_layout": layout,
         "page_bytes": page,
+        "slot_bytes": slot,
         "kernel_blocks_per_block": ratio,
         "page_shape": logical,
         "page_order": inner_order,
@@ -245,6 +255,8 @@ def map_kv_caches(
         pages=pages,
         num_blocks=nb,
         page_bytes=page,
+        slot_bytes=slot,
+        padding_fix=fix if slot != page else None,
         block_size=block_size,
         kv_heads=heads,
         head_dim=per_token // heads,

@@ -609,7 +609,14 @@ class KvtierConnector(KVConnectorBase_V1):
             .engine(self._engine)
             .policy(self._policy)
         )
-        aligned = all(r.data_ptr() % 4096 == 0 for r in m.regions)
+        aligned = not m.padded and all(r.data_ptr() % 4096 == 0 for r in m.regions)
+        if m.padded and self._hbm:
+            raise KvtierError(m.padding_fix + " (CUDA caches are copied by kvtier's kernels "
+                              "page by page, which needs whole-sector pages)")
+        if m.padded:
+            logger.warning("kvtier: %s; serving it through staging in %d B slots, %.0f%% of "
+                           "the pool is padding", m.padding_fix, m.slot_bytes,
+                           100 * (1 - m.page_bytes / m.slot_bytes))
         if self._hbm:
             # kvtier's own pinned staging; the copies only need 16 bytes of
             # alignment, which torch's allocations have.
@@ -631,13 +638,13 @@ class KvtierConnector(KVConnectorBase_V1):
             # Staging slot s holds block pages in kvtier's cross-layer order:
             # [slot, layer, page bytes], the same bytes the pages hold.
             self._stage = torch.frombuffer(self._stage_owner, dtype=torch.uint8).view(
-                2 * self._staging, m.layers, m.page_bytes)
+                2 * self._staging, m.layers, m.slot_bytes)[:, :, : m.page_bytes]
             self._free_load = list(range(self._staging))
             self._free_store = list(range(self._staging, 2 * self._staging))
             logger.info(
                 "kvtier: vLLM's KV cache is not 4096-byte aligned (%#x); staging through "
                 "%d page-aligned blocks (%d MiB)", m.regions[0].data_ptr(), 2 * self._staging,
-                (2 * self._staging * m.layers * m.page_bytes) >> 20)
+                (2 * self._staging * m.layers * m.slot_bytes) >> 20)
         self._server = _LookupServer(_socket_name(rank_dir), self._tier)
         logger.info("kvtier: rank %d pool %s, engine %s, %s", self._rank, rank_dir,
                     self._tier.engine, m.describe())
@@ -775,9 +782,16 @@ class KvtierConnector(KVConnectorBase_V1):
         n = len(st.keys)
         slots = None
         if self._stage is not None:
-            if len(self._free_store) < n:
-                self._stats["stores_dropped"] += n  # back-pressure: a future miss, not an error
+            # Back-pressure: the blocks that do not fit the free staging are
+            # dropped (a future miss, not an error); the keys are a chain, so
+            # the prefix that fits is the part worth keeping.
+            fit = min(n, len(self._free_store))
+            self._stats["stores_dropped"] += n - fit
+            if fit == 0:
                 return
+            if fit < n:
+                st = _Store(st.req_id, st.keys[:fit], st.block_ids[:fit])
+                n = fit
             slots = [self._free_store.pop() for _ in range(n)]
             idx, sidx = torch.tensor(st.block_ids), torch.tensor(slots)
             for layer, pages in enumerate(self._map.pages):

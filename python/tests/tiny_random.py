@@ -41,3 +41,24 @@ def make(dest: str, seed: int = 0, *, kv_heads: int | None = None, heads: int | 
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(dest, safe_serialization=True)
     return dest
+
+
+def make_mla(dest: str, seed: int = 0) -> str:
+    """A tiny DeepSeek-V2 (MLA: a 512-wide latent plus 64 rope dims per
+    token, one KV "head"), dense layers only, random weights."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    if os.path.exists(os.path.join(dest, "model.safetensors")):
+        return dest
+    cfg = DeepseekV2Config(
+        vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2, kv_lora_rank=512,
+        q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=64, qk_nope_head_dim=64,
+        max_position_embeddings=512, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False, rope_scaling=None)
+    cfg._name_or_path = "kvtier-tiny-deepseek-v2"
+    torch.manual_seed(seed)
+    DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(dest, safe_serialization=True)
+    return dest

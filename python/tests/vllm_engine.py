@@ -51,6 +51,8 @@ def main() -> None:
         max_model_len=512,
         enforce_eager=True,
         seed=0,
+        **({"block_size": int(os.environ["KVTIER_TEST_BLOCK_SIZE"])}
+           if os.environ.get("KVTIER_TEST_BLOCK_SIZE") else {}),
         **kw,
     )
     init_s = time.time() - t
