@@ -354,7 +354,8 @@ class KvtierConnector(KVConnectorBase_V1):
             self._loads: list[_Load] = []
             self._step_load_blocks = 0
             self._sched_stats = {"lookups": 0, "matched_tokens": 0, "load_requests": 0,
-                                 "pin_shortfall_blocks": 0, "store_blocks": 0}
+                                 "pin_shortfall_blocks": 0, "store_blocks": 0,
+                                 "deferred_lookups": 0}
         else:
             self._init_worker()
 
@@ -413,14 +414,19 @@ class KvtierConnector(KVConnectorBase_V1):
         # At least one token must be computed, so the last full block of a
         # prompt that is all in kvtier is left to the forward pass.
         end = (request.num_tokens - 1) // bs
-        end = min(end, start + max(self._staging - self._step_load_blocks, 0))
+        budget = max(self._staging - self._step_load_blocks, 0)
         st.match_start = start
         if end <= start:
             return 0, False
         keys = self._keys_upto(st, end)[start:]
         n = min(self._lookup(_LOOKUP, keys))
         self._sched_stats["lookups"] += 1
-        return n * bs, False
+        if n and not budget:
+            # This step's loads fill the worker's staging: ask again next
+            # step rather than recompute what kvtier holds.
+            self._sched_stats["deferred_lookups"] += 1
+            return None, False
+        return min(n, budget) * bs, False
 
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
