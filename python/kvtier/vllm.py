@@ -75,7 +75,9 @@ if TYPE_CHECKING:
 
 __all__ = ["KvtierConnector", "KvtierTier", "block_keys"]
 
-logger = init_logger(__name__)
+# Under vLLM's logger tree ("vllm."), so kvtier's lines appear in vLLM's log
+# with its format and level (a logger outside it is never configured).
+logger = init_logger(f"vllm.{__name__}")
 
 KEY_BYTES = 32
 _ROOT = b"kvtier-vllm-v1"
@@ -240,6 +242,20 @@ class _Store:
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
+
+
+@dataclass
+class _InflightLoad:
+    """A kvtier load job of this step, on the worker."""
+
+    job: int
+    load: _Load
+    # Staging slot per block (host staging), else None: kvtier writes vLLM's blocks.
+    slots: list[int] | None
+    block_ids: list[int]
+    done: set[int] = field(default_factory=set)
+    # The job's result, once taken (a failed layer takes it early).
+    result: Any = None
 
 
 @dataclass
@@ -459,7 +475,10 @@ class KvtierConnector(KVConnectorBase_V1):
             st = self._reqs.get(req_id)
             if st is None:
                 return
-            if st.stored_upto is None:
+            if st.stored_upto is None or num_computed // bs < st.stored_upto:
+                # New, resumed, or sent back: vLLM recomputes from num_computed
+                # after a failed load (kv_load_failure_policy="recompute"), so
+                # the blocks from there on are stored again as they are computed.
                 st.stored_upto = num_computed // bs
             done = (num_computed + sched.get(req_id, 0)) // bs
             done = min(done, len(st.request.all_token_ids) // bs, len(st.block_ids))
@@ -521,8 +540,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self._stage_owner: Any = None
         self._free_load: list[int] = []
         self._free_store: list[int] = []
-        # (job, load, slots or None, loaded block ids, layers done)
-        self._inflight: list[tuple[int, _Load, list[int] | None, list[int], set[int]]] = []
+        self._inflight: list[_InflightLoad] = []
         # store job -> (staging slots or None, request id when direct)
         self._store_jobs: dict[int, tuple[list[int] | None, str | None]] = {}
         self._store_reqs: dict[str, int] = {}
@@ -531,7 +549,9 @@ class KvtierConnector(KVConnectorBase_V1):
         self._stats: dict[str, Any] = {"rank": self._rank, "staged": None, "hbm": None,
                                        "stream_waits": 0, "loaded_blocks": 0,
                                        "layer_waits": [], "load_error_blocks": 0,
-                                       "stored_blocks": 0, "stores_dropped": 0}
+                                       "corrupt_blocks": 0, "loaded_bytes": 0,
+                                       "stored_blocks": 0, "stored_bytes": 0,
+                                       "stores_dropped": 0, "layer_wait_s": 0.0}
 
     def _kv_groups_check(self) -> None:
         """Refuses, at start, a model whose KV cache kvtier would serve wrong:
@@ -683,37 +703,44 @@ class KvtierConnector(KVConnectorBase_V1):
                 if slots:
                     self._free_load.extend(slots)
                 continue
-            self._inflight.append((job, ld, slots, ld.block_ids[:n], set()))
+            self._inflight.append(_InflightLoad(job, ld, slots, ld.block_ids[:n]))
 
-    def _finish_layer(self, entry: tuple, layer: int) -> None:
-        job, ld, slots, ids, done = entry
-        if layer in done:
+    def _finish_layer(self, ld: "_InflightLoad", layer: int) -> None:
+        if layer in ld.done:
             return
-        done.add(layer)
+        ld.done.add(layer)
         if self._cuda and self._tier.stream_wait_layer(
-                job, layer, torch.cuda.current_stream().cuda_stream):
+                ld.job, layer, torch.cuda.current_stream().cuda_stream):
             # The compute stream waits for the layer on the GPU; a failed
             # layer still releases it, its blocks are reported at the job's
             # end (wait_for_save) for vLLM's kv_load_failure_policy.
             self._stats["stream_waits"] += 1
             return
+        ok = ld.block_ids
+        slots = ld.slots
         try:
-            self._tier.wait_layer(job, layer)
+            self._tier.wait_layer(ld.job, layer)
         except KvtierError as e:
-            logger.warning("kvtier: layer %d of %s failed to load: %s", layer, ld.req_id, e)
-            self._load_errors.update(ids)
-            return
-        if slots is not None:
+            # Some block of the layer failed (corrupt, unreadable). Which ones
+            # the job's result says: wait for it (this step only, and only on
+            # a failure) so that exactly those blocks are reported to vLLM
+            # and the others, whose attention runs next, get their bytes.
+            logger.warning("kvtier: layer %d of %s failed to load: %s", layer, ld.load.req_id, e)
+            r = ld.result = ld.result or self._tier.wait(ld.job)
+            good = [i for i, err in enumerate(r.errors) if err is None]
+            ok = [ld.block_ids[i] for i in good]
+            slots = [ld.slots[i] for i in good] if ld.slots is not None else None
+        if slots is not None and ok:
             dst = self._map.pages[layer]
-            dst[torch.tensor(ids)] = self._stage[torch.tensor(slots), layer]
+            dst[torch.tensor(ok)] = self._stage[torch.tensor(slots), layer]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)
         if layer is None or not self._inflight:
             return
         self._stats["layer_waits"][layer] += 1
-        for entry in self._inflight:
-            self._finish_layer(entry, layer)
+        for ld in self._inflight:
+            self._finish_layer(ld, layer)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # A preempted request's blocks are freed and reused: direct stores
@@ -757,19 +784,25 @@ class KvtierConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvtierConnectorMetadata)
         # Loads: every layer of this step's loads is in by now; take the
         # per-key outcomes, drop the scheduler's pins, free the staging.
-        for entry in self._inflight:
+        for ld in self._inflight:
             if not self._cuda:
                 for layer in range(self._map.layers):
-                    self._finish_layer(entry, layer)
-            job, ld, slots, ids, _ = entry
-            r = self._tier.wait(job)
-            for bid, err in zip(ids, r.errors):
-                if err is not None:
-                    self._load_errors.add(bid)
-            self._stats["loaded_blocks"] += sum(e is None for e in r.errors)
-            self._tier.unpin(ld.keys[: len(ids)])
-            if slots is not None:
-                self._free_load.extend(slots)
+                    self._finish_layer(ld, layer)
+            r = ld.result or self._tier.wait(ld.job)
+            bad = [bid for bid, err in zip(ld.block_ids, r.errors) if err is not None]
+            self._load_errors.update(bad)
+            if bad:
+                corrupt = sum(o == "corrupt" for o in r.outcomes)
+                self._stats["corrupt_blocks"] += corrupt
+                logger.warning("kvtier: %d of %d blocks of %s failed to load (%d corrupt, "
+                               "dropped from the pool); vLLM recomputes them and kvtier stores "
+                               "them again", len(bad), len(ld.block_ids), ld.load.req_id, corrupt)
+            good = len(ld.block_ids) - len(bad)
+            self._stats["loaded_blocks"] += good
+            self._stats["loaded_bytes"] += good * self._map.layers * self._map.page_bytes
+            self._tier.unpin(ld.load.keys[: len(ld.block_ids)])
+            if ld.slots is not None:
+                self._free_load.extend(ld.slots)
         self._inflight = []
         self._reap_stores()
         if self._cuda and meta.stores:

@@ -465,3 +465,79 @@ def test_direct_store_holds_blocks_until_read_and_preemption_waits(tmp_path):
         assert worker._tier.lookup(kv.block_keys(a.prompt_token_ids, BS)) == 2
     finally:
         worker.shutdown()
+
+
+@pytest.mark.parametrize("aligned", [False, True], ids=["staged", "direct"])
+def test_corrupt_layer_fails_exactly_its_blocks_and_they_are_stored_again(tmp_path, aligned):
+    cfg = vllm_config(tmp_path / "pool", policy="naive")
+    worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, None)
+    sched = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, None)
+    layers = kv_tensors(32, aligned)
+    for t in layers:
+        t.copy_(torch.randn(t.shape, dtype=torch.float32).to(torch.bfloat16))
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    worker.register_kv_caches(dict(zip(names, layers)))
+    try:
+        rng = random.Random(9)
+        prefix = [rng.randrange(3, 500) for _ in range(4 * BS)]
+        keys = kv.block_keys(prefix, BS)
+        src = [4, 9, 2, 7]
+        worker.bind_connector_metadata(kv.KvtierConnectorMetadata(
+            stores=[kv._Store("a", keys, src)]))
+        worker.start_load_kv(None)
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+        deadline = time.monotonic() + 20
+        while worker._tier.lookup(keys) < len(keys) and time.monotonic() < deadline:
+            time.sleep(0.01)  # a block is visible once its store is durable
+        # Flip one byte of block 9's layer-1 page on the device: the bytes are
+        # random, so they occur in the pool file exactly where kvtier put them.
+        page = layers[1][9].contiguous().view(torch.uint8).numpy().tobytes()
+        pool_file = next((tmp_path / "pool" / "tp0" / "pool").glob("*.pool"))
+        data = bytearray(pool_file.read_bytes())
+        # (A page is two objects, K and V halves, each its own 4096 B run.)
+        at = data.find(page[:4096])
+        assert at > 0 and data.find(page[:4096], at + 1) < 0
+        data[at + 100] ^= 0x40
+        with open(pool_file, "r+b") as f:
+            f.seek(at + 100)
+            f.write(bytes([data[at + 100]]))
+            os.fsync(f.fileno())
+        n = worker._tier.lookup_and_pin(keys)
+        into = [20, 21, 22, 23]
+        worker.bind_connector_metadata(kv.KvtierConnectorMetadata(
+            loads=[kv._Load("b", keys, into, [n])]))
+        worker.start_load_kv(None)
+        for name in names:
+            worker.wait_for_layer_load(name)
+            layer = names.index(name)
+            # Every other block's layer is in before its attention would run.
+            for s, d in zip(src, into):
+                if s != 9:
+                    assert torch.equal(layers[layer][d], layers[layer][s]), (layer, d)
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+        assert worker.get_block_ids_with_load_errors() == {21}
+        assert worker._stats["corrupt_blocks"] == 1 and worker._stats["loaded_blocks"] == 3
+        assert worker._tier.lookup(keys) == 1, "the corrupt block was dropped from the pool"
+    finally:
+        worker.shutdown()
+
+    # The scheduler: vLLM sends a request back to recompute from the failed
+    # block (num_computed_tokens drops); those blocks are stored again.
+    b = request("b", prefix + [1])
+    n, _ = sched.get_num_new_matched_tokens(b, 0)
+    sched.update_state_after_alloc(b, KVCacheBlocks(([KVCacheBlock(i) for i in (20, 21)],)), 0)
+    meta = sched.build_connector_meta(
+        sched_output([new_req_data(b, [20, 21, 22, 23, 24], 4 * BS)], tokens={"b": 1}))
+    assert meta.stores == []
+    cached = CachedRequestData.make_empty()
+    cached.req_ids = ["b"]
+    cached.resumed_req_ids = set()
+    cached.new_block_ids = [None]
+    cached.num_computed_tokens = [BS]  # block 21 on is recomputed
+    cached.new_token_ids = [[]]
+    cached.all_token_ids = {}
+    cached.num_output_tokens = [0]
+    meta = sched.build_connector_meta(sched_output(cached=cached, tokens={"b": 3 * BS + 1}))
+    assert [(s.keys, s.block_ids) for s in meta.stores] == [(keys[1:4], [21, 22, 23])]
