@@ -46,9 +46,7 @@ import ctypes
 import hashlib
 import json
 import os
-import socket
 import struct
-import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -64,6 +62,9 @@ from vllm.logger import init_logger
 
 from . import BackpressureError, KvtierError, TierBuilder, TierHandle
 from ._vllm_layout import KvMapping, map_kv_caches
+from ._vllm_lookup import LOOKUP as _LOOKUP
+from ._vllm_lookup import PIN as _PIN
+from ._vllm_lookup import LookupClient, LookupServer, socket_name
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -95,137 +96,6 @@ def block_keys(token_ids: Iterable[int], block_size: int, salt: str | None = Non
         prev = h.digest()
         keys.append(prev)
     return keys
-
-
-def _socket_name(pool_dir: str) -> bytes:
-    """An abstract-namespace socket per pool directory: nothing to clean up
-    after a crash, and two engines on one pool collide here as on the flock."""
-    digest = hashlib.sha256(os.path.realpath(pool_dir).encode()).hexdigest()[:24]
-    return b"\0kvtier-vllm-" + digest.encode()
-
-
-# Lookup protocol, scheduler -> worker: op (1 byte), key count (u32), keys
-# (32 bytes each); reply: a u32 count.
-_LOOKUP, _PIN, _UNPIN = b"L", b"P", b"U"
-# The most keys one request may name: a prefix of 1M blocks is far past any
-# context length, and the bound keeps a hostile peer from making the worker
-# allocate what a u32 count could ask for (128 GiB).
-_MAX_KEYS_PER_REQUEST = 1 << 20
-# Reads are taken in pieces of at most this, so a request is never allocated
-# before its bytes arrive.
-_RECV_PIECE = 1 << 20
-
-
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = s.recv(min(n - len(buf), _RECV_PIECE))
-        if not chunk:
-            raise ConnectionError("kvtier lookup peer closed the connection")
-        buf += chunk
-    return bytes(buf)
-
-
-def _same_user(conn: socket.socket) -> bool:
-    """Whether the peer of a Unix socket runs as this process's user."""
-    try:
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    except OSError:
-        return False
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid == os.geteuid()
-
-
-class _LookupServer:
-    """Serves the scheduler's lookups from the worker's own handle."""
-
-    def __init__(self, name: bytes, tier: TierHandle) -> None:
-        self._tier = tier
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self._sock.bind(name)
-        except OSError as e:
-            raise KvtierError(
-                f"kvtier: another process already serves this pool's lookups ({e}); "
-                "one engine per pool directory: give each its own pool_dir"
-            ) from e
-        self._sock.listen(8)
-        self._closed = False
-        threading.Thread(target=self._accept, name="kvtier-lookup", daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            # An abstract socket has no file permissions: any process in the
-            # network namespace can connect. Only processes of this user (the
-            # engine's scheduler) may pin, unpin or probe the pool.
-            if not _same_user(conn):
-                conn.close()
-                continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            while True:
-                try:
-                    op, n = struct.unpack("<cI", _recv_exact(conn, 5))
-                    if op not in (_LOOKUP, _PIN, _UNPIN) or n > _MAX_KEYS_PER_REQUEST:
-                        return  # not our protocol: drop the peer
-                    raw = _recv_exact(conn, n * KEY_BYTES)
-                except (ConnectionError, OSError):
-                    return
-                keys = [raw[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(n)]
-                try:
-                    if op == _LOOKUP:
-                        r = self._tier.lookup(keys)
-                    elif op == _PIN:
-                        r = self._tier.lookup_and_pin(keys)
-                    else:
-                        self._tier.unpin(keys)
-                        r = 0
-                except KvtierError:
-                    r = 0  # a closed or failing pool holds nothing usable
-                conn.sendall(struct.pack("<I", r))
-
-    def close(self) -> None:
-        self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
-
-
-class _LookupClient:
-    """The scheduler's view of one rank's pool."""
-
-    def __init__(self, name: bytes) -> None:
-        self._name = name
-        self._sock: socket.socket | None = None
-        self._lock = threading.Lock()
-
-    def call(self, op: bytes, keys: list[bytes]) -> int:
-        with self._lock:
-            for attempt in (0, 1):
-                try:
-                    if self._sock is None:
-                        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                        s.connect(self._name)
-                        self._sock = s
-                    self._sock.sendall(struct.pack("<cI", op, len(keys)) + b"".join(keys))
-                    return struct.unpack("<I", _recv_exact(self._sock, 4))[0]
-                except OSError:
-                    if self._sock is not None:
-                        self._sock.close()
-                    self._sock = None
-                    if attempt:
-                        # No worker serving the pool (not started, or gone):
-                        # nothing can be loaded from it.
-                        return 0
-        return 0
 
 
 @dataclass
@@ -364,7 +234,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self._tp_size = par.tensor_parallel_size
         if role == KVConnectorRole.SCHEDULER:
             self._clients = [
-                _LookupClient(_socket_name(self._rank_dir(r))) for r in range(self._tp_size)
+                LookupClient(socket_name(self._rank_dir(r))) for r in range(self._tp_size)
             ]
             self._reqs: dict[str, _ReqState] = {}
             self._loads: list[_Load] = []
@@ -530,7 +400,7 @@ class KvtierConnector(KVConnectorBase_V1):
         except Exception:  # no distributed state: a single rank
             self._rank = 0
         self._tier: TierHandle | None = None
-        self._server: _LookupServer | None = None
+        self._server: LookupServer | None = None
         self._map: KvMapping | None = None
         # The staged HBM path (CUDA caches, or its CPU test double).
         self._hbm = False
@@ -671,7 +541,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 "kvtier: vLLM's KV cache is not 4096-byte aligned (%#x); staging through "
                 "%d page-aligned blocks (%d MiB)", m.regions[0].data_ptr(), 2 * self._staging,
                 (2 * self._staging * m.layers * m.slot_bytes) >> 20)
-        self._server = _LookupServer(_socket_name(rank_dir), self._tier)
+        self._server = LookupServer(socket_name(rank_dir), self._tier, logger)
         logger.info("kvtier: rank %d pool %s, engine %s, %s", self._rank, rank_dir,
                     self._tier.engine, m.describe())
 
