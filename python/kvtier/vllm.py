@@ -58,6 +58,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.logger import init_logger
 
 from . import BackpressureError, KvtierError, TierBuilder, TierHandle
@@ -181,6 +185,77 @@ def _write_stats(path: str | None, stats: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+# Counters the connector reports to vLLM each step (KVConnectorStats): summed
+# over workers and steps, logged by vLLM's periodic "KV Transfer metrics" line
+# and exported as Prometheus counters vllm:kvtier_<name>_total.
+STAT_COUNTERS = {
+    "lookups": "scheduler lookups of a request's prefix in kvtier",
+    "hit_blocks": "blocks found in kvtier by the scheduler",
+    "miss_blocks": "blocks looked up and not found in kvtier",
+    "deferred_lookups": "hits deferred to a later step (the step's load staging was full)",
+    "loaded_blocks": "blocks loaded from kvtier into vLLM's KV cache",
+    "loaded_bytes": "bytes loaded from kvtier",
+    "load_error_blocks": "blocks whose load failed (reported to vLLM, recomputed)",
+    "corrupt_blocks": "blocks that failed their checksum on the device (dropped from the pool)",
+    "stored_blocks": "blocks submitted to kvtier for storing",
+    "stored_bytes": "bytes submitted to kvtier for storing",
+    "stores_dropped": "blocks not stored (back-pressure: staging or store backlog full)",
+    "layer_waits_total": "waits for a layer's load before its attention",
+    "layer_wait_s": "seconds spent waiting for layers' loads",
+}
+
+
+@dataclass
+class KvtierConnectorStats(KVConnectorStats):
+    """kvtier's counters for one interval, as vLLM collects connector stats."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "KvtierConnectorStats":
+        for k, v in (other.data or {}).items():
+            if k in STAT_COUNTERS:
+                self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {k: self.data[k] for k in STAT_COUNTERS
+                                       if self.data.get(k)}
+        if self.data.get("layer_waits_total"):
+            out["layer_wait_ms_avg"] = round(
+                1e3 * self.data.get("layer_wait_s", 0) / self.data["layer_waits_total"], 3)
+        if "layer_wait_s" in out:
+            out["layer_wait_s"] = round(out["layer_wait_s"], 6)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k) for k in STAT_COUNTERS)
+
+
+class KvtierPromMetrics(KVConnectorPromMetrics):
+    """kvtier's counters as Prometheus counters, per engine."""
+
+    def __init__(self, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            k: self.create_metric_per_engine(self._counter_cls(
+                name=f"vllm:kvtier_{k.removesuffix('_total')}_total", documentation=doc,
+                labelnames=labelnames))
+            for k, doc in STAT_COUNTERS.items()
+        }
+
+    def create_metric_per_engine(self, metric: Any) -> dict[int, Any]:
+        return {idx: metric.labels(*values)
+                for idx, values in self.per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for k, v in (transfer_stats_data or {}).items():
+            per_engine = self._counters.get(k)
+            if per_engine is not None and v and engine_idx in per_engine:
+                per_engine[engine_idx].inc(v)
+
+
 class KvtierConnector(KVConnectorBase_V1):
     """vLLM KV connector over a kvtier pool, loading layer by layer.
 
@@ -232,6 +307,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 "KvtierConnector serves tensor parallelism only; pipeline_parallel_size must be 1"
             )
         self._tp_size = par.tensor_parallel_size
+        self._interval: dict[str, float] = {}
         if role == KVConnectorRole.SCHEDULER:
             self._clients = [
                 LookupClient(socket_name(self._rank_dir(r))) for r in range(self._tp_size)
@@ -247,6 +323,28 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def _rank_dir(self, rank: int) -> str:
         return os.path.join(self._pool_dir, f"tp{rank}")
+
+    def _count(self, stats: dict[str, Any], name: str, n: float) -> None:
+        """Adds to a counter of the stats file and of this interval's stats."""
+        stats[name] = stats.get(name, 0) + n
+        if name in STAT_COUNTERS:
+            self._interval[name] = self._interval.get(name, 0) + n
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if not any(self._interval.values()):
+            return None
+        out, self._interval = KvtierConnectorStats(data=self._interval), {}
+        return out
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KvtierConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict,
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvtierPromMetrics:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
@@ -306,11 +404,12 @@ class KvtierConnector(KVConnectorBase_V1):
             return 0, False
         keys = self._keys_upto(st, end)[start:]
         n = min(self._lookup(_LOOKUP, keys))
-        self._sched_stats["lookups"] += 1
+        self._count(self._sched_stats, "lookups", 1)
+        self._count(self._sched_stats, "miss_blocks", len(keys) - n)
         if n and not budget:
             # This step's loads fill the worker's staging: ask again next
             # step rather than recompute what kvtier holds.
-            self._sched_stats["deferred_lookups"] += 1
+            self._count(self._sched_stats, "deferred_lookups", 1)
             return None, False
         return min(n, budget) * bs, False
 
@@ -325,11 +424,12 @@ class KvtierConnector(KVConnectorBase_V1):
         keys = self._keys_upto(st, start + n)[start:]
         ids = list(blocks.get_block_ids()[0][start : start + n])
         pinned = self._lookup(_PIN, keys)
-        self._sched_stats["pin_shortfall_blocks"] += n - min(pinned)
+        self._count(self._sched_stats, "pin_shortfall_blocks", n - min(pinned))
         self._loads.append(_Load(request.request_id, keys, ids, pinned))
         self._step_load_blocks += n
-        self._sched_stats["matched_tokens"] += num_external_tokens
-        self._sched_stats["load_requests"] += 1
+        self._count(self._sched_stats, "matched_tokens", num_external_tokens)
+        self._count(self._sched_stats, "hit_blocks", n)
+        self._count(self._sched_stats, "load_requests", 1)
         st.stored_upto = start + n
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
@@ -355,7 +455,7 @@ class KvtierConnector(KVConnectorBase_V1):
             if done > st.stored_upto:
                 keys = self._keys_upto(st, done)[st.stored_upto :]
                 meta.stores.append(_Store(req_id, keys, st.block_ids[st.stored_upto : done]))
-                self._sched_stats["store_blocks"] += len(keys)
+                self._count(self._sched_stats, "store_blocks", len(keys))
                 st.stored_upto = done
                 st.had_stores = True
 
@@ -584,7 +684,7 @@ class KvtierConnector(KVConnectorBase_V1):
             # The compute stream waits for the layer on the GPU; a failed
             # layer still releases it, its blocks are reported at the job's
             # end (wait_for_save) for vLLM's kv_load_failure_policy.
-            self._stats["stream_waits"] += 1
+            self._count(self._stats, "stream_waits", 1)
             return
         ok = ld.block_ids
         slots = ld.slots
@@ -609,6 +709,14 @@ class KvtierConnector(KVConnectorBase_V1):
         if layer is None or not self._inflight:
             return
         self._stats["layer_waits"][layer] += 1
+        t0 = time.monotonic()
+        try:
+            self._wait_layer_all(layer)
+        finally:
+            self._count(self._stats, "layer_waits_total", 1)
+            self._count(self._stats, "layer_wait_s", time.monotonic() - t0)
+
+    def _wait_layer_all(self, layer: int) -> None:
         for ld in self._inflight:
             self._finish_layer(ld, layer)
 
@@ -663,13 +771,13 @@ class KvtierConnector(KVConnectorBase_V1):
             self._load_errors.update(bad)
             if bad:
                 corrupt = sum(o == "corrupt" for o in r.outcomes)
-                self._stats["corrupt_blocks"] += corrupt
+                self._count(self._stats, "corrupt_blocks", corrupt)
                 logger.warning("kvtier: %d of %d blocks of %s failed to load (%d corrupt, "
                                "dropped from the pool); vLLM recomputes them and kvtier stores "
                                "them again", len(bad), len(ld.block_ids), ld.load.req_id, corrupt)
             good = len(ld.block_ids) - len(bad)
-            self._stats["loaded_blocks"] += good
-            self._stats["loaded_bytes"] += good * self._map.layers * self._map.page_bytes
+            self._count(self._stats, "loaded_blocks", good)
+            self._count(self._stats, "loaded_bytes", good * self._map.layers * self._map.page_bytes)
             self._tier.unpin(ld.load.keys[: len(ld.block_ids)])
             if ld.slots is not None:
                 self._free_load.extend(ld.slots)
@@ -695,7 +803,7 @@ class KvtierConnector(KVConnectorBase_V1):
             # dropped (a future miss, not an error); the keys are a chain, so
             # the prefix that fits is the part worth keeping.
             fit = min(n, len(self._free_store))
-            self._stats["stores_dropped"] += n - fit
+            self._count(self._stats, "stores_dropped", n - fit)
             if fit == 0:
                 return
             if fit < n:
@@ -708,11 +816,12 @@ class KvtierConnector(KVConnectorBase_V1):
         try:
             job = self._tier.submit_store(st.keys, slots if slots is not None else st.block_ids)
         except BackpressureError:
-            self._stats["stores_dropped"] += n
+            self._count(self._stats, "stores_dropped", n)
             if slots:
                 self._free_store.extend(slots)
             return
-        self._stats["stored_blocks"] += n
+        self._count(self._stats, "stored_blocks", n)
+        self._count(self._stats, "stored_bytes", n * self._map.layers * self._map.page_bytes)
         # Staged stores copied the blocks already; direct ones read vLLM's
         # own blocks, which stay allocated until the job is done. The HBM
         # path counts as direct: it gathers a store's chunks as its store
@@ -738,7 +847,7 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()
-        self._stats["load_error_blocks"] += len(errs)
+        self._count(self._stats, "load_error_blocks", len(errs))
         return errs
 
     def shutdown(self) -> None:

@@ -467,6 +467,9 @@ def test_direct_store_holds_blocks_until_read_and_preemption_waits(tmp_path):
         worker.shutdown()
 
 
+_PROM: dict = {}
+
+
 @pytest.mark.parametrize("aligned", [False, True], ids=["staged", "direct"])
 def test_corrupt_layer_fails_exactly_its_blocks_and_they_are_stored_again(tmp_path, aligned):
     cfg = vllm_config(tmp_path / "pool", policy="naive")
@@ -520,6 +523,30 @@ def test_corrupt_layer_fails_exactly_its_blocks_and_they_are_stored_again(tmp_pa
         assert worker.get_block_ids_with_load_errors() == {21}
         assert worker._stats["corrupt_blocks"] == 1 and worker._stats["loaded_blocks"] == 3
         assert worker._tier.lookup(keys) == 1, "the corrupt block was dropped from the pool"
+        # The counters reach vLLM's periodic log line and Prometheus, through
+        # vLLM's own connector-stats classes.
+        stats = worker.get_kv_connector_stats()
+        assert stats.data["corrupt_blocks"] == 1 and stats.data["loaded_blocks"] == 3
+        assert stats.data["stored_blocks"] == 4 and stats.data["load_error_blocks"] == 1
+        assert worker.get_kv_connector_stats() is None  # an interval's counts, once
+        from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+            KVConnectorLogging,
+            KVConnectorProm,
+        )
+        from prometheus_client import REGISTRY
+
+        logging = KVConnectorLogging(cfg.kv_transfer_config)
+        logging.observe(stats.to_dict())
+        lines = []
+        logging.log(log_fn=lambda fmt, *a: lines.append(fmt % a))
+        assert "corrupt_blocks=1" in lines[0] and "loaded_blocks=3" in lines[0], lines
+        # One registration per process, as in vLLM (a second would collide).
+        prom = _PROM.get("prom") or _PROM.setdefault(
+            "prom", KVConnectorProm(cfg, ["engine"], {0: ["kvtier-test"]}))
+        sample = ("vllm:kvtier_corrupt_blocks_total", {"engine": "kvtier-test"})
+        before = REGISTRY.get_sample_value(*sample) or 0
+        prom.observe(stats.to_dict(), 0)
+        assert REGISTRY.get_sample_value(*sample) == before + 1
     finally:
         worker.shutdown()
 
