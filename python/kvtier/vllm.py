@@ -169,6 +169,15 @@ def _pool_model_config(path: str, layers: int, kv_heads: int, head_dim: int, nam
     return path
 
 
+def _copy_rows(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor,
+               src_rows: list[int]) -> None:
+    """dst[dst_rows] = src[src_rows] for byte pages, a memcpy per page: an
+    indexed assignment of uint8 rows copies byte by byte (~8x slower here,
+    most of a restored prefix's time to first token)."""
+    for d, s in zip(dst_rows, src_rows):
+        dst[d].copy_(src[s])
+
+
 def _model_tail(model: str) -> str:
     """The last 40 characters of a model's name or path, printable: it names
     the pool's model and starts its namespace."""
@@ -701,8 +710,7 @@ class KvtierConnector(KVConnectorBase_V1):
             ok = [ld.block_ids[i] for i in good]
             slots = [ld.slots[i] for i in good] if ld.slots is not None else None
         if slots is not None and ok:
-            dst = self._map.pages[layer]
-            dst[torch.tensor(ok)] = self._stage[torch.tensor(slots), layer]
+            _copy_rows(self._map.pages[layer], ok, self._stage[:, layer], slots)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)
@@ -810,9 +818,8 @@ class KvtierConnector(KVConnectorBase_V1):
                 st = _Store(st.req_id, st.keys[:fit], st.block_ids[:fit])
                 n = fit
             slots = [self._free_store.pop() for _ in range(n)]
-            idx, sidx = torch.tensor(st.block_ids), torch.tensor(slots)
             for layer, pages in enumerate(self._map.pages):
-                self._stage[sidx, layer] = pages[idx]
+                _copy_rows(self._stage[:, layer], slots, pages, st.block_ids)
         try:
             job = self._tier.submit_store(st.keys, slots if slots is not None else st.block_ids)
         except BackpressureError:

@@ -15,7 +15,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def make(dest: str, seed: int = 0, *, kv_heads: int | None = None, heads: int | None = None,
-         head_dim: int | None = None, layers: int | None = None) -> str:
+         head_dim: int | None = None, layers: int | None = None, hidden: int | None = None,
+         max_position: int | None = None) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -31,7 +32,11 @@ def make(dest: str, seed: int = 0, *, kv_heads: int | None = None, heads: int | 
                    _name_or_path=f"kvtier-tiny-llama-kv{kv_heads}-h{heads}-d{head_dim}")
     if layers is not None:
         cfg["num_hidden_layers"] = layers
-    if kv_heads is None and layers is None:
+    if hidden is not None:
+        cfg.update(hidden_size=hidden, intermediate_size=2 * hidden)
+    if max_position is not None:
+        cfg["max_position_embeddings"] = max_position
+    if kv_heads is None and layers is None and hidden is None and max_position is None:
         shutil.copy(os.path.join(HERE, "tiny-llama", "config.json"), dest)
     else:
         with open(os.path.join(dest, "config.json"), "w") as f:
