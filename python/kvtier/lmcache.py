@@ -169,10 +169,14 @@ class KvtierL2:
         and 32; at least one chunk): a batch is copied and submitted in
         groups this size, so copies overlap the I/O (stores: each job is
         flushed, so larger; loads: each chunk is copied out as its job ends).
+      load_inflight_mb: MiB of load jobs in flight at once (default 64, at
+        least one job): loads then finish one after another, each copied
+        out while the next is read, rather than all together at the end.
       log_interval_s: seconds between counter lines in LMCache's log when
         they changed (default 60; 0: only at close).
       engine: "auto" (default) or a kvtier engine name; ``prewrite``: write a
         new pool's files once at creation (first stores at overwrite speed).
+      workers: accepted and ignored (one I/O thread serves every batch now).
     """
 
     def __init__(
@@ -188,6 +192,7 @@ class KvtierL2:
         staging_blocks: int | None = None,
         store_job_mb: float = 128,
         load_job_mb: float = 32,
+        load_inflight_mb: float = 64,
         log_interval_s: float = 60.0,
         engine: str = "auto",
         prewrite: bool = False,
@@ -199,11 +204,13 @@ class KvtierL2:
                 "KvtierL2 needs exactly one of adapter_params.path (a pool directory) "
                 "or adapter_params.files (pool files)"
             )
-        if store_job_mb <= 0 or load_job_mb <= 0:
-            raise ValueError(
-                f"adapter_params.store_job_mb ({store_job_mb}) and load_job_mb ({load_job_mb}) "
-                "must be above 0"
-            )
+        for name, mb in (
+            ("store_job_mb", store_job_mb),
+            ("load_job_mb", load_job_mb),
+            ("load_inflight_mb", load_inflight_mb),
+        ):
+            if not mb > 0:
+                raise ValueError(f"adapter_params.{name} is {mb}: give a size in MiB above 0")
         if staging_blocks is not None and staging_blocks < 1:
             raise ValueError(
                 f"adapter_params.staging_blocks is {staging_blocks}: give at least 1 "
@@ -229,8 +236,18 @@ class KvtierL2:
         self.pool = str(path if path is not None else list(files or [])[0])
         self.block_bytes: int = self.tier.block_bytes
         self.staging_blocks = staging_blocks
-        self.store_job_blocks = max(1, int(store_job_mb * 2**20) // self.block_bytes)
-        self.load_job_blocks = max(1, int(load_job_mb * 2**20) // self.block_bytes)
+        def per_job(mb: float) -> int:
+            return max(1, min(staging_blocks, int(mb * 2**20) // self.block_bytes))
+
+        self.store_job_blocks = per_job(store_job_mb)
+        self.load_job_blocks = per_job(load_job_mb)
+        # Loads in flight at once: few enough that they finish one after
+        # another (each then copied out while the next is read), not all
+        # at the end together.
+        self.load_inflight_blocks = max(
+            self.load_job_blocks, int(load_inflight_mb * 2**20) // self.block_bytes
+        )
+        self._loading = 0  # blocks of load jobs in flight
         self._tier_fd = self.tier.event_fd()
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -501,13 +518,18 @@ class KvtierL2:
         if self._retry_at and time.monotonic() < self._retry_at:
             return
         self._retry_at = 0.0
-        while self._waiting and self._free:
+        while self._waiting:
             op = self._waiting[0]
             if op.todo is None:
                 self._begin(op)
             if op.todo:
-                per = self.store_job_blocks if op.kind == "set" else self.load_job_blocks
-                n = min(per, len(op.todo), len(self._free))
+                if op.kind == "set":
+                    n = min(self.store_job_blocks, len(op.todo), len(self._free))
+                else:
+                    room = self.load_inflight_blocks - self._loading
+                    n = min(self.load_job_blocks, len(op.todo), len(self._free), room)
+                if n <= 0:
+                    return  # a job ending frees staging or room, and wakes this thread
                 idx = [op.todo.popleft() for _ in range(n)]
                 blocks = [self._free.pop() for _ in range(n)]
                 if not self._submit_part(op, idx, blocks):
@@ -569,11 +591,15 @@ class KvtierL2:
                 self._count(missed=len(idx))
             return True
         op.jobs += 1
+        if op.kind == "get":
+            self._loading += len(blocks)
         self._jobs[job] = (op, idx, blocks)
         return True
 
     def _settle(self, job: int) -> None:
         op, idx, blocks = self._jobs.pop(job)
+        if op.kind == "get":
+            self._loading -= len(blocks)
         try:
             r = self.tier.wait(job)
         except KvtierError as e:  # the handle failed as a whole
