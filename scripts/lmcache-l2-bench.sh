@@ -6,7 +6,7 @@
 # OUT; summary.txt has per-run medians and the ratios (fs time / kvtier time:
 # above 1 means kvtier is faster).
 #   scripts/lmcache-l2-bench.sh OUT_DIR [SCRATCH_DIR]
-# Env: RUNS (3), NUM_KEYS (8), DATA_KB (32768), ROUNDS (3), MODEL (llama3-8b),
+# Env: RUNS (3), SETTLE_S (3: seconds after deleting a run's files), NUM_KEYS (8), DATA_KB (32768), ROUNDS (3), MODEL (llama3-8b),
 # CHUNK (256), CAPACITY (2g), KVTIER_PARAMS (extra adapter_params JSON members,
 # e.g. '"workers": 4'), V (the venv; default scripts/python-env.sh's).
 set -euo pipefail
@@ -25,14 +25,17 @@ common=(--num-keys "$NUM_KEYS" --data-size-kb "$DATA_KB" --rounds "$ROUNDS"
   echo "args: ${common[*]}"; echo "kvtier params: model=$MODEL chunk=$CHUNK capacity=$CAPACITY $EXTRA"
   "$V/bin/python" -c 'import lmcache, importlib.metadata as m; print("lmcache", m.version("lmcache"))'
 } > "$OUT/env.txt"
+# Deleting a run's files (GiBs of extents) makes the file system busy for a
+# while: settle before each run so neither side pays for the other's cleanup.
+settle() { rm -rf "$@"; sync; sleep "${SETTLE_S:-3}"; }
 for i in $(seq 1 "$RUNS"); do
-  rm -rf "$SCRATCH/kvtier" "$SCRATCH/fs"; mkdir -p "$SCRATCH/fs"
+  settle "$SCRATCH/kvtier" "$SCRATCH/fs"; mkdir -p "$SCRATCH/fs"
   kv="{\"type\": \"native_plugin\", \"module_path\": \"kvtier.lmcache\", \"class_name\": \"KvtierL2\", \"adapter_params\": {\"path\": \"$SCRATCH/kvtier\", \"capacity\": \"$CAPACITY\", \"model\": \"$MODEL\", \"chunk_size\": $CHUNK$EXTRA}}"
   "$V/bin/lmcache" bench l2 --l2-adapter "$kv" "${common[@]}" > "$OUT/kvtier-$i.txt" 2>&1
-  rm -rf "$SCRATCH/kvtier"
+  settle "$SCRATCH/kvtier"
   fs="{\"type\": \"fs\", \"base_path\": \"$SCRATCH/fs\", \"use_odirect\": true}"
   "$V/bin/lmcache" bench l2 --l2-adapter "$fs" "${common[@]}" > "$OUT/fs-$i.txt" 2>&1
-  rm -rf "$SCRATCH/fs"
+  settle "$SCRATCH/fs"
 done
 "$V/bin/python" - "$OUT" "$RUNS" > "$OUT/summary.txt" <<'PY'
 import re, statistics, sys
