@@ -161,8 +161,11 @@ class KvtierL2:
         tokens (kvtier's block size); ``dtype``: the KV dtype if not the
         model's.
       devices: pool files in ``path`` (default 1).
-      group_blocks: blocks per extent group of a pool created here (default
-        8: the smallest pool is one group per file, 8 chunks).
+      group_blocks: blocks per extent group of a pool created here. The
+        smallest pool is one group per file; a layer of consecutive blocks
+        is one device extent only within a group. Default: enough blocks
+        that a group's run of one layer's K (or V) fills a 4 MiB I/O, 8 to
+        64 (8 for llama3-8b at chunk 256: a 257 MiB pool at least).
       staging_blocks: chunks the page-aligned staging cache holds (default:
         512 MiB of chunks, 4 to 64); allocated at start.
       store_job_mb / load_job_mb: MiB of chunks per kvtier job (defaults 128
@@ -188,7 +191,7 @@ class KvtierL2:
         capacity: int | str | None = None,
         dtype: str | None = None,
         devices: int = 1,
-        group_blocks: int = 8,
+        group_blocks: int | None = None,
         staging_blocks: int | None = None,
         store_job_mb: float = 128,
         load_job_mb: float = 32,
@@ -221,10 +224,12 @@ class KvtierL2:
         b = b.directory(path, devices) if path is not None else b.files(list(files or []))
         if capacity is not None:
             b.capacity(capacity)
+        geometry, _ = resolve_model(model, block_size=chunk_size, dtype=dtype)
+        if group_blocks is None:
+            group_blocks = max(8, min(64, (4 << 20) // int(geometry["object_bytes"])))
         b.group_blocks(group_blocks).prewrite(prewrite)
         b.model(model, block_size=chunk_size, dtype=dtype).engine(engine)
         if staging_blocks is None:
-            geometry, _ = resolve_model(model, block_size=chunk_size, dtype=dtype)
             block = int(geometry["block_bytes"])
             staging_blocks = max(4, min(64, _DEFAULT_STAGING_BYTES // block))
         # Naive: an L2 store is already off LMCache's critical path, and

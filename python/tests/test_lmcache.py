@@ -496,7 +496,7 @@ def test_readme_server_command_restores_evicted_chunks_byte_equal_through_kvtier
         L1_GB="0.004",  # 16 chunks of the tiny model at chunk 256 (256 KiB each)
         L2_GB="0.01",
         POOL=str(tmp_path / "pool"),
-        CAPACITY="16m",
+        CAPACITY="24m",  # one 64-block group of 256 KiB chunks, and room
         MODEL=tiny_model,
         CHUNK="256",
         LMCACHE_DISABLE_BANNER="1",
@@ -559,3 +559,19 @@ def test_readme_server_command_restores_evicted_chunks_byte_equal_through_kvtier
     assert "kvtier L2 on " in text and "(closed): stored " in text, text[-4000:]
     closing = text[text.index("(closed): stored ") :].split("\n")[0]
     assert "loaded 0 " not in closing and "corrupt 0" in closing, closing
+
+
+def test_the_smallest_llama3_8b_pool_at_chunk_256_is_the_readmes(tmp_path):
+    import kvtier
+    from kvtier.lmcache import KvtierL2
+
+    smallest = 269_516_800  # README: one group of 8 blocks of 32 MiB, and the superblock area
+    assert f"{smallest:,}" in (REPO / "README.md").read_text()
+    with pytest.raises(kvtier.UsageError, match=f"capacity\\({smallest}\\)"):
+        KvtierL2(model="llama3-8b", path=str(tmp_path / "small"), capacity=smallest - 4096,
+                 staging_blocks=1)
+    l2 = KvtierL2(model="llama3-8b", path=str(tmp_path / "ok"), capacity=smallest, staging_blocks=1)
+    try:
+        assert l2.tier.usage()["tier"]["total_blocks"] == 8
+    finally:
+        l2.close()
