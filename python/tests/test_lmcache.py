@@ -575,3 +575,33 @@ def test_the_smallest_llama3_8b_pool_at_chunk_256_is_the_readmes(tmp_path):
         assert l2.tier.usage()["tier"]["total_blocks"] == 8
     finally:
         l2.close()
+
+
+def test_batches_larger_than_staging_go_in_parts_and_every_chunk_lands_in_its_own_buffer(
+    tmp_path, tiny_model
+):
+    # 20 chunks through 4 staging blocks, one chunk a job: stores and loads
+    # are split into parts that wait for staging; each result must still
+    # belong to its own key and buffer.
+    n = 20
+    adapter, l1 = native_adapter(
+        tmp_path, tiny_model, 2 * n, staging_blocks=4, store_job_mb=0.01, load_job_mb=0.01,
+        load_inflight_mb=0.04,  # 2 chunks of 16 KiB
+    )
+    try:
+        client = adapter._client
+        assert (client.store_job_blocks, client.load_job_blocks, client.load_inflight_blocks) == (1, 1, 2)
+        keys = tiny_keys(17, n)
+        src = chunk_objs(l1, n)
+        for o in src:
+            o.tensor.copy_(torch.randn(o.tensor.shape).to(torch.bfloat16))
+        store_through(adapter, keys[: n - 1], src[: n - 1])  # the last one is never stored
+        dst = chunk_objs(l1, n, first=n)
+        got = load_through(adapter, keys[::-1], dst[::-1])
+        assert got == [False] + [True] * (n - 1)
+        for i in range(n - 1):
+            assert torch.equal(dst[i].tensor, src[i].tensor), f"chunk {i}"
+        s = client.stats()
+        assert (s["stored_chunks"], s["loaded_chunks"], s["missed"]) == (n - 1, n - 1, 1), s
+    finally:
+        adapter.close()
