@@ -4,8 +4,13 @@ LMCache (multi-process mode) loads it from its ``--l2-adapter`` JSON::
 
     {"type": "native_plugin", "module_path": "kvtier.lmcache",
      "class_name": "KvtierL2", "max_capacity_gb": 60,
+     "eviction": {"eviction_policy": "LRU"},
      "adapter_params": {"path": "/data/kvtier", "capacity": "64g",
                         "model": "llama3-8b", "chunk_size": 256}}
+
+(with ``"eviction"``, LMCache evicts by ``max_capacity_gb`` and deletes what it
+evicts here; keep that below the pool's usable size, which the start line in
+LMCache's log gives).
 
 and wraps it in its ``NativeConnectorL2Adapter``, which calls
 ``submit_batch_set/get/exists/delete`` with serialized object keys and
@@ -576,8 +581,7 @@ class KvtierL2:
             if op.kind == "get" and len(idx) > 1:
                 # One key removed meanwhile (LMCache's delete) refuses the
                 # whole load: load the others one by one.
-                for i, b in zip(idx, blocks):
-                    self._free.append(b)
+                self._free.extend(blocks)
                 for i in idx:
                     b = self._free.pop()
                     if not self._submit_part(op, [i], [b]):
