@@ -605,3 +605,54 @@ def test_batches_larger_than_staging_go_in_parts_and_every_chunk_lands_in_its_ow
         assert (s["stored_chunks"], s["loaded_chunks"], s["missed"]) == (n - 1, n - 1, 1), s
     finally:
         adapter.close()
+
+
+def test_a_chunk_whose_store_completed_survives_kill_9(tmp_path, tiny_model):
+    # The README's durability contract: once the store's completion is
+    # handed to LMCache, the chunk is on the device (data and header
+    # flushed); SIGKILL right after loses none of them.
+    import os
+    import select as sel
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import os, select, sys, time
+        from kvtier.lmcache import KvtierL2
+        l2 = KvtierL2(model={tiny_model!r}, chunk_size={CHUNK}, path={str(tmp_path / 'p')!r},
+                      capacity="16m", staging_blocks=4)
+        fid = l2.submit_batch_set([f"k{{i}}" for i in range(6)],
+                                  [memoryview(bytes([i]) * {CHUNK_BYTES}) for i in range(6)])
+        while True:
+            select.select([l2.event_fd()], [], [], 5)
+            done = [c for c in l2.drain_completions() if c[0] == fid]
+            if done:
+                print("acked", done[0][1], flush=True)
+                break
+        time.sleep(60)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert sel.select([p.stdout], [], [], 60)[0], "no completion in time"
+        assert p.stdout.readline().strip() == "acked True"
+        os.kill(p.pid, signal.SIGKILL)
+    finally:
+        p.kill()
+        p.wait()
+    from kvtier.lmcache import KvtierL2
+
+    l2 = KvtierL2(model=tiny_model, chunk_size=CHUNK, path=str(tmp_path / "p"), staging_blocks=4)
+    try:
+        out = [memoryview(bytearray(CHUNK_BYTES)) for _ in range(6)]
+        fid = l2.submit_batch_get([f"k{i}" for i in range(6)], out)
+        deadline = time.monotonic() + 30
+        done = []
+        while not done and time.monotonic() < deadline:
+            done = [c for c in l2.drain_completions() if c[0] == fid]
+            time.sleep(0.01)
+        assert done and done[0][3] == [True] * 6, done
+        assert all(bytes(o) == bytes([i]) * CHUNK_BYTES for i, o in enumerate(out))
+    finally:
+        l2.close()
