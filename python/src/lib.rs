@@ -312,6 +312,16 @@ int_args! {
     layer_buffers_arg: u32 = "layer_buffers", "2..2**32";
 }
 
+fn group_blocks_arg(o: &Bound<'_, PyAny>) -> PyResult<u32> {
+    match o.extract::<i64>() {
+        Ok(n) if (1..=4096).contains(&n) => Ok(n as u32),
+        _ => Err(usage(format!(
+            "group_blocks({}) is out of range: give 1 to 4096 blocks per extent group",
+            o.repr().map(|r| r.to_string()).unwrap_or_default()
+        ))),
+    }
+}
+
 fn staging_blocks_arg(o: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
     if o.is_none() {
         return Ok(None);
@@ -541,6 +551,19 @@ impl TierBuilder {
         }
         slf.place = Some(Where::Dir(path, devices));
         Ok(slf)
+    }
+
+    /// Blocks per extent group of a pool this builder creates (default 64):
+    /// the smallest pool is one group per file, so fewer blocks a group let
+    /// small pools of large blocks exist (LMCache's 32 MiB chunks); a run
+    /// of consecutive blocks is one extent per layer only within a group.
+    /// An existing pool keeps the group it was created with.
+    fn group_blocks(
+        mut slf: PyRefMut<'_, Self>,
+        #[pyo3(from_py_with = group_blocks_arg)] n: u32,
+    ) -> PyRefMut<'_, Self> {
+        slf.group_blocks = n;
+        slf
     }
 
     /// Bytes of pool to create (split over the files): an int or "8g".
@@ -1637,6 +1660,16 @@ impl TierHandle {
         let keys = keys_of(keys)?;
         without_gil(py, || h.unpin(&keys));
         Ok(())
+    }
+
+    /// Take `keys` out of the pool (never served again; a load already
+    /// reading one finishes); keys not held are skipped. Returns how many
+    /// were removed. A pool reopened before a removed block's slot is reused
+    /// may hold it again.
+    fn remove(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let h = self.live()?;
+        let keys = keys_of(keys)?;
+        without_gil(py, || h.remove(&keys)).map_err(to_py)
     }
 
     fn contains(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<bool> {
