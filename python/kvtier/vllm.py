@@ -27,13 +27,15 @@ whatever vLLM's own prefix-hash settings: with a non-cryptographic
 per process unless PYTHONHASHSEED is set, which would lose every hit after
 a restart.
 
-Memory: kvtier does direct I/O (O_DIRECT, DMA) and needs 4096-byte aligned
-objects. vLLM's CPU KV tensors (``[blocks, 2, block_size, heads*dim]`` per
-layer, kvtier's ``block_major`` layout) are allocated by torch 64-byte
-aligned, so when a tensor is not page aligned the connector stages through a
-page-aligned kvtier host cache (one copy per block per layer, done layer by
-layer as each ``wait_for_layer_load`` returns); when every tensor is aligned
-it registers them as they are and kvtier reads and writes them directly.
+Memory: the layout is read off vLLM's own tensors (``_vllm_layout``): each
+block's page per layer is two kvtier objects, layer-outermost layouts a
+region per layer (``block_major``), block-outermost ones ``cross_layer``.
+kvtier does direct I/O (O_DIRECT, DMA) and needs 4096-byte aligned memory;
+vLLM's CPU cache is one torch allocation 64 bytes past a page, so the
+connector then stages through page-aligned kvtier memory (a memcpy per
+page, done layer by layer as each ``wait_for_layer_load`` returns); when
+the cache is page aligned it registers it as it is and kvtier reads and
+writes it directly.
 
 :class:`KvtierTier` is a vLLM ``SecondaryTierManager`` (the
 ``TieringOffloadingSpec``'s ``secondary_tiers``) over the primary CPU tier's
@@ -48,6 +50,7 @@ import json
 import os
 import struct
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -57,6 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -85,6 +89,14 @@ __all__ = ["KvtierConnector", "KvtierTier", "block_keys"]
 logger = init_logger(f"vllm.{__name__}")
 
 KEY_BYTES = 32
+# The medium kvtier's KV events carry: a KV-aware router (llm-d's KV cache
+# indexer, vLLM's router) tells blocks on a node's SSDs from those in its
+# GPU or CPU memory by it.
+KV_EVENT_MEDIUM = "KVTIER"
+# Blocks the scheduler remembers for KV events (a planned or stored block's
+# vLLM hash, ~200 B each): bounded, oldest forgotten (their events are then
+# not sent, never wrong).
+_MAX_EVENT_KEYS = 1 << 18
 _ROOT = b"kvtier-vllm-v1"
 
 
@@ -140,6 +152,22 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
 
 
 @dataclass
+class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, each step: the kvtier keys whose stores became
+    durable and those that left the pool (evicted, or dropped as corrupt),
+    for the scheduler's KV events. Workers' lists are concatenated: with
+    tensor parallelism a block counts as stored once every rank stored it."""
+
+    stored: list[bytes] = field(default_factory=list)
+    removed: list[bytes] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KvtierWorkerMetadata":
+        if isinstance(other, KvtierWorkerMetadata):
+            return KvtierWorkerMetadata(self.stored + other.stored, self.removed + other.removed)
+        return self
+
+
+@dataclass
 class _ReqState:
     request: Any
     keys: list[bytes] = field(default_factory=list)
@@ -148,25 +176,6 @@ class _ReqState:
     stored_upto: int | None = None
     match_start: int = 0
     had_stores: bool = False
-
-
-def _pool_model_config(path: str, layers: int, kv_heads: int, head_dim: int, name: str) -> str:
-    """A minimal config.json for kvtier's geometry, from what vLLM resolved
-    (per-rank KV heads, head size): works for any model vLLM loads, local or not."""
-    cfg = {
-        "_name_or_path": name,
-        "num_hidden_layers": layers,
-        "num_attention_heads": kv_heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "hidden_size": kv_heads * head_dim,
-    }
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(cfg, f)
-    os.replace(tmp, path)
-    return path
 
 
 def _copy_rows(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor,
@@ -324,6 +333,13 @@ class KvtierConnector(KVConnectorBase_V1):
             self._reqs: dict[str, _ReqState] = {}
             self._loads: list[_Load] = []
             self._step_load_blocks = 0
+            # KV events: what each planned store's block is to vLLM (its
+            # block hash, parent, tokens), until the workers report it
+            # stored; then kept (bounded) to name it when it leaves kvtier.
+            self._planned: OrderedDict[bytes, tuple[Any, Any, list[int]]] = OrderedDict()
+            self._stored_ranks: dict[bytes, int] = {}
+            self._held: OrderedDict[bytes, Any] = OrderedDict()
+            self._events: list[Any] = []
             self._sched_stats = {"lookups": 0, "matched_tokens": 0, "load_requests": 0,
                                  "pin_shortfall_blocks": 0, "store_blocks": 0,
                                  "deferred_lookups": 0}
@@ -463,6 +479,7 @@ class KvtierConnector(KVConnectorBase_V1):
             done = min(done, len(st.request.all_token_ids) // bs, len(st.block_ids))
             if done > st.stored_upto:
                 keys = self._keys_upto(st, done)[st.stored_upto :]
+                self._plan_events(st, keys, st.stored_upto)
                 meta.stores.append(_Store(req_id, keys, st.block_ids[st.stored_upto : done]))
                 self._count(self._sched_stats, "store_blocks", len(keys))
                 st.stored_upto = done
@@ -497,6 +514,60 @@ class KvtierConnector(KVConnectorBase_V1):
         # store's copy done (get_finished), never while kvtier may read them.
         return bool(st and st.had_stores), None
 
+    def _plan_events(self, st: _ReqState, keys: list[bytes], first: int) -> None:
+        hashes = getattr(st.request, "block_hashes", None) or []
+        if len(hashes) < first + len(keys) or self._kv_hash_block_size() != self._block_size:
+            return  # vLLM hashes at another granularity: no events to name them by
+        toks = st.request.all_token_ids
+        bs = self._block_size
+        for i, key in enumerate(keys):
+            b = first + i
+            self._planned[key] = (hashes[b], hashes[b - 1] if b else None,
+                                  list(toks[b * bs:(b + 1) * bs]))
+            self._planned.move_to_end(key)
+        while len(self._planned) > _MAX_EVENT_KEYS:
+            self._planned.popitem(last=False)
+
+    def _kv_hash_block_size(self) -> int:
+        cfg = self._kv_cache_config
+        return (getattr(cfg, "hash_block_size", None) if cfg is not None else None) or \
+            self._block_size
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(meta, KvtierWorkerMetadata):
+            return
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        for key in meta.stored:
+            n = self._stored_ranks.get(key, 0) + 1
+            if n < self._tp_size:
+                self._stored_ranks[key] = n
+                continue
+            self._stored_ranks.pop(key, None)
+            info = self._planned.pop(key, None)
+            if info is None:
+                continue
+            h, parent, toks = info
+            self._events.append(BlockStored(
+                block_hashes=[maybe_convert_block_hash(h)],
+                parent_block_hash=maybe_convert_block_hash(parent) if parent else None,
+                token_ids=toks, block_size=self._block_size, lora_id=None,
+                medium=KV_EVENT_MEDIUM, lora_name=None))
+            self._held[key] = h
+            while len(self._held) > _MAX_EVENT_KEYS:
+                self._held.popitem(last=False)
+        gone = [self._held.pop(k) for k in dict.fromkeys(meta.removed) if k in self._held]
+        if gone:
+            self._events.append(BlockRemoved(
+                block_hashes=[maybe_convert_block_hash(h) for h in gone],
+                medium=KV_EVENT_MEDIUM))
+
+    def take_events(self) -> Iterable[Any]:
+        events, self._events = self._events, []
+        return events
+
     # ------------------------------------------------------------------
     # Worker side
     # ------------------------------------------------------------------
@@ -525,6 +596,8 @@ class KvtierConnector(KVConnectorBase_V1):
         self._store_reqs: dict[str, int] = {}
         self._sending: set[str] = set()
         self._load_errors: set[int] = set()
+        self._ev_stored: list[bytes] = []
+        self._ev_removed: list[bytes] = []
         self._stats: dict[str, Any] = {"rank": self._rank, "staged": None, "hbm": None,
                                        "stream_waits": 0, "loaded_blocks": 0,
                                        "layer_waits": [], "load_error_blocks": 0,
@@ -697,15 +770,22 @@ class KvtierConnector(KVConnectorBase_V1):
             return
         ok = ld.block_ids
         slots = ld.slots
-        try:
-            self._tier.wait_layer(ld.job, layer)
-        except KvtierError as e:
-            # Some block of the layer failed (corrupt, unreadable). Which ones
-            # the job's result says: wait for it (this step only, and only on
-            # a failure) so that exactly those blocks are reported to vLLM
-            # and the others, whose attention runs next, get their bytes.
-            logger.warning("kvtier: layer %d of %s failed to load: %s", layer, ld.load.req_id, e)
-            r = ld.result = ld.result or self._tier.wait(ld.job)
+        failed = ld.result is not None  # the job ended early: a layer failed
+        if not failed:
+            try:
+                self._tier.wait_layer(ld.job, layer)
+            except KvtierError as e:
+                # Some block of the layer failed (corrupt, unreadable). Which
+                # ones the job's result says: wait for it (this step only, and
+                # only on a failure) so that exactly those blocks are reported
+                # to vLLM and the others, whose attention runs next, get their
+                # bytes (every layer of the job is in once it has ended).
+                logger.warning("kvtier: layer %d of %s failed to load: %s", layer,
+                               ld.load.req_id, e)
+                ld.result = self._tier.wait(ld.job)
+                failed = True
+        if failed:
+            r = ld.result
             good = [i for i, err in enumerate(r.errors) if err is None]
             ok = [ld.block_ids[i] for i in good]
             slots = [ld.slots[i] for i in good] if ld.slots is not None else None
@@ -762,6 +842,8 @@ class KvtierConnector(KVConnectorBase_V1):
                 self._store_reqs[req_id] -= 1
             if not r.ok:
                 logger.warning("kvtier: store job %d failed: %s", job, r)
+            self._ev_stored += [k for k, o in zip(r.keys, r.outcomes) if o == "done"]
+            self._ev_removed += list(r.evicted)
 
     def wait_for_save(self) -> None:
         if self._tier is None:
@@ -776,6 +858,7 @@ class KvtierConnector(KVConnectorBase_V1):
                     self._finish_layer(ld, layer)
             r = ld.result or self._tier.wait(ld.job)
             bad = [bid for bid, err in zip(ld.block_ids, r.errors) if err is not None]
+            self._ev_removed += [k for k, o in zip(r.keys, r.outcomes) if o == "corrupt"]
             self._load_errors.update(bad)
             if bad:
                 corrupt = sum(o == "corrupt" for o in r.outcomes)
@@ -851,6 +934,13 @@ class KvtierConnector(KVConnectorBase_V1):
         for r in done:
             self._store_reqs.pop(r, None)
         return (done or None), None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not (self._ev_stored or self._ev_removed):
+            return None
+        meta = KvtierWorkerMetadata(self._ev_stored, self._ev_removed)
+        self._ev_stored, self._ev_removed = [], []
+        return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()
@@ -950,13 +1040,12 @@ class KvtierTier(SecondaryTierManager):
             logger.warning("KvtierTier: ignoring unknown parameters %s", sorted(kwargs))
         chunk = self.block_size_bytes
         layers, heads, dim = _chunk_geometry(chunk)
-        geo = _pool_model_config(os.path.join(pool_dir, "chunk-geometry.json"), layers, heads,
-                                 dim, f"vllm-offload-chunk-{chunk}")
         b = (
             TierBuilder()
             .directory(os.path.join(pool_dir, "pool"))
             .capacity(capacity)
-            .model(geo, block_size=16, dtype="bfloat16")
+            .geometry(layers=layers, kv_heads=heads, head_dim=dim, dtype="bfloat16",
+                      block_size=16, name=f"vllm-offload-chunk-{chunk}")
             .engine(engine)
             .policy(policy)
             .kv_memory([primary_kv_view], layout="cross_layer")

@@ -568,3 +568,101 @@ def test_corrupt_layer_fails_exactly_its_blocks_and_they_are_stored_again(tmp_pa
     cached.num_output_tokens = [0]
     meta = sched.build_connector_meta(sched_output(cached=cached, tokens={"b": 3 * BS + 1}))
     assert [(s.keys, s.block_ids) for s in meta.stores] == [(keys[1:4], [21, 22, 23])]
+
+
+def test_kv_events_name_kvtier_blocks_with_vllms_block_hashes(tmp_path):
+    """Stored and evicted kvtier blocks reach a subscriber of vLLM's own ZMQ
+    KV-event publisher as BlockStored / BlockRemoved, medium "KVTIER", with
+    the block hashes vLLM computed for the request."""
+    import msgspec
+    import zmq
+    from vllm.config import KVEventsConfig
+    from vllm.distributed.kv_events import (
+        BlockRemoved,
+        BlockStored,
+        EventPublisherFactory,
+        KVEventBatch,
+    )
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import (
+        get_request_block_hasher,
+        init_none_hash,
+        maybe_convert_block_hash,
+    )
+    from vllm.v1.outputs import KVConnectorOutput
+
+    cfg = vllm_config(tmp_path / "pool", policy="naive")
+    worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, None)
+    sched = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, None)
+    layers = kv_tensors(32, aligned=True)
+    for t in layers:
+        t.copy_(torch.randn(t.shape, dtype=torch.float32).to(torch.bfloat16))
+    worker.register_kv_caches(dict(zip([f"model.layers.{i}.self_attn.attn" for i in
+                                        range(LAYERS)], layers)))
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BS, sha256)
+    rng = random.Random(4)
+    prompt = [rng.randrange(3, 500) for _ in range(3 * BS + 1)]
+    req = Request("a", prompt, SamplingParams(max_tokens=1), None, block_hasher=hasher)
+    assert len(req.block_hashes) == 3
+    endpoint = f"ipc://{tmp_path}/kv-events.sock"  # the publisher binds an ipc endpoint
+    pub = EventPublisherFactory.create(KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic="kv"))
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect(endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.setsockopt(zmq.RCVTIMEO, 10000)
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    time.sleep(0.3)  # ZMQ's slow joiner: the subscription must reach the publisher
+
+    def step_and_publish(meta):
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+        deadline = time.monotonic() + 20
+        out = None
+        while out is None and time.monotonic() < deadline:
+            worker.get_finished(set())
+            out = worker.build_connector_worker_meta()
+            time.sleep(0.01)
+        sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=out))
+        events = list(sched.take_events())
+        pub.publish(KVEventBatch(ts=time.time(), events=events))
+        return decoder.decode(sub.recv_multipart()[-1]).events
+
+    try:
+        sched.get_num_new_matched_tokens(req, 0)
+        meta = sched.build_connector_meta(
+            sched_output([new_req_data(req, [1, 2, 3, 4], 0)], tokens={"a": len(prompt)}))
+        got = step_and_publish(meta)
+        stored = [e for e in got if isinstance(e, BlockStored)]
+        hashes = [maybe_convert_block_hash(h) for h in req.block_hashes]
+        assert [e.block_hashes[0] for e in stored] == hashes
+        assert {e.medium for e in stored} == {"KVTIER"}
+        assert stored[1].parent_block_hash == hashes[0]
+        assert stored[2].token_ids == prompt[2 * BS:3 * BS] and stored[2].block_size == BS
+        # The third block (vLLM block 3) leaves kvtier: found corrupt on the device when loaded (an
+        # eviction reports the same way): a BlockRemoved names it.
+        page = layers[0][3].contiguous().view(torch.uint8).numpy().tobytes()[:4096]
+        pool_file = next((tmp_path / "pool" / "tp0" / "pool").glob("*.pool"))
+        at = pool_file.read_bytes().find(page)
+        assert at > 0
+        with open(pool_file, "r+b") as f:
+            f.seek(at + 7)
+            byte = f.read(1)
+            f.seek(at + 7)
+            f.write(bytes([byte[0] ^ 1]))
+        keys = kv.block_keys(prompt, BS)
+        n = worker._tier.lookup_and_pin(keys)
+        got = step_and_publish(kv.KvtierConnectorMetadata(
+            loads=[kv._Load("b", keys, [10, 11, 12], [n])]))
+        assert worker.get_block_ids_with_load_errors() == {12}
+        removed = [e for e in got if isinstance(e, BlockRemoved)]
+        assert [h for e in removed for h in e.block_hashes] == [hashes[2]]
+        assert {e.medium for e in removed} == {"KVTIER"}
+        assert not [e for e in got if isinstance(e, BlockStored)]
+    finally:
+        sub.close(linger=0)
+        pub.shutdown()
+        worker.shutdown()

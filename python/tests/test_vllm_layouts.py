@@ -133,7 +133,10 @@ def test_layout_round_trips_or_is_refused(tmp_path, layout, spec_name):
     m = w._map
     assert m.layout == ("cross_layer" if layout.is_block_outermost else "block_major"), m
     assert m.page_bytes == spec.page_size_bytes and m.vllm_layout == layout.name
-    assert m.padded == (spec_name == "mla576bs16") and w._stats["staged"] is True
+    # Padded pages always go through staging; others when torch's buffer
+    # is not page aligned (usually: 64 bytes past a page), else directly.
+    assert m.padded == (spec_name == "mla576bs16")
+    assert w._stats["staged"] is (m.padded or m.regions[0].data_ptr() % 4096 != 0)
     rng = random.Random(spec_name + layout.name)
     keys = [rng.randbytes(32) for _ in range(5)]
     blocks = [3, 17, 4, 11, 0]
