@@ -60,10 +60,10 @@ LAYERS = 2
 PER_TOKEN = 2 * 64  # kv_heads x head_dim of tiny-llama
 
 
-def vllm_config(pool_dir, **extra):
+def vllm_config(pool_dir, block_size=BS, **extra):
     return VllmConfig(
         model_config=ModelConfig(model=TINY_DIR, skip_tokenizer_init=True, dtype="bfloat16"),
-        cache_config=CacheConfig(block_size=BS),
+        cache_config=CacheConfig(block_size=block_size),
         scheduler_config=SchedulerConfig(
             max_model_len=512, is_encoder_decoder=False, disable_hybrid_kv_cache_manager=True
         ),

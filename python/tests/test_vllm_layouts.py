@@ -6,7 +6,6 @@ connector into a zeroed allocation of the same layout: bytes equal. Layouts
 that split a block's page into runs per head are refused at start, naming
 the layout and the fix."""
 
-import os
 import random
 import time
 
@@ -15,13 +14,6 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm.config import (  # noqa: E402
-    CacheConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
@@ -38,8 +30,8 @@ from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 import kvtier  # noqa: E402
 import kvtier.vllm as kv  # noqa: E402
 from kvtier._vllm_layout import map_kv_caches  # noqa: E402
+from test_vllm import vllm_config  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 LAYERS = 3
 NUM_BLOCKS = 24
 
@@ -78,24 +70,6 @@ def kv_cache_config(spec, layout):
                                         block_stride=block_stride)],
         kv_cache_groups=[KVCacheGroupSpec(names, spec)],
         kv_cache_layout=layout.name,
-    )
-
-
-def vllm_config(pool_dir, block_size):
-    return VllmConfig(
-        model_config=ModelConfig(model=os.path.join(HERE, "tiny-llama"), skip_tokenizer_init=True,
-                                 dtype="bfloat16"),
-        cache_config=CacheConfig(block_size=block_size),
-        scheduler_config=SchedulerConfig(
-            max_model_len=512, is_encoder_decoder=False, disable_hybrid_kv_cache_manager=True
-        ),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KvtierConnector",
-            kv_connector_module_path="kvtier.vllm",
-            kv_role="kv_both",
-            kv_connector_extra_config={"pool_dir": str(pool_dir), "capacity": "64m",
-                                       "staging_blocks": 8},
-        ),
     )
 
 
