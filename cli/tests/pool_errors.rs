@@ -206,7 +206,10 @@ fn corrupted_superblock_names_the_device() {
         .write(true)
         .open(&paths[0])
         .unwrap();
-    f.write_all_at(&[0x11], 70).unwrap();
+    // Every copy: one damaged copy alone costs nothing (tests/integrity.rs).
+    for off in kvtier::pool::layout::SUPERBLOCK_OFFSETS {
+        f.write_all_at(&[0x11], off + 70).unwrap();
+    }
     drop(f);
     let err = Pool::open(&paths, &OpenExpect::default())
         .err()

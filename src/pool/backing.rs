@@ -327,6 +327,32 @@ fn of_unfinished_create(sig: Signature, head: &[u8], unfinished: &[[u8; 16]]) ->
     }
 }
 
+/// Whether `file` (of `len` bytes, not yet in O_DIRECT mode) holds a sound
+/// backup superblock: a pool whose primary superblock was damaged or lost.
+pub(crate) fn has_backup_superblock(file: &File, len: u64) -> bool {
+    use crate::pool::layout::{Superblock, SUPERBLOCK_OFFSETS};
+    SUPERBLOCK_OFFSETS[1..].iter().any(|&off| {
+        let mut b = [0u8; std::mem::size_of::<Superblock>()];
+        off + 4096 <= len && file.read_exact_at(&mut b, off).is_ok() && {
+            let sb: Superblock = bytemuck::pod_read_unaligned(&b);
+            sb.is_sound() && sb.backup_offsets().contains(&off)
+        }
+    })
+}
+
+/// `sig`, or [`Signature::KvtierPool`] for a device that looks empty or holds
+/// unrecognised bytes at its head but keeps a sound backup superblock: a pool
+/// whose primary superblock was lost is still a pool (formatting over it
+/// needs --force).
+fn of_backup(sig: Signature, file: &File, len: u64) -> Signature {
+    match sig {
+        Signature::Empty | Signature::Unknown if has_backup_superblock(file, len) => {
+            Signature::KvtierPool
+        }
+        sig => sig,
+    }
+}
+
 fn symlink_loop_error(path: &Path) -> Error {
     backing_error(
         path,
@@ -585,7 +611,11 @@ impl BackingDevice {
             Signature::Empty
         } else {
             let head = read_head(&file, len).context(|| format!("reading {}", path.display()))?;
-            of_unfinished_create(probe_signature(&head), &head, unfinished)
+            of_backup(
+                of_unfinished_create(probe_signature(&head), &head, unfinished),
+                &file,
+                len,
+            )
         };
         if sig == Signature::Empty
             && !force
@@ -746,7 +776,11 @@ impl BackingDevice {
 
         let head =
             read_head(&file, device_size).context(|| format!("reading {}", path.display()))?;
-        let mut sig = of_unfinished_create(probe_signature(&head), &head, unfinished);
+        let mut sig = of_backup(
+            of_unfinished_create(probe_signature(&head), &head, unfinished),
+            &file,
+            device_size,
+        );
         if sig == Signature::Empty
             && !force
             && data_beyond_head(&file, BackingKind::BlockDevice, device_size)
@@ -855,8 +889,19 @@ impl BackingDevice {
                 (file, meta.len(), lbs)
             }
         };
-        let head = read_head(&file, raw_size).context(|| format!("reading {}", path.display()))?;
-        let sig = probe_signature(&head);
+        // A primary superblock that is damaged, unreadable or zeroed, where a
+        // backup copy survives, is the pool's to recover (Pool::open), unless
+        // something else (a filesystem, a partition table) was put there.
+        let sig = match read_head(&file, raw_size) {
+            Ok(head) => match probe_signature(&head) {
+                Signature::Empty | Signature::Unknown if has_backup_superblock(&file, raw_size) => {
+                    Signature::KvtierPool
+                }
+                sig => sig,
+            },
+            Err(_) if has_backup_superblock(&file, raw_size) => Signature::KvtierPool,
+            Err(e) => return Err(Error::io(format!("reading {}", path.display()), e)),
+        };
         if sig == Signature::KvtierUnfinished {
             return Err(backing_error(
                 path,
