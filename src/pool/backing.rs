@@ -327,6 +327,61 @@ fn of_unfinished_create(sig: Signature, head: &[u8], unfinished: &[[u8; 16]]) ->
     }
 }
 
+/// Give a pool file (now `len` bytes) its `size` bytes of space and put it in
+/// direct-I/O mode; returns its logical block size.
+fn allocate_for_pool(path: &Path, file: &File, len: u64, size: u64, force: bool) -> Result<u32> {
+    match allocate_file(file, size) {
+        Ok(()) => {}
+        Err(Errno::EOPNOTSUPP) => {
+            check_sparse_ok(path, force)?;
+            // Forced: extend (sparsely) instead.
+            if len < size {
+                file.set_len(size)
+                    .context(|| format!("extending {} to {size} bytes", path.display()))?;
+            }
+        }
+        Err(Errno::ENOSPC) => {
+            return Err(backing_error(
+                path,
+                format!(
+                    "not enough free space on its filesystem for {} ({size} bytes); free \
+                     space or give a smaller --size",
+                    human(size)
+                ),
+            ))
+        }
+        Err(Errno::EFBIG) => {
+            return Err(backing_error(
+                path,
+                format!(
+                    "{} is larger than its filesystem allows for one file; give a smaller \
+                     --size",
+                    human(size)
+                ),
+            ))
+        }
+        Err(e) => {
+            return Err(Error::io(
+                format!("allocating {size} bytes for {}", path.display()),
+                e.into(),
+            ))
+        }
+    }
+    let actual = file
+        .metadata()
+        .context(|| format!("stat {}", path.display()))?
+        .len();
+    if actual != size {
+        return Err(backing_error(
+            path,
+            format!("after allocation it is {actual} bytes, not the {size} asked for"),
+        ));
+    }
+
+    enable_direct_io(file).map_err(|e| direct_io_error(path, e))?;
+    file_logical_block_size(path, file)
+}
+
 /// Whether `file` (of `len` bytes, not yet in O_DIRECT mode) holds a sound
 /// backup superblock: a pool whose primary superblock was damaged or lost.
 pub(crate) fn has_backup_superblock(file: &File, len: u64) -> bool {
@@ -483,6 +538,80 @@ impl BackingDevice {
             }
             Err(e) => Err(Error::io(format!("stat {}", path.display()), e)),
         }
+    }
+
+    /// A pool device on a regular file the caller created new and still holds
+    /// open (a scratch file): sized and put in direct-I/O mode through this
+    /// descriptor, never reopened by `path` (which only names it in
+    /// messages), so a name swapped for a link meanwhile redirects nothing.
+    /// The file must still be empty: anything written to it since is refused.
+    pub fn create_in_file(
+        file: File,
+        path: &Path,
+        size: u64,
+        min_size: u64,
+    ) -> Result<BackingDevice> {
+        if size % DIRECT_IO_ALIGN as u64 != 0 || size < min_size.max(DIRECT_IO_ALIGN as u64) {
+            return Err(backing_error(
+                path,
+                format!(
+                    "{size} bytes is not a multiple of {DIRECT_IO_ALIGN} of at least \
+                     {min_size} bytes ({}); give a size that is",
+                    min_size_hint()
+                ),
+            ));
+        }
+        lock_device(path, &file, Access::Exclusive)?;
+        let meta = file
+            .metadata()
+            .context(|| format!("stat {}", path.display()))?;
+        if !meta.file_type().is_file() || meta.len() != 0 {
+            return Err(backing_error(
+                path,
+                "is not the empty file just created for the pool (something wrote to it \
+                 meanwhile); pick a directory nothing else writes to",
+            ));
+        }
+        let logical_block_size = allocate_for_pool(path, &file, 0, size, false)?;
+        Ok(BackingDevice {
+            path: path.to_path_buf(),
+            file,
+            size,
+            kind: BackingKind::File,
+            logical_block_size,
+            access: Access::Exclusive,
+            created: false,
+        })
+    }
+
+    /// A pool device reopened through a descriptor of its regular file the
+    /// caller holds (a scratch file), not by `path` (which only names it).
+    pub fn open_file(file: File, path: &Path, access: Access) -> Result<BackingDevice> {
+        lock_device(path, &file, access)?;
+        let meta = file
+            .metadata()
+            .context(|| format!("stat {}", path.display()))?;
+        if !meta.file_type().is_file() {
+            return Err(backing_error(path, "is not a regular file"));
+        }
+        let size = round_down(meta.len());
+        if size == 0 {
+            return Err(backing_error(
+                path,
+                format!("it is only {} bytes, too small to hold a pool", meta.len()),
+            ));
+        }
+        let logical_block_size = file_logical_block_size(path, &file)?;
+        enable_direct_io(&file).map_err(|e| direct_io_error(path, e))?;
+        Ok(BackingDevice {
+            path: path.to_path_buf(),
+            file,
+            size,
+            kind: BackingKind::File,
+            logical_block_size,
+            access,
+            created: false,
+        })
     }
 
     fn create_file(
@@ -645,56 +774,7 @@ impl BackingDevice {
                 .context(|| format!("truncating {} to {size} bytes", path.display()))?;
         }
 
-        match allocate_file(&file, size) {
-            Ok(()) => {}
-            Err(Errno::EOPNOTSUPP) => {
-                check_sparse_ok(path, force)?;
-                // Forced: extend (sparsely) instead.
-                if len < size {
-                    file.set_len(size)
-                        .context(|| format!("extending {} to {size} bytes", path.display()))?;
-                }
-            }
-            Err(Errno::ENOSPC) => {
-                return Err(backing_error(
-                    path,
-                    format!(
-                        "not enough free space on its filesystem for {} ({size} bytes); free \
-                         space or give a smaller --size",
-                        human(size)
-                    ),
-                ))
-            }
-            Err(Errno::EFBIG) => {
-                return Err(backing_error(
-                    path,
-                    format!(
-                        "{} is larger than its filesystem allows for one file; give a smaller \
-                         --size",
-                        human(size)
-                    ),
-                ))
-            }
-            Err(e) => {
-                return Err(Error::io(
-                    format!("allocating {size} bytes for {}", path.display()),
-                    e.into(),
-                ))
-            }
-        }
-        let actual = file
-            .metadata()
-            .context(|| format!("stat {}", path.display()))?
-            .len();
-        if actual != size {
-            return Err(backing_error(
-                path,
-                format!("after allocation it is {actual} bytes, not the {size} asked for"),
-            ));
-        }
-
-        enable_direct_io(&file).map_err(|e| direct_io_error(path, e))?;
-        let logical_block_size = file_logical_block_size(path, &file)?;
+        let logical_block_size = allocate_for_pool(path, &file, len, size, force)?;
         let dev = BackingDevice {
             path: path.to_path_buf(),
             file,

@@ -612,6 +612,47 @@ impl Pool {
         Ok(pool)
     }
 
+    /// Format a new pool in regular files the caller created new and still
+    /// holds open (scratch files, `(file, path)`, each made `size` bytes):
+    /// created, formatted and served through these descriptors, never
+    /// reopened by path, so a name swapped for a symbolic link meanwhile
+    /// cannot redirect the superblocks into another file. `cfg.devices` is
+    /// not used; `cfg.prewrite` is.
+    pub fn create_in_files(
+        cfg: &PoolConfig,
+        files: Vec<(std::fs::File, PathBuf)>,
+        size: u64,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Pool> {
+        Self::check_config(cfg, files.len())?;
+        let min_size = PoolLayout::min_device_bytes(&cfg.geometry, cfg.group_blocks);
+        let mut devices: Vec<Box<dyn Storage>> = Vec::new();
+        for (file, path) in files {
+            devices.push(Box::new(BackingDevice::create_in_file(
+                file, &path, size, min_size,
+            )?));
+        }
+        let prewrite = vec![cfg.prewrite; devices.len()];
+        Self::format(cfg, devices, &prewrite, progress)
+    }
+
+    /// Open a pool in regular files through descriptors the caller holds
+    /// (see [`Pool::create_in_files`]), exclusively, never by path.
+    pub fn open_in_files(
+        files: Vec<(std::fs::File, PathBuf)>,
+        expect: &OpenExpect,
+    ) -> Result<Pool> {
+        let mut devices: Vec<Box<dyn Storage>> = Vec::new();
+        for (file, path) in files {
+            devices.push(Box::new(BackingDevice::open_file(
+                file,
+                &path,
+                Access::Exclusive,
+            )?));
+        }
+        Self::open_on(devices, expect)
+    }
+
     /// The marks that let a superblock be formatted over without force were
     /// read before the devices were locked: another create may have finished
     /// its pool since. Now that every device is held, a pool superblock is

@@ -75,7 +75,23 @@ pub fn run(
         iodepth: w.iodepth,
         region: (0, w.size),
     }];
-    run_streams(w, &streams, buffer_bytes, engine_cfg)
+    run_streams_with(None, w, &streams, buffer_bytes, engine_cfg)
+}
+
+/// [`run`] on `file`, a descriptor the caller holds (a scratch pool file in
+/// direct-I/O mode), never reopening `w.file` by name.
+pub fn run_on(
+    file: &std::fs::File,
+    w: &Workload,
+    buffer_bytes: u64,
+    engine_cfg: &UringConfig,
+) -> Result<(IoResult, EngineReport)> {
+    let streams = vec![Stream {
+        pattern: w.pattern,
+        iodepth: w.iodepth,
+        region: (0, w.size),
+    }];
+    run_streams_with(Some(file), w, &streams, buffer_bytes, engine_cfg)
 }
 
 /// The most memory `--buffers` may spread I/Os over.
@@ -83,6 +99,16 @@ pub const MAX_BUFFER_BYTES: u64 = 64 << 30;
 
 /// Run several streams at once on one file (the contention benchmark).
 pub fn run_streams(
+    w: &Workload,
+    streams: &[Stream],
+    buffer_bytes: u64,
+    engine_cfg: &UringConfig,
+) -> Result<(IoResult, EngineReport)> {
+    run_streams_with(None, w, streams, buffer_bytes, engine_cfg)
+}
+
+fn run_streams_with(
+    target: Option<&std::fs::File>,
     w: &Workload,
     streams: &[Stream],
     buffer_bytes: u64,
@@ -108,12 +134,20 @@ pub fn run_streams(
             "--iodepth {total_depth} must be between 1 and 4096"
         )));
     }
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(&w.file)
-        .map_err(|e| Error::io(format!("opening {} with O_DIRECT", w.file.display()), e))?;
+    let file = match target {
+        Some(f) => f.try_clone().map_err(|e| {
+            Error::io(
+                format!("duplicating the descriptor of {}", w.file.display()),
+                e,
+            )
+        })?,
+        None => std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&w.file)
+            .map_err(|e| Error::io(format!("opening {} with O_DIRECT", w.file.display()), e))?,
+    };
     if buffer_bytes > MAX_BUFFER_BYTES {
         return Err(Error::invalid(format!(
             "--buffers {buffer_bytes} bytes is more than the {} GiB a raw run may use; give less",
