@@ -11,7 +11,7 @@ use kvtier_cli::bench::{self, BenchConfig};
 use kvtier_cli::cli::{f64_in, size_in};
 use kvtier_cli::output::ReportKind;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Writes a line to stdout; a reader that went away (`| head -1`) ends the
 /// command quietly through `main` (see `kvtier_cli::cli::out`).
@@ -174,8 +174,13 @@ fn bar_fn(bar: &Progress) -> impl Fn(&str) + '_ {
     move |m: &str| bar.say(m)
 }
 
-/// Check each given report path (flag, path, kind) before the work starts.
-fn report_paths_ok(paths: &[(&str, &Option<PathBuf>, ReportKind)]) -> Result<()> {
+/// Check each given report path (flag, path, kind) before the work starts:
+/// distinct, none of them one of the run's `inputs` (flag, path), and each
+/// free to receive its report.
+fn report_paths_ok(
+    paths: &[(&str, &Option<PathBuf>, ReportKind)],
+    inputs: &[(&str, &Path)],
+) -> Result<()> {
     let given: Vec<(&str, &PathBuf)> = paths
         .iter()
         .filter_map(|(flag, p, _)| p.as_ref().map(|p| (*flag, p)))
@@ -194,6 +199,7 @@ fn report_paths_ok(paths: &[(&str, &Option<PathBuf>, ReportKind)]) -> Result<()>
     }
     for (flag, path, kind) in paths {
         if let Some(p) = path {
+            kvtier_cli::output::check_not_an_input(flag, p, inputs)?;
             kvtier_cli::output::check_report_path(flag, p, *kind)?;
         }
     }

@@ -564,3 +564,56 @@ fn a_symlink_swapped_in_for_the_scratch_pool_receives_nothing() {
     swapper.join().unwrap();
     assert!(swaps.load(Ordering::Relaxed) > 0, "the race was run");
 }
+
+/// Report outputs replace only kvtier's own reports, and never an input of
+/// the same run: replay's --json naming its --table (a slack table, a kvtier
+/// file too) is refused, as is a user's JSON that happens to have a field
+/// named "machine" (both were overwritten before), each left as it was.
+#[test]
+fn report_outputs_never_replace_an_input_or_a_users_json() {
+    let dir = TempDir::new("reportin");
+    let table = dir.file("table.json");
+    std::fs::copy(
+        common::repo_root().join("tables/llama3-8b.h100.json"),
+        &table,
+    )
+    .unwrap();
+    let before = std::fs::read(&table).unwrap();
+    let t = table.to_str().unwrap();
+    let data = dir.file("data");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args([
+            "replay", "--table", t, "--json", t, "--input", "16", "--prefix", "16",
+        ])
+        .arg("--dir")
+        .arg(&data)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("--table") && err.contains("input of this run"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&table).unwrap(), before);
+
+    let user = dir.file("user.json");
+    std::fs::write(&user, b"{\"machine\": \"my notes\"}").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(["bench", "--contexts", "16", "--capacity", "64m", "--json"])
+        .arg(&user)
+        .arg("--dir")
+        .arg(&data)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("user.json") && err.contains("not a JSON report"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read(&user).unwrap(),
+        b"{\"machine\": \"my notes\"}"
+    );
+}
