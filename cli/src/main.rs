@@ -136,12 +136,25 @@ impl ModelArgs {
 }
 
 fn main() {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // Clap quotes the arguments it refuses: escaped like every message.
+            let text = e.render().to_string();
+            let text = kvtier::host::printable(&text);
+            let _ = if e.use_stderr() {
+                write!(std::io::stderr(), "{text}")
+            } else {
+                write!(std::io::stdout(), "{text}")
+            };
+            std::process::exit(e.exit_code());
+        }
+    };
     let code = match run(cli) {
         Ok(code) => code,
         Err(e) if kvtier_cli::cli::is_broken_pipe(&e) => die_of_sigpipe(),
         Err(e) => {
-            let _ = writeln!(std::io::stderr(), "kvtier: error: {e}");
+            note(&format!("kvtier: error: {e}"));
             2
         }
     };
@@ -224,9 +237,10 @@ fn write_json<T: serde::Serialize>(path: &Option<PathBuf>, report: &T) -> Result
     Ok(())
 }
 
-/// A line on stderr; a closed stderr is no reason to fail (or panic).
+/// A line on stderr, its control characters escaped; a closed stderr is no
+/// reason to fail (or panic).
 fn note(msg: &str) {
-    let _ = writeln!(std::io::stderr(), "{msg}");
+    let _ = writeln!(std::io::stderr(), "{}", kvtier::host::printable(msg));
 }
 
 /// Progress for long work: a spinner with the current step on a terminal,
@@ -254,6 +268,7 @@ impl Progress {
         }
     }
     fn say(&self, msg: &str) {
+        let msg = &*kvtier::host::printable_line(msg);
         match &self.bar {
             Some(b) => {
                 b.println(format!(

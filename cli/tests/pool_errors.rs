@@ -277,3 +277,56 @@ fn cli_create_info_round_trip() {
     assert_ne!(code, 0);
     assert!(text.contains("--force"), "{text}");
 }
+
+/// Control characters from arguments, configs and superblocks never reach
+/// the terminal raw: each message escapes them (`\u001b`), clap's own
+/// refusals included. Before, an ESC sequence in any of them was printed as
+/// is (a forged pool could clear the screen of whoever ran `pool info`).
+#[test]
+fn control_characters_are_escaped_in_every_message() {
+    let dir = TempDir::new("escapes");
+    let esc = "\u{1b}[2J\u{9b}31m";
+    let raw = |text: &str| text.chars().any(|c| c == '\u{1b}' || c == '\u{9b}');
+    let escaped = |text: &str| {
+        text.contains("\\u001b") || text.contains("\\u{1b}") || text.contains("\\u009b")
+    };
+    // An argument, refused by kvtier and by clap.
+    for args in [
+        vec!["bench", "--pattern", esc],
+        vec!["pool", "create", "--dev", "x", "--block-size", esc],
+        vec!["pool", "info", "--dev", esc],
+    ] {
+        let (code, text) = kvtier(&args);
+        assert_ne!(code, 0, "{args:?}");
+        assert!(!raw(&text) && escaped(&text), "{args:?}: {text}");
+    }
+    // A config's value quoted in its refusal.
+    let cfg = dir.file("config.json");
+    std::fs::write(
+        &cfg,
+        r#"{"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 2,
+            "torch_dtype": "\u001b[2Jbf16"}"#,
+    )
+    .unwrap();
+    let (code, text) = create(&dir.file("p.pool"), "64m", cfg.to_str().unwrap(), &[]);
+    assert_ne!(code, 0);
+    assert!(!raw(&text) && escaped(&text), "{text}");
+    // A superblock's model name (forged, resealed) in `pool info`.
+    let paths = stored_pool(&dir, 1);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&paths[0])
+        .unwrap();
+    let mut b = [0u8; 512];
+    f.read_exact_at(&mut b, 0).unwrap();
+    let mut sb: kvtier::pool::layout::Superblock = bytemuck::pod_read_unaligned(&b);
+    sb.model[..esc.len()].copy_from_slice(esc.as_bytes());
+    sb.model_len = esc.len() as u32;
+    sb.seal();
+    f.write_all_at(bytemuck::bytes_of(&sb), 0).unwrap();
+    drop(f);
+    let (code, text) = kvtier(&["pool", "info", "--dev", paths[0].to_str().unwrap()]);
+    assert_eq!(code, 0, "{text}");
+    assert!(!raw(&text) && escaped(&text), "{text}");
+}
