@@ -88,6 +88,10 @@ pub struct BackingDevice {
     access: Access,
     /// This open created the file (it did not exist before).
     created: bool,
+    /// For a loop device over a regular file: that file, holding the same
+    /// `flock` as the device, so a pool file held through its own path is not
+    /// opened again through the loop device (nor the reverse).
+    _loop_backing: Option<File>,
 }
 
 /// How an open backing device is held.
@@ -196,7 +200,45 @@ fn direct_io_error(path: &Path, e: Errno) -> Error {
 /// Open an existing block device read-write and exclusively (not yet O_DIRECT) after
 /// checking that nothing has it mounted. Returns the file, its byte size and logical
 /// block size.
-fn open_block_device(path: &Path, meta: &fs::Metadata, access: Access) -> Result<(File, u64, u32)> {
+/// A block device opened for a pool: (descriptor, size, logical block
+/// size, the locked backing file of a loop device).
+type OpenedBlockDevice = (File, u64, u32, Option<File>);
+
+/// If `meta` (a block device) is a loop device over a regular file, open that
+/// file and take the lock `access` takes on it: a pool file another process
+/// holds through its own name is refused through the loop device too (the
+/// device's own lock is another inode's and would not see that holder).
+fn lock_loop_backing(path: &Path, meta: &fs::Metadata, access: Access) -> Result<Option<File>> {
+    let (maj, min) = (libc::major(meta.rdev()), libc::minor(meta.rdev()));
+    let Ok(backing) = fs::read_to_string(format!("/sys/dev/block/{maj}:{min}/loop/backing_file"))
+    else {
+        return Ok(None);
+    };
+    let backing = Path::new(backing.trim_end_matches('\n'));
+    // Absent (deleted, or in another mount namespace): no one can open it by name.
+    let Ok(file) = File::open(backing) else {
+        return Ok(None);
+    };
+    if !file.metadata().is_ok_and(|m| m.file_type().is_file()) {
+        return Ok(None);
+    }
+    lock_device(backing, &file, access).map_err(|e| {
+        backing_error(
+            path,
+            format!(
+                "it is a loop device over {}, which is in use: {e}",
+                crate::host::printable(&backing.display().to_string())
+            ),
+        )
+    })?;
+    Ok(Some(file))
+}
+
+fn open_block_device(
+    path: &Path,
+    meta: &fs::Metadata,
+    access: Access,
+) -> Result<OpenedBlockDevice> {
     if let Some(in_use) = block_device_use(meta)? {
         return Err(backing_error(
             path,
@@ -260,7 +302,8 @@ fn open_block_device(path: &Path, meta: &fs::Metadata, access: Access) -> Result
     let lbs = block_device_logical_block_size(&file)
         .context(|| format!("BLKSSZGET on {}", path.display()))?;
     check_logical_block_size(path, lbs)?;
-    Ok((file, size, lbs))
+    let loop_backing = lock_loop_backing(path, meta, access)?;
+    Ok((file, size, lbs, loop_backing))
 }
 
 fn check_logical_block_size(path: &Path, lbs: u32) -> Result<()> {
@@ -581,6 +624,7 @@ impl BackingDevice {
             logical_block_size,
             access: Access::Exclusive,
             created: false,
+            _loop_backing: None,
         })
     }
 
@@ -611,6 +655,7 @@ impl BackingDevice {
             logical_block_size,
             access,
             created: false,
+            _loop_backing: None,
         })
     }
 
@@ -783,6 +828,7 @@ impl BackingDevice {
             logical_block_size,
             access: Access::Exclusive,
             created: guard.armed,
+            _loop_backing: None,
         };
         if !matches!(
             sig,
@@ -802,7 +848,7 @@ impl BackingDevice {
         force: bool,
         unfinished: &[[u8; 16]],
     ) -> Result<BackingDevice> {
-        let (file, device_size, logical_block_size) =
+        let (file, device_size, logical_block_size, loop_backing) =
             open_block_device(path, meta, Access::Exclusive)?;
         let usable = match size {
             None => round_down(device_size),
@@ -880,6 +926,7 @@ impl BackingDevice {
             logical_block_size,
             access: Access::Exclusive,
             created: false,
+            _loop_backing: loop_backing,
         };
         if !matches!(
             sig,
@@ -933,7 +980,7 @@ impl BackingDevice {
             Err(e) => return Err(Error::io(format!("stat {}", path.display()), e)),
         };
         let kind = backing_kind(path, &meta)?;
-        let (file, raw_size, lbs) = match kind {
+        let (file, raw_size, lbs, loop_backing) = match kind {
             BackingKind::BlockDevice => open_block_device(path, &meta, access)?,
             BackingKind::File => {
                 if let Some(why) = regular_file_use(&meta) {
@@ -966,7 +1013,7 @@ impl BackingDevice {
                     ));
                 }
                 let lbs = file_logical_block_size(path, &file)?;
-                (file, meta.len(), lbs)
+                (file, meta.len(), lbs, None)
             }
         };
         // A primary superblock that is damaged, unreadable or zeroed, where a
@@ -1018,6 +1065,7 @@ impl BackingDevice {
             logical_block_size: lbs,
             access,
             created: false,
+            _loop_backing: loop_backing,
         })
     }
 
