@@ -617,3 +617,31 @@ fn report_outputs_never_replace_an_input_or_a_users_json() {
         b"{\"machine\": \"my notes\"}"
     );
 }
+
+/// A raw bench's numbers are checked before its file is laid out: a
+/// --bs that is no multiple of 4096 and a --buffers beyond what a run may
+/// use are refused before "laying out" (a 4 GiB layout took 18 s first).
+#[test]
+fn raw_bench_numbers_are_refused_before_the_layout() {
+    let dir = TempDir::new("rawearly");
+    for (args, want) in [
+        (vec!["--bs", "1.5k"], "--bs 1536"),
+        (vec!["--buffers", "1t"], "--buffers"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+            .args(["bench", "--pattern", "read", "--size", "4g"])
+            .args(&args)
+            .arg("--dir")
+            .arg(dir.path())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(
+            !err.contains("laying out"),
+            "{args:?} refused only after: {err}"
+        );
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+}

@@ -330,3 +330,34 @@ fn control_characters_are_escaped_in_every_message() {
     assert_eq!(code, 0, "{text}");
     assert!(!raw(&text) && escaped(&text), "{text}");
 }
+
+/// `--model DIR` names a Hugging Face model directory (its config.json),
+/// also as a bare name in the working directory, and a config.json that
+/// begins with a UTF-8 byte-order mark is read like any other. Before, the
+/// bare directory was "an unknown preset" and the BOM a JSON syntax error.
+#[test]
+fn a_model_directory_and_a_config_with_a_bom_are_accepted() {
+    let dir = TempDir::new("modeldir");
+    let model = dir.file("My-Model");
+    std::fs::create_dir(&model).unwrap();
+    let config = r#"{"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "torch_dtype": "bfloat16"}"#;
+    std::fs::write(model.join("config.json"), format!("\u{feff}{config}")).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .current_dir(dir.path())
+        .args(["pool", "create", "--dev", "p.pool", "--size", "64m"])
+        .args(["--model", "My-Model", "--block-size", "16"])
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    let (code, text) = kvtier(&[
+        "pool",
+        "info",
+        "--dev",
+        dir.file("p.pool").to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("2 layers"), "{text}");
+}

@@ -667,6 +667,16 @@ pub fn raw_suite(
     keep: bool,
     progress: &dyn Fn(&str),
 ) -> Result<RawReport> {
+    // Every number first: nothing is laid out for a run that cannot start.
+    raw::check_workload(
+        w,
+        &[raw::Stream {
+            pattern: w.pattern,
+            iodepth: w.iodepth,
+            region: (0, w.size),
+        }],
+        buffer_bytes,
+    )?;
     let fio_version = if against_fio {
         Some(fio::fio_available().ok_or_else(|| {
             Error::invalid("--against-fio needs fio: install it (apt-get install fio)")

@@ -107,13 +107,11 @@ pub fn run_streams(
     run_streams_with(None, w, streams, buffer_bytes, engine_cfg)
 }
 
-fn run_streams_with(
-    target: Option<&std::fs::File>,
-    w: &Workload,
-    streams: &[Stream],
-    buffer_bytes: u64,
-    engine_cfg: &UringConfig,
-) -> Result<(IoResult, EngineReport)> {
+/// Check a raw workload's numbers, before anything is laid out or allocated
+/// (a 4 GiB --size took 18 s to lay out before a bad --bs was refused):
+/// the block size, the streams' regions, the depth, and the buffer memory.
+/// Returns the buffer slots the run takes.
+pub fn check_workload(w: &Workload, streams: &[Stream], buffer_bytes: u64) -> Result<u32> {
     if w.bs == 0 || w.bs % 4096 != 0 || w.bs > u32::MAX as u64 {
         return Err(Error::invalid(format!(
             "--bs {} must be a non-zero multiple of 4096 (direct I/O)",
@@ -134,20 +132,6 @@ fn run_streams_with(
             "--iodepth {total_depth} must be between 1 and 4096"
         )));
     }
-    let file = match target {
-        Some(f) => f.try_clone().map_err(|e| {
-            Error::io(
-                format!("duplicating the descriptor of {}", w.file.display()),
-                e,
-            )
-        })?,
-        None => std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(&w.file)
-            .map_err(|e| Error::io(format!("opening {} with O_DIRECT", w.file.display()), e))?,
-    };
     if buffer_bytes > MAX_BUFFER_BYTES {
         return Err(Error::invalid(format!(
             "--buffers {buffer_bytes} bytes is more than the {} GiB a raw run may use; give less",
@@ -164,6 +148,32 @@ fn run_streams_with(
         "the raw run's buffers",
         "give smaller --buffers",
     )?;
+    Ok(slots_total)
+}
+
+fn run_streams_with(
+    target: Option<&std::fs::File>,
+    w: &Workload,
+    streams: &[Stream],
+    buffer_bytes: u64,
+    engine_cfg: &UringConfig,
+) -> Result<(IoResult, EngineReport)> {
+    let slots_total = check_workload(w, streams, buffer_bytes)?;
+    let total_depth: u32 = streams.iter().map(|s| s.iodepth).sum();
+    let file = match target {
+        Some(f) => f.try_clone().map_err(|e| {
+            Error::io(
+                format!("duplicating the descriptor of {}", w.file.display()),
+                e,
+            )
+        })?,
+        None => std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&w.file)
+            .map_err(|e| Error::io(format!("opening {} with O_DIRECT", w.file.display()), e))?,
+    };
     let buffers = kvtier::memory::DmaBuffer::new((w.bs * slots_total as u64) as usize)?;
     let table = Arc::new(P2pTable::for_buffers(
         buffers.addr(),
