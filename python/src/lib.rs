@@ -95,7 +95,9 @@ fn exception_for(kind: ErrorKind, msg: String) -> PyErr {
 
 /// The failure as a Python exception with `kind` and `io` attributes.
 fn failure_err(py: Python<'_>, f: &Failure) -> PyErr {
-    let err = exception_for(f.kind, f.message.clone());
+    // Messages quote superblocks, configs and arguments: no raw control
+    // characters reach a terminal that prints them.
+    let err = exception_for(f.kind, kvtier::host::printable(&f.message).into_owned());
     let v = err.value(py);
     let _ = v.setattr("kind", kind_name(f.kind));
     let io = f.io.as_ref().map(|io| {
