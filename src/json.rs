@@ -81,12 +81,17 @@ pub(crate) fn read_user_file(path: &Path, max_bytes: u64) -> Result<String, Stri
     if bytes.len() as u64 > max_bytes {
         return Err(too_big(bytes.len() as u64));
     }
-    String::from_utf8(bytes).map_err(|e| {
+    let mut text = String::from_utf8(bytes).map_err(|e| {
         format!(
             "it is not UTF-8 text (invalid byte at offset {})",
             e.utf8_error().valid_up_to()
         )
-    })
+    })?;
+    // A byte-order mark (editors on Windows write one) is no part of the JSON.
+    if text.starts_with('\u{feff}') {
+        text.drain(..'\u{feff}'.len_utf8());
+    }
+    Ok(text)
 }
 
 /// What kind of JSON value `v` is, for messages ("an array", "null").

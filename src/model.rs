@@ -755,7 +755,11 @@ fn canonical_json(v: &Value, out: &mut String, top: bool) {
 
 /// Whether `spec` names a config file rather than a preset.
 fn is_config_path(spec: &str) -> bool {
-    spec.ends_with(".json") || spec.contains('/') || Path::new(spec).is_file()
+    spec.ends_with(".json")
+        || spec.contains('/')
+        || Path::new(spec).is_file()
+        // A model directory (a Hugging Face snapshot) named bare: its config.json.
+        || Path::new(spec).join("config.json").is_file()
 }
 
 /// A directory is a model snapshot: its config.json.

@@ -82,6 +82,19 @@ impl ScratchFile {
         &self.file
     }
 
+    /// A second descriptor of the file and its path (one open file
+    /// description: lock and mode are shared), so the file is used through
+    /// what was created, never reopened by a name that may have been swapped.
+    pub fn descriptor(&self) -> Result<(File, PathBuf)> {
+        let f = self.file.try_clone().map_err(|e| {
+            Error::io(
+                format!("duplicating the descriptor of {}", self.path.display()),
+                e,
+            )
+        })?;
+        Ok((f, self.path.clone()))
+    }
+
     /// The file's path.
     pub fn path(&self) -> &Path {
         &self.path

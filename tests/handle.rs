@@ -464,3 +464,64 @@ fn a_second_load_into_a_block_under_load_is_refused_and_the_key_kept() {
     assert_eq!(h.lookup_prefix(&keys(1..3)), 2);
     h.close().unwrap();
 }
+
+#[test]
+fn removed_keys_are_never_served_and_their_slots_are_reused() {
+    let dir = TempDir::new("handle-remove");
+    let geo = tiny_geometry();
+    let devs = vec![dir.file("a.pool"), dir.file("b.pool")];
+    // 2 devices x 1 group x 4 blocks: 8 slots.
+    let cache = Arc::new(HostKvCache::new(geo, 16, HostLayout::CrossLayer).unwrap());
+    let h = TierBuilder::default()
+        .create(pool_config(geo, 4, &devs, 1))
+        .engine(EngineChoice::Uring)
+        .host_cache(cache.clone())
+        .build()
+        .unwrap();
+    let total = h.usage().unwrap().tier.total_blocks;
+    assert_eq!(total, 8);
+    store_ok(
+        &h,
+        &cache,
+        &(0..8).collect::<Vec<_>>(),
+        &(0..8).collect::<Vec<_>>(),
+    );
+    // A load reading key 0 is under way when key 0 is removed: it still
+    // finishes with the stored bytes.
+    assert_eq!(h.lookup_and_pin(&keys(0..1)), 1);
+    let job = h.submit_load(&keys(0..1), &[15], 0..geo.layers).unwrap();
+    assert_eq!(h.remove(&keys(0..4)).unwrap(), 4);
+    assert_eq!(h.remove(&keys(0..4)).unwrap(), 0, "removed once");
+    assert_eq!(h.remove(&keys(100..101)).unwrap(), 0, "never stored");
+    let r = h.wait(job).unwrap();
+    assert!(r.all_ok(), "{:?}", r.failures().collect::<Vec<_>>());
+    assert!(cache.block_matches(15, seed_of(0), 0..geo.layers));
+    h.unpin(&keys(0..1));
+    for k in 0..4 {
+        assert!(!h.contains(&Key::from_u64(k)), "key {k} still served");
+    }
+    assert_eq!(h.lookup_prefix(&keys(4..8)), 4);
+    let u = h.usage().unwrap().tier;
+    assert_eq!((u.live_blocks, u.free_blocks), (4, 4));
+    // A removed key is not held: loading it is refused by kind.
+    let err = h
+        .submit_load(&keys(1..2), &[14], 0..geo.layers)
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Usage, "{err}");
+    // The four freed slots take four new keys without evicting any kept one.
+    store_ok(&h, &cache, &[20, 21, 22, 23], &[8, 9, 10, 11]);
+    assert_eq!(h.lookup_prefix(&keys(4..8)), 4, "nothing kept was evicted");
+    // A removed key stored again is a new store, loaded back byte-equal.
+    cache.fill_block(12, seed_of(1));
+    let r = h.wait(h.submit_store(&keys(1..2), &[12]).unwrap()).unwrap();
+    assert_eq!(r.outcomes, vec![KeyOutcome::Done]);
+    assert_eq!(r.evicted, keys(4..5), "the oldest kept key made room");
+    cache.clear();
+    let r = h
+        .wait(h.submit_load(&keys(1..2), &[13], 0..geo.layers).unwrap())
+        .unwrap();
+    assert!(r.all_ok());
+    assert!(cache.block_matches(13, seed_of(1), 0..geo.layers));
+    h.close().unwrap();
+    assert_eq!(h.remove(&keys(1..2)).unwrap_err().kind(), ErrorKind::Closed);
+}

@@ -289,3 +289,189 @@ fn a_read_garbled_once_is_healed_from_the_device_and_keeps_its_key() {
     }
     assert!(!tier.contains(&k(1)), "a damaged block leaves the pool");
 }
+
+/// Clear the per-layer checksum flag of `slot`'s header (resealed, as a
+/// forger or an older writer would leave it): the block then carries only
+/// its whole-block checksum.
+fn strip_layer_crcs(layout: &kvtier::pool::layout::PoolLayout, path: &std::path::Path, slot: u64) {
+    use kvtier::pool::layout::BlockHeader;
+    use std::os::unix::fs::FileExt;
+    let (_, off) = layout.header_offset(slot);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut raw = vec![0u8; std::mem::size_of::<BlockHeader>()];
+    f.read_exact_at(&mut raw, off).unwrap();
+    let mut h: BlockHeader = bytemuck::pod_read_unaligned(&raw);
+    assert_ne!(h.flags & 2, 0, "stored with per-layer checksums");
+    h.flags &= !2; // BLOCK_FLAG_LAYER_CRCS
+    h.seal();
+    f.write_all_at(bytemuck::bytes_of(&h), off).unwrap();
+}
+
+/// Flip one bit (chosen by `rng`) of layer `layer` of `slot` on the device.
+fn flip_bit_in_layer(
+    layout: &kvtier::pool::layout::PoolLayout,
+    path: &std::path::Path,
+    slot: u64,
+    layer: u32,
+    rng: &mut Rng,
+) {
+    use std::os::unix::fs::FileExt;
+    let kv = rng.below(2) as u32;
+    let (_, off) = layout.object_offset(slot, layer, kv);
+    let at = off + rng.below(layout.geometry.object_bytes());
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, at).unwrap();
+    f.write_all_at(&[b[0] ^ (1 << rng.below(8))], at).unwrap();
+}
+
+/// A load of any layer range of a block that carries only a whole-block
+/// checksum is verified: every partial range (and the whole one), with one
+/// bit flipped on the device in each layer in turn, ends Corrupt (the bit
+/// in the range) or Corrupt / Done with the stored bytes (outside it), never
+/// Done with wrong bytes; a clean block loads every range. Before, a range
+/// that did not run from layer 0 to the last layer was never verified.
+#[test]
+fn every_layer_range_of_a_block_with_only_a_whole_checksum_is_verified() {
+    let dir = TempDir::new("wholeonly");
+    let geo = tiny_geometry();
+    let n = geo.layers;
+    let ranges: Vec<(u32, u32)> = (0..n)
+        .flat_map(|s| (s + 1..=n).map(move |e| (s, e)))
+        .collect();
+    // One key per (range, flipped layer), and one clean key.
+    let cases: Vec<(u32, u32, u32)> = ranges
+        .iter()
+        .flat_map(|&(s, e)| (0..n).map(move |f| (s, e, f)))
+        .collect();
+    let clean = cases.len() as u64;
+    let pool = create_pool(&dir, geo, 8, 1, cases.len().div_ceil(8) as u64 + 1);
+    let paths = pool.paths();
+    let layout = pool.layout().clone();
+    let mut tier = Tier::open(pool, TierConfig::default()).unwrap();
+    let cache = Arc::new(HostKvCache::new(geo, 8, HostLayout::PerLayer).unwrap());
+    tier.register_host_cache(cache.clone()).unwrap();
+    let all: Vec<u64> = (0..=clean).collect();
+    for chunk in all.chunks(8) {
+        for (i, &key) in chunk.iter().enumerate() {
+            cache.fill_block(i as u32, seed_of(key));
+        }
+        let keys: Vec<Key> = chunk.iter().map(|&i| k(i)).collect();
+        let mem: Vec<u32> = (0..chunk.len() as u32).collect();
+        let job = tier.submit_store(&keys, &mem).unwrap();
+        assert!(tier.wait(job).unwrap().all_ok());
+    }
+    let slots: Vec<u64> = all
+        .iter()
+        .map(|&i| tier.pool().index().get(&k(i)).unwrap().slot)
+        .collect();
+    drop(tier);
+    let mut rng = Rng(23);
+    for (i, &(_, _, f)) in cases.iter().enumerate() {
+        strip_layer_crcs(&layout, &paths[0], slots[i]);
+        flip_bit_in_layer(&layout, &paths[0], slots[i], f, &mut rng);
+    }
+    strip_layer_crcs(&layout, &paths[0], slots[clean as usize]);
+
+    let pool = kvtier::pool::Pool::open(&paths, &Default::default()).unwrap();
+    for &s in &slots {
+        assert!(pool.layer_crc(s, 0).is_none(), "whole-block checksum only");
+    }
+    let mut tier = Tier::open(pool, TierConfig::default()).unwrap();
+    tier.register_host_cache(cache.clone()).unwrap();
+    for (i, &(s, e, f)) in cases.iter().enumerate() {
+        cache.clear();
+        let what = format!("layers {s}..{e}, bit flipped in layer {f}");
+        let got = match tier.submit_load(&[k(i as u64)], &[0], s..e) {
+            Ok(job) => tier.wait(job).unwrap().outcomes[0].clone(),
+            Err(err) => {
+                assert!(!err.to_string().is_empty());
+                continue; // refused: acceptable
+            }
+        };
+        match got {
+            KeyOutcome::Corrupt(_) => assert!(!tier.contains(&k(i as u64)), "{what}"),
+            KeyOutcome::Done => {
+                assert!(
+                    !(s..e).contains(&f),
+                    "{what}: Done with a flipped bit loaded"
+                );
+                assert!(cache.block_matches(0, seed_of(i as u64), s..e), "{what}");
+            }
+            o => panic!("{what}: {o:?}"),
+        }
+    }
+    // The clean block loads every range, with its bytes, and stays.
+    for &(s, e) in &ranges {
+        cache.clear();
+        let job = tier.submit_load(&[k(clean)], &[1], s..e).unwrap();
+        let got = tier.wait(job).unwrap();
+        assert_eq!(got.outcomes[0], KeyOutcome::Done, "clean {s}..{e}");
+        assert!(
+            cache.block_matches(1, seed_of(clean), s..e),
+            "clean {s}..{e}"
+        );
+    }
+    assert!(tier.contains(&k(clean)));
+}
+
+/// A model deeper than a header sector's per-layer table (993 layers) keeps
+/// only whole-block checksums; partial loads of it are verified too.
+#[test]
+fn a_partial_load_of_a_model_deeper_than_a_header_is_verified() {
+    let dir = TempDir::new("deep");
+    let geo = kvtier::model::KvGeometry {
+        layers: 993,
+        kv_heads: 1,
+        head_dim: 128,
+        dtype: kvtier::model::DType::BF16,
+        block_size: 16,
+    };
+    let pool = create_pool(&dir, geo, 1, 1, 3);
+    let paths = pool.paths();
+    let layout = pool.layout().clone();
+    let mut tier = Tier::open(pool, TierConfig::default()).unwrap();
+    let cache = Arc::new(HostKvCache::new(geo, 2, HostLayout::PerLayer).unwrap());
+    tier.register_host_cache(cache.clone()).unwrap();
+    for i in 0..3u64 {
+        cache.fill_block(0, seed_of(i));
+        let job = tier.submit_store(&[k(i)], &[0]).unwrap();
+        assert!(tier.wait(job).unwrap().all_ok());
+    }
+    let slot = |t: &Tier, i: u64| t.pool().index().get(&k(i)).unwrap().slot;
+    let (s1, s2) = (slot(&tier, 1), slot(&tier, 2));
+    assert!(tier.pool().layer_crc(s1, 0).is_none());
+    drop(tier);
+    let mut rng = Rng(993);
+    flip_bit_in_layer(&layout, &paths[0], s1, 500, &mut rng);
+    flip_bit_in_layer(&layout, &paths[0], s2, 3, &mut rng);
+    let pool = kvtier::pool::Pool::open(&paths, &Default::default()).unwrap();
+    let mut tier = Tier::open(pool, TierConfig::default()).unwrap();
+    tier.register_host_cache(cache.clone()).unwrap();
+    let load = |tier: &mut Tier, i: u64, r: std::ops::Range<u32>| {
+        cache.clear();
+        let job = tier.submit_load(&[k(i)], &[1], r).unwrap();
+        tier.wait(job).unwrap().outcomes[0].clone()
+    };
+    assert_eq!(load(&mut tier, 0, 400..600), KeyOutcome::Done);
+    assert!(cache.block_matches(1, seed_of(0), 400..600));
+    assert_eq!(load(&mut tier, 0, 992..993), KeyOutcome::Done);
+    assert!(matches!(
+        load(&mut tier, 1, 400..600),
+        KeyOutcome::Corrupt(_)
+    ));
+    // A bit outside the range still makes the block fail its checksum.
+    assert!(matches!(
+        load(&mut tier, 2, 990..993),
+        KeyOutcome::Corrupt(_)
+    ));
+    assert!(!tier.contains(&k(1)) && !tier.contains(&k(2)) && tier.contains(&k(0)));
+}

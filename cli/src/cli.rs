@@ -8,7 +8,11 @@ use kvtier::host::size::human_bytes;
 macro_rules! note {
     ($($arg:tt)*) => {{
         use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($arg)*);
+        let _ = writeln!(
+            std::io::stderr(),
+            "{}",
+            kvtier::host::printable(&format!($($arg)*))
+        );
     }};
 }
 pub(crate) use note;
@@ -127,11 +131,14 @@ pub fn excerpt(s: &str, max: usize) -> String {
     kvtier::json::excerpt(s, max)
 }
 
-/// Write `text` to stdout, flushed. A closed pipe (`kvtier ... | head -1`)
-/// is an error [`is_broken_pipe`] recognises, so the command can stop
-/// quietly once its own cleanup has run, instead of panicking in `println!`.
+/// Write `text` to stdout, flushed, its control characters (from
+/// superblocks, configs, arguments) escaped ([`kvtier::host::printable`]). A
+/// closed pipe (`kvtier ... | head -1`) is an error [`is_broken_pipe`]
+/// recognises, so the command can stop quietly once its own cleanup has
+/// run, instead of panicking in `println!`.
 pub fn out(text: &str) -> Result<()> {
     use std::io::Write;
+    let text = kvtier::host::printable(text);
     let mut o = std::io::stdout().lock();
     o.write_all(text.as_bytes())
         .and_then(|()| o.flush())

@@ -11,7 +11,7 @@ use kvtier_cli::bench::{self, BenchConfig};
 use kvtier_cli::cli::{f64_in, size_in};
 use kvtier_cli::output::ReportKind;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Writes a line to stdout; a reader that went away (`| head -1`) ends the
 /// command quietly through `main` (see `kvtier_cli::cli::out`).
@@ -136,12 +136,25 @@ impl ModelArgs {
 }
 
 fn main() {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // Clap quotes the arguments it refuses: escaped like every message.
+            let text = e.render().to_string();
+            let text = kvtier::host::printable(&text);
+            let _ = if e.use_stderr() {
+                write!(std::io::stderr(), "{text}")
+            } else {
+                write!(std::io::stdout(), "{text}")
+            };
+            std::process::exit(e.exit_code());
+        }
+    };
     let code = match run(cli) {
         Ok(code) => code,
         Err(e) if kvtier_cli::cli::is_broken_pipe(&e) => die_of_sigpipe(),
         Err(e) => {
-            let _ = writeln!(std::io::stderr(), "kvtier: error: {e}");
+            note(&format!("kvtier: error: {e}"));
             2
         }
     };
@@ -174,8 +187,13 @@ fn bar_fn(bar: &Progress) -> impl Fn(&str) + '_ {
     move |m: &str| bar.say(m)
 }
 
-/// Check each given report path (flag, path, kind) before the work starts.
-fn report_paths_ok(paths: &[(&str, &Option<PathBuf>, ReportKind)]) -> Result<()> {
+/// Check each given report path (flag, path, kind) before the work starts:
+/// distinct, none of them one of the run's `inputs` (flag, path), and each
+/// free to receive its report.
+fn report_paths_ok(
+    paths: &[(&str, &Option<PathBuf>, ReportKind)],
+    inputs: &[(&str, &Path)],
+) -> Result<()> {
     let given: Vec<(&str, &PathBuf)> = paths
         .iter()
         .filter_map(|(flag, p, _)| p.as_ref().map(|p| (*flag, p)))
@@ -194,6 +212,7 @@ fn report_paths_ok(paths: &[(&str, &Option<PathBuf>, ReportKind)]) -> Result<()>
     }
     for (flag, path, kind) in paths {
         if let Some(p) = path {
+            kvtier_cli::output::check_not_an_input(flag, p, inputs)?;
             kvtier_cli::output::check_report_path(flag, p, *kind)?;
         }
     }
@@ -218,9 +237,10 @@ fn write_json<T: serde::Serialize>(path: &Option<PathBuf>, report: &T) -> Result
     Ok(())
 }
 
-/// A line on stderr; a closed stderr is no reason to fail (or panic).
+/// A line on stderr, its control characters escaped; a closed stderr is no
+/// reason to fail (or panic).
 fn note(msg: &str) {
-    let _ = writeln!(std::io::stderr(), "{msg}");
+    let _ = writeln!(std::io::stderr(), "{}", kvtier::host::printable(msg));
 }
 
 /// Progress for long work: a spinner with the current step on a terminal,
@@ -248,6 +268,7 @@ impl Progress {
         }
     }
     fn say(&self, msg: &str) {
+        let msg = &*kvtier::host::printable_line(msg);
         match &self.bar {
             Some(b) => {
                 b.println(format!(

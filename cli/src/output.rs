@@ -2,11 +2,15 @@
 //! the profiler's `--out`). A path is checked before the work starts, so a
 //! long run never ends in a refusal, and kvtier replaces an existing file only
 //! when it can tell the file is one of its reports of the same kind (empty,
-//! JSON carrying kvtier's report marker, an SVG for a plot): a pool, a model's
-//! config.json or anything else named by mistake is refused, never truncated.
+//! JSON whose top level carries kvtier's report marker or a slack table's
+//! schema, an SVG for a plot) and it is not an input of the same run (a
+//! replay's `--table`): a pool, a model's config.json, a user's JSON that
+//! happens to have a field named like one of ours, or anything else named by
+//! mistake is refused, never truncated.
 //! A report is written whole to a temporary file beside it and renamed over
 //! the path, so a full disk or a kill leaves the old file or the new one,
-//! never half of one; a pipe or character device is written as a stream.
+//! never half of one; a pipe or character device is written as a stream, and a
+//! FIFO nobody reads is refused rather than waited on.
 
 use kvtier::{Error, Result};
 use std::io::{Read, Write};
@@ -28,23 +32,25 @@ impl ReportKind {
     }
 
     /// Whether `text` (the whole file, at most `RECOGNISE_BYTES`) is one of
-    /// kvtier's: JSON with the marker kvtier writes into its reports (or a
-    /// field only its earlier reports have: bench's machine, replay's
-    /// bubble_us, a slack table's schema), not any JSON (a model's
-    /// config.json named by mistake); an SVG document for a plot.
+    /// kvtier's: a JSON object whose top level carries the marker kvtier
+    /// writes into its reports (a string naming kvtier), or a slack table's
+    /// schema (`kvtier-slack/N`), not any JSON (a model's config.json, or a
+    /// user's file with a field that happens to be called "machine"); an SVG
+    /// document for a plot.
     fn recognises(self, text: &[u8]) -> bool {
         match self {
             ReportKind::Json => {
-                let has = |needle: &str| text.windows(needle.len()).any(|w| w == needle.as_bytes());
-                serde_json::from_slice::<serde_json::Value>(text).is_ok()
-                    && [
-                        REPORT_MARKER,
-                        "\"machine\"",
-                        "\"bubble_us\"",
-                        "\"kvtier-slack/",
-                    ]
-                    .iter()
-                    .any(|m| has(m))
+                let Ok(serde_json::Value::Object(top)) =
+                    serde_json::from_slice::<serde_json::Value>(text)
+                else {
+                    return false;
+                };
+                let starts = |key: &str, prefix: &str| {
+                    top.get(key)
+                        .and_then(|v| v.as_str())
+                        .is_some_and(|s| s.starts_with(prefix))
+                };
+                starts(REPORT_MARKER_KEY, "kvtier") || starts("schema", "kvtier-slack/")
             }
             ReportKind::Svg => {
                 let t = text.trim_ascii();
@@ -54,22 +60,48 @@ impl ReportKind {
     }
 }
 
-/// The field kvtier puts first in every JSON report object it writes, so
-/// that a later run knows the file for one of its own.
+/// The field kvtier puts first in every JSON report object it writes (its
+/// value names kvtier and its version), so that a later run knows the file
+/// for one of its own.
 pub const REPORT_MARKER: &str = "\"kvtier_report\"";
+const REPORT_MARKER_KEY: &str = "kvtier_report";
 
-/// `json` (an object or array as serde_json writes it) with the report
-/// marker as the first field of a top-level object.
+/// `json` (an object or array as serde_json writes it) as a marked report:
+/// the marker first in a top-level object; anything else (replay's list of
+/// results) becomes `{"kvtier_report": ..., "results": JSON}`.
 pub fn mark_json_report(json: &str, what: &str) -> String {
+    let what = serde_json::Value::from(what);
     match json.strip_prefix('{') {
         Some(rest) if !rest.trim_start().starts_with('}') => {
-            format!(
-                "{{\n  {REPORT_MARKER}: {},{rest}",
-                serde_json::Value::from(what)
-            )
+            format!("{{\n  {REPORT_MARKER}: {what},{rest}")
         }
-        _ => json.to_string(),
+        Some(_) => format!("{{\n  {REPORT_MARKER}: {what}\n}}"),
+        None => {
+            let body = json.replace('\n', "\n  ");
+            format!("{{\n  {REPORT_MARKER}: {what},\n  \"results\": {body}\n}}")
+        }
     }
+}
+
+/// Refuse a report path that names one of the run's inputs (`(flag, path)`,
+/// e.g. replay's `--table`): a slack table is a kvtier report too, and
+/// replacing it with the run's results would destroy what the run read.
+pub fn check_not_an_input(flag: &str, path: &Path, inputs: &[(&str, &Path)]) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(out) = std::fs::metadata(path) else {
+        return Ok(());
+    };
+    for (input_flag, input) in inputs {
+        if std::fs::metadata(input).is_ok_and(|m| m.dev() == out.dev() && m.ino() == out.ino()) {
+            return Err(Error::invalid(format!(
+                "{flag} {} is the same file as {input_flag} {}, an input of this run; \
+                 name another file for the report",
+                path.display(),
+                input.display()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Reports kvtier writes are kilobytes to a few megabytes; a larger file is
@@ -161,11 +193,25 @@ pub fn write_report(flag: &str, path: &Path, kind: ReportKind, bytes: &[u8]) -> 
     let failed = |e| Error::io(format!("{flag}: writing {}", path.display()), e);
     let old = std::fs::metadata(path).ok();
     if old.as_ref().is_some_and(|m| is_stream(&m.file_type())) {
-        return std::fs::OpenOptions::new()
+        // Opened without waiting: a FIFO nobody reads would block the open
+        // for ever (ENXIO instead); then written blocking, as a stream.
+        let mut f = match std::fs::OpenOptions::new()
             .write(true)
+            .custom_flags(libc::O_NONBLOCK)
             .open(path)
-            .and_then(|mut f| f.write_all(bytes))
-            .map_err(failed);
+        {
+            Ok(f) => f,
+            Err(e) if e.raw_os_error() == Some(libc::ENXIO) => {
+                return Err(Error::invalid(format!(
+                    "{flag} {} is a FIFO that nothing reads; start its reader first, or \
+                     name a file",
+                    path.display()
+                )))
+            }
+            Err(e) => return Err(failed(e)),
+        };
+        set_blocking(&f).map_err(failed)?;
+        return f.write_all(bytes).map_err(failed);
     }
     let target = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
     let name = target
@@ -212,6 +258,21 @@ pub fn write_report(flag: &str, path: &Path, kind: ReportKind, bytes: &[u8]) -> 
     Ok(())
 }
 
+/// Clear O_NONBLOCK on `f`.
+fn set_blocking(f: &std::fs::File) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: fcntl on a descriptor `f` keeps open for the call.
+    let flags = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: as above, with the flags just read less O_NONBLOCK.
+    if unsafe { libc::fcntl(f.as_raw_fd(), libc::F_SETFL, flags & !libc::O_NONBLOCK) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 fn parent_dir(path: &Path) -> PathBuf {
     match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
@@ -231,11 +292,11 @@ mod tests {
         check_report_path("--json", &json, ReportKind::Json).unwrap();
         std::fs::write(&json, "").unwrap();
         check_report_path("--json", &json, ReportKind::Json).unwrap();
-        let report = |n: u32| mark_json_report(&format!("{{\n  \"a\": {n}\n}}"), "test");
+        let report = |n: u32| mark_json_report(&format!("{{\n  \"a\": {n}\n}}"), "kvtier test");
         write_report("--json", &json, ReportKind::Json, report(1).as_bytes()).unwrap();
         write_report("--json", &json, ReportKind::Json, report(2).as_bytes()).unwrap();
         assert_eq!(std::fs::read_to_string(&json).unwrap(), report(2));
-        assert!(report(2).starts_with("{\n  \"kvtier_report\": \"test\",\n  \"a\": 2"));
+        assert!(report(2).starts_with("{\n  \"kvtier_report\": \"kvtier test\",\n  \"a\": 2"));
         // Any other JSON (a model's config.json named by mistake) is kept.
         let config = dir.path().join("config.json");
         std::fs::write(&config, b"{\"num_hidden_layers\": 32}").unwrap();
@@ -244,11 +305,34 @@ mod tests {
             std::fs::read(&config).unwrap(),
             b"{\"num_hidden_layers\": 32}"
         );
-        // Reports from before the marker: bench's (machine) and replay's.
-        for legacy in ["{\"machine\": {}}", "[[\"slack\", {\"bubble_us\": 1.0}]]"] {
-            std::fs::write(&config, legacy).unwrap();
+        // A user's JSON with a field named like one of ours, or the marker
+        // somewhere but the top level, is not a report.
+        for other in [
+            "{\"machine\": {}}",
+            "[[\"slack\", {\"bubble_us\": 1.0}]]",
+            "{\"a\": {\"kvtier_report\": \"kvtier 0.1\"}}",
+            "{\"kvtier_report\": 1}",
+        ] {
+            std::fs::write(&config, other).unwrap();
+            assert!(
+                check_report_path("--json", &config, ReportKind::Json).is_err(),
+                "{other}"
+            );
+        }
+        // A slack table (the profiler's --out) and replay's marked list are.
+        for ours in [
+            "{\"schema\": \"kvtier-slack/1\", \"provenance\": {\"machine\": \"x\"}}".to_string(),
+            mark_json_report("[\n  1,\n  2\n]", "kvtier 0.1"),
+        ] {
+            std::fs::write(&config, &ours).unwrap();
             check_report_path("--json", &config, ReportKind::Json).unwrap();
         }
+        let list: serde_json::Value =
+            serde_json::from_str(&mark_json_report("[\n  1\n]", "kvtier 0.1")).unwrap();
+        assert_eq!(list["results"][0], 1);
+        // An input of the same run is refused, even when it is a report.
+        assert!(check_not_an_input("--json", &config, &[("--table", &config)]).is_err());
+        check_not_an_input("--json", &json, &[("--table", &config)]).unwrap();
         // The old file's permissions carry over.
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&json, std::fs::Permissions::from_mode(0o600)).unwrap();
@@ -295,6 +379,31 @@ mod tests {
         let e = check_report_path("--json", &dir.path().join("no/r.json"), ReportKind::Json)
             .unwrap_err();
         assert!(e.to_string().contains("create it first"), "{e}");
+
+        // A FIFO nobody reads is refused at once, not waited on.
+        let fifo = dir.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: mkfifo with a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        check_report_path("--json", &fifo, ReportKind::Json).unwrap();
+        let e = write_report("--json", &fifo, ReportKind::Json, b"{}").unwrap_err();
+        assert!(e.to_string().contains("nothing reads"), "{e}");
+        // With a reader it is written as a stream.
+        let reader = {
+            let fifo = fifo.clone();
+            std::thread::spawn(move || std::fs::read(&fifo).unwrap())
+        };
+        let mut wrote = Err(Error::invalid("never tried"));
+        for _ in 0..2000 {
+            wrote = write_report("--json", &fifo, ReportKind::Json, b"{\"x\": 1}");
+            if wrote.is_ok() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        wrote.unwrap();
+        assert_eq!(reader.join().unwrap(), b"{\"x\": 1}");
+        std::fs::remove_file(&fifo).unwrap();
 
         // A link to a report writes through to it; no temporary file is left.
         let link = dir.path().join("link.json");

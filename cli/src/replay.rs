@@ -12,7 +12,7 @@
 use kvtier::error::{Error, Result};
 use kvtier::memory::{HostKvCache, HostLayout};
 use kvtier::model::KvGeometry;
-use kvtier::pool::{DeviceSpec, Key, Pool, PoolConfig};
+use kvtier::pool::{Key, Pool, PoolConfig};
 use kvtier::sched::{Policy, Scheduler, Window};
 use kvtier::scratch::ScratchFile;
 use kvtier::tier::{Tier, TierConfig};
@@ -117,13 +117,13 @@ impl ReplayRig {
         // Created new, never forced: a file or symlink already at this name
         // is refused rather than formatted.
         let pool_file = ScratchFile::create_new(&dir.join("replay.pool"), "kvtier replay")?;
-        let pool = Pool::create(
-            &PoolConfig::new(g, "replay", "replay")
-                .with_group_blocks(group)
-                .with_devices(vec![DeviceSpec {
-                    path: pool_file.path().to_path_buf(),
-                    size: Some(size),
-                }]),
+        // Formatted and served through the descriptor created here, never
+        // reopened by name.
+        let pool = Pool::create_in_files(
+            &PoolConfig::new(g, "replay", "replay").with_group_blocks(group),
+            vec![pool_file.descriptor()?],
+            size,
+            &mut |_, _| {},
         )?;
         crate::bench::check_scratch_pool(&pool, std::slice::from_ref(&pool_file))?;
         let mut tier = Tier::open(pool, tier_cfg)?;

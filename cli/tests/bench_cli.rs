@@ -602,3 +602,148 @@ fn bench_memory_host_double_reports_ceilings() {
             .min(r["h2d_gib_s"].as_f64().unwrap());
     assert!((ratio - r["restore_vs_ceiling"].as_f64().unwrap()).abs() < 1e-9);
 }
+
+/// The bench's scratch pool is created, formatted and used through the
+/// descriptor it was created with: a symlink swapped in for it by another
+/// user of the directory (here a thread, as fast as it can) receives
+/// nothing. Before, the pool was created O_NOFOLLOW and then reopened by
+/// name, and the link's target got a kvtier superblock (4 of 12 runs).
+#[test]
+fn a_symlink_swapped_in_for_the_scratch_pool_receives_nothing() {
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+    use std::sync::Arc;
+    let dir = TempDir::new("benchswap");
+    let other = TempDir::new("benchswap-victim");
+    let victim = other.file("victim");
+    std::fs::write(&victim, b"").unwrap();
+    let name = dir.file("bench0.pool");
+    let stop = Arc::new(AtomicBool::new(false));
+    let swaps = Arc::new(AtomicU32::new(0));
+    let swapper = {
+        let (stop, swaps, name, victim, moved) = (
+            stop.clone(),
+            swaps.clone(),
+            name.clone(),
+            victim.clone(),
+            dir.file("moved"),
+        );
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                let is_file = std::fs::symlink_metadata(&name).is_ok_and(|m| m.is_file());
+                if is_file && std::fs::rename(&name, &moved).is_ok() {
+                    let _ = std::os::unix::fs::symlink(&victim, &name);
+                    swaps.fetch_add(1, Ordering::Relaxed);
+                }
+                std::hint::spin_loop();
+            }
+        })
+    };
+    for run in 0..6 {
+        let _ = std::fs::remove_file(&name);
+        let _ = std::fs::remove_file(dir.file("moved"));
+        let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+            .arg("bench")
+            .arg("--dir")
+            .arg(dir.path())
+            .args([
+                "--contexts",
+                "16",
+                "--capacity",
+                "64m",
+                "--group-blocks",
+                "4",
+            ])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(
+            std::fs::metadata(&victim).unwrap().len(),
+            0,
+            "run {run}: the link's target was written: {text}"
+        );
+    }
+    stop.store(true, Ordering::Relaxed);
+    swapper.join().unwrap();
+    assert!(swaps.load(Ordering::Relaxed) > 0, "the race was run");
+}
+
+/// Report outputs replace only kvtier's own reports, and never an input of
+/// the same run: replay's --json naming its --table (a slack table, a kvtier
+/// file too) is refused, as is a user's JSON that happens to have a field
+/// named "machine" (both were overwritten before), each left as it was.
+#[test]
+fn report_outputs_never_replace_an_input_or_a_users_json() {
+    let dir = TempDir::new("reportin");
+    let table = dir.file("table.json");
+    std::fs::copy(
+        common::repo_root().join("tables/llama3-8b.h100.json"),
+        &table,
+    )
+    .unwrap();
+    let before = std::fs::read(&table).unwrap();
+    let t = table.to_str().unwrap();
+    let data = dir.file("data");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args([
+            "replay", "--table", t, "--json", t, "--input", "16", "--prefix", "16",
+        ])
+        .arg("--dir")
+        .arg(&data)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("--table") && err.contains("input of this run"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&table).unwrap(), before);
+
+    let user = dir.file("user.json");
+    std::fs::write(&user, b"{\"machine\": \"my notes\"}").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(["bench", "--contexts", "16", "--capacity", "64m", "--json"])
+        .arg(&user)
+        .arg("--dir")
+        .arg(&data)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("user.json") && err.contains("not a JSON report"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read(&user).unwrap(),
+        b"{\"machine\": \"my notes\"}"
+    );
+}
+
+/// A raw bench's numbers are checked before its file is laid out: a
+/// --bs that is no multiple of 4096 and a --buffers beyond what a run may
+/// use are refused before "laying out" (a 4 GiB layout took 18 s first).
+#[test]
+fn raw_bench_numbers_are_refused_before_the_layout() {
+    let dir = TempDir::new("rawearly");
+    for (args, want) in [
+        (vec!["--bs", "1.5k"], "--bs 1536"),
+        (vec!["--buffers", "1t"], "--buffers"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+            .args(["bench", "--pattern", "read", "--size", "4g"])
+            .args(&args)
+            .arg("--dir")
+            .arg(dir.path())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(
+            !err.contains("laying out"),
+            "{args:?} refused only after: {err}"
+        );
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+}

@@ -206,7 +206,10 @@ fn corrupted_superblock_names_the_device() {
         .write(true)
         .open(&paths[0])
         .unwrap();
-    f.write_all_at(&[0x11], 70).unwrap();
+    // Every copy: one damaged copy alone costs nothing (tests/integrity.rs).
+    for off in kvtier::pool::layout::SUPERBLOCK_OFFSETS {
+        f.write_all_at(&[0x11], off + 70).unwrap();
+    }
     drop(f);
     let err = Pool::open(&paths, &OpenExpect::default())
         .err()
@@ -273,4 +276,88 @@ fn cli_create_info_round_trip() {
     let (code, text) = create(&dir.file("data"), "300m", "llama3-8b", &[]);
     assert_ne!(code, 0);
     assert!(text.contains("--force"), "{text}");
+}
+
+/// Control characters from arguments, configs and superblocks never reach
+/// the terminal raw: each message escapes them (`\u001b`), clap's own
+/// refusals included. Before, an ESC sequence in any of them was printed as
+/// is (a forged pool could clear the screen of whoever ran `pool info`).
+#[test]
+fn control_characters_are_escaped_in_every_message() {
+    let dir = TempDir::new("escapes");
+    let esc = "\u{1b}[2J\u{9b}31m";
+    let raw = |text: &str| text.chars().any(|c| c == '\u{1b}' || c == '\u{9b}');
+    let escaped = |text: &str| {
+        text.contains("\\u001b") || text.contains("\\u{1b}") || text.contains("\\u009b")
+    };
+    // An argument, refused by kvtier and by clap.
+    for args in [
+        vec!["bench", "--pattern", esc],
+        vec!["pool", "create", "--dev", "x", "--block-size", esc],
+        vec!["pool", "info", "--dev", esc],
+    ] {
+        let (code, text) = kvtier(&args);
+        assert_ne!(code, 0, "{args:?}");
+        assert!(!raw(&text) && escaped(&text), "{args:?}: {text}");
+    }
+    // A config's value quoted in its refusal.
+    let cfg = dir.file("config.json");
+    std::fs::write(
+        &cfg,
+        r#"{"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 2,
+            "torch_dtype": "\u001b[2Jbf16"}"#,
+    )
+    .unwrap();
+    let (code, text) = create(&dir.file("p.pool"), "64m", cfg.to_str().unwrap(), &[]);
+    assert_ne!(code, 0);
+    assert!(!raw(&text) && escaped(&text), "{text}");
+    // A superblock's model name (forged, resealed) in `pool info`.
+    let paths = stored_pool(&dir, 1);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&paths[0])
+        .unwrap();
+    let mut b = [0u8; 512];
+    f.read_exact_at(&mut b, 0).unwrap();
+    let mut sb: kvtier::pool::layout::Superblock = bytemuck::pod_read_unaligned(&b);
+    sb.model[..esc.len()].copy_from_slice(esc.as_bytes());
+    sb.model_len = esc.len() as u32;
+    sb.seal();
+    f.write_all_at(bytemuck::bytes_of(&sb), 0).unwrap();
+    drop(f);
+    let (code, text) = kvtier(&["pool", "info", "--dev", paths[0].to_str().unwrap()]);
+    assert_eq!(code, 0, "{text}");
+    assert!(!raw(&text) && escaped(&text), "{text}");
+}
+
+/// `--model DIR` names a Hugging Face model directory (its config.json),
+/// also as a bare name in the working directory, and a config.json that
+/// begins with a UTF-8 byte-order mark is read like any other. Before, the
+/// bare directory was "an unknown preset" and the BOM a JSON syntax error.
+#[test]
+fn a_model_directory_and_a_config_with_a_bom_are_accepted() {
+    let dir = TempDir::new("modeldir");
+    let model = dir.file("My-Model");
+    std::fs::create_dir(&model).unwrap();
+    let config = r#"{"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "torch_dtype": "bfloat16"}"#;
+    std::fs::write(model.join("config.json"), format!("\u{feff}{config}")).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .current_dir(dir.path())
+        .args(["pool", "create", "--dev", "p.pool", "--size", "64m"])
+        .args(["--model", "My-Model", "--block-size", "16"])
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    let (code, text) = kvtier(&[
+        "pool",
+        "info",
+        "--dev",
+        dir.file("p.pool").to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("2 layers"), "{text}");
 }

@@ -291,6 +291,12 @@ pub fn run(a: &Args, command_line: &str) -> Result<Outcome> {
             .map_err(|e| Error::io(format!("--out: creating {}", dir.display()), e))?;
     }
     // Before profiling (minutes on a GPU): never truncate what is not a table.
+    // Nor an input of this run (a trace, or a config.json given as --model).
+    let mut run_inputs = vec![("--model", Path::new(&a.model))];
+    if let Compute::Trace(t) = &compute {
+        run_inputs.push(("--compute trace", t.as_path()));
+    }
+    kvtier_cli::output::check_not_an_input("--out", &path, &run_inputs)?;
     kvtier_cli::output::check_report_path("--out", &path, kvtier_cli::output::ReportKind::Json)?;
 
     // Storage first: it is the step that can fail on a bad directory.

@@ -12,7 +12,10 @@ fn main() {
             println!("wrote {}", out.path.display());
         }
         Err(e) => {
-            eprintln!("kvtier-profile: error: {e}");
+            eprintln!(
+                "kvtier-profile: error: {}",
+                kvtier::host::printable(&e.to_string())
+            );
             std::process::exit(1);
         }
     }

@@ -27,13 +27,15 @@ whatever vLLM's own prefix-hash settings: with a non-cryptographic
 per process unless PYTHONHASHSEED is set, which would lose every hit after
 a restart.
 
-Memory: kvtier does direct I/O (O_DIRECT, DMA) and needs 4096-byte aligned
-objects. vLLM's CPU KV tensors (``[blocks, 2, block_size, heads*dim]`` per
-layer, kvtier's ``block_major`` layout) are allocated by torch 64-byte
-aligned, so when a tensor is not page aligned the connector stages through a
-page-aligned kvtier host cache (one copy per block per layer, done layer by
-layer as each ``wait_for_layer_load`` returns); when every tensor is aligned
-it registers them as they are and kvtier reads and writes them directly.
+Memory: the layout is read off vLLM's own tensors (``_vllm_layout``): each
+block's page per layer is two kvtier objects, layer-outermost layouts a
+region per layer (``block_major``), block-outermost ones ``cross_layer``.
+kvtier does direct I/O (O_DIRECT, DMA) and needs 4096-byte aligned memory;
+vLLM's CPU cache is one torch allocation 64 bytes past a page, so the
+connector then stages through page-aligned kvtier memory (a memcpy per
+page, done layer by layer as each ``wait_for_layer_load`` returns); when
+the cache is page aligned it registers it as it is and kvtier reads and
+writes it directly.
 
 :class:`KvtierTier` is a vLLM ``SecondaryTierManager`` (the
 ``TieringOffloadingSpec``'s ``secondary_tiers``) over the primary CPU tier's
@@ -46,10 +48,9 @@ import ctypes
 import hashlib
 import json
 import os
-import socket
 import struct
-import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -59,10 +60,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
 )
 from vllm.logger import init_logger
 
 from . import BackpressureError, KvtierError, TierBuilder, TierHandle
+from ._vllm_layout import KvMapping, map_kv_caches
+from ._vllm_lookup import LOOKUP as _LOOKUP
+from ._vllm_lookup import PIN as _PIN
+from ._vllm_lookup import LookupClient, LookupServer, socket_name
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -74,9 +84,19 @@ if TYPE_CHECKING:
 
 __all__ = ["KvtierConnector", "KvtierTier", "block_keys"]
 
-logger = init_logger(__name__)
+# Under vLLM's logger tree ("vllm."), so kvtier's lines appear in vLLM's log
+# with its format and level (a logger outside it is never configured).
+logger = init_logger(f"vllm.{__name__}")
 
 KEY_BYTES = 32
+# The medium kvtier's KV events carry: a KV-aware router (llm-d's KV cache
+# indexer, vLLM's router) tells blocks on a node's SSDs from those in its
+# GPU or CPU memory by it.
+KV_EVENT_MEDIUM = "KVTIER"
+# Blocks the scheduler remembers for KV events (a planned or stored block's
+# vLLM hash, ~200 B each): bounded, oldest forgotten (their events are then
+# not sent, never wrong).
+_MAX_EVENT_KEYS = 1 << 18
 _ROOT = b"kvtier-vllm-v1"
 
 
@@ -92,137 +112,6 @@ def block_keys(token_ids: Iterable[int], block_size: int, salt: str | None = Non
         prev = h.digest()
         keys.append(prev)
     return keys
-
-
-def _socket_name(pool_dir: str) -> bytes:
-    """An abstract-namespace socket per pool directory: nothing to clean up
-    after a crash, and two engines on one pool collide here as on the flock."""
-    digest = hashlib.sha256(os.path.realpath(pool_dir).encode()).hexdigest()[:24]
-    return b"\0kvtier-vllm-" + digest.encode()
-
-
-# Lookup protocol, scheduler -> worker: op (1 byte), key count (u32), keys
-# (32 bytes each); reply: a u32 count.
-_LOOKUP, _PIN, _UNPIN = b"L", b"P", b"U"
-# The most keys one request may name: a prefix of 1M blocks is far past any
-# context length, and the bound keeps a hostile peer from making the worker
-# allocate what a u32 count could ask for (128 GiB).
-_MAX_KEYS_PER_REQUEST = 1 << 20
-# Reads are taken in pieces of at most this, so a request is never allocated
-# before its bytes arrive.
-_RECV_PIECE = 1 << 20
-
-
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = s.recv(min(n - len(buf), _RECV_PIECE))
-        if not chunk:
-            raise ConnectionError("kvtier lookup peer closed the connection")
-        buf += chunk
-    return bytes(buf)
-
-
-def _same_user(conn: socket.socket) -> bool:
-    """Whether the peer of a Unix socket runs as this process's user."""
-    try:
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    except OSError:
-        return False
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid == os.geteuid()
-
-
-class _LookupServer:
-    """Serves the scheduler's lookups from the worker's own handle."""
-
-    def __init__(self, name: bytes, tier: TierHandle) -> None:
-        self._tier = tier
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self._sock.bind(name)
-        except OSError as e:
-            raise KvtierError(
-                f"kvtier: another process already serves this pool's lookups ({e}); "
-                "one engine per pool directory: give each its own pool_dir"
-            ) from e
-        self._sock.listen(8)
-        self._closed = False
-        threading.Thread(target=self._accept, name="kvtier-lookup", daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            # An abstract socket has no file permissions: any process in the
-            # network namespace can connect. Only processes of this user (the
-            # engine's scheduler) may pin, unpin or probe the pool.
-            if not _same_user(conn):
-                conn.close()
-                continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            while True:
-                try:
-                    op, n = struct.unpack("<cI", _recv_exact(conn, 5))
-                    if op not in (_LOOKUP, _PIN, _UNPIN) or n > _MAX_KEYS_PER_REQUEST:
-                        return  # not our protocol: drop the peer
-                    raw = _recv_exact(conn, n * KEY_BYTES)
-                except (ConnectionError, OSError):
-                    return
-                keys = [raw[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(n)]
-                try:
-                    if op == _LOOKUP:
-                        r = self._tier.lookup(keys)
-                    elif op == _PIN:
-                        r = self._tier.lookup_and_pin(keys)
-                    else:
-                        self._tier.unpin(keys)
-                        r = 0
-                except KvtierError:
-                    r = 0  # a closed or failing pool holds nothing usable
-                conn.sendall(struct.pack("<I", r))
-
-    def close(self) -> None:
-        self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
-
-
-class _LookupClient:
-    """The scheduler's view of one rank's pool."""
-
-    def __init__(self, name: bytes) -> None:
-        self._name = name
-        self._sock: socket.socket | None = None
-        self._lock = threading.Lock()
-
-    def call(self, op: bytes, keys: list[bytes]) -> int:
-        with self._lock:
-            for attempt in (0, 1):
-                try:
-                    if self._sock is None:
-                        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                        s.connect(self._name)
-                        self._sock = s
-                    self._sock.sendall(struct.pack("<cI", op, len(keys)) + b"".join(keys))
-                    return struct.unpack("<I", _recv_exact(self._sock, 4))[0]
-                except OSError:
-                    if self._sock is not None:
-                        self._sock.close()
-                    self._sock = None
-                    if attempt:
-                        # No worker serving the pool (not started, or gone):
-                        # nothing can be loaded from it.
-                        return 0
-        return 0
 
 
 @dataclass
@@ -242,10 +131,40 @@ class _Store:
 
 
 @dataclass
+class _InflightLoad:
+    """A kvtier load job of this step, on the worker."""
+
+    job: int
+    load: _Load
+    # Staging slot per block (host staging), else None: kvtier writes vLLM's blocks.
+    slots: list[int] | None
+    block_ids: list[int]
+    done: set[int] = field(default_factory=set)
+    # The job's result, once taken (a failed layer takes it early).
+    result: Any = None
+
+
+@dataclass
 class KvtierConnectorMetadata(KVConnectorMetadata):
     loads: list[_Load] = field(default_factory=list)
     stores: list[_Store] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+
+
+@dataclass
+class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, each step: the kvtier keys whose stores became
+    durable and those that left the pool (evicted, or dropped as corrupt),
+    for the scheduler's KV events. Workers' lists are concatenated: with
+    tensor parallelism a block counts as stored once every rank stored it."""
+
+    stored: list[bytes] = field(default_factory=list)
+    removed: list[bytes] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KvtierWorkerMetadata":
+        if isinstance(other, KvtierWorkerMetadata):
+            return KvtierWorkerMetadata(self.stored + other.stored, self.removed + other.removed)
+        return self
 
 
 @dataclass
@@ -259,23 +178,20 @@ class _ReqState:
     had_stores: bool = False
 
 
-def _pool_model_config(path: str, layers: int, kv_heads: int, head_dim: int, name: str) -> str:
-    """A minimal config.json for kvtier's geometry, from what vLLM resolved
-    (per-rank KV heads, head size): works for any model vLLM loads, local or not."""
-    cfg = {
-        "_name_or_path": name,
-        "num_hidden_layers": layers,
-        "num_attention_heads": kv_heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "hidden_size": kv_heads * head_dim,
-    }
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(cfg, f)
-    os.replace(tmp, path)
-    return path
+def _copy_rows(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor,
+               src_rows: list[int]) -> None:
+    """dst[dst_rows] = src[src_rows] for byte pages, a memcpy per page: an
+    indexed assignment of uint8 rows copies byte by byte (~8x slower here,
+    most of a restored prefix's time to first token)."""
+    for d, s in zip(dst_rows, src_rows):
+        dst[d].copy_(src[s])
+
+
+def _model_tail(model: str) -> str:
+    """The last 40 characters of a model's name or path, printable: it names
+    the pool's model and starts its namespace."""
+    clean = "".join(c if c.isalnum() or c in "._-/" else "_" for c in model).strip("/.")
+    return clean[-40:] or "model"
 
 
 def _write_stats(path: str | None, stats: dict[str, Any]) -> None:
@@ -285,6 +201,77 @@ def _write_stats(path: str | None, stats: dict[str, Any]) -> None:
     with open(tmp, "w") as f:
         json.dump(stats, f)
     os.replace(tmp, path)
+
+
+# Counters the connector reports to vLLM each step (KVConnectorStats): summed
+# over workers and steps, logged by vLLM's periodic "KV Transfer metrics" line
+# and exported as Prometheus counters vllm:kvtier_<name>_total.
+STAT_COUNTERS = {
+    "lookups": "scheduler lookups of a request's prefix in kvtier",
+    "hit_blocks": "blocks found in kvtier by the scheduler",
+    "miss_blocks": "blocks looked up and not found in kvtier",
+    "deferred_lookups": "hits deferred to a later step (the step's load staging was full)",
+    "loaded_blocks": "blocks loaded from kvtier into vLLM's KV cache",
+    "loaded_bytes": "bytes loaded from kvtier",
+    "load_error_blocks": "blocks whose load failed (reported to vLLM, recomputed)",
+    "corrupt_blocks": "blocks that failed their checksum on the device (dropped from the pool)",
+    "stored_blocks": "blocks submitted to kvtier for storing",
+    "stored_bytes": "bytes submitted to kvtier for storing",
+    "stores_dropped": "blocks not stored (back-pressure: staging or store backlog full)",
+    "layer_waits_total": "waits for a layer's load before its attention",
+    "layer_wait_s": "seconds spent waiting for layers' loads",
+}
+
+
+@dataclass
+class KvtierConnectorStats(KVConnectorStats):
+    """kvtier's counters for one interval, as vLLM collects connector stats."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "KvtierConnectorStats":
+        for k, v in (other.data or {}).items():
+            if k in STAT_COUNTERS:
+                self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {k: self.data[k] for k in STAT_COUNTERS
+                                       if self.data.get(k)}
+        if self.data.get("layer_waits_total"):
+            out["layer_wait_ms_avg"] = round(
+                1e3 * self.data.get("layer_wait_s", 0) / self.data["layer_waits_total"], 3)
+        if "layer_wait_s" in out:
+            out["layer_wait_s"] = round(out["layer_wait_s"], 6)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k) for k in STAT_COUNTERS)
+
+
+class KvtierPromMetrics(KVConnectorPromMetrics):
+    """kvtier's counters as Prometheus counters, per engine."""
+
+    def __init__(self, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            k: self.create_metric_per_engine(self._counter_cls(
+                name=f"vllm:kvtier_{k.removesuffix('_total')}_total", documentation=doc,
+                labelnames=labelnames))
+            for k, doc in STAT_COUNTERS.items()
+        }
+
+    def create_metric_per_engine(self, metric: Any) -> dict[int, Any]:
+        return {idx: metric.labels(*values)
+                for idx, values in self.per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for k, v in (transfer_stats_data or {}).items():
+            per_engine = self._counters.get(k)
+            if per_engine is not None and v and engine_idx in per_engine:
+                per_engine[engine_idx].inc(v)
 
 
 class KvtierConnector(KVConnectorBase_V1):
@@ -338,20 +325,51 @@ class KvtierConnector(KVConnectorBase_V1):
                 "KvtierConnector serves tensor parallelism only; pipeline_parallel_size must be 1"
             )
         self._tp_size = par.tensor_parallel_size
+        self._interval: dict[str, float] = {}
         if role == KVConnectorRole.SCHEDULER:
             self._clients = [
-                _LookupClient(_socket_name(self._rank_dir(r))) for r in range(self._tp_size)
+                LookupClient(socket_name(self._rank_dir(r))) for r in range(self._tp_size)
             ]
             self._reqs: dict[str, _ReqState] = {}
             self._loads: list[_Load] = []
             self._step_load_blocks = 0
+            # KV events: what each planned store's block is to vLLM (its
+            # block hash, parent, tokens), until the workers report it
+            # stored; then kept (bounded) to name it when it leaves kvtier.
+            self._planned: OrderedDict[bytes, tuple[Any, Any, list[int]]] = OrderedDict()
+            self._stored_ranks: dict[bytes, int] = {}
+            self._held: OrderedDict[bytes, Any] = OrderedDict()
+            self._events: list[Any] = []
             self._sched_stats = {"lookups": 0, "matched_tokens": 0, "load_requests": 0,
-                                 "pin_shortfall_blocks": 0, "store_blocks": 0}
+                                 "pin_shortfall_blocks": 0, "store_blocks": 0,
+                                 "deferred_lookups": 0}
         else:
             self._init_worker()
 
     def _rank_dir(self, rank: int) -> str:
         return os.path.join(self._pool_dir, f"tp{rank}")
+
+    def _count(self, stats: dict[str, Any], name: str, n: float) -> None:
+        """Adds to a counter of the stats file and of this interval's stats."""
+        stats[name] = stats.get(name, 0) + n
+        if name in STAT_COUNTERS:
+            self._interval[name] = self._interval.get(name, 0) + n
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if not any(self._interval.values()):
+            return None
+        out, self._interval = KvtierConnectorStats(data=self._interval), {}
+        return out
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KvtierConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict,
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvtierPromMetrics:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
@@ -405,14 +423,20 @@ class KvtierConnector(KVConnectorBase_V1):
         # At least one token must be computed, so the last full block of a
         # prompt that is all in kvtier is left to the forward pass.
         end = (request.num_tokens - 1) // bs
-        end = min(end, start + max(self._staging - self._step_load_blocks, 0))
+        budget = max(self._staging - self._step_load_blocks, 0)
         st.match_start = start
         if end <= start:
             return 0, False
         keys = self._keys_upto(st, end)[start:]
         n = min(self._lookup(_LOOKUP, keys))
-        self._sched_stats["lookups"] += 1
-        return n * bs, False
+        self._count(self._sched_stats, "lookups", 1)
+        self._count(self._sched_stats, "miss_blocks", len(keys) - n)
+        if n and not budget:
+            # This step's loads fill the worker's staging: ask again next
+            # step rather than recompute what kvtier holds.
+            self._count(self._sched_stats, "deferred_lookups", 1)
+            return None, False
+        return min(n, budget) * bs, False
 
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
@@ -425,11 +449,12 @@ class KvtierConnector(KVConnectorBase_V1):
         keys = self._keys_upto(st, start + n)[start:]
         ids = list(blocks.get_block_ids()[0][start : start + n])
         pinned = self._lookup(_PIN, keys)
-        self._sched_stats["pin_shortfall_blocks"] += n - min(pinned)
+        self._count(self._sched_stats, "pin_shortfall_blocks", n - min(pinned))
         self._loads.append(_Load(request.request_id, keys, ids, pinned))
         self._step_load_blocks += n
-        self._sched_stats["matched_tokens"] += num_external_tokens
-        self._sched_stats["load_requests"] += 1
+        self._count(self._sched_stats, "matched_tokens", num_external_tokens)
+        self._count(self._sched_stats, "hit_blocks", n)
+        self._count(self._sched_stats, "load_requests", 1)
         st.stored_upto = start + n
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
@@ -445,14 +470,18 @@ class KvtierConnector(KVConnectorBase_V1):
             st = self._reqs.get(req_id)
             if st is None:
                 return
-            if st.stored_upto is None:
+            if st.stored_upto is None or num_computed // bs < st.stored_upto:
+                # New, resumed, or sent back: vLLM recomputes from num_computed
+                # after a failed load (kv_load_failure_policy="recompute"), so
+                # the blocks from there on are stored again as they are computed.
                 st.stored_upto = num_computed // bs
             done = (num_computed + sched.get(req_id, 0)) // bs
             done = min(done, len(st.request.all_token_ids) // bs, len(st.block_ids))
             if done > st.stored_upto:
                 keys = self._keys_upto(st, done)[st.stored_upto :]
+                self._plan_events(st, keys, st.stored_upto)
                 meta.stores.append(_Store(req_id, keys, st.block_ids[st.stored_upto : done]))
-                self._sched_stats["store_blocks"] += len(keys)
+                self._count(self._sched_stats, "store_blocks", len(keys))
                 st.stored_upto = done
                 st.had_stores = True
 
@@ -485,6 +514,60 @@ class KvtierConnector(KVConnectorBase_V1):
         # store's copy done (get_finished), never while kvtier may read them.
         return bool(st and st.had_stores), None
 
+    def _plan_events(self, st: _ReqState, keys: list[bytes], first: int) -> None:
+        hashes = getattr(st.request, "block_hashes", None) or []
+        if len(hashes) < first + len(keys) or self._kv_hash_block_size() != self._block_size:
+            return  # vLLM hashes at another granularity: no events to name them by
+        toks = st.request.all_token_ids
+        bs = self._block_size
+        for i, key in enumerate(keys):
+            b = first + i
+            self._planned[key] = (hashes[b], hashes[b - 1] if b else None,
+                                  list(toks[b * bs:(b + 1) * bs]))
+            self._planned.move_to_end(key)
+        while len(self._planned) > _MAX_EVENT_KEYS:
+            self._planned.popitem(last=False)
+
+    def _kv_hash_block_size(self) -> int:
+        cfg = self._kv_cache_config
+        return (getattr(cfg, "hash_block_size", None) if cfg is not None else None) or \
+            self._block_size
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(meta, KvtierWorkerMetadata):
+            return
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        for key in meta.stored:
+            n = self._stored_ranks.get(key, 0) + 1
+            if n < self._tp_size:
+                self._stored_ranks[key] = n
+                continue
+            self._stored_ranks.pop(key, None)
+            info = self._planned.pop(key, None)
+            if info is None:
+                continue
+            h, parent, toks = info
+            self._events.append(BlockStored(
+                block_hashes=[maybe_convert_block_hash(h)],
+                parent_block_hash=maybe_convert_block_hash(parent) if parent else None,
+                token_ids=toks, block_size=self._block_size, lora_id=None,
+                medium=KV_EVENT_MEDIUM, lora_name=None))
+            self._held[key] = h
+            while len(self._held) > _MAX_EVENT_KEYS:
+                self._held.popitem(last=False)
+        gone = [self._held.pop(k) for k in dict.fromkeys(meta.removed) if k in self._held]
+        if gone:
+            self._events.append(BlockRemoved(
+                block_hashes=[maybe_convert_block_hash(h) for h in gone],
+                medium=KV_EVENT_MEDIUM))
+
+    def take_events(self) -> Iterable[Any]:
+        events, self._events = self._events, []
+        return events
+
     # ------------------------------------------------------------------
     # Worker side
     # ------------------------------------------------------------------
@@ -497,8 +580,8 @@ class KvtierConnector(KVConnectorBase_V1):
         except Exception:  # no distributed state: a single rank
             self._rank = 0
         self._tier: TierHandle | None = None
-        self._server: _LookupServer | None = None
-        self._layers: list[torch.Tensor] = []
+        self._server: LookupServer | None = None
+        self._map: KvMapping | None = None
         # The staged HBM path (CUDA caches, or its CPU test double).
         self._hbm = False
         self._cuda = False
@@ -507,23 +590,65 @@ class KvtierConnector(KVConnectorBase_V1):
         self._stage_owner: Any = None
         self._free_load: list[int] = []
         self._free_store: list[int] = []
-        # (job, load, slots or None, loaded block ids, layers done)
-        self._inflight: list[tuple[int, _Load, list[int] | None, list[int], set[int]]] = []
+        self._inflight: list[_InflightLoad] = []
         # store job -> (staging slots or None, request id when direct)
         self._store_jobs: dict[int, tuple[list[int] | None, str | None]] = {}
         self._store_reqs: dict[str, int] = {}
         self._sending: set[str] = set()
         self._load_errors: set[int] = set()
+        self._ev_stored: list[bytes] = []
+        self._ev_removed: list[bytes] = []
         self._stats: dict[str, Any] = {"rank": self._rank, "staged": None, "hbm": None,
                                        "stream_waits": 0, "loaded_blocks": 0,
                                        "layer_waits": [], "load_error_blocks": 0,
-                                       "stored_blocks": 0, "stores_dropped": 0}
+                                       "corrupt_blocks": 0, "loaded_bytes": 0,
+                                       "stored_blocks": 0, "stored_bytes": 0,
+                                       "stores_dropped": 0, "layer_wait_s": 0.0}
+
+    def _kv_groups_check(self) -> None:
+        """Refuses, at start, a model whose KV cache kvtier would serve wrong:
+        several cache groups (hybrid models) or state that is not attention KV."""
+        cfg = self._kv_cache_config
+        if cfg is None:
+            return
+        groups = [g for g in cfg.kv_cache_groups if getattr(g, "enable_kv_transfer", True)]
+        kinds = [f"{type(g.kv_cache_spec).__name__} x {len(g.layer_names)} layers" for g in groups]
+        if len(groups) != 1:
+            raise KvtierError(
+                f"this model's KV cache has {len(groups)} groups ({'; '.join(kinds)}); "
+                "KvtierConnector serves one group of attention layers: run vLLM with "
+                "--disable-hybrid-kv-cache-manager where the model allows it, or without kvtier"
+            )
+        from vllm.v1.kv_cache_interface import AttentionSpec
+
+        spec = groups[0].kv_cache_spec
+        if not isinstance(spec, AttentionSpec):
+            raise KvtierError(
+                f"this model's KV cache is {kinds[0]}, not attention KV; KvtierConnector "
+                "serves attention KV caches (full attention, GQA, MHA, MLA)"
+            )
+
+    def _identity(self) -> dict[str, Any]:
+        """What, besides the physical layout, decides the bytes of a block."""
+        mc = self._vllm_config.model_config
+        try:
+            hf = mc.hf_config.to_json_string(use_diff=False)
+        except Exception:  # a config transformers cannot serialise: its repr
+            hf = repr(mc.hf_config)
+        cfg = self._kv_cache_config
+        spec = repr(cfg.kv_cache_groups[0].kv_cache_spec) if cfg and cfg.kv_cache_groups else None
+        return {
+            "model": str(mc.model),
+            "hf_config": hashlib.sha256(hf.encode()).hexdigest(),
+            "kv_cache_dtype": str(self._vllm_config.cache_config.cache_dtype),
+            "kv_spec": spec,
+            "tp_size": self._tp_size,
+            "tp_rank": self._rank,
+        }
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        names = list(kv_caches)
-        layers = [kv_caches[n] for n in names]
-        t0 = layers[0]
-        devices = {t.device.type for t in layers}
+        self._kv_groups_check()
+        devices = {t.device.type for t in kv_caches.values()}
         if devices - {"cpu", "cuda"} or len(devices) != 1:
             raise KvtierError(
                 f"KV tensors on {sorted(devices)}; KvtierConnector registers one device's "
@@ -536,63 +661,50 @@ class KvtierConnector(KVConnectorBase_V1):
             raise KvtierError("test_only_staged_host_double stands CPU tensors in for GPU "
                               "memory; drop it to serve CUDA KV caches")
         self._hbm = self._cuda or double
-        # Per layer: block-major [blocks, 2, block_size, ...] (vLLM's CPU
-        # cache, FlashInfer) or, on CUDA, [2, blocks, block_size, ...]
-        # (FlashAttention), which kvtier calls per_layer.
-        if t0.dim() >= 4 and t0.shape[1] == 2:
-            layout = "block_major"
-        elif self._hbm and t0.dim() >= 4 and t0.shape[0] == 2:
-            layout = "per_layer"
-        else:
-            raise KvtierError(
-                f"KV tensor {names[0]} has shape {tuple(t0.shape)}; KvtierConnector expects "
-                "vLLM's [blocks, 2, block_size, ...] per layer (or [2, blocks, block_size, ...] "
-                "for CUDA caches)"
-            )
-        if t0.shape[2] != self._block_size:
-            raise KvtierError(
-                f"KV tensor block dimension {t0.shape[2]} differs from cache block_size "
-                f"{self._block_size}; kernel block splitting is not supported"
-            )
-        mc = self._vllm_config.model_config
-        kv_heads = mc.get_num_kv_heads(self._vllm_config.parallel_config)
-        head = mc.get_head_size()
-        per_tok = 1
-        for d in t0.shape[3:]:
-            per_tok *= d
-        if per_tok != kv_heads * head:
-            raise KvtierError(
-                f"KV tensor {names[0]} holds {per_tok} elements per token, not "
-                f"kv_heads {kv_heads} x head_size {head}"
-            )
-        self._layers = layers
-        self._layer_index = {n: i for i, n in enumerate(names)}
-        self._stats["layer_waits"] = [0] * len(layers)
+        cfg = self._kv_cache_config
+        # The layout vLLM resolved; the mapping itself is read off the
+        # tensors' addresses and strides (see _vllm_layout).
+        vllm_layout = (getattr(cfg, "kv_cache_layout", None)
+                       or getattr(self._vllm_config.cache_config, "kv_cache_layout", None))
+        m = map_kv_caches(kv_caches, cfg.num_blocks if cfg is not None else None,
+                          self._block_size, vllm_layout, self._identity())
+        self._map = m
+        self._layer_index = dict(m.layer_of)
+        self._stats["layer_waits"] = [0] * m.layers
+        self._stats["layout"] = {"vllm": m.vllm_layout, "kvtier": m.layout,
+                                 "page_bytes": m.page_bytes, "layers": m.layers}
         rank_dir = self._rank_dir(self._rank)
-        cfg = _pool_model_config(os.path.join(rank_dir, "model-geometry.json"), len(layers),
-                                 kv_heads, head, str(mc.model))
-        dtype = str(t0.dtype).removeprefix("torch.")
+        name = _model_tail(str(self._vllm_config.model_config.model))
         b = (
             TierBuilder()
             .directory(os.path.join(rank_dir, "pool"))
             .capacity(self._capacity)
             .prewrite(self._prewrite)
-            .model(cfg, block_size=self._block_size, dtype=dtype)
+            .geometry(layers=m.layers, kv_heads=m.kv_heads, head_dim=m.head_dim, dtype=m.dtype,
+                      block_size=self._block_size, name=f"vllm:{name}"[:64])
+            .namespace(f"vllm/{name}@{m.fingerprint[:16]}/tp{self._rank}")
             .tp_rank(self._rank)
             .engine(self._engine)
             .policy(self._policy)
         )
-        aligned = all(t.is_contiguous() and t.data_ptr() % 4096 == 0 for t in layers)
+        aligned = not m.padded and all(r.data_ptr() % 4096 == 0 for r in m.regions)
+        if m.padded and self._hbm:
+            raise KvtierError(m.padding_fix + " (CUDA caches are copied by kvtier's kernels "
+                              "page by page, which needs whole-sector pages)")
+        if m.padded:
+            logger.warning("kvtier: %s; serving it through staging in %d B slots, %.0f%% of "
+                           "the pool is padding", m.padding_fix, m.slot_bytes,
+                           100 * (1 - m.page_bytes / m.slot_bytes))
         if self._hbm:
             # kvtier's own pinned staging; the copies only need 16 bytes of
             # alignment, which torch's allocations have.
             b = b.staging(layer_buffers=4, load_blocks=self._staging, store_blocks=self._staging)
             if double:
                 b = b.test_only_staged_host_double()
-            b = b.kv_memory(layers, layout=layout)
+            b = b.kv_memory(m.regions, layout=m.layout)
             aligned = True  # no host staging of the connector's own
         elif aligned:
-            b = b.kv_memory(layers, layout=layout)
+            b = b.kv_memory(m.regions, layout=m.layout)
         else:
             b = b.host_cache(2 * self._staging, layout="cross_layer")
         self._tier = b.build()
@@ -601,18 +713,19 @@ class KvtierConnector(KVConnectorBase_V1):
         if not aligned:
             addr, size = self._tier.host_memory()
             self._stage_owner = (ctypes.c_char * size).from_address(addr)
-            self._stage = (
-                torch.frombuffer(self._stage_owner, dtype=torch.uint8)
-                .view(t0.dtype)
-                .view(2 * self._staging, len(layers), *t0.shape[1:])
-            )
+            # Staging slot s holds block pages in kvtier's cross-layer order:
+            # [slot, layer, page bytes], the same bytes the pages hold.
+            self._stage = torch.frombuffer(self._stage_owner, dtype=torch.uint8).view(
+                2 * self._staging, m.layers, m.slot_bytes)[:, :, : m.page_bytes]
             self._free_load = list(range(self._staging))
             self._free_store = list(range(self._staging, 2 * self._staging))
             logger.info(
-                "kvtier: vLLM's KV tensors are not 4096-byte aligned (%#x); staging through "
-                "%d page-aligned blocks", t0.data_ptr(), 2 * self._staging)
-        self._server = _LookupServer(_socket_name(rank_dir), self._tier)
-        logger.info("kvtier: rank %d pool %s, engine %s", self._rank, rank_dir, self._tier.engine)
+                "kvtier: vLLM's KV cache is not 4096-byte aligned (%#x); staging through "
+                "%d page-aligned blocks (%d MiB)", m.regions[0].data_ptr(), 2 * self._staging,
+                (2 * self._staging * m.layers * m.slot_bytes) >> 20)
+        self._server = LookupServer(socket_name(rank_dir), self._tier, logger)
+        logger.info("kvtier: rank %d pool %s, engine %s, %s", self._rank, rank_dir,
+                    self._tier.engine, m.describe())
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -642,37 +755,58 @@ class KvtierConnector(KVConnectorBase_V1):
                 if slots:
                     self._free_load.extend(slots)
                 continue
-            self._inflight.append((job, ld, slots, ld.block_ids[:n], set()))
+            self._inflight.append(_InflightLoad(job, ld, slots, ld.block_ids[:n]))
 
-    def _finish_layer(self, entry: tuple, layer: int) -> None:
-        job, ld, slots, ids, done = entry
-        if layer in done:
+    def _finish_layer(self, ld: "_InflightLoad", layer: int) -> None:
+        if layer in ld.done:
             return
-        done.add(layer)
+        ld.done.add(layer)
         if self._cuda and self._tier.stream_wait_layer(
-                job, layer, torch.cuda.current_stream().cuda_stream):
+                ld.job, layer, torch.cuda.current_stream().cuda_stream):
             # The compute stream waits for the layer on the GPU; a failed
             # layer still releases it, its blocks are reported at the job's
             # end (wait_for_save) for vLLM's kv_load_failure_policy.
-            self._stats["stream_waits"] += 1
+            self._count(self._stats, "stream_waits", 1)
             return
-        try:
-            self._tier.wait_layer(job, layer)
-        except KvtierError as e:
-            logger.warning("kvtier: layer %d of %s failed to load: %s", layer, ld.req_id, e)
-            self._load_errors.update(ids)
-            return
-        if slots is not None:
-            dst = self._layers[layer]
-            dst[torch.tensor(ids)] = self._stage[torch.tensor(slots), layer]
+        ok = ld.block_ids
+        slots = ld.slots
+        failed = ld.result is not None  # the job ended early: a layer failed
+        if not failed:
+            try:
+                self._tier.wait_layer(ld.job, layer)
+            except KvtierError as e:
+                # Some block of the layer failed (corrupt, unreadable). Which
+                # ones the job's result says: wait for it (this step only, and
+                # only on a failure) so that exactly those blocks are reported
+                # to vLLM and the others, whose attention runs next, get their
+                # bytes (every layer of the job is in once it has ended).
+                logger.warning("kvtier: layer %d of %s failed to load: %s", layer,
+                               ld.load.req_id, e)
+                ld.result = self._tier.wait(ld.job)
+                failed = True
+        if failed:
+            r = ld.result
+            good = [i for i, err in enumerate(r.errors) if err is None]
+            ok = [ld.block_ids[i] for i in good]
+            slots = [ld.slots[i] for i in good] if ld.slots is not None else None
+        if slots is not None and ok:
+            _copy_rows(self._map.pages[layer], ok, self._stage[:, layer], slots)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)
         if layer is None or not self._inflight:
             return
         self._stats["layer_waits"][layer] += 1
-        for entry in self._inflight:
-            self._finish_layer(entry, layer)
+        t0 = time.monotonic()
+        try:
+            self._wait_layer_all(layer)
+        finally:
+            self._count(self._stats, "layer_waits_total", 1)
+            self._count(self._stats, "layer_wait_s", time.monotonic() - t0)
+
+    def _wait_layer_all(self, layer: int) -> None:
+        for ld in self._inflight:
+            self._finish_layer(ld, layer)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # A preempted request's blocks are freed and reused: direct stores
@@ -708,6 +842,8 @@ class KvtierConnector(KVConnectorBase_V1):
                 self._store_reqs[req_id] -= 1
             if not r.ok:
                 logger.warning("kvtier: store job %d failed: %s", job, r)
+            self._ev_stored += [k for k, o in zip(r.keys, r.outcomes) if o == "done"]
+            self._ev_removed += list(r.evicted)
 
     def wait_for_save(self) -> None:
         if self._tier is None:
@@ -716,19 +852,26 @@ class KvtierConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvtierConnectorMetadata)
         # Loads: every layer of this step's loads is in by now; take the
         # per-key outcomes, drop the scheduler's pins, free the staging.
-        for entry in self._inflight:
+        for ld in self._inflight:
             if not self._cuda:
-                for layer in range(len(self._layers)):
-                    self._finish_layer(entry, layer)
-            job, ld, slots, ids, _ = entry
-            r = self._tier.wait(job)
-            for bid, err in zip(ids, r.errors):
-                if err is not None:
-                    self._load_errors.add(bid)
-            self._stats["loaded_blocks"] += sum(e is None for e in r.errors)
-            self._tier.unpin(ld.keys[: len(ids)])
-            if slots is not None:
-                self._free_load.extend(slots)
+                for layer in range(self._map.layers):
+                    self._finish_layer(ld, layer)
+            r = ld.result or self._tier.wait(ld.job)
+            bad = [bid for bid, err in zip(ld.block_ids, r.errors) if err is not None]
+            self._ev_removed += [k for k, o in zip(r.keys, r.outcomes) if o == "corrupt"]
+            self._load_errors.update(bad)
+            if bad:
+                corrupt = sum(o == "corrupt" for o in r.outcomes)
+                self._count(self._stats, "corrupt_blocks", corrupt)
+                logger.warning("kvtier: %d of %d blocks of %s failed to load (%d corrupt, "
+                               "dropped from the pool); vLLM recomputes them and kvtier stores "
+                               "them again", len(bad), len(ld.block_ids), ld.load.req_id, corrupt)
+            good = len(ld.block_ids) - len(bad)
+            self._count(self._stats, "loaded_blocks", good)
+            self._count(self._stats, "loaded_bytes", good * self._map.layers * self._map.page_bytes)
+            self._tier.unpin(ld.load.keys[: len(ld.block_ids)])
+            if ld.slots is not None:
+                self._free_load.extend(ld.slots)
         self._inflight = []
         self._reap_stores()
         if self._cuda and meta.stores:
@@ -747,21 +890,28 @@ class KvtierConnector(KVConnectorBase_V1):
         n = len(st.keys)
         slots = None
         if self._stage is not None:
-            if len(self._free_store) < n:
-                self._stats["stores_dropped"] += n  # back-pressure: a future miss, not an error
+            # Back-pressure: the blocks that do not fit the free staging are
+            # dropped (a future miss, not an error); the keys are a chain, so
+            # the prefix that fits is the part worth keeping.
+            fit = min(n, len(self._free_store))
+            self._count(self._stats, "stores_dropped", n - fit)
+            if fit == 0:
                 return
+            if fit < n:
+                st = _Store(st.req_id, st.keys[:fit], st.block_ids[:fit])
+                n = fit
             slots = [self._free_store.pop() for _ in range(n)]
-            idx, sidx = torch.tensor(st.block_ids), torch.tensor(slots)
-            for layer, t in enumerate(self._layers):
-                self._stage[sidx, layer] = t[idx]
+            for layer, pages in enumerate(self._map.pages):
+                _copy_rows(self._stage[:, layer], slots, pages, st.block_ids)
         try:
             job = self._tier.submit_store(st.keys, slots if slots is not None else st.block_ids)
         except BackpressureError:
-            self._stats["stores_dropped"] += n
+            self._count(self._stats, "stores_dropped", n)
             if slots:
                 self._free_store.extend(slots)
             return
-        self._stats["stored_blocks"] += n
+        self._count(self._stats, "stored_blocks", n)
+        self._count(self._stats, "stored_bytes", n * self._map.layers * self._map.page_bytes)
         # Staged stores copied the blocks already; direct ones read vLLM's
         # own blocks, which stay allocated until the job is done. The HBM
         # path counts as direct: it gathers a store's chunks as its store
@@ -785,9 +935,16 @@ class KvtierConnector(KVConnectorBase_V1):
             self._store_reqs.pop(r, None)
         return (done or None), None
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not (self._ev_stored or self._ev_removed):
+            return None
+        meta = KvtierWorkerMetadata(self._ev_stored, self._ev_removed)
+        self._ev_stored, self._ev_removed = [], []
+        return meta
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()
-        self._stats["load_error_blocks"] += len(errs)
+        self._count(self._stats, "load_error_blocks", len(errs))
         return errs
 
     def shutdown(self) -> None:
@@ -883,13 +1040,12 @@ class KvtierTier(SecondaryTierManager):
             logger.warning("KvtierTier: ignoring unknown parameters %s", sorted(kwargs))
         chunk = self.block_size_bytes
         layers, heads, dim = _chunk_geometry(chunk)
-        geo = _pool_model_config(os.path.join(pool_dir, "chunk-geometry.json"), layers, heads,
-                                 dim, f"vllm-offload-chunk-{chunk}")
         b = (
             TierBuilder()
             .directory(os.path.join(pool_dir, "pool"))
             .capacity(capacity)
-            .model(geo, block_size=16, dtype="bfloat16")
+            .geometry(layers=layers, kv_heads=heads, head_dim=dim, dtype="bfloat16",
+                      block_size=16, name=f"vllm-offload-chunk-{chunk}")
             .engine(engine)
             .policy(policy)
             .kv_memory([primary_kv_view], layout="cross_layer")

@@ -10,7 +10,7 @@ use kvtier::gpu::staged::StagingConfig;
 use kvtier::gpu::{kernels, CompletionCounter, Context, Device};
 use kvtier::handle::{Completions, EngineChoice, Event, HandleConfig, TierBuilder as RsBuilder};
 use kvtier::memory::{HostKvCache, HostLayout, KvLayout, KvMemory, MemoryKind};
-use kvtier::model::{resolve_named, DType, KvGeometry};
+use kvtier::model::{resolve_named, DType, KvGeometry, NamedGeometry};
 use kvtier::pool::{DeviceSpec, Key, OpenExpect, PoolConfig, DEFAULT_GROUP_BLOCKS};
 use kvtier::sched::Policy;
 use kvtier::tier::{JobKind, JobResult, KeyOutcome};
@@ -95,7 +95,9 @@ fn exception_for(kind: ErrorKind, msg: String) -> PyErr {
 
 /// The failure as a Python exception with `kind` and `io` attributes.
 fn failure_err(py: Python<'_>, f: &Failure) -> PyErr {
-    let err = exception_for(f.kind, f.message.clone());
+    // Messages quote superblocks, configs and arguments: no raw control
+    // characters reach a terminal that prints them.
+    let err = exception_for(f.kind, kvtier::host::printable(&f.message).into_owned());
     let v = err.value(py);
     let _ = v.setattr("kind", kind_name(f.kind));
     let io = f.io.as_ref().map(|io| {
@@ -312,6 +314,16 @@ int_args! {
     layer_buffers_arg: u32 = "layer_buffers", "2..2**32";
 }
 
+fn group_blocks_arg(o: &Bound<'_, PyAny>) -> PyResult<u32> {
+    match o.extract::<i64>() {
+        Ok(n) if (1..=4096).contains(&n) => Ok(n as u32),
+        _ => Err(usage(format!(
+            "group_blocks({}) is out of range: give 1 to 4096 blocks per extent group",
+            o.repr().map(|r| r.to_string()).unwrap_or_default()
+        ))),
+    }
+}
+
 fn staging_blocks_arg(o: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
     if o.is_none() {
         return Ok(None);
@@ -393,6 +405,23 @@ enum Mem {
     },
 }
 
+/// What `build()` takes the pool's geometry from.
+#[derive(Clone)]
+enum ModelSpec {
+    /// `model()`: a preset or a config.json, a block size, a dtype override.
+    Named(String, u32, Option<String>),
+    /// `geometry()`: given directly by the engine.
+    Geometry(NamedGeometry),
+}
+
+fn parse_dtype(d: &str) -> PyResult<DType> {
+    DType::parse(d).ok_or_else(|| {
+        usage(format!(
+            "dtype {d:?} is unknown; say bfloat16, float16, float32, fp8 or fp8_e5m2"
+        ))
+    })
+}
+
 /// Opens (or creates) a pool and serves KV memory from it. Every setter
 /// returns the builder, so calls chain; `build()` opens the tier.
 #[pyclass(module = "kvtier._kvtier")]
@@ -400,7 +429,7 @@ pub struct TierBuilder {
     place: Option<Where>,
     capacity: Option<u64>,
     create: String,
-    model: Option<(String, u32, Option<String>)>,
+    model: Option<ModelSpec>,
     namespace: Option<String>,
     tp_rank: u32,
     engine: String,
@@ -526,6 +555,19 @@ impl TierBuilder {
         Ok(slf)
     }
 
+    /// Blocks per extent group of a pool this builder creates (default 64):
+    /// the smallest pool is one group per file, so fewer blocks a group let
+    /// small pools of large blocks exist (LMCache's 32 MiB chunks); a run
+    /// of consecutive blocks is one extent per layer only within a group.
+    /// An existing pool keeps the group it was created with.
+    fn group_blocks(
+        mut slf: PyRefMut<'_, Self>,
+        #[pyo3(from_py_with = group_blocks_arg)] n: u32,
+    ) -> PyRefMut<'_, Self> {
+        slf.group_blocks = n;
+        slf
+    }
+
     /// Bytes of pool to create (split over the files): an int or "8g".
     fn capacity<'a>(
         mut slf: PyRefMut<'a, Self>,
@@ -558,7 +600,40 @@ impl TierBuilder {
         #[pyo3(from_py_with = block_size_arg)] block_size: u32,
         dtype: Option<String>,
     ) -> PyResult<PyRefMut<'_, Self>> {
-        slf.model = Some((spec, block_size, dtype));
+        slf.model = Some(ModelSpec::Named(spec, block_size, dtype));
+        Ok(slf)
+    }
+
+    /// The KV geometry itself, for engines that know their cache's shape
+    /// (no config.json to read): `layers` layers of two objects per block,
+    /// each `block_size` tokens x `kv_heads` x `head_dim` elements of
+    /// `dtype`; `name` names the model in the pool (at most 64 bytes kept).
+    /// The last call of `model()` and `geometry()` wins.
+    #[pyo3(signature = (*, layers, kv_heads, head_dim, dtype, block_size, name))]
+    fn geometry(
+        mut slf: PyRefMut<'_, Self>,
+        layers: u32,
+        kv_heads: u32,
+        head_dim: u32,
+        dtype: String,
+        #[pyo3(from_py_with = block_size_arg)] block_size: u32,
+        name: String,
+    ) -> PyResult<PyRefMut<'_, Self>> {
+        let dtype = parse_dtype(&dtype)?;
+        let geometry = KvGeometry {
+            layers,
+            kv_heads,
+            head_dim,
+            dtype,
+            block_size,
+        };
+        geometry.validate().map_err(to_py_builder)?;
+        if name.is_empty() || name.chars().any(char::is_control) {
+            return Err(usage(format!(
+                "geometry name {name:?} must be non-empty printable text (it names the model in the pool)"
+            )));
+        }
+        slf.model = Some(ModelSpec::Geometry(NamedGeometry { geometry, name }));
         Ok(slf)
     }
 
@@ -723,19 +798,16 @@ impl TierBuilder {
 
     /// Open the pool, start its engine and I/O thread, register the memory.
     fn build(mut slf: PyRefMut<'_, Self>, py: Python<'_>) -> PyResult<TierHandle> {
-        let (spec, block_size, dtype) = slf.model.clone().ok_or_else(|| {
-            usage("no model: call model(\"llama3-8b\" or \"path/to/config.json\", block_size=16) before build()")
-        })?;
-        let dtype = match dtype {
-            Some(d) => Some(DType::parse(&d).ok_or_else(|| {
-                usage(format!(
-                    "dtype {d:?} is unknown; say bfloat16, float16, float32, fp8 or fp8_e5m2"
-                ))
-            })?),
-            None => None,
+        let named = match slf.model.clone().ok_or_else(|| {
+            usage("no model: call model(\"llama3-8b\" or \"path/to/config.json\", block_size=16) or geometry(...) before build()")
+        })? {
+            ModelSpec::Named(spec, block_size, dtype) => {
+                let dtype = dtype.as_deref().map(parse_dtype).transpose()?;
+                without_gil(py, || resolve_named(&spec, block_size, dtype))
+                    .map_err(to_py_builder)?
+            }
+            ModelSpec::Geometry(named) => named,
         };
-        let named =
-            without_gil(py, || resolve_named(&spec, block_size, dtype)).map_err(to_py_builder)?;
         let g = named.geometry;
         let namespace = slf.namespace.clone().unwrap_or_else(|| {
             format!(
@@ -1590,6 +1662,16 @@ impl TierHandle {
         let keys = keys_of(keys)?;
         without_gil(py, || h.unpin(&keys));
         Ok(())
+    }
+
+    /// Take `keys` out of the pool (never served again; a load already
+    /// reading one finishes); keys not held are skipped. Returns how many
+    /// were removed. A pool reopened before a removed block's slot is reused
+    /// may hold it again.
+    fn remove(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let h = self.live()?;
+        let keys = keys_of(keys)?;
+        without_gil(py, || h.remove(&keys)).map_err(to_py)
     }
 
     fn contains(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<bool> {

@@ -244,3 +244,415 @@ def test_kvtier_l2_closed_by_an_early_atexit_handler_finishes_and_keeps_its_stor
         assert done[3] == [True], done
     finally:
         l2.close()
+
+
+# -- issue 27: the README's server, deletes, what operators see, small chunks
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
+SERVER_SCRIPT = REPO / "python" / "examples" / "lmcache-server.sh"
+
+
+class _Lines(__import__("logging").Handler):
+    """Collects kvtier.lmcache's log lines (LMCache's logger does not
+    propagate, so pytest's caplog cannot see them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def kvtier_log():
+    import logging
+
+    h = _Lines()
+    lg = logging.getLogger("kvtier.lmcache")
+    lg.addHandler(h)
+    try:
+        yield h.lines
+    finally:
+        lg.removeHandler(h)
+
+
+def native_adapter(tmp_path, tiny_model, n_objs, **extra):
+    """LMCache's own NativeConnectorL2Adapter over KvtierL2, from the JSON,
+    and an L1 buffer of n_objs chunks for its objects."""
+    cfg = parse_args_to_l2_adapters_config(
+        argparse.Namespace(l2_adapter=[l2_json(tmp_path, tiny_model, **extra)])
+    )
+    l1 = torch.zeros(n_objs * (CHUNK_BYTES // 2), dtype=torch.bfloat16)
+    desc = L1MemoryDesc(ptr=l1.data_ptr(), size=l1.numel() * 2, align_bytes=2)
+    return create_l2_adapter(cfg.adapters[0], l1_memory_desc=desc), l1
+
+
+def chunk_objs(l1, n, first=0):
+    e = CHUNK_BYTES // 2
+    return [memobj(l1[(first + i) * e : (first + i + 1) * e]) for i in range(n)]
+
+
+def tiny_keys(tag, n):
+    return [ObjectKey(chunk_hash=bytes([tag, i]) * 8, model_name="tiny", kv_rank=0) for i in range(n)]
+
+
+def store_through(adapter, keys, objs):
+    t = adapter.submit_store_task(keys, objs)
+    wait_fd(adapter.get_store_event_fd())
+    assert adapter.pop_completed_store_tasks()[t].is_successful()
+
+
+def load_through(adapter, keys, objs):
+    t = adapter.submit_load_task(keys, objs)
+    wait_fd(adapter.get_load_event_fd())
+    bm = adapter.query_load_result(t)
+    return [bm.test(i) for i in range(len(keys))]
+
+
+def test_lmcache_delete_takes_chunks_out_of_kvtier_and_both_sides_agree(tmp_path, tiny_model):
+    adapter, l1 = native_adapter(tmp_path, tiny_model, 8)
+    try:
+        client = adapter._client
+        keys = tiny_keys(9, 4)
+        objs = chunk_objs(l1, 4)
+        for o in objs:
+            o.tensor.copy_(torch.randn(o.tensor.shape).to(torch.bfloat16))
+        store_through(adapter, keys, objs)
+        assert adapter.get_usage().total_bytes_used == 4 * CHUNK_BYTES
+        # LMCache's eviction path: NativeConnectorL2Adapter.delete calls
+        # submit_batch_delete and waits for it.
+        adapter.delete(keys[:3])
+        assert adapter.get_usage().total_bytes_used == CHUNK_BYTES, "LMCache's accounting"
+        assert client.tier.usage()["tier"]["live_blocks"] == 1, "kvtier's pool"
+        assert client.stats()["deleted"] == 3
+        # Deleted chunks are misses; the kept one still loads byte-equal.
+        dst = chunk_objs(l1, 4, first=4)
+        assert load_through(adapter, keys, dst) == [False, False, False, True]
+        assert torch.equal(dst[3].tensor, objs[3].tensor)
+        assert client.stats()["missed"] == 3
+        # Deleting what is not held is answered, not an error.
+        adapter.delete(keys[:1])
+        assert client.stats()["deleted"] == 3
+    finally:
+        adapter.close()
+
+
+def test_lmcache_l2_eviction_deletes_from_kvtier_so_the_pool_holds_what_lmcache_counts(
+    tmp_path, tiny_model
+):
+    # LMCache's StorageManager with max_capacity_gb of 4 chunks: its L2
+    # eviction controller deletes the oldest chunks; kvtier must let go of
+    # exactly those, so its pool holds what LMCache's accounting says.
+    cap_gb = 4 * CHUNK_BYTES / 2**30
+    config = parse_args(
+        [
+            "--l1-size-gb", "0.0625", "--no-l1-use-lazy", "--eviction-policy", "LRU",
+            "--l2-adapter",
+            json.dumps(
+                {
+                    **json.loads(l2_json(tmp_path, tiny_model)),
+                    "max_capacity_gb": cap_gb,
+                    "eviction": {"eviction_policy": "LRU"},  # as the README's command
+                }
+            ),
+        ]
+    )
+    sm = StorageManager(config)
+    try:
+        layout = MemoryLayoutDesc(shapes=[CHUNK_SHAPE], dtypes=[torch.bfloat16])
+        adapter = sm.l2_adapters()[0][1]
+        while not hasattr(adapter, "_client"):
+            adapter = getattr(adapter, "_adapter", None) or adapter._inner
+        client = adapter._client
+        keys = tiny_keys(11, 10)
+        for k in keys:
+            objs = sm.reserve_write([k], layout)
+            objs[k].tensor.copy_(torch.randn(objs[k].tensor.shape).to(torch.bfloat16))
+            sm.finish_write([k])
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            held = client.tier.usage()["tier"]["live_blocks"]
+            counted = adapter.get_usage().total_bytes_used // CHUNK_BYTES
+            if client.stats()["deleted"] > 0 and held == counted and counted <= 4:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(
+                f"kvtier holds {held} chunks, LMCache counts {counted}, "
+                f"deleted {client.stats()['deleted']}"
+            )
+        assert client.stats()["evicted"] == 0, "kvtier never had to evict on its own"
+        assert [client.tier.contains(hashlib_key(k)) for k in keys].count(True) == held
+    finally:
+        sm.close()
+
+
+def hashlib_key(k):
+    from lmcache.v1.distributed.l2_adapters.native_connector_l2_adapter import (
+        _object_key_to_string,
+    )
+
+    from kvtier.lmcache import _key
+
+    return _key(_object_key_to_string(k))
+
+
+def test_a_corrupt_chunk_is_a_logged_counted_miss_never_wrong_bytes(
+    tmp_path, tiny_model, kvtier_log
+):
+    adapter, l1 = native_adapter(tmp_path, tiny_model, 6)
+    keys = tiny_keys(13, 3)
+    objs = chunk_objs(l1, 3)
+    for o in objs:
+        o.tensor.copy_(torch.randn(o.tensor.shape).to(torch.bfloat16))
+    want = [bytes(o.byte_array) for o in objs]
+    try:
+        store_through(adapter, keys, objs)
+    finally:
+        adapter.close()
+    # Flip one bit of chunk 1's first object on the device.
+    pool = tmp_path / "pool" / "kvtier-0.pool"
+    raw = pool.read_bytes()
+    off = raw.find(want[1][:4096])
+    assert off > 0
+    with open(pool, "r+b") as f:
+        f.seek(off + 99)
+        f.write(bytes([raw[off + 99] ^ 0x04]))
+        os_fsync(f)
+    adapter, l1 = native_adapter(tmp_path, tiny_model, 6)
+    try:
+        client = adapter._client
+        dst = chunk_objs(l1, 3, first=3)
+        assert load_through(adapter, keys, dst) == [True, False, True]
+        assert bytes(dst[0].byte_array) == want[0] and bytes(dst[2].byte_array) == want[2]
+        s = client.stats()
+        assert (s["corrupt"], s["loaded_chunks"]) == (1, 2), s
+        said = [m for m in kvtier_log if "failed its checksum" in m]
+        assert len(said) == 1 and "served as a miss" in said[0], kvtier_log
+        # Dropped from the pool: not found again.
+        assert not client.tier.contains(hashlib_key(keys[1]))
+    finally:
+        adapter.close()
+    closing = [m for m in kvtier_log if "(closed)" in m]
+    assert closing and "corrupt 1" in closing[-1] and "loaded 2" in closing[-1], kvtier_log
+
+
+def os_fsync(f):
+    import os
+
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def test_a_chunk_much_smaller_than_a_block_is_warned_with_its_waste(tmp_path, tiny_model, kvtier_log):
+    from kvtier.lmcache import KvtierL2
+
+    l2 = KvtierL2(model=tiny_model, chunk_size=CHUNK, path=str(tmp_path / "p"), capacity="16m")
+    try:
+        quarter = memoryview(bytearray(CHUNK_BYTES // 4))
+        full = memoryview(bytearray(CHUNK_BYTES))
+        l2.submit_batch_set(["full", "q1", "q2"], [full, quarter, quarter])
+        warned = [m for m in kvtier_log if "takes a whole kvtier block" in m]
+        assert len(warned) == 1, kvtier_log  # once per size
+        assert f"{CHUNK_BYTES // 4} bytes" in warned[0] and "75% of it wasted" in warned[0]
+        assert "chunk_size" in warned[0]
+        assert l2.stats()["wasted_bytes"] == 2 * (CHUNK_BYTES - CHUNK_BYTES // 4)
+    finally:
+        l2.close()
+    assert l2.stats()["stored_chunks"] == 3
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_readme_server_command_restores_evicted_chunks_byte_equal_through_kvtier(
+    tmp_path, tiny_model
+):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    from lmcache.cli.commands.bench.server_bench.client import ServerBenchClient
+    from lmcache.cli.commands.bench.server_bench.config import BenchConfig
+
+    # The README shows exactly the command this script runs.
+    script = SERVER_SCRIPT.read_text()
+    command = script[script.index("exec lmcache server") :].strip()
+    readme = (REPO / "README.md").read_text()
+    assert command.removeprefix("exec ") in readme, "README's LMCache command drifted from the script"
+
+    rpc, http = _free_port(), _free_port()
+    env = dict(
+        os.environ,
+        PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+        L1_GB="0.004",  # 16 chunks of the tiny model at chunk 256 (256 KiB each)
+        L2_GB="0.01",
+        POOL=str(tmp_path / "pool"),
+        CAPACITY="24m",  # one 64-block group of 256 KiB chunks, and room
+        MODEL=tiny_model,
+        CHUNK="256",
+        LMCACHE_DISABLE_BANNER="1",
+    )
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            ["sh", str(SERVER_SCRIPT), "--port", str(rpc), "--http-port", str(http)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while "Application startup complete" not in log_path.read_text():
+            assert proc.poll() is None, log_path.read_text()[-4000:]
+            assert time.monotonic() < deadline, log_path.read_text()[-4000:]
+            time.sleep(0.2)
+        cfg = BenchConfig(
+            rpc_url=f"tcp://localhost:{rpc}", http_url=f"http://127.0.0.1:{http}", mode="cpu",
+            transfer_mode="lmcache_driven", tp_size=1, use_mla=False, num_tokens=1024,
+            # the tiny llama: K/V, 1024 paged blocks of 16 tokens, 2 heads of 64, 2 layers
+            kvcache_shape_spec="(2,1024,16,2,64):bfloat16:2", num_blocks=1024, block_size=16,
+        )
+        client = ServerBenchClient(cfg, log=lambda m: None)
+        client.start()
+        try:
+            reqs = [client.create_request(i, f"r{i}", "cold") for i in range(8)]
+            kv = list(client._workers[0].kv_caches.values())
+            first = reqs[0]
+            want = [t.narrow(1, first.block_offset, first.num_blocks).clone() for t in kv]
+            # 8 requests of 4 chunks through a 16-chunk L1: the first ones
+            # are evicted from L1 once LMCache has written them to kvtier.
+            for r in reqs:
+                assert client.store(r, 0, r.num_full_tokens).succeeded
+            time.sleep(2)
+            client.zero_destination(first, 0, first.num_full_tokens)
+            assert client.lookup(first).is_full_hit
+            assert client.retrieve(first, 0, first.num_full_tokens).succeeded
+            got = [t.narrow(1, first.block_offset, first.num_blocks) for t in kv]
+            assert all(torch.equal(a, b) for a, b in zip(want, got)), "restored bytes differ"
+            # kvtier's counters in LMCache's metrics (/metrics of the server).
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics").read().decode()
+            values = {
+                line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+                for line in metrics.splitlines()
+                if line.startswith("kvtier_l2_")
+            }
+            assert values.get("kvtier_l2_loaded_chunks_total", 0) >= 1, values  # came from kvtier
+            assert values.get("kvtier_l2_stored_chunks_total", 0) >= 4, values
+            assert values.get("kvtier_l2_corrupt_chunks_total") == 0, values
+        finally:
+            client.close()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log_path.read_text()
+    # kvtier's counters in LMCache's log: the start line and the closing one.
+    assert "kvtier L2 on " in text and "(closed): stored " in text, text[-4000:]
+    closing = text[text.index("(closed): stored ") :].split("\n")[0]
+    assert "loaded 0 " not in closing and "corrupt 0" in closing, closing
+
+
+def test_the_smallest_llama3_8b_pool_at_chunk_256_is_the_readmes(tmp_path):
+    import kvtier
+    from kvtier.lmcache import KvtierL2
+
+    smallest = 269_516_800  # README: one group of 8 blocks of 32 MiB, and the superblock area
+    assert f"{smallest:,}" in (REPO / "README.md").read_text()
+    with pytest.raises(kvtier.UsageError, match=f"capacity\\({smallest}\\)"):
+        KvtierL2(model="llama3-8b", path=str(tmp_path / "small"), capacity=smallest - 4096,
+                 staging_blocks=1)
+    l2 = KvtierL2(model="llama3-8b", path=str(tmp_path / "ok"), capacity=smallest, staging_blocks=1)
+    try:
+        assert l2.tier.usage()["tier"]["total_blocks"] == 8
+    finally:
+        l2.close()
+
+
+def test_batches_larger_than_staging_go_in_parts_and_every_chunk_lands_in_its_own_buffer(
+    tmp_path, tiny_model
+):
+    # 20 chunks through 4 staging blocks, one chunk a job: stores and loads
+    # are split into parts that wait for staging; each result must still
+    # belong to its own key and buffer.
+    n = 20
+    adapter, l1 = native_adapter(
+        tmp_path, tiny_model, 2 * n, staging_blocks=4, store_job_mb=0.01, load_job_mb=0.01,
+        load_inflight_mb=0.04,  # 2 chunks of 16 KiB
+    )
+    try:
+        client = adapter._client
+        assert (client.store_job_blocks, client.load_job_blocks, client.load_inflight_blocks) == (1, 1, 2)
+        keys = tiny_keys(17, n)
+        src = chunk_objs(l1, n)
+        for o in src:
+            o.tensor.copy_(torch.randn(o.tensor.shape).to(torch.bfloat16))
+        store_through(adapter, keys[: n - 1], src[: n - 1])  # the last one is never stored
+        dst = chunk_objs(l1, n, first=n)
+        got = load_through(adapter, keys[::-1], dst[::-1])
+        assert got == [False] + [True] * (n - 1)
+        for i in range(n - 1):
+            assert torch.equal(dst[i].tensor, src[i].tensor), f"chunk {i}"
+        s = client.stats()
+        assert (s["stored_chunks"], s["loaded_chunks"], s["missed"]) == (n - 1, n - 1, 1), s
+    finally:
+        adapter.close()
+
+
+def test_a_chunk_whose_store_completed_survives_kill_9(tmp_path, tiny_model):
+    # The README's durability contract: once the store's completion is
+    # handed to LMCache, the chunk is on the device (data and header
+    # flushed); SIGKILL right after loses none of them.
+    import os
+    import select as sel
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import os, select, sys, time
+        from kvtier.lmcache import KvtierL2
+        l2 = KvtierL2(model={tiny_model!r}, chunk_size={CHUNK}, path={str(tmp_path / 'p')!r},
+                      capacity="16m", staging_blocks=4)
+        fid = l2.submit_batch_set([f"k{{i}}" for i in range(6)],
+                                  [memoryview(bytes([i]) * {CHUNK_BYTES}) for i in range(6)])
+        while True:
+            select.select([l2.event_fd()], [], [], 5)
+            done = [c for c in l2.drain_completions() if c[0] == fid]
+            if done:
+                print("acked", done[0][1], flush=True)
+                break
+        time.sleep(60)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert sel.select([p.stdout], [], [], 60)[0], "no completion in time"
+        assert p.stdout.readline().strip() == "acked True"
+        os.kill(p.pid, signal.SIGKILL)
+    finally:
+        p.kill()
+        p.wait()
+    from kvtier.lmcache import KvtierL2
+
+    l2 = KvtierL2(model=tiny_model, chunk_size=CHUNK, path=str(tmp_path / "p"), staging_blocks=4)
+    try:
+        out = [memoryview(bytearray(CHUNK_BYTES)) for _ in range(6)]
+        fid = l2.submit_batch_get([f"k{i}" for i in range(6)], out)
+        deadline = time.monotonic() + 30
+        done = []
+        while not done and time.monotonic() < deadline:
+            done = [c for c in l2.drain_completions() if c[0] == fid]
+            time.sleep(0.01)
+        assert done and done[0][3] == [True] * 6, done
+        assert all(bytes(o) == bytes([i]) * CHUNK_BYTES for i, o in enumerate(out))
+    finally:
+        l2.close()

@@ -547,11 +547,20 @@ def test_a_damaged_superblock_names_the_python_fix(tmp_path, tiny_model):
     tier = open_tier(tmp_path, tiny_model)
     tier.close()
     (pool,) = [p for p in (tmp_path / "pool").iterdir() if p.suffix == ".pool"]
+    # One damaged copy costs nothing (the pool opens from a backup) ...
     with open(pool, "r+b") as f:
         f.seek(105)
         b = f.read(1)
         f.seek(105)
         f.write(bytes([b[0] ^ 1]))
+    open_tier(tmp_path, tiny_model, create="never").close()
+    # ... every copy (at 0, 256 KiB and 768 KiB) damaged loses the pool.
+    with open(pool, "r+b") as f:
+        for at in (256 << 10, 768 << 10):
+            f.seek(at + 105)
+            b = f.read(1)
+            f.seek(at + 105)
+            f.write(bytes([b[0] ^ 1]))
     with pytest.raises(kvtier.CorruptError) as e:
         open_tier(tmp_path, tiny_model, create="never")
     msg = str(e.value)

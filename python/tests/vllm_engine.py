@@ -51,6 +51,9 @@ def main() -> None:
         max_model_len=512,
         enforce_eager=True,
         seed=0,
+        **({"block_size": int(os.environ["KVTIER_TEST_BLOCK_SIZE"])}
+           if os.environ.get("KVTIER_TEST_BLOCK_SIZE") else {}),
+        **({"dtype": os.environ["KVTIER_TEST_DTYPE"]} if os.environ.get("KVTIER_TEST_DTYPE") else {}),
         **kw,
     )
     init_s = time.time() - t

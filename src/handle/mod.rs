@@ -545,6 +545,19 @@ impl TierHandle {
         }
     }
 
+    /// Take `keys` out of the pool now, for an engine that decides on its
+    /// own what the tier holds (LMCache's L2 delete): a removed key is never
+    /// served again, a load already reading it finishes, and its slot is
+    /// reused once that load ends. Keys not held are skipped; returns how
+    /// many were removed. Not durable by itself: a removed block's header is
+    /// invalidated when its slot is next stored into, so a pool reopened
+    /// before that may hold the block again (its bytes still verified).
+    pub fn remove(&self, keys: &[Key]) -> Result<usize> {
+        let mut core = lock(&self.shared.core);
+        let s = core.as_mut().ok_or_else(Shared::closed_error)?;
+        Ok(s.tier_mut().remove(keys))
+    }
+
     /// Whether the pool holds `key` (false once closed).
     pub fn contains(&self, key: &Key) -> bool {
         self.shared.index_open.load(Ordering::Acquire)

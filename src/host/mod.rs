@@ -53,3 +53,59 @@ pub fn mem_total() -> Option<u64> {
 pub fn mem_available() -> Option<u64> {
     meminfo("MemAvailable:")
 }
+
+/// Whether `c` must not reach a terminal raw: C0 and C1 control characters
+/// (ESC starts terminal sequences, U+009B is a one-character CSI), DEL, and
+/// the bidirectional overrides that reorder what a reader sees.
+fn unsafe_for_terminal(c: char) -> bool {
+    c.is_control() || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+/// `s` with every control character but newline and tab escaped as
+/// `\uXXXX` (also a valid JSON escape of the same character, so a JSON
+/// document passed through stays the same document), for messages that may
+/// quote superblocks, configs and arguments.
+pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
+    escape_if(s, |c| c != '\n' && c != '\t' && unsafe_for_terminal(c))
+}
+
+/// [`printable`] for one line: newlines and tabs escaped too (a field read
+/// from a device or a config, quoted inside a message).
+pub fn printable_line(s: &str) -> std::borrow::Cow<'_, str> {
+    escape_if(s, unsafe_for_terminal)
+}
+
+fn escape_if(s: &str, bad: impl Fn(char) -> bool) -> std::borrow::Cow<'_, str> {
+    if !s.chars().any(&bad) {
+        return std::borrow::Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if bad(c) {
+            out.push_str(&format!("\\u{:04x}", c as u32));
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+#[cfg(test)]
+mod printable_tests {
+    use super::*;
+
+    #[test]
+    fn control_characters_are_escaped() {
+        assert_eq!(printable("plain\ttext\n"), "plain\ttext\n");
+        assert_eq!(printable("a\u{1b}[31mred"), "a\\u001b[31mred");
+        assert_eq!(
+            printable("\u{9b}2J\u{7f}\u{202e}"),
+            "\\u009b2J\\u007f\\u202e"
+        );
+        assert_eq!(printable_line("two\nlines\r"), "two\\u000alines\\u000d");
+        // A JSON document stays the same document.
+        let doc = serde_json::json!({"ns": "a\u{85}b\u{1b}"}).to_string();
+        let back: serde_json::Value = serde_json::from_str(&printable(&doc)).unwrap();
+        assert_eq!(back["ns"], "a\u{85}b\u{1b}");
+    }
+}

@@ -88,6 +88,10 @@ pub struct BackingDevice {
     access: Access,
     /// This open created the file (it did not exist before).
     created: bool,
+    /// For a loop device over a regular file: that file, holding the same
+    /// `flock` as the device, so a pool file held through its own path is not
+    /// opened again through the loop device (nor the reverse).
+    _loop_backing: Option<File>,
 }
 
 /// How an open backing device is held.
@@ -196,7 +200,45 @@ fn direct_io_error(path: &Path, e: Errno) -> Error {
 /// Open an existing block device read-write and exclusively (not yet O_DIRECT) after
 /// checking that nothing has it mounted. Returns the file, its byte size and logical
 /// block size.
-fn open_block_device(path: &Path, meta: &fs::Metadata, access: Access) -> Result<(File, u64, u32)> {
+/// A block device opened for a pool: (descriptor, size, logical block
+/// size, the locked backing file of a loop device).
+type OpenedBlockDevice = (File, u64, u32, Option<File>);
+
+/// If `meta` (a block device) is a loop device over a regular file, open that
+/// file and take the lock `access` takes on it: a pool file another process
+/// holds through its own name is refused through the loop device too (the
+/// device's own lock is another inode's and would not see that holder).
+fn lock_loop_backing(path: &Path, meta: &fs::Metadata, access: Access) -> Result<Option<File>> {
+    let (maj, min) = (libc::major(meta.rdev()), libc::minor(meta.rdev()));
+    let Ok(backing) = fs::read_to_string(format!("/sys/dev/block/{maj}:{min}/loop/backing_file"))
+    else {
+        return Ok(None);
+    };
+    let backing = Path::new(backing.trim_end_matches('\n'));
+    // Absent (deleted, or in another mount namespace): no one can open it by name.
+    let Ok(file) = File::open(backing) else {
+        return Ok(None);
+    };
+    if !file.metadata().is_ok_and(|m| m.file_type().is_file()) {
+        return Ok(None);
+    }
+    lock_device(backing, &file, access).map_err(|e| {
+        backing_error(
+            path,
+            format!(
+                "it is a loop device over {}, which is in use: {e}",
+                crate::host::printable(&backing.display().to_string())
+            ),
+        )
+    })?;
+    Ok(Some(file))
+}
+
+fn open_block_device(
+    path: &Path,
+    meta: &fs::Metadata,
+    access: Access,
+) -> Result<OpenedBlockDevice> {
     if let Some(in_use) = block_device_use(meta)? {
         return Err(backing_error(
             path,
@@ -260,7 +302,8 @@ fn open_block_device(path: &Path, meta: &fs::Metadata, access: Access) -> Result
     let lbs = block_device_logical_block_size(&file)
         .context(|| format!("BLKSSZGET on {}", path.display()))?;
     check_logical_block_size(path, lbs)?;
-    Ok((file, size, lbs))
+    let loop_backing = lock_loop_backing(path, meta, access)?;
+    Ok((file, size, lbs, loop_backing))
 }
 
 fn check_logical_block_size(path: &Path, lbs: u32) -> Result<()> {
@@ -324,6 +367,87 @@ fn of_unfinished_create(sig: Signature, head: &[u8], unfinished: &[[u8; 16]]) ->
         Signature::KvtierUnfinished
     } else {
         sig
+    }
+}
+
+/// Give a pool file (now `len` bytes) its `size` bytes of space and put it in
+/// direct-I/O mode; returns its logical block size.
+fn allocate_for_pool(path: &Path, file: &File, len: u64, size: u64, force: bool) -> Result<u32> {
+    match allocate_file(file, size) {
+        Ok(()) => {}
+        Err(Errno::EOPNOTSUPP) => {
+            check_sparse_ok(path, force)?;
+            // Forced: extend (sparsely) instead.
+            if len < size {
+                file.set_len(size)
+                    .context(|| format!("extending {} to {size} bytes", path.display()))?;
+            }
+        }
+        Err(Errno::ENOSPC) => {
+            return Err(backing_error(
+                path,
+                format!(
+                    "not enough free space on its filesystem for {} ({size} bytes); free \
+                     space or give a smaller --size",
+                    human(size)
+                ),
+            ))
+        }
+        Err(Errno::EFBIG) => {
+            return Err(backing_error(
+                path,
+                format!(
+                    "{} is larger than its filesystem allows for one file; give a smaller \
+                     --size",
+                    human(size)
+                ),
+            ))
+        }
+        Err(e) => {
+            return Err(Error::io(
+                format!("allocating {size} bytes for {}", path.display()),
+                e.into(),
+            ))
+        }
+    }
+    let actual = file
+        .metadata()
+        .context(|| format!("stat {}", path.display()))?
+        .len();
+    if actual != size {
+        return Err(backing_error(
+            path,
+            format!("after allocation it is {actual} bytes, not the {size} asked for"),
+        ));
+    }
+
+    enable_direct_io(file).map_err(|e| direct_io_error(path, e))?;
+    file_logical_block_size(path, file)
+}
+
+/// Whether `file` (of `len` bytes, not yet in O_DIRECT mode) holds a sound
+/// backup superblock: a pool whose primary superblock was damaged or lost.
+pub(crate) fn has_backup_superblock(file: &File, len: u64) -> bool {
+    use crate::pool::layout::{Superblock, SUPERBLOCK_OFFSETS};
+    SUPERBLOCK_OFFSETS[1..].iter().any(|&off| {
+        let mut b = [0u8; std::mem::size_of::<Superblock>()];
+        off + 4096 <= len && file.read_exact_at(&mut b, off).is_ok() && {
+            let sb: Superblock = bytemuck::pod_read_unaligned(&b);
+            sb.is_sound() && sb.backup_offsets().contains(&off)
+        }
+    })
+}
+
+/// `sig`, or [`Signature::KvtierPool`] for a device that looks empty or holds
+/// unrecognised bytes at its head but keeps a sound backup superblock: a pool
+/// whose primary superblock was lost is still a pool (formatting over it
+/// needs --force).
+fn of_backup(sig: Signature, file: &File, len: u64) -> Signature {
+    match sig {
+        Signature::Empty | Signature::Unknown if has_backup_superblock(file, len) => {
+            Signature::KvtierPool
+        }
+        sig => sig,
     }
 }
 
@@ -459,6 +583,82 @@ impl BackingDevice {
         }
     }
 
+    /// A pool device on a regular file the caller created new and still holds
+    /// open (a scratch file): sized and put in direct-I/O mode through this
+    /// descriptor, never reopened by `path` (which only names it in
+    /// messages), so a name swapped for a link meanwhile redirects nothing.
+    /// The file must still be empty: anything written to it since is refused.
+    pub fn create_in_file(
+        file: File,
+        path: &Path,
+        size: u64,
+        min_size: u64,
+    ) -> Result<BackingDevice> {
+        if size % DIRECT_IO_ALIGN as u64 != 0 || size < min_size.max(DIRECT_IO_ALIGN as u64) {
+            return Err(backing_error(
+                path,
+                format!(
+                    "{size} bytes is not a multiple of {DIRECT_IO_ALIGN} of at least \
+                     {min_size} bytes ({}); give a size that is",
+                    min_size_hint()
+                ),
+            ));
+        }
+        lock_device(path, &file, Access::Exclusive)?;
+        let meta = file
+            .metadata()
+            .context(|| format!("stat {}", path.display()))?;
+        if !meta.file_type().is_file() || meta.len() != 0 {
+            return Err(backing_error(
+                path,
+                "is not the empty file just created for the pool (something wrote to it \
+                 meanwhile); pick a directory nothing else writes to",
+            ));
+        }
+        let logical_block_size = allocate_for_pool(path, &file, 0, size, false)?;
+        Ok(BackingDevice {
+            path: path.to_path_buf(),
+            file,
+            size,
+            kind: BackingKind::File,
+            logical_block_size,
+            access: Access::Exclusive,
+            created: false,
+            _loop_backing: None,
+        })
+    }
+
+    /// A pool device reopened through a descriptor of its regular file the
+    /// caller holds (a scratch file), not by `path` (which only names it).
+    pub fn open_file(file: File, path: &Path, access: Access) -> Result<BackingDevice> {
+        lock_device(path, &file, access)?;
+        let meta = file
+            .metadata()
+            .context(|| format!("stat {}", path.display()))?;
+        if !meta.file_type().is_file() {
+            return Err(backing_error(path, "is not a regular file"));
+        }
+        let size = round_down(meta.len());
+        if size == 0 {
+            return Err(backing_error(
+                path,
+                format!("it is only {} bytes, too small to hold a pool", meta.len()),
+            ));
+        }
+        let logical_block_size = file_logical_block_size(path, &file)?;
+        enable_direct_io(&file).map_err(|e| direct_io_error(path, e))?;
+        Ok(BackingDevice {
+            path: path.to_path_buf(),
+            file,
+            size,
+            kind: BackingKind::File,
+            logical_block_size,
+            access,
+            created: false,
+            _loop_backing: None,
+        })
+    }
+
     fn create_file(
         path: &Path,
         meta: Option<fs::Metadata>,
@@ -585,7 +785,11 @@ impl BackingDevice {
             Signature::Empty
         } else {
             let head = read_head(&file, len).context(|| format!("reading {}", path.display()))?;
-            of_unfinished_create(probe_signature(&head), &head, unfinished)
+            of_backup(
+                of_unfinished_create(probe_signature(&head), &head, unfinished),
+                &file,
+                len,
+            )
         };
         if sig == Signature::Empty
             && !force
@@ -615,56 +819,7 @@ impl BackingDevice {
                 .context(|| format!("truncating {} to {size} bytes", path.display()))?;
         }
 
-        match allocate_file(&file, size) {
-            Ok(()) => {}
-            Err(Errno::EOPNOTSUPP) => {
-                check_sparse_ok(path, force)?;
-                // Forced: extend (sparsely) instead.
-                if len < size {
-                    file.set_len(size)
-                        .context(|| format!("extending {} to {size} bytes", path.display()))?;
-                }
-            }
-            Err(Errno::ENOSPC) => {
-                return Err(backing_error(
-                    path,
-                    format!(
-                        "not enough free space on its filesystem for {} ({size} bytes); free \
-                         space or give a smaller --size",
-                        human(size)
-                    ),
-                ))
-            }
-            Err(Errno::EFBIG) => {
-                return Err(backing_error(
-                    path,
-                    format!(
-                        "{} is larger than its filesystem allows for one file; give a smaller \
-                         --size",
-                        human(size)
-                    ),
-                ))
-            }
-            Err(e) => {
-                return Err(Error::io(
-                    format!("allocating {size} bytes for {}", path.display()),
-                    e.into(),
-                ))
-            }
-        }
-        let actual = file
-            .metadata()
-            .context(|| format!("stat {}", path.display()))?
-            .len();
-        if actual != size {
-            return Err(backing_error(
-                path,
-                format!("after allocation it is {actual} bytes, not the {size} asked for"),
-            ));
-        }
-
-        enable_direct_io(&file).map_err(|e| direct_io_error(path, e))?;
-        let logical_block_size = file_logical_block_size(path, &file)?;
+        let logical_block_size = allocate_for_pool(path, &file, len, size, force)?;
         let dev = BackingDevice {
             path: path.to_path_buf(),
             file,
@@ -673,6 +828,7 @@ impl BackingDevice {
             logical_block_size,
             access: Access::Exclusive,
             created: guard.armed,
+            _loop_backing: None,
         };
         if !matches!(
             sig,
@@ -692,7 +848,7 @@ impl BackingDevice {
         force: bool,
         unfinished: &[[u8; 16]],
     ) -> Result<BackingDevice> {
-        let (file, device_size, logical_block_size) =
+        let (file, device_size, logical_block_size, loop_backing) =
             open_block_device(path, meta, Access::Exclusive)?;
         let usable = match size {
             None => round_down(device_size),
@@ -746,7 +902,11 @@ impl BackingDevice {
 
         let head =
             read_head(&file, device_size).context(|| format!("reading {}", path.display()))?;
-        let mut sig = of_unfinished_create(probe_signature(&head), &head, unfinished);
+        let mut sig = of_backup(
+            of_unfinished_create(probe_signature(&head), &head, unfinished),
+            &file,
+            device_size,
+        );
         if sig == Signature::Empty
             && !force
             && data_beyond_head(&file, BackingKind::BlockDevice, device_size)
@@ -766,6 +926,7 @@ impl BackingDevice {
             logical_block_size,
             access: Access::Exclusive,
             created: false,
+            _loop_backing: loop_backing,
         };
         if !matches!(
             sig,
@@ -819,7 +980,7 @@ impl BackingDevice {
             Err(e) => return Err(Error::io(format!("stat {}", path.display()), e)),
         };
         let kind = backing_kind(path, &meta)?;
-        let (file, raw_size, lbs) = match kind {
+        let (file, raw_size, lbs, loop_backing) = match kind {
             BackingKind::BlockDevice => open_block_device(path, &meta, access)?,
             BackingKind::File => {
                 if let Some(why) = regular_file_use(&meta) {
@@ -852,11 +1013,22 @@ impl BackingDevice {
                     ));
                 }
                 let lbs = file_logical_block_size(path, &file)?;
-                (file, meta.len(), lbs)
+                (file, meta.len(), lbs, None)
             }
         };
-        let head = read_head(&file, raw_size).context(|| format!("reading {}", path.display()))?;
-        let sig = probe_signature(&head);
+        // A primary superblock that is damaged, unreadable or zeroed, where a
+        // backup copy survives, is the pool's to recover (Pool::open), unless
+        // something else (a filesystem, a partition table) was put there.
+        let sig = match read_head(&file, raw_size) {
+            Ok(head) => match probe_signature(&head) {
+                Signature::Empty | Signature::Unknown if has_backup_superblock(&file, raw_size) => {
+                    Signature::KvtierPool
+                }
+                sig => sig,
+            },
+            Err(_) if has_backup_superblock(&file, raw_size) => Signature::KvtierPool,
+            Err(e) => return Err(Error::io(format!("reading {}", path.display()), e)),
+        };
         if sig == Signature::KvtierUnfinished {
             return Err(backing_error(
                 path,
@@ -893,6 +1065,7 @@ impl BackingDevice {
             logical_block_size: lbs,
             access,
             created: false,
+            _loop_backing: loop_backing,
         })
     }
 

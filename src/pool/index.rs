@@ -200,6 +200,18 @@ impl Index {
         Some(e.slot)
     }
 
+    /// Take `key` out of the index because its owner asked (an engine that
+    /// evicts by its own accounting, e.g. LMCache's L2 delete): it is never
+    /// served again, and its slot is free once no load reads it (loads in
+    /// flight finish reading it; a caller's pin goes with the key). The
+    /// block's header stays on the device, marked stale, until the next
+    /// store into the slot invalidates it, so a pool reopened before then
+    /// may find the block again (still verified against its checksums).
+    /// Returns its slot, or None if the key was not live.
+    pub fn remove(&mut self, key: &Key) -> Option<u64> {
+        self.condemn(key, false)
+    }
+
     /// A load that held a condemned slot finished.
     pub fn release_condemned(&mut self, slot: u64) {
         let Some(n) = self.condemned.get_mut(&slot) else {
@@ -538,6 +550,34 @@ mod tests {
         ix.unpin(&k(1));
         assert_eq!(ix.pinned(), 3);
         assert_eq!(ix.allocate(1).unwrap().evicted, vec![k(1)]);
+    }
+
+    #[test]
+    fn remove_frees_the_slot_or_holds_it_until_a_reading_load_ends() {
+        let mut ix = Index::new(4);
+        store(&mut ix, &[1, 2, 3]);
+        assert_eq!(ix.remove(&k(9)), None, "not held");
+        // Unpinned: out of the index and the LRU, its slot free at once
+        // with its old header to invalidate before reuse.
+        let s1 = ix.remove(&k(1)).unwrap();
+        assert!(ix.get(&k(1)).is_none());
+        assert_eq!((ix.live(), ix.free_slots(), ix.pinned()), (2, 2, 0));
+        assert_eq!(ix.remove(&k(1)), None, "removed once");
+        // A caller's pin goes with the key; its later unpin is ignored.
+        assert!(ix.pin(&k(2)));
+        ix.remove(&k(2)).unwrap();
+        ix.unpin(&k(2));
+        assert_eq!((ix.live(), ix.free_slots(), ix.pinned()), (1, 3, 0));
+        // A load reading the block keeps its slot out of the free list.
+        assert!(ix.pin_job(&k(3)));
+        let s3 = ix.remove(&k(3)).unwrap();
+        assert_eq!((ix.live(), ix.free_slots(), ix.pinned()), (0, 3, 0));
+        let a = ix.allocate(3).unwrap();
+        assert!(!a.slots.contains(&s3) && a.evicted.is_empty());
+        assert!(a.needs_invalidate.contains(&s1), "removed header is stale");
+        assert!(ix.allocate(1).is_err(), "the read slot is not free yet");
+        ix.release_condemned(s3);
+        assert_eq!(ix.allocate(1).unwrap().slots, vec![s3]);
     }
 
     #[test]

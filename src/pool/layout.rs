@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! device:  [superblock 4 KiB][.. reserved to 1 MiB ..][group 0][group 1]...
+//!          (reserved: backup superblocks at 256 KiB and 768 KiB, bad-slot table at 512 KiB)
 //! group:   [header slot 0 .. header slot G-1]  G x 4 KiB
 //!          [L0 K b0..bG-1][L0 V b0..bG-1][L1 K ...] ... [L(L-1) V b0..bG-1]
 //! ```
@@ -20,6 +21,13 @@ use bytemuck::{Pod, Zeroable};
 use std::mem::{offset_of, size_of};
 
 pub(crate) const FORMAT_VERSION: u32 = 1;
+/// `BlockHeader::version` of the headers this build writes.
+pub(crate) const BLOCK_HEADER_VERSION: u16 = 1;
+/// Where a device keeps copies of its superblock, each in its own 4 KiB
+/// sector: the primary (a create's commit point) and backups inside the
+/// reserved area, so one damaged sector never loses the pool. Pools made
+/// before the backups (`Superblock::copies` 0) have only the primary.
+pub const SUPERBLOCK_OFFSETS: [u64; 3] = [0, 256 << 10, 768 << 10];
 /// Bytes reserved at the front of every device for the superblock.
 pub const DATA_OFFSET: u64 = 1 << 20;
 /// One block header per 4 KiB sector.
@@ -103,8 +111,11 @@ pub struct Superblock {
     pub model: [u8; MODEL_NAME_MAX],
     /// Creation time, seconds since the epoch.
     pub created_unix: u64,
+    /// How many of [`SUPERBLOCK_OFFSETS`] hold a copy of this superblock (0
+    /// in pools made before the backups: the primary alone).
+    pub copies: u32,
     /// Zero.
-    pub reserved: [u8; 196],
+    pub reserved: [u8; 192],
     /// crc32c of every byte before it.
     pub crc: u32,
 }
@@ -158,6 +169,7 @@ const _: () = {
     assert!(offset_of!(Superblock, namespace) == 104);
     assert!(offset_of!(Superblock, model) == 240);
     assert!(offset_of!(Superblock, created_unix) == 304);
+    assert!(offset_of!(Superblock, copies) == 312);
     assert!(offset_of!(Superblock, crc) == 508);
     assert!(size_of::<BlockHeader>() == 128);
     assert!(offset_of!(BlockHeader, slot) == 24);
@@ -167,6 +179,10 @@ const _: () = {
     assert!(offset_of!(BlockHeader, layer_crcs_crc) == 104);
     assert!(LAYER_CRCS_OFFSET >= size_of::<BlockHeader>());
     assert!(BAD_TABLE_OFFSET + BAD_TABLE_BYTES as u64 <= DATA_OFFSET);
+    assert!(SUPERBLOCK_OFFSETS[1] >= crate::host::signature::SIGNATURE_PROBE_BYTES as u64);
+    assert!(SUPERBLOCK_OFFSETS[1] + 4096 <= BAD_TABLE_OFFSET);
+    assert!(SUPERBLOCK_OFFSETS[2] >= BAD_TABLE_OFFSET + BAD_TABLE_BYTES as u64);
+    assert!(SUPERBLOCK_OFFSETS[2] + 4096 <= DATA_OFFSET);
     assert!(offset_of!(BlockHeader, header_crc) == 124);
 };
 
@@ -190,6 +206,15 @@ impl Superblock {
     pub fn model(&self) -> String {
         let n = (self.model_len as usize).min(MODEL_NAME_MAX);
         String::from_utf8_lossy(&self.model[..n]).into_owned()
+    }
+    /// Whether it is a pool superblock whose checksum holds.
+    pub fn is_sound(&self) -> bool {
+        self.magic == crate::host::signature::POOL_MAGIC && self.crc_ok()
+    }
+    /// Offsets of the backup copies it says its device keeps.
+    pub fn backup_offsets(&self) -> &'static [u64] {
+        let n = (self.copies as usize).clamp(1, SUPERBLOCK_OFFSETS.len());
+        &SUPERBLOCK_OFFSETS[1..n]
     }
 }
 

@@ -193,8 +193,19 @@ pub struct Pool {
     model: String,
     index: SharedIndex,
     next_generation: u64,
-    /// Headers that had our magic and uuid but failed their checksum at open.
+    /// Headers that are neither all zeroes nor a valid header of this pool.
     damaged_headers: Vec<u64>,
+    /// Per device (in pool order): the superblock in use, and where a copy
+    /// of it is damaged (offset, what is wrong), found at open.
+    superblocks: Vec<DeviceSuperblock>,
+}
+
+/// One device's superblock as read at open: the copy in use and the copies
+/// that differ from it.
+#[derive(Clone)]
+struct DeviceSuperblock {
+    sb: Superblock,
+    damaged: Vec<(u64, String)>,
 }
 
 /// One device of a pool, for `pool info`.
@@ -251,8 +262,10 @@ pub struct PoolInfo {
     pub capacity_bytes: u64,
     /// Bytes of stored blocks.
     pub used_bytes: u64,
-    /// Headers that were ours but failed their checksum at open.
+    /// Headers that are neither all zeroes nor a valid header of this pool.
     pub damaged_headers: u64,
+    /// Superblock copies (primary or backup) that are damaged or missing.
+    pub damaged_superblocks: u64,
     /// Slots whose header sector could not be read at open.
     pub unreadable_headers: u64,
     /// Slots retired because their sectors failed a write.
@@ -270,8 +283,11 @@ pub struct CheckReport {
     /// Blocks stored from memory the host could not read (GPU memory), which
     /// carry no data checksum: nobody can say whether their bytes are right.
     pub blocks_unverifiable: u64,
-    /// Slots whose header is ours but fails its checksum.
+    /// Slots whose header is neither all zeroes nor a valid header of this pool.
     pub damaged_headers: Vec<u64>,
+    /// Superblock copies that are damaged, unreadable or differ from the one
+    /// in use: "DEVICE at OFFSET: why" (the pool opened from a sound copy).
+    pub damaged_superblocks: Vec<String>,
     /// Slots whose header sector could not be read (their blocks are lost).
     pub unreadable_headers: Vec<u64>,
     /// (slot, key) of live blocks whose data does not match the header's checksum.
@@ -292,6 +308,7 @@ impl CheckReport {
     /// Nothing found damaged (unverifiable blocks may remain).
     pub fn is_undamaged(&self) -> bool {
         self.damaged_headers.is_empty()
+            && self.damaged_superblocks.is_empty()
             && self.unreadable_headers.is_empty()
             && self.bad_data.is_empty()
             && self.unreadable_data.is_empty()
@@ -403,7 +420,7 @@ impl HeaderSectorWriter {
     fn header(&self, key: &Key, slot: u64, generation: u64, data_crc: Option<u32>) -> BlockHeader {
         let mut h = BlockHeader::zeroed();
         h.magic = BLOCK_HEADER_MAGIC;
-        h.version = FORMAT_VERSION as u16;
+        h.version = BLOCK_HEADER_VERSION;
         h.pool_uuid = self.uuid;
         h.slot = slot;
         h.generation = generation;
@@ -595,6 +612,47 @@ impl Pool {
         Ok(pool)
     }
 
+    /// Format a new pool in regular files the caller created new and still
+    /// holds open (scratch files, `(file, path)`, each made `size` bytes):
+    /// created, formatted and served through these descriptors, never
+    /// reopened by path, so a name swapped for a symbolic link meanwhile
+    /// cannot redirect the superblocks into another file. `cfg.devices` is
+    /// not used; `cfg.prewrite` is.
+    pub fn create_in_files(
+        cfg: &PoolConfig,
+        files: Vec<(std::fs::File, PathBuf)>,
+        size: u64,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Pool> {
+        Self::check_config(cfg, files.len())?;
+        let min_size = PoolLayout::min_device_bytes(&cfg.geometry, cfg.group_blocks);
+        let mut devices: Vec<Box<dyn Storage>> = Vec::new();
+        for (file, path) in files {
+            devices.push(Box::new(BackingDevice::create_in_file(
+                file, &path, size, min_size,
+            )?));
+        }
+        let prewrite = vec![cfg.prewrite; devices.len()];
+        Self::format(cfg, devices, &prewrite, progress)
+    }
+
+    /// Open a pool in regular files through descriptors the caller holds
+    /// (see [`Pool::create_in_files`]), exclusively, never by path.
+    pub fn open_in_files(
+        files: Vec<(std::fs::File, PathBuf)>,
+        expect: &OpenExpect,
+    ) -> Result<Pool> {
+        let mut devices: Vec<Box<dyn Storage>> = Vec::new();
+        for (file, path) in files {
+            devices.push(Box::new(BackingDevice::open_file(
+                file,
+                &path,
+                Access::Exclusive,
+            )?));
+        }
+        Self::open_on(devices, expect)
+    }
+
     /// The marks that let a superblock be formatted over without force were
     /// read before the devices were locked: another create may have finished
     /// its pool since. Now that every device is held, a pool superblock is
@@ -716,8 +774,11 @@ impl Pool {
         let mut unfinished = AlignedBuf::zeroed(4096);
         unfinished.as_mut_slice()[..8].copy_from_slice(&crate::host::signature::UNFINISHED_MAGIC);
         unfinished.as_mut_slice()[8..24].copy_from_slice(&uuid);
+        // Every copy: an old pool's backup must not outlive its primary.
         for dev in &devices {
-            dev.write_all_at(&unfinished, 0)?;
+            for &off in &SUPERBLOCK_OFFSETS {
+                dev.write_all_at(&unfinished, off)?;
+            }
         }
         for dev in &devices {
             dev.sync_data()?;
@@ -738,6 +799,7 @@ impl Pool {
             .map(|d| d.as_secs())
             .unwrap_or(0);
         let model = truncate(&cfg.model, MODEL_NAME_MAX);
+        let mut superblocks = Vec::new();
         for (i, dev) in devices.iter().enumerate() {
             // Zero every group's header area first: a device reused from an
             // earlier pool carries old headers, and a header the new pool
@@ -775,11 +837,22 @@ impl Pool {
             sb.model_len = model.len() as u32;
             sb.model[..model.len()].copy_from_slice(model.as_bytes());
             sb.created_unix = now;
+            sb.copies = SUPERBLOCK_OFFSETS.len() as u32;
             sb.seal();
-            let mut buf = AlignedBuf::zeroed(4096);
-            buf.as_mut_slice()[..512].copy_from_slice(bytemuck::bytes_of(&sb));
+            // The backups, durably with the zeroed headers, then the primary:
+            // the primary commits the device (while it is still the mark,
+            // the device is an unfinished create whatever the backups say).
+            let buf = superblock_sector(&sb);
+            for &off in sb.backup_offsets() {
+                dev.write_all_at(&buf, off)?;
+            }
+            dev.sync_data()?;
             dev.write_all_at(&buf, 0)?;
             dev.sync_data()?;
+            superblocks.push(DeviceSuperblock {
+                sb,
+                damaged: Vec::new(),
+            });
         }
         Ok(Pool {
             index: SharedIndex::new(Index::new(layout.total_slots())),
@@ -797,6 +870,7 @@ impl Pool {
             next_generation: 1,
             damaged_headers: Vec::new(),
             unreadable_headers: Vec::new(),
+            superblocks,
         })
     }
 
@@ -841,11 +915,10 @@ impl Pool {
         }
         let path0 = devices[0].path().to_path_buf();
         let mut found: Vec<(Superblock, Box<dyn Storage>)> = Vec::new();
+        let mut damaged_copies: Vec<Vec<(u64, String)>> = Vec::new();
         for dev in devices {
-            let mut buf = AlignedBuf::zeroed(4096);
-            dev.read_exact_at(&mut buf, 0)?;
-            let sb: Superblock = bytemuck::pod_read_unaligned(&buf.as_slice()[..512]);
-            check_superblock(&sb, dev.path(), dev.size())?;
+            let (sb, damaged) = read_superblock(dev.as_ref())?;
+            damaged_copies.push(damaged);
             found.push((sb, dev));
         }
         let first = found[0].0;
@@ -875,6 +948,15 @@ impl Pool {
         for (sb, dev) in &found {
             check_same_pool(sb, &first, dev.path())?;
         }
+        let mut order: Vec<usize> = (0..found.len()).collect();
+        order.sort_by_key(|&i| found[i].0.device_index);
+        let superblocks: Vec<DeviceSuperblock> = order
+            .iter()
+            .map(|&i| DeviceSuperblock {
+                sb: found[i].0,
+                damaged: std::mem::take(&mut damaged_copies[i]),
+            })
+            .collect();
         found.sort_by_key(|(sb, _)| sb.device_index);
         for (i, (sb, dev)) in found.iter().enumerate() {
             if sb.device_index as usize != i {
@@ -965,6 +1047,7 @@ impl Pool {
             model: first.model(),
             next_generation: 1,
             damaged_headers: Vec::new(),
+            superblocks,
         };
         pool.rebuild_index()?;
         Ok(pool)
@@ -1107,12 +1190,18 @@ impl Pool {
         first_err.map_or(Ok(()), Err)
     }
 
+    /// What a header sector holds: nothing (all zeroes: never written, or
+    /// cleared), a live block of this pool, or damage (anything else: a
+    /// flipped bit in the magic is damage, not an empty slot).
     fn classify(&self, h: &BlockHeader, slot: u64, sector: &[u8]) -> HeaderKind {
-        if h.magic != BLOCK_HEADER_MAGIC || h.pool_uuid != self.uuid {
+        if bytemuck::bytes_of(h).iter().all(|&b| b == 0) {
             return HeaderKind::Empty;
         }
-        if !h.crc_ok()
-            || h.version != FORMAT_VERSION as u16
+        if h.magic != BLOCK_HEADER_MAGIC
+            || h.pool_uuid != self.uuid
+            || h.namespace_hash != self.namespace_hash
+            || !h.crc_ok()
+            || h.version != BLOCK_HEADER_VERSION
             || h.generation >= MAX_GENERATION
             || h.slot != slot
             || h.state != BLOCK_STATE_LIVE
@@ -1121,9 +1210,6 @@ impl Pool {
             || h.key_len > 32
         {
             return HeaderKind::Damaged;
-        }
-        if h.namespace_hash != self.namespace_hash {
-            return HeaderKind::Empty;
         }
         let mut layer_crcs = None;
         if h.flags & BLOCK_FLAG_LAYER_CRCS != 0 {
@@ -1340,6 +1426,7 @@ impl Pool {
                 "the pool is open read-only; open it with Pool::open to repair it",
             ));
         }
+        self.restore_superblocks()?;
         let mut dropped = 0;
         let mut lost_slots = Vec::new();
         for (slot, _) in report.bad_data.iter().chain(&report.unreadable_data) {
@@ -1383,6 +1470,42 @@ impl Pool {
         Ok(dropped)
     }
 
+    /// Rewrite every damaged copy of a device's superblock from the copy in
+    /// use, durably: backups first, the primary last.
+    fn restore_superblocks(&mut self) -> Result<()> {
+        for (dev, d) in self.devices.iter().zip(&mut self.superblocks) {
+            if d.damaged.is_empty() {
+                continue;
+            }
+            let buf = superblock_sector(&d.sb);
+            let mut offsets: Vec<u64> = d.damaged.iter().map(|(o, _)| *o).collect();
+            offsets.sort_unstable_by(|a, b| b.cmp(a));
+            for off in offsets {
+                dev.write_all_at(&buf, off)?;
+                dev.sync_data()?;
+            }
+            d.damaged.clear();
+        }
+        Ok(())
+    }
+
+    /// Superblock copies found damaged at open: "DEVICE at OFFSET: why".
+    pub fn damaged_superblocks(&self) -> Vec<String> {
+        self.devices
+            .iter()
+            .zip(&self.superblocks)
+            .flat_map(|(dev, d)| {
+                d.damaged.iter().map(move |(off, why)| {
+                    format!(
+                        "{} at offset {off} ({}): {why}",
+                        dev.path().display(),
+                        if *off == 0 { "primary" } else { "backup" }
+                    )
+                })
+            })
+            .collect()
+    }
+
     /// What `pool info` shows.
     pub fn info(&self) -> PoolInfo {
         let g = &self.layout.geometry;
@@ -1420,6 +1543,11 @@ impl Pool {
             capacity_bytes: ix.total_slots() * g.block_bytes(),
             used_bytes: ix.live() * g.block_bytes(),
             damaged_headers: self.damaged_headers.len() as u64,
+            damaged_superblocks: self
+                .superblocks
+                .iter()
+                .map(|d| d.damaged.len() as u64)
+                .sum(),
             unreadable_headers: self.unreadable_headers.len() as u64,
             bad_slots: ix.bad_slots() - self.unreadable_headers.len() as u64,
         }
@@ -1431,6 +1559,7 @@ impl Pool {
     pub fn check(&self, mut progress: impl FnMut(u32, u32)) -> Result<CheckReport> {
         let mut report = CheckReport {
             damaged_headers: self.damaged_headers.clone(),
+            damaged_superblocks: self.damaged_superblocks(),
             unreadable_headers: self.unreadable_headers.clone(),
             bad_slots: self.index.lock().bad_slots() - self.unreadable_headers.len() as u64,
             ..Default::default()
@@ -1562,6 +1691,101 @@ fn truncate(s: &str, max: usize) -> String {
     s[..end].to_string()
 }
 
+/// The 4 KiB sector a superblock copy is written as (the superblock, then zeroes).
+fn superblock_sector(sb: &Superblock) -> AlignedBuf {
+    let mut buf = AlignedBuf::zeroed(4096);
+    buf.as_mut_slice()[..std::mem::size_of::<Superblock>()].copy_from_slice(bytemuck::bytes_of(sb));
+    buf
+}
+
+/// What is wrong with a superblock copy that differs from `used`.
+fn copy_fault(copy: &Superblock, used: &Superblock) -> String {
+    if copy.magic == crate::host::signature::UNFINISHED_MAGIC {
+        "holds an unfinished-create mark instead of the superblock".into()
+    } else if copy.magic != POOL_MAGIC {
+        if bytemuck::bytes_of(copy).iter().all(|&b| b == 0) {
+            "is all zeroes (lost)".into()
+        } else {
+            "does not begin with the pool magic (damaged or overwritten)".into()
+        }
+    } else if !copy.crc_ok() {
+        "fails its checksum (damaged)".into()
+    } else if copy.pool_uuid != used.pool_uuid {
+        format!(
+            "belongs to another pool ({}), left from an earlier one",
+            hex(&copy.pool_uuid)
+        )
+    } else {
+        "differs from the superblock in use".into()
+    }
+}
+
+/// Read a device's superblock: its primary copy when that is sound (or an
+/// unfinished-create mark: the primary is the create's commit point), else
+/// the first sound backup. A primary that is damaged, unreadable, zeroed or
+/// overwritten by unrecognised bytes costs nothing while a backup survives;
+/// one overwritten by a filesystem or partition table is not recovered over
+/// (that device was given to something else). Returns the superblock in use
+/// and each copy that differs from it (offset, what is wrong).
+fn read_superblock(dev: &dyn Storage) -> Result<(Superblock, Vec<(u64, String)>)> {
+    use crate::host::signature::{probe_signature, Signature, UNFINISHED_MAGIC};
+    let read = |off: u64| -> Result<AlignedBuf> {
+        let mut b = AlignedBuf::zeroed(4096);
+        dev.read_exact_at(&mut b, off).map(|_| b)
+    };
+    let parse = |b: &AlignedBuf| -> Superblock {
+        bytemuck::pod_read_unaligned(&b.as_slice()[..std::mem::size_of::<Superblock>()])
+    };
+    // The copies of `used` other than the one at `at` that differ from it.
+    let others = |used: &Superblock, sector: &AlignedBuf, at: u64| -> Vec<(u64, String)> {
+        SUPERBLOCK_OFFSETS[..used.backup_offsets().len() + 1]
+            .iter()
+            .filter(|&&off| off != at && off + 4096 <= dev.size())
+            .filter_map(|&off| match read(off) {
+                Ok(b) if b.as_slice() == sector.as_slice() => None,
+                Ok(b) => Some((off, copy_fault(&parse(&b), used))),
+                Err(e) => Some((off, format!("cannot be read ({e})"))),
+            })
+            .collect()
+    };
+    let primary = read(0);
+    if let Ok(p) = &primary {
+        let sb = parse(p);
+        if sb.is_sound() || sb.magic == UNFINISHED_MAGIC {
+            check_superblock(&sb, dev.path(), dev.size())?;
+            return Ok((sb, others(&sb, p, 0)));
+        }
+        if let sig @ Signature::Filesystem(_) = probe_signature(p.as_slice()) {
+            return Err(Error::Backing {
+                path: dev.path().to_path_buf(),
+                reason: format!(
+                    "is not a kvtier pool (found: {sig}); create one with `kvtier pool create`"
+                ),
+            });
+        }
+    }
+    for &off in &SUPERBLOCK_OFFSETS[1..] {
+        if off + 4096 > dev.size() {
+            continue;
+        }
+        let Ok(b) = read(off) else { continue };
+        let sb = parse(&b);
+        if !sb.is_sound() || !sb.backup_offsets().contains(&off) {
+            continue;
+        }
+        check_superblock(&sb, dev.path(), dev.size())?;
+        return Ok((sb, others(&sb, &b, off)));
+    }
+    let p = primary?;
+    let sb = parse(&p);
+    check_superblock(&sb, dev.path(), dev.size())?;
+    Err(Error::Corrupt {
+        path: dev.path().to_path_buf(),
+        what: "superblock".into(),
+        reason: "no sound copy; recreate the pool with `kvtier pool create --force`".into(),
+    })
+}
+
 fn check_superblock(sb: &Superblock, path: &Path, backing_size: u64) -> Result<()> {
     let corrupt = |reason: String| Error::Corrupt {
         path: path.to_path_buf(),
@@ -1585,7 +1809,7 @@ fn check_superblock(sb: &Superblock, path: &Path, backing_size: u64) -> Result<(
     }
     if !sb.crc_ok() {
         return Err(corrupt(
-            "checksum mismatch; the device was overwritten or damaged. Recreate the pool with `kvtier pool create --force`".into(),
+            "checksum mismatch, and no backup copy is sound; the device was overwritten or damaged. Recreate the pool with `kvtier pool create --force`".into(),
         ));
     }
     if sb.version != FORMAT_VERSION {

@@ -398,11 +398,13 @@ fn verify_layer(
     pool: &mut Pool,
     table: Option<&P2pTable>,
 ) -> Option<Failure> {
-    let last = layer + 1 == pool.geometry().layers && job.layers.start == 0;
-    let li = (layer - job.layers.start) as usize;
+    let range = job.layers.clone();
+    let range_end = layer + 1 == range.end;
+    let li = (layer - range.start) as usize;
     let kv_crcs = &job.items[li].check.as_ref()?.kv_crcs;
     let check = job.load.as_mut().expect("a load");
     let mut bad = Vec::new();
+    let mut first = None;
     for (p, kv) in kv_crcs.iter().enumerate() {
         if matches!(
             job.outcomes[p],
@@ -414,17 +416,41 @@ fn verify_layer(
         let crc_now = pool.kv_concat().apply(kv[0], kv[1]);
         let ok = match pool.layer_crc(slot, layer) {
             Some(want) => crc_now == want,
-            // Only a whole-block checksum: checkable once every layer is in.
+            // Only a whole-block checksum (a model deeper than a header
+            // sector's per-layer table, or a header without that table):
+            // checkable once the range is in. A range that is not the whole
+            // block is completed with the other layers' checksums, read from
+            // the device past the engine, so every range is verified.
             None => {
                 check.running[p] = pool.layer_concat().apply(check.running[p], crc_now);
-                !last || pool.block_crc(slot).is_none_or(|w| w == check.running[p])
+                match pool.block_crc(slot) {
+                    Some(want) if range_end => {
+                        match whole_crc_around(pool, slot, &range, check.running[p]) {
+                            Ok(got) => got == want,
+                            Err(e) => {
+                                let failure = Failure::new(
+                                    crate::error::ErrorKind::Io,
+                                    format!(
+                                        "key {}: its block carries only a whole-block checksum, \
+                                         and reading the layers outside {}..{} to verify the \
+                                         loaded ones failed ({e}); the block stays in the pool",
+                                        job.keys[p], range.start, range.end
+                                    ),
+                                );
+                                job.outcomes[p] = Some(KeyOutcome::Failed(failure.clone()));
+                                first.get_or_insert(failure);
+                                continue;
+                            }
+                        }
+                    }
+                    _ => true,
+                }
             }
         };
         if !ok {
             bad.push((p, slot));
         }
     }
-    let mut first = None;
     for (p, slot) in bad {
         let key = job.keys[p];
         let (dev, off) = pool.layout().object_offset(slot, layer, 0);
@@ -433,19 +459,28 @@ fn verify_layer(
             .get(dev as usize)
             .map(|d| d.path().display().to_string())
             .unwrap_or_else(|| format!("#{dev}"));
-        // Blocks with only a whole-block checksum have no per-layer one to
-        // look again against: they are judged on the first transfer.
+        // Blocks with only a whole-block checksum: the device's copy of the
+        // whole block is checked again. Intact there, the transfer went wrong;
+        // but layers before this one were announced before they could be
+        // verified, so the key fails (as an I/O error, kept in the pool)
+        // rather than being healed behind the caller's back.
         let look = match (table, pool.layer_crc(slot, layer)) {
             (Some(t), Some(want)) => {
                 Some(second_look(pool, t, slot, layer, job.mem_blocks[p], want))
             }
-            _ => None,
+            (_, None) => Some(match whole_block_on_device(pool, slot) {
+                Ok(true) => SecondLook::MemoryChanging,
+                Ok(false) => SecondLook::Damaged(
+                    "the device holds bytes that do not match the block's checksum".into(),
+                ),
+                Err(e) => SecondLook::Damaged(format!("reading it again failed: {e}")),
+            }),
+            (None, Some(_)) => None,
         };
         let damage = match look {
             Some(SecondLook::Healed) => continue,
             Some(SecondLook::MemoryChanging) => {
-                let failure = Failure::new(
-                    crate::error::ErrorKind::Io,
+                let msg = if pool.layer_crc(slot, layer).is_some() {
                     format!(
                         "key {key}: layer {layer} landed in memory block {} with bytes other than \
                          the device's, and that memory changed again after they were copied \
@@ -453,8 +488,17 @@ fn verify_layer(
                          {device} is intact and stays in the pool; load it again once nothing \
                          else writes that memory",
                         job.mem_blocks[p]
-                    ),
-                );
+                    )
+                } else {
+                    format!(
+                        "key {key}: layers {}..{} landed in memory block {} with bytes other \
+                         than the device's (the block carries only a whole-block checksum, so \
+                         the layers were announced before they could be checked); the block on \
+                         {device} is intact and stays in the pool; load it again",
+                        range.start, range.end, job.mem_blocks[p]
+                    )
+                };
+                let failure = Failure::new(crate::error::ErrorKind::Io, msg);
                 job.outcomes[p] = Some(KeyOutcome::Failed(failure.clone()));
                 first.get_or_insert(failure);
                 continue;
@@ -486,6 +530,63 @@ fn verify_layer(
         first.get_or_insert(failure);
     }
     first
+}
+
+/// crc32c of layer `layer` of `slot` as the device holds it (its K then V
+/// object), read past the engine.
+fn device_layer_crc(pool: &Pool, slot: u64, layer: u32) -> Result<u32> {
+    let obj = pool.geometry().object_bytes() as usize;
+    let mut buf = crate::host::dio::AlignedBuf::zeroed(obj);
+    let mut crc = 0;
+    for kv in 0..2 {
+        let (dev, off) = pool.layout().object_offset(slot, layer, kv);
+        let storage = pool
+            .devices()
+            .get(dev as usize)
+            .ok_or_else(|| Error::invalid(format!("device #{dev} is not in the pool")))?;
+        storage.read_exact_at(&mut buf, off)?;
+        crc = crate::checksum::crc32c_append(crc, buf.as_slice());
+    }
+    Ok(crc)
+}
+
+/// The whole-block checksum of `slot` with layers `range` taken from a load
+/// (`in_range`: their joined checksum) and every other layer from the device.
+fn whole_crc_around(pool: &Pool, slot: u64, range: &Range<u32>, in_range: u32) -> Result<u32> {
+    let layers = pool.geometry().layers;
+    if range.start == 0 && range.end == layers {
+        return Ok(in_range);
+    }
+    let concat = *pool.layer_concat();
+    let mut before = None;
+    for l in 0..range.start {
+        let c = device_layer_crc(pool, slot, l)?;
+        before = Some(before.map_or(c, |b| concat.apply(b, c)));
+    }
+    let range_bytes =
+        (range.end - range.start) as usize * 2 * pool.geometry().object_bytes() as usize;
+    let mut crc = match before {
+        Some(b) => crc32c::crc32c_combine(b, in_range, range_bytes),
+        None => in_range,
+    };
+    for l in range.end..layers {
+        crc = concat.apply(crc, device_layer_crc(pool, slot, l)?);
+    }
+    Ok(crc)
+}
+
+/// Whether the device holds `slot`'s whole block as its checksum says.
+fn whole_block_on_device(pool: &Pool, slot: u64) -> Result<bool> {
+    let Some(want) = pool.block_crc(slot) else {
+        return Ok(true);
+    };
+    let concat = *pool.layer_concat();
+    let mut crc = None;
+    for l in 0..pool.geometry().layers {
+        let c = device_layer_crc(pool, slot, l)?;
+        crc = Some(crc.map_or(c, |b| concat.apply(b, c)));
+    }
+    Ok(crc == Some(want))
 }
 
 /// Plan the reads of a load: `slots[p]` is key position p's slot,

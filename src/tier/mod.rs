@@ -485,6 +485,15 @@ impl Tier {
         }
     }
 
+    /// Take `keys` out of the pool (see [`crate::pool::index::Index::remove`]):
+    /// never served again; each slot is free once no load reads it. Keys
+    /// not held (never stored, evicted, or still being stored) are skipped.
+    /// Returns how many were removed.
+    pub fn remove(&mut self, keys: &[Key]) -> usize {
+        let mut ix = self.pool.index_mut();
+        keys.iter().filter(|k| ix.remove(k).is_some()).count()
+    }
+
     /// Whether the pool holds `key`.
     pub fn contains(&self, key: &Key) -> bool {
         self.pool.index().get(key).is_some()

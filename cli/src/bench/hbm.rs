@@ -20,10 +20,9 @@ use kvtier::gpu::{Context, Device, DeviceBuffer, PinnedHostBuffer};
 use kvtier::host::size::human_bytes;
 use kvtier::memory::{pattern_fill, HostKvCache, HostLayout, KvLayout, KvMemory, MemoryKind};
 use kvtier::model::KvGeometry;
-use kvtier::pool::{DeviceSpec, Key, OpenExpect, Pool, PoolConfig};
+use kvtier::pool::{Key, OpenExpect, Pool, PoolConfig};
 use kvtier::scratch::ScratchFile;
 use kvtier::tier::Tier;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -334,19 +333,20 @@ pub fn run(
     if cfg.keep {
         scratch.iter_mut().for_each(ScratchFile::keep);
     }
-    let paths: Vec<PathBuf> = scratch.iter().map(|s| s.path().to_path_buf()).collect();
-    let pool = Pool::create(
+    // Created, formatted and reopened through the descriptors made here,
+    // never by name (a symlink swapped in meanwhile receives nothing).
+    let files = || {
+        scratch
+            .iter()
+            .map(ScratchFile::descriptor)
+            .collect::<Result<Vec<_>>>()
+    };
+    let pool = Pool::create_in_files(
         &PoolConfig::new(geo, cfg.model.clone(), format!("bench/{}", cfg.model))
-            .with_group_blocks(cfg.group_blocks)
-            .with_devices(
-                paths
-                    .iter()
-                    .map(|p| DeviceSpec {
-                        path: p.clone(),
-                        size: Some(per_dev),
-                    })
-                    .collect(),
-            ),
+            .with_group_blocks(cfg.group_blocks),
+        files()?,
+        per_dev,
+        &mut |_, _| {},
     )?;
     check_scratch_pool(&pool, &scratch)?;
     // Half the slots: the disk-write ceiling stores the same blocks again
@@ -397,7 +397,7 @@ pub fn run(
     let obj = geo.object_bytes();
     let open_tier = || -> Result<Tier> {
         Tier::open(
-            Pool::open(&paths, &OpenExpect::default())?,
+            Pool::open_in_files(files()?, &OpenExpect::default())?,
             cfg.tier.clone(),
         )
     };

@@ -278,21 +278,24 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
                 let path = cfg.dir.join(format!("bench{i}.pool"));
                 scratch.push(ScratchFile::create_new(&path, "kvtier bench")?);
             }
-            let devices: Vec<DeviceSpec> = scratch
+            // Formatted and served through the descriptors created here,
+            // never reopened by name: a symlink swapped in meanwhile
+            // receives nothing.
+            let files = scratch
                 .iter()
-                .map(|s| DeviceSpec {
-                    path: s.path().to_path_buf(),
-                    size: Some(per_dev),
-                })
-                .collect();
+                .map(ScratchFile::descriptor)
+                .collect::<Result<Vec<_>>>()?;
             progress(&format!(
                 "formatting {} pool file(s) of {} in {}",
                 cfg.devices,
                 human_bytes(per_dev),
                 cfg.dir.display()
             ));
-            let pool =
-                Pool::create_with_progress(&pool_cfg(devices, false), &mut |done, total| {
+            let pool = Pool::create_in_files(
+                &pool_cfg(Vec::new(), false),
+                files,
+                per_dev,
+                &mut |done, total| {
                     if done == 0 || done == total || done % (1 << 30) == 0 {
                         progress(&format!(
                             "prewriting the pool files: {} of {}",
@@ -300,7 +303,8 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
                             human_bytes(total)
                         ))
                     }
-                })?;
+                },
+            )?;
             check_scratch_pool(&pool, &scratch)?;
             (pool, None)
         }
@@ -475,14 +479,17 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
             };
             // A comparison beside the results: if it cannot run, say so
             // and keep the results.
+            // Through the pool file's own descriptor (in direct-I/O mode
+            // since the pool was made), never reopened by name. One write
+            // pass, then one flush: the write's bandwidth without the flush
+            // and with it, from the same run.
             let mut alone = || -> Result<(f64, f64, f64)> {
-                // One write pass, then one flush: the write's bandwidth
-                // without the flush and with it, from the same run.
+                let (fd, _) = file.descriptor()?;
                 w.end_fsync = true;
-                let (wr, _) = raw::run(&w, r.bytes, &cfg.tier.uring)?;
+                let (wr, _) = raw::run_on(&fd, &w, r.bytes, &cfg.tier.uring)?;
                 w.pattern = Pattern::Read;
                 w.end_fsync = false;
-                let (rd, _) = raw::run(&w, r.bytes, &cfg.tier.uring)?;
+                let (rd, _) = raw::run_on(&fd, &w, r.bytes, &cfg.tier.uring)?;
                 let unflushed = wr.write_bytes as f64 / (wr.secs - wr.end_flush_secs).max(1e-9);
                 Ok((unflushed / GIB, wr.write_bw / GIB, rd.read_bw / GIB))
             };
@@ -733,6 +740,16 @@ pub fn raw_suite(
     keep: bool,
     progress: &dyn Fn(&str),
 ) -> Result<RawReport> {
+    // Every number first: nothing is laid out for a run that cannot start.
+    raw::check_workload(
+        w,
+        &[raw::Stream {
+            pattern: w.pattern,
+            iodepth: w.iodepth,
+            region: (0, w.size),
+        }],
+        buffer_bytes,
+    )?;
     let fio_version = if against_fio {
         Some(fio::fio_available().ok_or_else(|| {
             Error::invalid("--against-fio needs fio: install it (apt-get install fio)")

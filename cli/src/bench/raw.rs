@@ -75,7 +75,23 @@ pub fn run(
         iodepth: w.iodepth,
         region: (0, w.size),
     }];
-    run_streams(w, &streams, buffer_bytes, engine_cfg)
+    run_streams_with(None, w, &streams, buffer_bytes, engine_cfg)
+}
+
+/// [`run`] on `file`, a descriptor the caller holds (a scratch pool file in
+/// direct-I/O mode), never reopening `w.file` by name.
+pub fn run_on(
+    file: &std::fs::File,
+    w: &Workload,
+    buffer_bytes: u64,
+    engine_cfg: &UringConfig,
+) -> Result<(IoResult, EngineReport)> {
+    let streams = vec![Stream {
+        pattern: w.pattern,
+        iodepth: w.iodepth,
+        region: (0, w.size),
+    }];
+    run_streams_with(Some(file), w, &streams, buffer_bytes, engine_cfg)
 }
 
 /// The most memory `--buffers` may spread I/Os over.
@@ -88,6 +104,14 @@ pub fn run_streams(
     buffer_bytes: u64,
     engine_cfg: &UringConfig,
 ) -> Result<(IoResult, EngineReport)> {
+    run_streams_with(None, w, streams, buffer_bytes, engine_cfg)
+}
+
+/// Check a raw workload's numbers, before anything is laid out or allocated
+/// (a 4 GiB --size took 18 s to lay out before a bad --bs was refused):
+/// the block size, the streams' regions, the depth, and the buffer memory.
+/// Returns the buffer slots the run takes.
+pub fn check_workload(w: &Workload, streams: &[Stream], buffer_bytes: u64) -> Result<u32> {
     if w.bs == 0 || w.bs % 4096 != 0 || w.bs > u32::MAX as u64 {
         return Err(Error::invalid(format!(
             "--bs {} must be a non-zero multiple of 4096 (direct I/O)",
@@ -108,12 +132,6 @@ pub fn run_streams(
             "--iodepth {total_depth} must be between 1 and 4096"
         )));
     }
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(&w.file)
-        .map_err(|e| Error::io(format!("opening {} with O_DIRECT", w.file.display()), e))?;
     if buffer_bytes > MAX_BUFFER_BYTES {
         return Err(Error::invalid(format!(
             "--buffers {buffer_bytes} bytes is more than the {} GiB a raw run may use; give less",
@@ -130,6 +148,32 @@ pub fn run_streams(
         "the raw run's buffers",
         "give smaller --buffers",
     )?;
+    Ok(slots_total)
+}
+
+fn run_streams_with(
+    target: Option<&std::fs::File>,
+    w: &Workload,
+    streams: &[Stream],
+    buffer_bytes: u64,
+    engine_cfg: &UringConfig,
+) -> Result<(IoResult, EngineReport)> {
+    let slots_total = check_workload(w, streams, buffer_bytes)?;
+    let total_depth: u32 = streams.iter().map(|s| s.iodepth).sum();
+    let file = match target {
+        Some(f) => f.try_clone().map_err(|e| {
+            Error::io(
+                format!("duplicating the descriptor of {}", w.file.display()),
+                e,
+            )
+        })?,
+        None => std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&w.file)
+            .map_err(|e| Error::io(format!("opening {} with O_DIRECT", w.file.display()), e))?,
+    };
     let buffers = kvtier::memory::DmaBuffer::new((w.bs * slots_total as u64) as usize)?;
     let table = Arc::new(P2pTable::for_buffers(
         buffers.addr(),

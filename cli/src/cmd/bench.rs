@@ -138,10 +138,13 @@ fn uring_cfg(a: &BenchArgs, default_depth: u32) -> UringConfig {
 
 pub(crate) fn run_bench(a: BenchArgs) -> Result<i32> {
     // Before any work: a run of minutes must not end in a refusal to write.
-    report_paths_ok(&[
-        ("--json", &a.json, ReportKind::Json),
-        ("--plot", &a.plot, ReportKind::Svg),
-    ])?;
+    report_paths_ok(
+        &[
+            ("--json", &a.json, ReportKind::Json),
+            ("--plot", &a.plot, ReportKind::Svg),
+        ],
+        &[("--model", Path::new(&a.model.model))],
+    )?;
     if a.pattern.is_some() || a.contention {
         return run_raw_bench(&a);
     }

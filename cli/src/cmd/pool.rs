@@ -160,6 +160,9 @@ pub(crate) fn run(cmd: PoolCmd) -> Result<i32> {
                     report.blocks_unverifiable,
                     human_bytes(report.bytes_read)
                 );
+                for s in &report.damaged_superblocks {
+                    outln!("damaged superblock copy: {s} (the pool opened from a sound copy)");
+                }
                 for s in &report.damaged_headers {
                     outln!("damaged header: slot {s} (its block is not visible)");
                 }
@@ -190,7 +193,8 @@ pub(crate) fn run(cmd: PoolCmd) -> Result<i32> {
             let (verdict, code) = if let Some(n) = repaired {
                 (
                     format!(
-                        "repaired: dropped {n} damaged block(s), cleared {} damaged header(s) and rewrote {} unreadable header sector(s) (retired where they still fail); the pool now holds only blocks that verify",
+                        "repaired: rewrote {} damaged superblock copy(ies), dropped {n} damaged block(s), cleared {} damaged header(s) and rewrote {} unreadable header sector(s) (retired where they still fail); the pool now holds only blocks that verify",
+                        report.damaged_superblocks.len(),
                         report.damaged_headers.len(),
                         report.unreadable_headers.len()
                     ),
@@ -209,7 +213,8 @@ pub(crate) fn run(cmd: PoolCmd) -> Result<i32> {
             } else {
                 (
                     format!(
-                        "pool is DAMAGED: {} damaged header(s), {} unreadable header(s), {} block(s) with bad data, {} unreadable; `kvtier pool check --repair` drops them",
+                        "pool is DAMAGED: {} damaged superblock copy(ies), {} damaged header(s), {} unreadable header(s), {} block(s) with bad data, {} unreadable; `kvtier pool check --repair` rewrites the superblocks and drops the rest",
+                        report.damaged_superblocks.len(),
                         report.damaged_headers.len(),
                         report.unreadable_headers.len(),
                         report.bad_data.len(),
@@ -272,6 +277,12 @@ fn print_info(pool: &Pool) -> Result<()> {
         human_bytes(i.used_bytes),
         human_bytes(i.capacity_bytes)
     );
+    if i.damaged_superblocks > 0 {
+        outln!(
+            "  WARNING: {} damaged superblock copy(ies) (opened from a sound one); run `kvtier pool check --repair`",
+            i.damaged_superblocks
+        );
+    }
     if i.damaged_headers > 0 {
         outln!(
             "  WARNING: {} damaged header(s); run `kvtier pool check`",

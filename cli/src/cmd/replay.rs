@@ -42,10 +42,17 @@ pub(crate) struct ReplayArgs {
 }
 
 pub(crate) fn run_replay(a: ReplayArgs) -> Result<i32> {
-    report_paths_ok(&[
-        ("--json", &a.json, ReportKind::Json),
-        ("--sweep", &a.sweep, ReportKind::Svg),
-    ])?;
+    let mut inputs = vec![("--model", Path::new(&a.model.model))];
+    if let Some(t) = &a.table {
+        inputs.push(("--table", t.as_path()));
+    }
+    report_paths_ok(
+        &[
+            ("--json", &a.json, ReportKind::Json),
+            ("--sweep", &a.sweep, ReportKind::Svg),
+        ],
+        &inputs,
+    )?;
     if a.sweep.is_some() {
         return run_replay_sweep(a);
     }

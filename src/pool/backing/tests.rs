@@ -739,3 +739,37 @@ fn open_errors_name_the_limit_or_the_mode() {
         "{m}"
     );
 }
+
+/// A loop device attached (by root) over a pool file a writer holds used to
+/// let a second writer in through /dev/loopN (the device's lock is another
+/// inode's): it is refused now, naming the file and its holder, for readers
+/// too; and once the loop device holds the file, the file is refused by its
+/// own name.
+#[test]
+fn a_loop_device_over_a_held_pool_file_is_refused_and_the_reverse() {
+    let dir = TempDir::new("loopheld");
+    let img = dir.path("pool.img");
+    let held = BackingDevice::create(&img, Some(8 * MIB), MIB, false).unwrap();
+    write_magic(&held);
+    let lo = match Loop::attach(&img, false) {
+        Ok(lo) => lo,
+        Err(why) => {
+            eprintln!("note: skipping the loop-over-a-pool-file test: {why}");
+            return;
+        }
+    };
+    for access in [Access::Exclusive, Access::Shared] {
+        let reason = backing_reason(BackingDevice::open_with(&lo.0, access).unwrap_err());
+        assert!(
+            reason.contains("loop device over") && reason.contains("pool.img"),
+            "{access:?}: {reason}"
+        );
+        assert!(reason.contains("in use"), "{access:?}: {reason}");
+    }
+    drop(held);
+    let via = BackingDevice::open(&lo.0).unwrap();
+    let reason = backing_reason(BackingDevice::open(&img).unwrap_err());
+    assert!(reason.contains("backing file of loop device"), "{reason}");
+    drop(via);
+    drop(lo);
+}
