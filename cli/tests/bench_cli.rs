@@ -416,8 +416,11 @@ fn contexts_over_the_memory_budget_are_skipped_and_named() {
             "4",
             "--mem-budget",
             "64m",
+            "--load-inflight",
+            "8m",
         ],
     );
+    assert_eq!(v["config"]["tier"]["load_inflight_bytes"], 8u64 << 20);
     let results = v["results"].as_array().unwrap();
     assert_eq!(results.len(), 1, "{text}");
     assert_eq!(results[0]["tokens"], 16);

@@ -50,6 +50,10 @@ pub(crate) struct BenchArgs {
     /// Largest coalesced I/O.
     #[arg(long, default_value = "4m", value_parser = parse_io_size)]
     max_io: u64,
+    /// Bytes of one load's reads in flight at once (TierConfig::load_inflight_bytes;
+    /// the first layer has its own, smaller cap).
+    #[arg(long, default_value = "32m", value_parser = parse_io_size)]
+    load_inflight: u64,
     /// Where the KV memory is: host, or gpu (HBM of GPU 0, through pinned
     /// host staging: restore and store each beside the disk-alone and
     /// copy-alone ceilings of the same run; needs a CUDA GPU).
@@ -170,7 +174,8 @@ pub(crate) fn run_bench(a: BenchArgs) -> Result<i32> {
         group_blocks: a.group_blocks,
         tier: TierConfig::default()
             .with_uring(uring_cfg(&a, 64))
-            .with_max_io_bytes(a.max_io),
+            .with_max_io_bytes(a.max_io)
+            .with_load_inflight_bytes(a.load_inflight),
         verify: !a.no_verify,
         cross_layer: a.cross_layer,
         store_job_blocks: a.store_job_blocks,
