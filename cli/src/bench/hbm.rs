@@ -300,13 +300,6 @@ fn verify(t: &dyn Target, blocks: u64, seed_base: u64, tokens: u64) -> Result<()
     Ok(())
 }
 
-fn check(r: &kvtier::tier::JobResult, what: &str) -> Result<()> {
-    match r.failures().next() {
-        Some((k, why)) => Err(Error::invalid(format!("{what} of key {k} failed: {why}"))),
-        None => Ok(()),
-    }
-}
-
 pub fn run(
     cfg: &BenchConfig,
     which: BenchMemory,
@@ -461,7 +454,7 @@ pub fn run(
             jobs.push(st.submit_store(kc, mc)?);
         }
         for j in jobs {
-            check(&st.wait(j)?, "staged store")?;
+            super::job_ok(&st.wait(j)?, "staged store")?;
         }
         let store_secs = t0.elapsed().as_secs_f64();
 
@@ -473,7 +466,7 @@ pub fn run(
         let first_ms = t0.elapsed().as_secs_f64() * 1e3;
         let r = st.wait(job)?;
         let restore_secs = t0.elapsed().as_secs_f64();
-        check(&r, "staged restore")?;
+        super::job_ok(&r, "staged restore")?;
         st.layer_events();
         drop(st);
         let verified = if cfg.verify {
@@ -492,7 +485,7 @@ pub fn run(
         host.clear();
         let t0 = Instant::now();
         let j = tier.submit_load(&keys, &mem, 0..geo.layers)?;
-        check(&tier.wait(j)?, "host load")?;
+        super::job_ok(&tier.wait(j)?, "host load")?;
         let disk_read = t0.elapsed().as_secs_f64();
         tier.layer_events();
         let wkeys: Vec<Key> = (0..blocks)
@@ -507,7 +500,7 @@ pub fn run(
             jobs.push(tier.submit_store(kc, mc)?);
         }
         for j in jobs {
-            check(&tier.wait(j)?, "host store")?;
+            super::job_ok(&tier.wait(j)?, "host store")?;
         }
         let disk_write = t0.elapsed().as_secs_f64();
         drop(tier);

@@ -163,13 +163,7 @@ fn load_loop(
     while !stop.load(Ordering::Relaxed) {
         let job = h.submit_load(keys, mem, 0..layers)?;
         let r = h.wait(job)?;
-        let failed = r
-            .failures()
-            .next()
-            .map(|(k, why)| format!("load of key {k} failed: {why}"));
-        if let Some(msg) = failed {
-            return Err(Error::invalid(msg));
-        }
+        super::job_ok(&r, "load")?;
         n += 1;
     }
     Ok((n, t0.elapsed().as_secs_f64()))
@@ -258,13 +252,7 @@ fn measure(
     ));
     for (kc, mc) in keys.chunks(4096).zip(mem.chunks(4096)) {
         let r = h.wait(h.submit_store(kc, mc)?)?;
-        let failed = r
-            .failures()
-            .next()
-            .map(|(k, why)| format!("store of key {k} failed: {why}"));
-        if let Some(msg) = failed {
-            return Err(Error::invalid(msg));
-        }
+        super::job_ok(&r, "store")?;
     }
     let gib = (blocks * geo.block_bytes()) as f64 / (1u64 << 30) as f64;
     let mut rounds = Vec::new();

@@ -25,6 +25,15 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
+/// The first failed key of a finished job as an error naming what the job
+/// did ("load", "store"): a bench's figures are only of jobs that succeeded.
+pub(crate) fn job_ok(r: &kvtier::tier::JobResult, what: &str) -> Result<()> {
+    match r.failures().next() {
+        Some((k, why)) => Err(Error::invalid(format!("{what} of key {k} failed: {why}"))),
+        None => Ok(()),
+    }
+}
+
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct BenchConfig {
     #[serde(serialize_with = "kvtier::json::path_lossy")]
@@ -384,13 +393,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
         }
         for j in jobs {
             let r = tier.wait(j)?;
-            let failed = r
-                .failures()
-                .next()
-                .map(|(k, why)| format!("store of key {k} failed: {why}"));
-            if let Some(msg) = failed {
-                return Err(Error::invalid(msg));
-            }
+            job_ok(&r, "store")?;
         }
         let store_secs = t0.elapsed().as_secs_f64();
         let store_cpu = cpu_seconds() - cpu0;
@@ -412,13 +415,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
         let retrieve_cpu = cpu_seconds() - cpu0;
         let s1 = tier.usage().engine;
         tier.layer_events();
-        let failed = r
-            .failures()
-            .next()
-            .map(|(k, why)| format!("load of key {k} failed: {why}"));
-        if let Some(msg) = failed {
-            return Err(Error::invalid(msg));
-        }
+        job_ok(&r, "load")?;
         let verified = if cfg.verify {
             progress(&format!("{tokens} tokens: verifying"));
             for b in 0..blocks {

@@ -70,12 +70,7 @@ pub fn run(
     buffer_bytes: u64,
     engine_cfg: &UringConfig,
 ) -> Result<(IoResult, EngineReport)> {
-    let streams = vec![Stream {
-        pattern: w.pattern,
-        iodepth: w.iodepth,
-        region: (0, w.size),
-    }];
-    run_streams_with(None, w, &streams, buffer_bytes, engine_cfg)
+    run_whole(None, w, buffer_bytes, engine_cfg)
 }
 
 /// [`run`] on `file`, a descriptor the caller holds (a scratch pool file in
@@ -86,12 +81,22 @@ pub fn run_on(
     buffer_bytes: u64,
     engine_cfg: &UringConfig,
 ) -> Result<(IoResult, EngineReport)> {
+    run_whole(Some(file), w, buffer_bytes, engine_cfg)
+}
+
+/// One stream over the whole workload region, on `file` or `w.file` by name.
+fn run_whole(
+    file: Option<&std::fs::File>,
+    w: &Workload,
+    buffer_bytes: u64,
+    engine_cfg: &UringConfig,
+) -> Result<(IoResult, EngineReport)> {
     let streams = vec![Stream {
         pattern: w.pattern,
         iodepth: w.iodepth,
         region: (0, w.size),
     }];
-    run_streams_with(Some(file), w, &streams, buffer_bytes, engine_cfg)
+    run_streams_with(file, w, &streams, buffer_bytes, engine_cfg)
 }
 
 /// The most memory `--buffers` may spread I/Os over.
