@@ -707,7 +707,16 @@ class KvtierConnector(KVConnectorBase_V1):
             b = b.kv_memory(m.regions, layout=m.layout)
         else:
             b = b.host_cache(2 * self._staging, layout="cross_layer")
-        self._tier = b.build()
+        try:
+            self._tier = b.build()
+        except KvtierError as e:
+            if "namespace" not in str(e):
+                raise
+            raise KvtierError(
+                f"{e}: this pool_dir holds KV of another model, cache layout, TP layout or an "
+                f"older kvtier (pools from before the layout fingerprint, 2026-11-27, are not "
+                f"reused); give this engine its own pool_dir, or delete {rank_dir}/pool to "
+                "start it over") from e
         self._stats["staged"] = not aligned
         self._stats["hbm"] = ("cuda" if self._cuda else "host double") if self._hbm else None
         if not aligned:

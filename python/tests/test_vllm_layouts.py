@@ -158,7 +158,7 @@ def test_pool_refuses_another_layout_of_the_same_model(tmp_path):
     kvcfg = kv_cache_config(spec, KVCacheLayout.LBNHC)
     worker(cfg, kvcfg, allocate_kv_cache(kvcfg, torch.device("cpu"), KVCacheLayout.LBNHC)).shutdown()
     kvcfg = kv_cache_config(spec, KVCacheLayout.LBHNC)
-    with pytest.raises(kvtier.KvtierError, match="namespace"):
+    with pytest.raises(kvtier.KvtierError, match="namespace.*its own pool_dir"):
         worker(cfg, kvcfg, allocate_kv_cache(kvcfg, torch.device("cpu"), KVCacheLayout.LBHNC))
 
 
