@@ -236,7 +236,7 @@ def random_model(tmp_path_factory):
     return tiny_random.make(str(tmp_path_factory.mktemp("tiny-random")))
 
 
-def run_engine(tmp_path, name, prompts, pool=None, model=None, dtype=None):
+def run_engine(tmp_path, name, prompts, pool=None, model=None, dtype=None, extra=None):
     out = tmp_path / f"{name}.json"
     stats = tmp_path / f"{name}-stats"
     args = [sys.executable, os.path.join(HERE, "vllm_engine.py"), str(out)]
@@ -244,7 +244,8 @@ def run_engine(tmp_path, name, prompts, pool=None, model=None, dtype=None):
         args += [str(pool), str(stats)]
     env = dict(os.environ, KVTIER_TEST_PROMPTS=json.dumps(prompts), VLLM_CPU_KVCACHE_SPACE="1",
                HF_HUB_OFFLINE="1", KVTIER_TEST_MODEL=model,
-               **({"KVTIER_TEST_DTYPE": dtype} if dtype else {}))
+               **({"KVTIER_TEST_DTYPE": dtype} if dtype else {}),
+               **({"KVTIER_TEST_EXTRA": json.dumps(extra)} if extra else {}))
     p = subprocess.run(args, env=env, capture_output=True, text=True, timeout=240, cwd=HERE)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     res = json.loads(out.read_text())
@@ -318,10 +319,15 @@ def test_real_engine_model_shapes_restore_from_a_fresh_engine(tmp_path_factory, 
     # nothing is loaded): its outputs are the reference; it stores the
     # prefixes. A fresh engine on the same pool restores both from kvtier.
     dtype = "float32" if mla else None
-    one = run_engine(tmp_path, "engine1", prompts, pool, model, dtype=dtype)
+    # MLA's 16-token blocks make each prompt 19 blocks: staging for both
+    # prompts' stores in one step (with 16 the second prompt's store may be
+    # dropped as back-pressure when vLLM prefills both in one step).
+    extra = {"staging_blocks": 64} if mla else None
+    one = run_engine(tmp_path, "engine1", prompts, pool, model, dtype=dtype, extra=extra)
     assert one["worker"]["stored_blocks"] > 0 and one["worker"]["loaded_blocks"] == 0, one
+    assert one["worker"]["stores_dropped"] == 0, one
     assert one["cached"] == [0, 0]
-    two = run_engine(tmp_path, "engine2", prompts, pool, model, dtype=dtype)
+    two = run_engine(tmp_path, "engine2", prompts, pool, model, dtype=dtype, extra=extra)
     w = two["worker"]
     if not mla:
         assert one["tokens"][0] != one["tokens"][1], "the control: outputs depend on the prefix"
