@@ -72,17 +72,20 @@ class KvMapping:
     whole sectors, the next size that is (the page then goes through staging)."""
     padding_fix: str | None
     """When pages are padded: why, and the block size that avoids it."""
-    block_size: int
     kv_heads: int
     head_dim: int
     dtype: str
-    device: torch.device
     vllm_layout: str
     fingerprint: str
 
     @property
     def layers(self) -> int:
         return len(self.layer_names)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block, every layer's page, as vLLM holds it."""
+        return self.layers * self.page_bytes
 
     @property
     def padded(self) -> bool:
@@ -224,12 +227,13 @@ def map_kv_caches(
     slot = -(-page // unit) * unit
     per_token = slot // (2 * block_size * esz)  # elements per token in each half
     heads = t0.shape[1] if t0.dim() >= 4 and per_token % t0.shape[1] == 0 else 1
-    step = 8192 // math.gcd(8192, tok) if tok else 0
     fix = (f"a block of this model's KV cache is {page} B per layer ({block_size} tokens"
            + (f" x {tok} B" if tok else "") + "); kvtier stores a page as two objects of whole "
            "4096-byte sectors (direct I/O), so a page it moves without staging must be a "
-           "multiple of 8192 B: use a block_size (vLLM: --block-size) that is a multiple of "
-           f"{step}" if step else "")
+           "multiple of 8192 B")
+    if tok:
+        fix += (": use a block_size (vLLM: --block-size) that is a multiple of "
+                f"{8192 // math.gcd(8192, tok)}")
     logical = [int(x) for x in t0.shape[1:]]
     inner_order = sorted(range(1, t0.dim()), key=lambda d: -t0.stride(d))
     fp_src = {
@@ -257,11 +261,9 @@ def map_kv_caches(
         page_bytes=page,
         slot_bytes=slot,
         padding_fix=fix if slot != page else None,
-        block_size=block_size,
         kv_heads=heads,
         head_dim=per_token // heads,
         dtype=dtype,
-        device=t0.device,
         vllm_layout=layout_name,
         fingerprint=hashlib.sha256(text.encode()).hexdigest(),
     )

@@ -88,7 +88,6 @@ __all__ = ["KvtierConnector", "KvtierTier", "block_keys"]
 # with its format and level (a logger outside it is never configured).
 logger = init_logger(f"vllm.{__name__}")
 
-KEY_BYTES = 32
 # The medium kvtier's KV events carry: a KV-aware router (llm-d's KV cache
 # indexer, vLLM's router) tells blocks on a node's SSDs from those in its
 # GPU or CPU memory by it.
@@ -585,7 +584,6 @@ class KvtierConnector(KVConnectorBase_V1):
         # The staged HBM path (CUDA caches, or its CPU test double).
         self._hbm = False
         self._cuda = False
-        self._layer_index: dict[str, int] = {}
         self._stage: torch.Tensor | None = None
         self._stage_owner: Any = None
         self._free_load: list[int] = []
@@ -669,7 +667,6 @@ class KvtierConnector(KVConnectorBase_V1):
         m = map_kv_caches(kv_caches, cfg.num_blocks if cfg is not None else None,
                           self._block_size, vllm_layout, self._identity())
         self._map = m
-        self._layer_index = dict(m.layer_of)
         self._stats["layer_waits"] = [0] * m.layers
         self._stats["layout"] = {"vllm": m.vllm_layout, "kvtier": m.layout,
                                  "page_bytes": m.page_bytes, "layers": m.layers}
@@ -802,7 +799,7 @@ class KvtierConnector(KVConnectorBase_V1):
             _copy_rows(self._map.pages[layer], ok, self._stage[:, layer], slots)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        layer = self._layer_index.get(layer_name)
+        layer = self._map.layer_of.get(layer_name) if self._map is not None else None
         if layer is None or not self._inflight:
             return
         self._stats["layer_waits"][layer] += 1
@@ -867,17 +864,18 @@ class KvtierConnector(KVConnectorBase_V1):
                     self._finish_layer(ld, layer)
             r = ld.result or self._tier.wait(ld.job)
             bad = [bid for bid, err in zip(ld.block_ids, r.errors) if err is not None]
-            self._ev_removed += [k for k, o in zip(r.keys, r.outcomes) if o == "corrupt"]
+            corrupt = [k for k, o in zip(r.keys, r.outcomes) if o == "corrupt"]
+            self._ev_removed += corrupt
             self._load_errors.update(bad)
             if bad:
-                corrupt = sum(o == "corrupt" for o in r.outcomes)
-                self._count(self._stats, "corrupt_blocks", corrupt)
+                self._count(self._stats, "corrupt_blocks", len(corrupt))
                 logger.warning("kvtier: %d of %d blocks of %s failed to load (%d corrupt, "
                                "dropped from the pool); vLLM recomputes them and kvtier stores "
-                               "them again", len(bad), len(ld.block_ids), ld.load.req_id, corrupt)
+                               "them again", len(bad), len(ld.block_ids), ld.load.req_id,
+                               len(corrupt))
             good = len(ld.block_ids) - len(bad)
             self._count(self._stats, "loaded_blocks", good)
-            self._count(self._stats, "loaded_bytes", good * self._map.layers * self._map.page_bytes)
+            self._count(self._stats, "loaded_bytes", good * self._map.block_bytes)
             self._tier.unpin(ld.load.keys[: len(ld.block_ids)])
             if ld.slots is not None:
                 self._free_load.extend(ld.slots)
@@ -920,7 +918,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 self._free_store.extend(slots)
             return
         self._count(self._stats, "stored_blocks", n)
-        self._count(self._stats, "stored_bytes", n * self._map.layers * self._map.page_bytes)
+        self._count(self._stats, "stored_bytes", n * self._map.block_bytes)
         # Staged stores copied the blocks already; direct ones read vLLM's
         # own blocks, which stay allocated until the job is done. The HBM
         # path counts as direct: it gathers a store's chunks as its store

@@ -82,7 +82,7 @@ def worker(cfg, kvcfg, caches):
 def step(w, meta):
     w.bind_connector_metadata(meta)
     w.start_load_kv(None)
-    for name in w._layer_index:
+    for name in w._map.layer_of:
         w.wait_for_layer_load(name)
     w.wait_for_save()
     w.clear_connector_metadata()
