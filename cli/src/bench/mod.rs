@@ -1273,12 +1273,17 @@ pub(crate) fn contexts_that_fit(
             )
         })
         .collect();
-    let max_blocks = fit
+    let max_blocks = most_blocks(&fit, geo);
+    (fit, skipped, max_blocks)
+}
+
+/// The most blocks any of `contexts` needs (0 for none).
+fn most_blocks(contexts: &[u64], geo: &KvGeometry) -> u64 {
+    contexts
         .iter()
         .map(|&t| geo.tokens_to_blocks(t))
         .max()
-        .unwrap_or(0);
-    (fit, skipped, max_blocks)
+        .unwrap_or(0)
 }
 
 /// The contexts whose host KV memory (one block of memory per block stored)
@@ -1304,11 +1309,7 @@ pub(crate) fn contexts_within_memory(
             )
         })
         .collect();
-    let max_blocks = fit
-        .iter()
-        .map(|&t| geo.tokens_to_blocks(t))
-        .max()
-        .unwrap_or(0);
+    let max_blocks = most_blocks(&fit, geo);
     (fit, skipped, max_blocks)
 }
 
