@@ -91,6 +91,8 @@ pub mod scratch;
 #[warn(missing_docs)]
 pub mod slack;
 #[warn(missing_docs)]
+pub mod staged;
+#[warn(missing_docs)]
 pub mod submitter;
 #[warn(missing_docs)]
 pub mod tier;

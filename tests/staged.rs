@@ -7,7 +7,7 @@ mod common;
 #[path = "common/staged.rs"]
 mod staged;
 
-use kvtier::gpu::staged::{StagedTier, StagingConfig};
+use kvtier::staged::{StagedTier, StagingConfig};
 use kvtier::tier::Tier;
 use kvtier::{HostKvCache, HostLayout, KvGeometry};
 use staged::*;
@@ -539,8 +539,8 @@ fn huge_staging_config_is_refused() {
 /// (As tests/tier_faults.rs checks for a tier load.)
 #[test]
 fn double_stray_unpin_cannot_release_a_staged_loads_keys() {
-    use kvtier::gpu::staged::StagedPath;
     use kvtier::gpu::staging::HostCopier;
+    use kvtier::staged::StagedPath;
     let dir = common::TempDir::new("staged-stray-unpin");
     let rig = HostRig::new(HostLayout::PerLayer);
     let g = rig.geometry();
@@ -689,7 +689,7 @@ fn double_handle_under_several_threads() {
 /// and in the pool, the refused ones `Failed` and not, positions intact.
 #[test]
 fn double_chunked_store_outcomes_map_to_their_keys() {
-    use kvtier::gpu::staged::StagedPath;
+    use kvtier::staged::StagedPath;
     use kvtier::tier::KeyOutcome;
     let dir = common::TempDir::new("staged-chunks");
     let rig = HostRig::new(HostLayout::CrossLayer);

@@ -6,7 +6,7 @@
 //! [`ErrorKind`], carrying the kind and, for device failures, the I/O.
 
 use kvtier::error::{Error, ErrorKind, Failure};
-use kvtier::gpu::staged::StagingConfig;
+use kvtier::staged::StagingConfig;
 use kvtier::gpu::{kernels, CompletionCounter, Context, Device};
 use kvtier::handle::{Completions, EngineChoice, Event, HandleConfig, TierBuilder as RsBuilder};
 use kvtier::memory::{HostKvCache, HostLayout, KvLayout, KvMemory, MemoryKind};

@@ -4,11 +4,11 @@ use super::{HandleConfig, Jobs, Owner, Shared, TierHandle};
 use crate::engine::open::{pool_on_nvme, UserspaceEngine};
 use crate::engine::IoEngine;
 use crate::error::{Error, Result};
-use crate::gpu::staged::{StagedPath, StagingConfig};
 use crate::gpu::{Context, Device};
 use crate::memory::{HostKvCache, KvMemory, MemoryKind};
 use crate::pool::{OpenExpect, Pool, PoolConfig};
 use crate::sched::Scheduler;
+use crate::staged::{StagedPath, StagingConfig};
 use crate::tier::Tier;
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use std::path::{Path, PathBuf};
@@ -156,7 +156,7 @@ impl TierBuilder {
 
     /// Serve the engine's own KV memory. GPU memory (`MemoryKind::Gpu`, the
     /// engine's CUDA tensors) that the engine cannot DMA into goes through
-    /// the staged path (`crate::gpu::staged`: pinned host staging, a copy
+    /// the staged path (`crate::staged`: pinned host staging, a copy
     /// kernel per layer; sized by [`Self::staging`]); loads then have a
     /// per-layer GPU counter ([`TierHandle::load_counter`]).
     ///
@@ -170,7 +170,7 @@ impl TierBuilder {
     }
 
     /// How much pinned host staging GPU KV memory gets (see
-    /// [`crate::gpu::staged`]); by default [`StagingConfig::for_blocks`].
+    /// [`crate::staged`]); by default [`StagingConfig::for_blocks`].
     pub fn staging(mut self, cfg: StagingConfig) -> Self {
         self.staging = Some(cfg);
         self

@@ -50,13 +50,13 @@ mod builder;
 pub use builder::{EngineChoice, TierBuilder};
 
 use crate::error::{Error, ErrorKind, Failure, Result};
-use crate::gpu::staged::LoadCounter;
 use crate::memory::HostKvCache;
 use crate::model::KvGeometry;
 use crate::p2p::P2pTable;
 use crate::pool::index::SharedIndex;
 use crate::pool::Key;
 use crate::sched::{Policy, Scheduler};
+use crate::staged::LoadCounter;
 use crate::tier::{self, JobKind, JobResult, KeyOutcome, Tier, TierConfig, Usage};
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
@@ -917,7 +917,7 @@ impl TierHandle {
     /// For a load into GPU KV memory on the staged path: the load's own
     /// completion counter, which reaches `value_for(l)` once layer `l` is in
     /// HBM. A compute stream queues `cuStreamWaitValue32` on it (see
-    /// [`crate::gpu::staged::LayerWait`]) right after the submit, so each
+    /// [`crate::staged::LayerWait`]) right after the submit, so each
     /// layer's attention starts when its copy is done, with no host call in
     /// between. `None` for host memory or a load that has finished; with
     /// the CPU double, a host word no stream can wait on, written as the

@@ -17,8 +17,8 @@
 //! for `kvtier replay` to compare against.
 
 use crate::error::{Error, Result};
-use crate::gpu::staged::{LoadCounter, StagedPath};
 use crate::pool::Key;
+use crate::staged::{LoadCounter, StagedPath};
 use crate::tier::{JobId, JobResult, LayerDone, Tier};
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -139,7 +139,7 @@ impl Scheduler {
     }
 
     /// Serve loads and stores through the staged HBM path (see
-    /// `crate::gpu::staged`), which `path` registered with this tier.
+    /// `crate::staged`), which `path` registered with this tier.
     pub fn set_staged(&mut self, path: StagedPath) {
         self.staged = Some(path);
     }

@@ -356,7 +356,7 @@ impl Tier {
         }
         if !self.io.engine().reaches(mem.kind) {
             return Err(Error::Unsupported(format!(
-                "the {} engine cannot reach {:?} memory directly; register host memory, or serve GPU memory through the staged path (TierBuilder::memory, or gpu::staged::StagedTier: pinned host staging and a copy kernel per layer); `kvtier doctor` says which path each memory kind takes here",
+                "the {} engine cannot reach {:?} memory directly; register host memory, or serve GPU memory through the staged path (TierBuilder::memory, or staged::StagedTier: pinned host staging and a copy kernel per layer); `kvtier doctor` says which path each memory kind takes here",
                 self.io.engine().name(),
                 mem.kind
             )));
@@ -375,7 +375,7 @@ impl Tier {
     }
 
     /// Register memory described by a P2P table built elsewhere (the staged
-    /// HBM path's host staging, `crate::gpu::staged`), as `register_memory`
+    /// HBM path's host staging, `crate::staged`), as `register_memory`
     /// does for a table it builds.
     ///
     /// # Safety
