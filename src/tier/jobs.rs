@@ -2,7 +2,7 @@
 //! holds, the keys and memory blocks it uses, and the results and layer
 //! events waiting to be collected.
 
-use super::store::PendingHeaders;
+use super::headers::PendingHeaders;
 use super::{JobId, JobKind, JobResult, KeyOutcome, LayerDone};
 use crate::error::Failure;
 use crate::plan::PlannedIo;

@@ -32,9 +32,14 @@
 //! flight and results to collect; `load` plans reads, verifies layers and
 //! announces them; `store` allocates, stages headers and settles stores;
 //! `store_plan` is the store protocol as a pure plan (unit-tested alone);
-//! `io` moves planned I/O through the gio_uring ring and accounts
-//! completions.
+//! `headers` a store's header sectors until they are staged; `hashing` the
+//! checksums of registered memory both paths take; `io` moves planned I/O
+//! through the gio_uring ring and accounts completions. Imports between them
+//! run one way: `io` -> `store` -> `store_plan` -> `jobs` -> `headers`,
+//! `load` -> `jobs`, `load`/`store` -> `hashing`.
 
+mod hashing;
+mod headers;
 mod io;
 mod jobs;
 mod load;
@@ -749,7 +754,7 @@ impl Tier {
                 if mem_block < table.num_blocks()
                     && table.geometry().is_some_and(|g| layers <= g.layers) =>
             {
-                Some(load::layer_crcs(table, mem_block, layers))
+                Some(hashing::layer_crcs(table, mem_block, layers))
             }
             _ => None,
         }
