@@ -8,8 +8,8 @@ use crate::gpu::{Context, Device};
 use crate::memory::{HostKvCache, KvMemory, MemoryKind};
 use crate::pool::{OpenExpect, Pool, PoolConfig};
 use crate::sched::Scheduler;
-use crate::staged::{StagedPath, StagingConfig};
-use crate::tier::Tier;
+use crate::staged::{StagedTier, StagingConfig};
+use crate::tier::{JobPath, Tier};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU8};
@@ -239,9 +239,12 @@ impl TierBuilder {
             .spawn(move || -> Result<()> {
                 let opened = (move || -> Result<Scheduler> {
                     let mut tier = open_tier(location, engine, create.as_ref(), &expect, tier_cfg)?;
-                    let mut staged = None;
-                    match memory {
-                        Memory::Host(c) => tier.register_host_cache(c)?,
+                    tier.defer_engine_calls(true);
+                    let path: Box<dyn JobPath> = match memory {
+                        Memory::Host(c) => {
+                            tier.register_host_cache(c)?;
+                            Box::new(tier)
+                        }
                         // GPU memory the engine cannot DMA into: through
                         // pinned host staging and the staging kernels.
                         Memory::Raw(m)
@@ -254,29 +257,24 @@ impl TierBuilder {
                             let ctx = Context::primary(&Device::get(ordinal as i32)?)?;
                             // SAFETY: the caller of `TierBuilder::memory`
                             // promised the memory outlives the handle's tier.
-                            staged =
-                                Some(unsafe { StagedPath::on_gpu(&mut tier, &ctx, m, staging)? });
+                            Box::new(unsafe { StagedTier::on_gpu(tier, &ctx, m, staging)? })
                         }
-                        // SAFETY: the caller of `TierBuilder::memory` promised
-                        // the memory outlives the handle's tier.
-                        Memory::Raw(m) => unsafe { tier.register_memory(m)? },
+                        Memory::Raw(m) => {
+                            // SAFETY: the caller of `TierBuilder::memory` promised
+                            // the memory outlives the handle's tier.
+                            unsafe { tier.register_memory(m)? };
+                            Box::new(tier)
+                        }
                         Memory::StagedDouble(c) => {
-                            staged = Some(StagedPath::with_host_double(&mut tier, c, staging)?)
+                            Box::new(StagedTier::with_host_double(tier, c, staging)?)
                         }
                         // SAFETY: the caller of `staged_host_double_memory`
                         // promised the memory outlives the handle's tier.
-                        Memory::StagedDoubleRaw(m) => {
-                            staged = Some(unsafe {
-                                StagedPath::with_host_double_memory(&mut tier, m, staging)?
-                            })
-                        }
-                    }
-                    tier.defer_engine_calls(true);
-                    let mut sched = Scheduler::new(tier, policy, backlog);
-                    if let Some(p) = staged {
-                        sched.set_staged(p);
-                    }
-                    Ok(sched)
+                        Memory::StagedDoubleRaw(m) => Box::new(unsafe {
+                            StagedTier::with_host_double_memory(tier, m, staging)?
+                        }),
+                    };
+                    Ok(Scheduler::with_path(path, policy, backlog))
                 })();
                 let sched = match opened {
                     Ok(s) => s,
@@ -287,11 +285,7 @@ impl TierBuilder {
                 };
                 // Store checksums are taken from host KV memory on the
                 // caller's thread; the staged path takes them on the GPU.
-                let crc_table = if sched.is_staged() {
-                    None
-                } else {
-                    sched.tier().p2p_table().cloned()
-                };
+                let crc_table = sched.path().caller_crc_table();
                 let engine_name = sched.tier().engine().name().to_string();
                 let index = sched.tier().shared_index();
                 let shared = Arc::new(Shared {

@@ -68,7 +68,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
-/// A job of a handle (its own numbering, not the tier's).
+/// A job of a handle: the id its scheduler gave it, which its path (the
+/// tier, or the staged path) runs it under and its result carries.
 pub type JobId = u64;
 
 /// How the handle schedules work; see [`crate::sched`].
@@ -297,10 +298,7 @@ struct Entry {
 #[derive(Default)]
 struct Jobs {
     entries: HashMap<JobId, Entry>,
-    by_tier: HashMap<tier::JobId, JobId>,
-    by_ticket: HashMap<u64, JobId>,
     finished_order: VecDeque<JobId>,
-    next: JobId,
     /// Memory blocks read by stores not yet finished / written by loads not
     /// yet finished (count per block).
     store_mem: HashMap<u32, u32>,
@@ -314,9 +312,8 @@ struct Jobs {
 }
 
 impl Jobs {
-    fn add(&mut self, e: Entry) -> JobId {
-        self.next += 1;
-        let id = self.next;
+    /// A job the scheduler accepted as `id`.
+    fn add(&mut self, id: JobId, e: Entry) {
         let map = match e.kind {
             JobKind::Load => &mut self.load_mem,
             JobKind::Store => &mut self.store_mem,
@@ -325,7 +322,6 @@ impl Jobs {
             *map.entry(b).or_default() += 1;
         }
         self.entries.insert(id, e);
-        id
     }
 
     /// Record a result and release the job's memory blocks.
@@ -681,17 +677,19 @@ impl TierHandle {
                     "memory block {b} is the target of a load not yet finished; wait for that load before loading into it again"
                 )));
             }
-            let tier_job = s.submit_load(keys, mem_blocks, layers.clone())?;
-            let id = jobs.add(Entry {
-                kind: JobKind::Load,
-                phase: Phase::Running,
-                keys: keys.to_vec(),
-                mem_blocks: mem_blocks.to_vec(),
-                layers_done: layers.start,
-                layer_errors: vec![None; layers.len()],
-                layers,
-            });
-            jobs.by_tier.insert(tier_job, id);
+            let id = s.submit_load(keys, mem_blocks, layers.clone())?;
+            jobs.add(
+                id,
+                Entry {
+                    kind: JobKind::Load,
+                    phase: Phase::Running,
+                    keys: keys.to_vec(),
+                    mem_blocks: mem_blocks.to_vec(),
+                    layers_done: layers.start,
+                    layer_errors: vec![None; layers.len()],
+                    layers,
+                },
+            );
             id
         };
         self.shared.ring();
@@ -746,17 +744,19 @@ impl TierHandle {
                     "memory block {b} is the target of a load not yet finished; wait for that load before storing from it"
                 )));
             }
-            let ticket = s.enqueue_store(keys, mem_blocks, crcs)?;
-            let id = jobs.add(Entry {
-                kind: JobKind::Store,
-                phase: Phase::Deferred,
-                keys: keys.to_vec(),
-                mem_blocks: mem_blocks.to_vec(),
-                layers: 0..0,
-                layers_done: 0,
-                layer_errors: Vec::new(),
-            });
-            jobs.by_ticket.insert(ticket, id);
+            let id = s.enqueue_store(keys, mem_blocks, crcs)?;
+            jobs.add(
+                id,
+                Entry {
+                    kind: JobKind::Store,
+                    phase: Phase::Deferred,
+                    keys: keys.to_vec(),
+                    mem_blocks: mem_blocks.to_vec(),
+                    layers: 0..0,
+                    layers_done: 0,
+                    layer_errors: Vec::new(),
+                },
+            );
             id
         };
         self.shared.ring();
@@ -925,12 +925,7 @@ impl TierHandle {
     pub fn load_counter(&self, job: JobId) -> Result<Option<LoadCounter>> {
         let core = lock(&self.shared.core);
         let s = core.as_ref().ok_or_else(Shared::closed_error)?;
-        let jobs = lock(&self.shared.jobs);
-        Ok(jobs
-            .by_tier
-            .iter()
-            .find(|(_, &h)| h == job)
-            .and_then(|(&t, _)| s.load_counter(t)))
+        Ok(s.load_counter(job))
     }
 
     /// Results of every finished job not yet collected, in finishing order.
@@ -984,22 +979,18 @@ impl TierHandle {
     }
 }
 
-/// Move released stores from the backlog into the job table.
-fn apply_released(
-    jobs: &mut Jobs,
-    released: Vec<(u64, Result<tier::JobId>)>,
-    events: &mut Vec<Event>,
-) {
-    for (ticket, r) in released {
-        let Some(id) = jobs.by_ticket.remove(&ticket) else {
-            continue;
-        };
+/// Mark released stores as running, or failed when their path refused them.
+fn apply_released(jobs: &mut Jobs, released: Vec<(JobId, Result<JobId>)>, events: &mut Vec<Event>) {
+    for (id, r) in released {
         match r {
-            Ok(tj) => {
+            Ok(_) => {
+                // Only a store still marked deferred: `flush_stores` applies
+                // its release after the I/O thread may have seen it finish.
                 if let Some(e) = jobs.entries.get_mut(&id) {
-                    e.phase = Phase::Running;
+                    if matches!(e.phase, Phase::Deferred) {
+                        e.phase = Phase::Running;
+                    }
                 }
-                jobs.by_tier.insert(tj, id);
             }
             Err(err) => {
                 let f = Failure::from(err);
@@ -1018,7 +1009,7 @@ fn apply_released(
 
 /// Everything the I/O thread learned in one turn, applied under the job lock.
 struct Turn {
-    released: Vec<(u64, Result<tier::JobId>)>,
+    released: Vec<(JobId, Result<JobId>)>,
     layer_events: Vec<tier::LayerDone>,
     finished: Vec<JobResult>,
     failed_backlog: Vec<u64>,
@@ -1098,9 +1089,7 @@ fn io_main(shared: Arc<Shared>) -> Result<()> {
         drop(s);
         let mut jobs = lock(&shared.jobs);
         for r in finished {
-            if let Some(id) = jobs.by_tier.remove(&r.job) {
-                jobs.finish(id, r, &mut events);
-            }
+            jobs.finish(r.job, r, &mut events);
         }
         jobs.broadcast(&events);
     }
@@ -1139,9 +1128,9 @@ fn apply_turn(shared: &Shared, turn: Turn, first_error: &mut Option<Error>) {
     let mut events = Vec::new();
     let mut jobs = lock(&shared.jobs);
     apply_released(&mut jobs, turn.released, &mut events);
-    for ticket in turn.failed_backlog {
-        if let Some(id) = jobs.by_ticket.remove(&ticket) {
-            let keys = jobs.entries[&id].keys.clone();
+    for id in turn.failed_backlog {
+        if let Some(e) = jobs.entries.get(&id) {
+            let keys = e.keys.clone();
             let why = Failure::new(
                 ErrorKind::Closed,
                 "the tier handle was dropped before this store was issued; nothing of it is stored",
@@ -1150,26 +1139,27 @@ fn apply_turn(shared: &Shared, turn: Turn, first_error: &mut Option<Error>) {
         }
     }
     for ev in turn.layer_events {
-        let Some(&id) = jobs.by_tier.get(&ev.job) else {
+        // A running job's: a layer event of a job no longer here (its
+        // result collected) or not yet running says nothing to anyone.
+        let Some(e) = jobs.entries.get_mut(&ev.job) else {
             continue;
         };
-        if let Some(e) = jobs.entries.get_mut(&id) {
-            let li = (ev.layer - e.layers.start) as usize;
-            if let Some(slot) = e.layer_errors.get_mut(li) {
-                *slot = ev.error.clone();
-            }
-            e.layers_done = e.layers_done.max(ev.layer + 1);
+        if !matches!(e.phase, Phase::Running) {
+            continue;
         }
+        let li = (ev.layer - e.layers.start) as usize;
+        if let Some(slot) = e.layer_errors.get_mut(li) {
+            *slot = ev.error.clone();
+        }
+        e.layers_done = e.layers_done.max(ev.layer + 1);
         events.push(Event::Layer {
-            job: id,
+            job: ev.job,
             layer: ev.layer,
             error: ev.error,
         });
     }
     for r in turn.finished {
-        if let Some(id) = jobs.by_tier.remove(&r.job) {
-            jobs.finish(id, r, &mut events);
-        }
+        jobs.finish(r.job, r, &mut events);
     }
     if let Some(e) = turn.error {
         let f = Failure::from(&e);

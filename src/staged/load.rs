@@ -93,6 +93,19 @@ impl StagedPath {
         mem_blocks: &[u32],
         layers: Range<u32>,
     ) -> Result<JobId> {
+        self.load_job(tier, None, keys, mem_blocks, layers)
+    }
+
+    /// `submit_load` as job `want` (the caller's numbering) or the next id.
+    pub(super) fn load_job(
+        &mut self,
+        tier: &mut Tier,
+        want: Option<JobId>,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        layers: Range<u32>,
+    ) -> Result<JobId> {
+        let id = self.claim(want)?;
         // A load larger than a layer buffer goes in chunks: bounded by the
         // memory's blocks (no two keys to one block).
         self.check_blocks(keys, mem_blocks, u32::MAX, "load")?;
@@ -138,8 +151,7 @@ impl StagedPath {
             first_layer: layers.start,
             layers_end: layers.end,
         });
-        let id = self.next_job;
-        self.next_job += 1;
+        self.next_job = self.next_job.max(id + 1);
         let layers_len = layers.len();
         self.loads.insert(
             id,

@@ -53,7 +53,7 @@ use crate::gpu::{check_gpu_kv_memory, CompletionCounter, Context};
 use crate::memory::{HostKvCache, KvMemory, MemoryKind};
 use crate::p2p::P2pTable;
 use crate::pool::Key;
-use crate::tier::{JobId, JobKind, JobResult, Tier};
+use crate::tier::{JobId, JobKind, JobPath, JobResult, LayerDone, Tier};
 use buffers::{Layout, StagingMemory};
 use load::LoadJob;
 use store::{StoreAgg, StoreJob};
@@ -387,6 +387,19 @@ impl StagedPath {
         Ok(())
     }
 
+    /// The id a new job gets: `want` when the caller numbers its jobs,
+    /// refused while a job of that id is in flight or uncollected; else the
+    /// path's next.
+    fn claim(&self, want: Option<JobId>) -> Result<JobId> {
+        match want {
+            None => Ok(self.next_job),
+            Some(id) if self.known(id) => Err(Error::invalid(format!(
+                "job id {id} is in use: give each staged job its own id"
+            ))),
+            Some(id) => Ok(id),
+        }
+    }
+
     fn known(&self, id: JobId) -> bool {
         self.loads.contains_key(&id)
             || self.finished.contains_key(&id)
@@ -528,6 +541,20 @@ impl StagedTier {
         Ok(StagedTier { tier, path })
     }
 
+    /// As [`StagedPath::with_host_double_memory`], with the tier.
+    ///
+    /// # Safety
+    /// As [`StagedPath::with_host_double_memory`].
+    pub unsafe fn with_host_double_memory(
+        mut tier: Tier,
+        mem: KvMemory,
+        cfg: StagingConfig,
+    ) -> Result<StagedTier> {
+        // SAFETY: the caller's contract.
+        let path = unsafe { StagedPath::with_host_double_memory(&mut tier, mem, cfg)? };
+        Ok(StagedTier { tier, path })
+    }
+
     /// As [`Self::with_host_double`] with a given double.
     pub fn with_host_copier(
         mut tier: Tier,
@@ -638,6 +665,94 @@ impl StagedTier {
     /// Waits for every job in flight.
     pub fn drain(&mut self) -> Result<()> {
         self.path.drain(&mut self.tier)
+    }
+}
+
+impl JobPath for StagedTier {
+    fn tier(&self) -> &Tier {
+        &self.tier
+    }
+
+    fn tier_mut(&mut self) -> &mut Tier {
+        &mut self.tier
+    }
+
+    fn submit_load(
+        &mut self,
+        id: JobId,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        layers: Range<u32>,
+    ) -> Result<()> {
+        self.path
+            .load_job(&mut self.tier, Some(id), keys, mem_blocks, layers)
+            .map(|_| ())
+    }
+
+    fn submit_store(
+        &mut self,
+        id: JobId,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        _crcs: Option<&[Option<Vec<u32>>]>,
+    ) -> Result<()> {
+        // The checksums are taken on the GPU as the blocks are gathered.
+        self.path
+            .store_job(&mut self.tier, Some(id), keys, mem_blocks)
+            .map(|_| ())
+    }
+
+    fn poll(&mut self) -> Result<()> {
+        StagedTier::poll(self)
+    }
+
+    fn layer_events(&mut self) -> Vec<LayerDone> {
+        StagedTier::layer_events(self)
+            .into_iter()
+            .map(|e| LayerDone {
+                job: e.job,
+                layer: e.layer,
+                error: e.error,
+            })
+            .collect()
+    }
+
+    fn get_finished(&mut self) -> Vec<JobResult> {
+        StagedTier::get_finished(self)
+    }
+
+    fn wait(&mut self, id: JobId) -> Result<JobResult> {
+        StagedTier::wait(self, id)
+    }
+
+    fn drain(&mut self) -> Result<()> {
+        StagedTier::drain(self)
+    }
+
+    fn jobs_in_flight(&self) -> usize {
+        self.path.jobs_in_flight()
+    }
+
+    fn loads_in_flight(&self) -> usize {
+        self.path.loads_in_flight()
+    }
+
+    fn completions_pending(&self) -> bool {
+        self.tier.completions_pending() || self.path.copies_pending()
+    }
+
+    fn caller_crc_table(&self) -> Option<Arc<P2pTable>> {
+        None
+    }
+
+    fn load_counter(&self, id: JobId) -> Option<LoadCounter> {
+        self.path.load_counter(id)
+    }
+
+    fn into_tier(self: Box<Self>) -> Result<Tier> {
+        Err(Error::invalid(
+            "a staged scheduler's tier reads and writes its staging: drain() the scheduler instead of taking the tier",
+        ))
     }
 }
 

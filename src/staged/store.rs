@@ -48,6 +48,18 @@ impl StagedPath {
         keys: &[Key],
         mem_blocks: &[u32],
     ) -> Result<JobId> {
+        self.store_job(tier, None, keys, mem_blocks)
+    }
+
+    /// `submit_store` as job `want` (the caller's numbering) or the next id.
+    pub(super) fn store_job(
+        &mut self,
+        tier: &mut Tier,
+        want: Option<JobId>,
+        keys: &[Key],
+        mem_blocks: &[u32],
+    ) -> Result<JobId> {
+        let id = self.claim(want)?;
         self.check_blocks(keys, mem_blocks, u32::MAX, "store")?;
         // As for loads: one set of the loads' targets, linear in the blocks.
         let loading: HashSet<u32> = self
@@ -60,7 +72,6 @@ impl StagedPath {
                 "memory block {b} is the target of a load in flight; wait for that load before storing from it"
             )));
         }
-        let id = self.next_job;
         let behind = self.stores.values().any(|a| a.next < a.keys.len());
         self.stores.insert(
             id,
@@ -79,7 +90,7 @@ impl StagedPath {
                 return Err(e);
             }
         }
-        self.next_job += 1;
+        self.next_job = self.next_job.max(id + 1);
         self.finish_stores();
         Ok(id)
     }

@@ -4,7 +4,7 @@
 
 use super::headers::PendingHeaders;
 use super::{JobId, JobKind, JobResult, KeyOutcome, LayerDone};
-use crate::error::Failure;
+use crate::error::{Error, Failure, Result};
 use crate::plan::PlannedIo;
 use crate::pool::Key;
 use crate::ring::IocbId;
@@ -247,17 +247,25 @@ impl JobTable {
         }
     }
 
-    /// The id the next job inserted gets.
-    pub(super) fn next_id(&self) -> JobId {
-        self.next_id
+    /// The id a new job gets: `want` when the caller numbers its jobs (the
+    /// scheduler gives every path the one id its job has from submit to
+    /// result), refused while a job of that id is in flight or uncollected;
+    /// else the table's next.
+    pub(super) fn claim(&self, want: Option<JobId>) -> Result<JobId> {
+        match want {
+            None => Ok(self.next_id),
+            Some(id) if id == GROUP_FLUSH || id == 0 || self.known(id) => Err(Error::invalid(
+                format!("job id {id} is in use or reserved: give each job of a tier its own id"),
+            )),
+            Some(id) => Ok(id),
+        }
     }
 
-    /// Add a planned job and queue its I/O; it holds its memory blocks until
-    /// it finishes.
-    pub(super) fn insert(&mut self, mut job: Job) -> JobId {
-        let id = self.next_id;
-        self.next_id += 1;
-        job.id = id;
+    /// Add a planned job (its id from `claim`) and queue its I/O; it holds
+    /// its memory blocks until it finishes.
+    pub(super) fn insert(&mut self, job: Job) -> JobId {
+        let id = job.id;
+        self.next_id = self.next_id.max(id + 1);
         for &b in &job.mem_blocks {
             let u = self.mem_busy.entry(b).or_default();
             match job.kind {

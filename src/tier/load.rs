@@ -24,6 +24,17 @@ impl Tier {
         mem_blocks: &[u32],
         layers: Range<u32>,
     ) -> Result<JobId> {
+        self.load_job(None, keys, mem_blocks, layers)
+    }
+
+    /// `submit_load` as job `want` (the caller's numbering) or the next id.
+    pub(super) fn load_job(
+        &mut self,
+        want: Option<JobId>,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        layers: Range<u32>,
+    ) -> Result<JobId> {
         let t0 = std::time::Instant::now();
         self.check_mem_blocks(keys, mem_blocks)?;
         let geo = *self.pool.geometry();
@@ -43,6 +54,7 @@ impl Tier {
                 theirs.start, theirs.end
             )));
         }
+        let id = self.jobs.claim(want)?;
         let slots = self.hold_job_keys(keys)?;
         let table = self.table()?.clone();
         let verify = self.cfg.verify_loads && table.kind() == MemoryKind::Host;
@@ -52,8 +64,8 @@ impl Tier {
         // layer at 4K tokens).
         let runs = load_runs(self.pool.layout(), &slots);
         let first = self.plan_layer(&slots, &runs, mem_blocks, layers.start, verify);
-        let id = self.jobs.insert(Job {
-            id: 0,
+        self.jobs.insert(Job {
+            id,
             kind: JobKind::Load,
             keys: keys.to_vec(),
             mem_blocks: mem_blocks.to_vec(),

@@ -43,6 +43,7 @@ mod headers;
 mod io;
 mod jobs;
 mod load;
+mod path;
 mod store;
 mod store_plan;
 mod trace;
@@ -56,6 +57,7 @@ use crate::pool::layout::SLOT_HEADER_BYTES;
 use crate::pool::{Key, Pool};
 use crate::submitter::Submitter;
 use jobs::{Item, JobTable};
+pub use path::JobPath;
 use std::sync::Arc;
 use store::Staging;
 

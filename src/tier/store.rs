@@ -126,6 +126,18 @@ impl Tier {
         mem_blocks: &[u32],
         crcs: Option<&[Option<Vec<u32>>]>,
     ) -> Result<JobId> {
+        self.store_job(None, keys, mem_blocks, crcs)
+    }
+
+    /// `submit_store_with_crcs` as job `want` (the caller's numbering) or
+    /// the next id.
+    pub(super) fn store_job(
+        &mut self,
+        want: Option<JobId>,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        crcs: Option<&[Option<Vec<u32>>]>,
+    ) -> Result<JobId> {
         if crcs.is_some_and(|c| c.len() != keys.len()) {
             return Err(Error::invalid("one checksum slot per key is needed"));
         }
@@ -156,7 +168,7 @@ impl Tier {
                 "memory block {b} is the target of a load in flight; wait for that load before storing from it"
             )));
         }
-        let this_job = self.jobs.next_id();
+        let this_job = self.jobs.claim(want)?;
         let mut waiting_on = Vec::new();
         let mut in_job = HashSet::new();
         let mut already = Vec::new();
@@ -336,7 +348,7 @@ impl Tier {
             .collect();
 
         let id = self.jobs.insert(Job {
-            id: 0,
+            id: this_job,
             kind: JobKind::Store,
             keys: keys.to_vec(),
             mem_blocks: mem_blocks.to_vec(),
