@@ -15,8 +15,8 @@
 //!   ([`crate::pool::index::SharedIndex`]), which every holder keeps for a
 //!   few index operations only: they never wait behind the I/O thread's
 //!   poll turn (reaping, checksum hashing, planning), a submit's planning,
-//!   a load, a store or another caller's `wait`. `usage` takes the core
-//!   lock, which the I/O thread never holds while it sleeps or waits for a
+//!   a load, a store or another caller's `wait`. `usage` and
+//!   `memory_block_use` take the core lock, which the I/O thread never holds while it sleeps or waits for a
 //!   device.
 //! - `submit_load` plans its reads on the calling thread under the core
 //!   lock and returns at once; the I/O thread issues them. `submit_store` takes
@@ -43,7 +43,10 @@
 //! The memory blocks of a job must not be written by the caller until the job
 //! finishes (a store's checksums are taken when it is submitted, and a load
 //! writes them). The handle refuses a load into blocks that a store in the
-//! backlog or in flight reads, and a store from blocks a load is writing.
+//! backlog or in flight reads or that another load in flight writes, and a
+//! store from blocks a load is writing. The scheduler checks its backlog and
+//! the path (the tier, or the staged path) its own table of jobs in flight:
+//! each block is checked once, by the one that holds the job using it.
 
 mod builder;
 
@@ -288,7 +291,6 @@ struct Entry {
     kind: JobKind,
     phase: Phase,
     keys: Vec<Key>,
-    mem_blocks: Vec<u32>,
     layers: Range<u32>,
     /// Next layer (absolute) not yet reported.
     layers_done: u32,
@@ -299,10 +301,6 @@ struct Entry {
 struct Jobs {
     entries: HashMap<JobId, Entry>,
     finished_order: VecDeque<JobId>,
-    /// Memory blocks read by stores not yet finished / written by loads not
-    /// yet finished (count per block).
-    store_mem: HashMap<u32, u32>,
-    load_mem: HashMap<u32, u32>,
     /// An engine failure that stops jobs from finishing: waits on unfinished
     /// jobs return it instead of blocking forever.
     fatal: Option<Failure>,
@@ -314,35 +312,16 @@ struct Jobs {
 impl Jobs {
     /// A job the scheduler accepted as `id`.
     fn add(&mut self, id: JobId, e: Entry) {
-        let map = match e.kind {
-            JobKind::Load => &mut self.load_mem,
-            JobKind::Store => &mut self.store_mem,
-        };
-        for &b in &e.mem_blocks {
-            *map.entry(b).or_default() += 1;
-        }
         self.entries.insert(id, e);
     }
 
-    /// Record a result and release the job's memory blocks.
+    /// Record a result.
     fn finish(&mut self, id: JobId, mut r: JobResult, events: &mut Vec<Event>) {
         let Some(e) = self.entries.get_mut(&id) else {
             return;
         };
         if matches!(e.phase, Phase::Finished(_)) {
             return;
-        }
-        let map = match e.kind {
-            JobKind::Load => &mut self.load_mem,
-            JobKind::Store => &mut self.store_mem,
-        };
-        for b in &e.mem_blocks {
-            if let Some(c) = map.get_mut(b) {
-                *c -= 1;
-                if *c == 0 {
-                    map.remove(b);
-                }
-            }
         }
         r.job = id;
         events.push(Event::Finished {
@@ -637,14 +616,8 @@ impl TierHandle {
     /// load's check), `Store` while a store reads it (a write would change
     /// what it stores), `None` when it is free.
     pub fn memory_block_use(&self, block: u32) -> Option<JobKind> {
-        let jobs = lock(&self.shared.jobs);
-        if jobs.load_mem.contains_key(&block) {
-            Some(JobKind::Load)
-        } else if jobs.store_mem.contains_key(&block) {
-            Some(JobKind::Store)
-        } else {
-            None
-        }
+        let core = lock(&self.shared.core);
+        core.as_ref().and_then(|s| s.memory_block_use(block))
     }
 
     /// Start loading `keys` (all in the pool: count them with
@@ -664,19 +637,8 @@ impl TierHandle {
             let mut jobs = lock(&self.shared.jobs);
             self.check_open(&jobs)?;
             Self::check_job_room(&jobs)?;
-            if let Some(b) = mem_blocks.iter().find(|b| jobs.store_mem.contains_key(b)) {
-                return Err(Error::invalid(format!(
-                    "memory block {b} is read by a store not yet finished; wait for that store before loading into it"
-                )));
-            }
-            // Two loads landing in one block: each checks its bytes in that
-            // memory, so the other's bytes would fail the check and a good
-            // key would be dropped from the pool as corrupt.
-            if let Some(b) = mem_blocks.iter().find(|b| jobs.load_mem.contains_key(b)) {
-                return Err(Error::invalid(format!(
-                    "memory block {b} is the target of a load not yet finished; wait for that load before loading into it again"
-                )));
-            }
+            // The scheduler refuses a load into a block a deferred store
+            // reads, the path one into a block a job in flight uses.
             let id = s.submit_load(keys, mem_blocks, layers.clone())?;
             jobs.add(
                 id,
@@ -684,7 +646,6 @@ impl TierHandle {
                     kind: JobKind::Load,
                     phase: Phase::Running,
                     keys: keys.to_vec(),
-                    mem_blocks: mem_blocks.to_vec(),
                     layers_done: layers.start,
                     layer_errors: vec![None; layers.len()],
                     layers,
@@ -739,11 +700,6 @@ impl TierHandle {
             let mut jobs = lock(&self.shared.jobs);
             self.check_open(&jobs)?;
             Self::check_job_room(&jobs)?;
-            if let Some(b) = mem_blocks.iter().find(|b| jobs.load_mem.contains_key(b)) {
-                return Err(Error::invalid(format!(
-                    "memory block {b} is the target of a load not yet finished; wait for that load before storing from it"
-                )));
-            }
             let id = s.enqueue_store(keys, mem_blocks, crcs)?;
             jobs.add(
                 id,
@@ -751,7 +707,6 @@ impl TierHandle {
                     kind: JobKind::Store,
                     phase: Phase::Deferred,
                     keys: keys.to_vec(),
-                    mem_blocks: mem_blocks.to_vec(),
                     layers: 0..0,
                     layers_done: 0,
                     layer_errors: Vec::new(),

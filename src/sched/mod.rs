@@ -19,8 +19,8 @@
 use crate::error::{Error, Result};
 use crate::gpu::wait::LoadCounter;
 use crate::pool::Key;
-use crate::tier::{JobId, JobPath, JobResult, LayerDone, Tier};
-use std::collections::VecDeque;
+use crate::tier::{JobId, JobKind, JobPath, JobResult, LayerDone, Tier};
+use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 
 /// A store of `blocks` blocks can ever enter a backlog of `limit` blocks:
@@ -96,6 +96,9 @@ pub struct Scheduler {
     policy: Policy,
     backlog: VecDeque<Pending>,
     backlog_blocks: u64,
+    /// Memory blocks the backlog's stores read (count per block): a load
+    /// into one is refused. The path's own table knows the jobs it runs.
+    backlog_mem: HashMap<u32, u32>,
     /// Most blocks the backlog holds before refusing stores.
     pub backlog_limit_blocks: u64,
     next_id: JobId,
@@ -122,6 +125,7 @@ impl Scheduler {
             policy,
             backlog: VecDeque::new(),
             backlog_blocks: 0,
+            backlog_mem: HashMap::new(),
             backlog_limit_blocks,
             next_id: 1,
             issued: Vec::new(),
@@ -225,6 +229,11 @@ impl Scheduler {
         mem_blocks: &[u32],
         layers: Range<u32>,
     ) -> Result<JobId> {
+        if let Some(b) = mem_blocks.iter().find(|b| self.backlog_mem.contains_key(b)) {
+            return Err(Error::invalid(format!(
+                "memory block {b} is read by a store not yet issued; wait for that store before loading into it"
+            )));
+        }
         let id = self.take_id();
         self.path.submit_load(id, keys, mem_blocks, layers)?;
         Ok(id)
@@ -266,6 +275,11 @@ impl Scheduler {
         crcs: Option<Vec<Option<Vec<u32>>>>,
     ) -> Result<()> {
         check_store_fits(keys.len(), self.backlog_limit_blocks)?;
+        if let Some(b) = self.path.block_in_use(mem_blocks, JobKind::Load) {
+            return Err(Error::invalid(format!(
+                "memory block {b} is the target of a load not yet finished; wait for that load before storing from it"
+            )));
+        }
         let n = keys.len() as u64;
         if self.backlog_blocks + n > self.backlog_limit_blocks {
             return Err(Error::Backpressure(format!(
@@ -274,6 +288,9 @@ impl Scheduler {
             )));
         }
         self.backlog_blocks += n;
+        for &b in mem_blocks {
+            *self.backlog_mem.entry(b).or_default() += 1;
+        }
         self.backlog.push_back(Pending {
             id: ticket,
             keys: keys.to_vec(),
@@ -281,6 +298,22 @@ impl Scheduler {
             crcs,
         });
         Ok(())
+    }
+
+    /// Which job uses memory block `block`: `Load` while a load writes it,
+    /// `Store` while a store reads it (deferred, or on the path), `None` when
+    /// it is free. One answer from the two places jobs are: the backlog and
+    /// the path's own table.
+    pub fn memory_block_use(&self, block: u32) -> Option<JobKind> {
+        if self.path.block_in_use(&[block], JobKind::Load).is_some() {
+            Some(JobKind::Load)
+        } else if self.backlog_mem.contains_key(&block)
+            || self.path.block_in_use(&[block], JobKind::Store).is_some()
+        {
+            Some(JobKind::Store)
+        } else {
+            None
+        }
     }
 
     /// Deferred stores in the backlog.
@@ -309,6 +342,7 @@ impl Scheduler {
     /// not flush); returns their tickets. Nothing of them was acknowledged.
     pub fn take_backlog(&mut self) -> Vec<u64> {
         self.backlog_blocks = 0;
+        self.backlog_mem.clear();
         self.backlog.drain(..).map(|p| p.id).collect()
     }
 
@@ -320,10 +354,9 @@ impl Scheduler {
     fn issue_up_to(&mut self, max: usize) -> Vec<(u64, Result<JobId>)> {
         let mut out = Vec::new();
         while out.len() < max {
-            let Some(p) = self.backlog.pop_front() else {
+            let Some(p) = self.pop_backlog() else {
                 break;
             };
-            self.backlog_blocks -= p.keys.len() as u64;
             let r = self.store_now(p.id, &p.keys, &p.mem_blocks, p.crcs.as_deref());
             out.push((p.id, r));
         }
@@ -343,7 +376,7 @@ impl Scheduler {
         }
         let mut issued = 0;
         while issued < window.write_iocbs {
-            let Some(p) = self.backlog.pop_front() else {
+            let Some(p) = self.pop_backlog() else {
                 break;
             };
             self.issue(p)?;
@@ -354,7 +387,7 @@ impl Scheduler {
 
     /// Issue every deferred store now (end of prefill for Sync, shutdown).
     pub fn flush_writes(&mut self) -> Result<()> {
-        while let Some(p) = self.backlog.pop_front() {
+        while let Some(p) = self.pop_backlog() {
             if self.loads_in_flight() > 0 {
                 self.released_during_reads += 1;
             }
@@ -363,8 +396,22 @@ impl Scheduler {
         Ok(())
     }
 
-    fn issue(&mut self, p: Pending) -> Result<()> {
+    /// The oldest deferred store, out of the backlog's accounting.
+    fn pop_backlog(&mut self) -> Option<Pending> {
+        let p = self.backlog.pop_front()?;
         self.backlog_blocks -= p.keys.len() as u64;
+        for b in &p.mem_blocks {
+            if let Some(c) = self.backlog_mem.get_mut(b) {
+                *c -= 1;
+                if *c == 0 {
+                    self.backlog_mem.remove(b);
+                }
+            }
+        }
+        Some(p)
+    }
+
+    fn issue(&mut self, p: Pending) -> Result<()> {
         let job = self.store_now(p.id, &p.keys, &p.mem_blocks, p.crcs.as_deref())?;
         self.issued.push((p.id, job));
         Ok(())

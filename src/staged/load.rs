@@ -3,7 +3,7 @@
 //! blocks, the load's counter advanced, and the layer announced once the
 //! copy is done.
 
-use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 
 use super::{HbmLayer, StagedPath};
@@ -111,15 +111,14 @@ impl StagedPath {
         self.check_blocks(keys, mem_blocks, u32::MAX, "load")?;
         let g = self.target.geometry;
         crate::tier::check_load_args(g.layers, mem_blocks, &layers)?;
-        // One set of the blocks stores still have to gather, so the check is
-        // linear in the blocks, not their product (a 64K-token load beside
-        // a large store is 4096 x 4096 blocks).
-        let ungathered: HashSet<u32> = self
-            .stores
-            .values()
-            .flat_map(|a| a.mem_blocks[a.next..].iter().copied())
-            .collect();
-        if let Some(&b) = mem_blocks.iter().find(|&&b| ungathered.contains(&b)) {
+        // Two loads scattering into one block would leave either's bytes
+        // under both loads' announcements.
+        if let Some(b) = self.block_in_use(mem_blocks, JobKind::Load) {
+            return Err(Error::invalid(format!(
+                "memory block {b} is the target of a load in flight; wait for that load before loading into it again"
+            )));
+        }
+        if let Some(b) = self.block_in_use(mem_blocks, JobKind::Store) {
             return Err(Error::invalid(format!(
                 "memory block {b} is read by a store not yet gathered; wait for that store before loading into it"
             )));

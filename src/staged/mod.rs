@@ -40,7 +40,7 @@ mod buffers;
 mod load;
 mod store;
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -514,6 +514,30 @@ impl StagedPath {
         self.loads.len()
     }
 
+    /// The first of `blocks` (of the KV memory served) that a staged job of
+    /// `kind` uses: a load writing it, or a store that has still to gather
+    /// it (a gathered chunk reads the staging, no longer the block). One set
+    /// of the jobs' blocks, so the check is linear in the blocks, not their
+    /// product (a 64K-token load beside a large store is 4096 x 4096 blocks).
+    pub fn block_in_use(&self, blocks: &[u32], kind: JobKind) -> Option<u32> {
+        let busy: HashSet<u32> = match kind {
+            JobKind::Load => self
+                .loads
+                .values()
+                .flat_map(|j| j.hbm.iter().copied())
+                .collect(),
+            JobKind::Store => self
+                .stores
+                .values()
+                .flat_map(|a| a.mem_blocks[a.next..].iter().copied())
+                .collect(),
+        };
+        if busy.is_empty() {
+            return None;
+        }
+        blocks.iter().copied().find(|b| busy.contains(b))
+    }
+
     /// Copies started whose end only a later poll sees (no fd says so:
     /// the copier's counter is polled).
     pub fn copies_pending(&self) -> bool {
@@ -739,6 +763,10 @@ impl JobPath for StagedTier {
 
     fn completions_pending(&self) -> bool {
         self.tier.completions_pending() || self.path.copies_pending()
+    }
+
+    fn block_in_use(&self, blocks: &[u32], kind: JobKind) -> Option<u32> {
+        self.path.block_in_use(blocks, kind)
     }
 
     fn caller_crc_table(&self) -> Option<Arc<P2pTable>> {

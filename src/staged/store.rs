@@ -2,8 +2,6 @@
 //! store area with a crc32c per object (on the GPU), in chunks as the area
 //! frees, each chunk one tier store with the combined per-layer checksums.
 
-use std::collections::HashSet;
-
 use super::StagedPath;
 use crate::error::{Error, ErrorKind, Failure, Result};
 use crate::gpu::staging::CopyDesc;
@@ -61,13 +59,7 @@ impl StagedPath {
     ) -> Result<JobId> {
         let id = self.claim(want)?;
         self.check_blocks(keys, mem_blocks, u32::MAX, "store")?;
-        // As for loads: one set of the loads' targets, linear in the blocks.
-        let loading: HashSet<u32> = self
-            .loads
-            .values()
-            .flat_map(|j| j.hbm.iter().copied())
-            .collect();
-        if let Some(&b) = mem_blocks.iter().find(|&&b| loading.contains(&b)) {
+        if let Some(b) = self.block_in_use(mem_blocks, JobKind::Load) {
             return Err(Error::invalid(format!(
                 "memory block {b} is the target of a load in flight; wait for that load before storing from it"
             )));

@@ -11,7 +11,7 @@
 //! the caller can still take back is a store in the scheduler's backlog,
 //! which never reached a path.
 
-use super::{JobId, JobResult, LayerDone, Tier};
+use super::{JobId, JobKind, JobResult, LayerDone, Tier};
 use crate::error::Result;
 use crate::gpu::wait::LoadCounter;
 use crate::p2p::P2pTable;
@@ -73,6 +73,13 @@ pub trait JobPath: Send {
 
     /// Whether a poll now may find something done that no fd announces.
     fn completions_pending(&self) -> bool;
+
+    /// The first of `blocks` that a job of `kind` on this path uses: a load
+    /// writing it (its bytes are not whole yet), or a store still reading it.
+    /// The path's own table is the one that knows; its submits refuse a
+    /// load into a block a store reads, two loads into one block's layers,
+    /// and a store from a block a load writes.
+    fn block_in_use(&self, blocks: &[u32], kind: JobKind) -> Option<u32>;
 
     /// The registered memory whose stores the caller may checksum on its own
     /// thread (host memory), or `None` when the path takes them itself (the
@@ -151,6 +158,13 @@ impl JobPath for Tier {
 
     fn completions_pending(&self) -> bool {
         Tier::completions_pending(self)
+    }
+
+    fn block_in_use(&self, blocks: &[u32], kind: JobKind) -> Option<u32> {
+        blocks
+            .iter()
+            .copied()
+            .find(|&b| self.jobs.mem_busy(b, kind))
     }
 
     fn caller_crc_table(&self) -> Option<Arc<P2pTable>> {
