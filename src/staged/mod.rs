@@ -53,7 +53,7 @@ use crate::gpu::{check_gpu_kv_memory, CompletionCounter, Context};
 use crate::memory::{HostKvCache, KvMemory, MemoryKind};
 use crate::p2p::P2pTable;
 use crate::pool::Key;
-use crate::tier::{JobId, JobKind, JobPath, JobResult, LayerDone, Tier};
+use crate::tier::{FinishedJobs, JobId, JobKind, JobPath, JobResult, LayerDone, Tier};
 use buffers::{Layout, StagingMemory};
 use load::LoadJob;
 use store::{StoreAgg, StoreJob};
@@ -94,8 +94,7 @@ pub struct StagedPath {
     layer_jobs: HashMap<JobId, (JobId, u64, Vec<u32>)>,
     store_jobs: HashMap<JobId, StoreJob>,
     stores: HashMap<JobId, StoreAgg>,
-    finished: HashMap<JobId, JobResult>,
-    finished_order: VecDeque<JobId>,
+    finished: FinishedJobs,
     events: VecDeque<HbmLayer>,
     seq: u32,
     next_job: JobId,
@@ -243,8 +242,7 @@ impl StagedPath {
             layer_jobs: HashMap::new(),
             store_jobs: HashMap::new(),
             stores: HashMap::new(),
-            finished: HashMap::new(),
-            finished_order: VecDeque::new(),
+            finished: FinishedJobs::default(),
             events: VecDeque::new(),
             seq: 0,
             next_job: STAGED_JOB_BASE,
@@ -339,8 +337,7 @@ impl StagedPath {
     }
 
     fn finish(&mut self, r: JobResult) {
-        self.finished_order.push_back(r.job);
-        self.finished.insert(r.job, r);
+        self.finished.push(r);
     }
 
     /// Move everything along without blocking.
@@ -401,9 +398,7 @@ impl StagedPath {
     }
 
     fn known(&self, id: JobId) -> bool {
-        self.loads.contains_key(&id)
-            || self.finished.contains_key(&id)
-            || self.stores.contains_key(&id)
+        self.loads.contains_key(&id) || self.finished.contains(id) || self.stores.contains_key(&id)
     }
 
     /// Wait for job `id` and take its result.
@@ -415,8 +410,7 @@ impl StagedPath {
         }
         loop {
             self.poll(tier)?;
-            if let Some(r) = self.finished.remove(&id) {
-                self.finished_order.retain(|&j| j != id);
+            if let Some(r) = self.finished.take(id) {
                 return Ok(r);
             }
             self.wait_some(tier)?;
@@ -452,7 +446,7 @@ impl StagedPath {
                     }
                 }
                 None => {
-                    return match self.finished.get(&id) {
+                    return match self.finished.get(id) {
                         Some(r) if r.kind != JobKind::Load => Err(Error::invalid(format!(
                             "job {id} is not a load of layer {layer}"
                         ))),
@@ -477,13 +471,7 @@ impl StagedPath {
 
     /// Results of jobs that ended, in the order they ended.
     pub fn get_finished(&mut self) -> Vec<JobResult> {
-        let mut out = Vec::new();
-        while let Some(id) = self.finished_order.pop_front() {
-            if let Some(r) = self.finished.remove(&id) {
-                out.push(r);
-            }
-        }
-        out
+        self.finished.take_all()
     }
 
     /// Wait for every job.

@@ -44,6 +44,7 @@ mod io;
 mod jobs;
 mod load;
 mod path;
+mod results;
 mod store;
 mod store_plan;
 mod trace;
@@ -58,6 +59,7 @@ use crate::pool::{Key, Pool};
 use crate::submitter::Submitter;
 use jobs::{Item, JobTable};
 pub use path::JobPath;
+pub(crate) use results::FinishedJobs;
 use std::sync::Arc;
 use store::Staging;
 
@@ -622,7 +624,7 @@ impl Tier {
             match self.jobs.live.get(&id) {
                 None => {
                     // Finished: its result says which keys failed.
-                    let r = self.jobs.finished.get(&id).expect("checked");
+                    let r = self.jobs.finished.get(id).expect("checked");
                     return match r.failures().next() {
                         Some((k, f)) if r.kind == JobKind::Load => Err(Error::Failed(
                             f.context(format_args!("job {id} failed to load key {k}")),
@@ -656,10 +658,7 @@ impl Tier {
 
     /// Results of every job finished and not yet collected, in finishing order.
     pub fn get_finished(&mut self) -> Vec<JobResult> {
-        let ids: Vec<JobId> = self.jobs.finished_order.iter().copied().collect();
-        ids.into_iter()
-            .filter_map(|id| self.jobs.collect(id))
-            .collect()
+        self.jobs.collect_all()
     }
 
     /// Wait for every job in flight.
