@@ -377,8 +377,8 @@ impl StagedPath {
         } else if self.loads.values().any(|j| !j.copying.is_empty()) {
             self.copier.finish()?;
         } else {
-            return Err(Error::invalid(
-                "staged tier: a job is unfinished with nothing in flight (a bug: report it)",
+            return Err(Error::internal(
+                "staged tier: a job is unfinished with nothing in flight",
             ));
         }
         Ok(())

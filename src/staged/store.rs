@@ -167,9 +167,7 @@ impl StagedPath {
         earlier: &[Key],
     ) -> Result<(JobId, Vec<u32>)> {
         if self.store_free.len() < keys.len() {
-            return Err(Error::invalid(
-                "store staging has no room for a chunk (a bug: report it)",
-            ));
+            return Err(Error::internal("store staging has no room for a chunk"));
         }
         // The keys earlier chunks of this store have put in the pool are
         // held while this chunk allocates, as one tier store holds its own
