@@ -30,7 +30,7 @@ pub fn crc32c_append(crc: u32, data: &[u8]) -> u32 {
 
 /// FNV-1a, 64 bits: a stable hash of a short name (the same on every
 /// machine and build), for ids that are written down (a block header's
-/// namespace, a model id). Not for data: that is [`crc32c`].
+/// namespace, a model id). Not for data: that is [`crc32c()`].
 pub fn fnv1a64(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
         (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
