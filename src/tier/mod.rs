@@ -33,10 +33,13 @@
 //! announces them; `store` allocates, stages headers and settles stores;
 //! `store_plan` is the store protocol as a pure plan (unit-tested alone);
 //! `headers` a store's header sectors until they are staged; `hashing` the
-//! checksums of registered memory both paths take; `io` moves planned I/O
+//! checksums of registered memory both paths take; `results` finished jobs'
+//! results until collected (the staged path keeps its own in the same shape);
+//! `window` the adaptive restore window; `path` the job-path trait a scheduler
+//! drives (`Tier` and the staged tier implement it); `io` moves planned I/O
 //! through the gio_uring ring and accounts completions. Imports between them
 //! run one way: `io` -> `store` -> `store_plan` -> `jobs` -> `headers`,
-//! `load` -> `jobs`, `load`/`store` -> `hashing`.
+//! `jobs` -> `results`, `load` -> `jobs`, `load`/`store` -> `hashing`.
 
 mod hashing;
 mod headers;
