@@ -11,6 +11,8 @@ fn bench(dir: &TempDir, args: &[&str]) -> (String, serde_json::Value) {
     let json = dir.file("out.json");
     let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
         .arg("bench")
+        // Each store's steps on stderr (`tier::trace::StoreTrace`).
+        .env("KVTIER_TRACE_STORES", "1")
         .arg("--dir")
         .arg(dir.path())
         .arg("--json")
@@ -71,6 +73,33 @@ fn kv_bench_reports_every_figure_and_plots() {
     );
     assert!(0.0 < durable && durable <= alone, "{alone} {durable}");
     assert!(text.contains("followed by one flush"), "{text}");
+    // The engine alone wrote the same bytes to the store's slots before it
+    // and after it (the second context's slots follow the first's), and
+    // the load after both still verified every block.
+    // The first context fits the fresh pool; the second evicts, so its
+    // slots are not known before its store (said so).
+    assert!(results[0]["engine_first_write_gib_s"].as_f64().unwrap() > 0.0);
+    assert!(results[1]["engine_first_write_gib_s"].is_null());
+    assert!(
+        text.contains("4096 tokens: no engine-alone write before the store"),
+        "{text}"
+    );
+    assert!(!text.contains("took other slots"), "{text}");
+    for r in results {
+        assert_eq!(r["verified"], true);
+    }
+    // The store trace names every step of the protocol, data first and
+    // the headers' flush last.
+    let trace = &text[text.find("kvtier store").expect("a store trace")..];
+    let at = |what: &str| {
+        trace
+            .find(what)
+            .unwrap_or_else(|| panic!("{what}: {trace}"))
+    };
+    assert!(at("Data issue") < at("Data complete"));
+    assert!(at("Data complete") < at("Flush(Data) complete"));
+    assert!(at("Flush(Data) complete") < at("Headers issue"));
+    assert!(at("Headers complete") < at("Flush(Headers) complete"));
     assert!(v["peak_rss"]["kvtier_bytes"].as_u64().unwrap() > 256 << 21);
     assert!(v["machine"]["kernel"].as_str().unwrap().len() > 1);
     assert_eq!(v["config"]["geometry"]["layers"], 32);

@@ -156,12 +156,21 @@ impl Tier {
             item.next = item.ios.len();
             item.iocbs_out += 1;
             self.jobs.flush_group.waiting.push((id, ix));
+            if let Some(t) = self.store_trace.as_mut() {
+                t.event(id, format_args!("{step:?} joined"));
+            }
             return Ok(true);
         }
         // Skip I/O for keys that already failed (headers of failed data).
         if step == Step::Headers && job.items[ix].next == 0 {
             let staging = self.staging.as_ref().expect("a store has staging");
+            if let Some(t) = self.store_trace.as_mut() {
+                t.event(id, "headers staging");
+            }
             stage_headers(&mut self.pool, staging, job);
+            if let Some(t) = self.store_trace.as_mut() {
+                t.event(id, "headers staging");
+            }
         }
         if step == Step::Headers {
             let item = &job.items[ix];
@@ -225,6 +234,9 @@ impl Tier {
         );
         if let (Some(t), Step::LoadLayer(layer)) = (self.trace.as_mut(), step) {
             t.event(id, layer, trace::Ev::Issue);
+        }
+        if let Some(t) = self.store_trace.as_mut() {
+            t.event(id, format_args!("{step:?} issue ({bytes} B)"));
         }
         self.io.submit(iocb)?;
         Ok(true)
@@ -317,6 +329,13 @@ impl Tier {
         }
         let g = &mut self.jobs.flush_group;
         let members = std::mem::take(&mut g.waiting);
+        if let Some(t) = self.store_trace.as_mut() {
+            for &(id, ix) in &members {
+                if let Some(j) = self.jobs.live.get(&id) {
+                    t.event(id, format_args!("{:?} group issue", j.items[ix].step));
+                }
+            }
+        }
         g.issued += 1;
         g.steps += members.len() as u64;
         g.in_flight = Some((iocb, members));
@@ -387,6 +406,9 @@ impl Tier {
         let step = job.items[ix].step;
         if let (Some(t), Step::LoadLayer(layer)) = (self.trace.as_mut(), step) {
             t.event(id, layer, trace::Ev::Land);
+        }
+        if let Some(t) = self.store_trace.as_mut() {
+            t.event(id, format_args!("{step:?} complete"));
         }
         if let Some((_, msg)) = failures.first() {
             job.items[ix].failed.get_or_insert_with(|| msg.clone());
@@ -479,6 +501,9 @@ impl Tier {
             }
             JobKind::Store => self.finish_store(&mut job),
         };
+        if let Some(t) = self.store_trace.as_mut() {
+            t.finished(id);
+        }
         self.jobs.finish(JobResult {
             job: id,
             kind: job.kind,

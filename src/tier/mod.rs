@@ -295,6 +295,8 @@ pub struct Tier {
     defer_engine_calls: bool,
     /// Per-layer timings of loads (`KVTIER_TRACE_LOADS`), for debugging.
     trace: Option<trace::LoadTrace>,
+    /// Per-step timings of stores (`KVTIER_TRACE_STORES`), for debugging.
+    store_trace: Option<trace::StoreTrace>,
     /// Bytes of a load's reads in flight past its first layer: adapts to
     /// the device ([`window::RestoreWindow`]).
     window: window::RestoreWindow,
@@ -348,6 +350,7 @@ impl Tier {
             engine_error: None,
             defer_engine_calls: false,
             trace: trace::LoadTrace::from_env(),
+            store_trace: trace::StoreTrace::from_env(),
             window,
             layer_clock: Default::default(),
         })

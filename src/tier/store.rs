@@ -169,6 +169,9 @@ impl Tier {
             )));
         }
         let this_job = self.jobs.claim(want)?;
+        if let Some(t) = self.store_trace.as_mut() {
+            t.submitted(this_job, std::time::Instant::now());
+        }
         let mut waiting_on = Vec::new();
         let mut in_job = HashSet::new();
         let mut already = Vec::new();
@@ -329,6 +332,9 @@ impl Tier {
                 }
             }
         }
+        if let Some(t) = self.store_trace.as_mut() {
+            t.event(this_job, "planning");
+        }
         let plan = plan_store(
             &StoreInputs {
                 layout: self.pool.layout(),
@@ -377,6 +383,9 @@ impl Tier {
             load: None,
         });
         debug_assert_eq!(id, this_job);
+        if let Some(t) = self.store_trace.as_mut() {
+            t.event(this_job, "planning");
+        }
         self.pump_after_submit();
         Ok(id)
     }

@@ -111,3 +111,72 @@ impl LoadTrace {
         eprint!("{out}");
     }
 }
+
+/// Where a store's time goes, step by step: with `KVTIER_TRACE_STORES` set
+/// in the environment, each store job records when its steps' IOCBs were
+/// issued and completed, when its flush steps joined a group flush and when
+/// that flush was issued and done, and how long staging its headers waited
+/// for the checksum worker; one block of lines per store on stderr when it
+/// finishes. A debugging aid (the device idling between steps, a step
+/// waiting on hashing); off (one branch per event) otherwise.
+pub(super) struct StoreTrace {
+    stores: HashMap<JobId, StoreRecord>,
+}
+
+struct StoreRecord {
+    t0: Instant,
+    /// (what, first ms, last ms, count), in the order first seen.
+    spans: Vec<(String, f64, f64, u32)>,
+}
+
+impl StoreTrace {
+    /// A tracer when `KVTIER_TRACE_STORES` is set.
+    pub(super) fn from_env() -> Option<StoreTrace> {
+        std::env::var_os("KVTIER_TRACE_STORES").map(|_| StoreTrace {
+            stores: HashMap::new(),
+        })
+    }
+
+    pub(super) fn submitted(&mut self, job: JobId, t0: Instant) {
+        self.stores.insert(
+            job,
+            StoreRecord {
+                t0,
+                spans: Vec::new(),
+            },
+        );
+    }
+
+    /// Something named `what` happened to the store now (a span per name:
+    /// first and last time, and how often).
+    pub(super) fn event(&mut self, job: JobId, what: impl std::fmt::Display) {
+        let Some(r) = self.stores.get_mut(&job) else {
+            return;
+        };
+        let ms = r.t0.elapsed().as_secs_f64() * 1e3;
+        let what = what.to_string();
+        match r.spans.iter_mut().find(|s| s.0 == what) {
+            Some(s) => {
+                s.2 = ms;
+                s.3 += 1;
+            }
+            None => r.spans.push((what, ms, ms, 1)),
+        }
+    }
+
+    /// Print a finished store's spans to stderr.
+    pub(super) fn finished(&mut self, job: JobId) {
+        let Some(r) = self.stores.remove(&job) else {
+            return;
+        };
+        let total = r.t0.elapsed().as_secs_f64() * 1e3;
+        let mut out = format!(
+            "kvtier store {job}: {total:.2} ms\n  {:<28} {:>9} {:>9} {:>6}  (ms since submit)\n",
+            "what", "first", "last", "count"
+        );
+        for (what, a, b, n) in &r.spans {
+            out += &format!("  {what:<28} {a:9.2} {b:9.2} {n:6}\n");
+        }
+        eprint!("{out}");
+    }
+}
