@@ -19,7 +19,7 @@ use std::sync::{mpsc, Arc, Condvar, Mutex};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum EngineChoice {
     /// The engine `kvtier doctor` names for this machine (the same
-    /// decision, [`crate::engine::choice::decide`]), within what the pool's location
+    /// decision, `crate::engine::choice::decide`), within what the pool's location
     /// allows: files and block devices are served by io_uring; a controller
     /// by the gpu engine where the decision says it is usable, else nvme.
     #[default]
@@ -55,6 +55,7 @@ enum Location {
     Unset,
     Files(Vec<PathBuf>),
     Controller(String),
+    #[cfg_attr(not(feature = "internals"), allow(dead_code))]
     Custom(EngineFactory),
 }
 
@@ -115,6 +116,7 @@ impl TierBuilder {
     /// A pool and engine of the caller's making (a test double of a device,
     /// an engine kvtier does not know): `open` runs on the I/O thread, so
     /// whatever it creates is used only there.
+    #[cfg(feature = "internals")]
     pub fn custom_engine(
         mut self,
         open: impl FnOnce() -> Result<(Pool, Box<dyn IoEngine>)> + Send + 'static,
@@ -170,7 +172,7 @@ impl TierBuilder {
     }
 
     /// How much pinned host staging GPU KV memory gets (see
-    /// [`crate::staged`]); by default [`StagingConfig::for_blocks`].
+    /// `crate::staged`); by default [`StagingConfig::for_blocks`].
     pub fn staging(mut self, cfg: StagingConfig) -> Self {
         self.staging = Some(cfg);
         self
