@@ -159,6 +159,47 @@ pub enum Error {
     /// The handle was closed, or its I/O thread is gone.
     #[error("{0}")]
     Closed(String),
+
+    /// What is at a pool's location does not allow opening or creating it
+    /// as asked. `fix` is what the caller changes; this message says it
+    /// with the [`TierBuilder`](crate::TierBuilder) calls, and each front
+    /// end (the CLI, the bindings) says it in its own words from `fix`.
+    #[error("pool {path}: {reason}; {}", fix.builder_words())]
+    PoolPlace {
+        /// The file or directory concerned.
+        path: PathBuf,
+        /// What is there, or what is missing.
+        reason: String,
+        /// What to change.
+        fix: Fix,
+    },
+}
+
+/// What the caller changes to get past an [`Error::PoolPlace`]: given as a
+/// thing, so that the CLI names its flags and the bindings their calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fix {
+    /// Restore what is missing, or create the pool anew over what is there
+    /// (its blocks are lost): the explicit force
+    /// ([`CreateMode::Always`](crate::pool::place::CreateMode::Always)).
+    RestoreOrReformat,
+    /// Give a total capacity of at least this many bytes.
+    Capacity {
+        /// The least capacity that makes the pool.
+        at_least: u64,
+    },
+}
+
+impl Fix {
+    /// The fix in the words of the Rust [`TierBuilder`](crate::TierBuilder).
+    pub fn builder_words(&self) -> String {
+        match self {
+            Fix::RestoreOrReformat => "restore the missing file(s), or format the pool anew \
+                 (its blocks are lost) with create_mode(CreateMode::Always)"
+                .into(),
+            Fix::Capacity { at_least } => format!("give at least capacity({at_least})"),
+        }
+    }
 }
 
 /// What a program can do about an error; see [`Error::kind`].
@@ -370,7 +411,8 @@ impl Error {
             | Error::Backing { .. }
             | Error::Registration(_)
             | Error::UnknownKey { .. }
-            | Error::InvalidArgument(_) => ErrorKind::Usage,
+            | Error::InvalidArgument(_)
+            | Error::PoolPlace { .. } => ErrorKind::Usage,
             Error::PoolFull { .. } | Error::Backpressure(_) => ErrorKind::Backpressure,
             Error::Device { .. } | Error::Io { .. } => ErrorKind::Io,
             Error::Corrupt { .. } | Error::CorruptData { .. } => ErrorKind::Corrupt,

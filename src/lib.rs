@@ -95,9 +95,10 @@ pub mod submitter;
 #[warn(missing_docs)]
 pub mod tier;
 
-pub use error::{Error, ErrorKind, Failure, IoCause, IoFailure, Result};
+pub use error::{Error, ErrorKind, Failure, Fix, IoCause, IoFailure, Result};
 pub use handle::{EngineChoice, Event, HandleConfig, TierBuilder, TierHandle};
 pub use memory::{HostKvCache, HostLayout, KvLayout, KvMemory, MemoryKind};
 pub use model::{DType, KvGeometry};
+pub use pool::place::CreateMode;
 pub use pool::{DeviceSpec, Key, OpenExpect, Pool, PoolConfig};
 pub use tier::{JobId, JobResult, KeyOutcome, LayerDone, Tier, TierConfig};
