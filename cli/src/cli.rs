@@ -17,6 +17,26 @@ macro_rules! note {
 }
 pub(crate) use note;
 
+/// An error as the CLI says it: a library fix given as a thing
+/// ([`kvtier::error::Fix`]) in the words of the `kvtier` commands.
+pub fn error_text(e: &Error) -> String {
+    use kvtier::error::Fix;
+    match e {
+        Error::PoolPlace { path, reason, fix } => {
+            let fix = match fix {
+                Fix::RestoreOrReformat => "restore the missing file(s), or format the pool anew \
+                     (its blocks are lost) with `kvtier pool create --force`"
+                    .to_string(),
+                Fix::Capacity { at_least } => {
+                    format!("give a capacity of at least {}", human_bytes(*at_least))
+                }
+            };
+            format!("pool {}: {reason}; {fix}", path.display())
+        }
+        other => other.to_string(),
+    }
+}
+
 /// Make `dir` (and its parents) for scratch pool files, or say clearly why
 /// not: a path that exists but is no directory (a block device, a file) is
 /// named as such, not reported as "File exists".

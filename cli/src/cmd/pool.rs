@@ -66,14 +66,8 @@ pub(crate) fn run(cmd: PoolCmd) -> Result<i32> {
         } => {
             let named = model.resolve()?;
             let geometry = named.geometry;
-            let namespace = namespace.unwrap_or_else(|| {
-                format!(
-                    "{}/{}/bs{}/tp0",
-                    named.name,
-                    geometry.dtype.name(),
-                    geometry.block_size
-                )
-            });
+            let namespace =
+                namespace.unwrap_or_else(|| model::default_namespace(&named.name, &geometry, 0));
             let mut last = std::time::Instant::now();
             // A progress line left open when creating fails: the error
             // goes on a line of its own.
