@@ -140,8 +140,11 @@ fn capacity_is_needed_to_create_and_must_fit_the_smallest_pool() {
         .host_cache(c.clone())
         .build()
         .unwrap_err();
-    assert!(
-        matches!(&e, Error::PoolPlace { fix: Fix::Capacity { at_least }, .. } if *at_least == min_cap(1)),
+    assert_eq!(
+        e.fix(),
+        Some(&Fix::GiveCapacity {
+            at_least: min_cap(1)
+        }),
         "{e}"
     );
     assert!(e.to_string().contains("capacity("), "{e}");
@@ -149,8 +152,11 @@ fn capacity_is_needed_to_create_and_must_fit_the_smallest_pool() {
         .build()
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Usage);
-    assert!(
-        matches!(&e, Error::PoolPlace { fix: Fix::Capacity { at_least }, .. } if *at_least == min_cap(2)),
+    assert_eq!(
+        e.fix(),
+        Some(&Fix::GiveCapacity {
+            at_least: min_cap(2)
+        }),
         "{e}"
     );
     // Nothing was made for a refused create.
@@ -218,15 +224,16 @@ fn a_foreign_file_or_a_partial_pool_is_refused_without_always() {
     let len = std::fs::metadata(&second).unwrap().len();
     std::fs::write(&second, vec![0u8; len as usize]).unwrap();
     let e = builder(&two, 2, min_cap(2), &c).build().unwrap_err();
+    assert_eq!(e.fix(), Some(&Fix::RestoreOrRecreate), "{e}");
     assert!(
-        matches!(&e, Error::PoolPlace { path, fix: Fix::RestoreOrReformat, .. } if *path == second),
+        matches!(e.without_fix(), Error::Backing { path, .. } if *path == second),
         "{e}"
     );
     assert!(e.to_string().contains("CreateMode::Always"), "{e}");
     // One missing: refused too.
     std::fs::remove_file(&second).unwrap();
     let e = builder(&two, 2, min_cap(2), &c).build().unwrap_err();
-    assert!(e.to_string().contains("1 of the pool's 2 files"), "{e}");
+    assert!(e.to_string().contains("1 of the pool's 2 files do"), "{e}");
     assert!(!second.exists(), "nothing was made");
     builder(&two, 2, min_cap(2), &c)
         .create_mode(CreateMode::Always)

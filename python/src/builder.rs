@@ -4,7 +4,7 @@
 //! policy ([`kvtier::pool::place`]), which the Rust builder applies.
 
 use crate::args::*;
-use crate::errors::{to_py, to_py_builder, usage};
+use crate::errors::{to_py, usage};
 use crate::handle::TierHandle;
 use crate::lifecycle::{without_gil, FORKS};
 use crate::memory::{check_shapes, gpu_context, kind_label, memory_of, tensor_region};
@@ -257,7 +257,7 @@ impl TierBuilder {
             dtype,
             block_size,
         };
-        geometry.validate().map_err(to_py_builder)?;
+        geometry.validate().map_err(to_py)?;
         if name.is_empty() || name.chars().any(char::is_control) {
             return Err(usage(format!(
                 "geometry name {name:?} must be non-empty printable text (it names the model in the pool)"
@@ -434,7 +434,7 @@ impl TierBuilder {
             ModelSpec::Named(spec, block_size, dtype) => {
                 let dtype = dtype.as_deref().map(parse_dtype).transpose()?;
                 without_gil(py, || resolve_named(&spec, block_size, dtype))
-                    .map_err(to_py_builder)?
+                    .map_err(to_py)?
             }
             ModelSpec::Geometry(named) => named,
         };
@@ -543,7 +543,7 @@ impl TierBuilder {
             }
         };
         let staged = double || gpu.is_some();
-        let handle = without_gil(py, || b.build()).map_err(to_py_builder)?;
+        let handle = without_gil(py, || b.build()).map_err(to_py)?;
         let completions = handle.completions().map_err(to_py)?;
         // The memory (and the objects keeping it alive) now belong to this
         // handle: a second build() must not register it again.

@@ -95,66 +95,52 @@ pub(crate) fn failure_err(py: Python<'_>, f: &Failure) -> PyErr {
     err
 }
 
+/// The error as a Python exception; a fix the library names by its meaning
+/// (`Fix`) is said as the Python API's call that makes it.
 pub(crate) fn to_py(e: Error) -> PyErr {
-    Python::with_gil(|py| failure_err(py, &failure_of(e)))
-}
-
-/// The failure, its fix (where the library gives one as a thing) said with
-/// the Python TierBuilder's calls.
-fn failure_of(e: Error) -> Failure {
-    match e {
-        Error::PoolPlace { path, reason, fix } => Failure::new(
-            ErrorKind::Usage,
-            format!("pool {}: {reason}; {}", path.display(), fix_words(&fix)),
-        ),
-        other => Failure::from(other),
-    }
-}
-
-/// A library [`Fix`] in the words of the Python TierBuilder.
-fn fix_words(fix: &Fix) -> String {
-    match fix {
-        Fix::RestoreOrReformat => "restore the missing file(s), or format the pool anew (its \
-             blocks are lost) with create(\"always\")"
-            .into(),
-        Fix::Capacity { at_least } => format!("give at least capacity({at_least})"),
-    }
-}
-
-/// [`to_py`] for errors of opening a pool or reading a model. The pool's
-/// own checks (backing files, superblocks) and the model parser still name
-/// the CLI's flags in their messages; until they give their fix as a
-/// thing, as the pool policy's [`Error::PoolPlace`] does, name the
-/// TierBuilder call that does the same.
-pub(crate) fn to_py_builder(e: Error) -> PyErr {
-    let mut f = failure_of(e);
-    for (cli, py) in [
-        (
-            "run that `kvtier pool create` again (it needs no --force)",
-            "build it again (no create(\"always\") needed)",
-        ),
-        (
-            "run that create again (it needs no --force)",
-            "build it again (no create(\"always\") needed)",
-        ),
-        (
-            "`kvtier pool create --force`",
-            "TierBuilder().create(\"always\")",
-        ),
-        (
-            "`kvtier pool create`",
-            "TierBuilder().create(\"always\").capacity(...)",
-        ),
-        ("pass --force", "call create(\"always\")"),
-        ("--force", "create(\"always\")"),
-        ("--size", "capacity()"),
-        ("pass --dtype", "pass dtype= to model()"),
-        ("--dtype", "model(dtype=)"),
-        ("--model", "model()"),
-    ] {
-        f.message = f.message.replace(cli, py);
-    }
+    let f = match e.fix() {
+        Some(fix) => {
+            let mut f = Failure::from(e.without_fix());
+            f.message = format!("{}; {}", f.message, fix_text(fix));
+            f
+        }
+        None => Failure::from(e),
+    };
     Python::with_gil(|py| failure_err(py, &f))
+}
+
+/// A fix in the Python API's words.
+fn fix_text(fix: &Fix) -> String {
+    const ALWAYS: &str = "TierBuilder.create(\"always\")";
+    match fix {
+        Fix::Overwrite => format!("call {ALWAYS} to overwrite it (its contents will be lost)"),
+        Fix::AllowSparse => format!("call {ALWAYS} to create it sparse anyway"),
+        Fix::Truncate { to, .. } => format!(
+            "call {ALWAYS} to truncate it to {to} bytes, or give a capacity() that keeps it"
+        ),
+        Fix::GiveSize {
+            multiple_of,
+            at_least,
+        } => format!(
+            "give capacity() (per file a multiple of {multiple_of} bytes, at least {at_least} bytes)"
+        ),
+        Fix::AlignSize { .. } => {
+            "give a capacity() that is a multiple of 4096 bytes per file".into()
+        }
+        Fix::SmallerSize => "give a smaller capacity()".into(),
+        Fix::LargerSize => "give a larger capacity()".into(),
+        Fix::Recreate => {
+            format!("recreate the pool with {ALWAYS} (every block stored in it is lost)")
+        }
+        Fix::RerunCreate => format!("build it again (no {ALWAYS} needed)"),
+        Fix::CreatePool => "create one: TierBuilder().directory(...).capacity(...)".into(),
+        Fix::NameDType => "pass dtype= to geometry() or model()".into(),
+        Fix::RestoreOrRecreate => format!(
+            "restore the missing file(s), or recreate the pool with {ALWAYS} (every block stored in it is lost)"
+        ),
+        Fix::GiveCapacity { at_least } => format!("give at least capacity({at_least})"),
+        other => other.to_string(),
+    }
 }
 
 pub(crate) fn usage(msg: impl Into<String>) -> PyErr {

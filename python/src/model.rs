@@ -1,7 +1,7 @@
 //! Model specs and geometries as Python sees them.
 
 use crate::args::{block_size_arg, parse_dtype};
-use crate::errors::to_py_builder;
+use crate::errors::to_py;
 use kvtier::model::{resolve_named, KvGeometry};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -17,7 +17,7 @@ pub(crate) fn resolve_model<'py>(
     dtype: Option<String>,
 ) -> PyResult<(Bound<'py, PyDict>, String)> {
     let dtype = dtype.as_deref().map(parse_dtype).transpose()?;
-    let n = resolve_named(&spec, block_size, dtype).map_err(to_py_builder)?;
+    let n = resolve_named(&spec, block_size, dtype).map_err(to_py)?;
     let g = n.geometry;
     Ok((geometry_dict(py, &g)?, n.name))
 }

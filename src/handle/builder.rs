@@ -513,13 +513,14 @@ impl TierBuilder {
             Verdict::Create { force } => {
                 let group_blocks = self.group_blocks.unwrap_or(DEFAULT_GROUP_BLOCKS);
                 let shown = dir.as_deref().unwrap_or(&paths[0]);
-                let capacity = self.capacity.ok_or_else(|| Error::PoolPlace {
-                    path: shown.to_path_buf(),
-                    reason: "no pool is there to open, and no capacity was given to create one"
-                        .into(),
-                    fix: crate::error::Fix::Capacity {
+                let capacity = self.capacity.ok_or_else(|| {
+                    Error::invalid(format!(
+                        "pool {}: no pool is there to open, and no capacity was given to create one",
+                        shown.display()
+                    ))
+                    .with_fix(crate::error::Fix::GiveCapacity {
                         at_least: place::min_capacity(&geometry, group_blocks, paths.len()),
-                    },
+                    })
                 })?;
                 let per_file =
                     place::bytes_per_file(capacity, paths.len(), &geometry, group_blocks, shown)?;

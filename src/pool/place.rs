@@ -117,27 +117,27 @@ pub fn decide(paths: &[PathBuf], mode: CreateMode) -> Result<Verdict> {
         .map(|p| p.display().to_string())
         .collect();
     if !bare.is_empty() {
-        return Err(Error::PoolPlace {
+        return Err(Error::Backing {
             path: PathBuf::from(&bare[0]),
             reason: format!(
                 "the pool is incomplete: {} has no superblock while the pool's other files do \
                  (a create killed part way, or a file replaced)",
                 bare.join(", ")
             ),
-            fix: Fix::RestoreOrReformat,
-        });
+        }
+        .with_fix(Fix::RestoreOrRecreate));
     }
     if present.len() < paths.len() {
         let missing = paths.iter().find(|p| !p.exists()).expect("one is missing");
-        return Err(Error::PoolPlace {
+        return Err(Error::Backing {
             path: missing.clone(),
             reason: format!(
-                "{} of the pool's {} files exist: the pool is incomplete",
+                "it does not exist, while {} of the pool's {} files do: the pool is incomplete",
                 present.len(),
                 paths.len()
             ),
-            fix: Fix::RestoreOrReformat,
-        });
+        }
+        .with_fix(Fix::RestoreOrRecreate));
     }
     Ok(Verdict::Open)
 }
@@ -166,17 +166,15 @@ pub fn bytes_per_file(
     let per = split_capacity(capacity, files);
     let min = PoolLayout::min_device_bytes(geometry, group_blocks);
     if per < min {
-        return Err(Error::PoolPlace {
-            path: path.to_path_buf(),
-            reason: format!(
-                "a capacity of {capacity} bytes gives each of {files} pool file(s) {per} bytes, \
-                 less than the {min} the smallest pool of this model needs (one group of \
-                 {group_blocks} blocks and the superblock area)"
-            ),
-            fix: Fix::Capacity {
-                at_least: min_capacity(geometry, group_blocks, files),
-            },
-        });
+        return Err(Error::invalid(format!(
+            "pool {}: a capacity of {capacity} bytes gives each of {files} pool file(s) {per} \
+             bytes, less than the {min} the smallest pool of this model needs (one group of \
+             {group_blocks} blocks and the superblock area)",
+            path.display()
+        ))
+        .with_fix(Fix::GiveCapacity {
+            at_least: min_capacity(geometry, group_blocks, files),
+        }));
     }
     Ok(per)
 }
@@ -224,8 +222,9 @@ mod tests {
         // One bare beside a superblock: refused, naming the bare one.
         std::fs::write(&paths[1], vec![0u8; 8192]).unwrap();
         let e = decide(&paths, CreateMode::Auto).unwrap_err();
+        assert_eq!(e.fix(), Some(&Fix::RestoreOrRecreate), "{e}");
         assert!(
-            matches!(&e, Error::PoolPlace { path, fix: Fix::RestoreOrReformat, .. } if *path == paths[1]),
+            matches!(e.without_fix(), Error::Backing { path, .. } if *path == paths[1]),
             "{e}"
         );
         assert!(e.to_string().contains("CreateMode::Always"), "{e}");
@@ -241,7 +240,7 @@ mod tests {
         // One of two missing beside a pool: refused.
         std::fs::remove_file(&paths[1]).unwrap();
         let e = decide(&paths, CreateMode::Auto).unwrap_err();
-        assert!(e.to_string().contains("1 of the pool's 2 files"), "{e}");
+        assert!(e.to_string().contains("1 of the pool's 2 files do"), "{e}");
         let _ = std::fs::remove_dir_all(&d);
     }
 
@@ -262,10 +261,7 @@ mod tests {
             min / 2
         );
         let e = bytes_per_file(min - 4096 * 2, 2, &g, 4, Path::new("p")).unwrap_err();
-        assert!(
-            matches!(e, Error::PoolPlace { fix: Fix::Capacity { at_least }, .. } if at_least == min),
-            "{e}"
-        );
+        assert_eq!(e.fix(), Some(&Fix::GiveCapacity { at_least: min }), "{e}");
         assert!(e.to_string().contains(&format!("capacity({min})")), "{e}");
     }
 }

@@ -266,11 +266,8 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
                 cfg.group_blocks,
                 &cfg.dir,
             )
-            .map_err(|e| match e {
-                Error::PoolPlace {
-                    fix: kvtier::error::Fix::Capacity { at_least },
-                    ..
-                } => Error::invalid(format!(
+            .map_err(|e| match e.fix() {
+                Some(&kvtier::error::Fix::GiveCapacity { at_least }) => Error::invalid(format!(
                     "--capacity {} over {} device(s) gives each {}; one superblock and one \
                      extent group of {} blocks need {} per device: raise --capacity to at least {}{}",
                     human_bytes(cfg.capacity),
@@ -288,7 +285,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
                         ""
                     }
                 )),
-                other => other,
+                _ => e,
             })?;
             // Created new here, so a file already at one of these names
             // (or a symlink planted there) is refused, never formatted;
