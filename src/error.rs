@@ -288,7 +288,7 @@ impl fmt::Display for Fix {
             ),
             Fix::OtherDirectory => f.write_str("pick another directory"),
             Fix::RestoreOrRecreate => f.write_str(
-                "restore the missing file(s), or create the pool anew with \
+                "restore the missing or replaced file(s), or create the pool anew with \
                  TierBuilder::create_mode(CreateMode::Always) (every block stored in it is lost)",
             ),
             Fix::GiveCapacity { at_least } => {

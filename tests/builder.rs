@@ -233,7 +233,10 @@ fn a_foreign_file_or_a_partial_pool_is_refused_without_always() {
     // One missing: refused too.
     std::fs::remove_file(&second).unwrap();
     let e = builder(&two, 2, min_cap(2), &c).build().unwrap_err();
-    assert!(e.to_string().contains("1 of the pool's 2 files do"), "{e}");
+    assert!(
+        e.to_string().contains("1 of the pool's 2 files exist"),
+        "{e}"
+    );
     assert!(!second.exists(), "nothing was made");
     builder(&two, 2, min_cap(2), &c)
         .create_mode(CreateMode::Always)

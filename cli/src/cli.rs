@@ -157,9 +157,11 @@ pub fn fix_text(fix: &Fix) -> String {
              --block-size {block_size}"
         ),
         Fix::OtherDirectory => "pick another --dir".into(),
-        Fix::RestoreOrRecreate => "restore the missing file(s), or recreate the pool with \
+        Fix::RestoreOrRecreate => {
+            "restore the missing or replaced file(s), or recreate the pool with \
                                    `kvtier pool create --force` (every block stored in it is lost)"
-            .into(),
+                .into()
+        }
         Fix::GiveCapacity { at_least } => {
             format!("give a capacity of at least {}", human_bytes(*at_least))
         }

@@ -208,9 +208,11 @@ impl TierBuilder {
         Ok(slf)
     }
 
-    /// "auto" (default): open the pool if its files exist, else create it
-    /// (needs `capacity`); "always": create anew over whatever is there;
-    /// "never": open only.
+    /// "auto" (default): open the pool that is there; create one (needs
+    /// `capacity`) where none is, or where a kvtier create did not finish;
+    /// never over data kvtier did not write. "always": create anew over
+    /// whatever is there (its blocks are lost). "never": open only. The
+    /// policy is the library's (`kvtier::pool::place`).
     fn create(mut slf: PyRefMut<'_, Self>, mode: String) -> PyResult<PyRefMut<'_, Self>> {
         slf.create = CreateMode::parse(&mode).ok_or_else(|| {
             usage(format!(

@@ -136,7 +136,7 @@ fn fix_text(fix: &Fix) -> String {
         Fix::CreatePool => "create one: TierBuilder().directory(...).capacity(...)".into(),
         Fix::NameDType => "pass dtype= to geometry() or model()".into(),
         Fix::RestoreOrRecreate => format!(
-            "restore the missing file(s), or recreate the pool with {ALWAYS} (every block stored in it is lost)"
+            "restore the missing or replaced file(s), or recreate the pool with {ALWAYS} (every block stored in it is lost)"
         ),
         Fix::GiveCapacity { at_least } => format!("give at least capacity({at_least})"),
         other => other.to_string(),

@@ -132,7 +132,7 @@ pub fn decide(paths: &[PathBuf], mode: CreateMode) -> Result<Verdict> {
         return Err(Error::Backing {
             path: missing.clone(),
             reason: format!(
-                "it does not exist, while {} of the pool's {} files do: the pool is incomplete",
+                "it is missing ({} of the pool's {} files exist): the pool is incomplete",
                 present.len(),
                 paths.len()
             ),
@@ -240,7 +240,10 @@ mod tests {
         // One of two missing beside a pool: refused.
         std::fs::remove_file(&paths[1]).unwrap();
         let e = decide(&paths, CreateMode::Auto).unwrap_err();
-        assert!(e.to_string().contains("1 of the pool's 2 files do"), "{e}");
+        assert!(
+            e.to_string().contains("1 of the pool's 2 files exist"),
+            "{e}"
+        );
         let _ = std::fs::remove_dir_all(&d);
     }
 
