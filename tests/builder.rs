@@ -308,11 +308,12 @@ fn time_child(dir: &Path, capacity: u64, mode: &str) -> Duration {
     took
 }
 
-/// SIGKILL a build while it creates: over nothing (a first start), and
-/// over a pool holding blocks (`CreateMode::Always`). Afterwards the
-/// directory holds the old pool with every block whole, or a new empty
-/// pool, or no pool at all; and the same open-or-create build (default
-/// mode, no force) then always works, finding the old blocks or none.
+/// SIGKILL a build while it creates: over nothing (a first start, the
+/// default mode), and over a pool holding blocks (`CreateMode::Always`).
+/// Afterwards the directory holds the old pool with every block whole, or a
+/// new empty pool, or no pool at all; the same build again always works;
+/// and after a killed reformat the default build opens the old pool,
+/// finishes the create, or refuses with a fix, never formatting silently.
 #[test]
 fn sigkill_during_a_create_leaves_the_old_pool_or_none_and_the_same_build_finishes_it() {
     let dir = TempDir::new("builder-kill");
@@ -364,17 +365,29 @@ fn sigkill_during_a_create_leaves_the_old_pool_or_none_and_the_same_build_finish
                 }
             };
             *seen.entry(state.to_string()).or_default() += 1;
-            // The same build, open-or-create without force, always works.
-            let h = builder(&pool_dir, 2, capacity, &c)
-                .build()
-                .unwrap_or_else(|e| panic!("{what} ({state}): building again: {e}"));
-            if state == "old pool" {
-                assert_loads(&h, &c, 100..108);
-            } else {
-                assert_eq!(h.lookup_prefix(&keys(100..108)), 0, "{what} ({state})");
-                store(&h, &c, 0..4);
-                assert_loads(&h, &c, 0..4);
+            if over_pool {
+                // The default build (no force) after a killed reformat:
+                // opens the old pool, or creates over what only the killed
+                // create left, or refuses naming the fix; never formats
+                // over a pool it cannot tell was given up.
+                match builder(&pool_dir, 2, capacity, &c).build() {
+                    Ok(h) if state == "old pool" => assert_loads(&h, &c, 100..108),
+                    Ok(h) => assert_eq!(h.lookup_prefix(&keys(100..108)), 0, "{what}"),
+                    Err(e) => {
+                        assert_eq!(state, "no pool", "{what}: {e}");
+                        assert!(e.fix().is_some(), "{what}: no fix named: {e}");
+                        *seen.entry("refused without force".into()).or_default() += 1;
+                    }
+                }
             }
+            // The same call again always works, and gives an empty pool.
+            let h = builder(&pool_dir, 2, capacity, &c)
+                .create_mode(CreateMode::parse(mode).unwrap())
+                .build()
+                .unwrap_or_else(|e| panic!("{what} ({state}): the same build again: {e}"));
+            assert_eq!(h.lookup_prefix(&keys(100..108)), 0, "{what} ({state})");
+            store(&h, &c, 0..4);
+            assert_loads(&h, &c, 0..4);
             h.close().unwrap();
             let pool = Pool::open(
                 &kvtier::pool::place::directory_files(&pool_dir, 2),

@@ -26,7 +26,7 @@ pub fn make_dir(dir: &std::path::Path) -> Result<()> {
         Ok(m) => {
             let what = kvtier::host::file_kind(&m.file_type());
             Err(Error::invalid(format!(
-                "--dir {}: it is {what}; name a directory to hold the scratch pool files \
+                "--dir {}: it is {what}; name a directory to hold the pool files \
                  (a pool on a block device is made with `kvtier pool create --dev DEVICE`)",
                 dir.display()
             )))
