@@ -169,6 +169,13 @@ fn capacity_is_needed_to_create_and_must_fit_the_smallest_pool() {
         .build()
         .unwrap_err();
     assert!(e.to_string().contains("model_name"), "{e}");
+    for bad in ["", "a\nb"] {
+        let e = builder(&pool_dir, 1, min_cap(1), &c)
+            .model_name(bad)
+            .build()
+            .unwrap_err();
+        assert!(e.to_string().contains("printable"), "{e}");
+    }
     builder(&pool_dir, 2, min_cap(2), &c)
         .build()
         .unwrap()

@@ -524,6 +524,15 @@ impl TierBuilder {
                 })?;
                 let per_file =
                     place::bytes_per_file(capacity, paths.len(), &geometry, group_blocks, shown)?;
+                if let Some(name) = self
+                    .model_name
+                    .as_ref()
+                    .filter(|n| n.is_empty() || n.chars().any(char::is_control))
+                {
+                    return Err(Error::invalid(format!(
+                        "model_name({name:?}) must be non-empty printable text (it names the model in the pool)"
+                    )));
+                }
                 let (model, namespace) = match (&self.model_name, namespace) {
                     (Some(name), Some(ns)) => (name.clone(), ns),
                     (None, Some(ns)) => (ns.clone(), ns),
