@@ -375,18 +375,13 @@ fn a_pool_directory_made_by_the_cli_is_the_one_the_builder_opens() {
     let pool_dir = dir.file("kv");
     let d = pool_dir.to_str().unwrap();
     let m = cfg.to_str().unwrap();
-    let (code, text) = kvtier(&[
-        "pool",
-        "create",
-        "--dir",
-        d,
-        "--files",
-        "2",
-        "--capacity",
-        "64m",
-        "--model",
-        m,
-    ]);
+    // `pool create --dir DIR --model M` and more.
+    let create_in = |dir: &str, extra: &[&str]| {
+        let mut args = vec!["pool", "create", "--dir", dir, "--model", m];
+        args.extend_from_slice(extra);
+        kvtier(&args)
+    };
+    let (code, text) = create_in(d, &["--files", "2", "--capacity", "64m"]);
     assert_eq!(code, 0, "{text}");
     for i in 0..2 {
         let f = pool_dir.join(format!("kvtier-{i}.pool"));
@@ -420,47 +415,16 @@ fn a_pool_directory_made_by_the_cli_is_the_one_the_builder_opens() {
     assert!(text.contains("1 live block(s) checked, 1 ok"), "{text}");
     // Too little capacity: the CLI's words, nothing made.
     let small = dir.file("small");
-    let (code, text) = kvtier(&[
-        "pool",
-        "create",
-        "--dir",
-        small.to_str().unwrap(),
-        "--capacity",
-        "1m",
-        "--model",
-        m,
-    ]);
+    let (code, text) = create_in(small.to_str().unwrap(), &["--capacity", "1m"]);
     assert_ne!(code, 0);
     assert!(text.contains("give a capacity of at least"), "{text}");
     assert!(!small.exists(), "nothing made for a refused create");
     // --dir without --capacity, and --size beside --dir, are refused.
-    let (code, text) = kvtier(&["pool", "create", "--dir", d, "--model", m]);
+    let (code, text) = create_in(d, &[]);
     assert!(code != 0 && text.contains("--capacity"), "{text}");
-    let (code, text) = kvtier(&[
-        "pool",
-        "create",
-        "--dir",
-        d,
-        "--capacity",
-        "64m",
-        "--size",
-        "1g",
-        "--model",
-        m,
-    ]);
+    let (code, text) = create_in(d, &["--capacity", "64m", "--size", "1g"]);
     assert!(code != 0 && text.contains("--size"), "{text}");
     // Over the existing pool: refused without --force, as for --dev.
-    let (code, text) = kvtier(&[
-        "pool",
-        "create",
-        "--dir",
-        d,
-        "--files",
-        "2",
-        "--capacity",
-        "64m",
-        "--model",
-        m,
-    ]);
+    let (code, text) = create_in(d, &["--files", "2", "--capacity", "64m"]);
     assert!(code != 0 && text.contains("--force"), "{text}");
 }
