@@ -5,7 +5,8 @@
 //! - `host`: facts about the machine (PCI functions in sysfs, mounts and holders,
 //!   filesystem signatures, direct-I/O alignment and [`host::dio::AlignedBuf`], which of
 //!   a file was never written, byte sizes for people).
-//! - `checksum`: crc32c of bulk KV data (what stores record and loads verify).
+//! - `checksum`: crc32c of bulk KV data (what stores record and loads verify), and
+//!   the one stable hash of names (FNV-1a) for ids written down.
 //! - `model` (KV geometry), `json` (strict JSON readers), `error`.
 //! - `pool`: key → slot on the SSDs; `pool::backing` opens the files and block devices
 //!   kvtier was given and refuses anyone else's data.
@@ -16,14 +17,20 @@
 //!   VFIO access with one mapped BAR0, the binder, the namespace as pool storage, a
 //!   simulated controller for tests).
 //! - `gpu`: the CUDA driver layer (loader, contexts, green contexts, memory, DMA paths,
-//!   kernels, [`gpu::probe()`]).
+//!   kernels, the staging copies and stream waits on counters, [`gpu::probe()`]); it
+//!   names nothing above it.
 //! - `engine`: who executes IOCBs (io_uring, userspace NVMe, the GPU kernel), and
 //!   `engine::choice`, the one decision of which engine this machine can run (the
 //!   builder's automatic engine and `kvtier doctor`'s verdict);
 //!   `submitter` pairs a ring with its engine, above both.
-//! - `tier` (the single-threaded core), `sched` + `slack` + `plan` (when I/O runs),
-//!   `handle` (the thread-safe front door serving engines call: [`TierHandle`],
-//!   opened with [`TierBuilder`]).
+//! - `tier` (the single-threaded core, and [`tier::JobPath`], the one job path a
+//!   scheduler drives), `staged` (the staged HBM path above the tier: GPU KV memory
+//!   through pinned layer buffers, [`staged::StagedTier`]), `sched` + `slack` + `plan`
+//!   (when I/O runs), `handle` (the thread-safe front door serving engines call:
+//!   [`TierHandle`], opened with [`TierBuilder`]).
+//!
+//! Imports between rooms run one way, with no circle: docs/design.md has the table of
+//! which room may import which, and `tests/module_graph.rs` checks it.
 //!
 //! The command line (`kvtier` binary: pool, bench, replay, doctor, nvme) is the
 //! `kvtier-cli` crate in `cli/`; this crate has no CLI dependencies.
@@ -90,6 +97,8 @@ pub mod sched;
 pub mod scratch;
 #[warn(missing_docs)]
 pub mod slack;
+#[warn(missing_docs)]
+pub mod staged;
 #[warn(missing_docs)]
 pub mod submitter;
 #[warn(missing_docs)]

@@ -721,7 +721,7 @@ pub fn config_identity(root: &Value, geometry: &KvGeometry) -> String {
     canonical_json(root, &mut canon, true);
     canon.push('\n');
     canon.push_str(&geometry.describe());
-    let hash = crate::pool::namespace_hash(&canon) & 0xffff_ffff_ffff;
+    let hash = crate::checksum::fnv1a64(canon.as_bytes()) & 0xffff_ffff_ffff;
     format!(
         "{}@{hash:012x}",
         if tail.is_empty() { "hf-model" } else { &tail }

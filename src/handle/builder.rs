@@ -9,14 +9,14 @@ use super::{HandleConfig, Jobs, Owner, Shared, TierHandle};
 use crate::engine::open::{pool_on_nvme, UserspaceEngine};
 use crate::engine::IoEngine;
 use crate::error::{Error, Result};
-use crate::gpu::staged::{StagedPath, StagingConfig};
 use crate::gpu::{Context, Device};
 use crate::memory::{HostKvCache, KvMemory, MemoryKind};
 use crate::model::{default_namespace, KvGeometry, NamedGeometry};
 use crate::pool::place::{self, CreateMode, Verdict};
 use crate::pool::{DeviceSpec, OpenExpect, Pool, PoolConfig, DEFAULT_GROUP_BLOCKS};
 use crate::sched::Scheduler;
-use crate::tier::Tier;
+use crate::staged::{StagedTier, StagingConfig};
+use crate::tier::{JobPath, Tier};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU8};
@@ -271,7 +271,7 @@ impl TierBuilder {
 
     /// Serve the engine's own KV memory. GPU memory (`MemoryKind::Gpu`, the
     /// engine's CUDA tensors) that the engine cannot DMA into goes through
-    /// the staged path (`crate::gpu::staged`: pinned host staging, a copy
+    /// the staged path (`crate::staged`: pinned host staging, a copy
     /// kernel per layer; sized by [`Self::staging`]); loads then have a
     /// per-layer GPU counter ([`TierHandle::load_counter`]).
     ///
@@ -285,7 +285,7 @@ impl TierBuilder {
     }
 
     /// How much pinned host staging GPU KV memory gets (see
-    /// [`crate::gpu::staged`]); by default [`StagingConfig::for_blocks`].
+    /// [`crate::staged`]); by default [`StagingConfig::for_blocks`].
     pub fn staging(mut self, cfg: StagingConfig) -> Self {
         self.staging = Some(cfg);
         self
@@ -362,9 +362,12 @@ impl TierBuilder {
             .spawn(move || -> Result<()> {
                 let opened = (move || -> Result<Scheduler> {
                     let mut tier = open_tier(location, engine, create.as_ref(), &expect, tier_cfg)?;
-                    let mut staged = None;
-                    match memory {
-                        Memory::Host(c) => tier.register_host_cache(c)?,
+                    tier.defer_engine_calls(true);
+                    let path: Box<dyn JobPath> = match memory {
+                        Memory::Host(c) => {
+                            tier.register_host_cache(c)?;
+                            Box::new(tier)
+                        }
                         // GPU memory the engine cannot DMA into: through
                         // pinned host staging and the staging kernels.
                         Memory::Raw(m)
@@ -377,29 +380,24 @@ impl TierBuilder {
                             let ctx = Context::primary(&Device::get(ordinal as i32)?)?;
                             // SAFETY: the caller of `TierBuilder::memory`
                             // promised the memory outlives the handle's tier.
-                            staged =
-                                Some(unsafe { StagedPath::on_gpu(&mut tier, &ctx, m, staging)? });
+                            Box::new(unsafe { StagedTier::on_gpu(tier, &ctx, m, staging)? })
                         }
-                        // SAFETY: the caller of `TierBuilder::memory` promised
-                        // the memory outlives the handle's tier.
-                        Memory::Raw(m) => unsafe { tier.register_memory(m)? },
+                        Memory::Raw(m) => {
+                            // SAFETY: the caller of `TierBuilder::memory` promised
+                            // the memory outlives the handle's tier.
+                            unsafe { tier.register_memory(m)? };
+                            Box::new(tier)
+                        }
                         Memory::StagedDouble(c) => {
-                            staged = Some(StagedPath::with_host_double(&mut tier, c, staging)?)
+                            Box::new(StagedTier::with_host_double(tier, c, staging)?)
                         }
                         // SAFETY: the caller of `staged_host_double_memory`
                         // promised the memory outlives the handle's tier.
-                        Memory::StagedDoubleRaw(m) => {
-                            staged = Some(unsafe {
-                                StagedPath::with_host_double_memory(&mut tier, m, staging)?
-                            })
-                        }
-                    }
-                    tier.defer_engine_calls(true);
-                    let mut sched = Scheduler::new(tier, policy, backlog);
-                    if let Some(p) = staged {
-                        sched.set_staged(p);
-                    }
-                    Ok(sched)
+                        Memory::StagedDoubleRaw(m) => Box::new(unsafe {
+                            StagedTier::with_host_double_memory(tier, m, staging)?
+                        }),
+                    };
+                    Ok(Scheduler::with_path(path, policy, backlog))
                 })();
                 let sched = match opened {
                     Ok(s) => s,
@@ -410,11 +408,7 @@ impl TierBuilder {
                 };
                 // Store checksums are taken from host KV memory on the
                 // caller's thread; the staged path takes them on the GPU.
-                let crc_table = if sched.is_staged() {
-                    None
-                } else {
-                    sched.tier().p2p_table().cloned()
-                };
+                let crc_table = sched.path().caller_crc_table();
                 let engine_name = sched.tier().engine().name().to_string();
                 let index = sched.tier().shared_index();
                 let shared = Arc::new(Shared {

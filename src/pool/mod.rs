@@ -85,11 +85,9 @@ impl fmt::Debug for Key {
     }
 }
 
-/// FNV-1a: the namespace's stable 64-bit id in block headers.
+/// The namespace's stable 64-bit id in block headers (FNV-1a).
 pub(crate) fn namespace_hash(ns: &str) -> u64 {
-    ns.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    crate::checksum::fnv1a64(ns.as_bytes())
 }
 
 /// One backing device to format: a path and, for files, its size.
