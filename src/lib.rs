@@ -157,10 +157,11 @@ internal_room! {
 #[doc(hidden)]
 pub mod fuzzing;
 
-pub use error::{Error, ErrorKind, Failure, IoCause, IoFailure, Result};
+pub use error::{Error, ErrorKind, Failure, Fix, IoCause, IoFailure, Result};
 pub use handle::{EngineChoice, Event, HandleConfig, TierBuilder, TierHandle};
 pub use memory::{HostKvCache, HostLayout, KvLayout, KvMemory, MemoryKind};
 pub use model::{DType, KvGeometry};
+pub use pool::CreateMode;
 pub use pool::{DeviceSpec, Key, OpenExpect, Pool, PoolConfig};
 pub use tier::Usage;
 pub use tier::{JobId, JobKind, JobResult, KeyOutcome, LayerDone, TierConfig};

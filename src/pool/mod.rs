@@ -10,8 +10,10 @@ internal_room! {
     backing;
     index;
     layout;
+    place;
     storage;
 }
+pub use place::CreateMode;
 
 use crate::error::{Error, Fix, Result};
 use crate::host::dio::AlignedBuf;
@@ -524,22 +526,6 @@ fn prewrite_spans(
 
 /// The pool files a failing [`Pool::create`] made, removed when it returns
 /// the error (disarmed by emptying it).
-/// The first 24 bytes of a regular file or block device, read without a lock
-/// (None for anything else: opening a FIFO to read would wait for a writer).
-fn head_of(path: &Path) -> Option<[u8; 24]> {
-    use std::io::Read;
-    use std::os::unix::fs::FileTypeExt;
-    let ft = std::fs::metadata(path).ok()?.file_type();
-    if !ft.is_file() && !ft.is_block_device() {
-        return None;
-    }
-    let mut head = [0u8; 24];
-    std::fs::File::open(path)
-        .and_then(|mut f| f.read_exact(&mut head))
-        .ok()?;
-    Some(head)
-}
-
 struct RemoveMadeOnError(Vec<PathBuf>);
 
 impl Drop for RemoveMadeOnError {
@@ -589,7 +575,7 @@ impl Pool {
         let unfinished: Vec<[u8; 16]> = cfg
             .devices
             .iter()
-            .filter_map(|d| crate::host::signature::unfinished_pool_id(&head_of(&d.path)?))
+            .filter_map(|d| crate::host::signature::unfinished_pool_id(&place::head_of(&d.path)?))
             .collect();
         // Files this call creates are removed if it fails after making
         // them (a later device refused, the file system full while
