@@ -269,6 +269,27 @@ impl TierBuilder {
         Ok(slf)
     }
 
+    /// A pool of opaque chunks of `chunk_bytes` (a secondary tier's primary
+    /// chunks, whatever the layout inside them): one kvtier block per chunk,
+    /// moved as it is (`kvtier::KvGeometry::opaque_chunk`); `name` names what
+    /// the chunks are in the pool. The last call of `model()`, `geometry()`
+    /// and `opaque_chunks()` wins.
+    #[pyo3(signature = (chunk_bytes, *, name))]
+    fn opaque_chunks(
+        mut slf: PyRefMut<'_, Self>,
+        chunk_bytes: u64,
+        name: String,
+    ) -> PyResult<PyRefMut<'_, Self>> {
+        let geometry = KvGeometry::opaque_chunk(chunk_bytes).map_err(to_py)?;
+        if name.is_empty() || name.chars().any(char::is_control) {
+            return Err(usage(format!(
+                "opaque_chunks name {name:?} must be non-empty printable text (it names the chunks in the pool)"
+            )));
+        }
+        slf.model = Some(ModelSpec::Geometry(NamedGeometry { geometry, name }));
+        Ok(slf)
+    }
+
     /// The key namespace (default: model/dtype/block size/TP rank). A pool
     /// serves one namespace; opening it for another is refused.
     fn namespace(mut slf: PyRefMut<'_, Self>, ns: String) -> PyRefMut<'_, Self> {
