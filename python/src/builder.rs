@@ -260,11 +260,7 @@ impl TierBuilder {
             block_size,
         };
         geometry.validate().map_err(to_py)?;
-        if name.is_empty() || name.chars().any(char::is_control) {
-            return Err(usage(format!(
-                "geometry name {name:?} must be non-empty printable text (it names the model in the pool)"
-            )));
-        }
+        let name = pool_name_arg(name, "geometry")?;
         slf.model = Some(ModelSpec::Geometry(NamedGeometry { geometry, name }));
         Ok(slf)
     }
@@ -281,11 +277,7 @@ impl TierBuilder {
         name: String,
     ) -> PyResult<PyRefMut<'_, Self>> {
         let geometry = KvGeometry::opaque_chunk(chunk_bytes).map_err(to_py)?;
-        if name.is_empty() || name.chars().any(char::is_control) {
-            return Err(usage(format!(
-                "opaque_chunks name {name:?} must be non-empty printable text (it names the chunks in the pool)"
-            )));
-        }
+        let name = pool_name_arg(name, "opaque_chunks")?;
         slf.model = Some(ModelSpec::Geometry(NamedGeometry { geometry, name }));
         Ok(slf)
     }
@@ -586,4 +578,15 @@ impl TierBuilder {
             forks: FORKS.load(Ordering::SeqCst),
         })
     }
+}
+
+/// The `name=` of `geometry()` or `opaque_chunks()`: what the pool records as
+/// its model, so printable and non-empty.
+fn pool_name_arg(name: String, call: &str) -> PyResult<String> {
+    if name.is_empty() || name.chars().any(char::is_control) {
+        return Err(usage(format!(
+            "{call} name {name:?} must be non-empty printable text (it names the model in the pool)"
+        )));
+    }
+    Ok(name)
 }
