@@ -156,6 +156,47 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
 }
 
 impl KvGeometry {
+    /// The geometry of a pool whose blocks are opaque chunks of `chunk_bytes`
+    /// (a secondary tier's primary chunks, whatever the engine's layout
+    /// inside them): one layer, its K object the chunk's first half and its V
+    /// object the second, moved as they are. The pool format counts an
+    /// object as tokens x heads x dims x element bytes; this spells the half
+    /// chunk as 1 token x `half / d` heads x `d` one-byte elements, `d` the
+    /// largest power of two up to 16384 that divides it (no model is
+    /// pretended: the numbers only size the objects). A chunk must be a
+    /// multiple of 8192 bytes (two page-sized objects, for direct I/O).
+    pub fn opaque_chunk(chunk_bytes: u64) -> Result<KvGeometry> {
+        let page = crate::host::dio::DIRECT_IO_ALIGN as u64;
+        if chunk_bytes == 0 || chunk_bytes % (2 * page) != 0 {
+            return Err(Error::invalid(format!(
+                "an opaque chunk of {chunk_bytes} bytes is not a whole number of two \
+                 {page}-byte halves; kvtier's direct I/O moves page-sized objects: use chunks \
+                 whose size is a multiple of {}",
+                2 * page
+            )));
+        }
+        let half = chunk_bytes / 2;
+        let head_dim = (half & half.wrapping_neg()).min(u64::from(MAX_HEAD_DIM));
+        let heads = half / head_dim;
+        if heads > u64::from(MAX_KV_HEADS) {
+            return Err(Error::invalid(format!(
+                "an opaque chunk of {chunk_bytes} bytes is larger than a pool block can be \
+                 ({} bytes); use smaller chunks",
+                2 * u64::from(MAX_KV_HEADS) * u64::from(MAX_HEAD_DIM)
+            )));
+        }
+        let g = KvGeometry {
+            layers: 1,
+            kv_heads: heads as u32,
+            head_dim: head_dim as u32,
+            dtype: DType::F8E4M3,
+            block_size: 1,
+        };
+        debug_assert_eq!(g.block_bytes(), chunk_bytes);
+        g.validate()?;
+        Ok(g)
+    }
+
     /// Alignment of offsets and lengths for O_DIRECT and NVMe transfers: 4 KiB covers
     /// every logical block size in use (512 B and 4 KiB) and the page size.
     pub const DIRECT_IO_ALIGN: u64 = crate::host::dio::DIRECT_IO_ALIGN as u64;
@@ -636,6 +677,17 @@ pub struct NamedGeometry {
     pub name: String,
 }
 
+/// The key namespace of a pool for `model` with this geometry, served by
+/// tensor-parallel rank `tp_rank` (`name/dtype/bsN/tpR`): what the builder,
+/// the CLI and the bindings default to.
+pub fn default_namespace(model: &str, geometry: &KvGeometry, tp_rank: u32) -> String {
+    format!(
+        "{model}/{}/bs{}/tp{tp_rank}",
+        geometry.dtype.name(),
+        geometry.block_size
+    )
+}
+
 /// Like [`resolve`], with the model's name: never the file's name, which
 /// is `config` for every Hugging Face model.
 pub fn resolve_named(
@@ -1078,6 +1130,22 @@ mod tests {
             "{msg}"
         );
         assert!(msg.contains("add \"head_dim\""), "{msg}");
+    }
+
+    #[test]
+    fn an_opaque_chunk_is_one_layer_of_two_halves() {
+        for chunk in [8192u64, 16384, 24576, 2 << 20, 3 << 20, 5 * 8192, 1 << 27] {
+            let g = KvGeometry::opaque_chunk(chunk).unwrap();
+            assert_eq!(g.block_bytes(), chunk, "{g:?}");
+            assert_eq!((g.layers, g.block_size, g.dtype.bytes()), (1, 1, 1));
+            assert_eq!(g.object_bytes() % 4096, 0, "{g:?}");
+        }
+        for bad in [0u64, 4096, 12288, 8191] {
+            let e = KvGeometry::opaque_chunk(bad).unwrap_err().to_string();
+            assert!(e.contains("multiple of 8192"), "{e}");
+        }
+        let e = KvGeometry::opaque_chunk(1 << 30).unwrap_err().to_string();
+        assert!(e.contains("use smaller chunks"), "{e}");
     }
 
     #[test]

@@ -582,3 +582,15 @@ def test_sizes_and_cache_lengths_out_of_reach_are_named(tmp_path, tiny_model):
         with pytest.raises(kvtier.UsageError, match="control character"):
             b().capacity("16m").namespace(bad).host_cache(2).build()
     assert not (tmp_path / "p").exists() or not any((tmp_path / "p").iterdir())
+
+
+def test_opaque_chunks_name_the_size_rule(tmp_path):
+    b = kvtier.TierBuilder().directory(tmp_path / "p").capacity("16m")
+    for bad in (0, 4096, 12288):
+        with pytest.raises(kvtier.UsageError, match="multiple of 8192"):
+            b.opaque_chunks(bad, name="chunks")
+    with pytest.raises(kvtier.UsageError, match="printable"):
+        b.opaque_chunks(8192, name="")
+    t = b.opaque_chunks(3 * 8192, name="chunks").host_cache(4).build()
+    assert t.block_bytes == 3 * 8192 and t.geometry["layers"] == 1
+    t.close()

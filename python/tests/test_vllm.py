@@ -370,6 +370,10 @@ def test_tier_under_tiering_manager_stores_and_promotes(tmp_path, offload_region
         view, None,
     )
     assert isinstance(tier, kv.KvtierTier)
+    # A chunk is one opaque kvtier block (one layer, two halves), not a made-up model.
+    g = tier._tier.geometry
+    assert (g["layers"], g["block_size"]) == (1, 1), g
+    assert tier._tier.block_bytes == chunk and tier._tier.model_name == f"vllm-offload-chunk-{chunk}"
     mgr = TieringOffloadingManager(primary, [tier])
     end = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 

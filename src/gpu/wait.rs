@@ -43,7 +43,7 @@ impl LoadCounter {
     /// until layer `layer` is in KV memory: `cuStreamWaitValue32(counter >=
     /// value_for(layer))`, no host call when it is reached. A driver
     /// without stream memory operations answers with an error (the caller
-    /// then waits on the host); kvtier's own streams use [`LayerWait`],
+    /// then waits on the host); kvtier's own streams use `LayerWait`,
     /// which falls back to a wait kernel.
     ///
     /// # Safety

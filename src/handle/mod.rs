@@ -1,6 +1,6 @@
 //! `TierHandle`: kvtier's front door for serving engines.
 //!
-//! A handle owns one [`Tier`] on its own I/O thread and is `Send + Sync +
+//! A handle owns one `Tier` on its own I/O thread and is `Send + Sync +
 //! Clone`: vLLM's scheduler and workers, or LMCache's store and prefetch
 //! controllers, call one handle from as many threads as they like.
 //!
@@ -12,7 +12,7 @@
 //!   method of the handle enters the engine.
 //! - `lookup_prefix`, `lookup_and_pin`, `unpin` and `contains` read or
 //!   update the pool's index under the index's own lock
-//!   ([`crate::pool::index::SharedIndex`]), which every holder keeps for a
+//!   (`crate::pool::index::SharedIndex`), which every holder keeps for a
 //!   few index operations only: they never wait behind the I/O thread's
 //!   poll turn (reaping, checksum hashing, planning), a submit's planning,
 //!   a load, a store or another caller's `wait`. `usage` and
@@ -22,7 +22,7 @@
 //!   lock and returns at once; the I/O thread issues them. `submit_store` takes
 //!   the data checksums on the calling thread (outside every lock) and puts
 //!   the store in the write backlog; the I/O thread issues it when the
-//!   policy allows (read first, write deferred: [`crate::sched`]). A full
+//!   policy allows (read first, write deferred: `crate::sched`). A full
 //!   backlog refuses with [`ErrorKind::Backpressure`] and stores nothing.
 //! - `wait`, `wait_layer`, `try_result` and `get_finished` wait on the job
 //!   table only, never on the tier: a blocked waiter holds up nobody.
@@ -75,7 +75,7 @@ use std::time::{Duration, Instant};
 /// tier, or the staged path) runs it under and its result carries.
 pub type JobId = u64;
 
-/// How the handle schedules work; see [`crate::sched`].
+/// How the handle schedules work; see `crate::sched`.
 #[non_exhaustive]
 #[derive(Clone, Debug)]
 pub struct HandleConfig {
@@ -872,7 +872,7 @@ impl TierHandle {
     /// For a load into GPU KV memory on the staged path: the load's own
     /// completion counter, which reaches `value_for(l)` once layer `l` is in
     /// HBM. A compute stream queues `cuStreamWaitValue32` on it (see
-    /// [`crate::staged::LayerWait`]) right after the submit, so each
+    /// `crate::staged::LayerWait`) right after the submit, so each
     /// layer's attention starts when its copy is done, with no host call in
     /// between. `None` for host memory or a load that has finished; with
     /// the CPU double, a host word no stream can wait on, written as the

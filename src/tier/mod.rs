@@ -67,7 +67,7 @@ pub(crate) use results::FinishedJobs;
 use std::sync::Arc;
 use store::Staging;
 
-/// Settings of a [`Tier`]: [`TierConfig::default`] and the `with_*` setters.
+/// Settings of a `Tier`: [`TierConfig::default`] and the `with_*` setters.
 #[non_exhaustive]
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct TierConfig {
@@ -95,7 +95,7 @@ pub struct TierConfig {
     pub load_inflight_bytes: u64,
     /// The most bytes of one load's reads in flight: the window starts at
     /// `load_inflight_bytes` and doubles up to this while later layers
-    /// arrive measurably faster ([`window::RestoreWindow`]); equal to
+    /// arrive measurably faster (`window::RestoreWindow`); equal to
     /// `load_inflight_bytes` keeps it fixed.
     #[serde(default = "load_inflight_max_bytes_default")]
     pub load_inflight_max_bytes: u64,
