@@ -89,6 +89,8 @@ pub mod sched;
 #[warn(missing_docs)]
 pub mod scratch;
 #[warn(missing_docs)]
+pub mod service;
+#[warn(missing_docs)]
 pub mod slack;
 #[warn(missing_docs)]
 pub mod submitter;
