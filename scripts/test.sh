@@ -41,7 +41,7 @@ if [ "${KVTIER_SKIP_PYTHON:-0}" != 1 ]; then
   cargo clippy --manifest-path python/Cargo.toml --all-targets -- -D warnings
   "$PYV/bin/pip" install -q --force-reinstall --no-deps ./python
   # From python/tests, so `import kvtier` is the installed wheel, not the source dir.
-  (cd python/tests && HF_HUB_OFFLINE=1 "$PYV/bin/python" -m pytest -q -p no:warnings -p no:cacheprovider .)
+  (cd python/tests && HF_HUB_OFFLINE=1 "$PYV/bin/python" -m pytest -q -rs -p no:warnings -p no:cacheprovider .)
 fi
 # Each criterion bench once, unmeasured: they must keep building and running.
 cargo bench -- --test

@@ -159,6 +159,128 @@ pub enum Error {
     /// The handle was closed, or its I/O thread is gone.
     #[error("{0}")]
     Closed(String),
+
+    /// kvtier's own bookkeeping broke an invariant (a bug, not the caller's
+    /// doing): report it with the message.
+    #[error("internal error (a kvtier bug; please report it): {0}")]
+    Internal(String),
+
+    /// An error and the change that gets past it; [`Error::fix`] gives the
+    /// change, which each front end names in its own words.
+    #[error("{error}; {fix}")]
+    WithFix {
+        /// The error.
+        error: Box<Error>,
+        /// What to change.
+        fix: Fix,
+    },
+}
+
+/// What to change to get past an error, by meaning: the library says it in
+/// its API's terms ([`fmt::Display`]), the command line names its flags and
+/// the Python bindings their builder calls. A message never names a front
+/// end's flag; the front end renders the fix instead.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub enum Fix {
+    /// Allow overwriting what the device or file holds (its contents are lost).
+    Overwrite,
+    /// Allow creating the pool file sparse on a file system that cannot preallocate.
+    AllowSparse,
+    /// Either allow shrinking the file to `to` bytes, or ask for `or_size` bytes.
+    Truncate {
+        /// The size asked for.
+        to: u64,
+        /// The size that keeps the file as it is.
+        or_size: u64,
+    },
+    /// Give the pool file a size (a multiple of `multiple_of`, at least `at_least` bytes).
+    GiveSize {
+        /// The direct-I/O alignment.
+        multiple_of: u64,
+        /// The smallest size that holds a pool.
+        at_least: u64,
+    },
+    /// Ask for a size that is a multiple of the direct-I/O alignment, e.g. `example` bytes.
+    AlignSize {
+        /// A size that would do.
+        example: u64,
+    },
+    /// Ask for a smaller size.
+    SmallerSize,
+    /// Ask for a larger size.
+    LargerSize,
+    /// Create the pool again over this one (every block stored in it is lost).
+    Recreate,
+    /// Run the create that did not finish again; it needs no overwrite permission.
+    RerunCreate,
+    /// Create a pool there (nothing there is a pool yet).
+    CreatePool,
+    /// Name the KV element type explicitly.
+    NameDType,
+    /// Use PRP data pointers on this NVMe controller (it has no SGL support).
+    UsePrp,
+    /// Hand NVMe controller `addr` to a userspace driver (vfio-pci, uio_pci_generic) for the run.
+    BindController {
+        /// Its PCI address.
+        addr: String,
+    },
+    /// Allow binding a device the checks refused (it may not be what was meant).
+    ForceBind,
+    /// Make a slack table for this geometry at block size `block_size` with kvtier's profiler.
+    ProfileSlackTable {
+        /// The block size the table must be made for.
+        block_size: u32,
+    },
+    /// Choose another directory.
+    OtherDirectory,
+}
+
+impl fmt::Display for Fix {
+    /// The fix in the library's terms (its config fields and calls).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Fix::Overwrite => {
+                f.write_str("set PoolConfig::force to overwrite it (its contents will be lost)")
+            }
+            Fix::AllowSparse => f.write_str("set PoolConfig::force to create it sparse anyway"),
+            Fix::Truncate { to, or_size } => write!(
+                f,
+                "set PoolConfig::force to truncate it to {to} bytes, or ask for {or_size} bytes"
+            ),
+            Fix::GiveSize {
+                multiple_of,
+                at_least,
+            } => write!(
+                f,
+                "give it a size (DeviceSpec::size: a multiple of {multiple_of} bytes, at least {at_least} bytes)"
+            ),
+            Fix::AlignSize { example } => {
+                write!(f, "ask for a size that is, e.g. {example} bytes")
+            }
+            Fix::SmallerSize => f.write_str("ask for a smaller size"),
+            Fix::LargerSize => f.write_str("ask for a larger size"),
+            Fix::Recreate => f.write_str(
+                "create the pool again with PoolConfig::force (every block stored in it is lost)",
+            ),
+            Fix::RerunCreate => {
+                f.write_str("run that create again (it needs no PoolConfig::force)")
+            }
+            Fix::CreatePool => f.write_str("create a pool there first (Pool::create)"),
+            Fix::NameDType => f.write_str("name the KV dtype (KvGeometry::dtype)"),
+            Fix::UsePrp => f.write_str("use PRP data pointers (DataMode::Prp or Auto)"),
+            Fix::BindController { addr } => write!(
+                f,
+                "hand {addr} to a userspace driver (vfio-pci or uio_pci_generic) for the run"
+            ),
+            Fix::ForceBind => f.write_str("force the bind to bind it anyway"),
+            Fix::ProfileSlackTable { block_size } => write!(
+                f,
+                "use the table made for this model, or make one with kvtier's profiler at block size {block_size}"
+            ),
+            Fix::OtherDirectory => f.write_str("pick another directory"),
+        }
+    }
 }
 
 /// What a program can do about an error; see [`Error::kind`].
@@ -353,6 +475,37 @@ impl Error {
         Error::InvalidArgument(msg.into())
     }
 
+    /// A broken invariant of kvtier's own (a bug).
+    pub fn internal(msg: impl Into<String>) -> Self {
+        Error::Internal(msg.into())
+    }
+
+    /// This error, carrying the change that gets past it.
+    #[must_use]
+    pub fn with_fix(self, fix: Fix) -> Self {
+        Error::WithFix {
+            error: Box::new(self),
+            fix,
+        }
+    }
+
+    /// The change that gets past this error, when there is one.
+    pub fn fix(&self) -> Option<&Fix> {
+        match self {
+            Error::WithFix { fix, .. } => Some(fix),
+            _ => None,
+        }
+    }
+
+    /// The error without its fix: what a front end prints before its own
+    /// words for [`Error::fix`].
+    pub fn without_fix(&self) -> &Error {
+        match self {
+            Error::WithFix { error, .. } => error.without_fix(),
+            other => other,
+        }
+    }
+
     /// A GPU error that is not a driver return code (a check of ours).
     pub fn gpu(what: impl Into<String>, reason: impl Into<String>) -> Self {
         Error::Gpu {
@@ -377,7 +530,8 @@ impl Error {
             // A missing or too old driver is the usual GPU error; a failed
             // call on a working GPU still leaves nothing to retry.
             Error::Gpu { .. } | Error::Unsupported(_) => ErrorKind::Unsupported,
-            Error::Ring(_) => ErrorKind::Internal,
+            Error::Ring(_) | Error::Internal(_) => ErrorKind::Internal,
+            Error::WithFix { error, .. } => error.kind(),
             Error::Failed(f) => f.kind,
             Error::Closed(_) => ErrorKind::Closed,
         }
@@ -387,6 +541,7 @@ impl Error {
     pub fn io_failure(&self) -> Option<&IoFailure> {
         match self {
             Error::Failed(f) => f.io.as_ref(),
+            Error::WithFix { error, .. } => error.io_failure(),
             _ => None,
         }
     }
@@ -395,6 +550,7 @@ impl Error {
     pub fn cuda_code(&self) -> Option<u32> {
         match self {
             Error::Gpu { code, .. } => *code,
+            Error::WithFix { error, .. } => error.cuda_code(),
             _ => None,
         }
     }
@@ -457,5 +613,31 @@ mod tests {
             "{m}"
         );
         assert!(!at("read", libc::EIO).contains("not at fault"));
+    }
+
+    #[test]
+    fn a_fix_keeps_the_error_it_wraps() {
+        let e = Error::Backing {
+            path: "/pool/a".into(),
+            reason: "it holds ext4".into(),
+        }
+        .with_fix(Fix::Overwrite);
+        assert_eq!(e.kind(), ErrorKind::Usage);
+        assert_eq!(e.fix(), Some(&Fix::Overwrite));
+        assert_eq!(
+            e.without_fix().to_string(),
+            "backing device /pool/a: it holds ext4"
+        );
+        assert!(
+            e.to_string()
+                .ends_with("; set PoolConfig::force to overwrite it (its contents will be lost)"),
+            "{e}"
+        );
+        let f = Failure::from(&e);
+        assert_eq!((f.kind, f.message), (ErrorKind::Usage, e.to_string()));
+        let bug = Error::internal("two jobs own block 3");
+        assert_eq!(bug.kind(), ErrorKind::Internal);
+        assert!(bug.to_string().contains("a kvtier bug"), "{bug}");
+        assert_eq!(bug.fix(), None);
     }
 }

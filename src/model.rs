@@ -397,9 +397,10 @@ impl KvGeometry {
                 }
                 found.ok_or_else(|| {
                     err(format!(
-                        "missing \"torch_dtype\" (the KV element type, one of {}); add it to the config or pass --dtype",
+                        "missing \"torch_dtype\" (the KV element type, one of {}); add it to the config",
                         DType::choices()
                     ))
+                    .with_fix(crate::error::Fix::NameDType)
                 })?
             }
         };
@@ -497,12 +498,13 @@ impl Section<'_> {
             config_err(
                 source_name,
                 format!(
-                    "{} is {}, which is not a known KV dtype; use one of {} or pass --dtype",
+                    "{} is {}, which is not a known KV dtype; use one of {}",
                     self.quoted(key),
                     crate::json::value_excerpt(value),
                     DType::choices()
                 ),
             )
+            .with_fix(crate::error::Fix::NameDType)
         })
     }
 }
@@ -900,7 +902,10 @@ mod tests {
         match r {
             Ok(g) => panic!("expected an error, got {g:?}"),
             Err(e) => {
-                assert!(matches!(e, Error::ModelConfig { .. }), "{e:?}");
+                assert!(
+                    matches!(e.without_fix(), Error::ModelConfig { .. }),
+                    "{e:?}"
+                );
                 e.to_string()
             }
         }
@@ -1079,7 +1084,10 @@ mod tests {
     fn unknown_dtype_is_named() {
         let msg = message(parse(&LLAMA3_8B.replace("\"bfloat16\"", "\"int4\"")));
         assert!(msg.contains("\"torch_dtype\" is \"int4\""), "{msg}");
-        assert!(msg.contains("bfloat16") && msg.contains("--dtype"), "{msg}");
+        assert!(
+            msg.contains("bfloat16") && msg.contains("KvGeometry::dtype"),
+            "{msg}"
+        );
     }
 
     #[test]
@@ -1088,7 +1096,7 @@ mod tests {
             &LLAMA3_8B.replace("\"torch_dtype\": \"bfloat16\",", ""),
         ));
         assert!(msg.contains("missing \"torch_dtype\""), "{msg}");
-        assert!(msg.contains("--dtype"), "{msg}");
+        assert!(msg.contains("KvGeometry::dtype"), "{msg}");
     }
 
     #[test]

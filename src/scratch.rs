@@ -52,10 +52,10 @@ impl ScratchFile {
                     path: path.to_path_buf(),
                     reason: format!(
                         "already exists; {what} creates its scratch files new and never \
-                         overwrites or removes a file it did not create: move or remove it, \
-                         or pick another --dir"
+                         overwrites or removes a file it did not create: move or remove it"
                     ),
-                },
+                }
+                .with_fix(crate::error::Fix::OtherDirectory),
                 ErrorKind::NotFound => Error::Backing {
                     path: path.to_path_buf(),
                     reason: "its directory does not exist".into(),

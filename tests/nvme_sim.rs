@@ -491,7 +491,10 @@ fn pool_on_a_namespace_refuses_a_filesystem_unless_forced() {
         .err()
         .expect("refused")
         .to_string();
-    assert!(err.contains("ext2/3/4") && err.contains("--force"), "{err}");
+    assert!(
+        err.contains("ext2/3/4") && err.contains("PoolConfig::force"),
+        "{err}"
+    );
     assert!(err.contains("nvme:sim/ns1"), "{err}");
     cfg.force = true;
     Pool::create_on(&cfg, vec![ns.storage()]).expect("forced");
@@ -502,7 +505,7 @@ fn pool_on_a_namespace_refuses_a_filesystem_unless_forced() {
         .expect("refused")
         .to_string();
     assert!(
-        err.contains("holds a kvtier pool") && err.contains("--force"),
+        err.contains("holds a kvtier pool") && err.contains("PoolConfig::force"),
         "{err}"
     );
     cfg.force = true;

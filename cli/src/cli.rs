@@ -1,6 +1,6 @@
 //! Small parsing helpers shared by the CLI and the benchmarks.
 
-use kvtier::error::{Error, Result};
+use kvtier::error::{Error, Fix, Result};
 use kvtier::host::size::human_bytes;
 
 /// `eprintln!` that never panics: a closed stderr (`kvtier ... 2>&1 | head`)
@@ -146,6 +146,52 @@ pub fn out(text: &str) -> Result<()> {
 }
 
 const STDOUT: &str = "writing to stdout";
+
+/// An error as the command line says it: the library names a fix by its
+/// meaning ([`kvtier::error::Fix`]); here it is named by this program's flags
+/// and commands.
+pub fn error_text(e: &Error) -> String {
+    match e.fix() {
+        Some(fix) => format!("{}; {}", e.without_fix(), fix_text(fix)),
+        None => e.to_string(),
+    }
+}
+
+/// A fix in the command line's words.
+pub fn fix_text(fix: &Fix) -> String {
+    match fix {
+        Fix::Overwrite => "pass --force to overwrite it (its contents will be lost)".into(),
+        Fix::AllowSparse => "pass --force to create it sparse anyway".into(),
+        Fix::Truncate { to, or_size } => {
+            format!("pass --force to truncate it to {to} bytes, or give --size {or_size}")
+        }
+        Fix::GiveSize {
+            multiple_of,
+            at_least,
+        } => format!("give --size (a multiple of {multiple_of} bytes, at least {at_least} bytes)"),
+        Fix::AlignSize { example } => format!("give a --size that is, e.g. {example} bytes"),
+        Fix::SmallerSize => "give a smaller --size".into(),
+        Fix::LargerSize => "give a larger --size".into(),
+        Fix::Recreate => "recreate the pool with `kvtier pool create --force` (every block \
+                          stored in it is lost)"
+            .into(),
+        Fix::RerunCreate => "run that `kvtier pool create` again (it needs no --force)".into(),
+        Fix::CreatePool => "create one with `kvtier pool create`".into(),
+        Fix::NameDType => "pass --dtype".into(),
+        Fix::UsePrp => "use --data-mode prp or auto".into(),
+        Fix::BindController { addr } => format!(
+            "hand it to a userspace driver for the run: kvtier nvme bind {addr} --driver \
+             vfio-pci -- kvtier ..."
+        ),
+        Fix::ForceBind => "pass --force to bind it anyway".into(),
+        Fix::ProfileSlackTable { block_size } => format!(
+            "use the table made for this model, or make one with kvtier-profile --model ... \
+             --block-size {block_size}"
+        ),
+        Fix::OtherDirectory => "pick another --dir".into(),
+        other => other.to_string(),
+    }
+}
 
 /// Whether `e` is stdout's reader having gone away.
 pub fn is_broken_pipe(e: &Error) -> bool {

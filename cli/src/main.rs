@@ -159,7 +159,10 @@ fn main() {
         Ok(code) => code,
         Err(e) if kvtier_cli::cli::is_broken_pipe(&e) => die_of_sigpipe(),
         Err(e) => {
-            note(&format!("kvtier: error: {e}"));
+            note(&format!(
+                "kvtier: error: {}",
+                kvtier_cli::cli::error_text(&e)
+            ));
             2
         }
     };

@@ -5,7 +5,7 @@
 //! kvtier does I/O. Errors become one Python exception class per
 //! [`ErrorKind`], carrying the kind and, for device failures, the I/O.
 
-use kvtier::error::{Error, ErrorKind, Failure};
+use kvtier::error::{Error, ErrorKind, Failure, Fix};
 use kvtier::gpu::staged::StagingConfig;
 use kvtier::gpu::{kernels, CompletionCounter, Context, Device};
 use kvtier::handle::{Completions, EngineChoice, Event, HandleConfig, TierBuilder as RsBuilder};
@@ -113,8 +113,18 @@ fn failure_err(py: Python<'_>, f: &Failure) -> PyErr {
     err
 }
 
+/// The error as a Python exception; a fix the library names by its meaning
+/// (`Fix`) is said as the Python API's call that makes it.
 fn to_py(e: Error) -> PyErr {
-    Python::with_gil(|py| failure_err(py, &Failure::from(e)))
+    let f = match e.fix() {
+        Some(fix) => {
+            let mut f = Failure::from(e.without_fix());
+            f.message = format!("{}; {}", f.message, fix_text(fix));
+            f
+        }
+        None => Failure::from(e),
+    };
+    Python::with_gil(|py| failure_err(py, &f))
 }
 
 /// Whether the file at `p` begins with a kvtier superblock's magic (false when
@@ -139,37 +149,34 @@ fn head_of(p: &std::path::Path) -> Option<[u8; 24]> {
     Some(head)
 }
 
-/// Opening a pool or reading a model shares its checks with the CLI, whose
-/// messages name its flags: name the TierBuilder call that does the same.
-fn to_py_builder(e: Error) -> PyErr {
-    let mut f = Failure::from(e);
-    for (cli, py) in [
-        (
-            "run that `kvtier pool create` again (it needs no --force)",
-            "build it again (no create(\"always\") needed)",
+/// A fix in the Python API's words.
+fn fix_text(fix: &Fix) -> String {
+    const ALWAYS: &str = "TierBuilder.create(\"always\")";
+    match fix {
+        Fix::Overwrite => format!("call {ALWAYS} to overwrite it (its contents will be lost)"),
+        Fix::AllowSparse => format!("call {ALWAYS} to create it sparse anyway"),
+        Fix::Truncate { to, .. } => format!(
+            "call {ALWAYS} to truncate it to {to} bytes, or give a capacity() that keeps it"
         ),
-        (
-            "run that create again (it needs no --force)",
-            "build it again (no create(\"always\") needed)",
+        Fix::GiveSize {
+            multiple_of,
+            at_least,
+        } => format!(
+            "give capacity() (per file a multiple of {multiple_of} bytes, at least {at_least} bytes)"
         ),
-        (
-            "`kvtier pool create --force`",
-            "TierBuilder().create(\"always\")",
-        ),
-        (
-            "`kvtier pool create`",
-            "TierBuilder().create(\"always\").capacity(...)",
-        ),
-        ("pass --force", "call create(\"always\")"),
-        ("--force", "create(\"always\")"),
-        ("--size", "capacity()"),
-        ("pass --dtype", "pass dtype= to model()"),
-        ("--dtype", "model(dtype=)"),
-        ("--model", "model()"),
-    ] {
-        f.message = f.message.replace(cli, py);
+        Fix::AlignSize { .. } => {
+            "give a capacity() that is a multiple of 4096 bytes per file".into()
+        }
+        Fix::SmallerSize => "give a smaller capacity()".into(),
+        Fix::LargerSize => "give a larger capacity()".into(),
+        Fix::Recreate => {
+            format!("recreate the pool with {ALWAYS} (every block stored in it is lost)")
+        }
+        Fix::RerunCreate => format!("build it again (no {ALWAYS} needed)"),
+        Fix::CreatePool => "create one: TierBuilder().directory(...).capacity(...)".into(),
+        Fix::NameDType => "pass dtype= to geometry() or model()".into(),
+        other => other.to_string(),
     }
-    Python::with_gil(|py| failure_err(py, &f))
 }
 
 fn usage(msg: impl Into<String>) -> PyErr {
@@ -627,7 +634,7 @@ impl TierBuilder {
             dtype,
             block_size,
         };
-        geometry.validate().map_err(to_py_builder)?;
+        geometry.validate().map_err(to_py)?;
         if name.is_empty() || name.chars().any(char::is_control) {
             return Err(usage(format!(
                 "geometry name {name:?} must be non-empty printable text (it names the model in the pool)"
@@ -804,7 +811,7 @@ impl TierBuilder {
             ModelSpec::Named(spec, block_size, dtype) => {
                 let dtype = dtype.as_deref().map(parse_dtype).transpose()?;
                 without_gil(py, || resolve_named(&spec, block_size, dtype))
-                    .map_err(to_py_builder)?
+                    .map_err(to_py)?
             }
             ModelSpec::Geometry(named) => named,
         };
@@ -1004,7 +1011,7 @@ impl TierBuilder {
             }
         };
         let staged = double || gpu.is_some();
-        let handle = without_gil(py, || b.build()).map_err(to_py_builder)?;
+        let handle = without_gil(py, || b.build()).map_err(to_py)?;
         let completions = handle.completions().map_err(to_py)?;
         // The memory (and the objects keeping it alive) now belong to this
         // handle: a second build() must not register it again.
@@ -2083,7 +2090,7 @@ fn resolve_model<'py>(
         })?),
         None => None,
     };
-    let n = resolve_named(&spec, block_size, dtype).map_err(to_py_builder)?;
+    let n = resolve_named(&spec, block_size, dtype).map_err(to_py)?;
     let g = n.geometry;
     Ok((geometry_dict(py, &g)?, n.name))
 }

@@ -28,7 +28,7 @@ for t in probe_describes_each_device module_launch_copy_and_event_timing stream_
          green_split_runs_each_partition_on_its_own_sms host_bounce_region_is_gpu_addressable_and_copies_to_hbm \
          iomemory_register_of_a_normal_page_and_devicemap_register host_kv_memory_registers_and_translates \
          dma_buf_export_matches_the_device_attribute gpu_engine_drives_the_simulated_controller; do
-  echo "=== $t" >> "$O/tests.txt"; step "test:$t" 90 $G/gpu-tests --exact "$t" --test-threads=1 --nocapture >> "$O/tests.txt" 2>&1
+  echo "=== $t" >> "$O/tests.txt"; step "test:$t" 90 $G/gpu-tests --include-ignored --exact "$t" --test-threads=1 --nocapture >> "$O/tests.txt" 2>&1
 done
 grep -E "llama3-8b KV|io [0-9]+ compute|distinct SMs" "$O/tests.txt" | sed 's/^/FIG /' >> "$S"
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv >> "$O/tests.txt" 2>&1   # nothing may be left resident

@@ -15,7 +15,7 @@ D=; for c in "$PWD" /var/tmp /root /tmp; do case $(stat -f -c %T "$c" 2>/dev/nul
 [ -z "$D" ] && D=$PWD/kvtier-data; mkdir -p "$D"; fig "pool_dir=$D fs=$(stat -f -c %T "$D")"
 step doctor 30 $G/kvtier doctor --dir "$D" > "$O/doctor.txt" 2>&1
 grep -A2 "^memory" "$O/doctor.txt" | sed 's/^/FIG /' >> "$S"
-step staged_tests 150 $G/gpu-staged-tests --test-threads=1 --nocapture > "$O/tests.txt" 2>&1
+step staged_tests 150 $G/gpu-staged-tests --include-ignored --test-threads=1 --nocapture > "$O/tests.txt" 2>&1
 grep -E "^test |test result|panicked" "$O/tests.txt" | sed 's/^/FIG /' >> "$S"
 for r in 1 2 3; do
   for layout in per-layer cross-layer; do
@@ -25,6 +25,6 @@ for r in 1 2 3; do
     grep -E "^ +[0-9]+ " "$O/hbm.txt" | tail -3 | sed "s/^/FIG hbm $layout r$r: /" >> "$S"
   done
 done
-[ -x $G/gpu-tests ] && { step gpu_tests 120 $G/gpu-tests --test-threads=1 --nocapture > "$O/gpu-tests.txt" 2>&1
+[ -x $G/gpu-tests ] && { step gpu_tests 120 $G/gpu-tests --include-ignored --test-threads=1 --nocapture > "$O/gpu-tests.txt" 2>&1
   grep -E "test result" "$O/gpu-tests.txt" | sed 's/^/FIG gpu-tests /' >> "$S"; }
 rm -rf "$D"; fig "done left_s=$(left)"

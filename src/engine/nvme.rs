@@ -135,9 +135,10 @@ impl<B: Bar0 + Send + Sync + 'static> NvmeEngine<B> {
                 DataMode::Sgl | DataMode::SglSegmentsOf(_) => {
                     if !shared.ctrl.sgl_supported() {
                         return Err(Error::invalid(format!(
-                            "NVMe controller {name} does not support SGLs (Identify SGLS={:#x}); use --data-mode prp or auto",
+                            "NVMe controller {name} does not support SGLs (Identify SGLS={:#x})",
                             shared.ctrl.identify().sgls
-                        )));
+                        ))
+                        .with_fix(crate::error::Fix::UsePrp));
                     }
                     true
                 }

@@ -55,9 +55,12 @@ pub fn pool_on_nvme(
             expect,
         ),
         other => Err(Error::invalid(format!(
-            "NVMe controller {addr} is bound to {}; hand it to a userspace driver for the run: kvtier nvme bind {addr} --driver vfio-pci -- kvtier ...",
+            "NVMe controller {addr} is bound to {}",
             other.unwrap_or("no driver")
-        ))),
+        ))
+        .with_fix(crate::error::Fix::BindController {
+            addr: addr.to_string(),
+        })),
     }
 }
 

@@ -505,15 +505,17 @@ impl PciBinding {
         );
         if !problems.is_empty() && !force {
             return Err(Error::invalid(format!(
-                "refusing to bind {addr} to {}: {}. Pass --force to bind it anyway{}",
+                "refusing to bind {addr} to {}: {}{}",
                 driver.name(),
                 problems.join("; "),
                 if ctrl.block_devices.iter().any(|b| !b.problems.is_empty()) {
-                    " (the data on it may be lost), or unmount / stop using the devices first"
+                    ". Unmount / stop using the devices first (forced, the data on them may \
+                     be lost)"
                 } else {
                     ""
                 }
-            )));
+            ))
+            .with_fix(crate::error::Fix::ForceBind));
         }
         let original_override = {
             let text = read_attr(&dev_dir.join("driver_override"))?;

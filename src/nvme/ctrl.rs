@@ -248,8 +248,8 @@ pub trait DmaAlloc {
     /// the device may read and write it until then.
     unsafe fn map_host(&mut self, addr: *mut u8, len: usize) -> Result<HostMapping> {
         let _ = (addr, len);
-        Err(Error::invalid(
-            "this DMA allocator cannot map existing host memory for the device",
+        Err(Error::Unsupported(
+            "this DMA allocator cannot map existing host memory for the device".into(),
         ))
     }
 }
@@ -719,7 +719,7 @@ impl<B: Bar0> Controller<B> {
         let acq = dma.alloc(admin_depth as usize * 16, align)?;
         for r in [&asq, &acq] {
             if r.dma() % page != 0 {
-                return Err(Error::invalid(format!("DMA allocator returned {r:?}, not aligned to the controller's {page}-byte page")));
+                return Err(Error::internal(format!("DMA allocator returned {r:?}, not aligned to the controller's {page}-byte page")));
             }
         }
         let admin_mem = DmaQueue::new(bar.clone(), 0, dstrd, asq.clone(), acq.clone(), admin_depth);
@@ -746,7 +746,7 @@ impl<B: Bar0> Controller<B> {
             "CSTS.RDY=1 after CC.EN=1",
             |c| c.rdy(),
         )?;
-        let mut admin = QueuePair::new(0, admin_mem).map_err(|e| Error::invalid(e.to_string()))?;
+        let mut admin = QueuePair::new(0, admin_mem).map_err(|e| Error::internal(e.to_string()))?;
         let admin_timeout = opts.admin_timeout;
 
         // 4. Identify.
@@ -834,7 +834,7 @@ impl<B: Bar0> Controller<B> {
                 &format!("Create I/O SQ {qid}"),
                 admin_timeout,
             )?;
-            let qp = QueuePair::new(qid, mem).map_err(|e| Error::invalid(e.to_string()))?;
+            let qp = QueuePair::new(qid, mem).map_err(|e| Error::internal(e.to_string()))?;
             io.push(IoSlot { qp, scratch });
         }
         guard.armed = false;
@@ -1025,7 +1025,7 @@ impl<B: Bar0> Controller<B> {
         let lba = self.namespace.lba_bytes as u64;
         let total: u64 = mem.iter().map(|e| e.len).sum();
         if total == 0 || total % lba != 0 || mem.iter().any(|e| e.len == 0) {
-            return Err(Error::invalid(format!("NVMe transfer of {total} bytes in {} extent(s): extents must be non-empty and total a multiple of the {lba}-byte LBA", mem.len())));
+            return Err(Error::internal(format!("NVMe transfer of {total} bytes in {} extent(s): extents must be non-empty and total a multiple of the {lba}-byte LBA", mem.len())));
         }
         let sgl = match mode {
             DataMode::Auto => self.sgl_supported(),
@@ -1103,7 +1103,7 @@ impl<B: Bar0> Controller<B> {
         let scratch = self.slot(i)?.scratch.clone();
         let mut list = vec![0u64; scratch.len() / 8];
         let prps = build_prps(pieces, page, &mut list, scratch.dma())
-            .map_err(|e| Error::invalid(e.to_string()))?;
+            .map_err(|e| Error::internal(e.to_string()))?;
         if prps.list_slots > 0 {
             scratch.write(0, bytemuck::cast_slice(&list[..prps.list_slots]));
         }

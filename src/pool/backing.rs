@@ -32,7 +32,7 @@ use std::path::{Path, PathBuf};
 use nix::errno::Errno;
 use nix::fcntl::{FallocateFlags, FcntlArg, OFlag};
 
-use crate::error::{Error, IoContext, Result};
+use crate::error::{Error, Fix, IoContext, Result};
 use crate::host::dio::{dio_align, AlignedBuf, DIRECT_IO_ALIGN};
 use crate::host::mounts::{block_device_use, dev_major, dev_minor, regular_file_use};
 use crate::host::signature::{probe_signature, read_head, Signature, SIGNATURE_PROBE_BYTES};
@@ -67,6 +67,11 @@ fn backing_error(path: &Path, reason: impl Into<String>) -> Error {
         path: path.to_path_buf(),
         reason: reason.into(),
     }
+}
+
+/// A refusal and the change that gets past it (each front end names the fix).
+fn backing_fix(path: &Path, reason: impl Into<String>, fix: Fix) -> Error {
+    backing_error(path, reason).with_fix(fix)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -178,8 +183,8 @@ fn open_error(path: &Path, kind: BackingKind, e: io::Error) -> Error {
         (Some(libc::EROFS), _) => backing_error(
             path,
             "it is on a read-only filesystem or device; make it writable (remount it \
-             read-write) to create or serve a pool there (`kvtier pool info` and `pool check` \
-             without --repair only read)",
+             read-write) to create or serve a pool there (inspecting a pool and checking it \
+             without repairing only read)",
         ),
         _ => Error::io(format!("opening backing device {}", path.display()), e),
     }
@@ -243,8 +248,8 @@ fn open_block_device(
         return Err(backing_error(
             path,
             format!(
-                "{}; kvtier never touches a mounted or active device (--force does not \
-                 override this); {} first",
+                "{}; kvtier never touches a mounted or active device (no override exists); \
+                 {} first",
                 in_use.describe(),
                 if in_use.mount_point == "[SWAP]" {
                     "swapoff it"
@@ -333,24 +338,24 @@ fn file_logical_block_size(path: &Path, file: &File) -> Result<u32> {
 /// Refuse a foreign signature unless forced.
 pub(crate) fn check_signature(path: &Path, sig: &Signature, force: bool) -> Result<()> {
     match sig {
-        // What was on it was given up when that create began (with --force if it held
-        // anything): formatting again needs no --force.
+        // What was on it was given up when that create began (forced if it held
+        // anything): formatting again needs no force.
         Signature::Empty | Signature::KvtierUnfinished => Ok(()),
         _ if force => Ok(()),
-        Signature::KvtierPool => Err(backing_error(
+        Signature::KvtierPool => Err(backing_fix(
             path,
-            "it holds a kvtier pool; pass --force to reformat it (every block stored in it \
-             will be lost), or open it with `kvtier pool info` to see what it holds",
+            "it holds a kvtier pool (inspect it to see what it holds); formatting it loses \
+             every block stored in it",
+            Fix::Recreate,
         )),
-        Signature::Filesystem(_) => Err(backing_error(
-            path,
-            format!("it holds {sig}; pass --force to overwrite it (its contents will be lost)"),
-        )),
-        Signature::Unknown => Err(backing_error(
+        Signature::Filesystem(_) => {
+            Err(backing_fix(path, format!("it holds {sig}"), Fix::Overwrite))
+        }
+        Signature::Unknown => Err(backing_fix(
             path,
             "it holds data that is not a kvtier pool (it is not all zero, does not begin with \
-             the kvtier pool magic and matches no known filesystem); pass --force to \
-             overwrite it (its contents will be lost)",
+             the kvtier pool magic and matches no known filesystem)",
+            Fix::Overwrite,
         )),
     }
 }
@@ -384,23 +389,24 @@ fn allocate_for_pool(path: &Path, file: &File, len: u64, size: u64, force: bool)
             }
         }
         Err(Errno::ENOSPC) => {
-            return Err(backing_error(
+            return Err(backing_fix(
                 path,
                 format!(
                     "not enough free space on its filesystem for {} ({size} bytes); free \
-                     space or give a smaller --size",
+                     space there",
                     human(size)
                 ),
+                Fix::SmallerSize,
             ))
         }
         Err(Errno::EFBIG) => {
-            return Err(backing_error(
+            return Err(backing_fix(
                 path,
                 format!(
-                    "{} is larger than its filesystem allows for one file; give a smaller \
-                     --size",
+                    "{} is larger than its filesystem allows for one file",
                     human(size)
                 ),
+                Fix::SmallerSize,
             ))
         }
         Err(e) => {
@@ -502,11 +508,12 @@ fn check_sparse_ok(path: &Path, force: bool) -> Result<()> {
     if force {
         return Ok(());
     }
-    Err(backing_error(
+    Err(backing_fix(
         path,
         "its filesystem cannot preallocate space (fallocate is not supported), so the pool \
          file would be sparse and stores could fail later when the filesystem fills up; put \
-         it on ext4, xfs, btrfs or tmpfs, or pass --force to create it sparse anyway",
+         it on ext4, xfs, btrfs or tmpfs",
+        Fix::AllowSparse,
     ))
 }
 
@@ -668,34 +675,37 @@ impl BackingDevice {
         unfinished: &[[u8; 16]],
     ) -> Result<BackingDevice> {
         let Some(size) = size else {
-            return Err(backing_error(
+            return Err(backing_fix(
                 path,
-                format!(
-                    "a backing file needs a size; give --size (a multiple of \
-                     {DIRECT_IO_ALIGN} bytes, at least {min_size} bytes)"
-                ),
+                "a backing file needs a size",
+                Fix::GiveSize {
+                    multiple_of: DIRECT_IO_ALIGN as u64,
+                    at_least: min_size,
+                },
             ));
         };
         if size % DIRECT_IO_ALIGN as u64 != 0 {
-            return Err(backing_error(
+            return Err(backing_fix(
                 path,
                 format!(
                     "the requested size {size} bytes is not a multiple of {DIRECT_IO_ALIGN} \
-                     (direct I/O alignment); give a --size that is, e.g. {} bytes",
-                    round_down(size).max(DIRECT_IO_ALIGN as u64)
+                     (direct I/O alignment)"
                 ),
+                Fix::AlignSize {
+                    example: round_down(size).max(DIRECT_IO_ALIGN as u64),
+                },
             ));
         }
         if size < min_size {
-            return Err(backing_error(
+            return Err(backing_fix(
                 path,
                 format!(
-                    "backing file is {}; the pool needs at least {min_size} bytes ({}: {}); \
-                     give a larger --size",
+                    "backing file is {}; the pool needs at least {min_size} bytes ({}: {})",
                     human(size),
                     human(min_size),
                     min_size_hint()
                 ),
+                Fix::LargerSize,
             ));
         }
         if let Some(meta) = &meta {
@@ -803,16 +813,18 @@ impl BackingDevice {
 
         if len > size {
             if !force {
-                return Err(backing_error(
+                return Err(backing_fix(
                     path,
                     format!(
                         "the file is {} ({len} bytes), larger than the requested size {} \
-                         ({size} bytes); kvtier does not shrink it silently: pass --force to \
-                         truncate it to {size} bytes, or give --size {}",
+                         ({size} bytes); kvtier does not shrink it silently",
                         human(len),
                         human(size),
-                        round_down(len)
                     ),
+                    Fix::Truncate {
+                        to: size,
+                        or_size: round_down(len),
+                    },
                 ));
             }
             file.set_len(size)
@@ -854,50 +866,50 @@ impl BackingDevice {
             None => round_down(device_size),
             Some(s) => {
                 if s % DIRECT_IO_ALIGN as u64 != 0 {
-                    return Err(backing_error(
+                    return Err(backing_fix(
                         path,
                         format!(
                             "the requested size {s} bytes is not a multiple of \
-                             {DIRECT_IO_ALIGN} (direct I/O alignment); give a --size that \
-                             is, or leave it out to use the whole device"
+                             {DIRECT_IO_ALIGN} (direct I/O alignment); leaving the size out \
+                             uses the whole device"
                         ),
+                        Fix::AlignSize {
+                            example: round_down(s).max(DIRECT_IO_ALIGN as u64),
+                        },
                     ));
                 }
                 if s > device_size {
-                    return Err(backing_error(
+                    return Err(backing_fix(
                         path,
                         format!(
                             "the requested size {} ({s} bytes) is larger than the device, \
-                             which holds {} ({device_size} bytes); give a smaller --size or \
-                             leave it out to use the whole device",
+                             which holds {} ({device_size} bytes); leaving the size out uses \
+                             the whole device",
                             human(s),
                             human(device_size)
                         ),
+                        Fix::SmallerSize,
                     ));
                 }
                 s
             }
         };
         if usable < min_size {
-            return Err(backing_error(
-                path,
-                format!(
-                    "{} is {}; the pool needs at least {min_size} bytes ({}: {}); {}",
-                    if size.is_some() {
-                        "the requested size"
-                    } else {
-                        "the block device"
-                    },
-                    human(usable),
-                    human(min_size),
-                    min_size_hint(),
-                    if size.is_some() {
-                        "give a larger --size"
-                    } else {
-                        "use a larger device"
-                    }
-                ),
-            ));
+            let too_small = format!(
+                "{} is {}; the pool needs at least {min_size} bytes ({}: {})",
+                if size.is_some() {
+                    "the requested size"
+                } else {
+                    "the block device"
+                },
+                human(usable),
+                human(min_size),
+                min_size_hint(),
+            );
+            return Err(match size {
+                Some(_) => backing_fix(path, too_small, Fix::LargerSize),
+                None => backing_error(path, format!("{too_small}; use a larger device")),
+            });
         }
 
         let head =
@@ -969,10 +981,7 @@ impl BackingDevice {
         let meta = match fs::metadata(path) {
             Ok(meta) => meta,
             Err(e) if e.kind() == ErrorKind::NotFound => {
-                return Err(backing_error(
-                    path,
-                    "it does not exist; create a pool with `kvtier pool create`",
-                ))
+                return Err(backing_fix(path, "it does not exist", Fix::CreatePool))
             }
             Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
                 return Err(symlink_loop_error(path))
@@ -1030,12 +1039,10 @@ impl BackingDevice {
             Err(e) => return Err(Error::io(format!("reading {}", path.display()), e)),
         };
         if sig == Signature::KvtierUnfinished {
-            return Err(backing_error(
+            return Err(backing_fix(
                 path,
-                format!(
-                    "it is not a kvtier pool (found: {sig}); run that `kvtier pool create` \
-                     again (it needs no --force)"
-                ),
+                format!("it is not a kvtier pool (found: {sig}: a create on it did not finish)"),
+                Fix::RerunCreate,
             ));
         }
         if sig != Signature::KvtierPool {
@@ -1044,9 +1051,10 @@ impl BackingDevice {
             } else {
                 format!("found: {sig}")
             };
-            return Err(backing_error(
+            return Err(backing_fix(
                 path,
-                format!("it is not a kvtier pool ({found}); create one with `kvtier pool create`"),
+                format!("it is not a kvtier pool ({found})"),
+                Fix::CreatePool,
             ));
         }
         let size = round_down(raw_size);

@@ -11,7 +11,7 @@ pub mod index;
 pub mod layout;
 pub mod storage;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Fix, Result};
 use crate::host::dio::AlignedBuf;
 use crate::host::signature::POOL_MAGIC;
 use crate::model::{DType, KvGeometry};
@@ -556,8 +556,7 @@ fn truncated_fix(path: &Path, size: u64) -> String {
     };
     format!(
         " (the blocks past its end are lost): restore it, or grow it back {grow} to open \
-         what is left (blocks it lost fail their checks, never load), or reformat it with \
-         `kvtier pool create --force`"
+         what is left (blocks it lost fail their checks, never load), or else"
     )
 }
 
@@ -977,7 +976,8 @@ impl Pool {
                         sb.device_size,
                         truncated_fix(dev.path(), sb.device_size)
                     ),
-                });
+                }
+                .with_fix(Fix::Recreate));
             }
         }
         let dtype = DType::from_code(first.dtype).ok_or_else(|| Error::Corrupt {
@@ -1023,10 +1023,11 @@ impl Pool {
                 path: path0,
                 what: "superblock".into(),
                 reason: format!(
-                    "field total_groups is {} but the devices' groups_on_device add up to {sum}; recreate the pool with `kvtier pool create --force`",
+                    "field total_groups is {} but the devices' groups_on_device add up to {sum}",
                     first.total_groups
                 ),
-            });
+            }
+            .with_fix(Fix::Recreate));
         }
         let layout = PoolLayout::new(geometry, first.group_blocks, groups);
         let device_sizes = found.iter().map(|(sb, _)| sb.device_size).collect();
@@ -1758,10 +1759,9 @@ fn read_superblock(dev: &dyn Storage) -> Result<(Superblock, Vec<(u64, String)>)
         if let sig @ Signature::Filesystem(_) = probe_signature(p.as_slice()) {
             return Err(Error::Backing {
                 path: dev.path().to_path_buf(),
-                reason: format!(
-                    "is not a kvtier pool (found: {sig}); create one with `kvtier pool create`"
-                ),
-            });
+                reason: format!("is not a kvtier pool (found: {sig})"),
+            }
+            .with_fix(Fix::CreatePool));
         }
     }
     for &off in &SUPERBLOCK_OFFSETS[1..] {
@@ -1782,8 +1782,9 @@ fn read_superblock(dev: &dyn Storage) -> Result<(Superblock, Vec<(u64, String)>)
     Err(Error::Corrupt {
         path: dev.path().to_path_buf(),
         what: "superblock".into(),
-        reason: "no sound copy; recreate the pool with `kvtier pool create --force`".into(),
-    })
+        reason: "no sound copy".into(),
+    }
+    .with_fix(Fix::Recreate))
 }
 
 fn check_superblock(sb: &Superblock, path: &Path, backing_size: u64) -> Result<()> {
@@ -1796,21 +1797,24 @@ fn check_superblock(sb: &Superblock, path: &Path, backing_size: u64) -> Result<(
         return Err(Error::Backing {
             path: path.to_path_buf(),
             reason: "is not a kvtier pool (a kvtier pool create on it did not finish: it was \
-                     killed or failed part way); run that create again (it needs no --force)"
+                     killed or failed part way)"
                 .into(),
-        });
+        }
+        .with_fix(Fix::RerunCreate));
     }
     if sb.magic != POOL_MAGIC {
         return Err(Error::Backing {
             path: path.to_path_buf(),
-            reason: "is not a kvtier pool (no superblock); create one with `kvtier pool create`"
-                .into(),
-        });
+            reason: "is not a kvtier pool (no superblock)".into(),
+        }
+        .with_fix(Fix::CreatePool));
     }
     if !sb.crc_ok() {
         return Err(corrupt(
-            "checksum mismatch, and no backup copy is sound; the device was overwritten or damaged. Recreate the pool with `kvtier pool create --force`".into(),
-        ));
+            "checksum mismatch, and no backup copy is sound; the device was overwritten or damaged"
+                .into(),
+        )
+        .with_fix(Fix::Recreate));
     }
     if sb.version != FORMAT_VERSION {
         return Err(corrupt(format!(
@@ -1822,9 +1826,7 @@ fn check_superblock(sb: &Superblock, path: &Path, backing_size: u64) -> Result<(
     // valid checksum but impossible values (written by a bug, or forged) must
     // be refused here, by name, before anything trusts it.
     let field = |name: &str, value: String, why: &str| {
-        corrupt(format!(
-            "field {name} is {value}, {why}; recreate the pool with `kvtier pool create --force`"
-        ))
+        corrupt(format!("field {name} is {value}, {why}")).with_fix(Fix::Recreate)
     };
     if sb.sb_bytes as usize != std::mem::size_of::<Superblock>() {
         return Err(field("sb_bytes", sb.sb_bytes.to_string(), "not 512"));
@@ -1928,7 +1930,8 @@ fn check_superblock(sb: &Superblock, path: &Path, backing_size: u64) -> Result<(
                 sb.device_size,
                 truncated_fix(path, sb.device_size)
             ),
-        });
+        }
+        .with_fix(Fix::Recreate));
     }
     let fit = PoolLayout::groups_fitting(&geometry, sb.group_blocks, sb.device_size);
     if sb.groups_on_device == 0 || sb.groups_on_device > fit {
@@ -1970,8 +1973,9 @@ fn check_same_pool(sb: &Superblock, first: &Superblock, path: &Path) -> Result<(
     Err(Error::Corrupt {
         path: path.to_path_buf(),
         what: "superblock".into(),
-        reason: "its geometry, group size, device count or namespace differs from the other devices' of the same pool; recreate the pool with `kvtier pool create --force`".into(),
-    })
+        reason: "its geometry, group size, device count or namespace differs from the other devices' of the same pool".into(),
+    }
+    .with_fix(Fix::Recreate))
 }
 
 #[cfg(test)]

@@ -556,13 +556,15 @@ impl SlackTable {
             return Ok(());
         }
         Err(Error::invalid(format!(
-            "slack table {} is for {} ({}), not for this geometry: {}; use the table made for this model, or make one with kvtier-profile --model ... --block-size {}",
+            "slack table {} is for {} ({}), not for this geometry: {}",
             self.source,
             self.file.model.name,
             t.describe(),
             diffs.join(", "),
-            geometry.block_size
-        )))
+        ))
+        .with_fix(crate::error::Fix::ProfileSlackTable {
+            block_size: geometry.block_size,
+        }))
     }
 }
 

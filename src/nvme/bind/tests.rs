@@ -389,7 +389,9 @@ fn not_nvme_is_refused_unless_forced() {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("not an NVMe controller") && e.contains("0x020000") && e.contains("--force"),
+        e.contains("not an NVMe controller")
+            && e.contains("0x020000")
+            && e.contains("force the bind"),
         "{e}"
     );
     assert!(t.writes().is_empty(), "{:?}", t.writes());
@@ -415,7 +417,7 @@ fn mounted_namespace_is_refused_unless_forced() {
         e.contains("/dev/nvme0n1")
             && e.contains("mounted at /data")
             && e.contains("unmount")
-            && e.contains("--force"),
+            && e.contains("force the bind"),
         "{e}"
     );
     assert!(t.writes().is_empty(), "{:?}", t.writes());
@@ -439,7 +441,7 @@ fn signatures_are_refused_naming_the_device_and_what_it_holds() {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("/dev/nvme0n1p1 holds an ext2/3/4 filesystem") && e.contains("--force"),
+        e.contains("/dev/nvme0n1p1 holds an ext2/3/4 filesystem") && e.contains("force the bind"),
         "{e}"
     );
     assert!(!e.contains("/dev/nvme0n1 holds"), "{e}");

@@ -59,9 +59,12 @@ fn write_magic(dev: &BackingDevice) {
     dev.sync_data().unwrap();
 }
 
+/// The refusal's reason, followed by its fix in the library's words (what
+/// a front end replaces with its own).
 fn backing_reason(err: Error) -> String {
-    match err {
-        Error::Backing { reason, .. } => reason,
+    let fix = err.fix().map(|f| format!("; {f}")).unwrap_or_default();
+    match err.without_fix() {
+        Error::Backing { reason, .. } => format!("{reason}{fix}"),
         other => panic!("expected Error::Backing, got {other:?}"),
     }
 }
@@ -132,7 +135,7 @@ fn file_pool_create_write_read() {
     // Not a pool yet (offset 0 holds a test pattern)...
     let reason = backing_reason(BackingDevice::open(&path).unwrap_err());
     assert!(reason.contains("not a kvtier pool"), "{reason}");
-    assert!(reason.contains("kvtier pool create"), "{reason}");
+    assert!(reason.contains("create a pool there first"), "{reason}");
 
     // ...until the magic is written at byte 0.
     OpenOptions::new()
@@ -153,7 +156,7 @@ fn file_pool_create_write_read() {
     // keeps the size exact.
     let reason = backing_reason(BackingDevice::create(&path, Some(size), MIB, false).unwrap_err());
     assert!(
-        reason.contains("holds a kvtier pool") && reason.contains("--force"),
+        reason.contains("holds a kvtier pool") && reason.contains("PoolConfig::force"),
         "{reason}"
     );
     let dev = BackingDevice::create(&path, Some(size), MIB, true).unwrap();
@@ -235,7 +238,7 @@ fn dangling_symlink_sparse_files_and_identities_are_named() {
     );
     let reason = backing_reason(check_sparse_ok(&link, false).unwrap_err());
     assert!(
-        reason.contains("fallocate") && reason.contains("--force"),
+        reason.contains("fallocate") && reason.contains("PoolConfig::force"),
         "{reason}"
     );
     check_sparse_ok(&link, true).unwrap();
@@ -275,7 +278,7 @@ fn data_past_the_first_256_kib_is_foreign_data() {
     let reason =
         backing_reason(BackingDevice::create(&path, Some(8 * MIB), MIB, false).unwrap_err());
     assert!(
-        reason.contains("not a kvtier pool") && reason.contains("--force"),
+        reason.contains("not a kvtier pool") && reason.contains("PoolConfig::force"),
         "{reason}"
     );
     assert_eq!(fs::read(&path).unwrap(), img, "untouched");
@@ -305,7 +308,7 @@ fn file_create_refuses_foreign_data_without_force() {
 
     let err = BackingDevice::create(&path, Some(8 * MIB), MIB, false).unwrap_err();
     let text = err.to_string();
-    assert!(text.contains("--force"), "{text}");
+    assert!(text.contains("PoolConfig::force"), "{text}");
     assert!(text.contains(&path.display().to_string()), "{text}");
     assert!(text.contains("not a kvtier pool"), "{text}");
     // Untouched.
@@ -331,7 +334,14 @@ fn file_create_refuses_ext4_magic_without_force() {
     let err = BackingDevice::create(&path, Some(2 * MIB), MIB, false).unwrap_err();
     let text = err.to_string();
     assert!(text.contains("ext2/3/4"), "{text}");
-    assert!(text.contains("pass --force to overwrite it"), "{text}");
+    assert!(
+        text.contains("set PoolConfig::force to overwrite it"),
+        "{text}"
+    );
+    // The fix is structured: front ends name it in their own words.
+    assert_eq!(err.fix(), Some(&crate::error::Fix::Overwrite));
+    assert_eq!(err.kind(), crate::error::ErrorKind::Usage);
+    assert!(!err.without_fix().to_string().contains("force"), "{err}");
 
     let reason = backing_reason(BackingDevice::open(&path).unwrap_err());
     assert!(
@@ -354,14 +364,14 @@ fn file_create_size_rules() {
     assert!(!path.exists(), "nothing created on a bad size");
 
     let reason = backing_reason(BackingDevice::create(&path, None, MIB, false).unwrap_err());
-    assert!(reason.contains("--size"), "{reason}");
+    assert!(reason.contains("DeviceSpec::size"), "{reason}");
 
     let min = 4 * MIB + 8192;
     let err = BackingDevice::create(&path, Some(MIB), min, false).unwrap_err();
     let reason = backing_reason(err);
     assert!(reason.contains("1 MiB"), "{reason}");
     assert!(reason.contains(&min.to_string()), "{reason}");
-    assert!(reason.contains("give a larger --size"), "{reason}");
+    assert!(reason.contains("ask for a larger size"), "{reason}");
     assert!(!path.exists());
 
     // Exactly the minimum is fine.
@@ -378,7 +388,7 @@ fn file_create_never_shrinks_without_force() {
 
     let reason =
         backing_reason(BackingDevice::create(&path, Some(4 * MIB), MIB, false).unwrap_err());
-    assert!(reason.contains("--force"), "{reason}");
+    assert!(reason.contains("PoolConfig::force"), "{reason}");
     assert!(
         reason.contains("larger than the requested size"),
         "{reason}"
@@ -412,7 +422,7 @@ fn open_errors_are_clear() {
     let missing = dir.path("missing.img");
     let reason = backing_reason(BackingDevice::open(&missing).unwrap_err());
     assert!(reason.contains("does not exist"), "{reason}");
-    assert!(reason.contains("kvtier pool create"), "{reason}");
+    assert!(reason.contains("create a pool there first"), "{reason}");
 
     let empty = dir.path("empty.img");
     write_file(&empty, b"");
@@ -629,7 +639,7 @@ fn loop_device_create_open_and_mount_checks() {
     // The data at 1 MiB is someone's, though the head is all zero.
     let reason =
         backing_reason(BackingDevice::create(&path, Some(8 * MIB), MIB, false).unwrap_err());
-    assert!(reason.contains("--force"), "{reason}");
+    assert!(reason.contains("PoolConfig::force"), "{reason}");
 
     let dev = BackingDevice::create(&path, Some(8 * MIB), MIB, true).unwrap();
     assert_eq!(dev.size(), 8 * MIB);
@@ -655,7 +665,10 @@ fn loop_device_create_open_and_mount_checks() {
             let reason =
                 backing_reason(BackingDevice::create(&path, None, MIB, false).unwrap_err());
             assert!(reason.contains("ext2/3/4"), "{reason}");
-            assert!(reason.contains("pass --force to overwrite it"), "{reason}");
+            assert!(
+                reason.contains("set PoolConfig::force to overwrite it"),
+                "{reason}"
+            );
             let reason = backing_reason(BackingDevice::open(&path).unwrap_err());
             assert!(reason.contains("found: an ext2/3/4 filesystem"), "{reason}");
 
