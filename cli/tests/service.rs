@@ -594,7 +594,7 @@ fn hostile_clients_are_dropped_and_others_keep_working() {
     s.wait_log("did not arrive in time");
     // A client asking for more memory than a client gets is refused clearly.
     let e = ServiceClient::connect(&s.sock, 17).unwrap_err();
-    assert!(e.to_string().contains("--client-blocks"), "{e}");
+    assert!(e.to_string().contains("client_blocks"), "{e}");
 }
 
 #[test]

@@ -25,6 +25,8 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Once};
 use std::time::Duration;
 
+mod service;
+
 create_exception!(
     _kvtier,
     KvtierError,
@@ -319,6 +321,31 @@ int_args! {
     layer_arg: u32 = "layer", "0..layers";
     stream_arg: u64 = "stream", "0..2**64 (torch.cuda.current_stream().cuda_stream)";
     layer_buffers_arg: u32 = "layer_buffers", "2..2**32";
+}
+
+/// A load's `layers` argument: a non-empty step-1 range within 0..n (None: all).
+fn layers_arg(layers: Option<&Bound<'_, PyAny>>, n: u32) -> PyResult<std::ops::Range<u32>> {
+    let Some(r) = layers else {
+        return Ok(0..n);
+    };
+    let r = r
+        .downcast::<PyRange>()
+        .map_err(|_| PyTypeError::new_err("layers must be a range, e.g. range(0, layers)"))?;
+    let bound = |name: &str| -> PyResult<i64> {
+        r.getattr(name)?.extract().map_err(|_| {
+            usage(format!(
+                "layers {}: its {name} is out of range; give a range within 0..{n}",
+                r.repr().map(|x| x.to_string()).unwrap_or_default()
+            ))
+        })
+    };
+    let (s, e, st) = (bound("start")?, bound("stop")?, bound("step")?);
+    if st != 1 || s < 0 || e <= s || e > n as i64 {
+        return Err(usage(format!(
+            "layers range({s}, {e}, {st}) is not a non-empty step-1 range within 0..{n}"
+        )));
+    }
+    Ok(s as u32..e as u32)
 }
 
 fn group_blocks_arg(o: &Bound<'_, PyAny>) -> PyResult<u32> {
@@ -1714,30 +1741,7 @@ impl TierHandle {
         let h = self.live()?;
         let keys = keys_of(keys)?;
         let blocks = blocks_of(blocks)?;
-        let n = self.memory.geometry.layers;
-        let range = match layers {
-            None => 0..n,
-            Some(r) => {
-                let r = r.downcast::<PyRange>().map_err(|_| {
-                    PyTypeError::new_err("layers must be a range, e.g. range(0, layers)")
-                })?;
-                let bound = |name: &str| -> PyResult<i64> {
-                    r.getattr(name)?.extract().map_err(|_| {
-                        usage(format!(
-                            "layers {}: its {name} is out of range; give a range within 0..{n}",
-                            r.repr().map(|x| x.to_string()).unwrap_or_default()
-                        ))
-                    })
-                };
-                let (s, e, st) = (bound("start")?, bound("stop")?, bound("step")?);
-                if st != 1 || s < 0 || e <= s || e > n as i64 {
-                    return Err(usage(format!(
-                        "layers range({s}, {e}, {st}) is not a non-empty step-1 range within 0..{n}"
-                    )));
-                }
-                s as u32..e as u32
-            }
-        };
+        let range = layers_arg(layers, self.memory.geometry.layers)?;
         without_gil(py, || h.submit_load(&keys, &blocks, range)).map_err(to_py)
     }
 
@@ -2170,6 +2174,9 @@ fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_exit_grace, m)?)?;
     m.add_class::<TierBuilder>()?;
     m.add_class::<TierHandle>()?;
+    m.add_class::<service::ServiceHandle>()?;
+    m.add_class::<service::SharedRegion>()?;
+    m.add_function(wrap_pyfunction!(service::connect, m)?)?;
     m.add("JobResult", py.get_type::<JobResultPy>())?;
     m.add("Event", py.get_type::<EventPy>())?;
     m.add_function(wrap_pyfunction!(resolve_model, m)?)?;

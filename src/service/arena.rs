@@ -37,7 +37,7 @@ impl Arena {
         geometry.validate()?;
         if slots == 0 || slot_blocks == 0 {
             return Err(Error::invalid(
-                "the service needs at least one client slot of at least one block (--clients, --client-blocks)",
+                "the service needs at least one client slot of at least one block (ServiceConfig: clients, client_blocks)",
             ));
         }
         let pair = 2 * geometry.object_bytes();
@@ -49,7 +49,7 @@ impl Arena {
                 (a, b) = (b, a % b);
             }
             return Err(Error::invalid(format!(
-                "a client's layer is {slot_stride} bytes ({slot_blocks} blocks of K and V), not whole pages, which the shared mappings need: give --client-blocks a multiple of {}",
+                "a client's layer is {slot_stride} bytes ({slot_blocks} blocks of K and V), not whole pages, which the shared mappings need: make the service's client_blocks a multiple of {}",
                 PAGE / a
             )));
         }

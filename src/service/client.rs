@@ -107,8 +107,7 @@ impl ServiceClient {
         let stream = UnixStream::connect(socket).map_err(|e| {
             Error::io(
                 format!(
-                    "connecting to the kvtier service at {} (is `kvtier serve --socket {}` running, and may this user open the socket?)",
-                    socket.display(),
+                    "connecting to the kvtier service at {} (is a kvtier service listening on it, and may this user open the socket?)",
                     socket.display()
                 ),
                 e,

@@ -20,4 +20,4 @@ mod sys;
 
 pub use client::ServiceClient;
 pub use server::{block_termination_signals, stop_on_signals, Service, ServiceConfig, Stopper};
-pub use sys::group_id;
+pub use sys::{group_id, SharedMapping};

@@ -244,13 +244,13 @@ impl Service {
             use std::os::unix::fs::FileTypeExt;
             if !meta.file_type().is_socket() {
                 return Err(Error::invalid(format!(
-                    "{} exists and is not a socket: give --socket a path for the service's socket",
+                    "{} exists and is not a socket: give the service a path of its own for its socket",
                     cfg.socket.display()
                 )));
             }
             if socket_in_use(&cfg.socket) {
                 return Err(Error::invalid(format!(
-                    "another kvtier service is listening on {}: stop it, or give another --socket",
+                    "another kvtier service is listening on {}: stop it, or give this one another socket path",
                     cfg.socket.display()
                 )));
             }
@@ -504,7 +504,7 @@ fn serve_client(s: &Arc<Shared>, stream: UnixStream) {
             Failure::new(
                 ErrorKind::Usage,
                 format!(
-                    "{blocks} blocks asked; this service shares {slot_blocks} per client (kvtier serve --client-blocks)"
+                    "{blocks} blocks asked; this service shares {slot_blocks} per client (its client_blocks setting): ask for at most that, or restart the service with more"
                 ),
             ),
         );
@@ -521,7 +521,7 @@ fn serve_client(s: &Arc<Shared>, stream: UnixStream) {
     let Some(slot) = lock(&s.free_slots).pop() else {
         refuse(&stream, req, Failure::new(
             ErrorKind::Backpressure,
-            format!("all {} client slots of this service are taken (kvtier serve --clients); retry once a client leaves", s.cfg.clients),
+            format!("all {} client slots of this service are taken (its clients setting); retry once a client leaves", s.cfg.clients),
         ));
         log(format_args!(
             "refused pid {}: all {} client slots taken",
