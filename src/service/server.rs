@@ -301,6 +301,11 @@ impl Service {
             shared.cfg.clients,
             shared.cfg.client_blocks
         ));
+        if sys::shmem_huge_pages() == Some(false) {
+            log(format_args!(
+                "the shared KV memory is in 4 KiB pages: shmem huge pages are off here (/sys/kernel/mm/transparent_hugepage/shmem_enabled), so every 4 KiB page of a load or store is a DMA segment of its own (a 2 MiB huge page would be one) and transfers run slower than into an engine's own memory in huge pages (examples/service_bench measures both); `echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled` lets the service ask for huge pages"
+            ));
+        }
         Ok(Service {
             shared,
             listener,

@@ -416,3 +416,12 @@ pub fn group_id(name: &str) -> Result<u32> {
         Err(e) => Err(Error::io(format!("looking up group {name:?}"), e.into())),
     }
 }
+
+/// Whether shared memory (memfd) can get transparent huge pages here:
+/// `shmem_enabled` is `always`, `within_size`, `advise` (the arena asks) or
+/// `force`. `None` when the kernel does not say.
+pub fn shmem_huge_pages() -> Option<bool> {
+    let s = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled").ok()?;
+    let chosen = s.split_whitespace().find(|w| w.starts_with('['))?;
+    Some(!matches!(chosen, "[never]" | "[deny]"))
+}
