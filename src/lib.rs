@@ -23,7 +23,8 @@
 //!   `submitter` pairs a ring with its engine, above both.
 //! - `tier` (the single-threaded core), `sched` + `slack` + `plan` (when I/O runs),
 //!   `handle` (the thread-safe front door serving engines call: [`TierHandle`],
-//!   opened with [`TierBuilder`]).
+//!   opened with [`TierBuilder`]), and `service` above it (`kvtier serve`: one
+//!   handle shared by every engine process on a node over a Unix socket).
 //!
 //! The command line (`kvtier` binary: pool, bench, replay, doctor, nvme) is the
 //! `kvtier-cli` crate in `cli/`; this crate has no CLI dependencies.
@@ -32,7 +33,8 @@
 //! (statx), `host::extents` (FIEMAP), `pool::backing`'s `sys`, `scan` and `locks` (block-device ioctls,
 //! fallocate, lseek, flock), `engine::uring` (io_uring through the io-uring crate,
 //! poll), `nvme::{uio, vfio, mmio}` (BAR and DMA mappings, pagemap, VFIO ioctls),
-//! `gpu::driver` (every CUDA driver call), `scratch` (the signal handler that removes
+//! `gpu::driver` (every CUDA driver call), `service::sys` (memfd, mmap, `SCM_RIGHTS`,
+//! `SO_PEERCRED`), `scratch` (the signal handler that removes
 //! scratch files), and `nvme::passthru` (the kernel driver's NVMe admin ioctl). Everything above them
 //! is safe Rust over those types.
 
