@@ -214,6 +214,67 @@ impl ServiceHandle {
             .map(|r| result_py(py, r)))
     }
 
+    /// Copy `data` (bytes-like, at most one block) into memory block
+    /// `block`, objects in (layer, K|V) order; the rest is zeroed.
+    fn write_block(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = block_arg)] block: u32,
+        data: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let data = byte_buffer(data, "data")?;
+        if !data.is_c_contiguous() {
+            return Err(usage("write_block needs a contiguous buffer"));
+        }
+        // SAFETY: the held PyBuffer keeps buf_ptr..+len exported and alive;
+        // write_block copies it aside before writing (it may be a view of
+        // the shared memory itself).
+        let src =
+            unsafe { std::slice::from_raw_parts(data.buf_ptr() as *const u8, data.len_bytes()) };
+        without_gil(py, || self.c().write_block(block, src)).map_err(to_py)
+    }
+
+    /// Copy memory block `block` into `out` (a writable buffer of at most
+    /// one block: its first len(out) bytes, objects in (layer, K|V) order).
+    fn read_block_into(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = block_arg)] block: u32,
+        out: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let out = byte_buffer(out, "out")?;
+        if out.readonly() || !out.is_c_contiguous() {
+            return Err(usage("read_block_into needs a writable, contiguous buffer"));
+        }
+        let n = out.len_bytes();
+        let mut tmp = vec![0u8; n];
+        without_gil(py, || self.c().read_block_into(block, &mut tmp)).map_err(to_py)?;
+        // SAFETY: `out` is exported writable for n bytes; `tmp` is ours.
+        unsafe { std::ptr::copy_nonoverlapping(tmp.as_ptr(), out.buf_ptr() as *mut u8, n) };
+        Ok(())
+    }
+
+    /// An eventfd that polls readable while completions are queued; then
+    /// drain_completions(). Events queue from the first call on.
+    fn event_fd(&self) -> i32 {
+        self.c().event_fd().as_raw_fd()
+    }
+
+    /// Every queued completion event (layer done, job finished), oldest first.
+    fn drain_completions(&self, py: Python<'_>) -> Vec<EventPy> {
+        self.c()
+            .drain_events()
+            .into_iter()
+            .map(|e| event_py(py, e))
+            .collect()
+    }
+
+    /// The service's pool and backlog occupancy (shared by every client).
+    fn usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let text = without_gil(py, || self.c().usage_json()).map_err(to_py)?;
+        py.import("json")?.call_method1("loads", (text,))
+    }
+
     fn flush_stores(&self, py: Python<'_>) -> PyResult<()> {
         without_gil(py, || self.c().flush_stores()).map_err(to_py)
     }

@@ -1,7 +1,6 @@
 """kvtier.connect: two Python processes on one `kvtier serve` service.
 
-The service is the `kvtier` binary (KVTIER_BIN, or the repository's
-target/{debug,release}/kvtier: `cargo build` makes it)."""
+The service is the `kvtier` binary (conftest's kvtier_service fixture)."""
 
 from __future__ import annotations
 
@@ -9,49 +8,16 @@ import os
 import pathlib
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 import kvtier
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-
-
-def kvtier_bin() -> str | None:
-    env = os.environ.get("KVTIER_BIN")
-    if env:
-        return env
-    for kind in ("debug", "release"):
-        p = REPO / "target" / kind / "kvtier"
-        if p.exists():
-            return str(p)
-    return None
-
 
 @pytest.fixture
-def service(tmp_path, tiny_model):
-    binary = kvtier_bin()
-    if binary is None:
-        pytest.skip("no kvtier binary: run `cargo build` (or set KVTIER_BIN)")
-    sock = tmp_path / "kvtier.sock"
-    log = tmp_path / "serve.log"
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(
-            [binary, "serve", "--dir", str(tmp_path / "pool"), "--capacity", "64m",
-             "--model", tiny_model, "--socket", str(sock), "--clients", "4",
-             "--client-blocks", "32"],
-            stderr=err,
-        )
-    deadline = time.monotonic() + 30
-    while b"serving " not in log.read_bytes():
-        assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.02)
-    yield sock, log
-    proc.terminate()
-    assert proc.wait(timeout=30) == 0, log.read_text()
+def service(kvtier_service):
+    return kvtier_service(clients=4, client_blocks=32)
 
 
 def expected(key: int, layer: int, shape) -> torch.Tensor:

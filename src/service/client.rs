@@ -17,14 +17,16 @@
 use super::protocol::{self, Request, Response};
 use super::sys::{self, SharedMapping};
 use crate::error::{Error, ErrorKind, Failure, Result};
-use crate::handle::JobId;
+use crate::handle::{Event, JobId};
 use crate::memory::{KvLayout, KvMemory, MemoryKind};
 use crate::model::KvGeometry;
 use crate::pool::Key;
 use crate::tier::JobResult;
+use nix::sys::eventfd::{EfdFlags, EventFd};
 use std::collections::HashMap;
 use std::io::Write;
 use std::ops::Range;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -50,7 +52,14 @@ struct State {
     jobs: HashMap<JobId, JobState>,
     /// Why the connection ended, once it has.
     broken: Option<String>,
+    /// Events for `drain_events`, queued once `event_fd` was asked for
+    /// (a client that only waits never grows it). Past [`EVENTS_KEPT`],
+    /// those of jobs already collected are dropped.
+    events: Option<std::collections::VecDeque<Event>>,
 }
+
+/// Events queued for `drain_events` before those of collected jobs go.
+const EVENTS_KEPT: usize = 4096;
 
 struct Inner {
     stream: UnixStream,
@@ -63,6 +72,8 @@ struct Inner {
     layer_stride: u64,
     engine: String,
     reader: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Readable exactly while events are queued.
+    event_fd: EventFd,
 }
 
 impl Drop for Inner {
@@ -186,6 +197,8 @@ impl ServiceClient {
             layer_stride,
             engine,
             reader: Mutex::new(None),
+            event_fd: EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)
+                .map_err(|e| Error::io("creating the client's eventfd", e.into()))?,
         });
         let weak = Arc::downgrade(&inner);
         let t = std::thread::Builder::new()
@@ -522,6 +535,91 @@ impl ServiceClient {
         }
     }
 
+    /// An eventfd that polls readable while events are queued for
+    /// [`Self::drain_events`]; events queue from the first call on.
+    pub fn event_fd(&self) -> BorrowedFd<'_> {
+        let mut st = lock(&self.inner.state);
+        if st.events.is_none() {
+            st.events = Some(Default::default());
+        }
+        self.inner.event_fd.as_fd()
+    }
+
+    /// Every queued event (layer done, job finished), oldest first.
+    pub fn drain_events(&self) -> Vec<Event> {
+        let mut st = lock(&self.inner.state);
+        let Some(q) = st.events.as_mut() else {
+            return Vec::new();
+        };
+        if !q.is_empty() {
+            let _ = self.inner.event_fd.read();
+        }
+        q.drain(..).collect()
+    }
+
+    /// The service's usage (the pool's, shared by every client), as JSON of
+    /// [`crate::handle::HandleUsage`].
+    pub fn usage_json(&self) -> Result<String> {
+        match self.call(&Request::Usage)? {
+            Response::Usage(j) => Ok(j),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Copy `data` (at most a block) into memory block `block`, objects in
+    /// (layer, K|V) order; the rest of the block is zeroed. `data` may be
+    /// a view of this shared memory.
+    pub fn write_block(&self, block: u32, data: &[u8]) -> Result<()> {
+        let g = self.inner.memory.geometry;
+        if data.len() as u64 > g.block_bytes() {
+            return Err(Error::invalid(format!(
+                "{} bytes do not fit a block of {} bytes",
+                data.len(),
+                g.block_bytes()
+            )));
+        }
+        let obj = g.object_bytes() as usize;
+        let data = data.to_vec();
+        let mut buf = vec![0u8; obj];
+        for layer in 0..g.layers {
+            for kv in 0..2 {
+                let i = (layer * 2 + kv) as usize * obj;
+                let take = data.len().saturating_sub(i).min(obj);
+                buf[..take].copy_from_slice(&data[i..i + take]);
+                buf[take..].fill(0);
+                self.write_object(block, layer, kv, &buf)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Copy memory block `block` into `out` (at most a block: its first
+    /// `out.len()` bytes, objects in (layer, K|V) order).
+    pub fn read_block_into(&self, block: u32, out: &mut [u8]) -> Result<()> {
+        let g = self.inner.memory.geometry;
+        if out.len() as u64 > g.block_bytes() {
+            return Err(Error::invalid(format!(
+                "a buffer of {} bytes is larger than a block ({} bytes)",
+                out.len(),
+                g.block_bytes()
+            )));
+        }
+        let obj = g.object_bytes() as usize;
+        let mut buf = vec![0u8; obj];
+        for layer in 0..g.layers {
+            for kv in 0..2 {
+                let i = (layer * 2 + kv) as usize * obj;
+                let take = out.len().saturating_sub(i).min(obj);
+                if take == 0 {
+                    return Ok(());
+                }
+                self.read_object(block, layer, kv, &mut buf)?;
+                out[i..i + take].copy_from_slice(&buf[..take]);
+            }
+        }
+        Ok(())
+    }
+
     /// Wait for every job this client submitted, then disconnect (the
     /// service drops this client's pins). Results not yet collected stay
     /// collectable on this object.
@@ -550,6 +648,23 @@ fn unexpected(r: &Response) -> Error {
     ))
 }
 
+fn queue_event(inner: &Inner, st: &mut State, ev: Event) {
+    let State { events, jobs, .. } = st;
+    let Some(q) = events.as_mut() else {
+        return;
+    };
+    let was_empty = q.is_empty();
+    q.push_back(ev);
+    if q.len() > EVENTS_KEPT {
+        q.retain(|e| match e {
+            Event::Layer { job, .. } | Event::Finished { job, .. } => jobs.contains_key(job),
+        });
+    }
+    if was_empty && !q.is_empty() {
+        let _ = inner.event_fd.write(1);
+    }
+}
+
 fn read_loop(stream: UnixStream, inner: std::sync::Weak<Inner>) {
     let mut r = &stream;
     let why = loop {
@@ -568,15 +683,27 @@ fn read_loop(stream: UnixStream, inner: std::sync::Weak<Inner>) {
         let mut st = lock(&inner.state);
         match msg {
             Response::Layer { job, layer, error } => {
+                let ev = Event::Layer {
+                    job,
+                    layer,
+                    error: error.clone(),
+                };
                 st.jobs
                     .entry(job)
                     .or_default()
                     .done_layers
                     .insert(layer, error);
+                queue_event(&inner, &mut st, ev);
             }
             Response::Finished(r) => {
                 let job = r.job;
+                let ev = Event::Finished {
+                    job,
+                    kind: r.kind,
+                    ok: r.all_ok(),
+                };
                 st.jobs.entry(job).or_default().result = Some(r);
+                queue_event(&inner, &mut st, ev);
             }
             other => {
                 st.replies.insert(h.req, other);

@@ -31,6 +31,8 @@ pub const MAX_BODY_BYTES: u32 = 8 << 20;
 pub const MAX_KEYS: usize = 1 << 16;
 /// Longest message text a failure carries (longer ones are cut).
 pub const MAX_TEXT_BYTES: usize = 4096;
+/// Longest usage report.
+pub const MAX_LONG_TEXT_BYTES: usize = 1 << 20;
 
 /// A frame's header, as it is laid out on the wire (little-endian).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -125,6 +127,8 @@ pub enum Request {
     },
     /// `flush_stores`.
     FlushStores,
+    /// `usage`: the handle's usage as JSON.
+    Usage,
 }
 
 /// What the service sends: answers (with the request's id) and events (id 0).
@@ -166,6 +170,8 @@ pub enum Response {
     },
     /// A job finished, with its result.
     Finished(JobResult),
+    /// `usage`'s answer: [`crate::handle::HandleUsage`] as JSON.
+    Usage(String),
 }
 
 mod kind {
@@ -177,6 +183,7 @@ mod kind {
     pub const SUBMIT_LOAD: u16 = 6;
     pub const SUBMIT_STORE: u16 = 7;
     pub const FLUSH_STORES: u16 = 8;
+    pub const USAGE: u16 = 9;
     pub const WELCOME: u16 = 0x81;
     pub const COUNT: u16 = 0x82;
     pub const JOB: u16 = 0x83;
@@ -184,6 +191,7 @@ mod kind {
     pub const REFUSED: u16 = 0x85;
     pub const LAYER: u16 = 0x86;
     pub const FINISHED: u16 = 0x87;
+    pub const USAGE_JSON: u16 = 0x88;
 }
 
 /// Builds a body.
@@ -202,6 +210,15 @@ impl Out {
     }
     fn text(&mut self, s: &str) {
         let mut end = s.len().min(MAX_TEXT_BYTES);
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        self.u32(end as u32);
+        self.0.extend_from_slice(&s.as_bytes()[..end]);
+    }
+    /// Text up to [`MAX_LONG_TEXT_BYTES`] (the usage report); longer is cut.
+    fn long_text(&mut self, s: &str) {
+        let mut end = s.len().min(MAX_LONG_TEXT_BYTES);
         while !s.is_char_boundary(end) {
             end -= 1;
         }
@@ -269,6 +286,16 @@ impl<'a> In<'a> {
         if n > MAX_TEXT_BYTES {
             return Err(bad(format!(
                 "a text of {n} bytes in a {} message (at most {MAX_TEXT_BYTES})",
+                self.what
+            )));
+        }
+        Ok(String::from_utf8_lossy(self.take(n)?).into_owned())
+    }
+    fn long_text(&mut self) -> Result<String> {
+        let n = self.u32()? as usize;
+        if n > MAX_LONG_TEXT_BYTES {
+            return Err(bad(format!(
+                "a text of {n} bytes in a {} message (at most {MAX_LONG_TEXT_BYTES})",
                 self.what
             )));
         }
@@ -430,6 +457,7 @@ impl Request {
                 kind::SUBMIT_STORE
             }
             Request::FlushStores => kind::FLUSH_STORES,
+            Request::Usage => kind::USAGE,
         };
         Ok(frame(kind, req, o))
     }
@@ -481,6 +509,7 @@ impl Request {
                 Request::SubmitStore { keys, blocks }
             }
             kind::FLUSH_STORES => Request::FlushStores,
+            kind::USAGE => Request::Usage,
             k => return Err(bad(format!("unknown request kind {k:#x}"))),
         };
         i.end()?;
@@ -563,6 +592,10 @@ impl Response {
                 o.keys(ev);
                 kind::FINISHED
             }
+            Response::Usage(json) => {
+                o.long_text(json);
+                kind::USAGE_JSON
+            }
         };
         frame(kind, req, o)
     }
@@ -635,6 +668,7 @@ impl Response {
                     evicted,
                 })
             }
+            kind::USAGE_JSON => Response::Usage(i.long_text()?),
             k => return Err(bad(format!("unknown response kind {k:#x}"))),
         };
         i.end()?;
@@ -726,6 +760,8 @@ mod tests {
             blocks: vec![0, 1],
         });
         round_trip_req(Request::FlushStores);
+        round_trip_req(Request::Usage);
+        round_trip_resp(Response::Usage("{\"tier\": {}}".into()));
         round_trip_resp(Response::Welcome {
             version: VERSION,
             geometry: KvGeometry {

@@ -755,5 +755,12 @@ fn answer(
             Ok(()) => Response::Ok,
             Err(e) => refused(e),
         },
+        Request::Usage => match s.handle.usage() {
+            Ok(u) => match serde_json::to_string(&u) {
+                Ok(j) => Response::Usage(j),
+                Err(e) => refused(Error::invalid(format!("rendering usage: {e}"))),
+            },
+            Err(e) => refused(e),
+        },
     }))
 }
