@@ -275,6 +275,21 @@ impl ServiceHandle {
         py.import("json")?.call_method1("loads", (text,))
     }
 
+    /// Results of every finished job of this client not yet collected.
+    fn get_finished(&self, py: Python<'_>) -> Vec<JobResultPy> {
+        self.c()
+            .get_finished()
+            .into_iter()
+            .map(|r| result_py(py, r))
+            .collect()
+    }
+
+    /// The whole memory shared with the service, `(address, bytes)`: layer
+    /// `l` starts at `address + l * bytes / layers`.
+    fn host_memory(&self) -> (u64, u64) {
+        self.c().host_memory()
+    }
+
     fn flush_stores(&self, py: Python<'_>) -> PyResult<()> {
         without_gil(py, || self.c().flush_stores()).map_err(to_py)
     }

@@ -56,7 +56,8 @@ def kvtier_bin() -> str | None:
 @pytest.fixture
 def kvtier_service(tmp_path, tiny_model):
     """Starts `kvtier serve` for the tiny model on a pool in tmp_path:
-    kvtier_service(clients=, client_blocks=) -> (socket, log path). Each is
+    kvtier_service(clients=, client_blocks=, model=, block_size=) -> (socket,
+    log path). Each is
     stopped with SIGTERM at the end and must exit 0."""
     import subprocess
     import time
@@ -66,14 +67,16 @@ def kvtier_service(tmp_path, tiny_model):
         pytest.skip("no kvtier binary: run `cargo build` (or set KVTIER_BIN)")
     started = []
 
-    def start(clients: int = 4, client_blocks: int = 32):
+    def start(clients: int = 4, client_blocks: int = 32, model: str | None = None,
+              block_size: int = 16):
         n = len(started)
         sock = tmp_path / f"kvtier{n}.sock"
         log = tmp_path / f"serve{n}.log"
         with open(log, "wb") as err:
             proc = subprocess.Popen(
                 [binary, "serve", "--dir", str(tmp_path / f"svc-pool{n}"), "--capacity", "64m",
-                 "--model", tiny_model, "--socket", str(sock), "--clients", str(clients),
+                 "--model", model or tiny_model, "--block-size", str(block_size),
+                 "--socket", str(sock), "--clients", str(clients),
                  "--client-blocks", str(client_blocks)],
                 stderr=err,
             )

@@ -477,6 +477,23 @@ impl ServiceClient {
         }
     }
 
+    /// Results of every finished job of this client not yet collected.
+    pub fn get_finished(&self) -> Vec<JobResult> {
+        let mut st = lock(&self.inner.state);
+        let done: Vec<JobId> = st
+            .jobs
+            .iter()
+            .filter(|(_, e)| e.known && e.result.is_some())
+            .map(|(&j, _)| j)
+            .collect();
+        let mut out: Vec<JobResult> = done
+            .into_iter()
+            .filter_map(|j| st.jobs.remove(&j).and_then(|e| e.result))
+            .collect();
+        out.sort_by_key(|r| r.job);
+        out
+    }
+
     /// Block until layer `layer` of load `job` is in this client's memory;
     /// an error means the layer must not be used.
     pub fn wait_layer(&self, job: JobId, layer: u32) -> Result<()> {
