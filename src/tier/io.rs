@@ -105,8 +105,10 @@ impl Tier {
             }
             let in_flight: Vec<&Item> = job.items[..ix].iter().filter(|i| !i.complete()).collect();
             let bytes: u64 = in_flight.iter().map(|i| i.bytes()).sum();
-            if in_flight.len() >= 2 && bytes + job.items[ix].bytes() > self.cfg.load_lookahead_bytes
-            {
+            // A grown window brings its look-ahead along: the window is
+            // what keeps the device busy.
+            let lookahead = self.cfg.load_lookahead_bytes.max(self.window.bytes());
+            if in_flight.len() >= 2 && bytes + job.items[ix].bytes() > lookahead {
                 return Ok(false);
             }
         }
@@ -126,7 +128,7 @@ impl Tier {
             // the average layer against 1.34x, medians of 4 same-run pairs).
             let cap = match ix {
                 0 => (item.bytes() / 2).min(self.cfg.first_layer_inflight_bytes),
-                _ => self.cfg.load_inflight_bytes,
+                _ => self.window.bytes(),
             };
             if out > 0 && out + next > cap {
                 return Ok(false);

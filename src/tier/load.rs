@@ -236,6 +236,12 @@ impl Tier {
                 if let Some(t) = self.trace.as_mut() {
                     t.event(id, layer, trace::Ev::Announce);
                 }
+                // The pace of the layers after the first is the window's.
+                let now = std::time::Instant::now();
+                if let Some(prev) = self.layer_clock.insert(id, now) {
+                    let nanos = now.duration_since(prev).as_nanos() as u64;
+                    self.window.observe(job.items[li].bytes(), nanos);
+                }
                 job.layers_done += 1;
                 any = true;
             }
@@ -245,6 +251,7 @@ impl Tier {
 
     /// Release what a finished load held: its keys' pins.
     pub(super) fn finish_load(&mut self, job: &mut Job) {
+        self.layer_clock.remove(&job.id);
         if let Some(t) = self.trace.as_mut() {
             t.finished(job.id);
         }

@@ -41,6 +41,7 @@ mod load;
 mod store;
 mod store_plan;
 mod trace;
+pub mod window;
 
 use crate::engine::uring::{UringConfig, UringDevice, UringEngine};
 use crate::engine::{EngineStats, IoEngine};
@@ -80,6 +81,12 @@ pub struct TierConfig {
     /// 32 MiB: 1.1x, same total, on this VM).
     #[serde(default = "load_inflight_bytes_default")]
     pub load_inflight_bytes: u64,
+    /// The most bytes of one load's reads in flight: the window starts at
+    /// `load_inflight_bytes` and doubles up to this while later layers
+    /// arrive measurably faster ([`window::RestoreWindow`]); equal to
+    /// `load_inflight_bytes` keeps it fixed.
+    #[serde(default = "load_inflight_max_bytes_default")]
+    pub load_inflight_max_bytes: u64,
     /// Bytes of a load's first layer in flight at once (at least one I/O,
     /// at most half of the layer). The first layer is what the compute
     /// waits for first: its reads go out a few at a time so they land one
@@ -104,6 +111,10 @@ fn load_inflight_bytes_default() -> u64 {
     32 << 20
 }
 
+fn load_inflight_max_bytes_default() -> u64 {
+    256 << 20
+}
+
 fn first_layer_inflight_bytes_default() -> u64 {
     8 << 20
 }
@@ -117,6 +128,7 @@ impl Default for TierConfig {
             header_staging: 8192,
             load_lookahead_bytes: 64 << 20,
             load_inflight_bytes: load_inflight_bytes_default(),
+            load_inflight_max_bytes: load_inflight_max_bytes_default(),
             first_layer_inflight_bytes: first_layer_inflight_bytes_default(),
             verify_loads: true,
         }
@@ -141,6 +153,8 @@ with_setters!(TierConfig {
     with_load_lookahead_bytes => load_lookahead_bytes: u64,
     /// With `load_inflight_bytes` of one load's reads in flight at once.
     with_load_inflight_bytes => load_inflight_bytes: u64,
+    /// With the in-flight window of a load growing up to `load_inflight_max_bytes`.
+    with_load_inflight_max_bytes => load_inflight_max_bytes: u64,
     /// With at most `first_layer_inflight_bytes` of a load's first layer in flight at once.
     with_first_layer_inflight_bytes => first_layer_inflight_bytes: u64,
     /// Verifying (or not) the checksum of every block loaded into host memory.
@@ -269,6 +283,12 @@ pub struct Tier {
     defer_engine_calls: bool,
     /// Per-layer timings of loads (`KVTIER_TRACE_LOADS`), for debugging.
     trace: Option<trace::LoadTrace>,
+    /// Bytes of a load's reads in flight past its first layer: adapts to
+    /// the device ([`window::RestoreWindow`]).
+    window: window::RestoreWindow,
+    /// When each live load last announced a layer: the pace its window's
+    /// reads arrive at.
+    layer_clock: std::collections::HashMap<JobId, std::time::Instant>,
 }
 
 impl Tier {
@@ -303,6 +323,8 @@ impl Tier {
                 "the pool was opened read-only (Pool::open_read_only); open it with Pool::open to serve it",
             ));
         }
+        let window =
+            window::RestoreWindow::new(cfg.load_inflight_bytes, cfg.load_inflight_max_bytes);
         Ok(Tier {
             io: Submitter::new(cfg.ring_depth, engine)?,
             staging: None,
@@ -314,7 +336,15 @@ impl Tier {
             engine_error: None,
             defer_engine_calls: false,
             trace: trace::LoadTrace::from_env(),
+            window,
+            layer_clock: Default::default(),
         })
+    }
+
+    /// Bytes a load keeps in flight past its first layer now: the adaptive
+    /// window ([`window::RestoreWindow`]).
+    pub fn load_window_bytes(&self) -> u64 {
+        self.window.bytes()
     }
 
     /// The pool.

@@ -416,6 +416,10 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
         let s1 = tier.usage().engine;
         tier.layer_events();
         job_ok(&r, "load")?;
+        progress(&format!(
+            "{tokens} tokens: loads now keep {} of reads in flight",
+            human_bytes(tier.load_window_bytes())
+        ));
         let verified = if cfg.verify {
             progress(&format!("{tokens} tokens: verifying"));
             for b in 0..blocks {

@@ -50,10 +50,15 @@ pub(crate) struct BenchArgs {
     /// Largest coalesced I/O.
     #[arg(long, default_value = "4m", value_parser = parse_io_size)]
     max_io: u64,
-    /// Bytes of one load's reads in flight at once (TierConfig::load_inflight_bytes;
-    /// the first layer has its own, smaller cap).
+    /// Bytes of one load's reads in flight at once, where the window starts
+    /// (TierConfig::load_inflight_bytes; the first layer has its own, smaller cap).
     #[arg(long, default_value = "32m", value_parser = parse_io_size)]
     load_inflight: u64,
+    /// The most the in-flight window grows to while later layers arrive
+    /// faster (TierConfig::load_inflight_max_bytes); equal to --load-inflight
+    /// keeps the window fixed.
+    #[arg(long, default_value = "256m", value_parser = parse_io_size)]
+    load_inflight_max: u64,
     /// Where the KV memory is: host, or gpu (HBM of GPU 0, through pinned
     /// host staging: restore and store each beside the disk-alone and
     /// copy-alone ceilings of the same run; needs a CUDA GPU).
@@ -175,7 +180,8 @@ pub(crate) fn run_bench(a: BenchArgs) -> Result<i32> {
         tier: TierConfig::default()
             .with_uring(uring_cfg(&a, 64))
             .with_max_io_bytes(a.max_io)
-            .with_load_inflight_bytes(a.load_inflight),
+            .with_load_inflight_bytes(a.load_inflight)
+            .with_load_inflight_max_bytes(a.load_inflight_max),
         verify: !a.no_verify,
         cross_layer: a.cross_layer,
         store_job_blocks: a.store_job_blocks,
