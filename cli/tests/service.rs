@@ -126,6 +126,13 @@ fn service_child() {
         let _ = writeln!(o, "{s}");
         let _ = o.flush();
     };
+    if role == "connect" {
+        match ServiceClient::connect(sock, 0) {
+            Ok(_) => say("CONNECTED".into()),
+            Err(e) => say(format!("REFUSED {e}")),
+        }
+        return;
+    }
     let c = connect_retrying(sock);
     match role {
         // Store, then stay alive until stdin closes.
@@ -163,6 +170,8 @@ fn service_child() {
             say("SUBMITTED".into());
             std::thread::sleep(Duration::from_secs(600));
         }
+        // Only connect (run under another uid by the parent).
+        "connect" => unreachable!("handled before connecting"),
         r => panic!("unknown role {r}"),
     }
 }
@@ -257,6 +266,16 @@ struct Serve {
 
 impl Serve {
     fn start(dir: &TempDir, capacity: u64, clients: u32, client_blocks: u32) -> Serve {
+        Serve::start_with(dir, capacity, clients, client_blocks, &[])
+    }
+
+    fn start_with(
+        dir: &TempDir,
+        capacity: u64,
+        clients: u32,
+        client_blocks: u32,
+        extra: &[&str],
+    ) -> Serve {
         let cfg = tiny_config(dir);
         let sock = dir.file("kvtier.sock");
         let log = dir.file(&format!(
@@ -275,6 +294,7 @@ impl Serve {
             .arg(&sock)
             .args(["--clients", &clients.to_string()])
             .args(["--client-blocks", &client_blocks.to_string()])
+            .args(extra)
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .unwrap();
@@ -626,4 +646,61 @@ fn sigterm_finishes_acknowledged_stores_and_exits_0() {
     let s = Serve::start(&dir, POOL, 4, 64);
     let c = ServiceClient::connect(&s.sock, 0).unwrap();
     assert_eq!(load_range(&c, 0, 64).unwrap(), 0);
+}
+
+/// Runs the `connect` role as `uid`:`gid`; its one line.
+fn connect_as(sock: &Path, uid: u32, gid: u32) -> String {
+    use std::os::unix::process::CommandExt;
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "service_child",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ENV, format!("connect;{};0;0", sock.display()))
+        .uid(uid)
+        .gid(gid)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .map(|l| {
+            l.rsplit_once("test service_child ... ")
+                .map_or(l, |(_, r)| r)
+        })
+        .find(|l| l.starts_with("CONNECTED") || l.starts_with("REFUSED"))
+        .unwrap_or_else(|| panic!("no answer from the client: {text}"))
+        .to_string()
+}
+
+/// The socket is this user's only (0600), or a group's (0660 with
+/// --group); and a peer of another uid outside the group is refused by its
+/// credentials even where the socket's mode would let it connect.
+#[test]
+fn only_this_user_or_the_named_group_may_connect() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: running clients as other users needs root");
+        return;
+    }
+    let dir = TempDir::new("serve-peer");
+    let s = Serve::start_with(&dir, POOL, 4, 16, &["--group", "0"]);
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let meta = std::fs::metadata(&s.sock).unwrap();
+    assert_eq!(meta.permissions().mode() & 0o777, 0o660);
+    assert_eq!(meta.gid(), 0);
+    // A member of the group connects.
+    assert_eq!(connect_as(&s.sock, 65534, 0), "CONNECTED");
+    // Anyone else: the socket's mode keeps them out ...
+    let line = connect_as(&s.sock, 65534, 65534);
+    assert!(
+        line.starts_with("REFUSED") && line.contains("Permission denied"),
+        "{line}"
+    );
+    // ... and where it would not, their credentials do.
+    std::fs::set_permissions(&s.sock, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let line = connect_as(&s.sock, 65534, 65534);
+    assert!(line.starts_with("REFUSED"), "{line}");
+    s.wait_log("uid 65534: not this service's uid (0) nor in group 0");
 }
