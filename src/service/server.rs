@@ -377,10 +377,16 @@ impl Service {
         let _ = self.dispatcher.join();
         // Each reader sees the end of its input, and its writer sends what
         // is queued (the results of the work just finished) before it closes.
-        for c in lock(&self.shared.clients).values() {
-            let _ = c.stream.shutdown(std::net::Shutdown::Read);
+        // Again until every reader is done: one may have registered its
+        // client just now (a hello that raced the stop).
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while readers.iter().any(|t| !t.is_finished()) && std::time::Instant::now() < deadline {
+            for c in lock(&self.shared.clients).values() {
+                let _ = c.stream.shutdown(std::net::Shutdown::Read);
+            }
+            std::thread::sleep(Duration::from_millis(10));
         }
-        for t in readers {
+        for t in readers.into_iter().filter(|t| t.is_finished()) {
             let _ = t.join();
         }
         match &closed {

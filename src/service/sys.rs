@@ -329,7 +329,7 @@ pub fn recv_with_fd(s: &UnixStream, buf: &mut [u8]) -> Result<Option<OwnedFd>> {
         }
         if n == 0 {
             return Err(Error::Closed(
-                "the kvtier service closed the connection during the hello".into(),
+                "the kvtier service closed the connection during the hello: it admits only its own user and the members of its group (its log names the refused uid)".into(),
             ));
         }
         got += n;
