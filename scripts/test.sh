@@ -34,6 +34,10 @@ fi
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace --all-targets
+# The library as a user of the crate sees it (no `internals` feature): the
+# curated API builds clean and documents without a warning.
+cargo clippy -p kvtier --lib -- -D warnings
+RUSTDOCFLAGS="-D warnings" cargo doc -p kvtier --no-deps
 # The Python lane: the kvtier wheel built from this tree (python/, its own
 # cargo workspace) and its tests against the real torch and LMCache.
 if [ "${KVTIER_SKIP_PYTHON:-0}" != 1 ]; then

@@ -234,6 +234,14 @@ pub enum Fix {
     },
     /// Choose another directory.
     OtherDirectory,
+    /// Restore a pool's missing or replaced files, or create the pool anew
+    /// over them (every block stored in it is lost).
+    RestoreOrRecreate,
+    /// Give the pool a total capacity of at least `at_least` bytes.
+    GiveCapacity {
+        /// The least capacity that makes the pool.
+        at_least: u64,
+    },
 }
 
 impl fmt::Display for Fix {
@@ -279,6 +287,13 @@ impl fmt::Display for Fix {
                 "use the table made for this model, or make one with kvtier's profiler at block size {block_size}"
             ),
             Fix::OtherDirectory => f.write_str("pick another directory"),
+            Fix::RestoreOrRecreate => f.write_str(
+                "restore the missing or replaced file(s), or create the pool anew with \
+                 TierBuilder::create_mode(CreateMode::Always) (every block stored in it is lost)",
+            ),
+            Fix::GiveCapacity { at_least } => {
+                write!(f, "give at least TierBuilder::capacity({at_least})")
+            }
         }
     }
 }

@@ -636,6 +636,17 @@ pub struct NamedGeometry {
     pub name: String,
 }
 
+/// The key namespace of a pool for `model` with this geometry, served by
+/// tensor-parallel rank `tp_rank` (`name/dtype/bsN/tpR`): what the builder,
+/// the CLI and the bindings default to.
+pub fn default_namespace(model: &str, geometry: &KvGeometry, tp_rank: u32) -> String {
+    format!(
+        "{model}/{}/bs{}/tp{tp_rank}",
+        geometry.dtype.name(),
+        geometry.block_size
+    )
+}
+
 /// Like [`resolve`], with the model's name: never the file's name, which
 /// is `config` for every Hugging Face model.
 pub fn resolve_named(
@@ -710,7 +721,7 @@ pub fn config_identity(root: &Value, geometry: &KvGeometry) -> String {
     canonical_json(root, &mut canon, true);
     canon.push('\n');
     canon.push_str(&geometry.describe());
-    let hash = crate::pool::namespace_hash(&canon) & 0xffff_ffff_ffff;
+    let hash = crate::checksum::fnv1a64(canon.as_bytes()) & 0xffff_ffff_ffff;
     format!(
         "{}@{hash:012x}",
         if tail.is_empty() { "hf-model" } else { &tail }

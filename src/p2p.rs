@@ -82,7 +82,7 @@ impl P2pTable {
     /// object's address, and every object must lie inside one of `regions`
     /// (the ranges engines register). Objects of different (block, layer)
     /// may share memory: the staged HBM path reuses one host buffer for
-    /// several layers, in turn (`crate::gpu::staged`).
+    /// several layers, in turn (`crate::staged`).
     pub fn from_objects(
         geometry: KvGeometry,
         num_blocks: u32,

@@ -18,9 +18,9 @@ mod common;
 #[path = "common/staged.rs"]
 mod staged;
 
-use kvtier::gpu::staged::{LayerWait, StagedTier, StagingConfig};
 use kvtier::gpu::{probe, Context, Device, DeviceBuffer, PinnedHostBuffer};
 use kvtier::memory::pattern_fill;
+use kvtier::staged::{LayerWait, StagedTier, StagingConfig};
 use kvtier::tier::Tier;
 use kvtier::{HostLayout, KvGeometry, KvLayout, KvMemory, MemoryKind};
 use staged::*;

@@ -7,7 +7,7 @@ mod common;
 #[path = "common/staged.rs"]
 mod staged;
 
-use kvtier::gpu::staged::{StagedTier, StagingConfig};
+use kvtier::staged::{StagedTier, StagingConfig};
 use kvtier::tier::Tier;
 use kvtier::{HostKvCache, HostLayout, KvGeometry};
 use staged::*;
@@ -539,8 +539,8 @@ fn huge_staging_config_is_refused() {
 /// (As tests/tier_faults.rs checks for a tier load.)
 #[test]
 fn double_stray_unpin_cannot_release_a_staged_loads_keys() {
-    use kvtier::gpu::staged::StagedPath;
     use kvtier::gpu::staging::HostCopier;
+    use kvtier::staged::StagedPath;
     let dir = common::TempDir::new("staged-stray-unpin");
     let rig = HostRig::new(HostLayout::PerLayer);
     let g = rig.geometry();
@@ -689,7 +689,7 @@ fn double_handle_under_several_threads() {
 /// and in the pool, the refused ones `Failed` and not, positions intact.
 #[test]
 fn double_chunked_store_outcomes_map_to_their_keys() {
-    use kvtier::gpu::staged::StagedPath;
+    use kvtier::staged::StagedPath;
     use kvtier::tier::KeyOutcome;
     let dir = common::TempDir::new("staged-chunks");
     let rig = HostRig::new(HostLayout::CrossLayer);
@@ -966,4 +966,23 @@ fn double_key_dropped_by_another_load_fails_only_that_key() {
     let u = st.tier().usage();
     assert_eq!(u.pinned_blocks, 0);
     assert_eq!(u.free_blocks + u.live_blocks, u.total_blocks, "{u:?}");
+}
+
+/// Two staged loads into one memory block would scatter either's bytes
+/// under both announcements: the second is refused until the first ends,
+/// and the key it asked for stays served.
+#[test]
+fn double_second_load_into_a_block_under_load_is_refused() {
+    let dir = common::TempDir::new("staged-double-load");
+    let rig = HostRig::new(HostLayout::PerLayer);
+    let g = rig.geometry();
+    let (mut st, _) = staged_over(&rig, &dir, config(2, 8, 2));
+    store_all(&rig, &mut st, &[1, 2], &[40, 41], 1);
+    let a = st.submit_load(&keys(&[1]), &[7], 0..g.layers).unwrap();
+    let e = st.submit_load(&keys(&[2]), &[7], 0..g.layers).unwrap_err();
+    assert!(e.to_string().contains("target of a load in flight"), "{e}");
+    assert!(st.wait(a).unwrap().all_ok());
+    let b = st.submit_load(&keys(&[2]), &[7], 0..g.layers).unwrap();
+    assert!(st.wait(b).unwrap().all_ok());
+    assert!(st.tier().contains(&keys(&[2])[0]));
 }

@@ -191,3 +191,40 @@ fn loads_into_one_memory_block_at_once_are_refused_and_lose_no_key() {
     assert!(tier.wait(a).unwrap().all_ok() && tier.wait(b).unwrap().all_ok());
     assert!(cache.block_matches(7, seed_of(2), 0..layers));
 }
+
+/// Through the job path a job runs under the id its caller (the scheduler)
+/// gave it, and that id is its result's; an id still in flight or
+/// uncollected is refused with nothing started, and the tier's own numbering
+/// goes on past the ids it was given.
+#[test]
+fn job_path_runs_jobs_under_the_callers_ids_and_refuses_one_in_use() {
+    use kvtier::tier::JobPath;
+    let dir = TempDir::new("path-ids");
+    let (mut tier, cache) = rig(&dir);
+    let layers = tiny_geometry().layers;
+    cache.fill_block(0, seed_of(1));
+    JobPath::submit_store(&mut tier, 40, &[Key::from_u64(1)], &[0], None).unwrap();
+    let e = JobPath::submit_store(&mut tier, 40, &[Key::from_u64(2)], &[1], None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("job id 40 is in use"), "{e}");
+    assert_eq!(
+        tier.jobs_in_flight(),
+        1,
+        "the refused store started nothing"
+    );
+    let r = JobPath::wait(&mut tier, 40).unwrap();
+    assert_eq!(r.job, 40);
+    assert!(r.all_ok(), "{r:?}");
+    JobPath::submit_load(&mut tier, 41, &[Key::from_u64(1)], &[5], 0..layers).unwrap();
+    let r = JobPath::wait(&mut tier, 41).unwrap();
+    assert_eq!(r.job, 41);
+    assert!(r.all_ok(), "{r:?}");
+    assert!(cache.block_matches(5, seed_of(1), 0..layers));
+    // Collected: the id is free again, and the tier's own ids come after it.
+    let own = tier
+        .submit_load(&[Key::from_u64(1)], &[6], 0..layers)
+        .unwrap();
+    assert!(own > 41, "{own}");
+    assert!(tier.wait(own).unwrap().all_ok());
+}

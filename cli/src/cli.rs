@@ -26,7 +26,7 @@ pub fn make_dir(dir: &std::path::Path) -> Result<()> {
         Ok(m) => {
             let what = kvtier::host::file_kind(&m.file_type());
             Err(Error::invalid(format!(
-                "--dir {}: it is {what}; name a directory to hold the scratch pool files \
+                "--dir {}: it is {what}; name a directory to hold the pool files \
                  (a pool on a block device is made with `kvtier pool create --dev DEVICE`)",
                 dir.display()
             )))
@@ -36,46 +36,14 @@ pub fn make_dir(dir: &std::path::Path) -> Result<()> {
     }
 }
 
-/// Parse a size like `4096`, `80k`, `512m`, `4g`, `1t`, `1.5g` (binary units).
-/// A size past 2^64 bytes is an error, never saturated.
+/// Parse a size ([`kvtier::host::size::parse_size`]), the error naming it.
 pub fn parse_size(s: &str) -> Result<u64> {
     parse_size_str(s).map_err(|why| Error::invalid(format!("size {:?}: {why}", excerpt(s, 40))))
 }
 
 /// [`parse_size`] with the reason alone (clap prefixes the value and flag).
 fn parse_size_str(s: &str) -> std::result::Result<u64, String> {
-    let t = s.trim().to_ascii_lowercase();
-    let t = t
-        .strip_suffix("ib")
-        .or_else(|| t.strip_suffix('b'))
-        .unwrap_or(&t);
-    let (num, mult) = match t.chars().last() {
-        Some('k') => (&t[..t.len() - 1], 1u64 << 10),
-        Some('m') => (&t[..t.len() - 1], 1 << 20),
-        Some('g') => (&t[..t.len() - 1], 1 << 30),
-        Some('t') => (&t[..t.len() - 1], 1 << 40),
-        // The ranges the flags name reach 1 PiB: it must be writable too.
-        Some('p') => (&t[..t.len() - 1], 1 << 50),
-        _ => (t, 1),
-    };
-    let bad = || "is not a number with an optional k/m/g/t/p suffix (e.g. 80k, 4g)".to_string();
-    let too_big = || "is larger than 16 EiB".to_string();
-    if let Ok(n) = num.parse::<u64>() {
-        return n.checked_mul(mult).ok_or_else(too_big);
-    }
-    if num.bytes().all(|b| b.is_ascii_digit()) && !num.is_empty() {
-        return Err(too_big());
-    }
-    let f: f64 = num.parse().map_err(|_| bad())?;
-    if !f.is_finite() || f < 0.0 {
-        return Err(bad());
-    }
-    let bytes = f * mult as f64;
-    // 2^64 itself rounds to u64::MAX in a cast: refuse it and anything above.
-    if bytes >= 18_446_744_073_709_551_616.0 {
-        return Err(too_big());
-    }
-    Ok(bytes as u64)
+    kvtier::host::size::parse_size(s).map_err(|e| e.to_string())
 }
 
 /// A clap value parser: a size within `[min, max]` bytes.
@@ -189,6 +157,14 @@ pub fn fix_text(fix: &Fix) -> String {
              --block-size {block_size}"
         ),
         Fix::OtherDirectory => "pick another --dir".into(),
+        Fix::RestoreOrRecreate => {
+            "restore the missing or replaced file(s), or recreate the pool with \
+                                   `kvtier pool create --force` (every block stored in it is lost)"
+                .into()
+        }
+        Fix::GiveCapacity { at_least } => {
+            format!("give a capacity of at least {}", human_bytes(*at_least))
+        }
         other => other.to_string(),
     }
 }

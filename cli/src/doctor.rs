@@ -356,7 +356,7 @@ fn dma_path_items(root: &Path) -> Vec<Item> {
 /// Which path each kind of KV memory takes on this machine. Host memory:
 /// every engine DMAs into it. GPU memory: directly only where a GPUDirect
 /// path (dma-buf, peermem) is present *and* implemented; otherwise staged
-/// through pinned host memory (`kvtier::gpu::staged`), which needs a CUDA
+/// through pinned host memory (`kvtier::staged`), which needs a CUDA
 /// GPU and the staging kernels.
 fn memory_path_items(
     gpu_usable: bool,

@@ -361,3 +361,70 @@ fn a_model_directory_and_a_config_with_a_bom_are_accepted() {
     assert_eq!(code, 0, "{text}");
     assert!(text.contains("2 layers"), "{text}");
 }
+
+/// `pool create --dir` makes the pool the library's TierBuilder opens in
+/// that directory (same files, capacity split, namespace), `info` and
+/// `check` find it by directory, and the policy's refusals are said in the
+/// CLI's words.
+#[test]
+fn a_pool_directory_made_by_the_cli_is_the_one_the_builder_opens() {
+    use kvtier::handle::{EngineChoice, TierBuilder};
+    use kvtier::pool::place::CreateMode;
+    let dir = TempDir::new("cli-dir");
+    let cfg = tiny_config(&dir);
+    let pool_dir = dir.file("kv");
+    let d = pool_dir.to_str().unwrap();
+    let m = cfg.to_str().unwrap();
+    // `pool create --dir DIR --model M` and more.
+    let create_in = |dir: &str, extra: &[&str]| {
+        let mut args = vec!["pool", "create", "--dir", dir, "--model", m];
+        args.extend_from_slice(extra);
+        kvtier(&args)
+    };
+    let (code, text) = create_in(d, &["--files", "2", "--capacity", "64m"]);
+    assert_eq!(code, 0, "{text}");
+    for i in 0..2 {
+        let f = pool_dir.join(format!("kvtier-{i}.pool"));
+        assert_eq!(std::fs::metadata(&f).unwrap().len(), 32 << 20);
+    }
+    let (code, text) = kvtier(&["pool", "info", "--json", "--dir", d, "--files", "2"]);
+    assert_eq!(code, 0, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["devices"].as_array().unwrap().len(), 2);
+    // The builder opens it (open only: nothing is created), for the same
+    // model's namespace, and stores into it.
+    let named = kvtier::model::resolve_named(m, 16, None).unwrap();
+    let cache = Arc::new(HostKvCache::new(named.geometry, 4, HostLayout::PerLayer).unwrap());
+    let h = TierBuilder::default()
+        .directory(&pool_dir)
+        .directory_files(2)
+        .model(named)
+        .create_mode(CreateMode::Never)
+        .engine(EngineChoice::Uring)
+        .host_cache(cache.clone())
+        .build()
+        .unwrap();
+    cache.fill_block(0, seed_of(7));
+    let r = h
+        .wait(h.submit_store(&[Key::from_u64(7)], &[0]).unwrap())
+        .unwrap();
+    assert!(r.all_ok());
+    h.close().unwrap();
+    let (code, text) = kvtier(&["pool", "check", "--dir", d, "--files", "2"]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("1 live block(s) checked, 1 ok"), "{text}");
+    // Too little capacity: the CLI's words, nothing made.
+    let small = dir.file("small");
+    let (code, text) = create_in(small.to_str().unwrap(), &["--capacity", "1m"]);
+    assert_ne!(code, 0);
+    assert!(text.contains("give a capacity of at least"), "{text}");
+    assert!(!small.exists(), "nothing made for a refused create");
+    // --dir without --capacity, and --size beside --dir, are refused.
+    let (code, text) = create_in(d, &[]);
+    assert!(code != 0 && text.contains("--capacity"), "{text}");
+    let (code, text) = create_in(d, &["--capacity", "64m", "--size", "1g"]);
+    assert!(code != 0 && text.contains("--size"), "{text}");
+    // Over the existing pool: refused without --force, as for --dev.
+    let (code, text) = create_in(d, &["--files", "2", "--capacity", "64m"]);
+    assert!(code != 0 && text.contains("--force"), "{text}");
+}

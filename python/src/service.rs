@@ -3,9 +3,22 @@
 //! (host memory: the KV memory the service shares with this process,
 //! viewed as torch tensors through [`SharedRegion`]).
 
-use super::*;
+use crate::args::{
+    block_arg, blocks_of, byte_buffer, job_arg, key_of, keys_of, layer_arg, layers_arg,
+};
+use crate::errors::{exception_for, to_py, usage};
+use crate::handle::WAIT_SLICE;
+use crate::lifecycle::without_gil;
+use crate::model::geometry_dict;
+use crate::results::{event_py, result_py, EventPy, JobResultPy};
+use kvtier::error::ErrorKind;
 use kvtier::service::ServiceClient;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
 use std::ffi::c_int;
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::sync::Arc;
 
 /// A view of part of the memory shared with the service, exporting the
 /// buffer protocol (writable): `torch.frombuffer(region, dtype=...)` and

@@ -793,7 +793,7 @@ impl<B: Bar0 + Send> IoEngine for GpuEngine<B> {
         refuse_if_in_flight(self.in_flight)?;
         if table.kind() != MemoryKind::Host {
             return Err(Error::Registration(
-                "KV memory in GPU HBM as a direct DMA target needs a way for the NVMe controller to reach it (dma-buf through iommufd, or peermem), which this build does not have; serve it through the staged path instead (TierBuilder::memory with MemoryKind::Gpu does that, or gpu::staged::StagedTier: reads land in pinned host staging, one kernel per layer copies them into HBM), see `kvtier doctor`".into(),
+                "KV memory in GPU HBM as a direct DMA target needs a way for the NVMe controller to reach it (dma-buf through iommufd, or peermem), which this build does not have; serve it through the staged path instead (TierBuilder::memory with MemoryKind::Gpu does that, or staged::StagedTier: reads land in pinned host staging, one kernel per layer copies them into HBM), see `kvtier doctor`".into(),
             ));
         }
         // The kernel reads the table while it runs: swap it while stopped.

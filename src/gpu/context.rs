@@ -102,7 +102,7 @@ impl Drop for CtxInner {
 }
 
 /// A CUDA context: a device's primary context, or the context of a green
-/// context ([`super::green::GreenContext`]). Cheap to clone.
+/// context (`super::green::GreenContext`). Cheap to clone.
 #[derive(Clone)]
 pub struct Context {
     pub(crate) inner: Arc<CtxInner>,
@@ -196,16 +196,18 @@ impl Context {
         })
     }
 
-    /// Load a module from an in-memory cubin, fatbin or PTX image.
-    pub fn load_module(&self, image: &[u8]) -> Result<Module> {
-        self.bind()?;
-        let raw = driver::module_load_data(image)?;
-        Ok(Module {
-            inner: Arc::new(ModuleInner {
-                ctx: self.clone(),
-                raw,
-            }),
-        })
+    internal_pub! {
+        /// Load a module from an in-memory cubin, fatbin or PTX image.
+        fn load_module(&self, image: &[u8]) -> Result<Module> {
+            self.bind()?;
+            let raw = driver::module_load_data(image)?;
+            Ok(Module {
+                inner: Arc::new(ModuleInner {
+                    ctx: self.clone(),
+                    raw,
+                }),
+            })
+        }
     }
 
     /// A new event in this context.
@@ -401,35 +403,37 @@ impl Stream {
         driver::stream_query(self.raw)
     }
 
-    /// Queue `func` on this stream.
-    ///
-    /// # Safety
-    /// `args` must match the kernel's parameter list exactly (count, order,
-    /// types), and every device address among them must stay valid for what
-    /// the kernel does with it until the launch completes.
-    pub unsafe fn launch(
-        &self,
-        func: &Function,
-        cfg: LaunchConfig,
-        args: &mut KernelArgs,
-    ) -> Result<()> {
-        if !func.module.ctx.same(&self.ctx) {
-            return Err(Error::gpu(
-                format!("launch of {}", func.name),
-                "the kernel's module was loaded in another context than the stream's; load the module in the stream's context (each green context needs its own)",
-            ));
-        }
-        self.ctx.bind()?;
-        // SAFETY: forwarded to the caller's contract; `args` outlives the call.
-        unsafe {
-            driver::launch_kernel(
-                func.raw,
-                cfg.grid,
-                cfg.block,
-                cfg.shared_bytes,
-                self.raw,
-                &mut args.ptrs,
-            )
+    internal_pub! {
+        /// Queue `func` on this stream.
+        ///
+        /// # Safety
+        /// `args` must match the kernel's parameter list exactly (count, order,
+        /// types), and every device address among them must stay valid for what
+        /// the kernel does with it until the launch completes.
+        unsafe fn launch(
+            &self,
+            func: &Function,
+            cfg: LaunchConfig,
+            args: &mut KernelArgs,
+        ) -> Result<()> {
+            if !func.module.ctx.same(&self.ctx) {
+                return Err(Error::gpu(
+                    format!("launch of {}", func.name),
+                    "the kernel's module was loaded in another context than the stream's; load the module in the stream's context (each green context needs its own)",
+                ));
+            }
+            self.ctx.bind()?;
+            // SAFETY: forwarded to the caller's contract; `args` outlives the call.
+            unsafe {
+                driver::launch_kernel(
+                    func.raw,
+                    cfg.grid,
+                    cfg.block,
+                    cfg.shared_bytes,
+                    self.raw,
+                    &mut args.ptrs,
+                )
+            }
         }
     }
 

@@ -5,7 +5,7 @@
 //! same command building, doorbells, CQ polling, timeouts and IOCB
 //! completion the CUDA kernel runs, with a block's threads run as a loop and
 //! each block on its own thread. The GPU engine's host executor
-//! (`crate::engine::gpu::HostGioExecutor`) launches it, so the engine runs
+//! (`HostGioExecutor` in the engine layer above) launches it, so the engine runs
 //! end to end against the simulated controller and QEMU's on machines
 //! without a GPU. A build without a C++ compiler has none of it and
 //! [`host_kernel`] says so.

@@ -454,7 +454,7 @@ impl CompletionCounter {
     }
 
     /// A counter in plain host memory for the CPU test double of the
-    /// staging copies ([`super::staging::HostCopier`]): it is loaded and
+    /// staging copies (`super::staging::HostCopier`): it is loaded and
     /// stored like the others, but no stream can wait on it or write it.
     pub fn host_double() -> Arc<CompletionCounter> {
         Arc::new(CompletionCounter {

@@ -21,10 +21,12 @@
 //! - [`host_kernel`]: the same I/O kernel logic compiled for the CPU (the
 //!   GPU engine's host executor).
 //! - [`staging`]: scatter/gather between pinned staging and paged KV blocks
-//!   in GPU memory, with crc32c on the GPU (the staged HBM path's copies).
-//! - [`staged`]: the staged HBM path itself: a tier serving GPU KV memory
-//!   through round-robin pinned layer buffers, per-layer completion
-//!   counters for compute streams, stores gathered with GPU checksums.
+//!   in GPU memory, with crc32c on the GPU (the copies of the staged HBM
+//!   path, which lives above the tier in `crate::staged`).
+//! - [`wait`]: compute streams waiting on completion counters
+//!   ([`wait::LoadCounter`], [`wait::LayerWait`]).
+//!
+//! Nothing here names the tier, the engines or anything above them.
 
 pub mod abi;
 pub mod context;
@@ -35,8 +37,8 @@ pub mod host_kernel;
 pub mod kernels;
 pub mod memory;
 pub mod probe;
-pub mod staged;
 pub mod staging;
+pub mod wait;
 
 pub use context::{Context, Device, Event, Function, KernelArgs, LaunchConfig, Module, Stream};
 pub use dma::{DmaPathKind, GpuDmaPath, GpuDmaRegion, HostBouncePath};

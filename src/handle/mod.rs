@@ -1,6 +1,6 @@
 //! `TierHandle`: kvtier's front door for serving engines.
 //!
-//! A handle owns one [`Tier`] on its own I/O thread and is `Send + Sync +
+//! A handle owns one `Tier` on its own I/O thread and is `Send + Sync +
 //! Clone`: vLLM's scheduler and workers, or LMCache's store and prefetch
 //! controllers, call one handle from as many threads as they like.
 //!
@@ -12,17 +12,17 @@
 //!   method of the handle enters the engine.
 //! - `lookup_prefix`, `lookup_and_pin`, `unpin` and `contains` read or
 //!   update the pool's index under the index's own lock
-//!   ([`crate::pool::index::SharedIndex`]), which every holder keeps for a
+//!   (`crate::pool::index::SharedIndex`), which every holder keeps for a
 //!   few index operations only: they never wait behind the I/O thread's
 //!   poll turn (reaping, checksum hashing, planning), a submit's planning,
-//!   a load, a store or another caller's `wait`. `usage` takes the core
-//!   lock, which the I/O thread never holds while it sleeps or waits for a
+//!   a load, a store or another caller's `wait`. `usage` and
+//!   `memory_block_use` take the core lock, which the I/O thread never holds while it sleeps or waits for a
 //!   device.
 //! - `submit_load` plans its reads on the calling thread under the core
 //!   lock and returns at once; the I/O thread issues them. `submit_store` takes
 //!   the data checksums on the calling thread (outside every lock) and puts
 //!   the store in the write backlog; the I/O thread issues it when the
-//!   policy allows (read first, write deferred: [`crate::sched`]). A full
+//!   policy allows (read first, write deferred: `crate::sched`). A full
 //!   backlog refuses with [`ErrorKind::Backpressure`] and stores nothing.
 //! - `wait`, `wait_layer`, `try_result` and `get_finished` wait on the job
 //!   table only, never on the tier: a blocked waiter holds up nobody.
@@ -43,20 +43,23 @@
 //! The memory blocks of a job must not be written by the caller until the job
 //! finishes (a store's checksums are taken when it is submitted, and a load
 //! writes them). The handle refuses a load into blocks that a store in the
-//! backlog or in flight reads, and a store from blocks a load is writing.
+//! backlog or in flight reads or that another load in flight writes, and a
+//! store from blocks a load is writing. The scheduler checks its backlog and
+//! the path (the tier, or the staged path) its own table of jobs in flight:
+//! each block is checked once, by the one that holds the job using it.
 
 mod builder;
 
 pub use builder::{EngineChoice, TierBuilder};
 
 use crate::error::{Error, ErrorKind, Failure, Result};
-use crate::gpu::staged::LoadCounter;
 use crate::memory::HostKvCache;
 use crate::model::KvGeometry;
 use crate::p2p::P2pTable;
 use crate::pool::index::SharedIndex;
 use crate::pool::Key;
 use crate::sched::{Policy, Scheduler};
+use crate::staged::LoadCounter;
 use crate::tier::{self, JobKind, JobResult, KeyOutcome, Tier, TierConfig, Usage};
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
@@ -68,10 +71,11 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
-/// A job of a handle (its own numbering, not the tier's).
+/// A job of a handle: the id its scheduler gave it, which its path (the
+/// tier, or the staged path) runs it under and its result carries.
 pub type JobId = u64;
 
-/// How the handle schedules work; see [`crate::sched`].
+/// How the handle schedules work; see `crate::sched`.
 #[non_exhaustive]
 #[derive(Clone, Debug)]
 pub struct HandleConfig {
@@ -287,7 +291,6 @@ struct Entry {
     kind: JobKind,
     phase: Phase,
     keys: Vec<Key>,
-    mem_blocks: Vec<u32>,
     layers: Range<u32>,
     /// Next layer (absolute) not yet reported.
     layers_done: u32,
@@ -297,14 +300,7 @@ struct Entry {
 #[derive(Default)]
 struct Jobs {
     entries: HashMap<JobId, Entry>,
-    by_tier: HashMap<tier::JobId, JobId>,
-    by_ticket: HashMap<u64, JobId>,
     finished_order: VecDeque<JobId>,
-    next: JobId,
-    /// Memory blocks read by stores not yet finished / written by loads not
-    /// yet finished (count per block).
-    store_mem: HashMap<u32, u32>,
-    load_mem: HashMap<u32, u32>,
     /// An engine failure that stops jobs from finishing: waits on unfinished
     /// jobs return it instead of blocking forever.
     fatal: Option<Failure>,
@@ -314,39 +310,18 @@ struct Jobs {
 }
 
 impl Jobs {
-    fn add(&mut self, e: Entry) -> JobId {
-        self.next += 1;
-        let id = self.next;
-        let map = match e.kind {
-            JobKind::Load => &mut self.load_mem,
-            JobKind::Store => &mut self.store_mem,
-        };
-        for &b in &e.mem_blocks {
-            *map.entry(b).or_default() += 1;
-        }
+    /// A job the scheduler accepted as `id`.
+    fn add(&mut self, id: JobId, e: Entry) {
         self.entries.insert(id, e);
-        id
     }
 
-    /// Record a result and release the job's memory blocks.
+    /// Record a result.
     fn finish(&mut self, id: JobId, mut r: JobResult, events: &mut Vec<Event>) {
         let Some(e) = self.entries.get_mut(&id) else {
             return;
         };
         if matches!(e.phase, Phase::Finished(_)) {
             return;
-        }
-        let map = match e.kind {
-            JobKind::Load => &mut self.load_mem,
-            JobKind::Store => &mut self.store_mem,
-        };
-        for b in &e.mem_blocks {
-            if let Some(c) = map.get_mut(b) {
-                *c -= 1;
-                if *c == 0 {
-                    map.remove(b);
-                }
-            }
         }
         r.job = id;
         events.push(Event::Finished {
@@ -641,14 +616,8 @@ impl TierHandle {
     /// load's check), `Store` while a store reads it (a write would change
     /// what it stores), `None` when it is free.
     pub fn memory_block_use(&self, block: u32) -> Option<JobKind> {
-        let jobs = lock(&self.shared.jobs);
-        if jobs.load_mem.contains_key(&block) {
-            Some(JobKind::Load)
-        } else if jobs.store_mem.contains_key(&block) {
-            Some(JobKind::Store)
-        } else {
-            None
-        }
+        let core = lock(&self.shared.core);
+        core.as_ref().and_then(|s| s.memory_block_use(block))
     }
 
     /// Start loading `keys` (all in the pool: count them with
@@ -668,30 +637,20 @@ impl TierHandle {
             let mut jobs = lock(&self.shared.jobs);
             self.check_open(&jobs)?;
             Self::check_job_room(&jobs)?;
-            if let Some(b) = mem_blocks.iter().find(|b| jobs.store_mem.contains_key(b)) {
-                return Err(Error::invalid(format!(
-                    "memory block {b} is read by a store not yet finished; wait for that store before loading into it"
-                )));
-            }
-            // Two loads landing in one block: each checks its bytes in that
-            // memory, so the other's bytes would fail the check and a good
-            // key would be dropped from the pool as corrupt.
-            if let Some(b) = mem_blocks.iter().find(|b| jobs.load_mem.contains_key(b)) {
-                return Err(Error::invalid(format!(
-                    "memory block {b} is the target of a load not yet finished; wait for that load before loading into it again"
-                )));
-            }
-            let tier_job = s.submit_load(keys, mem_blocks, layers.clone())?;
-            let id = jobs.add(Entry {
-                kind: JobKind::Load,
-                phase: Phase::Running,
-                keys: keys.to_vec(),
-                mem_blocks: mem_blocks.to_vec(),
-                layers_done: layers.start,
-                layer_errors: vec![None; layers.len()],
-                layers,
-            });
-            jobs.by_tier.insert(tier_job, id);
+            // The scheduler refuses a load into a block a deferred store
+            // reads, the path one into a block a job in flight uses.
+            let id = s.submit_load(keys, mem_blocks, layers.clone())?;
+            jobs.add(
+                id,
+                Entry {
+                    kind: JobKind::Load,
+                    phase: Phase::Running,
+                    keys: keys.to_vec(),
+                    layers_done: layers.start,
+                    layer_errors: vec![None; layers.len()],
+                    layers,
+                },
+            );
             id
         };
         self.shared.ring();
@@ -741,22 +700,18 @@ impl TierHandle {
             let mut jobs = lock(&self.shared.jobs);
             self.check_open(&jobs)?;
             Self::check_job_room(&jobs)?;
-            if let Some(b) = mem_blocks.iter().find(|b| jobs.load_mem.contains_key(b)) {
-                return Err(Error::invalid(format!(
-                    "memory block {b} is the target of a load not yet finished; wait for that load before storing from it"
-                )));
-            }
-            let ticket = s.enqueue_store(keys, mem_blocks, crcs)?;
-            let id = jobs.add(Entry {
-                kind: JobKind::Store,
-                phase: Phase::Deferred,
-                keys: keys.to_vec(),
-                mem_blocks: mem_blocks.to_vec(),
-                layers: 0..0,
-                layers_done: 0,
-                layer_errors: Vec::new(),
-            });
-            jobs.by_ticket.insert(ticket, id);
+            let id = s.enqueue_store(keys, mem_blocks, crcs)?;
+            jobs.add(
+                id,
+                Entry {
+                    kind: JobKind::Store,
+                    phase: Phase::Deferred,
+                    keys: keys.to_vec(),
+                    layers: 0..0,
+                    layers_done: 0,
+                    layer_errors: Vec::new(),
+                },
+            );
             id
         };
         self.shared.ring();
@@ -917,7 +872,7 @@ impl TierHandle {
     /// For a load into GPU KV memory on the staged path: the load's own
     /// completion counter, which reaches `value_for(l)` once layer `l` is in
     /// HBM. A compute stream queues `cuStreamWaitValue32` on it (see
-    /// [`crate::gpu::staged::LayerWait`]) right after the submit, so each
+    /// `crate::staged::LayerWait`) right after the submit, so each
     /// layer's attention starts when its copy is done, with no host call in
     /// between. `None` for host memory or a load that has finished; with
     /// the CPU double, a host word no stream can wait on, written as the
@@ -925,12 +880,7 @@ impl TierHandle {
     pub fn load_counter(&self, job: JobId) -> Result<Option<LoadCounter>> {
         let core = lock(&self.shared.core);
         let s = core.as_ref().ok_or_else(Shared::closed_error)?;
-        let jobs = lock(&self.shared.jobs);
-        Ok(jobs
-            .by_tier
-            .iter()
-            .find(|(_, &h)| h == job)
-            .and_then(|(&t, _)| s.load_counter(t)))
+        Ok(s.load_counter(job))
     }
 
     /// Results of every finished job not yet collected, in finishing order.
@@ -984,22 +934,18 @@ impl TierHandle {
     }
 }
 
-/// Move released stores from the backlog into the job table.
-fn apply_released(
-    jobs: &mut Jobs,
-    released: Vec<(u64, Result<tier::JobId>)>,
-    events: &mut Vec<Event>,
-) {
-    for (ticket, r) in released {
-        let Some(id) = jobs.by_ticket.remove(&ticket) else {
-            continue;
-        };
+/// Mark released stores as running, or failed when their path refused them.
+fn apply_released(jobs: &mut Jobs, released: Vec<(JobId, Result<JobId>)>, events: &mut Vec<Event>) {
+    for (id, r) in released {
         match r {
-            Ok(tj) => {
+            Ok(_) => {
+                // Only a store still marked deferred: `flush_stores` applies
+                // its release after the I/O thread may have seen it finish.
                 if let Some(e) = jobs.entries.get_mut(&id) {
-                    e.phase = Phase::Running;
+                    if matches!(e.phase, Phase::Deferred) {
+                        e.phase = Phase::Running;
+                    }
                 }
-                jobs.by_tier.insert(tj, id);
             }
             Err(err) => {
                 let f = Failure::from(err);
@@ -1018,7 +964,7 @@ fn apply_released(
 
 /// Everything the I/O thread learned in one turn, applied under the job lock.
 struct Turn {
-    released: Vec<(u64, Result<tier::JobId>)>,
+    released: Vec<(JobId, Result<JobId>)>,
     layer_events: Vec<tier::LayerDone>,
     finished: Vec<JobResult>,
     failed_backlog: Vec<u64>,
@@ -1098,9 +1044,7 @@ fn io_main(shared: Arc<Shared>) -> Result<()> {
         drop(s);
         let mut jobs = lock(&shared.jobs);
         for r in finished {
-            if let Some(id) = jobs.by_tier.remove(&r.job) {
-                jobs.finish(id, r, &mut events);
-            }
+            jobs.finish(r.job, r, &mut events);
         }
         jobs.broadcast(&events);
     }
@@ -1139,9 +1083,9 @@ fn apply_turn(shared: &Shared, turn: Turn, first_error: &mut Option<Error>) {
     let mut events = Vec::new();
     let mut jobs = lock(&shared.jobs);
     apply_released(&mut jobs, turn.released, &mut events);
-    for ticket in turn.failed_backlog {
-        if let Some(id) = jobs.by_ticket.remove(&ticket) {
-            let keys = jobs.entries[&id].keys.clone();
+    for id in turn.failed_backlog {
+        if let Some(e) = jobs.entries.get(&id) {
+            let keys = e.keys.clone();
             let why = Failure::new(
                 ErrorKind::Closed,
                 "the tier handle was dropped before this store was issued; nothing of it is stored",
@@ -1150,26 +1094,27 @@ fn apply_turn(shared: &Shared, turn: Turn, first_error: &mut Option<Error>) {
         }
     }
     for ev in turn.layer_events {
-        let Some(&id) = jobs.by_tier.get(&ev.job) else {
+        // A running job's: a layer event of a job no longer here (its
+        // result collected) or not yet running says nothing to anyone.
+        let Some(e) = jobs.entries.get_mut(&ev.job) else {
             continue;
         };
-        if let Some(e) = jobs.entries.get_mut(&id) {
-            let li = (ev.layer - e.layers.start) as usize;
-            if let Some(slot) = e.layer_errors.get_mut(li) {
-                *slot = ev.error.clone();
-            }
-            e.layers_done = e.layers_done.max(ev.layer + 1);
+        if !matches!(e.phase, Phase::Running) {
+            continue;
         }
+        let li = (ev.layer - e.layers.start) as usize;
+        if let Some(slot) = e.layer_errors.get_mut(li) {
+            *slot = ev.error.clone();
+        }
+        e.layers_done = e.layers_done.max(ev.layer + 1);
         events.push(Event::Layer {
-            job: id,
+            job: ev.job,
             layer: ev.layer,
             error: ev.error,
         });
     }
     for r in turn.finished {
-        if let Some(id) = jobs.by_tier.remove(&r.job) {
-            jobs.finish(id, r, &mut events);
-        }
+        jobs.finish(r.job, r, &mut events);
     }
     if let Some(e) = turn.error {
         let f = Failure::from(&e);

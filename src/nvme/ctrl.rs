@@ -2,7 +2,7 @@
 //! device is reached.
 //!
 //! [`Bar0`] is the controller's register file (MMIO through a VFIO or uio
-//! mapping, or the simulated controller of [`super::sim`]); [`DmaAlloc`]
+//! mapping, or the simulated controller of `nvme::sim` (the `testing` feature)); [`DmaAlloc`]
 //! hands out memory the device can reach ([`DmaRegion`]: a host pointer and
 //! the address the device uses for it, an IOVA or a physical address).
 //!

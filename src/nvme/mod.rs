@@ -13,6 +13,8 @@ pub mod mmio;
 pub mod namespace;
 pub mod passthru;
 pub mod queue;
+// A simulated NVMe controller (a test double of the hardware): the `testing` feature.
+#[cfg(any(test, feature = "testing"))]
 pub mod sim;
 pub mod spec;
 pub mod uio;

@@ -6,10 +6,14 @@
 //! its own besides that and `check`: stores and loads go through the tier and
 //! an engine, and the pool only hands out slots and makes keys visible.
 
-pub mod backing;
-pub mod index;
-pub mod layout;
-pub mod storage;
+internal_room! {
+    backing;
+    index;
+    layout;
+    place;
+    storage;
+}
+pub use place::CreateMode;
 
 use crate::error::{Error, Fix, Result};
 use crate::host::dio::AlignedBuf;
@@ -23,7 +27,10 @@ use layout::*;
 use std::fmt;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
+#[cfg(feature = "internals")]
 pub use storage::Storage;
+#[cfg(not(feature = "internals"))]
+pub(crate) use storage::Storage;
 
 /// Live headers carry generations below this. Generations count stores
 /// from 1; a forged header claiming more (up to u64::MAX) would make every
@@ -84,11 +91,9 @@ impl fmt::Debug for Key {
     }
 }
 
-/// FNV-1a: the namespace's stable 64-bit id in block headers.
+/// The namespace's stable 64-bit id in block headers (FNV-1a).
 pub(crate) fn namespace_hash(ns: &str) -> u64 {
-    ns.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    crate::checksum::fnv1a64(ns.as_bytes())
 }
 
 /// One backing device to format: a path and, for files, its size.
@@ -114,7 +119,7 @@ pub struct PoolConfig {
     pub namespace: String,
     /// Blocks per extent group (G).
     pub group_blocks: u32,
-    /// The files or block devices to format (empty for [`Pool::create_on`]).
+    /// The files or block devices to format (empty for `Pool::create_on`).
     pub devices: Vec<DeviceSpec>,
     /// Overwrite devices that hold a filesystem or other data.
     pub force: bool,
@@ -521,22 +526,6 @@ fn prewrite_spans(
 
 /// The pool files a failing [`Pool::create`] made, removed when it returns
 /// the error (disarmed by emptying it).
-/// The first 24 bytes of a regular file or block device, read without a lock
-/// (None for anything else: opening a FIFO to read would wait for a writer).
-fn head_of(path: &Path) -> Option<[u8; 24]> {
-    use std::io::Read;
-    use std::os::unix::fs::FileTypeExt;
-    let ft = std::fs::metadata(path).ok()?.file_type();
-    if !ft.is_file() && !ft.is_block_device() {
-        return None;
-    }
-    let mut head = [0u8; 24];
-    std::fs::File::open(path)
-        .and_then(|mut f| f.read_exact(&mut head))
-        .ok()?;
-    Some(head)
-}
-
 struct RemoveMadeOnError(Vec<PathBuf>);
 
 impl Drop for RemoveMadeOnError {
@@ -586,7 +575,7 @@ impl Pool {
         let unfinished: Vec<[u8; 16]> = cfg
             .devices
             .iter()
-            .filter_map(|d| crate::host::signature::unfinished_pool_id(&head_of(&d.path)?))
+            .filter_map(|d| crate::host::signature::unfinished_pool_id(&place::head_of(&d.path)?))
             .collect();
         // Files this call creates are removed if it fails after making
         // them (a later device refused, the file system full while
@@ -611,45 +600,49 @@ impl Pool {
         Ok(pool)
     }
 
-    /// Format a new pool in regular files the caller created new and still
-    /// holds open (scratch files, `(file, path)`, each made `size` bytes):
-    /// created, formatted and served through these descriptors, never
-    /// reopened by path, so a name swapped for a symbolic link meanwhile
-    /// cannot redirect the superblocks into another file. `cfg.devices` is
-    /// not used; `cfg.prewrite` is.
-    pub fn create_in_files(
-        cfg: &PoolConfig,
-        files: Vec<(std::fs::File, PathBuf)>,
-        size: u64,
-        progress: &mut dyn FnMut(u64, u64),
-    ) -> Result<Pool> {
-        Self::check_config(cfg, files.len())?;
-        let min_size = PoolLayout::min_device_bytes(&cfg.geometry, cfg.group_blocks);
-        let mut devices: Vec<Box<dyn Storage>> = Vec::new();
-        for (file, path) in files {
-            devices.push(Box::new(BackingDevice::create_in_file(
-                file, &path, size, min_size,
-            )?));
+    internal_pub! {
+        /// Format a new pool in regular files the caller created new and still
+        /// holds open (scratch files, `(file, path)`, each made `size` bytes):
+        /// created, formatted and served through these descriptors, never
+        /// reopened by path, so a name swapped for a symbolic link meanwhile
+        /// cannot redirect the superblocks into another file. `cfg.devices` is
+        /// not used; `cfg.prewrite` is.
+        fn create_in_files(
+            cfg: &PoolConfig,
+            files: Vec<(std::fs::File, PathBuf)>,
+            size: u64,
+            progress: &mut dyn FnMut(u64, u64),
+        ) -> Result<Pool> {
+            Self::check_config(cfg, files.len())?;
+            let min_size = PoolLayout::min_device_bytes(&cfg.geometry, cfg.group_blocks);
+            let mut devices: Vec<Box<dyn Storage>> = Vec::new();
+            for (file, path) in files {
+                devices.push(Box::new(BackingDevice::create_in_file(
+                    file, &path, size, min_size,
+                )?));
+            }
+            let prewrite = vec![cfg.prewrite; devices.len()];
+            Self::format(cfg, devices, &prewrite, progress)
         }
-        let prewrite = vec![cfg.prewrite; devices.len()];
-        Self::format(cfg, devices, &prewrite, progress)
     }
 
-    /// Open a pool in regular files through descriptors the caller holds
-    /// (see [`Pool::create_in_files`]), exclusively, never by path.
-    pub fn open_in_files(
-        files: Vec<(std::fs::File, PathBuf)>,
-        expect: &OpenExpect,
-    ) -> Result<Pool> {
-        let mut devices: Vec<Box<dyn Storage>> = Vec::new();
-        for (file, path) in files {
-            devices.push(Box::new(BackingDevice::open_file(
-                file,
-                &path,
-                Access::Exclusive,
-            )?));
+    internal_pub! {
+        /// Open a pool in regular files through descriptors the caller holds
+        /// (see [`Pool::create_in_files`]), exclusively, never by path.
+        fn open_in_files(
+            files: Vec<(std::fs::File, PathBuf)>,
+            expect: &OpenExpect,
+        ) -> Result<Pool> {
+            let mut devices: Vec<Box<dyn Storage>> = Vec::new();
+            for (file, path) in files {
+                devices.push(Box::new(BackingDevice::open_file(
+                    file,
+                    &path,
+                    Access::Exclusive,
+                )?));
+            }
+            Self::open_on(devices, expect)
         }
-        Self::open_on(devices, expect)
     }
 
     /// The marks that let a superblock be formatted over without force were
@@ -682,36 +675,38 @@ impl Pool {
         Ok(())
     }
 
-    /// Format a new pool over storage the caller opened (an NVMe namespace
-    /// driven from userspace); `cfg.devices` is not used.
-    /// Like [`Pool::create`], it refuses storage that holds a filesystem,
-    /// a partition table or data that is not a kvtier pool, unless
-    /// `cfg.force`.
-    pub fn create_on(cfg: &PoolConfig, devices: Vec<Box<dyn Storage>>) -> Result<Pool> {
-        Self::check_config(cfg, devices.len())?;
-        let min_size = PoolLayout::min_device_bytes(&cfg.geometry, cfg.group_blocks);
-        for d in &devices {
-            let probe = (crate::host::signature::SIGNATURE_PROBE_BYTES as u64).min(d.size())
-                as usize
-                & !4095;
-            if probe > 0 {
-                let mut head = AlignedBuf::zeroed(probe);
-                d.read_exact_at(&mut head, 0)?;
-                let sig = crate::host::signature::probe_signature(head.as_slice());
-                backing::check_signature(d.path(), &sig, cfg.force)?;
+    internal_pub! {
+        /// Format a new pool over storage the caller opened (an NVMe namespace
+        /// driven from userspace); `cfg.devices` is not used.
+        /// Like [`Pool::create`], it refuses storage that holds a filesystem,
+        /// a partition table or data that is not a kvtier pool, unless
+        /// `cfg.force`.
+        fn create_on(cfg: &PoolConfig, devices: Vec<Box<dyn Storage>>) -> Result<Pool> {
+            Self::check_config(cfg, devices.len())?;
+            let min_size = PoolLayout::min_device_bytes(&cfg.geometry, cfg.group_blocks);
+            for d in &devices {
+                let probe = (crate::host::signature::SIGNATURE_PROBE_BYTES as u64).min(d.size())
+                    as usize
+                    & !4095;
+                if probe > 0 {
+                    let mut head = AlignedBuf::zeroed(probe);
+                    d.read_exact_at(&mut head, 0)?;
+                    let sig = crate::host::signature::probe_signature(head.as_slice());
+                    backing::check_signature(d.path(), &sig, cfg.force)?;
+                }
+                if d.size() < min_size {
+                    return Err(Error::Backing {
+                        path: d.path().to_path_buf(),
+                        reason: format!(
+                            "holds {} bytes; this geometry and group size need at least {min_size}",
+                            d.size()
+                        ),
+                    });
+                }
             }
-            if d.size() < min_size {
-                return Err(Error::Backing {
-                    path: d.path().to_path_buf(),
-                    reason: format!(
-                        "holds {} bytes; this geometry and group size need at least {min_size}",
-                        d.size()
-                    ),
-                });
-            }
+            let none = vec![false; devices.len()];
+            Self::format(cfg, devices, &none, &mut |_, _| {})
         }
-        let none = vec![false; devices.len()];
-        Self::format(cfg, devices, &none, &mut |_, _| {})
     }
 
     fn check_config(cfg: &PoolConfig, devices: usize) -> Result<()> {
@@ -907,151 +902,153 @@ impl Pool {
         Ok(pool)
     }
 
-    /// Open an existing pool on storage the caller opened, in any order.
-    pub fn open_on(devices: Vec<Box<dyn Storage>>, expect: &OpenExpect) -> Result<Pool> {
-        if devices.is_empty() {
-            return Err(Error::invalid("name the pool's backing devices to open it"));
-        }
-        let path0 = devices[0].path().to_path_buf();
-        let mut found: Vec<(Superblock, Box<dyn Storage>)> = Vec::new();
-        let mut damaged_copies: Vec<Vec<(u64, String)>> = Vec::new();
-        for dev in devices {
-            let (sb, damaged) = read_superblock(dev.as_ref())?;
-            damaged_copies.push(damaged);
-            found.push((sb, dev));
-        }
-        let first = found[0].0;
-        for (sb, dev) in &found {
-            if sb.pool_uuid != first.pool_uuid {
+    internal_pub! {
+        /// Open an existing pool on storage the caller opened, in any order.
+        fn open_on(devices: Vec<Box<dyn Storage>>, expect: &OpenExpect) -> Result<Pool> {
+            if devices.is_empty() {
+                return Err(Error::invalid("name the pool's backing devices to open it"));
+            }
+            let path0 = devices[0].path().to_path_buf();
+            let mut found: Vec<(Superblock, Box<dyn Storage>)> = Vec::new();
+            let mut damaged_copies: Vec<Vec<(u64, String)>> = Vec::new();
+            for dev in devices {
+                let (sb, damaged) = read_superblock(dev.as_ref())?;
+                damaged_copies.push(damaged);
+                found.push((sb, dev));
+            }
+            let first = found[0].0;
+            for (sb, dev) in &found {
+                if sb.pool_uuid != first.pool_uuid {
+                    return Err(Error::GeometryMismatch {
+                        path: dev.path().to_path_buf(),
+                        reason: format!(
+                            "belongs to pool {} but {} belongs to pool {}; name the devices of one pool",
+                            hex(&sb.pool_uuid),
+                            path0.display(),
+                            hex(&first.pool_uuid)
+                        ),
+                    });
+                }
+            }
+            let n = first.device_count as usize;
+            if found.len() != n {
                 return Err(Error::GeometryMismatch {
-                    path: dev.path().to_path_buf(),
+                    path: path0,
                     reason: format!(
-                        "belongs to pool {} but {} belongs to pool {}; name the devices of one pool",
-                        hex(&sb.pool_uuid),
-                        path0.display(),
-                        hex(&first.pool_uuid)
+                        "the pool has {n} device(s) but {} were named; name every device of the pool",
+                        found.len()
                     ),
                 });
             }
-        }
-        let n = first.device_count as usize;
-        if found.len() != n {
-            return Err(Error::GeometryMismatch {
-                path: path0,
-                reason: format!(
-                    "the pool has {n} device(s) but {} were named; name every device of the pool",
-                    found.len()
-                ),
-            });
-        }
-        for (sb, dev) in &found {
-            check_same_pool(sb, &first, dev.path())?;
-        }
-        let mut order: Vec<usize> = (0..found.len()).collect();
-        order.sort_by_key(|&i| found[i].0.device_index);
-        let superblocks: Vec<DeviceSuperblock> = order
-            .iter()
-            .map(|&i| DeviceSuperblock {
-                sb: found[i].0,
-                damaged: std::mem::take(&mut damaged_copies[i]),
-            })
-            .collect();
-        found.sort_by_key(|(sb, _)| sb.device_index);
-        for (i, (sb, dev)) in found.iter().enumerate() {
-            if sb.device_index as usize != i {
-                return Err(Error::GeometryMismatch {
-                    path: dev.path().to_path_buf(),
-                    reason: format!(
-                        "device index {} named twice or missing {i}",
-                        sb.device_index
-                    ),
-                });
+            for (sb, dev) in &found {
+                check_same_pool(sb, &first, dev.path())?;
             }
-            if dev.size() < sb.device_size {
-                return Err(Error::Backing {
-                    path: dev.path().to_path_buf(),
+            let mut order: Vec<usize> = (0..found.len()).collect();
+            order.sort_by_key(|&i| found[i].0.device_index);
+            let superblocks: Vec<DeviceSuperblock> = order
+                .iter()
+                .map(|&i| DeviceSuperblock {
+                    sb: found[i].0,
+                    damaged: std::mem::take(&mut damaged_copies[i]),
+                })
+                .collect();
+            found.sort_by_key(|(sb, _)| sb.device_index);
+            for (i, (sb, dev)) in found.iter().enumerate() {
+                if sb.device_index as usize != i {
+                    return Err(Error::GeometryMismatch {
+                        path: dev.path().to_path_buf(),
+                        reason: format!(
+                            "device index {} named twice or missing {i}",
+                            sb.device_index
+                        ),
+                    });
+                }
+                if dev.size() < sb.device_size {
+                    return Err(Error::Backing {
+                        path: dev.path().to_path_buf(),
+                        reason: format!(
+                            "is {} bytes but the pool was formatted with {}; it was truncated{}",
+                            dev.size(),
+                            sb.device_size,
+                            truncated_fix(dev.path(), sb.device_size)
+                        ),
+                    }
+                    .with_fix(Fix::Recreate));
+                }
+            }
+            let dtype = DType::from_code(first.dtype).ok_or_else(|| Error::Corrupt {
+                path: path0.clone(),
+                what: "superblock".into(),
+                reason: format!("unknown dtype code {}", first.dtype),
+            })?;
+            let geometry = KvGeometry {
+                layers: first.layers,
+                kv_heads: first.kv_heads,
+                head_dim: first.head_dim,
+                dtype,
+                block_size: first.block_size,
+            };
+            let namespace = first.namespace();
+            if let Some(want) = &expect.geometry {
+                if *want != geometry {
+                    return Err(Error::GeometryMismatch {
+                        path: path0,
+                        reason: format!(
+                            "was created for {} ({}) but is opened for {}; open it with the model it was created for, or create a new pool",
+                            first.model(),
+                            geometry.describe(),
+                            want.describe()
+                        ),
+                    });
+                }
+            }
+            if let Some(want) = &expect.namespace {
+                if *want != namespace {
+                    return Err(Error::GeometryMismatch {
+                        path: path0,
+                        reason: format!(
+                            "serves namespace {namespace:?} but is opened for {want:?}; keys of another model, dtype, layout or TP rank must not mix"
+                        ),
+                    });
+                }
+            }
+            let groups: Vec<u32> = found.iter().map(|(sb, _)| sb.groups_on_device).collect();
+            let sum = groups.iter().map(|&n| n as u64).sum::<u64>();
+            if sum != first.total_groups as u64 {
+                return Err(Error::Corrupt {
+                    path: path0,
+                    what: "superblock".into(),
                     reason: format!(
-                        "is {} bytes but the pool was formatted with {}; it was truncated{}",
-                        dev.size(),
-                        sb.device_size,
-                        truncated_fix(dev.path(), sb.device_size)
+                        "field total_groups is {} but the devices' groups_on_device add up to {sum}",
+                        first.total_groups
                     ),
                 }
                 .with_fix(Fix::Recreate));
             }
+            let layout = PoolLayout::new(geometry, first.group_blocks, groups);
+            let device_sizes = found.iter().map(|(sb, _)| sb.device_size).collect();
+            let devices: Vec<Box<dyn Storage>> = found.into_iter().map(|(_, d)| d).collect();
+            let mut pool = Pool {
+                index: SharedIndex::new(Index::new(layout.total_slots())),
+                crcs: SlotCrcs::new(layout.total_slots(), geometry.layers),
+                kv_concat: CrcConcat::new(geometry.object_bytes()),
+                layer_concat: CrcConcat::new(2 * geometry.object_bytes()),
+                device_sizes,
+                writable: true,
+                unreadable_headers: Vec::new(),
+                devices,
+                layout,
+                uuid: first.pool_uuid,
+                namespace_hash: namespace_hash(&namespace),
+                namespace,
+                model: first.model(),
+                next_generation: 1,
+                damaged_headers: Vec::new(),
+                superblocks,
+            };
+            pool.rebuild_index()?;
+            Ok(pool)
         }
-        let dtype = DType::from_code(first.dtype).ok_or_else(|| Error::Corrupt {
-            path: path0.clone(),
-            what: "superblock".into(),
-            reason: format!("unknown dtype code {}", first.dtype),
-        })?;
-        let geometry = KvGeometry {
-            layers: first.layers,
-            kv_heads: first.kv_heads,
-            head_dim: first.head_dim,
-            dtype,
-            block_size: first.block_size,
-        };
-        let namespace = first.namespace();
-        if let Some(want) = &expect.geometry {
-            if *want != geometry {
-                return Err(Error::GeometryMismatch {
-                    path: path0,
-                    reason: format!(
-                        "was created for {} ({}) but is opened for {}; open it with the model it was created for, or create a new pool",
-                        first.model(),
-                        geometry.describe(),
-                        want.describe()
-                    ),
-                });
-            }
-        }
-        if let Some(want) = &expect.namespace {
-            if *want != namespace {
-                return Err(Error::GeometryMismatch {
-                    path: path0,
-                    reason: format!(
-                        "serves namespace {namespace:?} but is opened for {want:?}; keys of another model, dtype, layout or TP rank must not mix"
-                    ),
-                });
-            }
-        }
-        let groups: Vec<u32> = found.iter().map(|(sb, _)| sb.groups_on_device).collect();
-        let sum = groups.iter().map(|&n| n as u64).sum::<u64>();
-        if sum != first.total_groups as u64 {
-            return Err(Error::Corrupt {
-                path: path0,
-                what: "superblock".into(),
-                reason: format!(
-                    "field total_groups is {} but the devices' groups_on_device add up to {sum}",
-                    first.total_groups
-                ),
-            }
-            .with_fix(Fix::Recreate));
-        }
-        let layout = PoolLayout::new(geometry, first.group_blocks, groups);
-        let device_sizes = found.iter().map(|(sb, _)| sb.device_size).collect();
-        let devices: Vec<Box<dyn Storage>> = found.into_iter().map(|(_, d)| d).collect();
-        let mut pool = Pool {
-            index: SharedIndex::new(Index::new(layout.total_slots())),
-            crcs: SlotCrcs::new(layout.total_slots(), geometry.layers),
-            kv_concat: CrcConcat::new(geometry.object_bytes()),
-            layer_concat: CrcConcat::new(2 * geometry.object_bytes()),
-            device_sizes,
-            writable: true,
-            unreadable_headers: Vec::new(),
-            devices,
-            layout,
-            uuid: first.pool_uuid,
-            namespace_hash: namespace_hash(&namespace),
-            namespace,
-            model: first.model(),
-            next_generation: 1,
-            damaged_headers: Vec::new(),
-            superblocks,
-        };
-        pool.rebuild_index()?;
-        Ok(pool)
     }
 
     /// Read every header and make each whole, newest block visible. A group
@@ -1148,47 +1145,49 @@ impl Pool {
         }
     }
 
-    /// Retire `slots` (their sectors failed a write) and record them in their
-    /// devices' bad tables, durably where the table itself can be written, so
-    /// a reopened pool routes around them too. Returns the first error of
-    /// persisting; the slots are retired in memory regardless.
-    pub fn retire_slots(&mut self, slots: &[u64]) -> Result<()> {
-        for &s in slots {
-            self.index.lock().retire(s);
-        }
-        if !self.writable {
-            return Ok(());
-        }
-        let mut devs: Vec<usize> = slots
-            .iter()
-            .map(|&s| self.layout.header_offset(s).0 as usize)
-            .collect();
-        devs.sort_unstable();
-        devs.dedup();
-        let mut first_err = None;
-        for dev in devs {
-            let bad: Vec<u64> = device_slots(&self.layout, dev)
-                .filter(|&s| self.index.lock().is_bad(s) && !self.unreadable_headers.contains(&s))
-                .take(BAD_TABLE_MAX)
+    internal_pub! {
+        /// Retire `slots` (their sectors failed a write) and record them in their
+        /// devices' bad tables, durably where the table itself can be written, so
+        /// a reopened pool routes around them too. Returns the first error of
+        /// persisting; the slots are retired in memory regardless.
+        fn retire_slots(&mut self, slots: &[u64]) -> Result<()> {
+            for &s in slots {
+                self.index.lock().retire(s);
+            }
+            if !self.writable {
+                return Ok(());
+            }
+            let mut devs: Vec<usize> = slots
+                .iter()
+                .map(|&s| self.layout.header_offset(s).0 as usize)
                 .collect();
-            let mut buf = AlignedBuf::zeroed(BAD_TABLE_BYTES);
-            let b = buf.as_mut_slice();
-            b[..8].copy_from_slice(&BAD_TABLE_MAGIC);
-            b[8..24].copy_from_slice(&self.uuid);
-            b[24..28].copy_from_slice(&(bad.len() as u32).to_le_bytes());
-            for (i, s) in bad.iter().enumerate() {
-                b[32 + 8 * i..40 + 8 * i].copy_from_slice(&s.to_le_bytes());
+            devs.sort_unstable();
+            devs.dedup();
+            let mut first_err = None;
+            for dev in devs {
+                let bad: Vec<u64> = device_slots(&self.layout, dev)
+                    .filter(|&s| self.index.lock().is_bad(s) && !self.unreadable_headers.contains(&s))
+                    .take(BAD_TABLE_MAX)
+                    .collect();
+                let mut buf = AlignedBuf::zeroed(BAD_TABLE_BYTES);
+                let b = buf.as_mut_slice();
+                b[..8].copy_from_slice(&BAD_TABLE_MAGIC);
+                b[8..24].copy_from_slice(&self.uuid);
+                b[24..28].copy_from_slice(&(bad.len() as u32).to_le_bytes());
+                for (i, s) in bad.iter().enumerate() {
+                    b[32 + 8 * i..40 + 8 * i].copy_from_slice(&s.to_le_bytes());
+                }
+                let crc = crc32c::crc32c(&b[32..32 + 8 * bad.len()]);
+                b[28..32].copy_from_slice(&crc.to_le_bytes());
+                let r = self.devices[dev]
+                    .write_all_at(&buf, BAD_TABLE_OFFSET)
+                    .and_then(|_| self.devices[dev].sync_data());
+                if let Err(e) = r {
+                    first_err.get_or_insert(e);
+                }
             }
-            let crc = crc32c::crc32c(&b[32..32 + 8 * bad.len()]);
-            b[28..32].copy_from_slice(&crc.to_le_bytes());
-            let r = self.devices[dev]
-                .write_all_at(&buf, BAD_TABLE_OFFSET)
-                .and_then(|_| self.devices[dev].sync_data());
-            if let Err(e) = r {
-                first_err.get_or_insert(e);
-            }
+            first_err.map_or(Ok(()), Err)
         }
-        first_err.map_or(Ok(()), Err)
     }
 
     /// What a header sector holds: nothing (all zeroes: never written, or
@@ -1238,22 +1237,24 @@ impl Pool {
         }
     }
 
-    /// The header sector a committed store writes for `key` in `slot`, into
-    /// `sector` (4 KiB), and what loads of the slot verify against from now
-    /// on. `layer_crcs` (one crc32c per layer of its K then V object) is
-    /// `None` for data the host could not read (GPU memory).
-    pub fn write_header_sector(
-        &mut self,
-        sector: &mut [u8],
-        key: &Key,
-        slot: u64,
-        generation: u64,
-        layer_crcs: Option<&[u32]>,
-    ) {
-        let data_crc = self
-            .header_writer()
-            .write(sector, key, slot, generation, layer_crcs);
-        self.crcs.set(slot, data_crc, layer_crcs);
+    internal_pub! {
+        /// The header sector a committed store writes for `key` in `slot`, into
+        /// `sector` (4 KiB), and what loads of the slot verify against from now
+        /// on. `layer_crcs` (one crc32c per layer of its K then V object) is
+        /// `None` for data the host could not read (GPU memory).
+        fn write_header_sector(
+            &mut self,
+            sector: &mut [u8],
+            key: &Key,
+            slot: u64,
+            generation: u64,
+            layer_crcs: Option<&[u32]>,
+        ) {
+            let data_crc = self
+                .header_writer()
+                .write(sector, key, slot, generation, layer_crcs);
+            self.crcs.set(slot, data_crc, layer_crcs);
+        }
     }
 
     /// What builds this pool's header sectors, detached from the pool so a
@@ -1280,12 +1281,14 @@ impl Pool {
         self.crcs.set(slot, data_crc, layer_crcs);
     }
 
-    /// The checksum a load verifies layer `layer` of `slot` against (crc32c of
-    /// its K then V object), when the slot's header carries per-layer checksums.
-    pub fn layer_crc(&self, slot: u64, layer: u32) -> Option<u32> {
-        let s = slot as usize;
-        (self.crcs.kind.get(s) == Some(&CrcKind::Layers))
-            .then(|| self.crcs.per_layer[s * self.crcs.layers as usize + layer as usize])
+    internal_pub! {
+        /// The checksum a load verifies layer `layer` of `slot` against (crc32c of
+        /// its K then V object), when the slot's header carries per-layer checksums.
+        fn layer_crc(&self, slot: u64, layer: u32) -> Option<u32> {
+            let s = slot as usize;
+            (self.crcs.kind.get(s) == Some(&CrcKind::Layers))
+                .then(|| self.crcs.per_layer[s * self.crcs.layers as usize + layer as usize])
+        }
     }
 
     /// Joins a layer's V object checksum to its K object's: the layer's
@@ -1299,79 +1302,97 @@ impl Pool {
         &self.layer_concat
     }
 
-    /// The crc32c of the whole block in `slot`, if it has one (blocks stored
-    /// from memory the host could not read have none).
-    pub fn block_crc(&self, slot: u64) -> Option<u32> {
-        let s = slot as usize;
-        (self.crcs.kind.get(s).is_some_and(|k| *k != CrcKind::None)).then(|| self.crcs.whole[s])
+    internal_pub! {
+        /// The crc32c of the whole block in `slot`, if it has one (blocks stored
+        /// from memory the host could not read have none).
+        fn block_crc(&self, slot: u64) -> Option<u32> {
+            let s = slot as usize;
+            (self.crcs.kind.get(s).is_some_and(|k| *k != CrcKind::None)).then(|| self.crcs.whole[s])
+        }
     }
 
-    /// The header a committed store writes for `key` in `slot`.
-    /// `data_crc` is `None` for data the host could not read (GPU memory).
-    pub fn make_header(
-        &self,
-        key: &Key,
-        slot: u64,
-        generation: u64,
-        data_crc: Option<u32>,
-    ) -> BlockHeader {
-        self.header_writer().header(key, slot, generation, data_crc)
+    internal_pub! {
+        /// The header a committed store writes for `key` in `slot`.
+        /// `data_crc` is `None` for data the host could not read (GPU memory).
+        fn make_header(
+            &self,
+            key: &Key,
+            slot: u64,
+            generation: u64,
+            data_crc: Option<u32>,
+        ) -> BlockHeader {
+            self.header_writer().header(key, slot, generation, data_crc)
+        }
     }
 
-    /// A fresh generation number for a store.
-    pub fn next_generation(&mut self) -> u64 {
-        // Never past MAX_GENERATION: headers above it are refused as damaged
-        // (2^62 stores at ten million a second take 14,000 years).
-        debug_assert!(self.next_generation < MAX_GENERATION);
-        let g = self.next_generation;
-        self.next_generation += 1;
-        g
+    internal_pub! {
+        /// A fresh generation number for a store.
+        fn next_generation(&mut self) -> u64 {
+            // Never past MAX_GENERATION: headers above it are refused as damaged
+            // (2^62 stores at ten million a second take 14,000 years).
+            debug_assert!(self.next_generation < MAX_GENERATION);
+            let g = self.next_generation;
+            self.next_generation += 1;
+            g
+        }
     }
 
     /// The pool's KV geometry.
     pub fn geometry(&self) -> &KvGeometry {
         &self.layout.geometry
     }
-    /// Its address arithmetic.
-    pub fn layout(&self) -> &PoolLayout {
-        &self.layout
+    internal_pub! {
+        /// Its address arithmetic.
+        fn layout(&self) -> &PoolLayout {
+            &self.layout
+        }
     }
-    /// Its index, locked: hold the guard for index operations only (see
-    /// [`SharedIndex::lock`]).
-    pub fn index(&self) -> std::sync::MutexGuard<'_, Index> {
-        self.index.lock()
+    internal_pub! {
+        /// Its index, locked: hold the guard for index operations only (see
+        /// [`SharedIndex::lock`]).
+        fn index(&self) -> std::sync::MutexGuard<'_, Index> {
+            self.index.lock()
+        }
     }
-    /// Its index, locked, to change.
-    pub fn index_mut(&mut self) -> std::sync::MutexGuard<'_, Index> {
-        self.index.lock()
+    internal_pub! {
+        /// Its index, locked, to change.
+        fn index_mut(&mut self) -> std::sync::MutexGuard<'_, Index> {
+            self.index.lock()
+        }
     }
-    /// Its index, for a reader on another thread ([`SharedIndex`]).
-    pub fn shared_index(&self) -> SharedIndex {
-        self.index.clone()
+    internal_pub! {
+        /// Its index, for a reader on another thread ([`SharedIndex`]).
+        fn shared_index(&self) -> SharedIndex {
+            self.index.clone()
+        }
     }
-    /// Its devices.
-    pub fn devices(&self) -> &[Box<dyn Storage>] {
-        &self.devices
+    internal_pub! {
+        /// Its devices.
+        fn devices(&self) -> &[Box<dyn Storage>] {
+            &self.devices
+        }
     }
 
-    /// Owned duplicates of the file descriptors of the pool's devices, for the io_uring
-    /// engine, or an error naming a device only another engine can drive.
-    pub fn device_fds(&self) -> Result<Vec<(OwnedFd, String)>> {
-        self.devices
-            .iter()
-            .map(|d| {
-                let name = d.path().display().to_string();
-                let fd = d.io_fd().ok_or_else(|| {
-                    Error::invalid(format!(
-                        "{name} is not a file or block device; serve this pool with the nvme engine"
-                    ))
-                })?;
-                let fd = fd
-                    .try_clone_to_owned()
-                    .map_err(|e| Error::io(format!("duplicating the descriptor of {name}"), e))?;
-                Ok((fd, name))
-            })
-            .collect()
+    internal_pub! {
+        /// Owned duplicates of the file descriptors of the pool's devices, for the io_uring
+        /// engine, or an error naming a device only another engine can drive.
+        fn device_fds(&self) -> Result<Vec<(OwnedFd, String)>> {
+            self.devices
+                .iter()
+                .map(|d| {
+                    let name = d.path().display().to_string();
+                    let fd = d.io_fd().ok_or_else(|| {
+                        Error::invalid(format!(
+                            "{name} is not a file or block device; serve this pool with the nvme engine"
+                        ))
+                    })?;
+                    let fd = fd
+                        .try_clone_to_owned()
+                        .map_err(|e| Error::io(format!("duplicating the descriptor of {name}"), e))?;
+                    Ok((fd, name))
+                })
+                .collect()
+        }
     }
     /// The namespace it serves.
     pub fn namespace(&self) -> &str {
@@ -1390,18 +1411,20 @@ impl Pool {
         self.writable
     }
 
-    /// Take a block that failed verification out of the pool for good: out of
-    /// the index now, its header invalidated on the device (and that made
-    /// durable) so a reopened pool does not serve it either. Returns its slot,
-    /// or None if the key was not live. If the header cannot be cleared the
-    /// slot keeps a stale mark, so the next store into it clears it first.
-    pub fn drop_damaged(&mut self, key: &Key) -> Result<Option<u64>> {
-        let Some(e) = self.index.lock().get(key).copied() else {
-            return Ok(None);
-        };
-        let cleared = self.clear_header(e.slot);
-        self.index.lock().condemn(key, cleared.is_ok());
-        cleared.map(|_| Some(e.slot))
+    internal_pub! {
+        /// Take a block that failed verification out of the pool for good: out of
+        /// the index now, its header invalidated on the device (and that made
+        /// durable) so a reopened pool does not serve it either. Returns its slot,
+        /// or None if the key was not live. If the header cannot be cleared the
+        /// slot keeps a stale mark, so the next store into it clears it first.
+        fn drop_damaged(&mut self, key: &Key) -> Result<Option<u64>> {
+            let Some(e) = self.index.lock().get(key).copied() else {
+                return Ok(None);
+            };
+            let cleared = self.clear_header(e.slot);
+            self.index.lock().condemn(key, cleared.is_ok());
+            cleared.map(|_| Some(e.slot))
+        }
     }
 
     /// Zero the header sector of `slot`, durably.

@@ -17,10 +17,10 @@
 //! for `kvtier replay` to compare against.
 
 use crate::error::{Error, Result};
-use crate::gpu::staged::{LoadCounter, StagedPath};
+use crate::gpu::wait::LoadCounter;
 use crate::pool::Key;
-use crate::tier::{JobId, JobResult, LayerDone, Tier};
-use std::collections::VecDeque;
+use crate::tier::{JobId, JobKind, JobPath, JobResult, LayerDone, Tier};
+use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 
 /// A store of `blocks` blocks can ever enter a backlog of `limit` blocks:
@@ -67,7 +67,8 @@ pub struct Window {
 
 /// A store the scheduler has accepted but not yet issued.
 struct Pending {
-    ticket: u64,
+    /// Its job id, given when it was accepted and kept on every path.
+    id: JobId,
     keys: Vec<Key>,
     mem_blocks: Vec<u32>,
     /// Data checksums taken when the store was accepted (see
@@ -80,23 +81,27 @@ struct Pending {
 pub enum StoreState {
     /// Waiting in the backlog.
     Deferred,
-    /// Issued as tier job `JobId`.
+    /// Issued as job `JobId` (the id it was accepted under).
     Issued(JobId),
 }
 
-/// A tier with a policy: loads at once, stores through a bounded backlog the policy releases (the handle's I/O thread drives it).
+/// A job path with a policy: loads at once, stores through a bounded backlog
+/// the policy releases (the handle's I/O thread drives it). The scheduler
+/// numbers every job, load or store, once: the id a store is accepted under
+/// (its ticket) is the id its path runs it under and its result carries.
 pub struct Scheduler {
-    tier: Tier,
-    /// The staged HBM path, when the registered memory is GPU memory the
-    /// engine cannot reach: every load and store goes through it. After
-    /// `tier` so the tier's I/O into staging drains first on drop.
-    staged: Option<StagedPath>,
+    /// The tier, or the staged HBM path in front of it: every load and
+    /// store goes through this one path.
+    path: Box<dyn JobPath>,
     policy: Policy,
     backlog: VecDeque<Pending>,
     backlog_blocks: u64,
+    /// Memory blocks the backlog's stores read (count per block): a load
+    /// into one is refused. The path's own table knows the jobs it runs.
+    backlog_mem: HashMap<u32, u32>,
     /// Most blocks the backlog holds before refusing stores.
     pub backlog_limit_blocks: u64,
-    next_ticket: u64,
+    next_id: JobId,
     issued: Vec<(u64, JobId)>,
     /// Stores released, and when (for reports): (ticket, while a load was in flight).
     pub released_during_reads: u64,
@@ -105,14 +110,24 @@ pub struct Scheduler {
 impl Scheduler {
     /// Schedules `tier`'s I/O by `policy`, with a backlog of at most `backlog_limit_blocks` blocks.
     pub fn new(tier: Tier, policy: Policy, backlog_limit_blocks: u64) -> Scheduler {
+        Self::with_path(Box::new(tier), policy, backlog_limit_blocks)
+    }
+
+    /// Schedules the I/O of `path` (a [`Tier`], or `crate::staged::StagedTier`
+    /// serving GPU memory through one) by `policy`.
+    pub fn with_path(
+        path: Box<dyn JobPath>,
+        policy: Policy,
+        backlog_limit_blocks: u64,
+    ) -> Scheduler {
         Scheduler {
-            tier,
-            staged: None,
+            path,
             policy,
             backlog: VecDeque::new(),
             backlog_blocks: 0,
+            backlog_mem: HashMap::new(),
             backlog_limit_blocks,
-            next_ticket: 1,
+            next_id: 1,
             issued: Vec::new(),
             released_during_reads: 0,
         }
@@ -120,120 +135,83 @@ impl Scheduler {
 
     /// The tier.
     pub fn tier(&self) -> &Tier {
-        &self.tier
+        self.path.tier()
     }
     /// The tier, to change.
     pub fn tier_mut(&mut self) -> &mut Tier {
-        &mut self.tier
+        self.path.tier_mut()
+    }
+    /// The path its jobs run on.
+    pub fn path(&self) -> &dyn JobPath {
+        self.path.as_ref()
     }
     /// The tier, for a caller done with scheduling. Refused for a staged
     /// scheduler: its tier's registered memory is the staging, which goes
     /// with the scheduler.
     pub fn into_tier(self) -> Result<Tier> {
-        if self.staged.is_some() {
-            return Err(Error::invalid(
-                "a staged scheduler's tier reads and writes its staging: drain() the scheduler instead of taking the tier",
-            ));
-        }
-        Ok(self.tier)
-    }
-
-    /// Serve loads and stores through the staged HBM path (see
-    /// `crate::gpu::staged`), which `path` registered with this tier.
-    pub fn set_staged(&mut self, path: StagedPath) {
-        self.staged = Some(path);
+        self.path.into_tier()
     }
 
     /// The own counter of staged load `job` (GPU only).
     pub fn load_counter(&self, job: JobId) -> Option<LoadCounter> {
-        self.staged.as_ref()?.load_counter(job)
+        self.path.load_counter(job)
     }
 
-    /// Whether GPU memory is served through the staged path.
-    pub fn is_staged(&self) -> bool {
-        self.staged.is_some()
-    }
-
-    /// Move the tier (and the staged path) along without blocking.
+    /// Move the path along without blocking.
     pub fn poll(&mut self) -> Result<()> {
-        match &mut self.staged {
-            Some(p) => p.poll(&mut self.tier),
-            None => self.tier.poll(),
-        }
+        self.path.poll()
     }
 
     /// Layers that reached memory since the last call.
     pub fn layer_events(&mut self) -> Vec<LayerDone> {
-        match &mut self.staged {
-            Some(p) => p
-                .layer_events()
-                .into_iter()
-                .map(|e| LayerDone {
-                    job: e.job,
-                    layer: e.layer,
-                    error: e.error,
-                })
-                .collect(),
-            None => self.tier.layer_events(),
-        }
+        self.path.layer_events()
     }
 
     /// Jobs finished since the last call.
     pub fn get_finished(&mut self) -> Vec<JobResult> {
-        match &mut self.staged {
-            Some(p) => p.get_finished(),
-            None => self.tier.get_finished(),
-        }
+        self.path.get_finished()
     }
 
-    /// Tier jobs in flight and stores in the backlog.
+    /// Jobs in flight on the path (not the backlog's).
     pub fn jobs_in_flight(&self) -> usize {
-        match &self.staged {
-            Some(p) => p.jobs_in_flight(),
-            None => self.tier.jobs_in_flight(),
-        }
+        self.path.jobs_in_flight()
     }
 
     /// Loads in flight.
     pub fn loads_in_flight(&self) -> usize {
-        match &self.staged {
-            Some(p) => p.loads_in_flight(),
-            None => self.tier.loads_in_flight(),
-        }
+        self.path.loads_in_flight()
     }
 
     /// Whether a poll now may find something done.
     pub fn completions_pending(&self) -> bool {
-        self.tier.completions_pending() || self.staged.as_ref().is_some_and(|p| p.copies_pending())
+        self.path.completions_pending()
     }
 
-    /// Waits for `job` to finish (releasing the backlog as the policy allows) and returns its result.
+    /// Waits for `job` to finish and returns its result.
     pub fn wait(&mut self, job: JobId) -> Result<JobResult> {
-        match &mut self.staged {
-            Some(p) => p.wait(&mut self.tier, job),
-            None => self.tier.wait(job),
-        }
+        self.path.wait(job)
     }
 
     /// Wait for every job in flight.
     pub fn drain(&mut self) -> Result<()> {
-        match &mut self.staged {
-            Some(p) => p.drain(&mut self.tier),
-            None => self.tier.drain(),
-        }
+        self.path.drain()
+    }
+
+    fn take_id(&mut self) -> JobId {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
     }
 
     fn store_now(
         &mut self,
+        id: JobId,
         keys: &[Key],
         mem_blocks: &[u32],
         crcs: Option<&[Option<Vec<u32>>]>,
     ) -> Result<JobId> {
-        match &mut self.staged {
-            // The staged path takes the checksums on the GPU as it gathers.
-            Some(p) => p.submit_store(&mut self.tier, keys, mem_blocks),
-            None => self.tier.submit_store_with_crcs(keys, mem_blocks, crcs),
-        }
+        self.path.submit_store(id, keys, mem_blocks, crcs)?;
+        Ok(id)
     }
     /// The policy.
     pub fn policy(&self) -> Policy {
@@ -251,20 +229,23 @@ impl Scheduler {
         mem_blocks: &[u32],
         layers: Range<u32>,
     ) -> Result<JobId> {
-        match &mut self.staged {
-            Some(p) => p.submit_load(&mut self.tier, keys, mem_blocks, layers),
-            None => self.tier.submit_load(keys, mem_blocks, layers),
+        if let Some(b) = mem_blocks.iter().find(|b| self.backlog_mem.contains_key(b)) {
+            return Err(Error::invalid(format!(
+                "memory block {b} is read by a store not yet issued; wait for that store before loading into it"
+            )));
         }
+        let id = self.take_id();
+        self.path.submit_load(id, keys, mem_blocks, layers)?;
+        Ok(id)
     }
 
     /// Accept a store. Naive issues it now; Slack and Sync keep it in the
     /// backlog until `release_writes`/`flush_writes`. A full backlog refuses
     /// with an error: the caller keeps its blocks (nothing was acknowledged).
     pub fn submit_store(&mut self, keys: &[Key], mem_blocks: &[u32]) -> Result<(u64, StoreState)> {
-        let ticket = self.next_ticket;
-        self.next_ticket += 1;
+        let ticket = self.take_id();
         if self.policy == Policy::Naive {
-            let job = self.store_now(keys, mem_blocks, None)?;
+            let job = self.store_now(ticket, keys, mem_blocks, None)?;
             self.issued.push((ticket, job));
             return Ok((ticket, StoreState::Issued(job)));
         }
@@ -281,8 +262,7 @@ impl Scheduler {
         mem_blocks: &[u32],
         crcs: Option<Vec<Option<Vec<u32>>>>,
     ) -> Result<u64> {
-        let ticket = self.next_ticket;
-        self.next_ticket += 1;
+        let ticket = self.take_id();
         self.defer(ticket, keys, mem_blocks, crcs)?;
         Ok(ticket)
     }
@@ -295,6 +275,11 @@ impl Scheduler {
         crcs: Option<Vec<Option<Vec<u32>>>>,
     ) -> Result<()> {
         check_store_fits(keys.len(), self.backlog_limit_blocks)?;
+        if let Some(b) = self.path.block_in_use(mem_blocks, JobKind::Load) {
+            return Err(Error::invalid(format!(
+                "memory block {b} is the target of a load not yet finished; wait for that load before storing from it"
+            )));
+        }
         let n = keys.len() as u64;
         if self.backlog_blocks + n > self.backlog_limit_blocks {
             return Err(Error::Backpressure(format!(
@@ -303,13 +288,32 @@ impl Scheduler {
             )));
         }
         self.backlog_blocks += n;
+        for &b in mem_blocks {
+            *self.backlog_mem.entry(b).or_default() += 1;
+        }
         self.backlog.push_back(Pending {
-            ticket,
+            id: ticket,
             keys: keys.to_vec(),
             mem_blocks: mem_blocks.to_vec(),
             crcs,
         });
         Ok(())
+    }
+
+    /// Which job uses memory block `block`: `Load` while a load writes it,
+    /// `Store` while a store reads it (deferred, or on the path), `None` when
+    /// it is free. One answer from the two places jobs are: the backlog and
+    /// the path's own table.
+    pub fn memory_block_use(&self, block: u32) -> Option<JobKind> {
+        if self.path.block_in_use(&[block], JobKind::Load).is_some() {
+            Some(JobKind::Load)
+        } else if self.backlog_mem.contains_key(&block)
+            || self.path.block_in_use(&[block], JobKind::Store).is_some()
+        {
+            Some(JobKind::Store)
+        } else {
+            None
+        }
     }
 
     /// Deferred stores in the backlog.
@@ -338,7 +342,8 @@ impl Scheduler {
     /// not flush); returns their tickets. Nothing of them was acknowledged.
     pub fn take_backlog(&mut self) -> Vec<u64> {
         self.backlog_blocks = 0;
-        self.backlog.drain(..).map(|p| p.ticket).collect()
+        self.backlog_mem.clear();
+        self.backlog.drain(..).map(|p| p.id).collect()
     }
 
     /// Issue every deferred store now, whatever the policy.
@@ -349,12 +354,11 @@ impl Scheduler {
     fn issue_up_to(&mut self, max: usize) -> Vec<(u64, Result<JobId>)> {
         let mut out = Vec::new();
         while out.len() < max {
-            let Some(p) = self.backlog.pop_front() else {
+            let Some(p) = self.pop_backlog() else {
                 break;
             };
-            self.backlog_blocks -= p.keys.len() as u64;
-            let r = self.store_now(&p.keys, &p.mem_blocks, p.crcs.as_deref());
-            out.push((p.ticket, r));
+            let r = self.store_now(p.id, &p.keys, &p.mem_blocks, p.crcs.as_deref());
+            out.push((p.id, r));
         }
         out
     }
@@ -372,7 +376,7 @@ impl Scheduler {
         }
         let mut issued = 0;
         while issued < window.write_iocbs {
-            let Some(p) = self.backlog.pop_front() else {
+            let Some(p) = self.pop_backlog() else {
                 break;
             };
             self.issue(p)?;
@@ -383,7 +387,7 @@ impl Scheduler {
 
     /// Issue every deferred store now (end of prefill for Sync, shutdown).
     pub fn flush_writes(&mut self) -> Result<()> {
-        while let Some(p) = self.backlog.pop_front() {
+        while let Some(p) = self.pop_backlog() {
             if self.loads_in_flight() > 0 {
                 self.released_during_reads += 1;
             }
@@ -392,10 +396,24 @@ impl Scheduler {
         Ok(())
     }
 
-    fn issue(&mut self, p: Pending) -> Result<()> {
+    /// The oldest deferred store, out of the backlog's accounting.
+    fn pop_backlog(&mut self) -> Option<Pending> {
+        let p = self.backlog.pop_front()?;
         self.backlog_blocks -= p.keys.len() as u64;
-        let job = self.store_now(&p.keys, &p.mem_blocks, p.crcs.as_deref())?;
-        self.issued.push((p.ticket, job));
+        for b in &p.mem_blocks {
+            if let Some(c) = self.backlog_mem.get_mut(b) {
+                *c -= 1;
+                if *c == 0 {
+                    self.backlog_mem.remove(b);
+                }
+            }
+        }
+        Some(p)
+    }
+
+    fn issue(&mut self, p: Pending) -> Result<()> {
+        let job = self.store_now(p.id, &p.keys, &p.mem_blocks, p.crcs.as_deref())?;
+        self.issued.push((p.id, job));
         Ok(())
     }
 

@@ -2,9 +2,10 @@
 //! holds, the keys and memory blocks it uses, and the results and layer
 //! events waiting to be collected.
 
-use super::store::PendingHeaders;
+use super::headers::PendingHeaders;
+use super::results::FinishedJobs;
 use super::{JobId, JobKind, JobResult, KeyOutcome, LayerDone};
-use crate::error::Failure;
+use crate::error::{Error, Failure, Result};
 use crate::plan::PlannedIo;
 use crate::pool::Key;
 use crate::ring::IocbId;
@@ -222,8 +223,7 @@ pub(super) struct JobTable {
     /// Memory blocks jobs in flight use: (loads writing it, stores reading it).
     mem_busy: HashMap<u32, (u32, u32)>,
     /// Results not yet collected (`wait`, `get_finished`), in finishing order.
-    pub(super) finished: HashMap<JobId, JobResult>,
-    pub(super) finished_order: VecDeque<JobId>,
+    pub(super) finished: FinishedJobs,
     pub(super) layer_events: VecDeque<LayerDone>,
     /// Stores' flushes, shared (group commit).
     pub(super) flush_group: FlushGroup,
@@ -239,25 +239,32 @@ impl JobTable {
             issue_queue: VecDeque::new(),
             storing: HashMap::new(),
             mem_busy: HashMap::new(),
-            finished: HashMap::new(),
-            finished_order: VecDeque::new(),
+            finished: FinishedJobs::default(),
             layer_events: VecDeque::new(),
             flush_group: FlushGroup::default(),
             next_id: 1,
         }
     }
 
-    /// The id the next job inserted gets.
-    pub(super) fn next_id(&self) -> JobId {
-        self.next_id
+    /// The id a new job gets: `want` when the caller numbers its jobs (the
+    /// scheduler gives every path the one id its job has from submit to
+    /// result), refused while a job of that id is in flight or uncollected;
+    /// else the table's next.
+    pub(super) fn claim(&self, want: Option<JobId>) -> Result<JobId> {
+        match want {
+            None => Ok(self.next_id),
+            Some(id) if id == GROUP_FLUSH || id == 0 || self.known(id) => Err(Error::invalid(
+                format!("job id {id} is in use or reserved: give each job of a tier its own id"),
+            )),
+            Some(id) => Ok(id),
+        }
     }
 
-    /// Add a planned job and queue its I/O; it holds its memory blocks until
-    /// it finishes.
-    pub(super) fn insert(&mut self, mut job: Job) -> JobId {
-        let id = self.next_id;
-        self.next_id += 1;
-        job.id = id;
+    /// Add a planned job (its id from `claim`) and queue its I/O; it holds
+    /// its memory blocks until it finishes.
+    pub(super) fn insert(&mut self, job: Job) -> JobId {
+        let id = job.id;
+        self.next_id = self.next_id.max(id + 1);
         for &b in &job.mem_blocks {
             let u = self.mem_busy.entry(b).or_default();
             match job.kind {
@@ -325,23 +332,36 @@ impl JobTable {
 
     /// Keep a finished job's result until it is collected.
     pub(super) fn finish(&mut self, result: JobResult) {
-        self.finished_order.push_back(result.job);
-        self.finished.insert(result.job, result);
+        self.finished.push(result);
     }
 
     /// Remove a collected result and the layer events of its job.
     pub(super) fn collect(&mut self, id: JobId) -> Option<JobResult> {
-        let r = self.finished.remove(&id)?;
-        self.finished_order.retain(|&j| j != id);
+        let r = self.finished.take(id)?;
         if r.kind == JobKind::Load {
             self.layer_events.retain(|e| e.job != id);
         }
         Some(r)
     }
 
+    /// Remove every collected result, in finishing order, and the layer
+    /// events of those jobs.
+    pub(super) fn collect_all(&mut self) -> Vec<JobResult> {
+        let all = self.finished.take_all();
+        let loads: std::collections::HashSet<JobId> = all
+            .iter()
+            .filter(|r| r.kind == JobKind::Load)
+            .map(|r| r.job)
+            .collect();
+        if !loads.is_empty() {
+            self.layer_events.retain(|e| !loads.contains(&e.job));
+        }
+        all
+    }
+
     /// In flight, or finished and not yet collected.
     pub(super) fn known(&self, id: JobId) -> bool {
-        self.live.contains_key(&id) || self.finished.contains_key(&id)
+        self.live.contains_key(&id) || self.finished.contains(id)
     }
 
     pub(super) fn count(&self, kind: JobKind) -> usize {

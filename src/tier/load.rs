@@ -1,6 +1,7 @@
 //! The load path: plan a load's reads layer by layer, verify each layer
 //! against the checksums its headers recorded, announce layers in order.
 
+use super::hashing::{hash_entries, layer_crc};
 use super::jobs::{Item, Job, LayerCheck, LoadCheck, Step};
 use super::{trace, JobId, JobKind, KeyOutcome, LayerDone, Tier};
 use crate::error::{Error, Failure, Result};
@@ -19,6 +20,17 @@ impl Tier {
     /// `wait_layer`.
     pub fn submit_load(
         &mut self,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        layers: Range<u32>,
+    ) -> Result<JobId> {
+        self.load_job(None, keys, mem_blocks, layers)
+    }
+
+    /// `submit_load` as job `want` (the caller's numbering) or the next id.
+    pub(super) fn load_job(
+        &mut self,
+        want: Option<JobId>,
         keys: &[Key],
         mem_blocks: &[u32],
         layers: Range<u32>,
@@ -42,6 +54,7 @@ impl Tier {
                 theirs.start, theirs.end
             )));
         }
+        let id = self.jobs.claim(want)?;
         let slots = self.hold_job_keys(keys)?;
         let table = self.table()?.clone();
         let verify = self.cfg.verify_loads && table.kind() == MemoryKind::Host;
@@ -51,8 +64,8 @@ impl Tier {
         // layer at 4K tokens).
         let runs = load_runs(self.pool.layout(), &slots);
         let first = self.plan_layer(&slots, &runs, mem_blocks, layers.start, verify);
-        let id = self.jobs.insert(Job {
-            id: 0,
+        self.jobs.insert(Job {
+            id,
             kind: JobKind::Load,
             keys: keys.to_vec(),
             mem_blocks: mem_blocks.to_vec(),
@@ -271,63 +284,6 @@ impl Tier {
             }
         }
     }
-}
-
-/// The bytes of one P2P-table entry (an object of a memory block).
-fn entry_bytes(table: &P2pTable, seg: u32) -> &[u8] {
-    let d = table.entry(seg).expect("in table");
-    // SAFETY: the descriptor addresses registered host memory the caller
-    // keeps alive (register_memory's contract), and no I/O writes it now: a
-    // store reads it, or the load that wrote it has completed.
-    unsafe { std::slice::from_raw_parts(d.addr as *const u8, d.len as usize) }
-}
-
-/// crc32c of each P2P-table entry of `segs`, on two threads when there is
-/// much to hash: reads that land together (the last ones of a layer) are
-/// hashed while the layer's announcement waits.
-fn hash_entries(table: &P2pTable, segs: Vec<u32>, split: bool) -> Vec<u32> {
-    // Below this many bytes (one typical read) a second thread costs more
-    // than it saves.
-    const SPLIT_BYTES: u64 = 8 << 20;
-    let bytes: u64 = segs
-        .iter()
-        .map(|&s| table.entry(s).map_or(0, |d| d.len as u64))
-        .sum();
-    let hash = |part: &[u32]| -> Vec<u32> {
-        part.iter()
-            .map(|&s| crate::checksum::crc32c(entry_bytes(table, s)))
-            .collect()
-    };
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if !split || bytes < SPLIT_BYTES || cpus < 2 || segs.len() < 2 {
-        return hash(&segs);
-    }
-    let (a, b) = segs.split_at(segs.len() / 2);
-    std::thread::scope(|s| {
-        let other = s.spawn(|| hash(b));
-        let mut got = hash(a);
-        got.extend(other.join().expect("a checksum thread panicked"));
-        got
-    })
-}
-
-/// The bytes of one object of a memory block.
-fn object_bytes(table: &P2pTable, mem_block: u32, layer: u32, kv: u32) -> &[u8] {
-    entry_bytes(table, table.index(mem_block, layer, kv))
-}
-
-/// crc32c of layer `layer` of a memory block: its K object, then its V object.
-fn layer_crc(table: &P2pTable, mem_block: u32, layer: u32) -> u32 {
-    (0..2).fold(0, |crc, kv| {
-        crate::checksum::crc32c_append(crc, object_bytes(table, mem_block, layer, kv))
-    })
-}
-
-/// One crc32c per layer of a block in host memory (what its header records).
-pub(super) fn layer_crcs(table: &P2pTable, mem_block: u32, layers: u32) -> Vec<u32> {
-    (0..layers)
-        .map(|l| layer_crc(table, mem_block, l))
-        .collect()
 }
 
 /// What a second look at the device found for a layer whose landed bytes

@@ -32,12 +32,22 @@
 //! flight and results to collect; `load` plans reads, verifies layers and
 //! announces them; `store` allocates, stages headers and settles stores;
 //! `store_plan` is the store protocol as a pure plan (unit-tested alone);
-//! `io` moves planned I/O through the gio_uring ring and accounts
-//! completions.
+//! `headers` a store's header sectors until they are staged; `hashing` the
+//! checksums of registered memory both paths take; `results` finished jobs'
+//! results until collected (the staged path keeps its own in the same shape);
+//! `window` the adaptive restore window; `path` the job-path trait a scheduler
+//! drives (`Tier` and the staged tier implement it); `io` moves planned I/O
+//! through the gio_uring ring and accounts completions. Imports between them
+//! run one way: `io` -> `store` -> `store_plan` -> `jobs` -> `headers`,
+//! `jobs` -> `results`, `load` -> `jobs`, `load`/`store` -> `hashing`.
 
+mod hashing;
+mod headers;
 mod io;
 mod jobs;
 mod load;
+mod path;
+mod results;
 mod store;
 mod store_plan;
 mod trace;
@@ -52,10 +62,12 @@ use crate::pool::layout::SLOT_HEADER_BYTES;
 use crate::pool::{Key, Pool};
 use crate::submitter::Submitter;
 use jobs::{Item, JobTable};
+pub use path::JobPath;
+pub(crate) use results::FinishedJobs;
 use std::sync::Arc;
 use store::Staging;
 
-/// Settings of a [`Tier`]: [`TierConfig::default`] and the `with_*` setters.
+/// Settings of a `Tier`: [`TierConfig::default`] and the `with_*` setters.
 #[non_exhaustive]
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct TierConfig {
@@ -83,7 +95,7 @@ pub struct TierConfig {
     pub load_inflight_bytes: u64,
     /// The most bytes of one load's reads in flight: the window starts at
     /// `load_inflight_bytes` and doubles up to this while later layers
-    /// arrive measurably faster ([`window::RestoreWindow`]); equal to
+    /// arrive measurably faster (`window::RestoreWindow`); equal to
     /// `load_inflight_bytes` keeps it fixed.
     #[serde(default = "load_inflight_max_bytes_default")]
     pub load_inflight_max_bytes: u64,
@@ -386,7 +398,7 @@ impl Tier {
         }
         if !self.io.engine().reaches(mem.kind) {
             return Err(Error::Unsupported(format!(
-                "the {} engine cannot reach {:?} memory directly; register host memory, or serve GPU memory through the staged path (TierBuilder::memory, or gpu::staged::StagedTier: pinned host staging and a copy kernel per layer); `kvtier doctor` says which path each memory kind takes here",
+                "the {} engine cannot reach {:?} memory directly; register host memory, or serve GPU memory through the staged path (TierBuilder::memory, or staged::StagedTier: pinned host staging and a copy kernel per layer); `kvtier doctor` says which path each memory kind takes here",
                 self.io.engine().name(),
                 mem.kind
             )));
@@ -405,7 +417,7 @@ impl Tier {
     }
 
     /// Register memory described by a P2P table built elsewhere (the staged
-    /// HBM path's host staging, `crate::gpu::staged`), as `register_memory`
+    /// HBM path's host staging, `crate::staged`), as `register_memory`
     /// does for a table it builds.
     ///
     /// # Safety
@@ -645,7 +657,7 @@ impl Tier {
             match self.jobs.live.get(&id) {
                 None => {
                     // Finished: its result says which keys failed.
-                    let r = self.jobs.finished.get(&id).expect("checked");
+                    let r = self.jobs.finished.get(id).expect("checked");
                     return match r.failures().next() {
                         Some((k, f)) if r.kind == JobKind::Load => Err(Error::Failed(
                             f.context(format_args!("job {id} failed to load key {k}")),
@@ -679,10 +691,7 @@ impl Tier {
 
     /// Results of every job finished and not yet collected, in finishing order.
     pub fn get_finished(&mut self) -> Vec<JobResult> {
-        let ids: Vec<JobId> = self.jobs.finished_order.iter().copied().collect();
-        ids.into_iter()
-            .filter_map(|id| self.jobs.collect(id))
-            .collect()
+        self.jobs.collect_all()
     }
 
     /// Wait for every job in flight.
@@ -779,7 +788,7 @@ impl Tier {
                 if mem_block < table.num_blocks()
                     && table.geometry().is_some_and(|g| layers <= g.layers) =>
             {
-                Some(load::layer_crcs(table, mem_block, layers))
+                Some(hashing::layer_crcs(table, mem_block, layers))
             }
             _ => None,
         }

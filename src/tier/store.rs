@@ -2,9 +2,10 @@
 //! each new block's header with its checksums, and hand the store protocol
 //! (`store_plan`) to the job table; settle the job when it finishes.
 
+use super::hashing::layer_crcs;
+use super::headers::{HeaderState, NewBlock, PendingHeaders};
 use super::jobs::{Item, Job, StoreState};
-use super::load::layer_crcs;
-use super::store_plan::{plan_store, NewBlock, StoreInputs};
+use super::store_plan::{plan_store, StoreInputs};
 use super::{JobId, JobKind, KeyOutcome, Tier};
 use crate::error::{Error, ErrorKind, Failure, Result};
 use crate::memory::{DmaBuffer, MemoryKind};
@@ -16,10 +17,6 @@ use std::sync::Arc;
 /// Below this many bytes of blocks to hash, a store hashes them itself
 /// rather than start a worker.
 const INLINE_HASH_BYTES: u64 = 32 << 20;
-
-/// A thread taking checksums and building the header sectors of the blocks
-/// it hashed: (block, its header's state) when joined.
-type HashWorker = std::thread::JoinHandle<Vec<(usize, HeaderState)>>;
 
 /// Run `work` on a thread `spawn` starts, or here when no thread can be had
 /// (`Err` with its result): the OS refusing a thread (a process at its
@@ -37,16 +34,6 @@ fn spawn_or_run<T: Send + 'static>(
     }
 }
 
-/// Where one new block's header sector stands.
-pub(super) enum HeaderState {
-    /// Still to be built, from these per-layer checksums (None: memory the
-    /// host cannot read, stored without them).
-    Todo(Option<Vec<u32>>),
-    /// Built in its staging entry by the checksum worker; the pool still
-    /// has to record what loads verify against.
-    Built { layer_crcs: Vec<u32>, data_crc: u32 },
-}
-
 /// A block the checksum worker hashes, and where its header sector goes.
 struct ToHash {
     /// Its index among the store's new blocks.
@@ -57,35 +44,6 @@ struct ToHash {
     generation: u64,
     slot: u64,
     mem_block: u32,
-}
-
-/// A store's headers until they are staged.
-pub(super) struct PendingHeaders {
-    /// The new blocks, in the order their staging entries were taken.
-    blocks: Vec<NewBlock>,
-    /// Per new block: its header's state (the worker's blocks are `Todo(None)`
-    /// until it is joined).
-    states: Vec<HeaderState>,
-    /// The worker hashing the blocks without given checksums.
-    worker: Option<HashWorker>,
-}
-
-impl PendingHeaders {
-    /// Every block with its header's state (waiting for the worker if it
-    /// still runs).
-    pub(super) fn join(mut self) -> Vec<(NewBlock, HeaderState)> {
-        if let Some(w) = self.worker.take() {
-            // A worker that panicked left its blocks `Todo(None)`: they are
-            // then stored without checksums (verified by nothing, which
-            // `pool check` reports), never with wrong ones.
-            if let Ok(got) = w.join() {
-                for (j, state) in got {
-                    self.states[j] = state;
-                }
-            }
-        }
-        self.blocks.into_iter().zip(self.states).collect()
-    }
 }
 
 /// Put every header of a store into its staging entry, just before the
@@ -168,6 +126,18 @@ impl Tier {
         mem_blocks: &[u32],
         crcs: Option<&[Option<Vec<u32>>]>,
     ) -> Result<JobId> {
+        self.store_job(None, keys, mem_blocks, crcs)
+    }
+
+    /// `submit_store_with_crcs` as job `want` (the caller's numbering) or
+    /// the next id.
+    pub(super) fn store_job(
+        &mut self,
+        want: Option<JobId>,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        crcs: Option<&[Option<Vec<u32>>]>,
+    ) -> Result<JobId> {
         if crcs.is_some_and(|c| c.len() != keys.len()) {
             return Err(Error::invalid("one checksum slot per key is needed"));
         }
@@ -198,7 +168,7 @@ impl Tier {
                 "memory block {b} is the target of a load in flight; wait for that load before storing from it"
             )));
         }
-        let this_job = self.jobs.next_id();
+        let this_job = self.jobs.claim(want)?;
         let mut waiting_on = Vec::new();
         let mut in_job = HashSet::new();
         let mut already = Vec::new();
@@ -378,7 +348,7 @@ impl Tier {
             .collect();
 
         let id = self.jobs.insert(Job {
-            id: 0,
+            id: this_job,
             kind: JobKind::Store,
             keys: keys.to_vec(),
             mem_blocks: mem_blocks.to_vec(),

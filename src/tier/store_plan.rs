@@ -15,21 +15,11 @@
 //! the stores in flight (group commit: `jobs::FlushGroup`), issued after the
 //! step before it completed, as the step's own flush would have been.
 
+use super::headers::NewBlock;
 use super::jobs::{FlushAfter, Step};
 use crate::plan::{self, PlannedIo};
 use crate::pool::layout::{PoolLayout, SLOT_HEADER_BYTES};
 use crate::ring::abi::{IOCTX_OP_FLUSH, IOCTX_OP_WRITE};
-
-/// One block a store writes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct NewBlock {
-    /// Its key's position in the job.
-    pub pos: u32,
-    pub slot: u64,
-    pub mem_block: u32,
-    /// P2P index of the staged 4 KiB header sector written for it.
-    pub header_seg: u32,
-}
 
 pub(super) struct StoreInputs<'a> {
     pub layout: &'a PoolLayout,

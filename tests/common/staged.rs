@@ -4,9 +4,9 @@
 //! staging kernels). Both run every check here, against a [`KvRig`].
 
 use crate::common::*;
-use kvtier::gpu::staged::{StagedTier, StagingConfig};
 use kvtier::memory::pattern_fill;
 use kvtier::pool::{Key, OpenExpect, Pool};
+use kvtier::staged::{StagedTier, StagingConfig};
 use kvtier::tier::{KeyOutcome, Tier, TierConfig};
 use kvtier::{HostLayout, KvGeometry};
 use std::os::unix::fs::FileExt;

@@ -1,5 +1,5 @@
 //! `kvtier bench --memory gpu`: restore into and store from KV memory in GPU
-//! HBM through the staged path (`kvtier::gpu::staged`), each beside its two
+//! HBM through the staged path (`kvtier::staged`), each beside its two
 //! ceilings measured in the same run on the same pool: the disk alone (the
 //! same keys loaded into, or stored from, host memory) and the PCIe copy
 //! alone (pinned host to HBM for a restore, HBM to pinned host for a
@@ -14,7 +14,6 @@
 
 use super::{check_scratch_pool, BenchConfig, Machine};
 use kvtier::error::{Error, Result};
-use kvtier::gpu::staged::{StagedTier, StagingConfig};
 use kvtier::gpu::staging::{CopyDesc, CudaCopier, DeviceCopier, HostCopier};
 use kvtier::gpu::{Context, Device, DeviceBuffer, PinnedHostBuffer};
 use kvtier::host::size::human_bytes;
@@ -22,6 +21,7 @@ use kvtier::memory::{pattern_fill, HostKvCache, HostLayout, KvLayout, KvMemory, 
 use kvtier::model::KvGeometry;
 use kvtier::pool::{Key, OpenExpect, Pool, PoolConfig};
 use kvtier::scratch::ScratchFile;
+use kvtier::staged::{StagedTier, StagingConfig};
 use kvtier::tier::Tier;
 use std::sync::Arc;
 use std::time::Instant;

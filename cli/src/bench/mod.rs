@@ -257,28 +257,36 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
             (pool, Some(engine))
         }
         None => {
-            let per_dev = (cfg.capacity / cfg.devices as u64) & !4095;
-            // Named in the bench's own flags (the pool's error names `pool
-            // create --size`), before any file is made.
-            let min_dev =
-                kvtier::pool::layout::PoolLayout::min_device_bytes(&cfg.geometry, cfg.group_blocks);
-            if per_dev < min_dev {
-                return Err(Error::invalid(format!(
-                    "--capacity {} over {} device(s) gives each {}; one superblock and one extent \
-                     group of {} blocks need {} per device: raise --capacity to at least {}{}",
+            // The library's split of a capacity over files, refused in the
+            // bench's own flags before any file is made.
+            let per_dev = kvtier::pool::place::bytes_per_file(
+                cfg.capacity,
+                cfg.devices as usize,
+                &cfg.geometry,
+                cfg.group_blocks,
+                &cfg.dir,
+            )
+            .map_err(|e| match e.fix() {
+                Some(&kvtier::error::Fix::GiveCapacity { at_least }) => Error::invalid(format!(
+                    "--capacity {} over {} device(s) gives each {}; one superblock and one \
+                     extent group of {} blocks need {} per device: raise --capacity to at least {}{}",
                     human_bytes(cfg.capacity),
                     cfg.devices,
-                    human_bytes(per_dev),
+                    human_bytes(kvtier::pool::place::split_capacity(
+                        cfg.capacity,
+                        cfg.devices as usize
+                    )),
                     cfg.group_blocks,
-                    human_bytes(min_dev),
-                    human_bytes(min_dev * cfg.devices as u64),
+                    human_bytes(at_least / cfg.devices as u64),
+                    human_bytes(at_least),
                     if cfg.group_blocks > 1 {
                         " (or lower --group-blocks)"
                     } else {
                         ""
                     }
-                )));
-            }
+                )),
+                _ => e,
+            })?;
             // Created new here, so a file already at one of these names
             // (or a symlink planted there) is refused, never formatted;
             // dropped on every way out of this function, which removes

@@ -1,17 +1,48 @@
 //! `kvtier pool`: create, inspect and verify pools.
 
 use crate::*;
+use kvtier::pool::place;
+
+/// Where a pool is: its backing files or block devices, or a pool directory
+/// (the files kvtier makes there, as `TierBuilder::directory` names them).
+#[derive(Args)]
+pub(crate) struct PoolAt {
+    /// A backing file or block device; repeat for several SSDs.
+    #[arg(long = "dev", required_unless_present = "dir")]
+    devs: Vec<PathBuf>,
+    /// A pool directory instead of --dev: the files kvtier makes there
+    /// (kvtier-0.pool, ...), the pool the library's and Python's
+    /// TierBuilder.directory open.
+    #[arg(long, conflicts_with = "devs")]
+    dir: Option<PathBuf>,
+    /// How many files the pool in --dir spreads over.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    files: u32,
+}
+
+impl PoolAt {
+    fn paths(&self) -> Vec<PathBuf> {
+        match &self.dir {
+            Some(dir) => place::directory_files(dir, self.files),
+            None => self.devs.clone(),
+        }
+    }
+}
 
 #[derive(Subcommand)]
 pub(crate) enum PoolCmd {
-    /// Format a pool over backing files or block devices.
+    /// Format a pool over backing files or block devices, or in a pool
+    /// directory.
     Create {
-        /// A backing file or block device; repeat for several SSDs.
-        #[arg(long = "dev", required = true)]
-        devs: Vec<PathBuf>,
+        #[command(flatten)]
+        at: PoolAt,
         /// Size of each backing file (e.g. 64g, 4 KiB to 1 PiB); block devices default to their whole size.
-        #[arg(long, value_parser = parse_pool_size)]
+        #[arg(long, value_parser = parse_pool_size, conflicts_with = "dir")]
         size: Option<u64>,
+        /// With --dir: the pool's total size (e.g. 64g), split equally over
+        /// its files.
+        #[arg(long, value_parser = parse_capacity, requires = "dir")]
+        capacity: Option<u64>,
         #[command(flatten)]
         model: ModelArgs,
         /// Blocks per extent group (a layer of G consecutive blocks is one I/O).
@@ -33,16 +64,16 @@ pub(crate) enum PoolCmd {
     },
     /// Show a pool's geometry, devices and usage.
     Info {
-        #[arg(long = "dev", required = true)]
-        devs: Vec<PathBuf>,
+        #[command(flatten)]
+        at: PoolAt,
         #[arg(long)]
         json: bool,
     },
     /// Verify every header and block checksum; exits 1 on damage (or on
     /// blocks that carry no checksum to verify).
     Check {
-        #[arg(long = "dev", required = true)]
-        devs: Vec<PathBuf>,
+        #[command(flatten)]
+        at: PoolAt,
         #[arg(long)]
         json: bool,
         /// Drop every damaged or unreadable block (its header is cleared) so
@@ -56,8 +87,9 @@ pub(crate) enum PoolCmd {
 pub(crate) fn run(cmd: PoolCmd) -> Result<i32> {
     match cmd {
         PoolCmd::Create {
-            devs,
+            at,
             size,
+            capacity,
             model,
             group_blocks,
             namespace,
@@ -66,14 +98,25 @@ pub(crate) fn run(cmd: PoolCmd) -> Result<i32> {
         } => {
             let named = model.resolve()?;
             let geometry = named.geometry;
-            let namespace = namespace.unwrap_or_else(|| {
-                format!(
-                    "{}/{}/bs{}/tp0",
-                    named.name,
-                    geometry.dtype.name(),
-                    geometry.block_size
-                )
-            });
+            let namespace =
+                namespace.unwrap_or_else(|| model::default_namespace(&named.name, &geometry, 0));
+            let devs = at.paths();
+            // A pool directory: the library's split of the capacity over
+            // its files, and the directory made.
+            let size = match (&at.dir, capacity) {
+                (None, _) => size,
+                (Some(_), None) => {
+                    return Err(kvtier::Error::invalid(
+                        "--dir needs --capacity: the pool's total size, split over its --files",
+                    ))
+                }
+                (Some(dir), Some(capacity)) => {
+                    let per_file =
+                        place::bytes_per_file(capacity, devs.len(), &geometry, group_blocks, dir)?;
+                    kvtier_cli::cli::make_dir(dir)?;
+                    Some(per_file)
+                }
+            };
             let mut last = std::time::Instant::now();
             // A progress line left open when creating fails: the error
             // goes on a line of its own.
@@ -116,7 +159,8 @@ pub(crate) fn run(cmd: PoolCmd) -> Result<i32> {
             print_info(&pool)?;
             Ok(0)
         }
-        PoolCmd::Info { devs, json } => {
+        PoolCmd::Info { at, json } => {
+            let devs = at.paths();
             let pool = Pool::open_read_only(&devs, &OpenExpect::default())?;
             if json {
                 outln!(
@@ -128,7 +172,8 @@ pub(crate) fn run(cmd: PoolCmd) -> Result<i32> {
             }
             Ok(0)
         }
-        PoolCmd::Check { devs, json, repair } => {
+        PoolCmd::Check { at, json, repair } => {
+            let devs = at.paths();
             let mut pool = if repair {
                 Pool::open(&devs, &OpenExpect::default())?
             } else {

@@ -8,8 +8,8 @@ use kvtier::service::{self, Service, ServiceConfig};
 
 #[derive(Args)]
 pub(crate) struct ServeArgs {
-    /// The pool's directory: its file kvtier-0.pool is opened, or created
-    /// with --capacity when absent.
+    /// The pool's directory: the pool there is opened, or created with
+    /// --capacity when there is none.
     #[arg(long)]
     dir: PathBuf,
     /// The pool's size when it is created (e.g. 64g).
@@ -36,39 +36,14 @@ pub(crate) struct ServeArgs {
     engine: String,
 }
 
-/// The builder for the pool in `dir`: opened when its file exists, else
-/// created with `capacity`. (One function, so that the library's own
-/// open-or-create can replace it.)
-fn pool_builder(
-    dir: &Path,
-    capacity: Option<u64>,
-    named: &model::NamedGeometry,
-) -> Result<TierBuilder> {
-    let g = named.geometry;
-    let namespace = format!("{}/{}/bs{}/tp0", named.name, g.dtype.name(), g.block_size);
-    let file = dir.join("kvtier-0.pool");
-    if file.exists() {
-        return Ok(TierBuilder::default().files([file]).expect(OpenExpect {
-            geometry: Some(g),
-            namespace: Some(namespace),
-        }));
+/// The builder for the pool in `dir`: the library opens the pool that is
+/// there, or creates one of `capacity` bytes for the model.
+fn pool_builder(dir: &Path, capacity: Option<u64>, named: &model::NamedGeometry) -> TierBuilder {
+    let b = TierBuilder::default().directory(dir).model(named.clone());
+    match capacity {
+        Some(c) => b.capacity(c),
+        None => b,
     }
-    let cap = capacity.ok_or_else(|| {
-        kvtier::Error::invalid(format!(
-            "no pool at {} and no --capacity to create one: give --capacity (e.g. 64g)",
-            file.display()
-        ))
-    })?;
-    std::fs::create_dir_all(dir)
-        .map_err(|e| kvtier::Error::io(format!("creating {}", dir.display()), e))?;
-    Ok(TierBuilder::default().create(
-        PoolConfig::new(g, named.name.clone(), namespace)
-            .with_group_blocks(DEFAULT_GROUP_BLOCKS)
-            .with_devices(vec![DeviceSpec {
-                path: file,
-                size: Some(cap & !4095),
-            }]),
-    ))
 }
 
 /// Runs `kvtier serve` until SIGTERM or SIGINT; the exit code.
@@ -84,7 +59,7 @@ pub(crate) fn run(a: ServeArgs) -> Result<i32> {
         ))
     })?;
     let group = a.group.as_deref().map(service::group_id).transpose()?;
-    let builder = pool_builder(&a.dir, a.capacity, &named)?.engine(engine);
+    let builder = pool_builder(&a.dir, a.capacity, &named).engine(engine);
     let cfg = ServiceConfig::new(&a.socket)
         .with_group(group)
         .with_clients(a.clients)

@@ -1,0 +1,622 @@
+//! `TierHandle`: an open tier from Python. Everything that can wait
+//! (loads, stores, waits, close) releases the GIL.
+
+use crate::args::*;
+use crate::errors::{to_py, usage};
+use crate::lifecycle::{without_gil, FORKS};
+use crate::memory::kind_label;
+use crate::model::geometry_dict;
+use crate::results::{event_py, result_py, EventPy, JobResultPy};
+use kvtier::error::Error;
+use kvtier::gpu::{CompletionCounter, Context};
+use kvtier::handle::Completions;
+use kvtier::memory::{HostKvCache, KvLayout, KvMemory, MemoryKind};
+use kvtier::pool::Key;
+use kvtier::tier::JobKind;
+use pyo3::buffer::PyBuffer;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyTuple};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// An open tier: thread-safe; every method may be called from any thread.
+/// The memory of a job's blocks must not be written until the job finishes.
+#[pyclass(module = "kvtier._kvtier", frozen)]
+pub struct TierHandle {
+    // Field order is drop order: the tier (and its I/O) goes before the
+    // memory it reads and writes.
+    pub(crate) inner: Option<kvtier::TierHandle>,
+    pub(crate) completions: Completions,
+    pub(crate) memory: KvMemory,
+    pub(crate) host: Option<Arc<HostKvCache>>,
+    pub(crate) namespace: String,
+    pub(crate) model_name: String,
+    /// Served through the staged HBM path (on a GPU, or its host double).
+    pub(crate) staged: bool,
+    /// The CUDA context of GPU KV memory (torch's primary context).
+    pub(crate) gpu: Option<Context>,
+    /// Counters a foreign stream was told to wait on: kept until the handle
+    /// goes, since kvtier cannot see when such a stream passes its wait.
+    /// Loads reuse counters, so this holds at most one per concurrent load.
+    pub(crate) waited_counters: Mutex<Vec<Arc<CompletionCounter>>>,
+    pub(crate) owners: Mutex<Vec<Py<PyAny>>>,
+    pub(crate) buffers: Mutex<Vec<PyBuffer<u8>>>,
+    /// FORKS when the handle was built: a different count means this is a
+    /// forked child, which has the handle's memory but not its I/O thread.
+    pub(crate) forks: u64,
+}
+
+/// How long a blocking wait sleeps before looking at Python's signals, so
+/// that Ctrl-C (and any signal handler) runs while a job is slow or stuck.
+pub(crate) const WAIT_SLICE: Duration = Duration::from_millis(50);
+
+impl TierHandle {
+    fn h(&self) -> &kvtier::TierHandle {
+        self.inner.as_ref().expect("set at build")
+    }
+
+    fn forked(&self) -> bool {
+        FORKS.load(Ordering::SeqCst) != self.forks
+    }
+
+    /// The handle, for anything that does I/O or touches the KV memory:
+    /// refused in a forked child, whose copy has no I/O thread (its waits
+    /// would never end) and may lack the memory (kvtier's own is not
+    /// inherited: it is pinned for DMA).
+    fn live(&self) -> PyResult<&kvtier::TierHandle> {
+        if self.forked() {
+            return Err(usage(
+                "this TierHandle was opened before fork(): a child process cannot use it (its I/O thread and DMA memory stay in the parent); open a tier in the child on a pool of its own, or start workers with the 'spawn' method",
+            ));
+        }
+        Ok(self.h())
+    }
+
+    /// write_block and friends copy with the CPU: host memory only.
+    fn check_host(&self, what: &str) -> PyResult<()> {
+        if self.memory.kind != MemoryKind::Host {
+            return Err(usage(format!(
+                "{what} copies with the CPU but the KV memory is on {}; copy through the CUDA tensors themselves (torch)",
+                kind_label(self.memory.kind)
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whether `addr..+len` shares a byte with one of `block`'s objects.
+    fn overlaps_block(&self, block: u32, addr: usize, len: usize) -> bool {
+        let g = self.memory.geometry;
+        let obj = g.object_bytes() as usize;
+        (0..g.layers).any(|layer| {
+            (0..2).any(|kv| {
+                let o = self.memory.object_addr(block, layer, kv) as usize;
+                addr < o + obj && o < addr + len
+            })
+        })
+    }
+
+    /// CPU copies into (`writes`) or out of a block no unfinished job is
+    /// using that way: a write under a load fails its check (and drops the
+    /// key as corrupt), a write under a store changes what it stores, a
+    /// read under a load sees bytes half in.
+    fn check_block_idle(&self, block: u32, writes: bool) -> PyResult<()> {
+        match self.h().memory_block_use(block) {
+            Some(JobKind::Load) => Err(usage(format!(
+                "memory block {block} is the target of a load not yet finished; wait for it first"
+            ))),
+            Some(JobKind::Store) if writes => Err(usage(format!(
+                "memory block {block} is read by a store not yet finished; wait for it before writing the block"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    fn check_block(&self, block: u32) -> PyResult<()> {
+        if block >= self.memory.num_blocks {
+            return Err(usage(format!(
+                "memory block {block} is out of range: the registered KV memory has {n} blocks (0..{n})",
+                n = self.memory.num_blocks
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl TierHandle {
+    /// The engine serving the pool and why it was picked.
+    #[getter]
+    fn engine(&self) -> String {
+        self.h().engine().to_string()
+    }
+
+    #[getter]
+    fn engine_reason(&self) -> String {
+        self.h().engine_reason().to_string()
+    }
+
+    #[getter]
+    fn namespace(&self) -> String {
+        self.namespace.clone()
+    }
+
+    #[getter]
+    fn model_name(&self) -> String {
+        self.model_name.clone()
+    }
+
+    /// layers, kv_heads, head_dim, dtype, block_size, object_bytes, block_bytes.
+    #[getter]
+    fn geometry<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let g = self.h().geometry();
+        geometry_dict(py, g)
+    }
+
+    /// Blocks in the registered KV memory.
+    #[getter]
+    fn memory_blocks(&self) -> u32 {
+        self.memory.num_blocks
+    }
+
+    /// Bytes of one block (all layers, K and V).
+    #[getter]
+    fn block_bytes(&self) -> u64 {
+        self.memory.geometry.block_bytes()
+    }
+
+    /// How many leading keys the pool holds. No side effects.
+    fn lookup(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let h = self.live()?;
+        let keys = keys_of(keys)?;
+        Ok(without_gil(py, || h.lookup_prefix(&keys)))
+    }
+
+    /// Like lookup, and pins the counted keys against eviction until `unpin`.
+    fn lookup_and_pin(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let h = self.live()?;
+        let keys = keys_of(keys)?;
+        Ok(without_gil(py, || h.lookup_and_pin(&keys)))
+    }
+
+    /// Drop one pin per key; unknown keys are ignored.
+    fn unpin(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        let h = self.live()?;
+        let keys = keys_of(keys)?;
+        without_gil(py, || h.unpin(&keys));
+        Ok(())
+    }
+
+    /// Take `keys` out of the pool (never served again; a load already
+    /// reading one finishes); keys not held are skipped. Returns how many
+    /// were removed. A pool reopened before a removed block's slot is reused
+    /// may hold it again.
+    fn remove(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let h = self.live()?;
+        let keys = keys_of(keys)?;
+        without_gil(py, || h.remove(&keys)).map_err(to_py)
+    }
+
+    fn contains(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let h = self.live()?;
+        let k = key_of(key, 0)?;
+        Ok(without_gil(py, || h.contains(&k)))
+    }
+
+    /// Accept a store of `keys` from memory `blocks` (all layers); returns a
+    /// job id at once. Raises BackpressureError when the backlog is full.
+    fn submit_store(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        blocks: &Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
+        let h = self.live()?;
+        let keys = keys_of(keys)?;
+        let blocks = blocks_of(blocks)?;
+        without_gil(py, || h.submit_store(&keys, &blocks)).map_err(to_py)
+    }
+
+    /// Start loading `keys` (all in the pool) into memory `blocks` for
+    /// `layers` (a range; default all); returns a job id at once.
+    #[pyo3(signature = (keys, blocks, layers = None))]
+    fn submit_load(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        blocks: &Bound<'_, PyAny>,
+        layers: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<u64> {
+        let h = self.live()?;
+        let keys = keys_of(keys)?;
+        let blocks = blocks_of(blocks)?;
+        let range = layers_arg(layers, self.memory.geometry.layers)?;
+        without_gil(py, || h.submit_load(&keys, &blocks, range)).map_err(to_py)
+    }
+
+    /// Block (GIL released) until `job` finishes; returns its result once.
+    /// Signals are handled while waiting: a KeyboardInterrupt leaves the
+    /// job running and its result to be collected later.
+    fn wait(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = job_arg)] job: u64,
+    ) -> PyResult<JobResultPy> {
+        let h = self.live()?;
+        loop {
+            match without_gil(py, || h.wait_timeout(job, WAIT_SLICE)).map_err(to_py)? {
+                Some(r) => return Ok(result_py(py, r)),
+                None => py.check_signals()?,
+            }
+        }
+    }
+
+    /// Block (GIL released) until `layer` of load `job` is in memory;
+    /// raises the layer's failure (its memory must not be used). Signals
+    /// are handled while waiting, as in wait().
+    fn wait_layer(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = job_arg)] job: u64,
+        #[pyo3(from_py_with = layer_arg)] layer: u32,
+    ) -> PyResult<()> {
+        let h = self.live()?;
+        while !without_gil(py, || h.wait_layer_timeout(job, layer, WAIT_SLICE)).map_err(to_py)? {
+            py.check_signals()?;
+        }
+        Ok(())
+    }
+
+    /// Make CUDA stream `stream` (a raw handle: torch's
+    /// `torch.cuda.current_stream().cuda_stream`) wait, on the GPU, until
+    /// layer `layer` of load `job` is in the KV memory: the host does not
+    /// wait. Returns True when the wait was queued; False when there is no
+    /// GPU counter to wait on (host memory, the host double, or a load that
+    /// already finished): then call wait_layer(). Failed layers still
+    /// release the stream; their blocks are reported in the job's result.
+    fn stream_wait_layer(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = job_arg)] job: u64,
+        #[pyo3(from_py_with = layer_arg)] layer: u32,
+        #[pyo3(from_py_with = stream_arg)] stream: u64,
+    ) -> PyResult<bool> {
+        let Some(ctx) = &self.gpu else {
+            return Ok(false);
+        };
+        let Some(c) = self.live()?.load_counter(job).map_err(to_py)? else {
+            return Ok(false);
+        };
+        // SAFETY: the caller passes a live stream of the device's primary
+        // context (torch's); the counter is kept in `waited_counters` until
+        // this handle is dropped, after the tier.
+        without_gil(py, || unsafe { c.queue_on_raw_stream(ctx, stream, layer) }).map_err(to_py)?;
+        let mut kept = self
+            .waited_counters
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if !kept.iter().any(|k| Arc::ptr_eq(k, &c.counter)) {
+            kept.push(c.counter);
+        }
+        Ok(true)
+    }
+
+    /// "cpu" or "cuda:N": where the registered KV memory is.
+    #[getter]
+    fn memory_device(&self) -> String {
+        kind_label(self.memory.kind)
+    }
+
+    /// True when the KV memory is served through the staged HBM path
+    /// (CUDA tensors, or the host double standing in for them).
+    #[getter]
+    fn staged(&self) -> bool {
+        self.staged
+    }
+
+    /// The result of `job` if it finished (then taken), else None.
+    fn try_result(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = job_arg)] job: u64,
+    ) -> PyResult<Option<JobResultPy>> {
+        Ok(self
+            .live()?
+            .try_result(job)
+            .map_err(to_py)?
+            .map(|r| result_py(py, r)))
+    }
+
+    /// Results of every finished job not yet collected, in finishing order.
+    fn get_finished(&self, py: Python<'_>) -> PyResult<Vec<JobResultPy>> {
+        Ok(self
+            .live()?
+            .get_finished()
+            .into_iter()
+            .map(|r| result_py(py, r))
+            .collect())
+    }
+
+    /// Issue every store in the backlog now, whatever the policy.
+    fn flush_stores(&self, py: Python<'_>) -> PyResult<()> {
+        let h = self.live()?;
+        without_gil(py, || h.flush_stores()).map_err(to_py)
+    }
+
+    /// An eventfd that polls readable while completions are queued (for
+    /// select/epoll/asyncio's add_reader); then call drain_completions().
+    fn event_fd(&self) -> i32 {
+        self.completions.as_raw_fd()
+    }
+
+    /// Every queued completion event (layer done, job finished), oldest first.
+    /// Events queue from build() on; past a few thousand undrained, those of
+    /// jobs already collected (wait, try_result, get_finished) are dropped,
+    /// so a handle used only through wait() does not grow.
+    fn drain_completions(&self, py: Python<'_>) -> Vec<EventPy> {
+        self.completions
+            .drain()
+            .into_iter()
+            .map(|e| event_py(py, e))
+            .collect()
+    }
+
+    /// Pool and backlog occupancy, engine counters.
+    fn usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let u = self.live()?.usage().map_err(to_py)?;
+        let text = serde_json::to_string(&u).map_err(|e| to_py(Error::invalid(e.to_string())))?;
+        py.import("json")?.call_method1("loads", (text,))
+    }
+
+    /// Copy `data` (bytes-like, at most one block) into memory block
+    /// `block`, object by object; the rest of the block is zeroed. For
+    /// staging through kvtier-allocated memory.
+    fn write_block(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = block_arg)] block: u32,
+        data: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        self.live()?;
+        self.check_host("write_block")?;
+        let data = byte_buffer(data, "data")?;
+        self.check_block(block)?;
+        self.check_block_idle(block, true)?;
+        let g = self.memory.geometry;
+        let obj = g.object_bytes() as usize;
+        let n = data.len_bytes();
+        if n as u64 > g.block_bytes() {
+            return Err(usage(format!(
+                "{n} bytes do not fit a block of {} bytes ({})",
+                g.block_bytes(),
+                g.describe()
+            )));
+        }
+        if !data.is_c_contiguous() {
+            return Err(usage("write_block needs a contiguous buffer"));
+        }
+        let mem = &self.memory;
+        // `data` may be a view of the KV memory itself (a tensor over
+        // host_memory()): then copy it aside first, so every object gets the
+        // bytes `data` held at the call, whatever order the copies run in.
+        let copy: Option<Vec<u8>> =
+            self.overlaps_block(block, data.buf_ptr() as usize, n)
+                .then(|| {
+                    // SAFETY: buf_ptr..+n is the exported buffer, held by `data`.
+                    unsafe { std::slice::from_raw_parts(data.buf_ptr() as *const u8, n) }.to_vec()
+                });
+        let src = copy
+            .as_ref()
+            .map_or(data.buf_ptr() as usize, |c| c.as_ptr() as usize);
+        without_gil(py, || {
+            for layer in 0..g.layers {
+                for kv in 0..2 {
+                    let i = (layer * 2 + kv) as usize * obj;
+                    let dst = mem.object_addr(block, layer, kv) as *mut u8;
+                    let take = n.saturating_sub(i).min(obj);
+                    // SAFETY: dst is one object inside the registered memory
+                    // (block checked above); src+i..+take is inside `data`
+                    // (which the held PyBuffer keeps exported) or its copy,
+                    // and does not overlap dst (checked above).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping((src + i) as *const u8, dst, take);
+                        std::ptr::write_bytes(dst.add(take), 0, obj - take);
+                    }
+                }
+            }
+        });
+        Ok(())
+    }
+
+    /// Copy memory block `block` into `out` (a writable buffer of at most
+    /// one block: its first len(out) bytes, objects in (layer, K|V) order).
+    fn read_block_into(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = block_arg)] block: u32,
+        out: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        self.live()?;
+        self.check_host("read_block_into")?;
+        let out = byte_buffer(out, "out")?;
+        self.check_block(block)?;
+        self.check_block_idle(block, false)?;
+        let g = self.memory.geometry;
+        let obj = g.object_bytes() as usize;
+        let n = out.len_bytes();
+        if out.readonly() || !out.is_c_contiguous() {
+            return Err(usage("read_block_into needs a writable, contiguous buffer"));
+        }
+        if n as u64 > g.block_bytes() {
+            return Err(usage(format!(
+                "a buffer of {n} bytes is larger than a block ({} bytes)",
+                g.block_bytes()
+            )));
+        }
+        let mem = &self.memory;
+        // `out` may be a view of the KV memory itself: then gather into a
+        // copy first, so no object is read after an earlier one overwrote it.
+        let mut copy: Option<Vec<u8>> = self
+            .overlaps_block(block, out.buf_ptr() as usize, n)
+            .then(|| vec![0u8; n]);
+        let dst = copy
+            .as_mut()
+            .map_or(out.buf_ptr() as usize, |c| c.as_mut_ptr() as usize);
+        without_gil(py, || {
+            for layer in 0..g.layers {
+                for kv in 0..2 {
+                    let i = (layer * 2 + kv) as usize * obj;
+                    let take = n.saturating_sub(i).min(obj);
+                    if take == 0 {
+                        return;
+                    }
+                    let src = mem.object_addr(block, layer, kv) as *const u8;
+                    // SAFETY: as in write_block, in the other direction.
+                    unsafe { std::ptr::copy_nonoverlapping(src, (dst + i) as *mut u8, take) };
+                }
+            }
+        });
+        if let Some(c) = copy {
+            // SAFETY: `out` is exported writable for n bytes; `c` is a
+            // separate allocation.
+            unsafe { std::ptr::copy_nonoverlapping(c.as_ptr(), out.buf_ptr() as *mut u8, n) };
+        }
+        Ok(())
+    }
+
+    /// Block `block` as bytes (copy).
+    fn read_block<'py>(
+        &self,
+        py: Python<'py>,
+        #[pyo3(from_py_with = block_arg)] block: u32,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        self.check_block(block)?;
+        let n = self.memory.geometry.block_bytes() as usize;
+        let buf = pyo3::types::PyByteArray::new(py, &vec![0u8; n]);
+        self.read_block_into(py, block, buf.as_any())?;
+        Ok(PyBytes::new(py, &buf.to_vec()))
+    }
+
+    /// Address and length of kvtier-allocated memory (host_cache), for
+    /// building a tensor over it; valid while this handle object lives.
+    fn host_memory(&self) -> PyResult<(u64, u64)> {
+        self.live()?;
+        match (&self.host, &self.memory.layout) {
+            (Some(_), KvLayout::CrossLayer { base }) => Ok((*base, self.memory.total_bytes())),
+            _ => Err(usage(
+                "host_memory() is for a host_cache(..., layout=\"cross_layer\"); this handle serves other memory",
+            )),
+        }
+    }
+
+    /// Issue the write backlog, wait for every job (GIL released), stop the
+    /// I/O thread; raise the first engine failure. Later calls raise ClosedError.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let h = self.live()?;
+        without_gil(py, || h.close()).map_err(to_py)
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "TierHandle(engine={}, namespace={:?}, memory_blocks={})",
+            self.h().engine(),
+            self.namespace,
+            self.memory.num_blocks
+        )
+    }
+}
+
+impl Drop for TierHandle {
+    fn drop(&mut self) {
+        if self.forked() {
+            // A forked child's copy: the I/O thread (which dropping would
+            // join) lives in the parent, and the kvtier-allocated memory was
+            // not inherited. Leave all of it to the process's exit, and let
+            // the parent's pool alone.
+            std::mem::forget(self.inner.take());
+            std::mem::forget(self.host.take());
+            std::mem::forget(self.gpu.take());
+            return;
+        }
+        // The tier first (waits for I/O in flight), then the memory: the
+        // tensors must outlive every DMA into them. Dropping Python objects
+        // needs no GIL with pyo3 (they are queued until it is held).
+        drop(self.inner.take());
+        // Streams told to wait on our counters may not have reached the
+        // wait yet (it reads the counter when they do): let them pass it
+        // before the counters are freed.
+        if let (Some(ctx), Ok(k)) = (&self.gpu, self.waited_counters.get_mut()) {
+            if !k.is_empty() {
+                let _ = ctx.synchronize();
+            }
+        }
+        self.owners.get_mut().map(|v| v.clear()).ok();
+        self.buffers.get_mut().map(|v| v.clear()).ok();
+    }
+}
+
+/// Median nanoseconds of `iters` calls of `op` on the handle's Rust
+/// TierHandle, with no Python between calls: the baseline the Python
+/// bindings are compared against (scripts/py-latency.py). `op`: "lookup"
+/// (`keys` all), "store" (one new key per call, from block 0, waited),
+/// "load" (`keys[0]` into block 1, all layers, waited).
+#[pyfunction]
+pub(crate) fn rust_latency(
+    py: Python<'_>,
+    handle: &TierHandle,
+    op: &str,
+    keys: &Bound<'_, PyAny>,
+    iters: usize,
+    key_base: u64,
+) -> PyResult<u64> {
+    let keys = keys_of(keys)?;
+    if !matches!(op, "lookup" | "store" | "load") {
+        return Err(usage(format!(
+            "op {op:?} is unknown; say lookup, store or load"
+        )));
+    }
+    if op != "store" && keys.is_empty() {
+        return Err(usage(format!("op {op:?} needs at least one key")));
+    }
+    if !(1..=1_000_000).contains(&iters) {
+        return Err(usage(format!("iters={iters}: give 1 to 1000000")));
+    }
+    let h = handle.live()?;
+    let layers = h.geometry().layers;
+    let op = op.to_string();
+    without_gil(py, || -> kvtier::Result<u64> {
+        let mut t = Vec::with_capacity(iters);
+        for i in 0..iters {
+            let s = std::time::Instant::now();
+            match op.as_str() {
+                "lookup" => {
+                    std::hint::black_box(h.lookup_prefix(&keys));
+                }
+                "store" => {
+                    let j =
+                        h.submit_store(&[Key::from_u64(key_base.wrapping_add(i as u64))], &[0])?;
+                    h.wait(j)?;
+                }
+                _ => {
+                    let j = h.submit_load(&keys[..1], &[1], 0..layers)?;
+                    h.wait(j)?;
+                }
+            }
+            t.push(s.elapsed().as_nanos() as u64);
+        }
+        t.sort_unstable();
+        Ok(t.get(t.len() / 2).copied().unwrap_or(0))
+    })
+    .map_err(to_py)
+}

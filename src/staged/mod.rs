@@ -1,0 +1,780 @@
+//! The staged HBM path: a serving engine's KV cache in GPU memory, restored
+//! into and stored from through pinned host staging, with any engine that
+//! reaches host memory (io_uring, userspace NVMe) and no GPUDirect.
+//!
+//! Restore. A load is run as one tier job per layer into a *layer buffer*:
+//! `layer_buffers` pinned host buffers, each holding one layer of up to
+//! `load_blocks` blocks, used round-robin (layer `l` goes to buffer
+//! `l % layer_buffers`). A load of more blocks goes in chunks of
+//! `load_blocks`, one tier job and one buffer's turn each (chunk `c` of
+//! layer `l` is unit `l * chunks + c`, in buffer `unit % layer_buffers`);
+//! a layer is announced, and the load's counter reaches its value, once
+//! all its chunks are copied. A layer's reads land in its buffer in the pool's
+//! coalesced order (the load's blocks take staging places in slot order, so
+//! a run of consecutive slots is one contiguous range on the SSD and in the
+//! buffer, K objects then V objects). When the tier has verified the layer
+//! (per-layer crc32c, the same check as host loads), one launch scatters it
+//! into the paged HBM blocks on the copier's stream, which then writes the
+//! layer's value into the completion counter: a compute stream waits on it
+//! with `cuStreamWaitValue32` ([`LayerWait`]), the host gets the layer's
+//! event once the counter has passed it, and only then is the buffer reused.
+//! A layer whose copy or counter write fails still brings the load's counter
+//! to its value (from the host once the stream's earlier work is done), so
+//! a compute stream waiting on it never hangs; its event and `wait_layer`
+//! carry the failure, and its keys fail in the load's result.
+//! A layer whose buffer is still busy waits (back-pressure), so staging
+//! stays `layer_buffers` layers however long the prefix; the reads of layer
+//! l+1 run while layer l is copied.
+//!
+//! Store. The gather kernel copies the blocks' objects from HBM into a store
+//! area (`store_blocks` blocks, all layers each) and computes each object's
+//! crc32c on the GPU; the per-layer checksums the headers record are
+//! combined from those, and the tier writes the staged bytes with its crash
+//! protocol. Blocks stored from HBM are thus verifiable like any other.
+//!
+//! The copies go through a [`DeviceCopier`]: [`CudaCopier`] on a GPU, or
+//! [`HostCopier`], the CPU test double, against host memory standing in for
+//! HBM ([`StagedTier::with_host_double`]); both are held to the same tests.
+
+mod buffers;
+mod load;
+mod store;
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::ops::Range;
+use std::sync::Arc;
+
+use crate::gpu::staging::{CudaCopier, DeviceCopier, HostCopier};
+pub use crate::gpu::wait::{LayerWait, LoadCounter};
+pub use buffers::StagingConfig;
+
+use crate::error::{Error, Failure, Result};
+use crate::gpu::{check_gpu_kv_memory, CompletionCounter, Context};
+use crate::memory::{HostKvCache, KvMemory, MemoryKind};
+use crate::p2p::P2pTable;
+use crate::pool::Key;
+use crate::tier::{FinishedJobs, JobId, JobKind, JobPath, JobResult, LayerDone, Tier};
+use buffers::{Layout, StagingMemory};
+use load::LoadJob;
+use store::{StoreAgg, StoreJob};
+
+/// "Layer `layer` of staged load `job` is in the KV memory."
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HbmLayer {
+    /// The load.
+    pub job: JobId,
+    /// The layer.
+    pub layer: u32,
+    /// Why some keys failed in this layer (their blocks must not be used).
+    pub error: Option<Failure>,
+    /// The copier's completion counter reaches this value once the layer's
+    /// copy is done (the host's view; a compute stream waits on the load's
+    /// own counter instead, see [`StagedPath::load_counter`]).
+    pub counter: u32,
+}
+
+/// Job ids of the staged path start here, apart from the tier's own.
+pub(crate) const STAGED_JOB_BASE: JobId = 1 << 62;
+
+/// The staged path's state beside a [`Tier`] whose registered memory is
+/// the staging: every call takes that tier. The tier must be drained
+/// (see [`StagedPath::drain`]) before this is dropped: its I/O targets the
+/// staging memory this owns. [`StagedTier`] keeps the two together.
+pub struct StagedPath {
+    copier: Box<dyn DeviceCopier>,
+    staging: StagingMemory,
+    layout: Layout,
+    target: KvMemory,
+    cfg: StagingConfig,
+    /// The user of each layer buffer: (load job, layer, unit).
+    buffers: Vec<Option<(JobId, u32, u64)>>,
+    store_free: Vec<u32>,
+    loads: BTreeMap<JobId, LoadJob>,
+    /// Tier job -> (load job, unit, positions it reads).
+    layer_jobs: HashMap<JobId, (JobId, u64, Vec<u32>)>,
+    store_jobs: HashMap<JobId, StoreJob>,
+    stores: HashMap<JobId, StoreAgg>,
+    finished: FinishedJobs,
+    events: VecDeque<HbmLayer>,
+    seq: u32,
+    next_job: JobId,
+    /// Counters of finished loads, with the value each was left at.
+    spare_counters: Vec<(Arc<CompletionCounter>, u32)>,
+    _target_owner: Option<Arc<HostKvCache>>,
+}
+
+impl StagedPath {
+    /// The CPU test double: `cache` (host memory) stands in for the GPU's
+    /// KV memory and [`HostCopier`] does the copies the kernels do on a GPU.
+    pub fn with_host_double(
+        tier: &mut Tier,
+        cache: Arc<HostKvCache>,
+        cfg: StagingConfig,
+    ) -> Result<StagedPath> {
+        Self::with_host_copier(tier, cache, cfg, HostCopier::default())
+    }
+
+    /// The CPU test double over memory the caller owns (e.g. CPU torch
+    /// tensors posing as the GPU's KV memory in Python tests): `mem` is host
+    /// memory, aligned for the copies only (16 bytes), and [`HostCopier`]
+    /// does the copies the kernels do on a GPU.
+    ///
+    /// # Safety
+    /// Every byte `mem` describes is host memory that stays allocated until
+    /// the staged tier is dropped, and no one else writes it while a job
+    /// that targets it is in flight.
+    pub unsafe fn with_host_double_memory(
+        tier: &mut Tier,
+        mem: KvMemory,
+        cfg: StagingConfig,
+    ) -> Result<StagedPath> {
+        if mem.kind != MemoryKind::Host {
+            return Err(Error::invalid(
+                "the staged host double copies with the CPU: its stand-in KV memory must be host memory",
+            ));
+        }
+        let staging = StagingMemory::host(cfg.bytes(&mem.geometry).max(1))?;
+        // SAFETY: the caller's contract for `mem`; staging is its own.
+        unsafe { Self::new(tier, mem, Box::new(HostCopier::default()), staging, cfg) }
+    }
+
+    /// As [`Self::with_host_double`] with a given double (e.g.
+    /// [`HostCopier::deferred`], whose copies end only when waited for).
+    pub fn with_host_copier(
+        tier: &mut Tier,
+        cache: Arc<HostKvCache>,
+        cfg: StagingConfig,
+        copier: HostCopier,
+    ) -> Result<StagedPath> {
+        let g = cache.memory().geometry;
+        cfg.validate(&g)?;
+        let staging = StagingMemory::host(cfg.bytes(&g).max(1))?;
+        let target = cache.memory().clone();
+        // SAFETY: the path keeps `cache` alive; staging is its own.
+        let mut s = unsafe { Self::new(tier, target, Box::new(copier), staging, cfg)? };
+        s._target_owner = Some(cache);
+        Ok(s)
+    }
+
+    /// Serve the engine's KV memory in GPU memory `mem` (device pointers of
+    /// `ctx`'s device) through pinned staging and the staging kernels.
+    ///
+    /// # Safety
+    /// Every byte `mem` describes must stay allocated until the staged tier
+    /// is dropped, and must not be freed while a job that targets it is in
+    /// flight.
+    pub unsafe fn on_gpu(
+        tier: &mut Tier,
+        ctx: &Context,
+        mem: KvMemory,
+        cfg: StagingConfig,
+    ) -> Result<StagedPath> {
+        if !matches!(mem.kind, MemoryKind::Gpu { .. }) {
+            return Err(Error::invalid(
+                "the staged HBM path serves GPU memory; register host memory with the tier itself",
+            ));
+        }
+        // Every region is device memory of ctx's device (aligned for the
+        // copy kernels; no device DMAs into it, so not for direct I/O).
+        check_gpu_kv_memory(ctx, &mem)?;
+        cfg.validate(&mem.geometry)?;
+        let g = mem.geometry;
+        let capacity = (2 * cfg.load_blocks as usize)
+            .max(cfg.store_blocks as usize * g.objects_per_block() as usize);
+        let copier = CudaCopier::new(ctx, capacity)?;
+        let staging = StagingMemory::pinned(ctx, cfg.bytes(&g))?;
+        // SAFETY: the caller's contract for `mem`; staging is ours.
+        unsafe { Self::new(tier, mem, Box::new(copier), staging, cfg) }
+    }
+
+    /// # Safety
+    /// `target`'s memory is reachable by `copier` and outlives the result.
+    unsafe fn new(
+        tier: &mut Tier,
+        target: KvMemory,
+        copier: Box<dyn DeviceCopier>,
+        staging: StagingMemory,
+        cfg: StagingConfig,
+    ) -> Result<StagedPath> {
+        cfg.validate(&target.geometry)?;
+        // A staged store chunk of `store_blocks` new blocks is one tier
+        // store: larger than the tier's header staging, every one failed.
+        let headers = tier.config().header_staging;
+        if cfg.store_blocks >= headers {
+            return Err(Error::invalid(format!(
+                "StagingConfig::store_blocks is {} but TierConfig::header_staging is {headers}: a staged store chunk must fit the header staging (at most header_staging - 1 = {} blocks); lower store_blocks or raise header_staging",
+                cfg.store_blocks,
+                headers.saturating_sub(1)
+            )));
+        }
+        target.validate_for_copies()?;
+        let g = target.geometry;
+        if g != *tier.pool().geometry() {
+            return Err(Error::Registration(format!(
+                "memory has geometry {} but the pool stores {}",
+                g.describe(),
+                tier.pool().geometry().describe()
+            )));
+        }
+        let layout = Layout::new(&g, &cfg, staging.buf.addr());
+        let table = P2pTable::from_objects(
+            g,
+            layout.load_places() + cfg.store_blocks,
+            MemoryKind::Host,
+            layout.regions(),
+            |b, l, kv| layout.addr(b, l, kv),
+        )?;
+        // SAFETY: the staging memory lives in self, dropped after the tier.
+        // SAFETY: the staging memory lives in the result, which the caller
+        // keeps until the tier has drained (StagedPath's contract).
+        unsafe { tier.register_table(table)? };
+        Ok(StagedPath {
+            copier,
+            staging,
+            layout,
+            target,
+            cfg,
+            buffers: vec![None; cfg.layer_buffers as usize],
+            store_free: (layout.load_places()..layout.load_places() + cfg.store_blocks)
+                .rev()
+                .collect(),
+            loads: BTreeMap::new(),
+            layer_jobs: HashMap::new(),
+            store_jobs: HashMap::new(),
+            stores: HashMap::new(),
+            finished: FinishedJobs::default(),
+            events: VecDeque::new(),
+            seq: 0,
+            next_job: STAGED_JOB_BASE,
+            spare_counters: Vec::new(),
+            _target_owner: None,
+        })
+    }
+
+    /// Its staging settings.
+    pub fn config(&self) -> &StagingConfig {
+        &self.cfg
+    }
+
+    /// The KV memory served (GPU memory, or the double's stand-in).
+    pub fn memory(&self) -> &KvMemory {
+        &self.target
+    }
+
+    /// The completion counter the copies advance, for compute streams to
+    /// wait on (`None` with the host double).
+    pub fn counter(&self) -> Option<&Arc<CompletionCounter>> {
+        self.copier.counter()
+    }
+
+    /// The counter value the next layer copied will carry: with one load in
+    /// flight, of at most `load_blocks` keys (one chunk a layer), layer `l`
+    /// of a load submitted now carries `next_counter_value() + (l - first
+    /// layer)`; a larger load's layers each take one value per chunk.
+    pub fn next_counter_value(&self) -> u32 {
+        self.seq.wrapping_add(1)
+    }
+
+    /// The counter a compute stream waits on for load `id`'s layers
+    /// (queue the waits right after `submit_load`, with
+    /// [`LayerWait::queue`] and [`LoadCounter::value_for`]); `None` once
+    /// the load has finished. With the host double it is a host word
+    /// ([`CompletionCounter::host_double`]) no stream can wait on, written
+    /// as a GPU's would be.
+    pub fn load_counter(&self, id: JobId) -> Option<LoadCounter> {
+        self.loads.get(&id)?.counter.clone()
+    }
+
+    /// Which layer buffers are in use, and by what (load job, layer).
+    pub fn buffers_in_use(&self) -> Vec<Option<(JobId, u32)>> {
+        self.buffers
+            .iter()
+            .map(|b| b.map(|(id, l, _)| (id, l)))
+            .collect()
+    }
+
+    fn check_blocks(&self, keys: &[Key], blocks: &[u32], most: u32, what: &str) -> Result<()> {
+        if keys.len() != blocks.len() {
+            return Err(Error::invalid(format!(
+                "{} keys but {} memory blocks: give one memory block per key",
+                keys.len(),
+                blocks.len()
+            )));
+        }
+        if keys.is_empty() {
+            return Err(Error::invalid("a job needs at least one key"));
+        }
+        if keys.len() > most as usize {
+            return Err(Error::invalid(format!(
+                "a {what} of {} blocks exceeds the staging's {most}; split the job or raise StagingConfig::{what}_blocks",
+                keys.len()
+            )));
+        }
+        if let Some(&b) = blocks.iter().find(|&&b| b >= self.target.num_blocks) {
+            return Err(Error::invalid(format!(
+                "memory block {b} is out of range: the registered KV memory has {} blocks",
+                self.target.num_blocks
+            )));
+        }
+        Ok(())
+    }
+
+    fn on_tier_result(&mut self, r: JobResult) {
+        if let Some((id, u, live)) = self.layer_jobs.remove(&r.job) {
+            let job = self.loads.get_mut(&id).expect("a load of a layer job");
+            job.tier_jobs_out -= 1;
+            job.landed.insert(u, (live, Some(r)));
+        } else if let Some(s) = self.store_jobs.remove(&r.job) {
+            self.store_free.extend(s.places);
+            if let Some(a) = self.stores.get_mut(&s.id) {
+                for (i, o) in r.outcomes.into_iter().enumerate() {
+                    a.outcomes[s.offset + i] = Some(o);
+                }
+                a.evicted.extend(r.evicted);
+                a.chunks_out -= 1;
+            }
+        }
+    }
+
+    fn finish(&mut self, r: JobResult) {
+        self.finished.push(r);
+    }
+
+    /// Move everything along without blocking.
+    pub fn poll(&mut self, tier: &mut Tier) -> Result<()> {
+        tier.poll()?;
+        for r in tier.get_finished() {
+            self.on_tier_result(r);
+        }
+        self.push_stores(tier);
+        self.finish_stores();
+        // The layer jobs' own events: a staged layer is announced after its copy.
+        let _ = tier.layer_events();
+        self.scatter_landed()?;
+        self.retire(tier)?;
+        self.submit_layers(tier);
+        // A load whose every key has failed learns it in `submit_layers`
+        // (its later layers are skipped); with nothing of it in flight no
+        // later event would move it on, so its skipped layers are announced
+        // and the load ended now, or a wait would find nothing to wait for.
+        self.scatter_landed()?;
+        self.retire(tier)?;
+        Ok(())
+    }
+
+    /// Block until something moves: the oldest tier job ends, or the copies
+    /// started finish.
+    fn wait_some(&mut self, tier: &mut Tier) -> Result<()> {
+        let oldest = self
+            .layer_jobs
+            .keys()
+            .chain(self.store_jobs.keys())
+            .min()
+            .copied();
+        if let Some(t) = oldest {
+            let r = tier.wait(t)?;
+            self.on_tier_result(r);
+        } else if self.loads.values().any(|j| !j.copying.is_empty()) {
+            self.copier.finish()?;
+        } else {
+            return Err(Error::internal(
+                "staged tier: a job is unfinished with nothing in flight",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The id a new job gets: `want` when the caller numbers its jobs,
+    /// refused while a job of that id is in flight or uncollected; else the
+    /// path's next.
+    fn claim(&self, want: Option<JobId>) -> Result<JobId> {
+        match want {
+            None => Ok(self.next_job),
+            Some(id) if self.known(id) => Err(Error::invalid(format!(
+                "job id {id} is in use: give each staged job its own id"
+            ))),
+            Some(id) => Ok(id),
+        }
+    }
+
+    fn known(&self, id: JobId) -> bool {
+        self.loads.contains_key(&id) || self.finished.contains(id) || self.stores.contains_key(&id)
+    }
+
+    /// Wait for job `id` and take its result.
+    pub fn wait(&mut self, tier: &mut Tier, id: JobId) -> Result<JobResult> {
+        if !self.known(id) {
+            return Err(Error::invalid(format!(
+                "no staged job {id} in flight or unreported"
+            )));
+        }
+        loop {
+            self.poll(tier)?;
+            if let Some(r) = self.finished.take(id) {
+                return Ok(r);
+            }
+            self.wait_some(tier)?;
+        }
+    }
+
+    /// Wait until layer `layer` of load `id` is in the KV memory. As
+    /// `Tier::wait_layer`: an error if the layer failed (a key's bytes did
+    /// not verify, a read failed: its memory must not be used), or, once the
+    /// load has ended, if any key failed; a layer the load does not cover is
+    /// refused (it is never "in memory").
+    pub fn wait_layer(&mut self, tier: &mut Tier, id: JobId, layer: u32) -> Result<()> {
+        if !self.known(id) || self.stores.contains_key(&id) {
+            return Err(Error::invalid(format!(
+                "no staged load {id} in flight or unreported"
+            )));
+        }
+        loop {
+            self.poll(tier)?;
+            match self.loads.get(&id) {
+                Some(j) if !j.layers.contains(&layer) => {
+                    return Err(Error::invalid(format!(
+                        "job {id} is not a load of layer {layer}"
+                    )))
+                }
+                Some(j) if j.announced <= layer => self.wait_some(tier)?,
+                Some(j) => {
+                    return match &j.layer_errors[(layer - j.layers.start) as usize] {
+                        Some(f) => Err(Error::Failed(
+                            f.context(format_args!("layer {layer} of job {id} failed")),
+                        )),
+                        None => Ok(()),
+                    }
+                }
+                None => {
+                    return match self.finished.get(id) {
+                        Some(r) if r.kind != JobKind::Load => Err(Error::invalid(format!(
+                            "job {id} is not a load of layer {layer}"
+                        ))),
+                        Some(r) => match r.failures().next() {
+                            Some((k, f)) => Err(Error::Failed(
+                                f.context(format_args!("job {id} failed to load key {k}")),
+                            )),
+                            None => Ok(()),
+                        },
+                        None => Ok(()),
+                    }
+                }
+            }
+        }
+    }
+
+    /// Layers that reached the KV memory since the last call, in layer
+    /// order per load.
+    pub fn layer_events(&mut self) -> Vec<HbmLayer> {
+        self.events.drain(..).collect()
+    }
+
+    /// Results of jobs that ended, in the order they ended.
+    pub fn get_finished(&mut self) -> Vec<JobResult> {
+        self.finished.take_all()
+    }
+
+    /// Wait for every job.
+    pub fn drain(&mut self, tier: &mut Tier) -> Result<()> {
+        loop {
+            self.poll(tier)?;
+            if self.loads.is_empty() && self.stores.is_empty() {
+                return Ok(());
+            }
+            self.wait_some(tier)?;
+        }
+    }
+}
+
+impl StagedPath {
+    /// Whether `id` is a job of the staged path (not one of the tier's).
+    pub fn owns(id: JobId) -> bool {
+        id >= STAGED_JOB_BASE
+    }
+
+    /// Staged loads and stores not yet finished.
+    pub fn jobs_in_flight(&self) -> usize {
+        self.loads.len() + self.stores.len()
+    }
+
+    /// Loads in flight.
+    pub fn loads_in_flight(&self) -> usize {
+        self.loads.len()
+    }
+
+    /// The first of `blocks` (of the KV memory served) that a staged job of
+    /// `kind` uses: a load writing it, or a store that has still to gather
+    /// it (a gathered chunk reads the staging, no longer the block). One set
+    /// of the jobs' blocks, so the check is linear in the blocks, not their
+    /// product (a 64K-token load beside a large store is 4096 x 4096 blocks).
+    pub fn block_in_use(&self, blocks: &[u32], kind: JobKind) -> Option<u32> {
+        let busy: HashSet<u32> = match kind {
+            JobKind::Load => self
+                .loads
+                .values()
+                .flat_map(|j| j.hbm.iter().copied())
+                .collect(),
+            JobKind::Store => self
+                .stores
+                .values()
+                .flat_map(|a| a.mem_blocks[a.next..].iter().copied())
+                .collect(),
+        };
+        if busy.is_empty() {
+            return None;
+        }
+        blocks.iter().copied().find(|b| busy.contains(b))
+    }
+
+    /// Copies started whose end only a later poll sees (no fd says so:
+    /// the copier's counter is polled).
+    pub fn copies_pending(&self) -> bool {
+        self.loads.values().any(|j| !j.copying.is_empty())
+    }
+}
+
+/// A [`Tier`] and the [`StagedPath`] serving GPU memory through it, kept
+/// together so that the tier's I/O drains before the staging goes.
+pub struct StagedTier {
+    // Field order is drop order: the tier drains its I/O into staging first.
+    tier: Tier,
+    path: StagedPath,
+}
+
+impl StagedTier {
+    /// The CPU test double: `cache` (host memory) stands in for the GPU's
+    /// KV memory and [`HostCopier`] does the copies the kernels do on a GPU.
+    pub fn with_host_double(
+        mut tier: Tier,
+        cache: Arc<HostKvCache>,
+        cfg: StagingConfig,
+    ) -> Result<StagedTier> {
+        let path = StagedPath::with_host_double(&mut tier, cache, cfg)?;
+        Ok(StagedTier { tier, path })
+    }
+
+    /// As [`StagedPath::with_host_double_memory`], with the tier.
+    ///
+    /// # Safety
+    /// As [`StagedPath::with_host_double_memory`].
+    pub unsafe fn with_host_double_memory(
+        mut tier: Tier,
+        mem: KvMemory,
+        cfg: StagingConfig,
+    ) -> Result<StagedTier> {
+        // SAFETY: the caller's contract.
+        let path = unsafe { StagedPath::with_host_double_memory(&mut tier, mem, cfg)? };
+        Ok(StagedTier { tier, path })
+    }
+
+    /// As [`Self::with_host_double`] with a given double.
+    pub fn with_host_copier(
+        mut tier: Tier,
+        cache: Arc<HostKvCache>,
+        cfg: StagingConfig,
+        copier: HostCopier,
+    ) -> Result<StagedTier> {
+        let path = StagedPath::with_host_copier(&mut tier, cache, cfg, copier)?;
+        Ok(StagedTier { tier, path })
+    }
+
+    /// GPU memory `mem` of `ctx`'s device, through pinned staging.
+    ///
+    /// # Safety
+    /// As [`StagedPath::on_gpu`].
+    pub unsafe fn on_gpu(
+        mut tier: Tier,
+        ctx: &Context,
+        mem: KvMemory,
+        cfg: StagingConfig,
+    ) -> Result<StagedTier> {
+        // SAFETY: the caller's contract.
+        let path = unsafe { StagedPath::on_gpu(&mut tier, ctx, mem, cfg)? };
+        Ok(StagedTier { tier, path })
+    }
+
+    /// The tier under the staged path.
+    pub fn tier(&self) -> &Tier {
+        &self.tier
+    }
+
+    /// The staged path.
+    pub fn path(&self) -> &StagedPath {
+        &self.path
+    }
+
+    /// Its staging settings.
+    pub fn config(&self) -> &StagingConfig {
+        self.path.config()
+    }
+
+    /// The GPU KV memory it serves.
+    pub fn memory(&self) -> &KvMemory {
+        self.path.memory()
+    }
+
+    /// The completion counter streams wait on, when there is one.
+    pub fn counter(&self) -> Option<&Arc<CompletionCounter>> {
+        self.path.counter()
+    }
+
+    /// The value the counter takes after the next layer lands.
+    pub fn next_counter_value(&self) -> u32 {
+        self.path.next_counter_value()
+    }
+
+    /// Per layer buffer, the (load, layer) it holds.
+    pub fn buffers_in_use(&self) -> Vec<Option<(JobId, u32)>> {
+        self.path.buffers_in_use()
+    }
+
+    /// The counter of load `id` (while in flight).
+    pub fn load_counter(&self, id: JobId) -> Option<LoadCounter> {
+        self.path.load_counter(id)
+    }
+
+    /// Loads `keys` into GPU memory blocks `mem_blocks` through staging, layer by layer.
+    pub fn submit_load(
+        &mut self,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        layers: Range<u32>,
+    ) -> Result<JobId> {
+        self.path
+            .submit_load(&mut self.tier, keys, mem_blocks, layers)
+    }
+
+    /// Stores GPU memory blocks `mem_blocks` under `keys`, gathered through staging.
+    pub fn submit_store(&mut self, keys: &[Key], mem_blocks: &[u32]) -> Result<JobId> {
+        self.path.submit_store(&mut self.tier, keys, mem_blocks)
+    }
+
+    /// Advances everything in flight without blocking.
+    pub fn poll(&mut self) -> Result<()> {
+        self.path.poll(&mut self.tier)
+    }
+
+    /// Waits for job `id` and returns its result.
+    pub fn wait(&mut self, id: JobId) -> Result<JobResult> {
+        self.path.wait(&mut self.tier, id)
+    }
+
+    /// Waits until `layer` of load `id` is in GPU memory.
+    pub fn wait_layer(&mut self, id: JobId, layer: u32) -> Result<()> {
+        self.path.wait_layer(&mut self.tier, id, layer)
+    }
+
+    /// Layers landed since the last call.
+    pub fn layer_events(&mut self) -> Vec<HbmLayer> {
+        self.path.layer_events()
+    }
+
+    /// Jobs finished since the last call.
+    pub fn get_finished(&mut self) -> Vec<JobResult> {
+        self.path.get_finished()
+    }
+
+    /// Waits for every job in flight.
+    pub fn drain(&mut self) -> Result<()> {
+        self.path.drain(&mut self.tier)
+    }
+}
+
+impl JobPath for StagedTier {
+    fn tier(&self) -> &Tier {
+        &self.tier
+    }
+
+    fn tier_mut(&mut self) -> &mut Tier {
+        &mut self.tier
+    }
+
+    fn submit_load(
+        &mut self,
+        id: JobId,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        layers: Range<u32>,
+    ) -> Result<()> {
+        self.path
+            .load_job(&mut self.tier, Some(id), keys, mem_blocks, layers)
+            .map(|_| ())
+    }
+
+    fn submit_store(
+        &mut self,
+        id: JobId,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        _crcs: Option<&[Option<Vec<u32>>]>,
+    ) -> Result<()> {
+        // The checksums are taken on the GPU as the blocks are gathered.
+        self.path
+            .store_job(&mut self.tier, Some(id), keys, mem_blocks)
+            .map(|_| ())
+    }
+
+    fn poll(&mut self) -> Result<()> {
+        StagedTier::poll(self)
+    }
+
+    fn layer_events(&mut self) -> Vec<LayerDone> {
+        StagedTier::layer_events(self)
+            .into_iter()
+            .map(|e| LayerDone {
+                job: e.job,
+                layer: e.layer,
+                error: e.error,
+            })
+            .collect()
+    }
+
+    fn get_finished(&mut self) -> Vec<JobResult> {
+        StagedTier::get_finished(self)
+    }
+
+    fn wait(&mut self, id: JobId) -> Result<JobResult> {
+        StagedTier::wait(self, id)
+    }
+
+    fn drain(&mut self) -> Result<()> {
+        StagedTier::drain(self)
+    }
+
+    fn jobs_in_flight(&self) -> usize {
+        self.path.jobs_in_flight()
+    }
+
+    fn loads_in_flight(&self) -> usize {
+        self.path.loads_in_flight()
+    }
+
+    fn completions_pending(&self) -> bool {
+        self.tier.completions_pending() || self.path.copies_pending()
+    }
+
+    fn block_in_use(&self, blocks: &[u32], kind: JobKind) -> Option<u32> {
+        self.path.block_in_use(blocks, kind)
+    }
+
+    fn caller_crc_table(&self) -> Option<Arc<P2pTable>> {
+        None
+    }
+
+    fn load_counter(&self, id: JobId) -> Option<LoadCounter> {
+        self.path.load_counter(id)
+    }
+
+    fn into_tier(self: Box<Self>) -> Result<Tier> {
+        Err(Error::invalid(
+            "a staged scheduler's tier reads and writes its staging: drain() the scheduler instead of taking the tier",
+        ))
+    }
+}
+
+impl Drop for StagedTier {
+    fn drop(&mut self) {
+        // Stores in flight land (their bytes are in staging), as Tier's drop does.
+        let _ = self.drain();
+    }
+}
