@@ -1,8 +1,8 @@
 //! `kvtier serve`: one process per node owns the pool, and every engine
 //! process on the node shares it through a Unix socket.
 //!
-//! - [`protocol`]: the frames, defined once, every length bounded.
-//! - [`arena`]: the service's KV memory, one sealed memfd slice per client.
+//! - `protocol`: the frames, defined once, every length bounded.
+//! - `arena`: the service's KV memory, one sealed memfd slice per client.
 //! - [`server`]: [`Service`], the accept loop, the per-client threads and
 //!   the event dispatcher around one [`crate::TierHandle`].
 //! - [`client`]: [`ServiceClient`], the handle API over the socket.
@@ -12,9 +12,11 @@
 //! the data path; loads and stores go through the one handle, so the
 //! service's read-first / write-deferred policy orders every client's jobs.
 
-pub mod arena;
+internal_room! {
+    arena;
+    protocol;
+}
 pub mod client;
-pub mod protocol;
 pub mod server;
 mod sys;
 
