@@ -45,7 +45,8 @@
 //!   scheduler drives), `staged` (the staged HBM path above the tier: GPU KV memory
 //!   through pinned layer buffers, `staged::StagedTier`), `sched` + `slack` + `plan`
 //!   (when I/O runs), `handle` (the thread-safe front door serving engines call:
-//!   [`TierHandle`], opened with [`TierBuilder`]).
+//!   [`TierHandle`], opened with [`TierBuilder`]), and `service` above it (`kvtier
+//!   serve`: one handle shared by every engine process on a node over a Unix socket).
 //!
 //! Imports between rooms run one way, with no circle: docs/design.md has the table of
 //! which room may import which, and `tests/module_graph.rs` checks it.
@@ -57,7 +58,8 @@
 //! (statx), `host::extents` (FIEMAP), `pool::backing`'s `sys`, `scan` and `locks` (block-device ioctls,
 //! fallocate, lseek, flock), `engine::uring` (io_uring through the io-uring crate,
 //! poll), `nvme::{uio, vfio, mmio}` (BAR and DMA mappings, pagemap, VFIO ioctls),
-//! `gpu::driver` (every CUDA driver call), `scratch` (the signal handler that removes
+//! `gpu::driver` (every CUDA driver call), `service::sys` (memfd, mmap, `SCM_RIGHTS`,
+//! `SO_PEERCRED`), `scratch` (the signal handler that removes
 //! scratch files), and `nvme::passthru` (the kernel driver's NVMe admin ioctl). Everything above them
 //! is safe Rust over those types.
 
@@ -132,6 +134,8 @@ pub mod memory;
 pub mod model;
 #[warn(missing_docs)]
 pub mod pool;
+#[warn(missing_docs)]
+pub mod service;
 
 internal_room! {
     checksum;

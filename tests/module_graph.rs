@@ -29,6 +29,7 @@ const ORDER: &[&str] = &[
     "staged",
     "sched",
     "handle",
+    "service",
     "fuzzing",
 ];
 

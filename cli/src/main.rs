@@ -28,6 +28,7 @@ mod cmd {
     pub(crate) mod nvme;
     pub(crate) mod pool;
     pub(crate) mod replay;
+    pub(crate) mod serve;
 }
 
 // Ranges of the numeric flags: wide enough for any real use, narrow enough
@@ -99,6 +100,10 @@ enum Cmd {
     /// vfio-pci/uio_pci_generic for the run of a command.
     #[command(subcommand)]
     Nvme(cmd::nvme::NvmeCmd),
+    /// Serve one pool to every engine process on this node over a Unix
+    /// socket (in the foreground; logs to stderr; SIGTERM finishes
+    /// acknowledged work and exits 0).
+    Serve(cmd::serve::ServeArgs),
 }
 
 #[derive(Args, Clone)]
@@ -183,6 +188,7 @@ fn run(cli: Cli) -> Result<i32> {
         Cmd::Replay(a) => cmd::replay::run_replay(a),
         Cmd::Doctor(a) => cmd::doctor::run(a),
         Cmd::Nvme(c) => cmd::nvme::run(c),
+        Cmd::Serve(a) => cmd::serve::run(a),
     }
 }
 

@@ -13,6 +13,11 @@ Open a pool with :class:`TierBuilder`, get a thread-safe :class:`TierHandle`:
         tier.wait_layer(job, layer)            # GIL released while waiting
     tier.wait(job); tier.unpin(keys[:n])
 
+Or share one pool per node with every engine process through the service
+(``kvtier serve --socket PATH ...``): ``kvtier.connect(PATH)`` returns a
+:class:`ServiceHandle` with the same methods, over the KV memory the service
+shares with this process (``kvtier.service_tensors(handle)``: torch views).
+
 Adapters for serving engines live in :mod:`kvtier.vllm` and
 :mod:`kvtier.lmcache` (imported on demand: they need those packages).
 """
@@ -26,12 +31,15 @@ from ._kvtier import (
     IoError,
     JobResult,
     KvtierError,
+    ServiceHandle,
     TierBuilder,
     TierHandle,
     UnsupportedError,
     UsageError,
+    connect,
     resolve_model,
 )
+from ._service import service_tensors
 
 __all__ = [
     "BackpressureError",
@@ -42,9 +50,12 @@ __all__ = [
     "IoError",
     "JobResult",
     "KvtierError",
+    "ServiceHandle",
     "TierBuilder",
     "TierHandle",
     "UnsupportedError",
     "UsageError",
+    "connect",
     "resolve_model",
+    "service_tensors",
 ]

@@ -51,7 +51,15 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from . import BackpressureError, KvtierError, TierBuilder, TierHandle, resolve_model
+from . import (
+    BackpressureError,
+    KvtierError,
+    ServiceHandle,
+    TierBuilder,
+    TierHandle,
+    connect,
+    resolve_model,
+)
 from ._kvtier import _exit_grace, _exiting
 
 __all__ = ["KvtierL2", "COUNTERS"]
@@ -185,6 +193,14 @@ class KvtierL2:
       engine: "auto" (default) or a kvtier engine name; ``prewrite``: write a
         new pool's files once at creation (first stores at overwrite speed).
       workers: accepted and ignored (one I/O thread serves every batch now).
+      service: the socket of a ``kvtier serve`` on this node, instead of
+        ``path``/``files``: the pool is the service's, shared with every other
+        client on the node (it must serve ``model`` at ``chunk_size``), and
+        the staging is the memory the service shares with this process
+        (``staging_blocks`` of it, at most the service's ``--client-blocks``;
+        by default all of that).
+        The pool options (capacity, devices, group_blocks, engine, prewrite,
+        namespace) are the service's.
     """
 
     def __init__(
@@ -206,11 +222,13 @@ class KvtierL2:
         prewrite: bool = False,
         namespace: str | None = None,
         workers: int | None = None,
+        service: str | None = None,
     ) -> None:
-        if (path is None) == (files is None):
+        if [path, files, service].count(None) != 2:
             raise ValueError(
-                "KvtierL2 needs exactly one of adapter_params.path (a pool directory) "
-                "or adapter_params.files (pool files)"
+                "KvtierL2 needs exactly one of adapter_params.path (a pool directory), "
+                "adapter_params.files (pool files) or adapter_params.service (the socket of "
+                "a kvtier serve)"
             )
         for name, mb in (
             ("store_job_mb", store_job_mb),
@@ -225,6 +243,36 @@ class KvtierL2:
                 "(or leave it out: 512 MiB of chunks)"
             )
         del workers  # accepted for old configurations: one I/O thread now serves all
+        self.tier: TierHandle | ServiceHandle
+        if service is not None:
+            geometry, _ = resolve_model(model, block_size=chunk_size, dtype=dtype)
+            # Without staging_blocks: all the memory the service gives a client.
+            self.tier = connect(service, blocks=staging_blocks or 0)
+            staging_blocks = self.tier.memory_blocks
+            served = self.tier.geometry
+            if any(served[k] != geometry[k] for k in
+                   ("layers", "kv_heads", "head_dim", "dtype", "block_size")):
+                self.tier.close()
+                raise ValueError(
+                    f"the kvtier service at {service} serves {served}, but this LMCache "
+                    f"config asks for {model} at chunk_size {chunk_size}: {geometry}; point "
+                    "adapter_params.service at the service of this model"
+                )
+            self.pool = f"service {service}"
+        else:
+            self.tier = self._open_pool(model, chunk_size, path, files, capacity, dtype,
+                                        devices, group_blocks, staging_blocks, engine,
+                                        prewrite, namespace)
+            self.pool = str(path if path is not None else list(files or [])[0])
+            staging_blocks = self._staging
+        self._setup(staging_blocks, store_job_mb, load_job_mb, load_inflight_mb,
+                    log_interval_s)
+
+    def _open_pool(self, model: str, chunk_size: int, path: str | None,
+                   files: Sequence[str] | None, capacity: int | str | None,
+                   dtype: str | None, devices: int, group_blocks: int | None,
+                   staging_blocks: int | None, engine: str, prewrite: bool,
+                   namespace: str | None) -> TierHandle:
         b = TierBuilder()
         b = b.directory(path, devices) if path is not None else b.files(list(files or []))
         if capacity is not None:
@@ -242,8 +290,11 @@ class KvtierL2:
         b.policy("naive").host_cache(staging_blocks, "cross_layer")
         if namespace is not None:
             b.namespace(namespace)
-        self.tier: TierHandle = b.build()
-        self.pool = str(path if path is not None else list(files or [])[0])
+        self._staging = staging_blocks
+        return b.build()
+
+    def _setup(self, staging_blocks: int, store_job_mb: float, load_job_mb: float,
+               load_inflight_mb: float, log_interval_s: float) -> None:
         self.block_bytes: int = self.tier.block_bytes
         self.staging_blocks = staging_blocks
         def per_job(mb: float) -> int:

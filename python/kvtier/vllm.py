@@ -68,7 +68,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.logger import init_logger
 
-from . import BackpressureError, KvtierError, TierBuilder, TierHandle
+from . import BackpressureError, KvtierError, ServiceHandle, TierBuilder, TierHandle, connect
 from ._vllm_layout import KvMapping, map_kv_caches
 from ._vllm_lookup import LOOKUP as _LOOKUP
 from ._vllm_lookup import PIN as _PIN
@@ -277,7 +277,16 @@ class KvtierConnector(KVConnectorBase_V1):
     """vLLM KV connector over a kvtier pool, loading layer by layer.
 
     ``kv_connector_extra_config``:
-      pool_dir (required): the pool's directory; TP rank r uses ``pool_dir/tp<r>``.
+      pool_dir (required, unless ``service``): the pool's directory; TP rank r
+        uses ``pool_dir/tp<r>``.
+      service: instead of a pool of the engine's own, the socket of this
+        node's ``kvtier serve``: every engine on the node shares its pool (a
+        block one stored is a hit for the others). The worker's staging
+        (``staging_blocks`` for loads and as many for stores) is the memory
+        the service shares with it; keys carry a hash of the model's identity,
+        so engines of different models on one service never share a block.
+        CPU KV caches and one TP rank (GPU caches and TP ranks over the
+        service are not built yet: issue 25).
       capacity: bytes of pool to create per rank when absent (default "4g").
       prewrite: write a new pool's files once at creation (capacity at the
         disk's write speed) so first stores run at overwrite speed, not at
@@ -307,9 +316,12 @@ class KvtierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
         self._pool_dir = tc.get_from_extra_config("pool_dir", None)
-        if not self._pool_dir:
+        self._service = tc.get_from_extra_config("service", None)
+        if bool(self._pool_dir) == bool(self._service):
             raise ValueError(
-                "KvtierConnector needs kv_connector_extra_config={'pool_dir': '/path/to/pool', ...}"
+                "KvtierConnector needs kv_connector_extra_config={'pool_dir': '/path/to/pool', ...} "
+                "(a pool of this engine's own) or {'service': '/run/kvtier/kvtier.sock', ...} "
+                "(this node's kvtier serve), one of them"
             )
         self._capacity = tc.get_from_extra_config("capacity", "4g")
         self._prewrite = bool(tc.get_from_extra_config("prewrite", False))
@@ -324,6 +336,19 @@ class KvtierConnector(KVConnectorBase_V1):
                 "KvtierConnector serves tensor parallelism only; pipeline_parallel_size must be 1"
             )
         self._tp_size = par.tensor_parallel_size
+        if self._service and self._tp_size != 1:
+            raise ValueError(
+                "KvtierConnector over a kvtier service serves one TP rank; TP ranks as clients "
+                "of one service are not built yet (issue 25): give each engine its own "
+                "pool_dir for tensor_parallel_size > 1"
+            )
+        # Keys on a shared service carry the model's identity: block hashes
+        # are of token ids only.
+        self._key_salt = ""
+        if self._service:
+            ident = {k: v for k, v in self._identity().items() if k != "tp_rank"}
+            self._key_salt = hashlib.sha256(
+                json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:32]
         self._interval: dict[str, float] = {}
         if role == KVConnectorRole.SCHEDULER:
             self._clients = [
@@ -346,6 +371,10 @@ class KvtierConnector(KVConnectorBase_V1):
             self._init_worker()
 
     def _rank_dir(self, rank: int) -> str:
+        if self._service:
+            # Names only the rank's lookup socket: one per engine instance.
+            return os.path.join(f"{self._service}.vllm", self._vllm_config.instance_id,
+                                f"tp{rank}")
         return os.path.join(self._pool_dir, f"tp{rank}")
 
     def _count(self, stats: dict[str, Any], name: str, n: float) -> None:
@@ -407,8 +436,10 @@ class KvtierConnector(KVConnectorBase_V1):
     def _keys_upto(self, st: _ReqState, nblocks: int) -> list[bytes]:
         if len(st.keys) < nblocks:
             toks = st.request.all_token_ids
-            st.keys = block_keys(toks[: nblocks * self._block_size], self._block_size,
-                                 getattr(st.request, "cache_salt", None))
+            salt = getattr(st.request, "cache_salt", None)
+            if self._key_salt:
+                salt = f"{self._key_salt}|{salt or ''}"
+            st.keys = block_keys(toks[: nblocks * self._block_size], self._block_size, salt)
         return st.keys[:nblocks]
 
     def get_num_new_matched_tokens(
@@ -578,7 +609,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self._rank = get_tensor_model_parallel_rank()
         except Exception:  # no distributed state: a single rank
             self._rank = 0
-        self._tier: TierHandle | None = None
+        self._tier: TierHandle | ServiceHandle | None = None
         self._server: LookupServer | None = None
         self._map: KvMapping | None = None
         # The staged HBM path (CUDA caches, or its CPU test double).
@@ -641,7 +672,7 @@ class KvtierConnector(KVConnectorBase_V1):
             "kv_cache_dtype": str(self._vllm_config.cache_config.cache_dtype),
             "kv_spec": spec,
             "tp_size": self._tp_size,
-            "tp_rank": self._rank,
+            "tp_rank": getattr(self, "_rank", 0),
         }
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -671,6 +702,9 @@ class KvtierConnector(KVConnectorBase_V1):
         self._stats["layout"] = {"vllm": m.vllm_layout, "kvtier": m.layout,
                                  "page_bytes": m.page_bytes, "layers": m.layers}
         rank_dir = self._rank_dir(self._rank)
+        if self._service:
+            self._connect_service(m, rank_dir, double)
+            return
         name = _model_tail(str(self._vllm_config.model_config.model))
         b = (
             TierBuilder()
@@ -732,6 +766,47 @@ class KvtierConnector(KVConnectorBase_V1):
         self._server = LookupServer(socket_name(rank_dir), self._tier, logger)
         logger.info("kvtier: rank %d pool %s, engine %s, %s", self._rank, rank_dir,
                     self._tier.engine, m.describe())
+
+    def _connect_service(self, m: KvMapping, rank_dir: str, double: bool) -> None:
+        """The worker's side over ``kvtier serve``: the service's shared
+        memory is the staging (loads land in it, stores read it), copied per
+        layer from and into vLLM's own pages."""
+        if self._hbm or double:
+            raise KvtierError(
+                "CUDA KV caches over a kvtier service are not built yet (issue 25: the staged "
+                "GPU path with staging shared by both processes); run this engine with a "
+                "pool_dir of its own"
+            )
+        if m.padded:
+            raise KvtierError(m.padding_fix + " (a kvtier service stores whole pages)")
+        h = connect(self._service, blocks=2 * self._staging)
+        g = h.geometry
+        want = {"layers": m.layers, "kv_heads": m.kv_heads, "head_dim": m.head_dim,
+                "dtype": m.dtype, "block_size": self._block_size}
+        if any(g[k] != v for k, v in want.items()) or 2 * g["object_bytes"] != m.page_bytes:
+            h.close()
+            raise KvtierError(
+                f"the kvtier service at {self._service} serves {g}, but this engine's KV cache "
+                f"is {want} ({m.page_bytes} B pages): start the service with this model "
+                f"(kvtier serve --model ... --block-size {self._block_size}) or point the "
+                "engine at the service of its model"
+            )
+        self._tier = h
+        addr, size = h.host_memory()
+        per_layer = size // m.layers
+        self._stage_owner = (ctypes.c_char * size).from_address(addr)
+        # The service's memory is per layer (blocks, K|V page); the staging
+        # is indexed [slot, layer] as the connector's own.
+        self._stage = (torch.frombuffer(self._stage_owner, dtype=torch.uint8)
+                       .view(m.layers, per_layer)[:, : 2 * self._staging * m.page_bytes]
+                       .view(m.layers, 2 * self._staging, m.page_bytes).permute(1, 0, 2))
+        self._free_load = list(range(self._staging))
+        self._free_store = list(range(self._staging, 2 * self._staging))
+        self._stats["staged"] = True
+        self._stats["service"] = self._service
+        self._server = LookupServer(socket_name(rank_dir), self._tier, logger)
+        logger.info("kvtier: rank %d on the kvtier service %s (engine %s), %s", self._rank,
+                    self._service, h.engine, m.describe())
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -215,3 +215,31 @@ pub(crate) fn policy_of(s: &str) -> Option<Policy> {
         _ => return None,
     })
 }
+
+/// A load's `layers` argument: a non-empty step-1 range within 0..n (None: all).
+pub(crate) fn layers_arg(
+    layers: Option<&Bound<'_, PyAny>>,
+    n: u32,
+) -> PyResult<std::ops::Range<u32>> {
+    let Some(r) = layers else {
+        return Ok(0..n);
+    };
+    let r = r
+        .downcast::<pyo3::types::PyRange>()
+        .map_err(|_| PyTypeError::new_err("layers must be a range, e.g. range(0, layers)"))?;
+    let bound = |name: &str| -> PyResult<i64> {
+        r.getattr(name)?.extract().map_err(|_| {
+            usage(format!(
+                "layers {}: its {name} is out of range; give a range within 0..{n}",
+                r.repr().map(|x| x.to_string()).unwrap_or_default()
+            ))
+        })
+    };
+    let (s, e, st) = (bound("start")?, bound("stop")?, bound("step")?);
+    if st != 1 || s < 0 || e <= s || e > n as i64 {
+        return Err(usage(format!(
+            "layers range({s}, {e}, {st}) is not a non-empty step-1 range within 0..{n}"
+        )));
+    }
+    Ok(s as u32..e as u32)
+}

@@ -14,9 +14,8 @@ use kvtier::memory::{HostKvCache, KvLayout, KvMemory, MemoryKind};
 use kvtier::pool::Key;
 use kvtier::tier::JobKind;
 use pyo3::buffer::PyBuffer;
-use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyRange, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyTuple};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -232,30 +231,7 @@ impl TierHandle {
         let h = self.live()?;
         let keys = keys_of(keys)?;
         let blocks = blocks_of(blocks)?;
-        let n = self.memory.geometry.layers;
-        let range = match layers {
-            None => 0..n,
-            Some(r) => {
-                let r = r.downcast::<PyRange>().map_err(|_| {
-                    PyTypeError::new_err("layers must be a range, e.g. range(0, layers)")
-                })?;
-                let bound = |name: &str| -> PyResult<i64> {
-                    r.getattr(name)?.extract().map_err(|_| {
-                        usage(format!(
-                            "layers {}: its {name} is out of range; give a range within 0..{n}",
-                            r.repr().map(|x| x.to_string()).unwrap_or_default()
-                        ))
-                    })
-                };
-                let (s, e, st) = (bound("start")?, bound("stop")?, bound("step")?);
-                if st != 1 || s < 0 || e <= s || e > n as i64 {
-                    return Err(usage(format!(
-                        "layers range({s}, {e}, {st}) is not a non-empty step-1 range within 0..{n}"
-                    )));
-                }
-                s as u32..e as u32
-            }
-        };
+        let range = layers_arg(layers, self.memory.geometry.layers)?;
         without_gil(py, || h.submit_load(&keys, &blocks, range)).map_err(to_py)
     }
 

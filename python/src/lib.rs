@@ -15,6 +15,7 @@ mod lifecycle;
 mod memory;
 mod model;
 mod results;
+mod service;
 
 use pyo3::prelude::*;
 
@@ -24,6 +25,9 @@ fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
     lifecycle::install(m)?;
     m.add_class::<builder::TierBuilder>()?;
     m.add_class::<handle::TierHandle>()?;
+    m.add_class::<service::ServiceHandle>()?;
+    m.add_class::<service::SharedRegion>()?;
+    m.add_function(wrap_pyfunction!(service::connect, m)?)?;
     m.add("JobResult", py.get_type::<results::JobResultPy>())?;
     m.add("Event", py.get_type::<results::EventPy>())?;
     m.add_function(wrap_pyfunction!(model::resolve_model, m)?)?;

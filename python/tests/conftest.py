@@ -35,3 +35,60 @@ def vllm_sockets_dir():
     else:
         os.environ["VLLM_RPC_BASE_PATH"] = old
     shutil.rmtree(d, ignore_errors=True)
+
+
+REPO = HERE.parents[1]
+
+
+def kvtier_bin() -> str | None:
+    """The `kvtier` binary: KVTIER_BIN, or the repository's
+    target/{debug,release}/kvtier (`cargo build` makes it)."""
+    env = os.environ.get("KVTIER_BIN")
+    if env:
+        return env
+    for kind in ("debug", "release"):
+        p = REPO / "target" / kind / "kvtier"
+        if p.exists():
+            return str(p)
+    return None
+
+
+@pytest.fixture
+def kvtier_service(tmp_path, tiny_model):
+    """Starts `kvtier serve` for the tiny model on a pool in tmp_path:
+    kvtier_service(clients=, client_blocks=, model=, block_size=) -> (socket,
+    log path). Each is
+    stopped with SIGTERM at the end and must exit 0."""
+    import subprocess
+    import time
+
+    binary = kvtier_bin()
+    if binary is None:
+        pytest.skip("no kvtier binary: run `cargo build` (or set KVTIER_BIN)")
+    started = []
+
+    def start(clients: int = 4, client_blocks: int = 32, model: str | None = None,
+              block_size: int = 16):
+        n = len(started)
+        sock = tmp_path / f"kvtier{n}.sock"
+        log = tmp_path / f"serve{n}.log"
+        with open(log, "wb") as err:
+            proc = subprocess.Popen(
+                [binary, "serve", "--dir", str(tmp_path / f"svc-pool{n}"), "--capacity", "64m",
+                 "--model", model or tiny_model, "--block-size", str(block_size),
+                 "--socket", str(sock), "--clients", str(clients),
+                 "--client-blocks", str(client_blocks)],
+                stderr=err,
+            )
+        started.append((proc, log))
+        deadline = time.monotonic() + 30
+        while b"serving " not in log.read_bytes():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.02)
+        return sock, log
+
+    yield start
+    for proc, log in started:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0, log.read_text()

@@ -656,3 +656,47 @@ def test_a_chunk_whose_store_completed_survives_kill_9(tmp_path, tiny_model):
         assert all(bytes(o) == bytes([i]) * CHUNK_BYTES for i, o in enumerate(out))
     finally:
         l2.close()
+
+
+def service_adapter(sock, tiny_model, n_objs):
+    """NativeConnectorL2Adapter over a KvtierL2 on a kvtier serve's socket."""
+    cfg = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[json.dumps({
+        "type": "native_plugin", "module_path": "kvtier.lmcache", "class_name": "KvtierL2",
+        "max_capacity_gb": 0.0625,
+        "adapter_params": {"service": str(sock), "model": tiny_model, "chunk_size": CHUNK,
+                           "staging_blocks": 8},
+    })]))
+    l1 = torch.zeros(n_objs * (CHUNK_BYTES // 2), dtype=torch.bfloat16)
+    desc = L1MemoryDesc(ptr=l1.data_ptr(), size=l1.numel() * 2, align_bytes=2)
+    return create_l2_adapter(cfg.adapters[0], l1_memory_desc=desc), l1
+
+
+def test_two_lmcache_l2_clients_share_one_kvtier_service(tmp_path, tiny_model, kvtier_service):
+    from kvtier.lmcache import KvtierL2
+
+    sock, _ = kvtier_service(clients=4, client_blocks=8)
+    a, l1a = service_adapter(sock, tiny_model, 6)
+    b, l1b = service_adapter(sock, tiny_model, 6)
+    try:
+        keys = tiny_keys(7, 6)
+        src = chunk_objs(l1a, 6)
+        for o in src:
+            o.tensor.copy_(torch.randn(o.tensor.shape).to(torch.bfloat16))
+        # More chunks than one job's staging: stored in parts.
+        store_through(a, keys, src)
+        assert b._client.tier.usage()["tier"]["live_blocks"] == 6, "one pool, seen by both"
+        dst = chunk_objs(l1b, 6)
+        assert load_through(b, keys, dst) == [True] * 6
+        for s_, d in zip(src, dst):
+            assert torch.equal(s_.tensor, d.tensor)
+        # LMCache's delete through one client is a miss for the other.
+        b.delete(keys[:2])
+        assert load_through(a, keys[:3], chunk_objs(l1a, 3)) == [False, False, True]
+    finally:
+        a.close()
+        b.close()
+    # A config for another model (here: another chunk size) is refused, naming both.
+    with pytest.raises(ValueError, match="serves"):
+        KvtierL2(model=tiny_model, chunk_size=2 * CHUNK, service=str(sock))
+    with pytest.raises(ValueError, match="exactly one of"):
+        KvtierL2(model=tiny_model, chunk_size=CHUNK, service=str(sock), path=str(tmp_path / "p"))

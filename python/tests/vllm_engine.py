@@ -5,7 +5,8 @@ a tiny llama with dummy weights on CPU, greedy, token ids in and out.
 
 Prompts come from the KVTIER_TEST_PROMPTS environment variable (JSON list
 of token-id lists), the model directory from KVTIER_TEST_MODEL (its
-safetensors if present, else dummy weights). With POOL_DIR, kvtier's connector is enabled by config.
+safetensors if present, else dummy weights). With POOL_DIR, kvtier's connector is enabled by config (POOL_DIR "-": none,
+KVTIER_TEST_EXTRA='{"service": SOCKET}' names a kvtier serve instead).
 """
 
 import json
@@ -32,7 +33,8 @@ def main() -> None:
             kv_role="kv_both",
             kv_load_failure_policy="fail",
             kv_connector_extra_config={
-                "pool_dir": sys.argv[2],
+                # "-": no pool of its own (KVTIER_TEST_EXTRA names a service).
+                **({"pool_dir": sys.argv[2]} if sys.argv[2] != "-" else {}),
                 "capacity": "256m",
                 "staging_blocks": 16,
                 "stats_path": sys.argv[3],

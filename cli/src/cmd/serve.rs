@@ -1,0 +1,71 @@
+//! `kvtier serve`: one process per node owns a pool and serves every engine
+//! process on the node over a Unix socket (the library's
+//! [`kvtier::service`]; this is its front end).
+
+use crate::*;
+use kvtier::handle::{EngineChoice, TierBuilder};
+use kvtier::service::{self, Service, ServiceConfig};
+
+#[derive(Args)]
+pub(crate) struct ServeArgs {
+    /// The pool's directory: the pool there is opened, or created with
+    /// --capacity when there is none.
+    #[arg(long)]
+    dir: PathBuf,
+    /// The pool's size when it is created (e.g. 64g).
+    #[arg(long, value_parser = parse_capacity)]
+    capacity: Option<u64>,
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The Unix socket clients connect to.
+    #[arg(long)]
+    socket: PathBuf,
+    /// A group whose members may connect too (socket mode 0660); without
+    /// it only this user may (mode 0600).
+    #[arg(long)]
+    group: Option<String>,
+    /// Clients connected at once, at most.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    clients: u32,
+    /// KV memory blocks each client shares with the service (its load and
+    /// store buffer).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1 << 20))]
+    client_blocks: u32,
+    /// auto, uring, nvme, gpu or gpu-host.
+    #[arg(long, default_value = "auto")]
+    engine: String,
+}
+
+/// The builder for the pool in `dir`: the library opens the pool that is
+/// there, or creates one of `capacity` bytes for the model.
+fn pool_builder(dir: &Path, capacity: Option<u64>, named: &model::NamedGeometry) -> TierBuilder {
+    let b = TierBuilder::default().directory(dir).model(named.clone());
+    match capacity {
+        Some(c) => b.capacity(c),
+        None => b,
+    }
+}
+
+/// Runs `kvtier serve` until SIGTERM or SIGINT; the exit code.
+pub(crate) fn run(a: ServeArgs) -> Result<i32> {
+    // Before any thread starts: every thread inherits the mask, and only
+    // the signal thread takes them.
+    service::block_termination_signals()?;
+    let named = a.model.resolve()?;
+    let engine = EngineChoice::parse(&a.engine).ok_or_else(|| {
+        kvtier::Error::invalid(format!(
+            "unknown --engine {:?}; use auto, uring, nvme, gpu or gpu-host",
+            kvtier_cli::cli::excerpt(&a.engine, 40)
+        ))
+    })?;
+    let group = a.group.as_deref().map(service::group_id).transpose()?;
+    let builder = pool_builder(&a.dir, a.capacity, &named).engine(engine);
+    let cfg = ServiceConfig::new(&a.socket)
+        .with_group(group)
+        .with_clients(a.clients)
+        .with_client_blocks(a.client_blocks);
+    let svc = Service::start(builder, named.geometry, cfg)?;
+    service::stop_on_signals(svc.stopper())?;
+    svc.run()?;
+    Ok(0)
+}

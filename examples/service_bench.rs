@@ -1,0 +1,369 @@
+//! Through `kvtier serve` vs in-process, same run, same pool: load
+//! bandwidth, first-layer time and lookup latency.
+//!
+//! One pool of `--blocks` blocks of llama3-8b (2 MiB each) is stored once;
+//! then, in alternating rounds, an in-process `TierHandle` and a
+//! `ServiceClient` (the service in a thread of this process, reached over
+//! its Unix socket like any client) each time open the pool, load every
+//! block layer by layer `--loads` times (checking the bytes of the first
+//! load) and time `--lookups` lookups of 32 keys. Medians over rounds;
+//! the ratios are the figures (a noisy machine moves both sides).
+//!
+//! `cargo run --release --example service_bench -- [--dir D] [--blocks N]
+//! [--rounds R] [--loads L] [--lookups K]`
+
+use kvtier::handle::TierBuilder;
+use kvtier::memory::{pattern_fill, KvLayout, KvMemory, MemoryKind};
+use kvtier::pool::{DeviceSpec, OpenExpect, PoolConfig};
+use kvtier::service::{Service, ServiceClient, ServiceConfig};
+use kvtier::{HostKvCache, HostLayout, Key, KvGeometry};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const NAMESPACE: &str = "bench/service";
+
+/// One figure of a [`Figures`].
+type Pick = fn(&Figures) -> f64;
+
+struct Figures {
+    gib_s: f64,
+    first_layer_ms: f64,
+    lookup_p50_us: f64,
+    lookup_p99_us: f64,
+}
+
+fn seed(k: u64) -> u64 {
+    k.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5eed
+}
+
+fn keys(n: u32) -> Vec<Key> {
+    (0..n as u64).map(Key::from_u64).collect()
+}
+
+/// What both a `TierHandle` and a `ServiceClient` do for the bench.
+trait Tier {
+    fn lookup(&self, keys: &[Key]) -> usize;
+    fn pin(&self, keys: &[Key]) -> usize;
+    fn unpin(&self, keys: &[Key]);
+    fn load(&self, keys: &[Key], blocks: &[u32], layers: u32) -> kvtier::Result<u64>;
+    fn wait_layer(&self, job: u64, layer: u32) -> kvtier::Result<()>;
+    fn wait_ok(&self, job: u64) -> kvtier::Result<bool>;
+    fn check(&self, block: u32, key: u64, g: &KvGeometry) -> bool;
+}
+
+/// Anonymous memory in huge pages (as `DmaBuffer`, what an engine's
+/// allocator gets with THP) or in 4 KiB pages (what the service's shared
+/// memory gets where shmem THP is off: `shmem_enabled` is `never`).
+struct Region {
+    base: *mut u8,
+    map: *mut libc::c_void,
+    map_len: usize,
+}
+
+impl Region {
+    fn new(len: usize, huge: bool) -> Region {
+        let align = 2 << 20;
+        let map_len = len + align;
+        // SAFETY: a fresh anonymous mapping; trimmed only by our Drop.
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(map, libc::MAP_FAILED, "mmap");
+        let base = (map as usize).next_multiple_of(align) as *mut u8;
+        let advice = if huge {
+            libc::MADV_HUGEPAGE
+        } else {
+            libc::MADV_NOHUGEPAGE
+        };
+        // SAFETY: advice and first touch inside the mapping.
+        unsafe {
+            libc::madvise(base as *mut libc::c_void, len, advice);
+            std::ptr::write_bytes(base, 0, len);
+        }
+        Region { base, map, map_len }
+    }
+    fn addr(&self) -> u64 {
+        self.base as u64
+    }
+    fn as_mut_ptr(&self) -> *mut u8 {
+        self.base
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping, no I/O into it any more.
+        unsafe { libc::munmap(self.map, self.map_len) };
+    }
+}
+
+/// In-process: KV memory laid out as the service's (block-major per layer),
+/// so the two sides differ only by the service (and the page size).
+struct InProcess {
+    h: kvtier::TierHandle,
+    buf: Region,
+    mem: KvMemory,
+}
+
+impl InProcess {
+    fn open(pool: &Path, g: KvGeometry, blocks: u32, huge: bool) -> kvtier::Result<InProcess> {
+        let per_layer = 2 * blocks as u64 * g.object_bytes();
+        let buf = Region::new((per_layer * g.layers as u64) as usize, huge);
+        let mem = KvMemory {
+            geometry: g,
+            num_blocks: blocks,
+            layout: KvLayout::BlockMajor {
+                layer_bases: (0..g.layers as u64)
+                    .map(|l| buf.addr() + l * per_layer)
+                    .collect(),
+            },
+            kind: MemoryKind::Host,
+        };
+        // SAFETY: `buf` lives in the returned value next to the handle,
+        // which is closed (`close`) before it is dropped.
+        let h = unsafe { open_builder(pool, g).memory(mem.clone()) }.build()?;
+        Ok(InProcess { h, buf, mem })
+    }
+}
+
+impl Tier for InProcess {
+    fn lookup(&self, k: &[Key]) -> usize {
+        self.h.lookup_prefix(k)
+    }
+    fn pin(&self, k: &[Key]) -> usize {
+        self.h.lookup_and_pin(k)
+    }
+    fn unpin(&self, k: &[Key]) {
+        self.h.unpin(k)
+    }
+    fn load(&self, k: &[Key], b: &[u32], l: u32) -> kvtier::Result<u64> {
+        self.h.submit_load(k, b, 0..l)
+    }
+    fn wait_layer(&self, j: u64, l: u32) -> kvtier::Result<()> {
+        self.h.wait_layer(j, l)
+    }
+    fn wait_ok(&self, j: u64) -> kvtier::Result<bool> {
+        Ok(self.h.wait(j)?.all_ok())
+    }
+    fn check(&self, block: u32, key: u64, g: &KvGeometry) -> bool {
+        let n = g.object_bytes() as usize;
+        let mut want = vec![0u8; n];
+        (0..g.layers).all(|l| {
+            (0..2).all(|kv| {
+                pattern_fill(&mut want, seed(key), l, kv);
+                let off = (self.mem.object_addr(block, l, kv) - self.buf.addr()) as usize;
+                // SAFETY: inside `buf` (the memory's own description), no
+                // job running (the load was waited for).
+                let got = unsafe { std::slice::from_raw_parts(self.buf.as_mut_ptr().add(off), n) };
+                got == want.as_slice()
+            })
+        })
+    }
+}
+
+impl Tier for ServiceClient {
+    fn lookup(&self, k: &[Key]) -> usize {
+        self.lookup_prefix(k)
+    }
+    fn pin(&self, k: &[Key]) -> usize {
+        self.lookup_and_pin(k)
+    }
+    fn unpin(&self, k: &[Key]) {
+        ServiceClient::unpin(self, k)
+    }
+    fn load(&self, k: &[Key], b: &[u32], l: u32) -> kvtier::Result<u64> {
+        self.submit_load(k, b, 0..l)
+    }
+    fn wait_layer(&self, j: u64, l: u32) -> kvtier::Result<()> {
+        ServiceClient::wait_layer(self, j, l)
+    }
+    fn wait_ok(&self, j: u64) -> kvtier::Result<bool> {
+        Ok(self.wait(j)?.all_ok())
+    }
+    fn check(&self, block: u32, key: u64, g: &KvGeometry) -> bool {
+        let mut want = vec![0u8; g.object_bytes() as usize];
+        let mut got = want.clone();
+        (0..g.layers).all(|l| {
+            (0..2).all(|kv| {
+                pattern_fill(&mut want, seed(key), l, kv);
+                self.read_object(block, l, kv, &mut got).is_ok() && want == got
+            })
+        })
+    }
+}
+
+fn measure(t: &dyn Tier, g: &KvGeometry, blocks: u32, loads: u32, lookups: u32) -> Figures {
+    let ks = keys(blocks);
+    // Blocks in reverse: a load is not a straight copy of the pool's order.
+    let mem: Vec<u32> = (0..blocks).rev().collect();
+    let mut total = Duration::ZERO;
+    let mut first = Vec::new();
+    for i in 0..loads {
+        assert_eq!(t.pin(&ks), blocks as usize, "the pool lost keys");
+        let t0 = Instant::now();
+        let job = t.load(&ks, &mem, g.layers).expect("submit_load");
+        t.wait_layer(job, 0).expect("layer 0");
+        first.push(t0.elapsed());
+        assert!(t.wait_ok(job).expect("wait"), "a load failed");
+        total += t0.elapsed();
+        t.unpin(&ks);
+        if i == 0 {
+            for (k, &b) in mem.iter().enumerate() {
+                assert!(
+                    t.check(b, k as u64, g),
+                    "block {b} (key {k}) has wrong bytes"
+                );
+            }
+        }
+    }
+    let mut lat: Vec<Duration> = (0..lookups)
+        .map(|i| {
+            let s = (i * 7) % (blocks - 32);
+            let q = &ks[s as usize..s as usize + 32];
+            let t0 = Instant::now();
+            assert_eq!(t.lookup(q), 32);
+            t0.elapsed()
+        })
+        .collect();
+    lat.sort();
+    first.sort();
+    let bytes = blocks as f64 * g.block_bytes() as f64 * loads as f64;
+    Figures {
+        gib_s: bytes / total.as_secs_f64() / (1u64 << 30) as f64,
+        first_layer_ms: first[first.len() / 2].as_secs_f64() * 1e3,
+        lookup_p50_us: lat[lat.len() / 2].as_secs_f64() * 1e6,
+        lookup_p99_us: lat[lat.len() * 99 / 100].as_secs_f64() * 1e6,
+    }
+}
+
+fn arg(args: &[String], name: &str, default: u64) -> u64 {
+    args.windows(2)
+        .find(|w| w[0] == name)
+        .map(|w| w[1].parse().expect("a number"))
+        .unwrap_or(default)
+}
+
+fn open_builder(pool: &Path, g: KvGeometry) -> TierBuilder {
+    TierBuilder::default().files([pool]).expect(OpenExpect {
+        geometry: Some(g),
+        namespace: Some(NAMESPACE.into()),
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn main() -> kvtier::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let dir = args
+        .windows(2)
+        .find(|w| w[0] == "--dir")
+        .map(|w| PathBuf::from(&w[1]))
+        .unwrap_or_else(|| PathBuf::from("./kvtier-service-bench"));
+    let blocks = arg(&args, "--blocks", 128) as u32;
+    let rounds = arg(&args, "--rounds", 3) as u32;
+    let loads = arg(&args, "--loads", 4) as u32;
+    let lookups = arg(&args, "--lookups", 2000) as u32;
+    let g = kvtier::model::preset("llama3-8b", 16)?;
+    std::fs::create_dir_all(&dir).map_err(|e| kvtier::Error::io("creating --dir", e))?;
+    let pool = dir.join("bench.pool");
+    let _ = std::fs::remove_file(&pool);
+    let group = 64u64;
+    let groups = (blocks as u64).div_ceil(group) + 1;
+    let size = kvtier::pool::layout::DATA_OFFSET
+        + groups * kvtier::pool::layout::PoolLayout::group_bytes_for(&g, group as u32);
+
+    // Store every block once.
+    {
+        let cache = Arc::new(HostKvCache::new(g, blocks, HostLayout::PerLayer)?);
+        for b in 0..blocks {
+            cache.fill_block(b, seed(b as u64));
+        }
+        let h = TierBuilder::default()
+            .create(
+                PoolConfig::new(g, "llama3-8b", NAMESPACE)
+                    .with_group_blocks(group as u32)
+                    .with_prewrite(true)
+                    .with_devices(vec![DeviceSpec {
+                        path: pool.clone(),
+                        size: Some(size),
+                    }]),
+            )
+            .host_cache(cache)
+            .build()?;
+        let job = h.submit_store(&keys(blocks), &(0..blocks).collect::<Vec<_>>())?;
+        assert!(h.wait(job)?.all_ok(), "the store failed");
+        h.close()?;
+    }
+    println!(
+        "pool: {blocks} blocks of llama3-8b ({} MiB each), {} MiB per load, engine uring",
+        g.block_bytes() >> 20,
+        (blocks as u64 * g.block_bytes()) >> 20
+    );
+    let mut figs: [Vec<Figures>; 3] = [Vec::new(), Vec::new(), Vec::new()];
+    let names = ["in-process", "in-process 4K", "service"];
+    for round in 0..rounds {
+        for (i, huge) in [(0, true), (1, false)] {
+            let t = InProcess::open(&pool, g, blocks, huge)?;
+            let f = measure(&t, &g, blocks, loads, lookups);
+            t.h.close()?;
+            figs[i].push(f);
+        }
+        {
+            let sock = dir.join("bench.sock");
+            let s = Service::start(
+                open_builder(&pool, g),
+                g,
+                ServiceConfig::new(&sock)
+                    .with_clients(1)
+                    .with_client_blocks(blocks),
+            )?;
+            let stop = s.stopper();
+            let t = std::thread::spawn(move || s.run());
+            let c = ServiceClient::connect(&sock, blocks)?;
+            let f = measure(&c, &g, blocks, loads, lookups);
+            c.close()?;
+            drop(c);
+            stop.stop();
+            t.join().expect("service thread")?;
+            figs[2].push(f);
+        }
+        for (name, v) in names.iter().zip(&figs) {
+            let f = &v[round as usize];
+            println!(
+                "round {round} {name:14}: {:.2} GiB/s, first layer {:.2} ms, lookup p50 {:.1} us p99 {:.1} us",
+                f.gib_s, f.first_layer_ms, f.lookup_p50_us, f.lookup_p99_us
+            );
+        }
+    }
+    let m = |v: &[Figures], f: Pick| median(v.iter().map(f).collect());
+    let rows: [(&str, Pick); 4] = [
+        ("load GiB/s", |f| f.gib_s),
+        ("first layer ms", |f| f.first_layer_ms),
+        ("lookup p50 us", |f| f.lookup_p50_us),
+        ("lookup p99 us", |f| f.lookup_p99_us),
+    ];
+    println!(
+        "median of {rounds} rounds: figure | in-process (THP) | in-process (4K pages) | service | service / in-process | service / in-process 4K"
+    );
+    for (name, f) in rows {
+        let (a, b, c) = (m(&figs[0], f), m(&figs[1], f), m(&figs[2], f));
+        println!(
+            "FIG {name:16} | {a:8.2} | {b:8.2} | {c:8.2} | {:.2}x | {:.2}x",
+            c / a,
+            c / b
+        );
+    }
+    let _ = std::fs::remove_file(&pool);
+    Ok(())
+}

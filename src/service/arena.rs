@@ -1,0 +1,137 @@
+//! The service's KV memory: one registered region made of per-client slices.
+//!
+//! A tier registers its KV memory once (its P2P table, io_uring's fixed
+//! buffers pinned at registration), so the service cannot take each client's
+//! own allocation as it connects. It reserves one address range instead and
+//! fills it with `slots` slices of `slot_blocks` blocks, each slice a sealed
+//! memfd of its own, mapped in place: the tier sees one block-major KV memory
+//! of `slots * slot_blocks` blocks per layer, and a client maps only its own
+//! slice's file, so it can neither see nor name another client's blocks
+//! (the service translates its block numbers and bounds them to its slice).
+//!
+//! Inside a slice's file layer `l` of block `b` is at
+//! `l * slot_stride + 2 * b * object_bytes` (K, then V): per layer, a tensor
+//! shaped `(slot_blocks, 2, block_size, kv_heads, head_dim)`, the layout of
+//! vLLM's CPU KV cache.
+
+use super::sys::{sealed_memfd, Reservation};
+use crate::error::{Error, Result};
+use crate::memory::{KvLayout, KvMemory, MemoryKind};
+use crate::model::KvGeometry;
+use std::os::fd::OwnedFd;
+
+const PAGE: u64 = 4096;
+
+/// Every client slice, mapped into one reservation.
+pub struct Arena {
+    reservation: Reservation,
+    files: Vec<OwnedFd>,
+    geometry: KvGeometry,
+    slots: u32,
+    slot_blocks: u32,
+}
+
+impl Arena {
+    /// Map `slots` slices of `slot_blocks` blocks of `geometry`.
+    pub fn new(geometry: KvGeometry, slots: u32, slot_blocks: u32) -> Result<Arena> {
+        geometry.validate()?;
+        if slots == 0 || slot_blocks == 0 {
+            return Err(Error::invalid(
+                "the service needs at least one client slot of at least one block (ServiceConfig: clients, client_blocks)",
+            ));
+        }
+        let pair = 2 * geometry.object_bytes();
+        let slot_stride = slot_blocks as u64 * pair;
+        if slot_stride % PAGE != 0 {
+            // Whole pages take a multiple of PAGE / gcd(PAGE, pair) blocks.
+            let (mut a, mut b) = (PAGE, pair);
+            while b != 0 {
+                (a, b) = (b, a % b);
+            }
+            return Err(Error::invalid(format!(
+                "a client's layer is {slot_stride} bytes ({slot_blocks} blocks of K and V), not whole pages, which the shared mappings need: make the service's client_blocks a multiple of {}",
+                PAGE / a
+            )));
+        }
+        let total = slot_stride
+            .checked_mul(geometry.layers as u64)
+            .and_then(|x| x.checked_mul(slots as u64))
+            .ok_or_else(|| Error::invalid("the service's KV memory overflows 64 bits"))?;
+        let reservation = Reservation::new(total)?;
+        let stride = slot_stride * slots as u64;
+        let mut files = Vec::with_capacity(slots as usize);
+        for s in 0..slots {
+            let fd = sealed_memfd(
+                &format!("kvtier-client-{s}"),
+                slot_stride * geometry.layers as u64,
+            )?;
+            for l in 0..geometry.layers as u64 {
+                reservation.map_fixed(
+                    l * stride + s as u64 * slot_stride,
+                    slot_stride,
+                    &fd,
+                    l * slot_stride,
+                )?;
+            }
+            files.push(fd);
+        }
+        Ok(Arena {
+            reservation,
+            files,
+            geometry,
+            slots,
+            slot_blocks,
+        })
+    }
+
+    /// The tier's view: one block-major KV memory over every slice.
+    pub fn kv_memory(&self) -> KvMemory {
+        let stride = self.slot_stride() * self.slots as u64;
+        KvMemory {
+            geometry: self.geometry,
+            num_blocks: self.slots * self.slot_blocks,
+            layout: KvLayout::BlockMajor {
+                layer_bases: (0..self.geometry.layers as u64)
+                    .map(|l| self.reservation.addr() + l * stride)
+                    .collect(),
+            },
+            kind: MemoryKind::Host,
+        }
+    }
+
+    /// Bytes of one layer of one slice.
+    pub fn slot_stride(&self) -> u64 {
+        2 * self.slot_blocks as u64 * self.geometry.object_bytes()
+    }
+
+    /// Bytes of a slice's file.
+    pub fn slot_file_bytes(&self) -> u64 {
+        self.slot_stride() * self.geometry.layers as u64
+    }
+
+    /// Blocks per slice.
+    pub fn slot_blocks(&self) -> u32 {
+        self.slot_blocks
+    }
+
+    /// Slices.
+    pub fn slots(&self) -> u32 {
+        self.slots
+    }
+
+    /// Slice `s`'s file, to send to its client.
+    pub fn file(&self, s: u32) -> &OwnedFd {
+        &self.files[s as usize]
+    }
+
+    /// Zero slice `s` (no job may use it).
+    pub fn clear(&self, s: u32) {
+        let stride = self.slot_stride() * self.slots as u64;
+        for l in 0..self.geometry.layers as u64 {
+            self.reservation.zero(
+                l * stride + s as u64 * self.slot_stride(),
+                self.slot_stride(),
+            );
+        }
+    }
+}

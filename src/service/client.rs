@@ -1,0 +1,736 @@
+//! [`ServiceClient`]: the handle API of [`crate::TierHandle`] over a
+//! `kvtier serve` socket.
+//!
+//! The client's KV memory is the slice the service shares with it (a sealed
+//! memfd, mapped here): [`ServiceClient::memory`] describes it as block-major
+//! per-layer tensors, [`ServiceClient::write_object`] / `read_object` copy in
+//! and out, and bindings build tensors over [`ServiceClient::layer_region`].
+//! Block numbers are this client's own, `0..memory_blocks()`.
+//!
+//! One reader thread takes every frame the service sends: answers wake the
+//! caller that asked, events and results fill a local job table that
+//! `wait`, `wait_layer` and `try_result` read. If the service goes away,
+//! every waiting call and every unfinished job fails with
+//! [`crate::ErrorKind::Closed`] (adapters treat that as a miss), and
+//! lookups answer 0.
+
+use super::protocol::{self, Request, Response};
+use super::sys::{self, SharedMapping};
+use crate::error::{Error, ErrorKind, Failure, Result};
+use crate::handle::{Event, JobId};
+use crate::memory::{KvLayout, KvMemory, MemoryKind};
+use crate::model::KvGeometry;
+use crate::pool::Key;
+use crate::tier::JobResult;
+use nix::sys::eventfd::{EfdFlags, EventFd};
+use std::collections::HashMap;
+use std::io::Write;
+use std::ops::Range;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[derive(Default)]
+struct JobState {
+    /// Submitted through this client (its id came back).
+    known: bool,
+    layers: Option<Range<u32>>,
+    done_layers: HashMap<u32, Option<Failure>>,
+    result: Option<JobResult>,
+}
+
+#[derive(Default)]
+struct State {
+    replies: HashMap<u64, Response>,
+    jobs: HashMap<JobId, JobState>,
+    /// Why the connection ended, once it has.
+    broken: Option<String>,
+    /// Events for `drain_events`, queued once `event_fd` was asked for
+    /// (a client that only waits never grows it). Past [`EVENTS_KEPT`],
+    /// those of jobs already collected are dropped.
+    events: Option<std::collections::VecDeque<Event>>,
+}
+
+/// Events queued for `drain_events` before those of collected jobs go.
+const EVENTS_KEPT: usize = 4096;
+
+struct Inner {
+    stream: UnixStream,
+    write: Mutex<()>,
+    next_req: AtomicU64,
+    state: Mutex<State>,
+    cond: Condvar,
+    mapping: Arc<SharedMapping>,
+    memory: KvMemory,
+    layer_stride: u64,
+    engine: String,
+    reader: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Readable exactly while events are queued.
+    event_fd: EventFd,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        if let Some(t) = lock(&self.reader).take() {
+            // The reader may hold the last reference for a moment: it never
+            // joins itself.
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+/// A connection to a `kvtier serve` service; `Send + Sync + Clone`.
+#[derive(Clone)]
+pub struct ServiceClient {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for ServiceClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServiceClient")
+            .field("geometry", &self.inner.memory.geometry)
+            .field("blocks", &self.inner.memory.num_blocks)
+            .finish()
+    }
+}
+
+fn gone(why: &str) -> Error {
+    Error::Closed(format!(
+        "the kvtier service connection is gone ({why}); the job's keys are not loaded or stored: treat them as misses, and reconnect once the service is back"
+    ))
+}
+
+impl ServiceClient {
+    /// Connect to the service at `socket`, sharing `blocks` blocks of KV
+    /// memory with it (0: as many as it gives a client).
+    pub fn connect(socket: impl AsRef<Path>, blocks: u32) -> Result<ServiceClient> {
+        let socket = socket.as_ref();
+        let stream = UnixStream::connect(socket).map_err(|e| {
+            Error::io(
+                format!(
+                    "connecting to the kvtier service at {} (is a kvtier service listening on it, and may this user open the socket?)",
+                    socket.display()
+                ),
+                e,
+            )
+        })?;
+        let hello = Request::Hello {
+            version: protocol::VERSION,
+            blocks,
+        }
+        .encode(1)?;
+        (&stream)
+            .write_all(&hello)
+            .map_err(|e| Error::io("sending the hello to the kvtier service", e))?;
+        let mut hb = [0u8; protocol::HEADER_BYTES];
+        let fd = sys::recv_with_fd(&stream, &mut hb)?;
+        let h = protocol::Header::decode(&hb)?;
+        let mut body = vec![0u8; h.body_len as usize];
+        std::io::Read::read_exact(&mut &stream, &mut body)
+            .map_err(|e| Error::io("reading the kvtier service's welcome", e))?;
+        let (geometry, blocks, layer_stride, file_bytes, engine) =
+            match Response::decode(h.kind, &body)? {
+                Response::Welcome {
+                    geometry,
+                    blocks,
+                    layer_stride,
+                    file_bytes,
+                    engine,
+                    ..
+                } => (geometry, blocks, layer_stride, file_bytes, engine),
+                Response::Refused(f) => {
+                    return Err(Error::Failed(
+                        f.context("the kvtier service refused the hello"),
+                    ))
+                }
+                other => {
+                    return Err(Error::invalid(format!(
+                        "the kvtier service answered the hello with {other:?}"
+                    )))
+                }
+            };
+        let fd = fd.ok_or_else(|| {
+            Error::invalid("the kvtier service's welcome carried no shared memory file")
+        })?;
+        sys::check_sealed(&fd, file_bytes)?;
+        let obj = geometry.object_bytes();
+        if layer_stride < 2 * blocks as u64 * obj
+            || layer_stride.checked_mul(geometry.layers as u64) != Some(file_bytes)
+        {
+            return Err(Error::invalid(format!(
+                "the kvtier service's welcome does not add up: {blocks} blocks of {obj}-byte objects, layer stride {layer_stride}, file {file_bytes} bytes"
+            )));
+        }
+        let mapping = Arc::new(SharedMapping::new(&fd, file_bytes)?);
+        drop(fd);
+        let memory = KvMemory {
+            geometry,
+            num_blocks: blocks,
+            layout: KvLayout::BlockMajor {
+                layer_bases: (0..geometry.layers as u64)
+                    .map(|l| mapping.addr() + l * layer_stride)
+                    .collect(),
+            },
+            kind: MemoryKind::Host,
+        };
+        let read_half = stream
+            .try_clone()
+            .map_err(|e| Error::io("cloning the service socket", e))?;
+        let inner = Arc::new(Inner {
+            stream,
+            write: Mutex::new(()),
+            next_req: AtomicU64::new(2),
+            state: Mutex::new(State::default()),
+            cond: Condvar::new(),
+            mapping,
+            memory,
+            layer_stride,
+            engine,
+            reader: Mutex::new(None),
+            event_fd: EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)
+                .map_err(|e| Error::io("creating the client's eventfd", e.into()))?,
+        });
+        let weak = Arc::downgrade(&inner);
+        let t = std::thread::Builder::new()
+            .name("kvtier-service-reader".into())
+            .spawn(move || read_loop(read_half, weak))
+            .map_err(|e| Error::io("starting the service client's reader", e))?;
+        *lock(&inner.reader) = Some(t);
+        Ok(ServiceClient { inner })
+    }
+
+    /// The pool's KV geometry.
+    pub fn geometry(&self) -> &KvGeometry {
+        &self.inner.memory.geometry
+    }
+
+    /// The engine serving the pool.
+    pub fn engine(&self) -> &str {
+        &self.inner.engine
+    }
+
+    /// Blocks of KV memory shared with the service.
+    pub fn memory_blocks(&self) -> u32 {
+        self.inner.memory.num_blocks
+    }
+
+    /// This client's KV memory, as mapped here (block-major per layer).
+    pub fn memory(&self) -> &KvMemory {
+        &self.inner.memory
+    }
+
+    /// Address and bytes of layer `layer`'s tensor here: shaped
+    /// `(blocks, 2, block_size, kv_heads, head_dim)`, then padding to the
+    /// layer stride.
+    pub fn layer_region(&self, layer: u32) -> Result<(u64, u64)> {
+        if layer >= self.inner.memory.geometry.layers {
+            return Err(Error::invalid(format!(
+                "layer {layer} of a {}-layer model",
+                self.inner.memory.geometry.layers
+            )));
+        }
+        Ok((
+            self.inner.mapping.addr() + layer as u64 * self.inner.layer_stride,
+            2 * self.inner.memory.num_blocks as u64 * self.inner.memory.geometry.object_bytes(),
+        ))
+    }
+
+    /// The whole shared mapping, `(address, bytes)`.
+    pub fn host_memory(&self) -> (u64, u64) {
+        (self.inner.mapping.addr(), self.inner.mapping.len())
+    }
+
+    /// The mapping itself, for bindings that hand out views of it (it
+    /// stays mapped while any clone of the `Arc` lives).
+    pub fn shared_mapping(&self) -> Arc<SharedMapping> {
+        self.inner.mapping.clone()
+    }
+
+    fn object_offset(&self, block: u32, layer: u32, kv: u32) -> Result<u64> {
+        let m = &self.inner.memory;
+        if block >= m.num_blocks || layer >= m.geometry.layers || kv > 1 {
+            return Err(Error::invalid(format!(
+                "object (block {block}, layer {layer}, kv {kv}) is outside this client's {} blocks of {} layers",
+                m.num_blocks, m.geometry.layers
+            )));
+        }
+        Ok(m.object_addr(block, layer, kv) - self.inner.mapping.addr())
+    }
+
+    /// Copy one object (K: `kv` 0, V: 1) out of the shared memory.
+    pub fn read_object(&self, block: u32, layer: u32, kv: u32, out: &mut [u8]) -> Result<()> {
+        let off = self.object_offset(block, layer, kv)?;
+        self.check_len(out.len())?;
+        self.inner.mapping.read(off, out)
+    }
+
+    /// Copy one object into the shared memory.
+    pub fn write_object(&self, block: u32, layer: u32, kv: u32, data: &[u8]) -> Result<()> {
+        let off = self.object_offset(block, layer, kv)?;
+        self.check_len(data.len())?;
+        self.inner.mapping.write(off, data)
+    }
+
+    fn check_len(&self, n: usize) -> Result<()> {
+        let obj = self.inner.memory.geometry.object_bytes();
+        if n as u64 != obj {
+            return Err(Error::invalid(format!(
+                "{n} bytes for an object of {obj} bytes"
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_blocks(&self, keys: &[Key], blocks: &[u32]) -> Result<()> {
+        if keys.is_empty() {
+            return Err(Error::invalid("a job needs at least one key"));
+        }
+        if keys.len() != blocks.len() {
+            return Err(Error::invalid(format!(
+                "{} keys but {} memory blocks: give one memory block per key",
+                keys.len(),
+                blocks.len()
+            )));
+        }
+        let n = self.memory_blocks();
+        if let Some(&b) = blocks.iter().find(|&&b| b >= n) {
+            return Err(Error::invalid(format!(
+                "memory block {b} is out of range: this client shares {n} blocks with the service (0..{n})"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Send `req` and wait for its answer.
+    fn call(&self, req: &Request) -> Result<Response> {
+        let id = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
+        let frame = req.encode(id)?;
+        {
+            let st = lock(&self.inner.state);
+            if let Some(why) = &st.broken {
+                return Err(gone(why));
+            }
+        }
+        {
+            let _w = lock(&self.inner.write);
+            (&self.inner.stream)
+                .write_all(&frame)
+                .map_err(|e| gone(&format!("sending a request: {e}")))?;
+        }
+        let mut st = lock(&self.inner.state);
+        loop {
+            if let Some(r) = st.replies.remove(&id) {
+                return match r {
+                    Response::Refused(f) => Err(Error::Failed(f)),
+                    r => Ok(r),
+                };
+            }
+            if let Some(why) = &st.broken {
+                return Err(gone(why));
+            }
+            st = self.inner.cond.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// How many leading keys the pool holds (0 if the service is gone).
+    pub fn lookup_prefix(&self, keys: &[Key]) -> usize {
+        match self.call(&Request::Lookup(keys.to_vec())) {
+            Ok(Response::Count(n)) => (n as usize).min(keys.len()),
+            _ => 0,
+        }
+    }
+
+    /// Like `lookup_prefix`, and pins the keys it counts for this client
+    /// (dropped by `unpin`, or when this client disconnects).
+    pub fn lookup_and_pin(&self, keys: &[Key]) -> usize {
+        match self.call(&Request::LookupAndPin(keys.to_vec())) {
+            Ok(Response::Count(n)) => (n as usize).min(keys.len()),
+            _ => 0,
+        }
+    }
+
+    /// Drop one of this client's pins per key; never fails.
+    pub fn unpin(&self, keys: &[Key]) {
+        let _ = self.call(&Request::Unpin(keys.to_vec()));
+    }
+
+    /// Whether the pool holds `key`.
+    pub fn contains(&self, key: &Key) -> bool {
+        self.lookup_prefix(std::slice::from_ref(key)) == 1
+    }
+
+    /// Take `keys` out of the pool (see [`crate::TierHandle::remove`]).
+    pub fn remove(&self, keys: &[Key]) -> Result<usize> {
+        match self.call(&Request::Remove(keys.to_vec()))? {
+            Response::Count(n) => Ok(n as usize),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    fn submitted(&self, r: Response, layers: Option<Range<u32>>) -> Result<JobId> {
+        match r {
+            Response::Job(j) => {
+                let mut st = lock(&self.inner.state);
+                let e = st.jobs.entry(j).or_default();
+                e.known = true;
+                e.layers = layers;
+                Ok(j)
+            }
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Start loading `keys` into this client's `mem_blocks` for `layers`
+    /// (see [`crate::TierHandle::submit_load`]).
+    pub fn submit_load(
+        &self,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        layers: Range<u32>,
+    ) -> Result<JobId> {
+        self.check_blocks(keys, mem_blocks)?;
+        let r = self.call(&Request::SubmitLoad {
+            keys: keys.to_vec(),
+            blocks: mem_blocks.to_vec(),
+            layers: layers.clone(),
+        })?;
+        self.submitted(r, Some(layers))
+    }
+
+    /// Accept a store of `keys` from this client's `mem_blocks` (see
+    /// [`crate::TierHandle::submit_store`]).
+    pub fn submit_store(&self, keys: &[Key], mem_blocks: &[u32]) -> Result<JobId> {
+        self.check_blocks(keys, mem_blocks)?;
+        let r = self.call(&Request::SubmitStore {
+            keys: keys.to_vec(),
+            blocks: mem_blocks.to_vec(),
+        })?;
+        self.submitted(r, None)
+    }
+
+    /// Issue every store in the service's backlog now.
+    pub fn flush_stores(&self) -> Result<()> {
+        match self.call(&Request::FlushStores)? {
+            Response::Ok => Ok(()),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Block until `job` finishes and return (remove) its result.
+    pub fn wait(&self, job: JobId) -> Result<JobResult> {
+        Ok(self.wait_until(job, None)?.expect("no deadline"))
+    }
+
+    /// Like `wait`, giving up after `timeout` (`None`: not finished yet).
+    pub fn wait_timeout(&self, job: JobId, timeout: Duration) -> Result<Option<JobResult>> {
+        self.wait_until(job, Some(Instant::now() + timeout))
+    }
+
+    /// The result of `job` if it has finished (then removed), else None.
+    pub fn try_result(&self, job: JobId) -> Result<Option<JobResult>> {
+        self.wait_until(job, Some(Instant::now()))
+    }
+
+    fn unknown(job: JobId) -> Error {
+        Error::invalid(format!(
+            "job {job} is unknown or its result was already taken (by wait or try_result: each result is handed out once, to one caller)"
+        ))
+    }
+
+    fn wait_until(&self, job: JobId, deadline: Option<Instant>) -> Result<Option<JobResult>> {
+        let mut st = lock(&self.inner.state);
+        loop {
+            let Some(e) = st.jobs.get_mut(&job).filter(|e| e.known) else {
+                return Err(Self::unknown(job));
+            };
+            if e.result.is_some() {
+                let e = st.jobs.remove(&job).expect("present");
+                return Ok(e.result);
+            }
+            if let Some(why) = &st.broken {
+                return Err(gone(why));
+            }
+            st = match deadline {
+                None => self.inner.cond.wait(st).unwrap_or_else(|e| e.into_inner()),
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Ok(None);
+                    }
+                    self.inner
+                        .cond
+                        .wait_timeout(st, left)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0
+                }
+            };
+        }
+    }
+
+    /// Results of every finished job of this client not yet collected.
+    pub fn get_finished(&self) -> Vec<JobResult> {
+        let mut st = lock(&self.inner.state);
+        let done: Vec<JobId> = st
+            .jobs
+            .iter()
+            .filter(|(_, e)| e.known && e.result.is_some())
+            .map(|(&j, _)| j)
+            .collect();
+        let mut out: Vec<JobResult> = done
+            .into_iter()
+            .filter_map(|j| st.jobs.remove(&j).and_then(|e| e.result))
+            .collect();
+        out.sort_by_key(|r| r.job);
+        out
+    }
+
+    /// Block until layer `layer` of load `job` is in this client's memory;
+    /// an error means the layer must not be used.
+    pub fn wait_layer(&self, job: JobId, layer: u32) -> Result<()> {
+        self.wait_layer_until(job, layer, None).map(|_| ())
+    }
+
+    /// Like `wait_layer`; false if the layer is not in memory by `timeout`.
+    pub fn wait_layer_timeout(&self, job: JobId, layer: u32, timeout: Duration) -> Result<bool> {
+        self.wait_layer_until(job, layer, Some(Instant::now() + timeout))
+    }
+
+    fn wait_layer_until(&self, job: JobId, layer: u32, deadline: Option<Instant>) -> Result<bool> {
+        let mut st = lock(&self.inner.state);
+        loop {
+            let Some(e) = st.jobs.get(&job).filter(|e| e.known) else {
+                return Err(Self::unknown(job));
+            };
+            if !e.layers.as_ref().is_some_and(|r| r.contains(&layer)) {
+                return Err(Error::invalid(format!(
+                    "job {job} is not a load of layer {layer}"
+                )));
+            }
+            if let Some(err) = e.done_layers.get(&layer) {
+                return match err {
+                    Some(f) => Err(Error::Failed(
+                        f.context(format_args!("layer {layer} of job {job} failed")),
+                    )),
+                    None => Ok(true),
+                };
+            }
+            if let Some(r) = &e.result {
+                return match r.failures().next() {
+                    Some((k, f)) => Err(Error::Failed(
+                        f.context(format_args!("job {job} failed to load key {k}")),
+                    )),
+                    None => Ok(true),
+                };
+            }
+            if let Some(why) = &st.broken {
+                return Err(gone(why));
+            }
+            st = match deadline {
+                None => self.inner.cond.wait(st).unwrap_or_else(|e| e.into_inner()),
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Ok(false);
+                    }
+                    self.inner
+                        .cond
+                        .wait_timeout(st, left)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0
+                }
+            };
+        }
+    }
+
+    /// An eventfd that polls readable while events are queued for
+    /// [`Self::drain_events`]; events queue from the first call on.
+    pub fn event_fd(&self) -> BorrowedFd<'_> {
+        let mut st = lock(&self.inner.state);
+        if st.events.is_none() {
+            st.events = Some(Default::default());
+        }
+        self.inner.event_fd.as_fd()
+    }
+
+    /// Every queued event (layer done, job finished), oldest first.
+    pub fn drain_events(&self) -> Vec<Event> {
+        let mut st = lock(&self.inner.state);
+        let Some(q) = st.events.as_mut() else {
+            return Vec::new();
+        };
+        if !q.is_empty() {
+            let _ = self.inner.event_fd.read();
+        }
+        q.drain(..).collect()
+    }
+
+    /// The service's usage (the pool's, shared by every client), as JSON of
+    /// [`crate::handle::HandleUsage`].
+    pub fn usage_json(&self) -> Result<String> {
+        match self.call(&Request::Usage)? {
+            Response::Usage(j) => Ok(j),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Copy `data` (at most a block) into memory block `block`, objects in
+    /// (layer, K|V) order; the rest of the block is zeroed. `data` may be
+    /// a view of this shared memory.
+    pub fn write_block(&self, block: u32, data: &[u8]) -> Result<()> {
+        let g = self.inner.memory.geometry;
+        if data.len() as u64 > g.block_bytes() {
+            return Err(Error::invalid(format!(
+                "{} bytes do not fit a block of {} bytes",
+                data.len(),
+                g.block_bytes()
+            )));
+        }
+        let obj = g.object_bytes() as usize;
+        let data = data.to_vec();
+        let mut buf = vec![0u8; obj];
+        for layer in 0..g.layers {
+            for kv in 0..2 {
+                let i = (layer * 2 + kv) as usize * obj;
+                let take = data.len().saturating_sub(i).min(obj);
+                buf[..take].copy_from_slice(&data[i..i + take]);
+                buf[take..].fill(0);
+                self.write_object(block, layer, kv, &buf)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Copy memory block `block` into `out` (at most a block: its first
+    /// `out.len()` bytes, objects in (layer, K|V) order).
+    pub fn read_block_into(&self, block: u32, out: &mut [u8]) -> Result<()> {
+        let g = self.inner.memory.geometry;
+        if out.len() as u64 > g.block_bytes() {
+            return Err(Error::invalid(format!(
+                "a buffer of {} bytes is larger than a block ({} bytes)",
+                out.len(),
+                g.block_bytes()
+            )));
+        }
+        let obj = g.object_bytes() as usize;
+        let mut buf = vec![0u8; obj];
+        for layer in 0..g.layers {
+            for kv in 0..2 {
+                let i = (layer * 2 + kv) as usize * obj;
+                let take = out.len().saturating_sub(i).min(obj);
+                if take == 0 {
+                    return Ok(());
+                }
+                self.read_object(block, layer, kv, &mut buf)?;
+                out[i..i + take].copy_from_slice(&buf[..take]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Wait for every job this client submitted, then disconnect (the
+    /// service drops this client's pins). Results not yet collected stay
+    /// collectable on this object.
+    pub fn close(&self) -> Result<()> {
+        let mut st = lock(&self.inner.state);
+        loop {
+            let open = st.jobs.values().any(|e| e.known && e.result.is_none());
+            if !open {
+                break;
+            }
+            if let Some(why) = &st.broken {
+                return Err(gone(why));
+            }
+            st = self.inner.cond.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+        drop(st);
+        let _ = self.inner.stream.shutdown(std::net::Shutdown::Both);
+        Ok(())
+    }
+}
+
+fn unexpected(r: &Response) -> Error {
+    Error::Failed(Failure::new(
+        ErrorKind::Internal,
+        format!("the kvtier service answered with an unexpected {r:?}"),
+    ))
+}
+
+fn queue_event(inner: &Inner, st: &mut State, ev: Event) {
+    let State { events, jobs, .. } = st;
+    let Some(q) = events.as_mut() else {
+        return;
+    };
+    let was_empty = q.is_empty();
+    q.push_back(ev);
+    if q.len() > EVENTS_KEPT {
+        q.retain(|e| match e {
+            Event::Layer { job, .. } | Event::Finished { job, .. } => jobs.contains_key(job),
+        });
+    }
+    if was_empty && !q.is_empty() {
+        let _ = inner.event_fd.write(1);
+    }
+}
+
+fn read_loop(stream: UnixStream, inner: std::sync::Weak<Inner>) {
+    let mut r = &stream;
+    let why = loop {
+        let (h, body) = match protocol::read_frame(&mut r) {
+            Ok(Some(f)) => f,
+            Ok(None) => break "the service closed the connection".to_string(),
+            Err(e) => break e.to_string(),
+        };
+        let msg = match Response::decode(h.kind, &body) {
+            Ok(m) => m,
+            Err(e) => break e.to_string(),
+        };
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        let mut st = lock(&inner.state);
+        match msg {
+            Response::Layer { job, layer, error } => {
+                let ev = Event::Layer {
+                    job,
+                    layer,
+                    error: error.clone(),
+                };
+                st.jobs
+                    .entry(job)
+                    .or_default()
+                    .done_layers
+                    .insert(layer, error);
+                queue_event(&inner, &mut st, ev);
+            }
+            Response::Finished(r) => {
+                let job = r.job;
+                let ev = Event::Finished {
+                    job,
+                    kind: r.kind,
+                    ok: r.all_ok(),
+                };
+                st.jobs.entry(job).or_default().result = Some(r);
+                queue_event(&inner, &mut st, ev);
+            }
+            other => {
+                st.replies.insert(h.req, other);
+            }
+        }
+        drop(st);
+        inner.cond.notify_all();
+    };
+    if let Some(inner) = inner.upgrade() {
+        lock(&inner.state).broken = Some(why);
+        inner.cond.notify_all();
+    }
+}

@@ -1,0 +1,852 @@
+//! The wire format between `kvtier serve` and its clients, defined once.
+//!
+//! Every message is one frame: a 16-byte [`Header`] (body length, message
+//! kind, request id, all little-endian) and a body of at most
+//! [`MAX_BODY_BYTES`]. Inside a body every variable part carries its length
+//! first and is bounded ([`MAX_KEYS`] keys, [`MAX_TEXT_BYTES`] of text), so a
+//! reader never allocates more than the frame it already bounded. A client's
+//! first frame is [`Request::Hello`] with [`MAGIC`] and [`VERSION`]; the
+//! service answers [`Response::Welcome`] with the client's shared memory file
+//! attached (`SCM_RIGHTS`), or refuses and closes.
+//!
+//! Anything that does not decode (a wrong magic or version, an unknown kind,
+//! a length past its bound, bytes left over) is a [`crate::ErrorKind::Usage`]
+//! error naming what was wrong: the service drops that client, and only it.
+
+use crate::error::{Error, ErrorKind, Failure, Result};
+use crate::model::{DType, KvGeometry};
+use crate::pool::Key;
+use crate::tier::{JobKind, JobResult, KeyOutcome};
+use std::ops::Range;
+
+/// The first eight bytes of a hello.
+pub const MAGIC: [u8; 8] = *b"KVTIERSV";
+/// The protocol version this build speaks; a hello with another is refused.
+pub const VERSION: u32 = 1;
+/// Bytes of a frame header.
+pub const HEADER_BYTES: usize = 16;
+/// Largest body a frame may carry (a job of [`MAX_KEYS`] keys fits).
+pub const MAX_BODY_BYTES: u32 = 8 << 20;
+/// Most keys (and memory blocks) one request or result names.
+pub const MAX_KEYS: usize = 1 << 16;
+/// Longest message text a failure carries (longer ones are cut).
+pub const MAX_TEXT_BYTES: usize = 4096;
+/// Longest usage report.
+pub const MAX_LONG_TEXT_BYTES: usize = 1 << 20;
+
+/// A frame's header, as it is laid out on the wire (little-endian).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct Header {
+    /// Bytes of the body that follows.
+    pub body_len: u32,
+    /// The message kind (`Request::kind` / `Response::kind`).
+    pub kind: u16,
+    /// Zero in this version.
+    pub flags: u16,
+    /// The request this frame is or answers; 0 for events.
+    pub req: u64,
+}
+
+const _: () = assert!(std::mem::size_of::<Header>() == HEADER_BYTES);
+
+impl Header {
+    /// The header's bytes.
+    pub fn encode(&self) -> [u8; HEADER_BYTES] {
+        let mut b = [0u8; HEADER_BYTES];
+        b[0..4].copy_from_slice(&self.body_len.to_le_bytes());
+        b[4..6].copy_from_slice(&self.kind.to_le_bytes());
+        b[6..8].copy_from_slice(&self.flags.to_le_bytes());
+        b[8..16].copy_from_slice(&self.req.to_le_bytes());
+        b
+    }
+
+    /// Parses and bounds a header: a body past [`MAX_BODY_BYTES`] or set
+    /// flags are refused before anything is allocated.
+    pub fn decode(b: &[u8; HEADER_BYTES]) -> Result<Header> {
+        let h = Header {
+            body_len: u32::from_le_bytes(b[0..4].try_into().expect("4 bytes")),
+            kind: u16::from_le_bytes(b[4..6].try_into().expect("2 bytes")),
+            flags: u16::from_le_bytes(b[6..8].try_into().expect("2 bytes")),
+            req: u64::from_le_bytes(b[8..16].try_into().expect("8 bytes")),
+        };
+        if h.body_len > MAX_BODY_BYTES {
+            return Err(bad(format!(
+                "a frame of {} bytes is larger than the {MAX_BODY_BYTES} a frame may be",
+                h.body_len
+            )));
+        }
+        if h.flags != 0 {
+            return Err(bad(format!(
+                "frame flags {:#x} are not defined in protocol version {VERSION}",
+                h.flags
+            )));
+        }
+        Ok(h)
+    }
+}
+
+fn bad(msg: impl std::fmt::Display) -> Error {
+    Error::InvalidArgument(format!("kvtier service protocol: {msg}"))
+}
+
+/// What a client asks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Request {
+    /// The first frame: protocol magic and version, and how many KV memory
+    /// blocks the client wants shared with the service.
+    Hello {
+        /// [`VERSION`] of the client.
+        version: u32,
+        /// Memory blocks wanted (0: as many as the service gives a client).
+        blocks: u32,
+    },
+    /// `lookup_prefix`.
+    Lookup(Vec<Key>),
+    /// `lookup_and_pin`: the pins count as this client's.
+    LookupAndPin(Vec<Key>),
+    /// `unpin`: only pins this client holds are dropped.
+    Unpin(Vec<Key>),
+    /// `remove`.
+    Remove(Vec<Key>),
+    /// `submit_load` into this client's memory blocks.
+    SubmitLoad {
+        /// The keys.
+        keys: Vec<Key>,
+        /// One memory block (the client's numbering) per key.
+        blocks: Vec<u32>,
+        /// The layers.
+        layers: Range<u32>,
+    },
+    /// `submit_store` from this client's memory blocks.
+    SubmitStore {
+        /// The keys.
+        keys: Vec<Key>,
+        /// One memory block (the client's numbering) per key.
+        blocks: Vec<u32>,
+    },
+    /// `flush_stores`.
+    FlushStores,
+    /// `usage`: the handle's usage as JSON.
+    Usage,
+}
+
+/// What the service sends: answers (with the request's id) and events (id 0).
+#[derive(Clone, Debug)]
+pub enum Response {
+    /// The hello's answer; the client's shared memory file rides with it.
+    Welcome {
+        /// The service's protocol version.
+        version: u32,
+        /// The pool's KV geometry.
+        geometry: KvGeometry,
+        /// Memory blocks this client may name (0..blocks).
+        blocks: u32,
+        /// Bytes between layer `l` and `l + 1` in the shared file: layer `l`
+        /// of block `b` is at `l * layer_stride + 2 * b * object_bytes` (K,
+        /// then V), the engines' block-major per-layer layout.
+        layer_stride: u64,
+        /// Size of the shared file.
+        file_bytes: u64,
+        /// The engine serving the pool.
+        engine: String,
+    },
+    /// A count (lookups, remove).
+    Count(u64),
+    /// A submitted job's id.
+    Job(u64),
+    /// Done, nothing to say.
+    Ok,
+    /// The request failed; the client stays connected.
+    Refused(Failure),
+    /// A layer of a load is in the client's memory (or failed).
+    Layer {
+        /// The load.
+        job: u64,
+        /// The layer.
+        layer: u32,
+        /// Why it failed.
+        error: Option<Failure>,
+    },
+    /// A job finished, with its result.
+    Finished(JobResult),
+    /// `usage`'s answer: [`crate::handle::HandleUsage`] as JSON.
+    Usage(String),
+}
+
+mod kind {
+    pub const HELLO: u16 = 1;
+    pub const LOOKUP: u16 = 2;
+    pub const LOOKUP_AND_PIN: u16 = 3;
+    pub const UNPIN: u16 = 4;
+    pub const REMOVE: u16 = 5;
+    pub const SUBMIT_LOAD: u16 = 6;
+    pub const SUBMIT_STORE: u16 = 7;
+    pub const FLUSH_STORES: u16 = 8;
+    pub const USAGE: u16 = 9;
+    pub const WELCOME: u16 = 0x81;
+    pub const COUNT: u16 = 0x82;
+    pub const JOB: u16 = 0x83;
+    pub const OK: u16 = 0x84;
+    pub const REFUSED: u16 = 0x85;
+    pub const LAYER: u16 = 0x86;
+    pub const FINISHED: u16 = 0x87;
+    pub const USAGE_JSON: u16 = 0x88;
+}
+
+/// Builds a body.
+#[derive(Default)]
+struct Out(Vec<u8>);
+
+impl Out {
+    fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn text(&mut self, s: &str) {
+        let mut end = s.len().min(MAX_TEXT_BYTES);
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        self.u32(end as u32);
+        self.0.extend_from_slice(&s.as_bytes()[..end]);
+    }
+    /// Text up to [`MAX_LONG_TEXT_BYTES`] (the usage report); longer is cut.
+    fn long_text(&mut self, s: &str) {
+        let mut end = s.len().min(MAX_LONG_TEXT_BYTES);
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        self.u32(end as u32);
+        self.0.extend_from_slice(&s.as_bytes()[..end]);
+    }
+    fn key(&mut self, k: &Key) {
+        let b = k.as_bytes();
+        self.u8(b.len() as u8);
+        self.0.extend_from_slice(b);
+    }
+    fn keys(&mut self, ks: &[Key]) {
+        self.u32(ks.len() as u32);
+        for k in ks {
+            self.key(k);
+        }
+    }
+    fn blocks(&mut self, bs: &[u32]) {
+        self.u32(bs.len() as u32);
+        for &b in bs {
+            self.u32(b);
+        }
+    }
+    fn failure(&mut self, f: &Failure) {
+        self.u8(kind_code(f.kind));
+        self.text(&f.message);
+    }
+    fn opt_failure(&mut self, f: &Option<Failure>) {
+        match f {
+            None => self.u8(0),
+            Some(f) => {
+                self.u8(1);
+                self.failure(f);
+            }
+        }
+    }
+}
+
+/// Reads a body, every read bounded by what is left.
+struct In<'a> {
+    b: &'a [u8],
+    what: &'static str,
+}
+
+impl<'a> In<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        if self.b.len() < n {
+            return Err(bad(format!("a {} message ends early", self.what)));
+        }
+        let (h, t) = self.b.split_at(n);
+        self.b = t;
+        Ok(h)
+    }
+    fn u8(&mut self) -> Result<u8> {
+        Ok(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4")))
+    }
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8")))
+    }
+    fn text(&mut self) -> Result<String> {
+        let n = self.u32()? as usize;
+        if n > MAX_TEXT_BYTES {
+            return Err(bad(format!(
+                "a text of {n} bytes in a {} message (at most {MAX_TEXT_BYTES})",
+                self.what
+            )));
+        }
+        Ok(String::from_utf8_lossy(self.take(n)?).into_owned())
+    }
+    fn long_text(&mut self) -> Result<String> {
+        let n = self.u32()? as usize;
+        if n > MAX_LONG_TEXT_BYTES {
+            return Err(bad(format!(
+                "a text of {n} bytes in a {} message (at most {MAX_LONG_TEXT_BYTES})",
+                self.what
+            )));
+        }
+        Ok(String::from_utf8_lossy(self.take(n)?).into_owned())
+    }
+    fn count(&mut self) -> Result<usize> {
+        let n = self.u32()? as usize;
+        if n > MAX_KEYS {
+            return Err(bad(format!(
+                "{n} entries in a {} message (at most {MAX_KEYS})",
+                self.what
+            )));
+        }
+        Ok(n)
+    }
+    fn key(&mut self) -> Result<Key> {
+        let n = self.u8()? as usize;
+        Key::new(self.take(n)?).map_err(|e| bad(format!("in a {} message: {e}", self.what)))
+    }
+    fn keys(&mut self) -> Result<Vec<Key>> {
+        let n = self.count()?;
+        (0..n).map(|_| self.key()).collect()
+    }
+    fn blocks(&mut self) -> Result<Vec<u32>> {
+        let n = self.count()?;
+        (0..n).map(|_| self.u32()).collect()
+    }
+    fn failure(&mut self) -> Result<Failure> {
+        let k = self.u8()?;
+        let kind = kind_of(k).ok_or_else(|| bad(format!("unknown error kind {k}")))?;
+        Ok(Failure::new(kind, self.text()?))
+    }
+    fn opt_failure(&mut self) -> Result<Option<Failure>> {
+        match self.u8()? {
+            0 => Ok(None),
+            1 => Ok(Some(self.failure()?)),
+            t => Err(bad(format!("optional tag {t} in a {} message", self.what))),
+        }
+    }
+    fn end(self) -> Result<()> {
+        if !self.b.is_empty() {
+            return Err(bad(format!(
+                "{} bytes past the end of a {} message",
+                self.b.len(),
+                self.what
+            )));
+        }
+        Ok(())
+    }
+}
+
+const KINDS: [ErrorKind; 7] = [
+    ErrorKind::Usage,
+    ErrorKind::Backpressure,
+    ErrorKind::Io,
+    ErrorKind::Corrupt,
+    ErrorKind::Unsupported,
+    ErrorKind::Closed,
+    ErrorKind::Internal,
+];
+
+fn kind_code(k: ErrorKind) -> u8 {
+    KINDS.iter().position(|&x| x == k).unwrap_or(6) as u8
+}
+
+fn kind_of(c: u8) -> Option<ErrorKind> {
+    KINDS.get(c as usize).copied()
+}
+
+/// Header and body of one frame.
+fn frame(kind: u16, req: u64, body: Out) -> Vec<u8> {
+    debug_assert!(body.0.len() <= MAX_BODY_BYTES as usize);
+    let h = Header {
+        body_len: body.0.len() as u32,
+        kind,
+        flags: 0,
+        req,
+    };
+    let mut v = Vec::with_capacity(HEADER_BYTES + body.0.len());
+    v.extend_from_slice(&h.encode());
+    v.extend_from_slice(&body.0);
+    v
+}
+
+fn check_job(keys: &[Key], blocks: &[u32]) -> Result<()> {
+    if keys.len() > MAX_KEYS {
+        return Err(Error::invalid(format!(
+            "a job of {} keys is more than the kvtier service takes in one request ({MAX_KEYS}); submit it in parts",
+            keys.len()
+        )));
+    }
+    if keys.len() != blocks.len() {
+        return Err(Error::invalid(format!(
+            "{} keys but {} memory blocks: give one memory block per key",
+            keys.len(),
+            blocks.len()
+        )));
+    }
+    Ok(())
+}
+
+impl Request {
+    /// The frame of this request with id `req`. Refuses a request the
+    /// service could not take (too many keys).
+    pub fn encode(&self, req: u64) -> Result<Vec<u8>> {
+        let mut o = Out::default();
+        let many = |ks: &[Key]| -> Result<()> {
+            if ks.len() > MAX_KEYS {
+                return Err(Error::invalid(format!(
+                    "{} keys in one call is more than the kvtier service takes ({MAX_KEYS}); split the call",
+                    ks.len()
+                )));
+            }
+            Ok(())
+        };
+        let kind = match self {
+            Request::Hello { version, blocks } => {
+                o.0.extend_from_slice(&MAGIC);
+                o.u32(*version);
+                o.u32(*blocks);
+                kind::HELLO
+            }
+            Request::Lookup(ks) => {
+                many(ks)?;
+                o.keys(ks);
+                kind::LOOKUP
+            }
+            Request::LookupAndPin(ks) => {
+                many(ks)?;
+                o.keys(ks);
+                kind::LOOKUP_AND_PIN
+            }
+            Request::Unpin(ks) => {
+                many(ks)?;
+                o.keys(ks);
+                kind::UNPIN
+            }
+            Request::Remove(ks) => {
+                many(ks)?;
+                o.keys(ks);
+                kind::REMOVE
+            }
+            Request::SubmitLoad {
+                keys,
+                blocks,
+                layers,
+            } => {
+                check_job(keys, blocks)?;
+                o.keys(keys);
+                o.blocks(blocks);
+                o.u32(layers.start);
+                o.u32(layers.end);
+                kind::SUBMIT_LOAD
+            }
+            Request::SubmitStore { keys, blocks } => {
+                check_job(keys, blocks)?;
+                o.keys(keys);
+                o.blocks(blocks);
+                kind::SUBMIT_STORE
+            }
+            Request::FlushStores => kind::FLUSH_STORES,
+            Request::Usage => kind::USAGE,
+        };
+        Ok(frame(kind, req, o))
+    }
+
+    /// Parses a request body of `kind`.
+    pub fn decode(kind: u16, body: &[u8]) -> Result<Request> {
+        let mut i = In {
+            b: body,
+            what: "request",
+        };
+        let r = match kind {
+            kind::HELLO => {
+                let magic = i.take(MAGIC.len())?;
+                if magic != MAGIC {
+                    return Err(bad(
+                        "the first frame is not a kvtier hello (wrong magic): is this client speaking to the right socket?",
+                    ));
+                }
+                let version = i.u32()?;
+                if version != VERSION {
+                    return Err(bad(format!(
+                        "the client speaks protocol version {version}, this service {VERSION}: use the kvtier library and service of one release"
+                    )));
+                }
+                Request::Hello {
+                    version,
+                    blocks: i.u32()?,
+                }
+            }
+            kind::LOOKUP => Request::Lookup(i.keys()?),
+            kind::LOOKUP_AND_PIN => Request::LookupAndPin(i.keys()?),
+            kind::UNPIN => Request::Unpin(i.keys()?),
+            kind::REMOVE => Request::Remove(i.keys()?),
+            kind::SUBMIT_LOAD => {
+                let keys = i.keys()?;
+                let blocks = i.blocks()?;
+                let layers = i.u32()?..i.u32()?;
+                check_job(&keys, &blocks).map_err(|e| bad(e.to_string()))?;
+                Request::SubmitLoad {
+                    keys,
+                    blocks,
+                    layers,
+                }
+            }
+            kind::SUBMIT_STORE => {
+                let keys = i.keys()?;
+                let blocks = i.blocks()?;
+                check_job(&keys, &blocks).map_err(|e| bad(e.to_string()))?;
+                Request::SubmitStore { keys, blocks }
+            }
+            kind::FLUSH_STORES => Request::FlushStores,
+            kind::USAGE => Request::Usage,
+            k => return Err(bad(format!("unknown request kind {k:#x}"))),
+        };
+        i.end()?;
+        Ok(r)
+    }
+}
+
+fn job_kind_code(k: JobKind) -> u8 {
+    match k {
+        JobKind::Load => 0,
+        JobKind::Store => 1,
+    }
+}
+
+impl Response {
+    /// The frame of this response (`req` 0 for events).
+    pub fn encode(&self, req: u64) -> Vec<u8> {
+        let mut o = Out::default();
+        let kind = match self {
+            Response::Welcome {
+                version,
+                geometry,
+                blocks,
+                layer_stride,
+                file_bytes,
+                engine,
+            } => {
+                o.u32(*version);
+                o.u32(geometry.layers);
+                o.u32(geometry.kv_heads);
+                o.u32(geometry.head_dim);
+                o.u32(geometry.dtype.code());
+                o.u32(geometry.block_size);
+                o.u32(*blocks);
+                o.u64(*layer_stride);
+                o.u64(*file_bytes);
+                o.text(engine);
+                kind::WELCOME
+            }
+            Response::Count(n) => {
+                o.u64(*n);
+                kind::COUNT
+            }
+            Response::Job(j) => {
+                o.u64(*j);
+                kind::JOB
+            }
+            Response::Ok => kind::OK,
+            Response::Refused(f) => {
+                o.failure(f);
+                kind::REFUSED
+            }
+            Response::Layer { job, layer, error } => {
+                o.u64(*job);
+                o.u32(*layer);
+                o.opt_failure(error);
+                kind::LAYER
+            }
+            Response::Finished(r) => {
+                o.u64(r.job);
+                o.u8(job_kind_code(r.kind));
+                o.keys(&r.keys);
+                for out in &r.outcomes {
+                    match out {
+                        KeyOutcome::Done => o.u8(0),
+                        KeyOutcome::AlreadyStored => o.u8(1),
+                        KeyOutcome::Failed(f) => {
+                            o.u8(2);
+                            o.failure(f);
+                        }
+                        KeyOutcome::Corrupt(f) => {
+                            o.u8(3);
+                            o.failure(f);
+                        }
+                    }
+                }
+                // Evictions past the bound are not worth a dropped client:
+                // they only feed the engine's KV events.
+                let ev = &r.evicted[..r.evicted.len().min(MAX_KEYS)];
+                o.keys(ev);
+                kind::FINISHED
+            }
+            Response::Usage(json) => {
+                o.long_text(json);
+                kind::USAGE_JSON
+            }
+        };
+        frame(kind, req, o)
+    }
+
+    /// Parses a response body of `kind`.
+    pub fn decode(kind: u16, body: &[u8]) -> Result<Response> {
+        let mut i = In {
+            b: body,
+            what: "response",
+        };
+        let r = match kind {
+            kind::WELCOME => {
+                let version = i.u32()?;
+                let layers = i.u32()?;
+                let kv_heads = i.u32()?;
+                let head_dim = i.u32()?;
+                let code = i.u32()?;
+                let dtype =
+                    DType::from_code(code).ok_or_else(|| bad(format!("unknown dtype {code}")))?;
+                let block_size = i.u32()?;
+                Response::Welcome {
+                    version,
+                    geometry: KvGeometry {
+                        layers,
+                        kv_heads,
+                        head_dim,
+                        dtype,
+                        block_size,
+                    },
+                    blocks: i.u32()?,
+                    layer_stride: i.u64()?,
+                    file_bytes: i.u64()?,
+                    engine: i.text()?,
+                }
+            }
+            kind::COUNT => Response::Count(i.u64()?),
+            kind::JOB => Response::Job(i.u64()?),
+            kind::OK => Response::Ok,
+            kind::REFUSED => Response::Refused(i.failure()?),
+            kind::LAYER => Response::Layer {
+                job: i.u64()?,
+                layer: i.u32()?,
+                error: i.opt_failure()?,
+            },
+            kind::FINISHED => {
+                let job = i.u64()?;
+                let kind = match i.u8()? {
+                    0 => JobKind::Load,
+                    1 => JobKind::Store,
+                    k => return Err(bad(format!("unknown job kind {k}"))),
+                };
+                let keys = i.keys()?;
+                let outcomes = (0..keys.len())
+                    .map(|_| {
+                        Ok(match i.u8()? {
+                            0 => KeyOutcome::Done,
+                            1 => KeyOutcome::AlreadyStored,
+                            2 => KeyOutcome::Failed(i.failure()?),
+                            3 => KeyOutcome::Corrupt(i.failure()?),
+                            t => return Err(bad(format!("unknown key outcome {t}"))),
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let evicted = i.keys()?;
+                Response::Finished(JobResult {
+                    job,
+                    kind,
+                    keys,
+                    outcomes,
+                    evicted,
+                })
+            }
+            kind::USAGE_JSON => Response::Usage(i.long_text()?),
+            k => return Err(bad(format!("unknown response kind {k:#x}"))),
+        };
+        i.end()?;
+        Ok(r)
+    }
+}
+
+/// Reads one frame from `r`: the header (bounded), then the body.
+/// `Ok(None)` at a clean end of stream before a header.
+pub fn read_frame(r: &mut impl std::io::Read) -> Result<Option<(Header, Vec<u8>)>> {
+    let Some(h) = read_header(r)? else {
+        return Ok(None);
+    };
+    Ok(Some((h, read_body(r, &h)?)))
+}
+
+/// Reads and bounds one header; `Ok(None)` at a clean end of stream.
+pub fn read_header(r: &mut impl std::io::Read) -> Result<Option<Header>> {
+    let mut hb = [0u8; HEADER_BYTES];
+    let mut got = 0;
+    while got < HEADER_BYTES {
+        match r.read(&mut hb[got..]) {
+            Ok(0) if got == 0 => return Ok(None),
+            Ok(0) => return Err(bad("the stream ended inside a frame header")),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(Error::io("reading a kvtier service frame", e)),
+        }
+    }
+    Header::decode(&hb).map(Some)
+}
+
+/// Reads the body `h` announces (at most [`MAX_BODY_BYTES`]).
+pub fn read_body(r: &mut impl std::io::Read, h: &Header) -> Result<Vec<u8>> {
+    let mut body = vec![0u8; h.body_len as usize];
+    r.read_exact(&mut body).map_err(|e| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => bad("the stream ended inside a frame body"),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => bad(format!(
+            "a frame's body ({} bytes) did not arrive in time after its header",
+            h.body_len
+        )),
+        _ => Error::io("reading a kvtier service frame", e),
+    })?;
+    Ok(body)
+}
+
+/// Whether `e` is the peer going away rather than a bad frame.
+pub fn is_disconnect(e: &Error) -> bool {
+    matches!(e, Error::Io { .. }) || e.kind() == ErrorKind::Closed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round_trip_req(r: Request) {
+        let f = r.encode(7).unwrap();
+        let h = Header::decode(f[..HEADER_BYTES].try_into().unwrap()).unwrap();
+        assert_eq!(h.req, 7);
+        assert_eq!(h.body_len as usize, f.len() - HEADER_BYTES);
+        assert_eq!(Request::decode(h.kind, &f[HEADER_BYTES..]).unwrap(), r);
+    }
+
+    fn round_trip_resp(r: Response) {
+        let f = r.encode(3);
+        let h = Header::decode(f[..HEADER_BYTES].try_into().unwrap()).unwrap();
+        let back = Response::decode(h.kind, &f[HEADER_BYTES..]).unwrap();
+        assert_eq!(format!("{back:?}"), format!("{r:?}"));
+    }
+
+    #[test]
+    fn every_message_round_trips() {
+        let ks = vec![Key::from_u64(1), Key::new(&[9; 32]).unwrap()];
+        round_trip_req(Request::Hello {
+            version: VERSION,
+            blocks: 12,
+        });
+        round_trip_req(Request::Lookup(ks.clone()));
+        round_trip_req(Request::LookupAndPin(ks.clone()));
+        round_trip_req(Request::Unpin(ks.clone()));
+        round_trip_req(Request::Remove(vec![]));
+        round_trip_req(Request::SubmitLoad {
+            keys: ks.clone(),
+            blocks: vec![3, 4],
+            layers: 1..3,
+        });
+        round_trip_req(Request::SubmitStore {
+            keys: ks.clone(),
+            blocks: vec![0, 1],
+        });
+        round_trip_req(Request::FlushStores);
+        round_trip_req(Request::Usage);
+        round_trip_resp(Response::Usage("{\"tier\": {}}".into()));
+        round_trip_resp(Response::Welcome {
+            version: VERSION,
+            geometry: KvGeometry {
+                layers: 4,
+                kv_heads: 2,
+                head_dim: 64,
+                dtype: DType::BF16,
+                block_size: 16,
+            },
+            blocks: 8,
+            layer_stride: 1 << 20,
+            file_bytes: 4 << 20,
+            engine: "uring".into(),
+        });
+        round_trip_resp(Response::Count(5));
+        round_trip_resp(Response::Job(9));
+        round_trip_resp(Response::Ok);
+        round_trip_resp(Response::Refused(Failure::new(
+            ErrorKind::Backpressure,
+            "full",
+        )));
+        round_trip_resp(Response::Layer {
+            job: 2,
+            layer: 1,
+            error: Some(Failure::new(ErrorKind::Io, "bad read")),
+        });
+        round_trip_resp(Response::Finished(JobResult {
+            job: 4,
+            kind: JobKind::Store,
+            keys: ks.clone(),
+            outcomes: vec![
+                KeyOutcome::Done,
+                KeyOutcome::Corrupt(Failure::new(ErrorKind::Corrupt, "crc")),
+            ],
+            evicted: vec![Key::from_u64(77)],
+        }));
+    }
+
+    #[test]
+    fn bad_frames_are_refused_with_their_reason() {
+        let mut h = Header {
+            body_len: MAX_BODY_BYTES + 1,
+            kind: 2,
+            flags: 0,
+            req: 1,
+        };
+        let e = Header::decode(&h.encode()).unwrap_err();
+        assert!(e.to_string().contains("larger than"), "{e}");
+        h.body_len = 0;
+        h.flags = 1;
+        assert!(Header::decode(&h.encode()).is_err());
+        let e = Request::decode(0x7777, &[]).unwrap_err();
+        assert!(e.to_string().contains("unknown request kind"), "{e}");
+        let mut hello = Request::Hello {
+            version: VERSION,
+            blocks: 1,
+        }
+        .encode(1)
+        .unwrap();
+        hello[HEADER_BYTES] = b'X';
+        let e = Request::decode(kind::HELLO, &hello[HEADER_BYTES..]).unwrap_err();
+        assert!(e.to_string().contains("wrong magic"), "{e}");
+        let mut old = Out::default();
+        old.0.extend_from_slice(&MAGIC);
+        old.u32(VERSION + 1);
+        old.u32(0);
+        let e = Request::decode(kind::HELLO, &old.0).unwrap_err();
+        assert!(e.to_string().contains("protocol version"), "{e}");
+        // A count past the bound is refused before anything is allocated.
+        let mut many = Out::default();
+        many.u32(u32::MAX);
+        let e = Request::decode(kind::LOOKUP, &many.0).unwrap_err();
+        assert!(e.to_string().contains("at most"), "{e}");
+        // Truncated and trailing bytes.
+        let f = Request::Lookup(vec![Key::from_u64(1)]).encode(1).unwrap();
+        assert!(Request::decode(kind::LOOKUP, &f[HEADER_BYTES..f.len() - 1]).is_err());
+        let mut long = f[HEADER_BYTES..].to_vec();
+        long.push(0);
+        assert!(Request::decode(kind::LOOKUP, &long).is_err());
+        // Keys and blocks that disagree.
+        let mut o = Out::default();
+        o.keys(&[Key::from_u64(1)]);
+        o.blocks(&[1, 2]);
+        o.u32(0);
+        o.u32(1);
+        assert!(Request::decode(kind::SUBMIT_LOAD, &o.0).is_err());
+    }
+}

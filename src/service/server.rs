@@ -1,0 +1,772 @@
+//! The service: one [`TierHandle`] shared by every client on a Unix socket.
+//!
+//! Threads: the caller's runs the accept loop ([`Service::run`]); each
+//! client has a reader (its requests, answered in order) and a writer (its
+//! answers and events, from a bounded queue: a client that stops reading is
+//! dropped, never waited for); one dispatcher routes the handle's events to
+//! the clients whose jobs they are and collects every result.
+//!
+//! What a client may touch: its own slice of the arena (block numbers are
+//! bounded to it and translated; a number outside it drops the client, as a
+//! bad frame does), its own pins (an unpin of a key it did not pin does
+//! nothing), its own jobs. When a client goes, its pins are dropped at once;
+//! its jobs run to the end (a store then is whole or absent, as after any
+//! crash), and its slice is cleared and reused once they have.
+
+use super::arena::Arena;
+use super::protocol::{self, Request, Response};
+use super::sys;
+use crate::error::{Error, ErrorKind, Failure, Result};
+use crate::handle::{Event, JobId, TierBuilder, TierHandle};
+use crate::model::KvGeometry;
+use crate::pool::Key;
+use nix::sys::eventfd::{EfdFlags, EventFd};
+use std::collections::{HashMap, HashSet};
+use std::os::fd::AsFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+/// How the service listens and shares memory.
+#[non_exhaustive]
+#[derive(Clone, Debug)]
+pub struct ServiceConfig {
+    /// The Unix socket's path.
+    pub socket: PathBuf,
+    /// A group whose members may connect too (socket mode 0660); without
+    /// one, only this process's uid (and root) may (mode 0600).
+    pub group: Option<u32>,
+    /// Clients connected at once, at most.
+    pub clients: u32,
+    /// KV memory blocks each client shares with the service.
+    pub client_blocks: u32,
+    /// Frames queued for a client that does not read them before it is dropped.
+    pub client_queue: usize,
+}
+
+impl ServiceConfig {
+    /// A service on `socket` with 8 clients of 256 blocks.
+    pub fn new(socket: impl Into<PathBuf>) -> ServiceConfig {
+        ServiceConfig {
+            socket: socket.into(),
+            group: None,
+            clients: 8,
+            client_blocks: 256,
+            client_queue: 1 << 16,
+        }
+    }
+}
+
+with_setters!(ServiceConfig {
+    /// Let members of group `group` connect (socket mode 0660).
+    with_group => group: Option<u32>,
+    /// At most `clients` clients at once.
+    with_clients => clients: u32,
+    /// `client_blocks` blocks of shared KV memory per client.
+    with_client_blocks => client_blocks: u32,
+    /// Drop a client once `client_queue` frames wait for it.
+    with_client_queue => client_queue: usize,
+});
+
+/// A line on stderr, the service's log (systemd's journal takes it).
+fn log(msg: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "kvtier serve: {msg}");
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One connected client.
+struct Client {
+    id: u64,
+    peer: sys::Peer,
+    slot: u32,
+    /// Blocks it may name: 0..blocks of its slice.
+    blocks: u32,
+    out: SyncSender<Vec<u8>>,
+    stream: UnixStream,
+    pins: Mutex<HashMap<Key, u32>>,
+    /// Its jobs not yet finished.
+    jobs: Mutex<HashSet<JobId>>,
+    gone: AtomicBool,
+    released: AtomicBool,
+}
+
+impl Client {
+    fn who(&self) -> String {
+        format!(
+            "client {} (pid {}, uid {})",
+            self.id, self.peer.pid, self.peer.uid
+        )
+    }
+
+    /// Queue a frame; a client whose queue is full is dropped.
+    fn send(&self, frame: Vec<u8>) {
+        if self.gone.load(Ordering::SeqCst) {
+            return;
+        }
+        match self.out.try_send(frame) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) => {
+                if !self.gone.swap(true, Ordering::SeqCst) {
+                    log(format_args!(
+                        "{} dropped: it does not read its answers and events (queue full)",
+                        self.who()
+                    ));
+                }
+                let _ = self.stream.shutdown(std::net::Shutdown::Both);
+            }
+            Err(TrySendError::Disconnected(_)) => {}
+        }
+    }
+}
+
+struct Shared {
+    handle: TierHandle,
+    arena: Arena,
+    cfg: ServiceConfig,
+    free_slots: Mutex<Vec<u32>>,
+    /// Who owns each unfinished job. Held across a load's submit and the
+    /// insert, so the dispatcher never sees a layer event it cannot place.
+    owners: Mutex<HashMap<JobId, Arc<Client>>>,
+    /// Results of stores that finished before their owner was recorded (a
+    /// store's submit hashes its blocks outside the owners' lock, and a
+    /// store of keys already stored finishes at once).
+    orphans: Mutex<HashMap<JobId, crate::tier::JobResult>>,
+    clients: Mutex<HashMap<u64, Arc<Client>>>,
+    next_client: AtomicU64,
+    stopping: AtomicBool,
+    /// The dispatcher stops once this is set and the handle is closed.
+    dispatcher_done: AtomicBool,
+}
+
+impl Shared {
+    /// Give a gone client's slice back once none of its jobs runs.
+    fn maybe_release(&self, c: &Client) {
+        let jobs = lock(&c.jobs);
+        if !c.gone.load(Ordering::SeqCst) || !jobs.is_empty() {
+            return;
+        }
+        if c.released.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        drop(jobs);
+        self.arena.clear(c.slot);
+        lock(&self.free_slots).push(c.slot);
+    }
+
+    fn global_blocks(&self, c: &Client, blocks: &[u32]) -> Result<Vec<u32>> {
+        if let Some(&b) = blocks.iter().find(|&&b| b >= c.blocks) {
+            return Err(Error::invalid(format!(
+                "memory block {b} is outside the {} blocks this client shares with the service",
+                c.blocks
+            )));
+        }
+        let base = c.slot * self.arena.slot_blocks();
+        Ok(blocks.iter().map(|&b| base + b).collect())
+    }
+}
+
+/// Something that stops a running [`Service`] (from a signal thread, a test).
+#[derive(Clone)]
+pub struct Stopper {
+    fd: Arc<EventFd>,
+}
+
+impl Stopper {
+    /// Stop accepting, finish acknowledged work, return from `run`.
+    pub fn stop(&self) {
+        let _ = self.fd.write(1);
+    }
+}
+
+/// Block SIGTERM and SIGINT in this thread and every thread it starts
+/// later: call first thing in `main`, before the service starts its
+/// threads, then [`stop_on_signals`].
+pub fn block_termination_signals() -> Result<()> {
+    termination_signals()
+        .thread_block()
+        .map_err(|e| Error::io("blocking SIGTERM and SIGINT", e.into()))
+}
+
+fn termination_signals() -> nix::sys::signal::SigSet {
+    let mut set = nix::sys::signal::SigSet::empty();
+    set.add(nix::sys::signal::Signal::SIGTERM);
+    set.add(nix::sys::signal::Signal::SIGINT);
+    set
+}
+
+/// A thread that waits for SIGTERM or SIGINT (blocked by
+/// [`block_termination_signals`]) and stops the service.
+pub fn stop_on_signals(stopper: Stopper) -> Result<()> {
+    std::thread::Builder::new()
+        .name("kvtier-serve-signals".into())
+        .spawn(move || {
+            if let Ok(sig) = termination_signals().wait() {
+                log(format_args!("{sig} received"));
+            }
+            stopper.stop();
+        })
+        .map(|_| ())
+        .map_err(|e| Error::io("starting the signal thread", e))
+}
+
+/// A started service: the pool open, the socket listening.
+pub struct Service {
+    shared: Arc<Shared>,
+    listener: UnixListener,
+    stop: Arc<EventFd>,
+    dispatcher: std::thread::JoinHandle<()>,
+}
+
+/// Whether something answers on the socket at `path`.
+fn socket_in_use(path: &Path) -> bool {
+    UnixStream::connect(path).is_ok()
+}
+
+impl Service {
+    /// Open the pool `builder` describes with the service's KV memory
+    /// (`cfg.clients` slices of `cfg.client_blocks` blocks of `geometry`,
+    /// the pool's) and listen on `cfg.socket`. A stale socket file (nobody
+    /// listening) is replaced; a live one is refused.
+    pub fn start(
+        builder: TierBuilder,
+        geometry: KvGeometry,
+        cfg: ServiceConfig,
+    ) -> Result<Service> {
+        let arena = Arena::new(geometry, cfg.clients, cfg.client_blocks)?;
+        if let Ok(meta) = std::fs::symlink_metadata(&cfg.socket) {
+            use std::os::unix::fs::FileTypeExt;
+            if !meta.file_type().is_socket() {
+                return Err(Error::invalid(format!(
+                    "{} exists and is not a socket: give the service a path of its own for its socket",
+                    cfg.socket.display()
+                )));
+            }
+            if socket_in_use(&cfg.socket) {
+                return Err(Error::invalid(format!(
+                    "another kvtier service is listening on {}: stop it, or give this one another socket path",
+                    cfg.socket.display()
+                )));
+            }
+            std::fs::remove_file(&cfg.socket).map_err(|e| {
+                Error::io(
+                    format!("removing the stale socket {}", cfg.socket.display()),
+                    e,
+                )
+            })?;
+        }
+        // SAFETY: the arena lives in `Shared` next to the handle and is
+        // dropped after it (the handle is closed first in `run`, and `Shared`
+        // declares `handle` before `arena`, so a drop without `run` drops the
+        // handle, which waits for its I/O, before the arena is unmapped).
+        let handle = unsafe { builder.memory(arena.kv_memory()) }.build()?;
+        let listener = sys::bind_private(&cfg.socket)?;
+        if let Some(g) = cfg.group {
+            sys::share_with_group(&cfg.socket, g)?;
+        }
+        let stop = Arc::new(
+            EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)
+                .map_err(|e| Error::io("creating the service's stop eventfd", e.into()))?,
+        );
+        let comps = handle.completions()?;
+        let shared = Arc::new(Shared {
+            free_slots: Mutex::new((0..cfg.clients).rev().collect()),
+            handle,
+            arena,
+            cfg,
+            owners: Mutex::new(HashMap::new()),
+            orphans: Mutex::new(HashMap::new()),
+            clients: Mutex::new(HashMap::new()),
+            next_client: AtomicU64::new(1),
+            stopping: AtomicBool::new(false),
+            dispatcher_done: AtomicBool::new(false),
+        });
+        let s2 = shared.clone();
+        let dispatcher = std::thread::Builder::new()
+            .name("kvtier-serve-events".into())
+            .spawn(move || dispatch(&s2, comps))
+            .map_err(|e| Error::io("starting the service's event thread", e))?;
+        log(format_args!(
+            "serving {} on {} (engine {}: {}), {} clients of {} blocks",
+            shared.handle.geometry().describe(),
+            shared.cfg.socket.display(),
+            shared.handle.engine(),
+            shared.handle.engine_reason(),
+            shared.cfg.clients,
+            shared.cfg.client_blocks
+        ));
+        if sys::shmem_huge_pages() == Some(false) {
+            log(format_args!(
+                "the shared KV memory is in 4 KiB pages: shmem huge pages are off here (/sys/kernel/mm/transparent_hugepage/shmem_enabled), so every 4 KiB page of a load or store is a DMA segment of its own (a 2 MiB huge page would be one) and transfers run slower than into an engine's own memory in huge pages (examples/service_bench measures both); `echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled` lets the service ask for huge pages"
+            ));
+        }
+        Ok(Service {
+            shared,
+            listener,
+            stop,
+            dispatcher,
+        })
+    }
+
+    /// What stops `run`.
+    pub fn stopper(&self) -> Stopper {
+        Stopper {
+            fd: self.stop.clone(),
+        }
+    }
+
+    /// The service's handle (lookups for monitoring; tests).
+    pub fn handle(&self) -> &TierHandle {
+        &self.shared.handle
+    }
+
+    /// Accept clients until stopped; then stop accepting, remove the
+    /// socket, finish every acknowledged job (stores in the backlog
+    /// included), disconnect the clients and close the pool.
+    pub fn run(self) -> Result<()> {
+        let mut readers = Vec::new();
+        loop {
+            let mut pfds = [
+                nix::poll::PollFd::new(self.listener.as_fd(), nix::poll::PollFlags::POLLIN),
+                nix::poll::PollFd::new(self.stop.as_fd(), nix::poll::PollFlags::POLLIN),
+            ];
+            match nix::poll::poll(&mut pfds, nix::poll::PollTimeout::NONE) {
+                Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+                Err(e) => return Err(Error::io("waiting for clients", e.into())),
+            }
+            let stopped = pfds[1]
+                .revents()
+                .is_some_and(|r| r.contains(nix::poll::PollFlags::POLLIN));
+            if stopped {
+                break;
+            }
+            let ready = pfds[0]
+                .revents()
+                .is_some_and(|r| r.contains(nix::poll::PollFlags::POLLIN));
+            if !ready {
+                continue;
+            }
+            match self.listener.accept() {
+                Ok((stream, _)) => {
+                    let s = self.shared.clone();
+                    match std::thread::Builder::new()
+                        .name("kvtier-serve-client".into())
+                        .spawn(move || serve_client(&s, stream))
+                    {
+                        Ok(t) => readers.push(t),
+                        Err(e) => log(format_args!("could not start a client thread: {e}")),
+                    }
+                    readers.retain(|t| !t.is_finished());
+                }
+                Err(e) => log(format_args!("accept failed: {e}")),
+            }
+        }
+        log(format_args!(
+            "stopping: no new clients; finishing acknowledged work"
+        ));
+        self.shared.stopping.store(true, Ordering::SeqCst);
+        let _ = std::fs::remove_file(&self.shared.cfg.socket);
+        let closed = self.shared.handle.close();
+        self.shared.dispatcher_done.store(true, Ordering::SeqCst);
+        let _ = self.dispatcher.join();
+        // Each reader sees the end of its input, and its writer sends what
+        // is queued (the results of the work just finished) before it closes.
+        // Again until every reader is done: one may have registered its
+        // client just now (a hello that raced the stop).
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while readers.iter().any(|t| !t.is_finished()) && std::time::Instant::now() < deadline {
+            for c in lock(&self.shared.clients).values() {
+                let _ = c.stream.shutdown(std::net::Shutdown::Read);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        for t in readers.into_iter().filter(|t| t.is_finished()) {
+            let _ = t.join();
+        }
+        match &closed {
+            Ok(()) => log(format_args!("stopped: every acknowledged job finished")),
+            Err(e) => log(format_args!("stopped with an error: {e}")),
+        }
+        closed
+    }
+}
+
+/// Route events to their clients; collect every result.
+fn dispatch(s: &Shared, comps: crate::handle::Completions) {
+    loop {
+        let Some(ev) = comps.recv_timeout(Duration::from_millis(50)) else {
+            if s.dispatcher_done.load(Ordering::SeqCst) {
+                return;
+            }
+            continue;
+        };
+        match ev {
+            Event::Layer { job, layer, error } => {
+                let owner = lock(&s.owners).get(&job).cloned();
+                if let Some(c) = owner {
+                    c.send(Response::Layer { job, layer, error }.encode(0));
+                }
+            }
+            Event::Finished { job, .. } => {
+                let mut owners = lock(&s.owners);
+                let owner = owners.remove(&job);
+                let result = match s.handle.try_result(job) {
+                    Ok(Some(r)) => r,
+                    Ok(None) | Err(_) => continue,
+                };
+                match owner {
+                    Some(c) => {
+                        drop(owners);
+                        finish(s, &c, result);
+                    }
+                    None => {
+                        lock(&s.orphans).insert(job, result);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Hand `c` its job's result; free its slice if it has gone and this was its last job.
+fn finish(s: &Shared, c: &Client, result: crate::tier::JobResult) {
+    let job = result.job;
+    c.send(Response::Finished(result).encode(0));
+    lock(&c.jobs).remove(&job);
+    s.maybe_release(c);
+}
+
+/// What ends a client's connection.
+enum End {
+    /// It hung up.
+    Left,
+    /// It broke the protocol or claimed memory it does not own.
+    Dropped(String),
+}
+
+fn serve_client(s: &Arc<Shared>, stream: UnixStream) {
+    let peer = match sys::peer(&stream) {
+        Ok(p) => p,
+        Err(e) => {
+            log(format_args!("refused a client: {e}"));
+            return;
+        }
+    };
+    let me = sys::my_uid();
+    let allowed = peer.uid == me
+        || peer.uid == 0
+        || s.cfg
+            .group
+            .is_some_and(|g| peer.gid == g || sys::groups_of(peer.pid).contains(&g));
+    if !allowed {
+        log(format_args!(
+            "refused pid {} uid {}: not this service's uid ({me}){}",
+            peer.pid,
+            peer.uid,
+            match s.cfg.group {
+                Some(g) => format!(" nor in group {g}"),
+                None => String::new(),
+            }
+        ));
+        return;
+    }
+    let id = s.next_client.fetch_add(1, Ordering::SeqCst);
+    let refuse = |stream: &UnixStream, req: u64, f: Failure| {
+        use std::io::Write;
+        let _ = (&*stream).write_all(&Response::Refused(f).encode(req));
+    };
+    // The hello, within a few seconds.
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+    let (req, blocks) = match protocol::read_frame(&mut &stream) {
+        Ok(Some((h, body))) => match Request::decode(h.kind, &body) {
+            Ok(Request::Hello { blocks, .. }) => (h.req, blocks),
+            Ok(_) => {
+                log(format_args!(
+                    "dropped client {id} (pid {}): its first frame is not a hello",
+                    peer.pid
+                ));
+                return;
+            }
+            Err(e) => {
+                log(format_args!("dropped client {id} (pid {}): {e}", peer.pid));
+                refuse(&stream, h.req, Failure::from(&e));
+                return;
+            }
+        },
+        Ok(None) => return,
+        Err(e) => {
+            log(format_args!("dropped client {id} (pid {}): {e}", peer.pid));
+            return;
+        }
+    };
+    let _ = stream.set_read_timeout(None);
+    let slot_blocks = s.arena.slot_blocks();
+    let blocks = if blocks == 0 { slot_blocks } else { blocks };
+    if blocks > slot_blocks {
+        refuse(
+            &stream,
+            req,
+            Failure::new(
+                ErrorKind::Usage,
+                format!(
+                    "{blocks} blocks asked; this service shares {slot_blocks} per client (its client_blocks setting): ask for at most that, or restart the service with more"
+                ),
+            ),
+        );
+        return;
+    }
+    if s.stopping.load(Ordering::SeqCst) {
+        refuse(
+            &stream,
+            req,
+            Failure::new(ErrorKind::Closed, "the kvtier service is stopping"),
+        );
+        return;
+    }
+    let Some(slot) = lock(&s.free_slots).pop() else {
+        refuse(&stream, req, Failure::new(
+            ErrorKind::Backpressure,
+            format!("all {} client slots of this service are taken (its clients setting); retry once a client leaves", s.cfg.clients),
+        ));
+        log(format_args!(
+            "refused pid {}: all {} client slots taken",
+            peer.pid, s.cfg.clients
+        ));
+        return;
+    };
+    let welcome = Response::Welcome {
+        version: protocol::VERSION,
+        geometry: *s.handle.geometry(),
+        blocks,
+        layer_stride: s.arena.slot_stride(),
+        file_bytes: s.arena.slot_file_bytes(),
+        engine: s.handle.engine().to_string(),
+    }
+    .encode(req);
+    if let Err(e) = sys::send_with_fd(&stream, &welcome, s.arena.file(slot)) {
+        log(format_args!("client {id} (pid {}): {e}", peer.pid));
+        lock(&s.free_slots).push(slot);
+        return;
+    }
+    let (tx, rx) = sync_channel::<Vec<u8>>(s.cfg.client_queue);
+    // A client that stops reading cannot hold a writer (or the shutdown) for long.
+    let _ = stream.set_write_timeout(Some(Duration::from_secs(10)));
+    let Ok(write_half) = stream.try_clone() else {
+        lock(&s.free_slots).push(slot);
+        return;
+    };
+    let Ok(shut) = stream.try_clone() else {
+        lock(&s.free_slots).push(slot);
+        return;
+    };
+    let c = Arc::new(Client {
+        id,
+        peer,
+        slot,
+        blocks,
+        out: tx,
+        stream: shut,
+        pins: Mutex::new(HashMap::new()),
+        jobs: Mutex::new(HashSet::new()),
+        gone: AtomicBool::new(false),
+        released: AtomicBool::new(false),
+    });
+    lock(&s.clients).insert(id, c.clone());
+    log(format_args!(
+        "{} connected: slot {slot}, {blocks} blocks",
+        c.who()
+    ));
+    let writer = std::thread::Builder::new()
+        .name("kvtier-serve-writer".into())
+        .spawn(move || {
+            use std::io::Write;
+            let mut w = &write_half;
+            for f in rx {
+                if w.write_all(&f).is_err() {
+                    let _ = write_half.shutdown(std::net::Shutdown::Both);
+                    return;
+                }
+            }
+        });
+    let end = read_requests(s, &c, &stream);
+    match &end {
+        End::Left => log(format_args!("{} disconnected", c.who())),
+        End::Dropped(why) => log(format_args!("{} dropped: {why}", c.who())),
+    }
+    let stopping = s.stopping.load(Ordering::SeqCst);
+    if !stopping {
+        // It left or was dropped: nothing more goes to it.
+        c.gone.store(true, Ordering::SeqCst);
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+    }
+    // Its pins go now; its jobs finish on their own and free the slice.
+    let pins: Vec<Key> = lock(&c.pins)
+        .drain()
+        .flat_map(|(k, n)| std::iter::repeat_n(k, n as usize))
+        .collect();
+    if !pins.is_empty() {
+        s.handle.unpin(&pins);
+    }
+    lock(&s.clients).remove(&id);
+    c.gone.store(true, Ordering::SeqCst);
+    s.maybe_release(&c);
+    drop(c);
+    // The writer ends once the last frame for this client is queued (its
+    // jobs' owners hold the sender) or a write fails. While the service
+    // stops, every job has finished: it sends the results still queued,
+    // and the service waits for that; otherwise it is not waited for.
+    if let (true, Ok(w)) = (stopping, writer) {
+        let _ = w.join();
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+fn read_requests(s: &Shared, c: &Arc<Client>, stream: &UnixStream) -> End {
+    loop {
+        // An idle client may wait as long as it likes between frames; a
+        // frame once begun must arrive whole within BODY_TIMEOUT.
+        let _ = stream.set_read_timeout(None);
+        let h = match protocol::read_header(&mut &*stream) {
+            Ok(Some(h)) => h,
+            Ok(None) => return End::Left,
+            Err(e) if protocol::is_disconnect(&e) => return End::Left,
+            Err(e) => return End::Dropped(e.to_string()),
+        };
+        let _ = stream.set_read_timeout(Some(BODY_TIMEOUT));
+        let body = match protocol::read_body(&mut &*stream, &h) {
+            Ok(b) => b,
+            Err(e) if protocol::is_disconnect(&e) => return End::Left,
+            Err(e) => return End::Dropped(e.to_string()),
+        };
+        if c.gone.load(Ordering::SeqCst) {
+            return End::Left;
+        }
+        let req = match Request::decode(h.kind, &body) {
+            Ok(r) => r,
+            Err(e) => return End::Dropped(e.to_string()),
+        };
+        match answer(s, c, req, h.req) {
+            Ok(Some(r)) => c.send(r.encode(h.req)),
+            Ok(None) => {}
+            Err(Claim(why)) => return End::Dropped(why),
+        }
+    }
+}
+
+/// How long a frame's body may take after its header: a client stalled
+/// inside a frame is dropped rather than holding its thread and slot.
+const BODY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A request for memory the client does not own: it is dropped.
+struct Claim(String);
+
+fn refused(e: Error) -> Response {
+    Response::Refused(Failure::from(&e))
+}
+
+/// The answer to `req` (id `req_id`), or `None` when it was already sent.
+fn answer(
+    s: &Shared,
+    c: &Arc<Client>,
+    req: Request,
+    req_id: u64,
+) -> std::result::Result<Option<Response>, Claim> {
+    Ok(Some(match req {
+        Request::Hello { .. } => {
+            return Err(Claim("a second hello on one connection".into()));
+        }
+        Request::Lookup(keys) => Response::Count(s.handle.lookup_prefix(&keys) as u64),
+        Request::LookupAndPin(keys) => {
+            let n = s.handle.lookup_and_pin(&keys);
+            let mut pins = lock(&c.pins);
+            for k in &keys[..n] {
+                *pins.entry(*k).or_default() += 1;
+            }
+            Response::Count(n as u64)
+        }
+        Request::Unpin(keys) => {
+            let mut mine = Vec::with_capacity(keys.len());
+            {
+                let mut pins = lock(&c.pins);
+                for k in keys {
+                    if let Some(n) = pins.get_mut(&k) {
+                        *n -= 1;
+                        if *n == 0 {
+                            pins.remove(&k);
+                        }
+                        mine.push(k);
+                    }
+                }
+            }
+            s.handle.unpin(&mine);
+            Response::Ok
+        }
+        Request::Remove(keys) => match s.handle.remove(&keys) {
+            Ok(n) => Response::Count(n as u64),
+            Err(e) => refused(e),
+        },
+        Request::SubmitLoad {
+            keys,
+            blocks,
+            layers,
+        } => {
+            let g = s
+                .global_blocks(c, &blocks)
+                .map_err(|e| Claim(e.to_string()))?;
+            let mut owners = lock(&s.owners);
+            match s.handle.submit_load(&keys, &g, layers) {
+                Ok(job) => {
+                    owners.insert(job, c.clone());
+                    lock(&c.jobs).insert(job);
+                    Response::Job(job)
+                }
+                Err(e) => refused(e),
+            }
+        }
+        Request::SubmitStore { keys, blocks } => {
+            let g = s
+                .global_blocks(c, &blocks)
+                .map_err(|e| Claim(e.to_string()))?;
+            // Not under the owners' lock: the submit hashes the blocks, and
+            // other clients' events must not wait for that.
+            match s.handle.submit_store(&keys, &g) {
+                Ok(job) => {
+                    lock(&c.jobs).insert(job);
+                    let mut owners = lock(&s.owners);
+                    let early = lock(&s.orphans).remove(&job);
+                    match early {
+                        // The answer goes out before the result: queue it first.
+                        Some(r) => {
+                            drop(owners);
+                            c.send(Response::Job(job).encode(req_id));
+                            finish(s, c, r);
+                            return Ok(None);
+                        }
+                        None => {
+                            owners.insert(job, c.clone());
+                        }
+                    }
+                    Response::Job(job)
+                }
+                Err(e) => refused(e),
+            }
+        }
+        Request::FlushStores => match s.handle.flush_stores() {
+            Ok(()) => Response::Ok,
+            Err(e) => refused(e),
+        },
+        Request::Usage => match s.handle.usage() {
+            Ok(u) => match serde_json::to_string(&u) {
+                Ok(j) => Response::Usage(j),
+                Err(e) => refused(Error::invalid(format!("rendering usage: {e}"))),
+            },
+            Err(e) => refused(e),
+        },
+    }))
+}
