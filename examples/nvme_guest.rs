@@ -219,12 +219,14 @@ fn bind_tests(r: &mut Vec<(String, bool)>, addr: &str, driver: BindDriver) -> Op
         let mut head = vec![0u8; 4096];
         head[1080..1082].copy_from_slice(&[0x53, 0xef]);
         write_head(&head);
-        let e = PciBinding::bind(addr, driver, false)
-            .expect_err("bind must refuse a namespace holding ext4")
-            .to_string();
+        let err = PciBinding::bind(addr, driver, false)
+            .expect_err("bind must refuse a namespace holding ext4");
+        let e = err.to_string();
         println!("  refused: {e}");
+        // The way past it is a structured fix, which the CLI says as --force.
+        assert_eq!(err.fix(), Some(&kvtier::error::Fix::ForceBind), "{e}");
         assert!(
-            e.contains("/dev/nvme0n1 holds an ext2/3/4 filesystem") && e.contains("--force"),
+            e.contains("/dev/nvme0n1 holds an ext2/3/4 filesystem"),
             "{e}"
         );
         assert_eq!(driver_of(addr).as_deref(), Some("nvme"));
