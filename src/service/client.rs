@@ -447,6 +447,28 @@ impl ServiceClient {
         ))
     }
 
+    /// Sleep until the reader thread has news or `deadline` passes (None
+    /// once it has: the caller times out).
+    fn wait_for_news<'a>(
+        &self,
+        st: MutexGuard<'a, State>,
+        deadline: Option<Instant>,
+    ) -> Option<MutexGuard<'a, State>> {
+        let Some(d) = deadline else {
+            return Some(self.inner.cond.wait(st).unwrap_or_else(|e| e.into_inner()));
+        };
+        let left = d.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return None;
+        }
+        let (st, _) = self
+            .inner
+            .cond
+            .wait_timeout(st, left)
+            .unwrap_or_else(|e| e.into_inner());
+        Some(st)
+    }
+
     fn wait_until(&self, job: JobId, deadline: Option<Instant>) -> Result<Option<JobResult>> {
         let mut st = lock(&self.inner.state);
         loop {
@@ -460,19 +482,9 @@ impl ServiceClient {
             if let Some(why) = &st.broken {
                 return Err(gone(why));
             }
-            st = match deadline {
-                None => self.inner.cond.wait(st).unwrap_or_else(|e| e.into_inner()),
-                Some(d) => {
-                    let left = d.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return Ok(None);
-                    }
-                    self.inner
-                        .cond
-                        .wait_timeout(st, left)
-                        .unwrap_or_else(|e| e.into_inner())
-                        .0
-                }
+            st = match self.wait_for_news(st, deadline) {
+                Some(st) => st,
+                None => return Ok(None),
             };
         }
     }
@@ -535,19 +547,9 @@ impl ServiceClient {
             if let Some(why) = &st.broken {
                 return Err(gone(why));
             }
-            st = match deadline {
-                None => self.inner.cond.wait(st).unwrap_or_else(|e| e.into_inner()),
-                Some(d) => {
-                    let left = d.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return Ok(false);
-                    }
-                    self.inner
-                        .cond
-                        .wait_timeout(st, left)
-                        .unwrap_or_else(|e| e.into_inner())
-                        .0
-                }
+            st = match self.wait_for_news(st, deadline) {
+                Some(st) => st,
+                None => return Ok(false),
             };
         }
     }

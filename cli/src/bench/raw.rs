@@ -330,18 +330,7 @@ fn run_streams_with(
         // when it completes (fio's --end_fsync=1), and the run's time
         // includes it.
         let f0 = Instant::now();
-        let id = io
-            .get_iocb()
-            .ok_or_else(|| Error::Ring("no free IOCB".into()))?;
-        let ctx = IoCtx {
-            op: IOCTX_OP_FLUSH,
-            ..IoCtx::default()
-        };
-        io.ring_mut().push_ctx(id, ctx, &[]);
-        io.submit(id)?;
-        let done = io.wait_cqe()?;
-        let c = io.ring().iocb(done).ctx[0];
-        io.release(done);
+        let c = flush_and_wait(&mut io)?;
         if c.status != IOCTX_STATUS_OK {
             return Err(Error::Device {
                 device: w.file.display().to_string(),
@@ -379,4 +368,24 @@ fn mean_p99(v: &mut [u32]) -> (f64, f64) {
     v.sort_unstable();
     let p99 = v[((v.len() as f64 * 0.99) as usize).min(v.len() - 1)] as f64;
     (mean, p99)
+}
+
+/// One flush of the device's write cache through `io`, waited for: the
+/// completed IOCTX (its status says whether the flush succeeded). The
+/// durable references of the bench (fio's `--end_fsync=1`, the engine alone
+/// + one flush) end with it.
+pub(super) fn flush_and_wait(io: &mut Submitter) -> Result<IoCtx> {
+    let id = io
+        .get_iocb()
+        .ok_or_else(|| Error::Ring("no free IOCB".into()))?;
+    let ctx = IoCtx {
+        op: IOCTX_OP_FLUSH,
+        ..IoCtx::default()
+    };
+    io.ring_mut().push_ctx(id, ctx, &[]);
+    io.submit(id)?;
+    let done = io.wait_cqe()?;
+    let c = io.ring().iocb(done).ctx[0];
+    io.release(done);
+    Ok(c)
 }

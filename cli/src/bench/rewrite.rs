@@ -187,18 +187,7 @@ pub(crate) fn rewrite_slots(
         }
     }
     let unflushed = t0.elapsed().as_secs_f64();
-    let id = io
-        .get_iocb()
-        .ok_or_else(|| Error::Ring("no free IOCB".into()))?;
-    let ctx = IoCtx {
-        op: IOCTX_OP_FLUSH,
-        ..IoCtx::default()
-    };
-    io.ring_mut().push_ctx(id, ctx, &[]);
-    io.submit(id)?;
-    let done = io.wait_cqe()?;
-    let c = io.ring().iocb(done).ctx[0];
-    io.release(done);
+    let c = super::raw::flush_and_wait(&mut io)?;
     check(&c)?;
     let durable = t0.elapsed().as_secs_f64();
     let gib = bytes as f64 / GIB;
