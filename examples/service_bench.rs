@@ -16,7 +16,7 @@ use kvtier::handle::TierBuilder;
 use kvtier::memory::{pattern_fill, KvLayout, KvMemory, MemoryKind};
 use kvtier::pool::{DeviceSpec, OpenExpect, PoolConfig};
 use kvtier::service::{Service, ServiceClient, ServiceConfig};
-use kvtier::{HostKvCache, HostLayout, Key, KvGeometry};
+use kvtier::{HostKvCache, HostLayout, Key, KvGeometry, TierApi};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -39,17 +39,6 @@ fn seed(k: u64) -> u64 {
 
 fn keys(n: u32) -> Vec<Key> {
     (0..n as u64).map(Key::from_u64).collect()
-}
-
-/// What both a `TierHandle` and a `ServiceClient` do for the bench.
-trait Tier {
-    fn lookup(&self, keys: &[Key]) -> usize;
-    fn pin(&self, keys: &[Key]) -> usize;
-    fn unpin(&self, keys: &[Key]);
-    fn load(&self, keys: &[Key], blocks: &[u32], layers: u32) -> kvtier::Result<u64>;
-    fn wait_layer(&self, job: u64, layer: u32) -> kvtier::Result<()>;
-    fn wait_ok(&self, job: u64) -> kvtier::Result<bool>;
-    fn check(&self, block: u32, key: u64, g: &KvGeometry) -> bool;
 }
 
 /// Anonymous memory in huge pages (as `DmaBuffer`, what an engine's
@@ -132,27 +121,7 @@ impl InProcess {
         let h = unsafe { open_builder(pool, g).memory(mem.clone()) }.build()?;
         Ok(InProcess { h, buf, mem })
     }
-}
 
-impl Tier for InProcess {
-    fn lookup(&self, k: &[Key]) -> usize {
-        self.h.lookup_prefix(k)
-    }
-    fn pin(&self, k: &[Key]) -> usize {
-        self.h.lookup_and_pin(k)
-    }
-    fn unpin(&self, k: &[Key]) {
-        self.h.unpin(k)
-    }
-    fn load(&self, k: &[Key], b: &[u32], l: u32) -> kvtier::Result<u64> {
-        self.h.submit_load(k, b, 0..l)
-    }
-    fn wait_layer(&self, j: u64, l: u32) -> kvtier::Result<()> {
-        self.h.wait_layer(j, l)
-    }
-    fn wait_ok(&self, j: u64) -> kvtier::Result<bool> {
-        Ok(self.h.wait(j)?.all_ok())
-    }
     fn check(&self, block: u32, key: u64, g: &KvGeometry) -> bool {
         let n = g.object_bytes() as usize;
         let mut want = vec![0u8; n];
@@ -169,58 +138,45 @@ impl Tier for InProcess {
     }
 }
 
-impl Tier for ServiceClient {
-    fn lookup(&self, k: &[Key]) -> usize {
-        self.lookup_prefix(k)
-    }
-    fn pin(&self, k: &[Key]) -> usize {
-        self.lookup_and_pin(k)
-    }
-    fn unpin(&self, k: &[Key]) {
-        ServiceClient::unpin(self, k)
-    }
-    fn load(&self, k: &[Key], b: &[u32], l: u32) -> kvtier::Result<u64> {
-        self.submit_load(k, b, 0..l)
-    }
-    fn wait_layer(&self, j: u64, l: u32) -> kvtier::Result<()> {
-        ServiceClient::wait_layer(self, j, l)
-    }
-    fn wait_ok(&self, j: u64) -> kvtier::Result<bool> {
-        Ok(self.wait(j)?.all_ok())
-    }
-    fn check(&self, block: u32, key: u64, g: &KvGeometry) -> bool {
-        let mut want = vec![0u8; g.object_bytes() as usize];
-        let mut got = want.clone();
-        (0..g.layers).all(|l| {
-            (0..2).all(|kv| {
-                pattern_fill(&mut want, seed(key), l, kv);
-                self.read_object(block, l, kv, &mut got).is_ok() && want == got
-            })
+/// Whether `client`'s memory block `block` holds key `key`'s bytes.
+fn service_check(client: &ServiceClient, block: u32, key: u64, g: &KvGeometry) -> bool {
+    let mut want = vec![0u8; g.object_bytes() as usize];
+    let mut got = want.clone();
+    (0..g.layers).all(|l| {
+        (0..2).all(|kv| {
+            pattern_fill(&mut want, seed(key), l, kv);
+            client.read_object(block, l, kv, &mut got).is_ok() && want == got
         })
-    }
+    })
 }
 
-fn measure(t: &dyn Tier, g: &KvGeometry, blocks: u32, loads: u32, lookups: u32) -> Figures {
+/// The same calls on either side: `t` is an in-process `TierHandle` or a
+/// service client, both through the one handle API.
+fn measure(
+    t: &dyn TierApi,
+    check: &dyn Fn(u32, u64) -> bool,
+    g: &KvGeometry,
+    blocks: u32,
+    loads: u32,
+    lookups: u32,
+) -> Figures {
     let ks = keys(blocks);
     // Blocks in reverse: a load is not a straight copy of the pool's order.
     let mem: Vec<u32> = (0..blocks).rev().collect();
     let mut total = Duration::ZERO;
     let mut first = Vec::new();
     for i in 0..loads {
-        assert_eq!(t.pin(&ks), blocks as usize, "the pool lost keys");
+        assert_eq!(t.lookup_and_pin(&ks), blocks as usize, "the pool lost keys");
         let t0 = Instant::now();
-        let job = t.load(&ks, &mem, g.layers).expect("submit_load");
+        let job = t.submit_load(&ks, &mem, 0..g.layers).expect("submit_load");
         t.wait_layer(job, 0).expect("layer 0");
         first.push(t0.elapsed());
-        assert!(t.wait_ok(job).expect("wait"), "a load failed");
+        assert!(t.wait(job).expect("wait").all_ok(), "a load failed");
         total += t0.elapsed();
         t.unpin(&ks);
         if i == 0 {
             for (k, &b) in mem.iter().enumerate() {
-                assert!(
-                    t.check(b, k as u64, g),
-                    "block {b} (key {k}) has wrong bytes"
-                );
+                assert!(check(b, k as u64), "block {b} (key {k}) has wrong bytes");
             }
         }
     }
@@ -229,7 +185,7 @@ fn measure(t: &dyn Tier, g: &KvGeometry, blocks: u32, loads: u32, lookups: u32) 
             let s = (i * 7) % (blocks - 32);
             let q = &ks[s as usize..s as usize + 32];
             let t0 = Instant::now();
-            assert_eq!(t.lookup(q), 32);
+            assert_eq!(t.lookup_prefix(q), 32);
             t0.elapsed()
         })
         .collect();
@@ -315,7 +271,7 @@ fn main() -> kvtier::Result<()> {
     for round in 0..rounds {
         for (i, huge) in [(0, true), (1, false)] {
             let t = InProcess::open(&pool, g, blocks, huge)?;
-            let f = measure(&t, &g, blocks, loads, lookups);
+            let f = measure(&t.h, &|b, k| t.check(b, k, &g), &g, blocks, loads, lookups);
             t.h.close()?;
             figs[i].push(f);
         }
@@ -330,8 +286,13 @@ fn main() -> kvtier::Result<()> {
             )?;
             let stop = s.stopper();
             let t = std::thread::spawn(move || s.run());
-            let c = ServiceClient::connect(&sock, blocks)?;
-            let f = measure(&c, &g, blocks, loads, lookups);
+            let c = TierBuilder::default()
+                .service(&sock)
+                .blocks(blocks)
+                .geometry(g)
+                .build()?;
+            let check = |b, k| service_check(&c, b, k, &g);
+            let f = measure(&c, &check, &g, blocks, loads, lookups);
             c.close()?;
             drop(c);
             stop.stop();

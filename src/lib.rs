@@ -162,7 +162,7 @@ internal_room! {
 pub mod fuzzing;
 
 pub use error::{Error, ErrorKind, Failure, Fix, IoCause, IoFailure, Result};
-pub use handle::{EngineChoice, Event, HandleConfig, TierBuilder, TierHandle};
+pub use handle::{EngineChoice, Event, HandleConfig, TierApi, TierBuilder, TierHandle};
 pub use memory::{HostKvCache, HostLayout, KvLayout, KvMemory, MemoryKind};
 pub use model::{DType, KvGeometry};
 pub use pool::CreateMode;

@@ -704,3 +704,224 @@ fn only_this_user_or_the_named_group_may_connect() {
     assert!(line.starts_with("REFUSED"), "{line}");
     s.wait_log("uid 65534: not this service's uid (0) nor in group 0");
 }
+
+// ---------------------------------------------------------------------------
+// `TierBuilder::service`: the handle API of an in-process pool
+
+/// The bytes of memory block `block` (every object, in (layer, K|V) order)
+/// of a handle whose memory it knows.
+fn block_bytes_of(t: &dyn kvtier::TierApi, block: u32) -> Vec<u8> {
+    let m = t.memory().expect("a handle over memory it knows");
+    let obj = m.geometry.object_bytes() as usize;
+    let mut out = Vec::new();
+    for l in 0..m.geometry.layers {
+        for kv in 0..2 {
+            let a = m.object_addr(block, l, kv) as *const u8;
+            // SAFETY: one object inside the handle's memory, which lives as
+            // long as `t`; no job uses the block (the caller waited).
+            out.extend_from_slice(unsafe { std::slice::from_raw_parts(a, obj) });
+        }
+    }
+    out
+}
+
+fn fill_through(t: &dyn kvtier::TierApi, block: u32, key: u64) {
+    let m = t.memory().expect("a handle over memory it knows");
+    let mut buf = vec![0u8; m.geometry.object_bytes() as usize];
+    for l in 0..m.geometry.layers {
+        for kv in 0..2 {
+            pattern_fill(&mut buf, seed_of(key), l, kv);
+            let a = m.object_addr(block, l, kv) as *mut u8;
+            // SAFETY: as in block_bytes_of; no job uses the block yet.
+            unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), a, buf.len()) };
+        }
+    }
+}
+
+/// One script of handle calls, the same on any `TierApi`: store 8 keys,
+/// look them up, pin, load them back layer by layer into other blocks
+/// (watching the event stream), remove one. Returns the loaded bytes.
+fn exercise(t: &dyn kvtier::TierApi) -> Vec<u8> {
+    use kvtier::{Event, JobKind};
+    let layers = t.geometry().layers;
+    assert!(t.memory_blocks() >= 16, "{}", t.memory_blocks());
+    let events = t.completions().unwrap();
+    let ks = keys(0..8);
+    for i in 0..8 {
+        fill_through(t, i, i as u64);
+    }
+    assert_eq!(t.lookup_prefix(&ks), 0);
+    let store = t.submit_store(&ks, &(0..8).collect::<Vec<_>>()).unwrap();
+    t.flush_stores().unwrap();
+    let r = t.wait(store).unwrap();
+    assert!(r.all_ok(), "{r:?}");
+    assert_eq!(r.kind, JobKind::Store);
+    assert_eq!(r.keys, ks);
+    // A result is handed out once.
+    let again = t.try_result(store).unwrap_err();
+    assert_eq!(again.kind(), ErrorKind::Usage, "{again}");
+    assert_eq!(t.memory_block_use(0), None);
+    assert_eq!(t.lookup_prefix(&ks), 8);
+    assert!(t.contains(&Key::from_u64(3)));
+    assert!(!t.contains(&Key::from_u64(99)));
+    assert_eq!(t.lookup_and_pin(&keys(0..10)), 8);
+    let dst: Vec<u32> = (8..16).rev().collect();
+    let load = t.submit_load(&ks, &dst, 0..layers).unwrap();
+    // Out of range and mismatched jobs are refused before anything runs.
+    let e = t
+        .submit_load(&ks[..1], &[t.memory_blocks()], 0..1)
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Usage, "{e}");
+    for l in 0..layers {
+        t.wait_layer(load, l).unwrap();
+    }
+    assert!(t.wait_layer_timeout(load, 0, Duration::ZERO).unwrap());
+    // Host memory: no GPU counter to wait on, in-process or not.
+    assert!(t.load_counter(load).unwrap().is_none());
+    let r = loop {
+        if let Some(r) = t.wait_timeout(load, Duration::from_millis(10)).unwrap() {
+            break r;
+        }
+    };
+    assert!(r.all_ok(), "{r:?}");
+    assert!(t.get_finished().is_empty());
+    t.unpin(&keys(0..10));
+    // Every layer's event, then the job's, on the stream and its eventfd.
+    let mut seen = Vec::new();
+    let t0 = Instant::now();
+    while seen.len() < layers as usize + 2 && t0.elapsed() < Duration::from_secs(10) {
+        seen.extend(events.recv_timeout(Duration::from_millis(50)));
+    }
+    let layer_events = seen
+        .iter()
+        .filter(|e| matches!(e, Event::Layer { job, error: None, .. } if *job == load))
+        .count();
+    assert_eq!(layer_events, layers as usize, "{seen:?}");
+    assert!(seen.contains(&Event::Finished {
+        job: load,
+        kind: JobKind::Load,
+        ok: true
+    }));
+    assert!(seen.contains(&Event::Finished {
+        job: store,
+        kind: JobKind::Store,
+        ok: true
+    }));
+    let loaded: Vec<u8> = dst.iter().flat_map(|&b| block_bytes_of(t, b)).collect();
+    assert_eq!(t.remove(&ks[7..]).unwrap(), 1);
+    assert_eq!(t.lookup_prefix(&ks), 7);
+    let usage: serde_json::Value = serde_json::from_str(&t.usage_json().unwrap()).unwrap();
+    assert!(usage["tier"].is_object(), "{usage}");
+    assert!(!t.engine().is_empty() && !t.engine_reason().is_empty());
+    loaded
+}
+
+#[test]
+fn builder_service_gives_the_handle_api_of_an_in_process_pool() {
+    use kvtier::{HostKvCache, HostLayout, TierApi, TierBuilder};
+    let dir = TempDir::new("serve-builder");
+    let s = Serve::start(&dir, POOL, 4, 32);
+    let client = TierBuilder::default()
+        .service(&s.sock)
+        .blocks(16)
+        .build()
+        .unwrap();
+    let g = *client.geometry();
+    let cache = Arc::new(HostKvCache::new(g, 16, HostLayout::PerLayer).unwrap());
+    let local = TierBuilder::default()
+        .directory(dir.file("own-pool"))
+        .capacity(POOL)
+        .geometry(g)
+        .model_name("tiny")
+        .host_cache(cache)
+        .build()
+        .unwrap();
+    // The same script through one API: the bytes each side loads are equal,
+    // and are the bytes stored.
+    let handles: [&dyn TierApi; 2] = [&local, &client];
+    let [a, b] = handles.map(exercise);
+    assert!(a == b, "a service load differs from an in-process one");
+    let want: Vec<u8> = (8..16)
+        .rev()
+        .flat_map(|b| {
+            let key = (15 - b) as u64;
+            (0..g.layers).flat_map(move |l| {
+                (0..2).flat_map(move |kv| {
+                    let mut o = vec![0u8; g.object_bytes() as usize];
+                    pattern_fill(&mut o, seed_of(key), l, kv);
+                    o
+                })
+            })
+        })
+        .collect();
+    assert!(a == want, "the loaded bytes are not the stored ones");
+    assert!(client.in_process().is_none() && local.in_process().is_some());
+    assert!(client.engine_reason().contains("kvtier service"));
+    TierApi::close(&client).unwrap();
+    TierApi::close(&local).unwrap();
+}
+
+#[test]
+fn builder_service_refuses_what_the_service_decides() {
+    use kvtier::{CreateMode, HostKvCache, HostLayout, KvGeometry, TierBuilder};
+    let dir = TempDir::new("serve-conflicts");
+    let s = Serve::start(&dir, POOL, 4, 32);
+    let e = TierBuilder::default()
+        .directory(dir.file("mine"))
+        .capacity(POOL)
+        .create_mode(CreateMode::Never)
+        .service(&s.sock)
+        .build()
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Usage, "{e}");
+    let text = e.to_string();
+    for call in [
+        "directory(..)",
+        "capacity(..)",
+        "create_mode(..)",
+        "service(",
+    ] {
+        assert!(text.contains(call), "{call} not named: {text}");
+    }
+    let g = *TierBuilder::default()
+        .service(&s.sock)
+        .build()
+        .unwrap()
+        .geometry();
+    let cache = Arc::new(HostKvCache::new(g, 4, HostLayout::PerLayer).unwrap());
+    let e = TierBuilder::default()
+        .host_cache(cache)
+        .tp_rank(1)
+        .service(&s.sock)
+        .build()
+        .unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.contains("host_cache(..)") && text.contains("tp_rank(..)"),
+        "{text}"
+    );
+    // The geometry asked for is checked against the one served.
+    let other = KvGeometry {
+        layers: g.layers + 1,
+        ..g
+    };
+    let e = TierBuilder::default()
+        .geometry(other)
+        .service(&s.sock)
+        .build()
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Usage, "{e}");
+    assert!(e.to_string().contains("serves"), "{e}");
+    // The served geometry, given before or after service(..), is accepted.
+    TierBuilder::default()
+        .geometry(g)
+        .service(&s.sock)
+        .build()
+        .unwrap();
+    TierBuilder::default()
+        .service(&s.sock)
+        .geometry(g)
+        .blocks(4)
+        .build()
+        .unwrap();
+}

@@ -126,7 +126,7 @@ pub struct TierBuilder {
     group_blocks: Option<u32>,
     prewrite: bool,
     engine: EngineChoice,
-    config: HandleConfig,
+    config: Option<HandleConfig>,
     memory: Option<Memory>,
     staging: Option<StagingConfig>,
 }
@@ -261,7 +261,7 @@ impl TierBuilder {
 
     /// The handle's settings (default: [`HandleConfig::default`]).
     pub fn config(mut self, config: HandleConfig) -> Self {
-        self.config = config;
+        self.config = Some(config);
         self
     }
 
@@ -352,7 +352,7 @@ impl TierBuilder {
         };
         let create = self.create;
         let expect = self.expect;
-        let config = self.config;
+        let config = self.config.unwrap_or_default();
         let tier_cfg = config.tier.clone();
         let policy = config.policy;
         let backlog = config.backlog_limit_blocks;
@@ -467,6 +467,55 @@ impl TierBuilder {
 }
 
 impl TierBuilder {
+    /// The calls on this builder that set up a pool of this process's own
+    /// (where it is, how it is made, its engine, policy, memory and
+    /// namespace), by name: a client of the node's service
+    /// (`TierBuilder::service`) has the service's, so they conflict.
+    pub(crate) fn own_pool_calls(&self) -> Vec<&'static str> {
+        let location = self.location.as_ref().map(|l| match l {
+            Location::Unset => None,
+            Location::Files(_) => Some("files(..)"),
+            Location::Directory(_) => Some("directory(..)"),
+            Location::Controller(_) => Some("controller(..)"),
+            Location::Custom(_) => Some("custom_engine(..)"),
+        });
+        let memory = self.memory.as_ref().map(|m| match m {
+            Memory::Host(_) => "host_cache(..)",
+            Memory::Raw(_) => "memory(..)",
+            Memory::StagedDouble(_) | Memory::StagedDoubleRaw(_) => "staged_host_double(..)",
+        });
+        let set = [
+            (location.flatten(), true),
+            (Some("create(..)"), self.create.is_some()),
+            (
+                Some("expect(..)"),
+                self.expect.geometry.is_some() || self.expect.namespace.is_some(),
+            ),
+            (Some("directory_files(..)"), self.directory_files.is_some()),
+            (Some("capacity(..)"), self.capacity.is_some()),
+            (
+                Some("create_mode(..)"),
+                self.create_mode != CreateMode::Auto,
+            ),
+            (Some("namespace(..)"), self.namespace.is_some()),
+            (Some("tp_rank(..)"), self.tp_rank != 0),
+            (Some("group_blocks(..)"), self.group_blocks.is_some()),
+            (Some("prewrite(..)"), self.prewrite),
+            (Some("engine(..)"), self.engine != EngineChoice::Auto),
+            (Some("config(..)"), self.config.is_some()),
+            (memory, true),
+            (Some("staging(..)"), self.staging.is_some()),
+        ];
+        set.into_iter()
+            .filter_map(|(name, on)| name.filter(|_| on))
+            .collect()
+    }
+
+    /// The geometry asked for with `geometry(..)` or `model(..)`, if any.
+    pub(crate) fn asked_geometry(&self) -> Option<KvGeometry> {
+        self.geometry
+    }
+
     /// Where the pool is and whether to open or create it
     /// ([`crate::pool::place`]): sets `create` or `expect`, and turns a
     /// directory into its files. An explicit [`Self::create`] config, a

@@ -48,8 +48,10 @@
 //! the path (the tier, or the staged path) its own table of jobs in flight:
 //! each block is checked once, by the one that holds the job using it.
 
+mod api;
 mod builder;
 
+pub use api::TierApi;
 pub use builder::{EngineChoice, TierBuilder};
 
 use crate::error::{Error, ErrorKind, Failure, Result};
@@ -222,6 +224,40 @@ impl EventQueue {
     }
 }
 
+/// The event streams of one handle (each [`Completions`] a consumer holds),
+/// fed by whoever learns of completions: the in-process handle's I/O thread,
+/// or a service client's reader.
+#[derive(Default)]
+pub(crate) struct EventSubscribers(Vec<Weak<EventQueue>>);
+
+impl EventSubscribers {
+    /// A new stream, which gets every event broadcast from now on.
+    pub(crate) fn subscribe(&mut self) -> Result<Completions> {
+        let fd = EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)
+            .map_err(|e| Error::io("creating an eventfd for completions", e.into()))?;
+        let q = Arc::new(EventQueue {
+            events: Mutex::new(VecDeque::new()),
+            cond: Condvar::new(),
+            fd,
+            compact_at: AtomicUsize::new(EVENTS_KEPT_FLOOR),
+        });
+        self.0.push(Arc::downgrade(&q));
+        Ok(Completions { q })
+    }
+
+    /// Queue `events` on every live stream; `live` says which jobs still
+    /// have a result to collect (see [`EventQueue::push`]).
+    pub(crate) fn broadcast(&mut self, events: &[Event], live: &dyn Fn(JobId) -> bool) {
+        self.0.retain(|w| match w.upgrade() {
+            Some(q) => {
+                q.push(events, live);
+                true
+            }
+            None => false,
+        });
+    }
+}
+
 impl Completions {
     /// The next event, if one is queued.
     pub fn try_recv(&self) -> Option<Event> {
@@ -306,7 +342,7 @@ struct Jobs {
     fatal: Option<Failure>,
     /// Set once the I/O thread has exited.
     stopped: bool,
-    subscribers: Vec<Weak<EventQueue>>,
+    subscribers: EventSubscribers,
 }
 
 impl Jobs {
@@ -347,14 +383,8 @@ impl Jobs {
 
     fn broadcast(&mut self, events: &[Event]) {
         let entries = &self.entries;
-        let live = |job: JobId| entries.contains_key(&job);
-        self.subscribers.retain(|w| match w.upgrade() {
-            Some(q) => {
-                q.push(events, &live);
-                true
-            }
-            None => false,
-        });
+        self.subscribers
+            .broadcast(events, &|job: JobId| entries.contains_key(&job));
     }
 }
 
@@ -552,16 +582,7 @@ impl TierHandle {
 
     /// A new stream of this handle's events (see [`Completions`]).
     pub fn completions(&self) -> Result<Completions> {
-        let fd = EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)
-            .map_err(|e| Error::io("creating an eventfd for completions", e.into()))?;
-        let q = Arc::new(EventQueue {
-            events: Mutex::new(VecDeque::new()),
-            cond: Condvar::new(),
-            fd,
-            compact_at: AtomicUsize::new(EVENTS_KEPT_FLOOR),
-        });
-        lock(&self.shared.jobs).subscribers.push(Arc::downgrade(&q));
-        Ok(Completions { q })
+        lock(&self.shared.jobs).subscribers.subscribe()
     }
 
     fn check_blocks(&self, keys: &[Key], mem_blocks: &[u32]) -> Result<()> {

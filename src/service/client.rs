@@ -1,5 +1,5 @@
-//! [`ServiceClient`]: the handle API of [`crate::TierHandle`] over a
-//! `kvtier serve` socket.
+//! [`ServiceClient`]: the handle API ([`TierApi`], as [`crate::TierHandle`])
+//! over a `kvtier serve` socket; `TierBuilder::service(PATH)` opens one.
 //!
 //! The client's KV memory is the slice the service shares with it (a sealed
 //! memfd, mapped here): [`ServiceClient::memory`] describes it as block-major
@@ -9,7 +9,8 @@
 //!
 //! One reader thread takes every frame the service sends: answers wake the
 //! caller that asked, events and results fill a local job table that
-//! `wait`, `wait_layer` and `try_result` read. If the service goes away,
+//! `wait`, `wait_layer` and `try_result` read, and go to every
+//! [`Completions`] stream, as the in-process handle's do. If the service goes away,
 //! every waiting call and every unfinished job fails with
 //! [`crate::ErrorKind::Closed`] (adapters treat that as a miss), and
 //! lookups answer 0.
@@ -17,16 +18,15 @@
 use super::protocol::{self, Request, Response};
 use super::sys::{self, SharedMapping};
 use crate::error::{Error, ErrorKind, Failure, Result};
-use crate::handle::{Event, JobId};
+use crate::handle::{Completions, Event, EventSubscribers, JobId, TierApi};
 use crate::memory::{KvLayout, KvMemory, MemoryKind};
 use crate::model::KvGeometry;
 use crate::pool::Key;
-use crate::tier::JobResult;
-use nix::sys::eventfd::{EfdFlags, EventFd};
+use crate::staged::LoadCounter;
+use crate::tier::{JobKind, JobResult};
 use std::collections::HashMap;
 use std::io::Write;
 use std::ops::Range;
-use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -41,6 +41,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 struct JobState {
     /// Submitted through this client (its id came back).
     known: bool,
+    /// Load or store (set with `known`).
+    kind: Option<JobKind>,
+    /// The memory blocks it reads (a store) or writes (a load).
+    blocks: Vec<u32>,
     layers: Option<Range<u32>>,
     done_layers: HashMap<u32, Option<Failure>>,
     result: Option<JobResult>,
@@ -52,14 +56,9 @@ struct State {
     jobs: HashMap<JobId, JobState>,
     /// Why the connection ended, once it has.
     broken: Option<String>,
-    /// Events for `drain_events`, queued once `event_fd` was asked for
-    /// (a client that only waits never grows it). Past [`EVENTS_KEPT`],
-    /// those of jobs already collected are dropped.
-    events: Option<std::collections::VecDeque<Event>>,
+    /// The [`Completions`] streams handed out.
+    subscribers: EventSubscribers,
 }
-
-/// Events queued for `drain_events` before those of collected jobs go.
-const EVENTS_KEPT: usize = 4096;
 
 struct Inner {
     stream: UnixStream,
@@ -71,9 +70,9 @@ struct Inner {
     memory: KvMemory,
     layer_stride: u64,
     engine: String,
+    /// Which service serves the pool, for `engine_reason`.
+    served_by: String,
     reader: Mutex<Option<std::thread::JoinHandle<()>>>,
-    /// Readable exactly while events are queued.
-    event_fd: EventFd,
 }
 
 impl Drop for Inner {
@@ -194,11 +193,13 @@ impl ServiceClient {
             cond: Condvar::new(),
             mapping,
             memory,
+            served_by: format!(
+                "the kvtier service at {} serves the pool with it",
+                socket.display()
+            ),
             layer_stride,
             engine,
             reader: Mutex::new(None),
-            event_fd: EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)
-                .map_err(|e| Error::io("creating the client's eventfd", e.into()))?,
         });
         let weak = Arc::downgrade(&inner);
         let t = std::thread::Builder::new()
@@ -377,12 +378,20 @@ impl ServiceClient {
         }
     }
 
-    fn submitted(&self, r: Response, layers: Option<Range<u32>>) -> Result<JobId> {
+    fn submitted(
+        &self,
+        r: Response,
+        kind: JobKind,
+        blocks: &[u32],
+        layers: Option<Range<u32>>,
+    ) -> Result<JobId> {
         match r {
             Response::Job(j) => {
                 let mut st = lock(&self.inner.state);
                 let e = st.jobs.entry(j).or_default();
                 e.known = true;
+                e.kind = Some(kind);
+                e.blocks = blocks.to_vec();
                 e.layers = layers;
                 Ok(j)
             }
@@ -404,7 +413,7 @@ impl ServiceClient {
             blocks: mem_blocks.to_vec(),
             layers: layers.clone(),
         })?;
-        self.submitted(r, Some(layers))
+        self.submitted(r, JobKind::Load, mem_blocks, Some(layers))
     }
 
     /// Accept a store of `keys` from this client's `mem_blocks` (see
@@ -415,7 +424,7 @@ impl ServiceClient {
             keys: keys.to_vec(),
             blocks: mem_blocks.to_vec(),
         })?;
-        self.submitted(r, None)
+        self.submitted(r, JobKind::Store, mem_blocks, None)
     }
 
     /// Issue every store in the service's backlog now.
@@ -554,26 +563,31 @@ impl ServiceClient {
         }
     }
 
-    /// An eventfd that polls readable while events are queued for
-    /// [`Self::drain_events`]; events queue from the first call on.
-    pub fn event_fd(&self) -> BorrowedFd<'_> {
-        let mut st = lock(&self.inner.state);
-        if st.events.is_none() {
-            st.events = Some(Default::default());
-        }
-        self.inner.event_fd.as_fd()
+    /// A new stream of this client's events (layer done, job finished),
+    /// with an eventfd that polls readable while events are queued; as
+    /// [`crate::TierHandle::completions`].
+    pub fn completions(&self) -> Result<Completions> {
+        lock(&self.inner.state).subscribers.subscribe()
     }
 
-    /// Every queued event (layer done, job finished), oldest first.
-    pub fn drain_events(&self) -> Vec<Event> {
-        let mut st = lock(&self.inner.state);
-        let Some(q) = st.events.as_mut() else {
-            return Vec::new();
-        };
-        if !q.is_empty() {
-            let _ = self.inner.event_fd.read();
-        }
-        q.drain(..).collect()
+    /// Which unfinished job of this client uses memory block `block`:
+    /// `Load` while a load writes it, `Store` while a store reads it.
+    pub fn memory_block_use(&self, block: u32) -> Option<JobKind> {
+        let st = lock(&self.inner.state);
+        let mut using = st
+            .jobs
+            .values()
+            .filter(|e| e.known && e.result.is_none() && e.blocks.contains(&block))
+            .filter_map(|e| e.kind);
+        // A load's use is the stronger one (nothing may touch the block).
+        let first = using.next()?;
+        Some(
+            if first == JobKind::Load || using.any(|k| k == JobKind::Load) {
+                JobKind::Load
+            } else {
+                JobKind::Store
+            },
+        )
     }
 
     /// The service's usage (the pool's, shared by every client), as JSON of
@@ -583,60 +597,6 @@ impl ServiceClient {
             Response::Usage(j) => Ok(j),
             other => Err(unexpected(&other)),
         }
-    }
-
-    /// Copy `data` (at most a block) into memory block `block`, objects in
-    /// (layer, K|V) order; the rest of the block is zeroed. `data` may be
-    /// a view of this shared memory.
-    pub fn write_block(&self, block: u32, data: &[u8]) -> Result<()> {
-        let g = self.inner.memory.geometry;
-        if data.len() as u64 > g.block_bytes() {
-            return Err(Error::invalid(format!(
-                "{} bytes do not fit a block of {} bytes",
-                data.len(),
-                g.block_bytes()
-            )));
-        }
-        let obj = g.object_bytes() as usize;
-        let data = data.to_vec();
-        let mut buf = vec![0u8; obj];
-        for layer in 0..g.layers {
-            for kv in 0..2 {
-                let i = (layer * 2 + kv) as usize * obj;
-                let take = data.len().saturating_sub(i).min(obj);
-                buf[..take].copy_from_slice(&data[i..i + take]);
-                buf[take..].fill(0);
-                self.write_object(block, layer, kv, &buf)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Copy memory block `block` into `out` (at most a block: its first
-    /// `out.len()` bytes, objects in (layer, K|V) order).
-    pub fn read_block_into(&self, block: u32, out: &mut [u8]) -> Result<()> {
-        let g = self.inner.memory.geometry;
-        if out.len() as u64 > g.block_bytes() {
-            return Err(Error::invalid(format!(
-                "a buffer of {} bytes is larger than a block ({} bytes)",
-                out.len(),
-                g.block_bytes()
-            )));
-        }
-        let obj = g.object_bytes() as usize;
-        let mut buf = vec![0u8; obj];
-        for layer in 0..g.layers {
-            for kv in 0..2 {
-                let i = (layer * 2 + kv) as usize * obj;
-                let take = out.len().saturating_sub(i).min(obj);
-                if take == 0 {
-                    return Ok(());
-                }
-                self.read_object(block, layer, kv, &mut buf)?;
-                out[i..i + take].copy_from_slice(&buf[..take]);
-            }
-        }
-        Ok(())
     }
 
     /// Wait for every job this client submitted, then disconnect (the
@@ -660,6 +620,83 @@ impl ServiceClient {
     }
 }
 
+impl TierApi for ServiceClient {
+    fn engine(&self) -> &str {
+        ServiceClient::engine(self)
+    }
+    fn engine_reason(&self) -> &str {
+        &self.inner.served_by
+    }
+    fn geometry(&self) -> &KvGeometry {
+        ServiceClient::geometry(self)
+    }
+    fn memory_blocks(&self) -> u32 {
+        ServiceClient::memory_blocks(self)
+    }
+    fn memory(&self) -> Option<&KvMemory> {
+        Some(ServiceClient::memory(self))
+    }
+    fn lookup_prefix(&self, keys: &[Key]) -> usize {
+        ServiceClient::lookup_prefix(self, keys)
+    }
+    fn lookup_and_pin(&self, keys: &[Key]) -> usize {
+        ServiceClient::lookup_and_pin(self, keys)
+    }
+    fn unpin(&self, keys: &[Key]) {
+        ServiceClient::unpin(self, keys)
+    }
+    fn contains(&self, key: &Key) -> bool {
+        ServiceClient::contains(self, key)
+    }
+    fn remove(&self, keys: &[Key]) -> Result<usize> {
+        ServiceClient::remove(self, keys)
+    }
+    fn submit_load(&self, keys: &[Key], mem_blocks: &[u32], layers: Range<u32>) -> Result<JobId> {
+        ServiceClient::submit_load(self, keys, mem_blocks, layers)
+    }
+    fn submit_store(&self, keys: &[Key], mem_blocks: &[u32]) -> Result<JobId> {
+        ServiceClient::submit_store(self, keys, mem_blocks)
+    }
+    fn flush_stores(&self) -> Result<()> {
+        ServiceClient::flush_stores(self)
+    }
+    fn memory_block_use(&self, block: u32) -> Option<JobKind> {
+        ServiceClient::memory_block_use(self, block)
+    }
+    fn wait(&self, job: JobId) -> Result<JobResult> {
+        ServiceClient::wait(self, job)
+    }
+    fn wait_timeout(&self, job: JobId, timeout: Duration) -> Result<Option<JobResult>> {
+        ServiceClient::wait_timeout(self, job, timeout)
+    }
+    fn try_result(&self, job: JobId) -> Result<Option<JobResult>> {
+        ServiceClient::try_result(self, job)
+    }
+    fn get_finished(&self) -> Vec<JobResult> {
+        ServiceClient::get_finished(self)
+    }
+    fn wait_layer(&self, job: JobId, layer: u32) -> Result<()> {
+        ServiceClient::wait_layer(self, job, layer)
+    }
+    fn wait_layer_timeout(&self, job: JobId, layer: u32, timeout: Duration) -> Result<bool> {
+        ServiceClient::wait_layer_timeout(self, job, layer, timeout)
+    }
+    /// None: the service serves host memory only (its GPU path is issue
+    /// 25's item 4, not built yet), and host loads have no GPU counter.
+    fn load_counter(&self, _job: JobId) -> Result<Option<LoadCounter>> {
+        Ok(None)
+    }
+    fn completions(&self) -> Result<Completions> {
+        ServiceClient::completions(self)
+    }
+    fn usage_json(&self) -> Result<String> {
+        ServiceClient::usage_json(self)
+    }
+    fn close(&self) -> Result<()> {
+        ServiceClient::close(self)
+    }
+}
+
 fn unexpected(r: &Response) -> Error {
     Error::Failed(Failure::new(
         ErrorKind::Internal,
@@ -667,21 +704,11 @@ fn unexpected(r: &Response) -> Error {
     ))
 }
 
-fn queue_event(inner: &Inner, st: &mut State, ev: Event) {
-    let State { events, jobs, .. } = st;
-    let Some(q) = events.as_mut() else {
-        return;
-    };
-    let was_empty = q.is_empty();
-    q.push_back(ev);
-    if q.len() > EVENTS_KEPT {
-        q.retain(|e| match e {
-            Event::Layer { job, .. } | Event::Finished { job, .. } => jobs.contains_key(job),
-        });
-    }
-    if was_empty && !q.is_empty() {
-        let _ = inner.event_fd.write(1);
-    }
+fn broadcast(st: &mut State, ev: Event) {
+    let State {
+        subscribers, jobs, ..
+    } = st;
+    subscribers.broadcast(&[ev], &|job| jobs.contains_key(&job));
 }
 
 fn read_loop(stream: UnixStream, inner: std::sync::Weak<Inner>) {
@@ -712,7 +739,7 @@ fn read_loop(stream: UnixStream, inner: std::sync::Weak<Inner>) {
                     .or_default()
                     .done_layers
                     .insert(layer, error);
-                queue_event(&inner, &mut st, ev);
+                broadcast(&mut st, ev);
             }
             Response::Finished(r) => {
                 let job = r.job;
@@ -722,7 +749,7 @@ fn read_loop(stream: UnixStream, inner: std::sync::Weak<Inner>) {
                     ok: r.all_ok(),
                 };
                 st.jobs.entry(job).or_default().result = Some(r);
-                queue_event(&inner, &mut st, ev);
+                broadcast(&mut st, ev);
             }
             other => {
                 st.replies.insert(h.req, other);

@@ -5,7 +5,8 @@
 //! - `arena`: the service's KV memory, one sealed memfd slice per client.
 //! - [`server`]: [`Service`], the accept loop, the per-client threads and
 //!   the event dispatcher around one [`crate::TierHandle`].
-//! - [`client`]: [`ServiceClient`], the handle API over the socket.
+//! - [`client`]: [`ServiceClient`], the handle API ([`crate::TierApi`])
+//!   over the socket; `builder`: `TierBuilder::service(PATH)`, which opens one.
 //! - `sys`: the raw calls (memfd, mmap, `SCM_RIGHTS`, `SO_PEERCRED`).
 //!
 //! Lookups, pins and unpins are answered from the index without touching
@@ -16,10 +17,12 @@ internal_room! {
     arena;
     protocol;
 }
+mod builder;
 pub mod client;
 pub mod server;
 mod sys;
 
+pub use builder::ServiceBuilder;
 pub use client::ServiceClient;
 pub use server::{block_termination_signals, stop_on_signals, Service, ServiceConfig, Stopper};
 pub use sys::{group_id, SharedMapping};

@@ -17,7 +17,7 @@ use super::arena::Arena;
 use super::protocol::{self, Request, Response};
 use super::sys;
 use crate::error::{Error, ErrorKind, Failure, Result};
-use crate::handle::{Event, JobId, TierBuilder, TierHandle};
+use crate::handle::{Event, JobId, TierApi, TierBuilder, TierHandle};
 use crate::model::KvGeometry;
 use crate::pool::Key;
 use nix::sys::eventfd::{EfdFlags, EventFd};
@@ -761,11 +761,8 @@ fn answer(
             Ok(()) => Response::Ok,
             Err(e) => refused(e),
         },
-        Request::Usage => match s.handle.usage() {
-            Ok(u) => match serde_json::to_string(&u) {
-                Ok(j) => Response::Usage(j),
-                Err(e) => refused(Error::invalid(format!("rendering usage: {e}"))),
-            },
+        Request::Usage => match TierApi::usage_json(&s.handle) {
+            Ok(j) => Response::Usage(j),
             Err(e) => refused(e),
         },
     }))
