@@ -14,9 +14,10 @@ Open a pool with :class:`TierBuilder`, get a thread-safe :class:`TierHandle`:
     tier.wait(job); tier.unpin(keys[:n])
 
 Or share one pool per node with every engine process through the service
-(``kvtier serve --socket PATH ...``): ``kvtier.connect(PATH)`` returns a
-:class:`ServiceHandle` with the same methods, over the KV memory the service
-shares with this process (``kvtier.service_tensors(handle)``: torch views).
+(``kvtier serve --socket PATH ...``): ``TierBuilder().service(PATH).build()``
+(or its short form ``kvtier.connect(PATH)``) returns a :class:`TierHandle`
+with the same methods, over the KV memory the service shares with this
+process (``kvtier.service_tensors(handle)``: torch views).
 
 Adapters for serving engines live in :mod:`kvtier.vllm` and
 :mod:`kvtier.lmcache` (imported on demand: they need those packages).

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from ._kvtier import ServiceHandle
+    from ._kvtier import TierHandle
 
 
-def service_tensors(handle: ServiceHandle) -> list[torch.Tensor]:
+def service_tensors(handle: TierHandle) -> list[torch.Tensor]:
     """One CPU tensor per layer over the memory `handle` shares with the
     service, shaped ``(blocks, 2, block_size, kv_heads, head_dim)`` (K then V
     of each block: vLLM's CPU KV layout), page-aligned and in shared memory:

@@ -54,10 +54,9 @@ from typing import Any
 from . import (
     BackpressureError,
     KvtierError,
-    ServiceHandle,
     TierBuilder,
     TierHandle,
-    connect,
+    UsageError,
     resolve_model,
 )
 from ._kvtier import _exit_grace, _exiting
@@ -243,21 +242,19 @@ class KvtierL2:
                 "(or leave it out: 512 MiB of chunks)"
             )
         del workers  # accepted for old configurations: one I/O thread now serves all
-        self.tier: TierHandle | ServiceHandle
+        self.tier: TierHandle
         if service is not None:
-            geometry, _ = resolve_model(model, block_size=chunk_size, dtype=dtype)
-            # Without staging_blocks: all the memory the service gives a client.
-            self.tier = connect(service, blocks=staging_blocks or 0)
-            staging_blocks = self.tier.memory_blocks
-            served = self.tier.geometry
-            if any(served[k] != geometry[k] for k in
-                   ("layers", "kv_heads", "head_dim", "dtype", "block_size")):
-                self.tier.close()
+            # The service's pool, checked to serve this model at this chunk
+            # size; without staging_blocks, all the memory it gives a client.
+            try:
+                self.tier = (TierBuilder().service(service, blocks=staging_blocks or 0)
+                             .model(model, block_size=chunk_size, dtype=dtype).build())
+            except UsageError as e:
                 raise ValueError(
-                    f"the kvtier service at {service} serves {served}, but this LMCache "
-                    f"config asks for {model} at chunk_size {chunk_size}: {geometry}; point "
-                    "adapter_params.service at the service of this model"
-                )
+                    f"adapter_params.service: {e} (this LMCache config: {model} at chunk_size "
+                    f"{chunk_size}; point adapter_params.service at the service of this model)"
+                ) from e
+            staging_blocks = self.tier.memory_blocks
             self.pool = f"service {service}"
         else:
             self.tier = self._open_pool(model, chunk_size, path, files, capacity, dtype,

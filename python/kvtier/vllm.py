@@ -68,7 +68,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.logger import init_logger
 
-from . import BackpressureError, KvtierError, ServiceHandle, TierBuilder, TierHandle, connect
+from . import BackpressureError, KvtierError, TierBuilder, TierHandle
 from ._vllm_layout import KvMapping, map_kv_caches
 from ._vllm_lookup import LOOKUP as _LOOKUP
 from ._vllm_lookup import PIN as _PIN
@@ -609,7 +609,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self._rank = get_tensor_model_parallel_rank()
         except Exception:  # no distributed state: a single rank
             self._rank = 0
-        self._tier: TierHandle | ServiceHandle | None = None
+        self._tier: TierHandle | None = None
         self._server: LookupServer | None = None
         self._map: KvMapping | None = None
         # The staged HBM path (CUDA caches, or its CPU test double).
@@ -779,17 +779,19 @@ class KvtierConnector(KVConnectorBase_V1):
             )
         if m.padded:
             raise KvtierError(m.padding_fix + " (a kvtier service stores whole pages)")
-        h = connect(self._service, blocks=2 * self._staging)
-        g = h.geometry
-        want = {"layers": m.layers, "kv_heads": m.kv_heads, "head_dim": m.head_dim,
-                "dtype": m.dtype, "block_size": self._block_size}
-        if any(g[k] != v for k, v in want.items()) or 2 * g["object_bytes"] != m.page_bytes:
+        # The service's pool, checked (by the library) to serve this geometry.
+        h = (
+            TierBuilder()
+            .service(self._service, blocks=2 * self._staging)
+            .geometry(layers=m.layers, kv_heads=m.kv_heads, head_dim=m.head_dim, dtype=m.dtype,
+                      block_size=self._block_size, name="vllm")
+            .build()
+        )
+        if 2 * h.geometry["object_bytes"] != m.page_bytes:
             h.close()
             raise KvtierError(
-                f"the kvtier service at {self._service} serves {g}, but this engine's KV cache "
-                f"is {want} ({m.page_bytes} B pages): start the service with this model "
-                f"(kvtier serve --model ... --block-size {self._block_size}) or point the "
-                "engine at the service of its model"
+                f"the kvtier service at {self._service} stores {2 * h.geometry['object_bytes']} B "
+                f"per block and layer, but this engine's KV pages are {m.page_bytes} B"
             )
         self._tier = h
         addr, size = h.host_memory()

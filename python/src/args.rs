@@ -148,6 +148,7 @@ int_args! {
     layer_arg: u32 = "layer", "0..layers";
     stream_arg: u64 = "stream", "0..2**64 (torch.cuda.current_stream().cuda_stream)";
     layer_buffers_arg: u32 = "layer_buffers", "2..2**32";
+    service_blocks_arg: u32 = "blocks", "0..2**32 (0: as many as the service gives a client)";
 }
 
 pub(crate) fn group_blocks_arg(o: &Bound<'_, PyAny>) -> PyResult<u32> {

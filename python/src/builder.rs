@@ -73,6 +73,8 @@ pub struct TierBuilder {
     staging: Option<StagingConfig>,
     staged_host_double: bool,
     prewrite: bool,
+    /// `service()`: the socket of the node's service, and blocks to share.
+    service: Option<(PathBuf, u32)>,
 }
 
 #[pymethods]
@@ -96,7 +98,27 @@ impl TierBuilder {
             staging: None,
             staged_host_double: false,
             prewrite: false,
+            service: None,
         }
+    }
+
+    /// The pool of the `kvtier serve` service listening on `path`, shared
+    /// with every engine process of the node, instead of a pool of this
+    /// process's own: `build()` connects and returns a TierHandle with the
+    /// same methods, whose KV memory is the `blocks` blocks the service
+    /// shares with this process (0: as many as it gives a client;
+    /// kvtier.service_tensors views them as torch tensors). The service
+    /// decides the pool, engine, policy, namespace and memory, so those
+    /// calls are refused with it; `model()` / `geometry()` say what this
+    /// process expects the service to serve (checked at build).
+    #[pyo3(signature = (path, blocks = 0))]
+    fn service(
+        mut slf: PyRefMut<'_, Self>,
+        path: PathBuf,
+        #[pyo3(from_py_with = service_blocks_arg)] blocks: u32,
+    ) -> PyRefMut<'_, Self> {
+        slf.service = Some((path, blocks));
+        slf
     }
 
     /// When the pool is created: write every byte of its files once
@@ -441,8 +463,12 @@ impl TierBuilder {
         Ok(slf)
     }
 
-    /// Open the pool, start its engine and I/O thread, register the memory.
+    /// Open the pool, start its engine and I/O thread, register the memory;
+    /// or, after `service()`, connect to the node's service.
     fn build(mut slf: PyRefMut<'_, Self>, py: Python<'_>) -> PyResult<TierHandle> {
+        if let Some((path, blocks)) = slf.service.clone() {
+            return slf.build_service(py, path, blocks);
+        }
         let named = match slf.model.clone().ok_or_else(|| {
             usage("no model: call model(\"llama3-8b\" or \"path/to/config.json\", block_size=16) or geometry(...) before build()")
         })? {
@@ -564,12 +590,13 @@ impl TierBuilder {
         // handle: a second build() must not register it again.
         slf.mem = None;
         Ok(TierHandle {
-            inner: Some(handle),
+            inner: Some(Box::new(handle)),
             completions,
             memory,
             host,
-            namespace,
-            model_name: named.name,
+            service: None,
+            namespace: Some(namespace),
+            model_name: Some(named.name),
             staged,
             gpu,
             waited_counters: Mutex::new(Vec::new()),
@@ -577,6 +604,74 @@ impl TierBuilder {
             buffers: Mutex::new(std::mem::take(&mut slf.buffers)),
             forks: FORKS.load(Ordering::SeqCst),
         })
+    }
+}
+
+impl TierBuilder {
+    /// The calls made on this builder that set up a pool of this process's
+    /// own, by the names a Python caller wrote (the library's
+    /// `TierBuilder::service` refuses the same things under its own calls).
+    fn own_pool_calls(&self) -> Vec<&'static str> {
+        let set = [
+            (
+                match self.place {
+                    Some(Where::Files(_)) => "files()",
+                    _ => "directory()",
+                },
+                self.place.is_some(),
+            ),
+            ("capacity()", self.capacity.is_some()),
+            ("create()", self.create != CreateMode::Auto),
+            ("namespace()", self.namespace.is_some()),
+            ("tp_rank()", self.tp_rank != 0),
+            ("engine()", self.engine != "auto"),
+            ("policy()", self.policy != "slack"),
+            ("backlog_limit_blocks()", self.backlog_blocks.is_some()),
+            ("group_blocks()", self.group_blocks != DEFAULT_GROUP_BLOCKS),
+            ("prewrite()", self.prewrite),
+            ("staging()", self.staging.is_some()),
+            (
+                "test_only_staged_host_double()",
+                self.staged_host_double,
+            ),
+            (
+                match self.mem {
+                    Some(Mem::Host { .. }) => "host_cache()",
+                    _ => "kv_memory()",
+                },
+                self.mem.is_some(),
+            ),
+        ];
+        set.into_iter()
+            .filter_map(|(name, on)| on.then_some(name))
+            .collect()
+    }
+
+    /// `build()` after `service()`: refuse what the service decides, resolve
+    /// the model asked for (if any), connect.
+    fn build_service(&self, py: Python<'_>, path: PathBuf, blocks: u32) -> PyResult<TierHandle> {
+        let conflicts = self.own_pool_calls();
+        if !conflicts.is_empty() {
+            return Err(usage(format!(
+                "{} set up a pool of this process's own, but service({:?}) uses the node's kvtier service, which decides its pool, engine, policy, namespace and the KV memory it shares (kvtier.service_tensors(handle) views it): drop {}, or drop service() to open a pool of this process's own",
+                conflicts.join(", "),
+                path.display().to_string(),
+                if conflicts.len() == 1 { "it" } else { "them" },
+            )));
+        }
+        let geometry = match self.model.clone() {
+            None => None,
+            Some(ModelSpec::Named(spec, block_size, dtype)) => {
+                let dtype = dtype.as_deref().map(parse_dtype).transpose()?;
+                Some(
+                    without_gil(py, || resolve_named(&spec, block_size, dtype))
+                        .map_err(to_py)?
+                        .geometry,
+                )
+            }
+            Some(ModelSpec::Geometry(named)) => Some(named.geometry),
+        };
+        crate::service::open(py, path, blocks, geometry)
     }
 }
 

@@ -1,5 +1,7 @@
-//! `TierHandle`: an open tier from Python. Everything that can wait
-//! (loads, stores, waits, close) releases the GIL.
+//! `TierHandle`: an open tier from Python, over the library's one handle
+//! API ([`kvtier::TierApi`]): a pool of this process's own or the node's
+//! `kvtier serve` (then its KV memory is the slice the service shares).
+//! Everything that can wait (loads, stores, waits, close) releases the GIL.
 
 use crate::args::*;
 use crate::errors::{to_py, usage};
@@ -7,16 +9,19 @@ use crate::lifecycle::{without_gil, FORKS};
 use crate::memory::kind_label;
 use crate::model::geometry_dict;
 use crate::results::{event_py, result_py, EventPy, JobResultPy};
-use kvtier::error::Error;
+use crate::service::SharedRegion;
 use kvtier::gpu::{CompletionCounter, Context};
 use kvtier::handle::Completions;
 use kvtier::memory::{HostKvCache, KvLayout, KvMemory, MemoryKind};
 use kvtier::pool::Key;
+use kvtier::service::SharedMapping;
 use kvtier::tier::JobKind;
+use kvtier::TierApi;
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 use std::os::fd::AsRawFd;
+use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -27,12 +32,16 @@ use std::time::Duration;
 pub struct TierHandle {
     // Field order is drop order: the tier (and its I/O) goes before the
     // memory it reads and writes.
-    pub(crate) inner: Option<kvtier::TierHandle>,
+    /// An in-process `kvtier::TierHandle` or a `kvtier::ServiceClient`.
+    pub(crate) inner: Option<Box<dyn TierApi>>,
     pub(crate) completions: Completions,
     pub(crate) memory: KvMemory,
     pub(crate) host: Option<Arc<HostKvCache>>,
-    pub(crate) namespace: String,
-    pub(crate) model_name: String,
+    /// Through a service: its socket, and the memory it shares (mapped here).
+    pub(crate) service: Option<(PathBuf, Arc<SharedMapping>)>,
+    /// The pool's namespace and model (`None` through a service: its own).
+    pub(crate) namespace: Option<String>,
+    pub(crate) model_name: Option<String>,
     /// Served through the staged HBM path (on a GPU, or its host double).
     pub(crate) staged: bool,
     /// The CUDA context of GPU KV memory (torch's primary context).
@@ -53,8 +62,8 @@ pub struct TierHandle {
 pub(crate) const WAIT_SLICE: Duration = Duration::from_millis(50);
 
 impl TierHandle {
-    fn h(&self) -> &kvtier::TierHandle {
-        self.inner.as_ref().expect("set at build")
+    fn h(&self) -> &dyn TierApi {
+        self.inner.as_deref().expect("set at build")
     }
 
     fn forked(&self) -> bool {
@@ -65,10 +74,10 @@ impl TierHandle {
     /// refused in a forked child, whose copy has no I/O thread (its waits
     /// would never end) and may lack the memory (kvtier's own is not
     /// inherited: it is pinned for DMA).
-    fn live(&self) -> PyResult<&kvtier::TierHandle> {
+    fn live(&self) -> PyResult<&dyn TierApi> {
         if self.forked() {
             return Err(usage(
-                "this TierHandle was opened before fork(): a child process cannot use it (its I/O thread and DMA memory stay in the parent); open a tier in the child on a pool of its own, or start workers with the 'spawn' method",
+                "this TierHandle was opened before fork(): a child process cannot use it (its I/O thread and DMA memory, or its service connection, stay in the parent); open a tier (or connect to the service) in the child, or start workers with the 'spawn' method",
             ));
         }
         Ok(self.h())
@@ -137,14 +146,45 @@ impl TierHandle {
         self.h().engine_reason().to_string()
     }
 
+    /// The pool's key namespace; None through a service (the service's).
     #[getter]
-    fn namespace(&self) -> String {
+    fn namespace(&self) -> Option<String> {
         self.namespace.clone()
     }
 
+    /// The pool's model name; None through a service (the service's).
     #[getter]
-    fn model_name(&self) -> String {
+    fn model_name(&self) -> Option<String> {
         self.model_name.clone()
+    }
+
+    /// The socket of the kvtier service serving this handle, or None for a
+    /// pool of this process's own.
+    #[getter]
+    fn service(&self) -> Option<String> {
+        self.service.as_ref().map(|(p, _)| p.display().to_string())
+    }
+
+    /// Through a service: layer `layer` of the KV memory it shares with this
+    /// process, `(blocks, 2, block_size, kv_heads, head_dim)` elements of
+    /// the pool's dtype, as a writable buffer (kvtier.service_tensors makes
+    /// torch tensors of them).
+    fn layer_region(&self, #[pyo3(from_py_with = layer_arg)] layer: u32) -> PyResult<SharedRegion> {
+        let Some((_, mapping)) = &self.service else {
+            return Err(usage(
+                "layer_region() is the KV memory a kvtier service shares with this process; this handle's pool is its own, over the memory given to the builder (host_memory() for a host_cache)",
+            ));
+        };
+        let g = self.memory.geometry;
+        if layer >= g.layers {
+            return Err(usage(format!("layer {layer} of a {}-layer model", g.layers)));
+        }
+        let addr = self.memory.object_addr(0, layer, 0);
+        Ok(SharedRegion::new(
+            mapping.clone(),
+            addr,
+            2 * self.memory.num_blocks as u64 * g.object_bytes(),
+        ))
     }
 
     /// layers, kv_heads, head_dim, dtype, block_size, object_bytes, block_bytes.
@@ -364,8 +404,8 @@ impl TierHandle {
 
     /// Pool and backlog occupancy, engine counters.
     fn usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let u = self.live()?.usage().map_err(to_py)?;
-        let text = serde_json::to_string(&u).map_err(|e| to_py(Error::invalid(e.to_string())))?;
+        let h = self.live()?;
+        let text = without_gil(py, || h.usage_json()).map_err(to_py)?;
         py.import("json")?.call_method1("loads", (text,))
     }
 
@@ -498,10 +538,15 @@ impl TierHandle {
         Ok(PyBytes::new(py, &buf.to_vec()))
     }
 
-    /// Address and length of kvtier-allocated memory (host_cache), for
-    /// building a tensor over it; valid while this handle object lives.
+    /// Address and length of kvtier-allocated memory (host_cache), or of
+    /// the memory a kvtier service shares (layer `l` at `address + l *
+    /// bytes / layers`), for building a tensor over it; valid while this
+    /// handle object lives.
     fn host_memory(&self) -> PyResult<(u64, u64)> {
         self.live()?;
+        if let Some((_, mapping)) = &self.service {
+            return Ok((mapping.addr(), mapping.len()));
+        }
         match (&self.host, &self.memory.layout) {
             (Some(_), KvLayout::CrossLayer { base }) => Ok((*base, self.memory.total_bytes())),
             _ => Err(usage(
@@ -511,7 +556,9 @@ impl TierHandle {
     }
 
     /// Issue the write backlog, wait for every job (GIL released), stop the
-    /// I/O thread; raise the first engine failure. Later calls raise ClosedError.
+    /// I/O thread; raise the first engine failure. Later calls raise
+    /// ClosedError. Through a service: wait for this process's jobs, then
+    /// disconnect (its pins are dropped).
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         let h = self.live()?;
         without_gil(py, || h.close()).map_err(to_py)
@@ -528,12 +575,21 @@ impl TierHandle {
     }
 
     fn __repr__(&self) -> String {
-        format!(
-            "TierHandle(engine={}, namespace={:?}, memory_blocks={})",
-            self.h().engine(),
-            self.namespace,
-            self.memory.num_blocks
-        )
+        match (&self.service, &self.namespace) {
+            (Some((path, _)), _) => format!(
+                "TierHandle(service={:?}, engine={}, memory_blocks={}, {})",
+                path.display().to_string(),
+                self.h().engine(),
+                self.memory.num_blocks,
+                self.memory.geometry.describe()
+            ),
+            (None, ns) => format!(
+                "TierHandle(engine={}, namespace={:?}, memory_blocks={})",
+                self.h().engine(),
+                ns.as_deref().unwrap_or_default(),
+                self.memory.num_blocks
+            ),
+        }
     }
 }
 

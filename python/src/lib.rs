@@ -25,7 +25,8 @@ fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
     lifecycle::install(m)?;
     m.add_class::<builder::TierBuilder>()?;
     m.add_class::<handle::TierHandle>()?;
-    m.add_class::<service::ServiceHandle>()?;
+    // The name `kvtier.connect` handles had before they were TierHandles.
+    m.add("ServiceHandle", py.get_type::<handle::TierHandle>())?;
     m.add_class::<service::SharedRegion>()?;
     m.add_function(wrap_pyfunction!(service::connect, m)?)?;
     m.add("JobResult", py.get_type::<results::JobResultPy>())?;

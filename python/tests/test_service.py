@@ -92,3 +92,85 @@ def test_misuse_is_refused_clearly(service):
             h.submit_store([1], [8])
     with pytest.raises(kvtier.IoError, match="connecting to the kvtier service"):
         kvtier.connect(sock.parent / "nobody.sock")
+
+
+def _same_script(h, blocks: int) -> list[bytes]:
+    """One script of handle calls, the same on any TierHandle: store 8 keys
+    from blocks 0..8, look up, pin, load them back into the other blocks
+    layer by layer, watch the event stream, remove one. Returns the loaded
+    blocks' bytes."""
+    import select
+
+    n = h.block_bytes
+    keys = list(range(500, 508))
+    data = [bytes([k % 251, 7]) * (n // 2) for k in keys]
+    for b, d in enumerate(data):
+        h.write_block(b, d)
+    h.drain_completions()
+    assert h.lookup(keys) == 0
+    store = h.submit_store(keys, list(range(8)))
+    h.flush_stores()
+    r = h.wait(store)
+    assert r.ok and r.kind == "store", r
+    with pytest.raises(kvtier.UsageError, match="already taken"):
+        h.try_result(store)
+    assert h.lookup(keys) == 8 and h.contains(503) and not h.contains(9999)
+    assert h.lookup_and_pin(keys + [9998]) == 8
+    dst = list(range(blocks - 1, blocks - 9, -1))
+    job = h.submit_load(keys, dst)
+    layers = h.geometry["layers"]
+    for layer in range(layers):
+        h.wait_layer(job, layer)
+    assert h.wait(job).ok
+    h.unpin(keys)
+    # The event stream: every layer, then the load; the fd polls readable.
+    select.select([h.event_fd()], [], [], 5)
+    events = h.drain_completions()
+    assert [e.layer for e in events if e.kind == "layer" and e.job == job] == list(range(layers))
+    assert any(e.kind == "finished" and e.job == job and e.ok for e in events)
+    assert any(e.kind == "finished" and e.job == store and e.ok for e in events)
+    loaded = [h.read_block(b) for b in dst]
+    assert h.remove(keys[7:]) == 1 and h.lookup(keys) == 7
+    assert "tier" in h.usage()
+    assert h.get_finished() == []
+    assert loaded == data
+    return loaded
+
+
+def test_builder_service_gives_the_handle_api_of_an_own_pool(service, tmp_path, tiny_model):
+    sock, _ = service
+    remote = kvtier.TierBuilder().service(sock, blocks=16).model(tiny_model).build()
+    own = (kvtier.TierBuilder().directory(tmp_path / "own").capacity("64m").model(tiny_model)
+           .host_cache(16).build())
+    assert type(remote) is type(own) is kvtier.TierHandle
+    assert kvtier.ServiceHandle is kvtier.TierHandle
+    assert remote.service == str(sock) and own.service is None
+    assert remote.memory_blocks == 16 and remote.geometry == own.geometry
+    assert "kvtier service" in remote.engine_reason
+    with own, remote:
+        assert _same_script(own, 16) == _same_script(remote, 16)
+        # Through a service the memory is the shared slice, as tensors too.
+        kv = kvtier.service_tensors(remote)
+        assert kv[0].shape[0] == 16
+        with pytest.raises(kvtier.UsageError, match="shares"):
+            own.layer_region(0)
+    with pytest.raises(kvtier.ClosedError):
+        remote.submit_store([1], [0])
+
+
+def test_builder_service_refuses_what_the_service_decides(service, tmp_path, tiny_model):
+    sock, _ = service
+    with pytest.raises(kvtier.UsageError,
+                       match=r"directory\(\), capacity\(\), create\(\) set up a pool"):
+        (kvtier.TierBuilder().directory(tmp_path / "p").capacity("64m").create("never")
+         .service(sock).build())
+    with pytest.raises(kvtier.UsageError, match=r"namespace\(\), host_cache\(\).*service\("):
+        kvtier.TierBuilder().namespace("x").host_cache(4).service(sock).build()
+    # What this process expects is checked against what the service serves.
+    with pytest.raises(kvtier.UsageError, match="serves"):
+        kvtier.TierBuilder().service(sock).model(tiny_model, block_size=32).build()
+    with pytest.raises(kvtier.UsageError, match="client_blocks"):
+        kvtier.TierBuilder().service(sock, blocks=33).build()
+    # kvtier.connect is the short form of the same thing.
+    with kvtier.connect(sock, blocks=4) as h:
+        assert type(h) is kvtier.TierHandle and h.memory_blocks == 4
