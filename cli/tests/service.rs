@@ -925,3 +925,37 @@ fn builder_service_refuses_what_the_service_decides() {
         .build()
         .unwrap();
 }
+
+/// Threads of process `pid` now.
+fn threads_of(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .count()
+}
+
+/// Connections that never say hello wait in the accept loop's poll, not on
+/// a thread each, hold up nobody, and are closed at the hello's deadline.
+#[test]
+fn silent_connections_take_no_thread() {
+    let dir = TempDir::new("serve-silent");
+    let s = Serve::start(&dir, POOL, 4, 16);
+    let pid = s.child.id();
+    let before = threads_of(pid);
+    let silent: Vec<UnixStream> = (0..40)
+        .map(|_| UnixStream::connect(&s.sock).unwrap())
+        .collect();
+    // A client that does say hello is served meanwhile.
+    let c = ServiceClient::connect(&s.sock, 0).unwrap();
+    store_range(&c, 0, 4, |_| {}).unwrap();
+    assert_eq!(c.lookup_prefix(&keys(0..4)), 4);
+    let during = threads_of(pid);
+    // The one client's reader and writer; not one per silent connection.
+    assert!(during <= before + 4, "{before} threads, then {during}");
+    drop(c);
+    s.wait_log("disconnected");
+    // Past the hello's deadline the service closes them.
+    s.wait_log("sent no hello within");
+    let mut last = &silent[39];
+    let mut buf = [0u8; 1];
+    assert_eq!(last.read(&mut buf).unwrap(), 0, "closed by the service");
+}

@@ -28,7 +28,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How the service listens and shares memory.
 #[non_exhaustive]
@@ -330,39 +330,82 @@ impl Service {
     /// socket, finish every acknowledged job (stores in the backlog
     /// included), disconnect the clients and close the pool.
     pub fn run(self) -> Result<()> {
+        use nix::poll::{PollFd, PollFlags, PollTimeout};
         let mut readers = Vec::new();
+        // Connections accepted whose hello has not begun to arrive, oldest
+        // first: they wait here, in this loop's poll, not on a thread each.
+        let mut waiting: std::collections::VecDeque<(UnixStream, Instant)> = Default::default();
         loop {
-            let mut pfds = [
-                nix::poll::PollFd::new(self.listener.as_fd(), nix::poll::PollFlags::POLLIN),
-                nix::poll::PollFd::new(self.stop.as_fd(), nix::poll::PollFlags::POLLIN),
-            ];
-            match nix::poll::poll(&mut pfds, nix::poll::PollTimeout::NONE) {
-                Ok(_) | Err(nix::errno::Errno::EINTR) => {}
-                Err(e) => return Err(Error::io("waiting for clients", e.into())),
+            let now = Instant::now();
+            while waiting.front().is_some_and(|(_, due)| *due <= now) {
+                waiting.pop_front();
+                log(format_args!(
+                    "closed a connection that sent no hello within {HELLO_TIMEOUT:?}"
+                ));
             }
-            let stopped = pfds[1]
-                .revents()
-                .is_some_and(|r| r.contains(nix::poll::PollFlags::POLLIN));
+            let (stopped, accept, ready) = {
+                let mut pfds = vec![
+                    PollFd::new(self.listener.as_fd(), PollFlags::POLLIN),
+                    PollFd::new(self.stop.as_fd(), PollFlags::POLLIN),
+                ];
+                pfds.extend(
+                    waiting
+                        .iter()
+                        .map(|(c, _)| PollFd::new(c.as_fd(), PollFlags::POLLIN)),
+                );
+                // Wake for the oldest waiting connection's deadline.
+                let timeout = match waiting.front() {
+                    Some((_, due)) => {
+                        let ms = due.saturating_duration_since(now).as_millis() + 1;
+                        PollTimeout::try_from(ms.min(60_000) as i32).unwrap_or(PollTimeout::MAX)
+                    }
+                    None => PollTimeout::NONE,
+                };
+                match nix::poll::poll(&mut pfds, timeout) {
+                    Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+                    Err(e) => return Err(Error::io("waiting for clients", e.into())),
+                }
+                let fired = |p: &PollFd| p.revents().is_some_and(|r| !r.is_empty());
+                (
+                    fired(&pfds[1]),
+                    fired(&pfds[0]),
+                    pfds[2..]
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, p)| fired(p))
+                        .map(|(i, _)| i)
+                        .collect::<Vec<_>>(),
+                )
+            };
             if stopped {
                 break;
             }
-            let ready = pfds[0]
-                .revents()
-                .is_some_and(|r| r.contains(nix::poll::PollFlags::POLLIN));
-            if !ready {
+            // A connection whose hello has begun (or which hung up) gets its
+            // thread, which reads the hello within what is left of its time.
+            for i in ready.into_iter().rev() {
+                let (stream, due) = waiting.remove(i).expect("an index of the poll set");
+                let s = self.shared.clone();
+                match std::thread::Builder::new()
+                    .name("kvtier-serve-client".into())
+                    .spawn(move || serve_client(&s, stream, due))
+                {
+                    Ok(t) => readers.push(t),
+                    Err(e) => log(format_args!("could not start a client thread: {e}")),
+                }
+            }
+            readers.retain(|t| !t.is_finished());
+            if !accept {
                 continue;
             }
             match self.listener.accept() {
                 Ok((stream, _)) => {
-                    let s = self.shared.clone();
-                    match std::thread::Builder::new()
-                        .name("kvtier-serve-client".into())
-                        .spawn(move || serve_client(&s, stream))
-                    {
-                        Ok(t) => readers.push(t),
-                        Err(e) => log(format_args!("could not start a client thread: {e}")),
+                    if waiting.len() >= MAX_WAITING_HELLOS {
+                        waiting.pop_front();
+                        log(format_args!(
+                            "closed the oldest of {MAX_WAITING_HELLOS} connections waiting to say hello"
+                        ));
                     }
-                    readers.retain(|t| !t.is_finished());
+                    waiting.push_back((stream, Instant::now() + HELLO_TIMEOUT));
                 }
                 Err(e) => log(format_args!("accept failed: {e}")),
             }
@@ -450,7 +493,13 @@ enum End {
     Dropped(String),
 }
 
-fn serve_client(s: &Arc<Shared>, stream: UnixStream) {
+/// How long a connection has from its accept to its whole hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections accepted and not yet saying hello, at most; past that the
+/// oldest is closed (each costs a file descriptor, never a thread).
+const MAX_WAITING_HELLOS: usize = 256;
+
+fn serve_client(s: &Arc<Shared>, stream: UnixStream, hello_due: Instant) {
     let peer = match sys::peer(&stream) {
         Ok(p) => p,
         Err(e) => {
@@ -481,8 +530,9 @@ fn serve_client(s: &Arc<Shared>, stream: UnixStream) {
         use std::io::Write;
         let _ = (&*stream).write_all(&Response::Refused(f).encode(req));
     };
-    // The hello, within a few seconds.
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+    // The rest of the hello, by its deadline (a zero timeout would mean none).
+    let left = hello_due.saturating_duration_since(Instant::now());
+    let _ = stream.set_read_timeout(Some(left.max(Duration::from_millis(1))));
     let (req, blocks) = match protocol::read_frame(&mut &stream) {
         Ok(Some((h, body))) => match Request::decode(h.kind, &body) {
             Ok(Request::Hello { blocks, .. }) => (h.req, blocks),
