@@ -101,7 +101,7 @@ impl TierApi for TierHandle {
         TierHandle::memory_blocks(self)
     }
     fn memory(&self) -> Option<&KvMemory> {
-        self.shared._host_cache.as_ref().map(|c| c.memory())
+        self.shared.host_cache.as_ref().map(|c| c.memory())
     }
     fn lookup_prefix(&self, keys: &[Key]) -> usize {
         TierHandle::lookup_prefix(self, keys)

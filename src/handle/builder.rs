@@ -427,7 +427,7 @@ impl TierBuilder {
                     geometry,
                     mem_blocks,
                     crc_table,
-                    _host_cache: host_cache,
+                    host_cache,
                     cfg: config,
                     engine: engine_name,
                     engine_reason: reason,

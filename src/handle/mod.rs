@@ -424,8 +424,9 @@ struct Shared {
     mem_blocks: u32,
     /// To take store checksums on the caller's thread.
     crc_table: Option<Arc<P2pTable>>,
-    /// Keeps a kvtier-allocated KV cache alive for those checksums.
-    _host_cache: Option<Arc<HostKvCache>>,
+    /// Keeps a kvtier-allocated KV cache alive for those checksums (and
+    /// describes it: `TierApi::memory`).
+    host_cache: Option<Arc<HostKvCache>>,
     cfg: HandleConfig,
     engine: String,
     engine_reason: String,
