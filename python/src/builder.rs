@@ -630,10 +630,7 @@ impl TierBuilder {
             ("group_blocks()", self.group_blocks != DEFAULT_GROUP_BLOCKS),
             ("prewrite()", self.prewrite),
             ("staging()", self.staging.is_some()),
-            (
-                "test_only_staged_host_double()",
-                self.staged_host_double,
-            ),
+            ("test_only_staged_host_double()", self.staged_host_double),
             (
                 match self.mem {
                     Some(Mem::Host { .. }) => "host_cache()",

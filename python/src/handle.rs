@@ -177,7 +177,10 @@ impl TierHandle {
         };
         let g = self.memory.geometry;
         if layer >= g.layers {
-            return Err(usage(format!("layer {layer} of a {}-layer model", g.layers)));
+            return Err(usage(format!(
+                "layer {layer} of a {}-layer model",
+                g.layers
+            )));
         }
         let addr = self.memory.object_addr(0, layer, 0);
         Ok(SharedRegion::new(
