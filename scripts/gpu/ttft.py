@@ -496,6 +496,11 @@ def main():
             p.error(f"--prefixes: {x} is not a multiple of the block size {BS}")
     args.layers = {k: int(v) for k, v in (kv.split("=") for kv in args.layers.split(",") if kv)}
     args.deadline = time.perf_counter() + args.budget_s
+    # A hang (a wait that never ends) shows where it is: every Python
+    # thread's stack every 60 s, on stderr.
+    import faulthandler
+
+    faulthandler.dump_traceback_later(60, repeat=True)
     dev = torch.device(args.device)
     os.makedirs(args.out, exist_ok=True)
     if dev.type == "cuda":

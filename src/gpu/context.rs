@@ -479,6 +479,20 @@ impl Event {
         driver::event_synchronize(self.raw)
     }
 
+    /// Later work on `stream`, a stream kvtier did not create (an engine's
+    /// compute stream: torch's `cuda_stream`), waits on the GPU until the
+    /// work recorded in this event is done.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of this event's context (0: its legacy
+    /// default stream). The event itself may be dropped at once: CUDA keeps
+    /// what a queued wait needs.
+    pub unsafe fn queue_wait_on_raw_stream(&self, stream: u64) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the caller's contract; the event is live.
+        unsafe { driver::stream_wait_event(stream as usize as CUstream, self.raw) }
+    }
+
     /// Milliseconds from `self` to `end` (both recorded and completed).
     pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
         driver::event_elapsed_ms(self.raw, end.raw)

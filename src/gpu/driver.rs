@@ -81,6 +81,7 @@ pub(crate) const REQUIRED: &[&CStr] = &[
     c"cuMemsetD8_v2",
     c"cuStreamWaitValue32_v2",
     c"cuStreamWriteValue32_v2",
+    c"cuStreamWaitEvent",
     c"cuMemGetHandleForAddressRange",
     c"cuPointerGetAttribute",
 ];
@@ -992,6 +993,21 @@ pub(crate) unsafe fn stream_wait_value32(
         unsafe { (d.lib.cuStreamWaitValue32_v2)(s, addr, value, flags as c_uint) },
         || format!("cuStreamWaitValue32({addr:#x}, {value}, flags {flags:#x})"),
     )
+}
+
+/// Later work on `s` waits until the work recorded in `e` (on another
+/// stream) is done: a dependency CUDA's scheduler sees, unlike a stream
+/// memory wait.
+///
+/// # Safety
+/// `s` is a live stream of the current context (0: its legacy default
+/// stream); `e` a live event of the same context.
+pub(crate) unsafe fn stream_wait_event(s: CUstream, e: CUevent) -> Result<()> {
+    let d = driver()?;
+    // SAFETY: the caller's contract; flags must be 0.
+    check(d, unsafe { (d.lib.cuStreamWaitEvent)(s, e, 0) }, || {
+        "cuStreamWaitEvent".into()
+    })
 }
 
 /// # Safety

@@ -11,7 +11,7 @@ use crate::error::{Error, ErrorKind, Failure, Result};
 use crate::gpu::staging::{CopyDesc, DeviceCopier};
 use crate::gpu::wait::LoadCounter;
 use crate::pool::Key;
-use crate::tier::{JobId, JobKind, JobResult, KeyOutcome, Tier};
+use crate::tier::{JobId, JobKind, JobResult, KeyOutcome, LayerQueued, Tier};
 
 /// A load goes through in *units*: unit `u` is chunk `u % chunks` of layer
 /// `u / chunks` (a chunk is up to `load_blocks` of the load's keys in
@@ -406,6 +406,20 @@ impl StagedPath {
                     });
                 } else {
                     self.seq = seq;
+                    // A whole layer queued with nothing failed: a compute
+                    // stream may wait for it on the GPU from now on. (A
+                    // failed one only gets its event, once its copies are
+                    // done: the host then learns which blocks to drop. A
+                    // mark that cannot be recorded means the same.)
+                    if last && job.layer_error.is_none() {
+                        if let Ok(mark) = self.copier.mark() {
+                            self.queued.push(LayerQueued {
+                                job: id,
+                                layer: l,
+                                mark,
+                            });
+                        }
+                    }
                     job.copying.push_back(Copying {
                         unit: u,
                         seq,
