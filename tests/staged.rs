@@ -1095,3 +1095,44 @@ fn double_layers_are_marked_when_their_copy_is_queued() {
         assert_eq!(r.all_ok(), !fails, "{what}");
     }
 }
+
+/// A load's first layer is read alone: no buffer holds a later layer until
+/// every unit (chunk) of the first layer has landed, so the layer a compute
+/// stream waits for first does not share the disk with the ones after it.
+/// Whole-layer units and a first layer of two chunks; the bytes all land.
+#[test]
+fn double_first_layer_is_read_alone() {
+    use kvtier::gpu::staging::HostCopier;
+    let rig = HostRig::new(HostLayout::PerLayer);
+    let g = rig.geometry();
+    assert!(g.layers >= 2, "the tiny model has several layers");
+    for (i, load_blocks) in [8u32, 4].into_iter().enumerate() {
+        let dir = common::TempDir::new(&format!("staged-first-alone-{i}"));
+        let pool = common::create_pool(&dir, g, 64, 1, 2);
+        let tier = Tier::open(pool, Default::default()).unwrap();
+        let cfg = config(4, load_blocks, 8);
+        let mut st =
+            StagedTier::with_host_copier(tier, rig.0.clone(), cfg, HostCopier::deferred()).unwrap();
+        let ks: Vec<u64> = (500..508).collect();
+        let mem: Vec<u32> = (10..18).collect();
+        store_all(&rig, &mut st, &ks, &mem, 8);
+        rig.0.clear();
+        let job = st.submit_load(&keys(&ks), &mem, 0..g.layers).unwrap();
+        let held: Vec<_> = st.buffers_in_use().into_iter().flatten().collect();
+        let chunks = 8 / load_blocks as usize;
+        assert_eq!(
+            held,
+            vec![(job, 0); chunks],
+            "load_blocks {load_blocks}: only the first layer's units may be read at first"
+        );
+        st.wait_layer(job, 0).unwrap();
+        let r = st.wait(job).unwrap();
+        assert!(r.all_ok(), "{:?}", r.failures().collect::<Vec<_>>());
+        for (k, &b) in ks.iter().zip(&mem) {
+            assert!(
+                matches(&rig, b, common::seed_of(*k), 0..g.layers),
+                "key {k}"
+            );
+        }
+    }
+}

@@ -192,6 +192,20 @@ impl StagedPath {
                 if u >= job.units().end || job.skipped_from.is_some() {
                     break;
                 }
+                // The first layer alone until it has landed: read together
+                // with the next layers it shares the disk with them and
+                // lands with them (about layer_buffers times the average
+                // layer's time, seen on an H200's disk and the CPU double),
+                // while a compute stream waits for it and nothing else.
+                let first = job.units().start;
+                let first_layer = first..first + job.chunks as u64;
+                if !first_layer.contains(&u)
+                    && first_layer
+                        .clone()
+                        .any(|x| x >= job.next_scatter && !job.landed.contains_key(&x))
+                {
+                    break;
+                }
                 let buf = (u % b as u64) as u32;
                 if self.buffers[buf as usize].is_some() {
                     break; // back-pressure: the buffer's copy is not done yet
