@@ -255,12 +255,17 @@ pub struct Module {
 }
 
 impl Module {
-    /// The kernel named `name` (its `extern "C"` or mangled name).
+    /// The kernel named `name` (its `extern "C"` or mangled name), loaded
+    /// onto the device now rather than at its first launch (see
+    /// `driver::func_load`: a lazy first launch can wait for streams that
+    /// wait for it).
     pub fn function(&self, name: &str) -> Result<Function> {
         self.inner.ctx.bind()?;
+        let raw = driver::module_get_function(self.inner.raw, name)?;
+        driver::func_load(raw)?;
         Ok(Function {
             module: self.inner.clone(),
-            raw: driver::module_get_function(self.inner.raw, name)?,
+            raw,
             name: name.to_string(),
         })
     }

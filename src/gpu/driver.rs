@@ -58,6 +58,7 @@ pub(crate) const REQUIRED: &[&CStr] = &[
     c"cuModuleLoadData",
     c"cuModuleUnload",
     c"cuModuleGetFunction",
+    c"cuFuncLoad",
     c"cuLaunchKernel",
     c"cuStreamCreate",
     c"cuStreamDestroy_v2",
@@ -678,6 +679,17 @@ pub(crate) fn module_get_function(m: CUmodule, name: &str) -> Result<CUfunction>
         },
     )?;
     Ok(f)
+}
+
+/// Loads kernel `f` onto the device now. Under lazy module loading (CUDA's
+/// default) a kernel is otherwise loaded at its first launch, and loading
+/// waits for work already on the device: a first launch while another
+/// stream waits for that very kernel's result (a compute stream waiting for
+/// a layer's copy), or while a resident kernel runs, would never return.
+pub(crate) fn func_load(f: CUfunction) -> Result<()> {
+    let d = driver()?;
+    // SAFETY: a live function handle; loading one already loaded succeeds.
+    check(d, unsafe { (d.lib.cuFuncLoad)(f) }, || "cuFuncLoad".into())
 }
 
 /// # Safety
