@@ -847,6 +847,39 @@ impl TierHandle {
     }
 
     fn wait_layer_until(&self, job: JobId, layer: u32, deadline: Option<Instant>) -> Result<bool> {
+        let done = self.wait_on_layer(job, layer, deadline, |e| {
+            if e.layers_done > layer {
+                return Some(match &e.layer_errors[(layer - e.layers.start) as usize] {
+                    Some(f) => Err(Error::Failed(
+                        f.context(format_args!("layer {layer} of job {job} failed")),
+                    )),
+                    None => Ok(()),
+                });
+            }
+            let Phase::Finished(r) = &e.phase else {
+                return None;
+            };
+            // Finished without this layer's event: only when it failed.
+            Some(match r.failures().next() {
+                Some((k, f)) => Err(Error::Failed(
+                    f.context(format_args!("job {job} failed to load key {k}")),
+                )),
+                None => Ok(()),
+            })
+        })?;
+        Ok(done.is_some())
+    }
+
+    /// Blocks until `settle`, looking at load `job`'s entry (for a layer it
+    /// has) under the job lock after every change, has an answer; `None`
+    /// once `deadline` has passed without one.
+    fn wait_on_layer<T>(
+        &self,
+        job: JobId,
+        layer: u32,
+        deadline: Option<Instant>,
+        settle: impl Fn(&Entry) -> Option<Result<T>>,
+    ) -> Result<Option<T>> {
         let mut jobs = lock(&self.shared.jobs);
         let mut expired = false;
         loop {
@@ -860,25 +893,11 @@ impl TierHandle {
                     "job {job} is not a load of layer {layer}"
                 )));
             }
-            if e.layers_done > layer {
-                return match &e.layer_errors[(layer - e.layers.start) as usize] {
-                    Some(f) => Err(Error::Failed(
-                        f.context(format_args!("layer {layer} of job {job} failed")),
-                    )),
-                    None => Ok(true),
-                };
-            }
-            if let Phase::Finished(r) = &e.phase {
-                // Finished without this layer's event: only when it failed.
-                return match r.failures().next() {
-                    Some((k, f)) => Err(Error::Failed(
-                        f.context(format_args!("job {job} failed to load key {k}")),
-                    )),
-                    None => Ok(true),
-                };
+            if let Some(r) = settle(e) {
+                return r.map(Some);
             }
             if expired {
-                return Ok(false);
+                return Ok(None);
             }
             // After a timeout, one more look: the change may have come with it.
             (jobs, expired) = self.wait_for_change(jobs, job, deadline)?;
@@ -923,30 +942,14 @@ impl TierHandle {
         layer: u32,
         deadline: Option<Instant>,
     ) -> Result<Option<LayerCopy>> {
-        let mut jobs = lock(&self.shared.jobs);
-        let mut expired = false;
-        loop {
-            let Some(e) = jobs.entries.get(&job) else {
-                return Err(Error::invalid(format!(
-                    "job {job} is unknown or its result was already taken (by wait, try_result or get_finished: each result is handed out once, to one caller)"
-                )));
-            };
-            if e.kind != JobKind::Load || !e.layers.contains(&layer) {
-                return Err(Error::invalid(format!(
-                    "job {job} is not a load of layer {layer}"
-                )));
-            }
+        self.wait_on_layer(job, layer, deadline, |e| {
             if e.layers_done > layer || matches!(e.phase, Phase::Finished(_)) {
-                return Ok(Some(LayerCopy::Settled));
+                return Some(Ok(LayerCopy::Settled));
             }
-            if let Some(mark) = &e.layers_queued[(layer - e.layers.start) as usize] {
-                return Ok(Some(LayerCopy::Queued(mark.clone())));
-            }
-            if expired {
-                return Ok(None);
-            }
-            (jobs, expired) = self.wait_for_change(jobs, job, deadline)?;
-        }
+            e.layers_queued[(layer - e.layers.start) as usize]
+                .clone()
+                .map(|m| Ok(LayerCopy::Queued(m)))
+        })
     }
 
     /// For a load into GPU KV memory on the staged path: the load's own
