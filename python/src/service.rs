@@ -114,7 +114,6 @@ pub(crate) fn open(
         model_name: None,
         staged: false,
         gpu: None,
-        waited_counters: Mutex::new(Vec::new()),
         owners: Mutex::new(Vec::new()),
         buffers: Mutex::new(Vec::new()),
         forks: FORKS.load(Ordering::SeqCst),

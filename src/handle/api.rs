@@ -7,7 +7,7 @@
 //! against `&dyn TierApi` runs on either. What differs is said per method
 //! (a service has no GPU counters yet; its usage is the service's).
 
-use super::{Completions, JobId, TierHandle};
+use super::{Completions, JobId, LayerCopy, TierHandle};
 use crate::error::{Error, Result};
 use crate::memory::KvMemory;
 use crate::model::KvGeometry;
@@ -66,9 +66,20 @@ pub trait TierApi: Send + Sync + std::fmt::Debug {
     fn wait_layer(&self, job: JobId, layer: u32) -> Result<()>;
     /// Like `wait_layer`; false if the layer is not in memory by `timeout`.
     fn wait_layer_timeout(&self, job: JobId, layer: u32, timeout: Duration) -> Result<bool>;
-    /// The per-layer GPU counter of a load on the staged HBM path, for a
-    /// compute stream to wait on; `None` where there is none (host memory,
-    /// a finished load, and every load through a service today).
+    /// For a load into GPU memory on the staged path: once layer `layer`'s
+    /// copy into GPU memory is queued, the mark a compute stream waits on
+    /// (see [`TierHandle::wait_layer_queued`]); [`LayerCopy::Settled`] when
+    /// there is nothing to wait on (host memory: every load through a
+    /// service today). `None` if not queued within `timeout`.
+    fn wait_layer_queued_timeout(
+        &self,
+        job: JobId,
+        layer: u32,
+        timeout: Duration,
+    ) -> Result<Option<LayerCopy>>;
+    /// The per-layer GPU counter of a load on the staged HBM path; `None`
+    /// where there is none (host memory, a finished load, and every load
+    /// through a service today).
     fn load_counter(&self, job: JobId) -> Result<Option<LoadCounter>>;
     /// A new stream of this handle's events, with an eventfd.
     fn completions(&self) -> Result<Completions>;
@@ -147,6 +158,14 @@ impl TierApi for TierHandle {
     }
     fn wait_layer_timeout(&self, job: JobId, layer: u32, timeout: Duration) -> Result<bool> {
         TierHandle::wait_layer_timeout(self, job, layer, timeout)
+    }
+    fn wait_layer_queued_timeout(
+        &self,
+        job: JobId,
+        layer: u32,
+        timeout: Duration,
+    ) -> Result<Option<LayerCopy>> {
+        TierHandle::wait_layer_queued_timeout(self, job, layer, timeout)
     }
     fn load_counter(&self, job: JobId) -> Result<Option<LoadCounter>> {
         TierHandle::load_counter(self, job)

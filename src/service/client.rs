@@ -18,7 +18,7 @@
 use super::protocol::{self, Request, Response};
 use super::sys::{self, SharedMapping};
 use crate::error::{Error, ErrorKind, Failure, Result};
-use crate::handle::{Completions, Event, EventSubscribers, JobId, TierApi};
+use crate::handle::{Completions, Event, EventSubscribers, JobId, LayerCopy, TierApi};
 use crate::memory::{KvLayout, KvMemory, MemoryKind};
 use crate::model::KvGeometry;
 use crate::pool::Key;
@@ -681,8 +681,17 @@ impl TierApi for ServiceClient {
     fn wait_layer_timeout(&self, job: JobId, layer: u32, timeout: Duration) -> Result<bool> {
         ServiceClient::wait_layer_timeout(self, job, layer, timeout)
     }
-    /// None: the service serves host memory only (its GPU path is issue
-    /// 25's item 4, not built yet), and host loads have no GPU counter.
+    /// Settled: the service serves host memory only (its GPU path is
+    /// issue 25's item 4, not built yet); `wait_layer` is the wait.
+    fn wait_layer_queued_timeout(
+        &self,
+        _job: JobId,
+        _layer: u32,
+        _timeout: Duration,
+    ) -> Result<Option<LayerCopy>> {
+        Ok(Some(LayerCopy::Settled))
+    }
+    /// None: host loads have no GPU counter (as above).
     fn load_counter(&self, _job: JobId) -> Result<Option<LoadCounter>> {
         Ok(None)
     }
