@@ -3,6 +3,7 @@
 //! kvtier calls must not be unwound through Rust frames).
 
 use pyo3::prelude::*;
+use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Once;
 use std::time::Duration;
@@ -19,11 +20,23 @@ pub(crate) static EXITING: AtomicBool = AtomicBool::new(false);
 /// The thread that ran the hook (the one finalizing the interpreter).
 pub(crate) static EXIT_TID: AtomicI64 = AtomicI64::new(0);
 
+/// Threads that have decided to take the GIL back (the interpreter was not
+/// exiting, or an exit grace was open) and do not hold it yet. Raised before
+/// the decision looks at `EXITING`/`EXIT_GRACE` and lowered once the GIL is
+/// held, so the hook (which sets `EXITING` first, then reads this) either
+/// is seen by such a thread or sees it, and then waits for it.
+static RETAKING: AtomicU64 = AtomicU64::new(0);
+
+/// The interpreter's exit begins (kvtier's atexit hook, run by the thread
+/// that finalizes, before CPython marks itself finalizing): from now on no
+/// other thread takes the GIL back from a kvtier call, and those that
+/// already decided to are let through before finalization can begin.
 #[pyfunction]
-pub(crate) fn _mark_exiting() {
+pub(crate) fn _mark_exiting(py: Python<'_>) {
     // SAFETY: gettid has no preconditions.
     EXIT_TID.store(unsafe { libc::gettid() } as i64, Ordering::SeqCst);
     EXITING.store(true, Ordering::SeqCst);
+    let_retaking_threads_through(py);
 }
 
 /// Whether the interpreter has begun exiting (kvtier's atexit hook ran):
@@ -42,39 +55,82 @@ pub(crate) static EXIT_GRACE: AtomicU64 = AtomicU64::new(0);
 /// Enter (`True`) or leave (`False`) a stretch of an exit handler that
 /// waits for threads inside kvtier calls (KvtierL2.close joining its
 /// workers): while in it, they finish their calls instead of parking.
+/// Leaving the last one lets through the threads it had let go before the
+/// exit handler returns (and finalization can begin).
 #[pyfunction]
-pub(crate) fn _exit_grace(on: bool) {
+pub(crate) fn _exit_grace(py: Python<'_>, on: bool) {
     if on {
         EXIT_GRACE.fetch_add(1, Ordering::SeqCst);
     } else {
-        let _ = EXIT_GRACE.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |g| g.checked_sub(1));
+        let left =
+            EXIT_GRACE.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |g| g.checked_sub(1));
+        if left == Ok(1) {
+            let_retaking_threads_through(py);
+        }
     }
 }
 
-/// Run `f` with the GIL released. Once the interpreter is exiting, a thread
-/// other than the one finalizing it never takes the GIL back: CPython up to
-/// 3.13 ends such a (daemon) thread with pthread_exit as it retakes the GIL,
-/// and that forced unwind through Rust frames aborts the whole process
-/// ("FATAL: exception not rethrown") instead of letting it exit. The thread
-/// parks until the process is gone; its call never returns, as CPython
-/// would have it. (3.14 parks such threads itself; the hook is not set there.)
+/// Whether this thread may take the GIL back now. Once the interpreter is
+/// exiting, only the thread finalizing it may (or any, in an exit grace).
+fn may_retake_gil() -> bool {
+    !EXITING.load(Ordering::SeqCst)
+        || EXIT_GRACE.load(Ordering::SeqCst) > 0
+        // SAFETY: gettid has no preconditions.
+        || unsafe { libc::gettid() } as i64 == EXIT_TID.load(Ordering::SeqCst)
+}
+
+/// Called without the GIL at the end of a kvtier call: return (counted in
+/// `RETAKING`) when this thread may take the GIL back, else park until it
+/// may (an exit grace) or the process is gone.
+fn count_in_or_park() {
+    loop {
+        RETAKING.fetch_add(1, Ordering::SeqCst);
+        if may_retake_gil() {
+            return;
+        }
+        RETAKING.fetch_sub(1, Ordering::SeqCst);
+        std::thread::park_timeout(Duration::from_millis(5));
+    }
+}
+
+/// Called with the GIL by the exiting thread: release it until every thread
+/// counted in `RETAKING` holds it (and has left kvtier's frames, or parks
+/// at its next kvtier call). Without this, such a thread could still be
+/// waiting for the GIL when CPython begins finalizing, and CPython ends a
+/// thread that takes the GIL then.
+fn let_retaking_threads_through(py: Python<'_>) {
+    while RETAKING.load(Ordering::SeqCst) > 0 {
+        py.allow_threads(|| std::thread::sleep(Duration::from_millis(1)));
+    }
+}
+
+/// Run `f` with the GIL released: every kvtier call that blocks or does I/O
+/// goes through here, and only here, to release the GIL.
+///
+/// Once the interpreter is exiting, a thread other than the one finalizing
+/// it never takes the GIL back: CPython up to 3.13 ends such a (daemon)
+/// thread with pthread_exit as it retakes the GIL once finalizing, and that
+/// forced unwind reaches PyO3's trampoline, whose catch_unwind cannot stop
+/// it (panic_unwind deletes the foreign exception and glibc aborts with
+/// "FATAL: exception not rethrown"). The thread parks until the process is
+/// gone; its call never returns, as CPython would have it. A thread that
+/// decided to retake the GIL just before the exit began is waited for by
+/// the exit hook (`RETAKING`), so none can still be waiting for the GIL
+/// when CPython begins finalizing. (3.14 parks such threads itself; the
+/// hook is not set there.) A panic in `f` is carried past the GIL's
+/// retaking the same way and resumed after.
 pub(crate) fn without_gil<T, F>(py: Python<'_>, f: F) -> T
 where
     F: Send + FnOnce() -> T,
     T: Send,
 {
-    py.allow_threads(|| {
-        let r = f();
-        // SAFETY: gettid has no preconditions.
-        if EXITING.load(Ordering::SeqCst)
-            && unsafe { libc::gettid() } as i64 != EXIT_TID.load(Ordering::SeqCst)
-        {
-            while EXIT_GRACE.load(Ordering::SeqCst) == 0 {
-                std::thread::park_timeout(Duration::from_millis(5));
-            }
-        }
+    let r = py.allow_threads(|| {
+        let r = panic::catch_unwind(AssertUnwindSafe(f));
+        count_in_or_park();
         r
-    })
+    });
+    RETAKING.fetch_sub(1, Ordering::SeqCst);
+    r.unwrap_or_else(|p| panic::resume_unwind(p))
 }
 
 /// Count forks in the child, and (before 3.14) mark the interpreter's exit
