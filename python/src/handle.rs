@@ -3,7 +3,7 @@
 
 use crate::args::*;
 use crate::errors::{to_py, usage};
-use crate::lifecycle::{without_gil, FORKS};
+use crate::lifecycle::{run_python_code, without_gil, FORKS};
 use crate::memory::kind_label;
 use crate::model::geometry_dict;
 use crate::results::{event_py, result_py, EventPy, JobResultPy};
@@ -366,7 +366,7 @@ impl TierHandle {
     fn usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let u = self.live()?.usage().map_err(to_py)?;
         let text = serde_json::to_string(&u).map_err(|e| to_py(Error::invalid(e.to_string())))?;
-        py.import("json")?.call_method1("loads", (text,))
+        run_python_code(py, || py.import("json")?.call_method1("loads", (text,)))
     }
 
     /// Copy `data` (bytes-like, at most one block) into memory block

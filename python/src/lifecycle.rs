@@ -13,6 +13,9 @@ pub(crate) static FORKS: AtomicU64 = AtomicU64::new(0);
 
 extern "C" fn count_fork_in_child() {
     FORKS.fetch_add(1, Ordering::SeqCst);
+    // The threads the parent counted are not in the child (the forking one
+    // held the GIL, outside any count): its exit must not wait for them.
+    GIL_TAKERS.store(0, Ordering::SeqCst);
 }
 
 /// Set by an atexit hook: the interpreter is exiting.
@@ -20,12 +23,14 @@ pub(crate) static EXITING: AtomicBool = AtomicBool::new(false);
 /// The thread that ran the hook (the one finalizing the interpreter).
 pub(crate) static EXIT_TID: AtomicI64 = AtomicI64::new(0);
 
-/// Threads that have decided to take the GIL back (the interpreter was not
-/// exiting, or an exit grace was open) and do not hold it yet. Raised before
-/// the decision looks at `EXITING`/`EXIT_GRACE` and lowered once the GIL is
-/// held, so the hook (which sets `EXITING` first, then reads this) either
-/// is seen by such a thread or sees it, and then waits for it.
-static RETAKING: AtomicU64 = AtomicU64::new(0);
+/// Threads inside a kvtier call that may still take the GIL: those that
+/// decided to take it back after [`without_gil`] and do not hold it yet, and
+/// those running Python code ([`run_python_code`]), which may hand the GIL
+/// to another thread and take it back. Raised before the decision looks at
+/// `EXITING`/`EXIT_GRACE` and lowered once the GIL is held (or the Python
+/// code returned), so the hook (which sets `EXITING` first, then reads this)
+/// either is seen by such a thread or sees it, and then waits for it.
+static GIL_TAKERS: AtomicU64 = AtomicU64::new(0);
 
 /// The interpreter's exit begins (kvtier's atexit hook, run by the thread
 /// that finalizes, before CPython marks itself finalizing): from now on no
@@ -36,7 +41,7 @@ pub(crate) fn _mark_exiting(py: Python<'_>) {
     // SAFETY: gettid has no preconditions.
     EXIT_TID.store(unsafe { libc::gettid() } as i64, Ordering::SeqCst);
     EXITING.store(true, Ordering::SeqCst);
-    let_retaking_threads_through(py);
+    let_gil_takers_through(py);
 }
 
 /// Whether the interpreter has begun exiting (kvtier's atexit hook ran):
@@ -65,7 +70,7 @@ pub(crate) fn _exit_grace(py: Python<'_>, on: bool) {
         let left =
             EXIT_GRACE.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |g| g.checked_sub(1));
         if left == Ok(1) {
-            let_retaking_threads_through(py);
+            let_gil_takers_through(py);
         }
     }
 }
@@ -79,27 +84,28 @@ fn may_retake_gil() -> bool {
         || unsafe { libc::gettid() } as i64 == EXIT_TID.load(Ordering::SeqCst)
 }
 
-/// Called without the GIL at the end of a kvtier call: return (counted in
-/// `RETAKING`) when this thread may take the GIL back, else park until it
-/// may (an exit grace) or the process is gone.
-fn count_in_or_park() {
-    loop {
-        RETAKING.fetch_add(1, Ordering::SeqCst);
-        if may_retake_gil() {
-            return;
-        }
-        RETAKING.fetch_sub(1, Ordering::SeqCst);
-        std::thread::park_timeout(Duration::from_millis(5));
+/// Count this thread in `GIL_TAKERS` if it may take the GIL now (see
+/// [`may_retake_gil`]); `false` (not counted) if not.
+fn count_in() -> bool {
+    GIL_TAKERS.fetch_add(1, Ordering::SeqCst);
+    if may_retake_gil() {
+        return true;
     }
+    GIL_TAKERS.fetch_sub(1, Ordering::SeqCst);
+    false
 }
 
-/// Called with the GIL by the exiting thread: release it until every thread
-/// counted in `RETAKING` holds it (and has left kvtier's frames, or parks
-/// at its next kvtier call). Without this, such a thread could still be
+fn count_out() {
+    GIL_TAKERS.fetch_sub(1, Ordering::SeqCst);
+}
+
+/// Called with the GIL by the exiting thread: release it until no thread
+/// is counted in `GIL_TAKERS` (each has left kvtier's frames, or parks at
+/// its next kvtier call). Without this, such a thread could still be
 /// waiting for the GIL when CPython begins finalizing, and CPython ends a
 /// thread that takes the GIL then.
-fn let_retaking_threads_through(py: Python<'_>) {
-    while RETAKING.load(Ordering::SeqCst) > 0 {
+fn let_gil_takers_through(py: Python<'_>) {
+    while GIL_TAKERS.load(Ordering::SeqCst) > 0 {
         py.allow_threads(|| std::thread::sleep(Duration::from_millis(1)));
     }
 }
@@ -115,7 +121,7 @@ fn let_retaking_threads_through(py: Python<'_>) {
 /// "FATAL: exception not rethrown"). The thread parks until the process is
 /// gone; its call never returns, as CPython would have it. A thread that
 /// decided to retake the GIL just before the exit began is waited for by
-/// the exit hook (`RETAKING`), so none can still be waiting for the GIL
+/// the exit hook (`GIL_TAKERS`), so none can still be waiting for the GIL
 /// when CPython begins finalizing. (3.14 parks such threads itself; the
 /// hook is not set there.) A panic in `f` is carried past the GIL's
 /// retaking the same way and resumed after.
@@ -126,11 +132,33 @@ where
 {
     let r = py.allow_threads(|| {
         let r = panic::catch_unwind(AssertUnwindSafe(f));
-        count_in_or_park();
+        while !count_in() {
+            std::thread::park_timeout(Duration::from_millis(5));
+        }
         r
     });
-    RETAKING.fetch_sub(1, Ordering::SeqCst);
+    count_out();
     r.unwrap_or_else(|p| panic::resume_unwind(p))
+}
+
+/// Run Python code (bytecode: `json.loads`) from inside a kvtier call. The
+/// eval loop hands the GIL to waiting threads and takes it back, which at
+/// exit is [`without_gil`]'s hazard: so once the interpreter is exiting, a
+/// thread other than the finalizing one parks before running any (its
+/// call never returns), and the exit hook waits for those already in it.
+pub(crate) fn run_python_code<T>(py: Python<'_>, f: impl FnOnce() -> T) -> T {
+    while !count_in() {
+        // Exiting: park without the GIL (back only in an exit grace).
+        without_gil(py, || ());
+    }
+    struct CountOut;
+    impl Drop for CountOut {
+        fn drop(&mut self) {
+            count_out();
+        }
+    }
+    let _out = CountOut;
+    f()
 }
 
 /// Count forks in the child, and (before 3.14) mark the interpreter's exit

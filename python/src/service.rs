@@ -8,7 +8,7 @@ use crate::args::{
 };
 use crate::errors::{exception_for, to_py, usage};
 use crate::handle::WAIT_SLICE;
-use crate::lifecycle::without_gil;
+use crate::lifecycle::{run_python_code, without_gil};
 use crate::model::geometry_dict;
 use crate::results::{event_py, result_py, EventPy, JobResultPy};
 use kvtier::error::ErrorKind;
@@ -285,7 +285,7 @@ impl ServiceHandle {
     /// The service's pool and backlog occupancy (shared by every client).
     fn usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let text = without_gil(py, || self.c().usage_json()).map_err(to_py)?;
-        py.import("json")?.call_method1("loads", (text,))
+        run_python_code(py, || py.import("json")?.call_method1("loads", (text,)))
     }
 
     /// Results of every finished job of this client not yet collected.

@@ -551,22 +551,24 @@ def test_exit_while_threads_wait_to_retake_the_gil_is_clean(tmp_path, tiny_model
     # "FATAL: exception not rethrown", exit 134). An atexit callback that
     # runs before kvtier's (last in, first out) holds the GIL past several
     # 50 ms wait slices (a PyDLL call keeps it) while the waiting and the
-    # churning threads end their calls; an object freed at finalization
-    # then releases the GIL to them.
+    # churning threads end their calls (or wait in Python code run from one);
+    # an object freed at finalization then releases the GIL to them.
     script = textwrap.dedent(f"""
         import atexit, ctypes, gc, threading, time, kvtier
         t = (kvtier.TierBuilder().directory({str(tmp_path / 'p')!r}).capacity("16m")
              .model({tiny_model!r}).host_cache(2).policy("sync").build())
         t.write_block(0, b"x")
         job = t.submit_store([b"k"], [0])   # held until flush_stores()
-        started = threading.Barrier(3 + 1)
-        def churn():
+        started = threading.Barrier(3 + 3 + 1)
+        def churn(call):
             started.wait()
             while True:
-                t.contains(b"k")
+                call()
         for _ in range(3):
             threading.Thread(target=t.wait, args=(job,), daemon=True).start()
-            threading.Thread(target=churn, daemon=True).start()
+            threading.Thread(target=churn, args=(lambda: t.contains(b"k"),), daemon=True).start()
+            # usage() runs Python code (json.loads), which hands the GIL over.
+            threading.Thread(target=churn, args=(t.usage,), daemon=True).start()
         started.wait()
         atexit.register(ctypes.PyDLL(None).usleep, 300_000)
         class ReleasesTheGilWhileFinalizing:
