@@ -587,6 +587,38 @@ def test_exit_while_threads_wait_to_retake_the_gil_is_clean(tmp_path, tiny_model
         assert "main returns" in r.stdout
 
 
+def test_a_child_forked_while_threads_churn_kvtier_calls_exits(tmp_path, tiny_model):
+    # kvtier's exit hook waits for the threads counted as retaking the GIL;
+    # a child forked while some were counted has none of them and must not
+    # wait for them (it hung at exit).
+    script = textwrap.dedent(f"""
+        import os, threading, time, kvtier
+        t = (kvtier.TierBuilder().directory({str(tmp_path / 'p')!r}).capacity("16m")
+             .model({tiny_model!r}).host_cache(2).policy("sync").build())
+        def churn():
+            while True:
+                t.contains(b"k")
+        for _ in range(3):
+            threading.Thread(target=churn, daemon=True).start()
+        for i in range(5):
+            time.sleep(0.01)
+            pid = os.fork()
+            if pid == 0:
+                raise SystemExit(0)   # a normal exit: kvtier's exit hook runs
+            deadline = time.monotonic() + 20
+            while os.waitpid(pid, os.WNOHANG) == (0, 0):
+                if time.monotonic() > deadline:
+                    os.kill(pid, 9)
+                    raise SystemExit(f"child {{i}} did not exit")
+                time.sleep(0.01)
+        print("children exited", flush=True)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+    assert "children exited" in r.stdout
+
+
 def test_a_damaged_superblock_names_the_python_fix(tmp_path, tiny_model):
     tier = open_tier(tmp_path, tiny_model)
     tier.close()
