@@ -5,7 +5,7 @@
 
 use crate::args::*;
 use crate::errors::{to_py, usage};
-use crate::lifecycle::{without_gil, FORKS};
+use crate::lifecycle::{run_python_code, without_gil, FORKS};
 use crate::memory::kind_label;
 use crate::model::geometry_dict;
 use crate::results::{event_py, result_py, EventPy, JobResultPy};
@@ -413,7 +413,7 @@ impl TierHandle {
     fn usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let h = self.live()?;
         let text = without_gil(py, || h.usage_json()).map_err(to_py)?;
-        py.import("json")?.call_method1("loads", (text,))
+        run_python_code(py, || py.import("json")?.call_method1("loads", (text,)))
     }
 
     /// Copy `data` (bytes-like, at most one block) into memory block

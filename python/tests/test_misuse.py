@@ -543,6 +543,82 @@ def test_exit_with_a_daemon_thread_waiting_is_clean(tmp_path, tiny_model):
         assert "main returns" in r.stdout
 
 
+def test_exit_while_threads_wait_to_retake_the_gil_is_clean(tmp_path, tiny_model):
+    # The race behind the test above, made certain: threads that came back
+    # from a kvtier call just before kvtier's exit hook ran are still
+    # waiting for the GIL when CPython begins finalizing, and CPython ends
+    # them as they take it (pthread_exit through PyO3's catch_unwind:
+    # "FATAL: exception not rethrown", exit 134). An atexit callback that
+    # runs before kvtier's (last in, first out) holds the GIL past several
+    # 50 ms wait slices (a PyDLL call keeps it) while the waiting and the
+    # churning threads end their calls (or wait in Python code run from one);
+    # an object freed at finalization then releases the GIL to them.
+    script = textwrap.dedent(f"""
+        import atexit, ctypes, gc, threading, time, kvtier
+        t = (kvtier.TierBuilder().directory({str(tmp_path / 'p')!r}).capacity("16m")
+             .model({tiny_model!r}).host_cache(2).policy("sync").build())
+        t.write_block(0, b"x")
+        job = t.submit_store([b"k"], [0])   # held until flush_stores()
+        started = threading.Barrier(3 + 3 + 1)
+        def churn(call):
+            started.wait()
+            while True:
+                call()
+        for _ in range(3):
+            threading.Thread(target=t.wait, args=(job,), daemon=True).start()
+            threading.Thread(target=churn, args=(lambda: t.contains(b"k"),), daemon=True).start()
+            # usage() runs Python code (json.loads), which hands the GIL over.
+            threading.Thread(target=churn, args=(t.usage,), daemon=True).start()
+        started.wait()
+        atexit.register(ctypes.PyDLL(None).usleep, 300_000)
+        class ReleasesTheGilWhileFinalizing:
+            def __del__(self, sleep=time.sleep):
+                sleep(0.05)
+        gc.disable()
+        c = ReleasesTheGilWhileFinalizing()
+        c.cycle = c   # freed by the collection during finalization
+        del c
+        print("main returns", flush=True)
+    """)
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+        assert "main returns" in r.stdout
+
+
+def test_a_child_forked_while_threads_churn_kvtier_calls_exits(tmp_path, tiny_model):
+    # kvtier's exit hook waits for the threads counted as retaking the GIL;
+    # a child forked while some were counted has none of them and must not
+    # wait for them (it hung at exit).
+    script = textwrap.dedent(f"""
+        import os, threading, time, kvtier
+        t = (kvtier.TierBuilder().directory({str(tmp_path / 'p')!r}).capacity("16m")
+             .model({tiny_model!r}).host_cache(2).policy("sync").build())
+        def churn():
+            while True:
+                t.contains(b"k")
+        for _ in range(3):
+            threading.Thread(target=churn, daemon=True).start()
+        for i in range(5):
+            time.sleep(0.01)
+            pid = os.fork()
+            if pid == 0:
+                raise SystemExit(0)   # a normal exit: kvtier's exit hook runs
+            deadline = time.monotonic() + 20
+            while os.waitpid(pid, os.WNOHANG) == (0, 0):
+                if time.monotonic() > deadline:
+                    os.kill(pid, 9)
+                    raise SystemExit(f"child {{i}} did not exit")
+                time.sleep(0.01)
+        print("children exited", flush=True)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+    assert "children exited" in r.stdout
+
+
 def test_a_damaged_superblock_names_the_python_fix(tmp_path, tiny_model):
     tier = open_tier(tmp_path, tiny_model)
     tier.close()
