@@ -536,7 +536,14 @@ impl TierBuilder {
                         } else {
                             s.store_blocks
                         },
-                    ));
+                    )
+                    // The default store area comes with its default chunks
+                    // (several in flight); a given one goes one chunk at a time.
+                    .with_store_chunk_blocks(if s.store_blocks == 0 {
+                        d.store_chunk_blocks
+                    } else {
+                        0
+                    }));
                 }
                 let gpu = match kind {
                     MemoryKind::Gpu { ordinal } => Some(gpu_context(py, ordinal)?),

@@ -30,7 +30,11 @@
 //! area (`store_blocks` blocks, all layers each) and computes each object's
 //! crc32c on the GPU; the per-layer checksums the headers record are
 //! combined from those, and the tier writes the staged bytes with its crash
-//! protocol. Blocks stored from HBM are thus verifiable like any other.
+//! protocol. Blocks stored from HBM are thus verifiable like any other. A
+//! store goes in chunks of `store_chunk()` blocks, each one gather and one
+//! tier store, as many in flight as the area holds: the gather of chunk
+//! n+1 runs while chunk n is written (a chunk of the whole area serialized
+//! them, the disk idle during each gather and the copier during each write).
 //!
 //! The copies go through a [`DeviceCopier`]: [`CudaCopier`] on a GPU, or
 //! [`HostCopier`], the CPU test double, against host memory standing in for
@@ -500,6 +504,12 @@ impl StagedPath {
     /// Loads in flight.
     pub fn loads_in_flight(&self) -> usize {
         self.loads.len()
+    }
+
+    /// Chunks of staged stores gathered and handed to the tier whose tier
+    /// stores have not been seen to end (each holds its store places).
+    pub fn store_chunks_in_flight(&self) -> usize {
+        self.store_jobs.len()
     }
 
     /// The first of `blocks` (of the KV memory served) that a staged job of
