@@ -104,6 +104,11 @@ pub struct StagedPath {
     next_job: JobId,
     /// Counters of finished loads, with the value each was left at.
     spare_counters: Vec<(Arc<CompletionCounter>, u32)>,
+    /// With `KVTIER_TRACE_STORES` set: when the path opened; each store
+    /// chunk's gather and end are printed to stderr in ms since then (the
+    /// tier prints each chunk's own steps), to see whether gathers and
+    /// writes overlap.
+    store_trace: Option<std::time::Instant>,
     _target_owner: Option<Arc<HostKvCache>>,
 }
 
@@ -251,6 +256,7 @@ impl StagedPath {
             seq: 0,
             next_job: STAGED_JOB_BASE,
             spare_counters: Vec::new(),
+            store_trace: std::env::var_os("KVTIER_TRACE_STORES").map(|_| std::time::Instant::now()),
             _target_owner: None,
         })
     }
@@ -329,6 +335,16 @@ impl StagedPath {
             job.tier_jobs_out -= 1;
             job.landed.insert(u, (live, Some(r)));
         } else if let Some(s) = self.store_jobs.remove(&r.job) {
+            if let Some(t0) = self.store_trace {
+                eprintln!(
+                    "kvtier staged store {}: chunk at key {} (tier store {}) ended at {:.2} ms, {} chunks still out",
+                    s.id,
+                    s.offset,
+                    r.job,
+                    t0.elapsed().as_secs_f64() * 1e3,
+                    self.store_jobs.len()
+                );
+            }
             self.store_free.extend(s.places);
             if let Some(a) = self.stores.get_mut(&s.id) {
                 for (i, o) in r.outcomes.into_iter().enumerate() {

@@ -250,8 +250,18 @@ impl StagedPath {
                 }
             }
         }
+        let t_gather = self.store_trace.map(|t0| t0.elapsed());
         self.copier.gather_crc32c(&list)?;
         let crcs = self.copier.finish()?;
+        if let (Some(t0), Some(a)) = (self.store_trace, t_gather) {
+            eprintln!(
+                "kvtier staged store: gathered {} blocks {:.2}..{:.2} ms ({} chunks out before it)",
+                keys.len(),
+                a.as_secs_f64() * 1e3,
+                t0.elapsed().as_secs_f64() * 1e3,
+                self.store_jobs.len()
+            );
+        }
         if crcs.len() != list.len() {
             return Err(Error::gpu(
                 "staging gather",
