@@ -162,7 +162,7 @@ internal_room! {
 pub mod fuzzing;
 
 pub use error::{Error, ErrorKind, Failure, Fix, IoCause, IoFailure, Result};
-pub use handle::{EngineChoice, Event, HandleConfig, TierBuilder, TierHandle};
+pub use handle::{EngineChoice, Event, HandleConfig, LayerCopy, TierBuilder, TierHandle};
 pub use memory::{HostKvCache, HostLayout, KvLayout, KvMemory, MemoryKind};
 pub use model::{DType, KvGeometry};
 pub use pool::CreateMode;
@@ -174,6 +174,6 @@ pub use engine::uring::UringConfig;
 pub use engine::EngineStats;
 pub use gpu::{CompletionCounter, Context, Device, Event as GpuEvent, Stream, WaitCond};
 pub use sched::Policy;
-pub use staged::{LoadCounter, StagingConfig};
+pub use staged::{CopyMark, LoadCounter, StagingConfig};
 #[cfg(feature = "internals")]
 pub use tier::Tier;

@@ -324,7 +324,27 @@ fn double_behind_a_tier_handle() {
     // The double's load counter is a host word (no stream waits on it),
     // at the last layer's value once the load is done.
     let c = h.load_counter(job).unwrap().expect("a load's counter");
+    // Each layer's copy is queued (a double's mark: no GPU event) or the
+    // layer is already in memory; never a mark for a layer that is not.
+    for l in 0..geo.layers {
+        match h.wait_layer_queued(job, l).unwrap() {
+            kvtier::LayerCopy::Queued(m) => assert!(m.is_double()),
+            kvtier::LayerCopy::Settled => h.wait_layer(job, l).unwrap(),
+        }
+    }
+    assert!(
+        h.wait_layer_queued(job, geo.layers).is_err(),
+        "a layer the load does not have"
+    );
+    assert!(
+        h.wait_layer_queued(s1, 0).is_err(),
+        "a store's (result taken) layer"
+    );
     let r = h.wait(job).unwrap();
+    assert!(
+        h.wait_layer_queued(job, 0).is_err(),
+        "its result is taken: the job is gone"
+    );
     assert_eq!(c.counter.load().unwrap(), c.value_for(geo.layers - 1));
     assert!(r.all_ok(), "{:?}", r.failures().collect::<Vec<_>>());
     h.unpin(&keys(&ks));
@@ -990,4 +1010,134 @@ fn double_second_load_into_a_block_under_load_is_refused() {
     let b = st.submit_load(&keys(&[2]), &[7], 0..g.layers).unwrap();
     assert!(st.wait(b).unwrap().all_ok());
     assert!(st.tier().contains(&keys(&[2])[0]));
+}
+
+/// Every layer of a clean load is marked "copy queued" once (the mark a
+/// compute stream waits on instead of the host waiting for the copy), in
+/// layer order, never after that layer's event; a layer whose copy failed
+/// gets no mark, only its failed event (the host must learn which blocks
+/// to drop). With copies immediate and deferred (a GPU's, ending later).
+#[test]
+fn double_layers_are_marked_when_their_copy_is_queued() {
+    use kvtier::gpu::staging::HostCopier;
+    let rig = HostRig::new(HostLayout::PerLayer);
+    let g = rig.geometry();
+    let last = g.layers - 1;
+    type MakeCopier = fn() -> HostCopier;
+    let copiers: [(&str, MakeCopier, bool); 3] = [
+        ("immediate", HostCopier::default, false),
+        ("deferred", HostCopier::deferred, false),
+        (
+            "deferred, last layer fails",
+            || HostCopier::deferred().fail_scatter(common::tiny_geometry().layers - 1),
+            true,
+        ),
+    ];
+    for (i, (what, copier, fails)) in copiers.into_iter().enumerate() {
+        let dir = common::TempDir::new(&format!("staged-marks-{i}"));
+        let pool = common::create_pool(&dir, g, 64, 1, 2);
+        let tier = Tier::open(pool, Default::default()).unwrap();
+        let mut st =
+            StagedTier::with_host_copier(tier, rig.0.clone(), config(2, 8, 8), copier()).unwrap();
+        let ks: Vec<u64> = (900..904).collect();
+        let mem: Vec<u32> = (0..4).collect();
+        store_all(&rig, &mut st, &ks, &mem, 4);
+        st.layers_queued();
+        rig.0.clear();
+        let job = st.submit_load(&keys(&ks), &mem, 0..g.layers).unwrap();
+        // (layer, drain round) of each mark and each event.
+        let mut marks = Vec::new();
+        let mut events = Vec::new();
+        let mut round = 0;
+        let mut idle = 0;
+        while events.len() < g.layers as usize {
+            let seen = marks.len() + events.len();
+            if idle > 1000 {
+                // Deferred copies end only when waited for, as a GPU's
+                // are seen to end only by a wait or a query.
+                let _ = st.wait_layer(job, events.len() as u32);
+                idle = 0;
+            } else {
+                st.poll().unwrap();
+            }
+            for q in st.layers_queued() {
+                assert_eq!(q.job, job, "{what}");
+                assert!(
+                    q.mark.is_double(),
+                    "{what}: the double's copies have no GPU event"
+                );
+                marks.push((q.layer, round));
+            }
+            for e in st.layer_events().into_iter().filter(|e| e.job == job) {
+                events.push((e.layer, round, e.error.is_some()));
+            }
+            round += 1;
+            idle = if marks.len() + events.len() == seen {
+                idle + 1
+            } else {
+                0
+            };
+            assert!(round < 1_000_000, "{what}: the load never ended");
+            std::thread::yield_now();
+        }
+        let want: Vec<u32> = if fails {
+            (0..last).collect()
+        } else {
+            (0..g.layers).collect()
+        };
+        assert_eq!(
+            marks.iter().map(|m| m.0).collect::<Vec<_>>(),
+            want,
+            "{what}"
+        );
+        for &(layer, r) in &marks {
+            let (_, er, failed) = events[layer as usize];
+            assert!(r <= er, "{what}: layer {layer} marked after its event");
+            assert!(!failed, "{what}: a failed layer {layer} was marked");
+        }
+        assert_eq!(events[last as usize].2, fails, "{what}");
+        let r = st.wait(job).unwrap();
+        assert_eq!(r.all_ok(), !fails, "{what}");
+    }
+}
+
+/// A load's first layer is read alone: no buffer holds a later layer until
+/// every unit (chunk) of the first layer has landed, so the layer a compute
+/// stream waits for first does not share the disk with the ones after it.
+/// Whole-layer units and a first layer of two chunks; the bytes all land.
+#[test]
+fn double_first_layer_is_read_alone() {
+    use kvtier::gpu::staging::HostCopier;
+    let rig = HostRig::new(HostLayout::PerLayer);
+    let g = rig.geometry();
+    assert!(g.layers >= 2, "the tiny model has several layers");
+    for (i, load_blocks) in [8u32, 4].into_iter().enumerate() {
+        let dir = common::TempDir::new(&format!("staged-first-alone-{i}"));
+        let pool = common::create_pool(&dir, g, 64, 1, 2);
+        let tier = Tier::open(pool, Default::default()).unwrap();
+        let cfg = config(4, load_blocks, 8);
+        let mut st =
+            StagedTier::with_host_copier(tier, rig.0.clone(), cfg, HostCopier::deferred()).unwrap();
+        let ks: Vec<u64> = (500..508).collect();
+        let mem: Vec<u32> = (10..18).collect();
+        store_all(&rig, &mut st, &ks, &mem, 8);
+        rig.0.clear();
+        let job = st.submit_load(&keys(&ks), &mem, 0..g.layers).unwrap();
+        let held: Vec<_> = st.buffers_in_use().into_iter().flatten().collect();
+        let chunks = 8 / load_blocks as usize;
+        assert_eq!(
+            held,
+            vec![(job, 0); chunks],
+            "load_blocks {load_blocks}: only the first layer's units may be read at first"
+        );
+        st.wait_layer(job, 0).unwrap();
+        let r = st.wait(job).unwrap();
+        assert!(r.all_ok(), "{:?}", r.failures().collect::<Vec<_>>());
+        for (k, &b) in ks.iter().zip(&mem) {
+            assert!(
+                matches(&rig, b, common::seed_of(*k), 0..g.layers),
+                "key {k}"
+            );
+        }
+    }
 }

@@ -842,11 +842,13 @@ class KvtierConnector(KVConnectorBase_V1):
         if layer in ld.done:
             return
         ld.done.add(layer)
-        if self._cuda and self._tier.stream_wait_layer(
+        # (Not once the job's result is taken after a failed layer: the job
+        # is gone from the tier and every later layer is handled below.)
+        if self._cuda and ld.result is None and self._tier.stream_wait_layer(
                 ld.job, layer, torch.cuda.current_stream().cuda_stream):
-            # The compute stream waits for the layer on the GPU; a failed
-            # layer still releases it, its blocks are reported at the job's
-            # end (wait_for_save) for vLLM's kv_load_failure_policy.
+            # The layer's bytes are read and verified and its copy is
+            # queued: the compute stream waits for the copy on the GPU. (A
+            # failed layer answers False and is handled below.)
             self._count(self._stats, "stream_waits", 1)
             return
         ok = ld.block_ids

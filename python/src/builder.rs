@@ -594,7 +594,6 @@ impl TierBuilder {
             model_name: named.name,
             staged,
             gpu,
-            waited_counters: Mutex::new(Vec::new()),
             owners: Mutex::new(std::mem::take(&mut slf.owners)),
             buffers: Mutex::new(std::mem::take(&mut slf.buffers)),
             forks: FORKS.load(Ordering::SeqCst),

@@ -8,8 +8,8 @@ use crate::memory::kind_label;
 use crate::model::geometry_dict;
 use crate::results::{event_py, result_py, EventPy, JobResultPy};
 use kvtier::error::Error;
-use kvtier::gpu::{CompletionCounter, Context};
-use kvtier::handle::Completions;
+use kvtier::gpu::Context;
+use kvtier::handle::{Completions, LayerCopy};
 use kvtier::memory::{HostKvCache, KvLayout, KvMemory, MemoryKind};
 use kvtier::pool::Key;
 use kvtier::tier::JobKind;
@@ -37,10 +37,6 @@ pub struct TierHandle {
     pub(crate) staged: bool,
     /// The CUDA context of GPU KV memory (torch's primary context).
     pub(crate) gpu: Option<Context>,
-    /// Counters a foreign stream was told to wait on: kept until the handle
-    /// goes, since kvtier cannot see when such a stream passes its wait.
-    /// Loads reuse counters, so this holds at most one per concurrent load.
-    pub(crate) waited_counters: Mutex<Vec<Arc<CompletionCounter>>>,
     pub(crate) owners: Mutex<Vec<Py<PyAny>>>,
     pub(crate) buffers: Mutex<Vec<PyBuffer<u8>>>,
     /// FORKS when the handle was built: a different count means this is a
@@ -270,11 +266,15 @@ impl TierHandle {
 
     /// Make CUDA stream `stream` (a raw handle: torch's
     /// `torch.cuda.current_stream().cuda_stream`) wait, on the GPU, until
-    /// layer `layer` of load `job` is in the KV memory: the host does not
-    /// wait. Returns True when the wait was queued; False when there is no
-    /// GPU counter to wait on (host memory, the host double, or a load that
-    /// already finished): then call wait_layer(). Failed layers still
-    /// release the stream; their blocks are reported in the job's result.
+    /// layer `layer` of load `job` is in the KV memory. The host waits (GIL
+    /// released, signals handled) only until the layer's bytes are read
+    /// and verified and their copy into GPU memory is queued; the stream
+    /// then waits for that copy, so the layer's attention starts once it is
+    /// done while the host goes on. Returns True when the wait was queued;
+    /// False when there is nothing for a stream to wait on (host memory,
+    /// the host double, a layer already in memory, or a layer that failed):
+    /// then call wait_layer(), which returns at once or raises the layer's
+    /// failure.
     fn stream_wait_layer(
         &self,
         py: Python<'_>,
@@ -282,24 +282,28 @@ impl TierHandle {
         #[pyo3(from_py_with = layer_arg)] layer: u32,
         #[pyo3(from_py_with = stream_arg)] stream: u64,
     ) -> PyResult<bool> {
-        let Some(ctx) = &self.gpu else {
+        if self.gpu.is_none() {
             return Ok(false);
-        };
-        let Some(c) = self.live()?.load_counter(job).map_err(to_py)? else {
-            return Ok(false);
-        };
-        // SAFETY: the caller passes a live stream of the device's primary
-        // context (torch's); the counter is kept in `waited_counters` until
-        // this handle is dropped, after the tier.
-        without_gil(py, || unsafe { c.queue_on_raw_stream(ctx, stream, layer) }).map_err(to_py)?;
-        let mut kept = self
-            .waited_counters
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if !kept.iter().any(|k| Arc::ptr_eq(k, &c.counter)) {
-            kept.push(c.counter);
         }
-        Ok(true)
+        let h = self.live()?;
+        let copy = loop {
+            match without_gil(py, || h.wait_layer_queued_timeout(job, layer, WAIT_SLICE))
+                .map_err(to_py)?
+            {
+                Some(c) => break c,
+                None => py.check_signals()?,
+            }
+        };
+        match copy {
+            LayerCopy::Queued(mark) if !mark.is_double() => {
+                // SAFETY: the caller passes a live stream of the device's
+                // primary context (torch's); CUDA keeps the event's state
+                // for the queued wait.
+                without_gil(py, || unsafe { mark.queue_on_raw_stream(stream) }).map_err(to_py)?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
     }
 
     /// "cpu" or "cuda:N": where the registered KV memory is.
@@ -553,14 +557,6 @@ impl Drop for TierHandle {
         // tensors must outlive every DMA into them. Dropping Python objects
         // needs no GIL with pyo3 (they are queued until it is held).
         drop(self.inner.take());
-        // Streams told to wait on our counters may not have reached the
-        // wait yet (it reads the counter when they do): let them pass it
-        // before the counters are freed.
-        if let (Some(ctx), Ok(k)) = (&self.gpu, self.waited_counters.get_mut()) {
-            if !k.is_empty() {
-                let _ = ctx.synchronize();
-            }
-        }
         self.owners.get_mut().map(|v| v.clear()).ok();
         self.buffers.get_mut().map(|v| v.clear()).ok();
     }

@@ -11,7 +11,7 @@
 # $BIN (default .gpu/) holds, built here without a GPU and stripped:
 #   kvtier, gpu-staged-tests, gpu-tests (release; see pass8.sh) and the abi3 wheel
 #   ((cd python && maturin build --release --strip -o ../.gpu) with nvcc on PATH).
-# PARTS (default "1 2 3") picks parts; TTFT_ARGS adds ttft.py arguments.
+# PARTS (default "1 2 3") picks parts and their order; TTFT_ARGS adds ttft.py arguments.
 . "$(dirname "$0")/lib.sh"
 fig "gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader)"
 fig "host=$(nproc) cpus, $(free -g | awk '/Mem:/{print $2}') GiB, kernel $(uname -r)"
@@ -22,9 +22,8 @@ fig "pool_dir=$D fs=$(stat -f -c %T "$D") dev=$(df --output=source "$D" | tail -
 W=$(ls $G/kvtier-*.whl 2>/dev/null | head -1)
 SITE=$D/site; rm -rf "$SITE"; [ -n "$W" ] && python3 -m zipfile -e "$W" "$SITE" && fig "wheel=$(basename "$W")"
 PARTS=${PARTS:-1 2 3}
-has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 
-if has 1; then
+part1() {
   step staged_tests 90 $G/gpu-staged-tests --include-ignored --test-threads=1 --nocapture > "$O/staged-tests.txt" 2>&1
   grep -E "^test |test result|panicked" "$O/staged-tests.txt" | sed 's/^/FIG staged /' >> "$S"
   step gpu_tests 60 $G/gpu-tests --include-ignored --test-threads=1 > "$O/gpu-tests.txt" 2>&1
@@ -32,9 +31,9 @@ if has 1; then
   ( cd python/tests && export PYTHONPATH=$SITE TMPDIR=$D HF_HUB_OFFLINE=1 && step py_staged_gpu 60 \
       python3 -m pytest -v -rs -p no:cacheprovider --basetemp="$D/pytest" test_staged_gpu.py ) > "$O/py-gpu.txt" 2>&1
   grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$O/py-gpu.txt" | grep -v "^FIG" | sed 's/^/FIG py /' >> "$S"
-fi
+}
 
-if has 2; then
+part2() {
   # One round per invocation (a fresh pool each); 3 rounds, layouts alternating.
   for r in 1 2 3; do
     for layout in per-layer cross-layer; do
@@ -44,13 +43,16 @@ if has 2; then
       grep -E "^ +[0-9]+ " "$O/hbm.txt" | tail -2 | sed "s/^/FIG hbm $layout r$r: /" >> "$S"
     done
   done
-fi
+}
 
-if has 3; then
-  l=$(left); [ "$l" -gt 20 ] && t=$((l - 10)) || t=$l
+part3() {
+  # TTFT_S caps this part (when parts run after it); by default it takes what is left.
+  l=$(left); [ "$l" -gt 20 ] && t=$((l - 10)) || t=$l; [ "${TTFT_S:-$t}" -lt "$t" ] && t=$TTFT_S
   ( export PYTHONPATH=$SITE HF_HUB_OFFLINE=1 && step ttft "$t" python3 scripts/gpu/ttft.py --dir "$D/ttft" --out "$O" \
       --budget-s $((t - 60)) ${TTFT_ARGS:-} ) > "$O/ttft.txt" 2>&1
   grep -E "^FIG ttft " "$O/ttft.txt" | grep -v "^FIG ttft rc=" >> "$S"
-fi
+}
+
+for p in $PARTS; do "part$p"; done
 nvidia-smi --query-gpu=memory.used,temperature.gpu,clocks.sm --format=csv,noheader | sed 's/^/FIG end /' >> "$S"
 rm -rf "$D"; fig "done left_s=$(left)"

@@ -330,7 +330,7 @@ def run_model(args, name, dev, out):
         prefix_kv = T.views(blocks_t)
         full = torch.cat((prompt[:P], suffix))
         nbytes = pb * T.block_bytes
-        rec = {"model": name, "layers": nl, "layers_full": SHAPES[name][5], "prefix": P, "suffix": args.suffix,
+        rec = {"model": name, "b_wait": args.b_wait, "layers": nl, "layers_full": SHAPES[name][5], "prefix": P, "suffix": args.suffix,
                "block_size": BS, "kv_bytes": nbytes, "device": str(dev), "weights": W.source,
                "a_s": [], "b_s": [], "c_s": [], "load_alone_s": [], "b_stall_ms": [], "c_stall_ms": [],
                "b_first_stall_ms": [], "b_stalls_ms": None}
@@ -358,7 +358,7 @@ def run_model(args, name, dev, out):
             stream = torch.cuda.current_stream().cuda_stream if dev.type == "cuda" else None
 
             def wait(l):
-                if stream is None or not T.tier.stream_wait_layer(job, l, stream):
+                if stream is None or args.b_wait == "host" or not T.tier.stream_wait_layer(job, l, stream):
                     T.tier.wait_layer(job, l)
 
             lb = forward(W, suffix, P, prefix_kv=prefix_kv, wait=wait, marks=mb.mark)
@@ -484,6 +484,9 @@ def main():
     p.add_argument("--out", default=".")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--budget-s", type=float, default=1e9, help="skip cases that would start after this")
+    p.add_argument("--b-wait", choices=("stream", "host"), default="stream",
+                   help="(b)'s per-layer wait: the compute stream waits on the GPU for the layer's "
+                        "copy (stream_wait_layer), or the host waits for the layer (wait_layer)")
     p.add_argument("--no-hf-check", dest="hf_check", action="store_false")
     p.add_argument("--hf-models", default="llama3-8b,tiny",
                    help="models built as transformers' LlamaForCausalLM (and checked against its forward); "
@@ -496,6 +499,11 @@ def main():
             p.error(f"--prefixes: {x} is not a multiple of the block size {BS}")
     args.layers = {k: int(v) for k, v in (kv.split("=") for kv in args.layers.split(",") if kv)}
     args.deadline = time.perf_counter() + args.budget_s
+    # A hang (a wait that never ends) shows where it is: every Python
+    # thread's stack every 60 s, on stderr.
+    import faulthandler
+
+    faulthandler.dump_traceback_later(60, repeat=True)
     dev = torch.device(args.device)
     os.makedirs(args.out, exist_ok=True)
     if dev.type == "cuda":

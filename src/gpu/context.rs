@@ -255,12 +255,17 @@ pub struct Module {
 }
 
 impl Module {
-    /// The kernel named `name` (its `extern "C"` or mangled name).
+    /// The kernel named `name` (its `extern "C"` or mangled name), loaded
+    /// onto the device now rather than at its first launch (see
+    /// `driver::func_load`: a lazy first launch can wait for streams that
+    /// wait for it).
     pub fn function(&self, name: &str) -> Result<Function> {
         self.inner.ctx.bind()?;
+        let raw = driver::module_get_function(self.inner.raw, name)?;
+        driver::func_load(raw)?;
         Ok(Function {
             module: self.inner.clone(),
-            raw: driver::module_get_function(self.inner.raw, name)?,
+            raw,
             name: name.to_string(),
         })
     }
@@ -477,6 +482,20 @@ impl Event {
     /// Waits for the event's work to complete.
     pub fn synchronize(&self) -> Result<()> {
         driver::event_synchronize(self.raw)
+    }
+
+    /// Later work on `stream`, a stream kvtier did not create (an engine's
+    /// compute stream: torch's `cuda_stream`), waits on the GPU until the
+    /// work recorded in this event is done.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of this event's context (0: its legacy
+    /// default stream). The event itself may be dropped at once: CUDA keeps
+    /// what a queued wait needs.
+    pub unsafe fn queue_wait_on_raw_stream(&self, stream: u64) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the caller's contract; the event is live.
+        unsafe { driver::stream_wait_event(stream as usize as CUstream, self.raw) }
     }
 
     /// Milliseconds from `self` to `end` (both recorded and completed).

@@ -58,6 +58,7 @@ pub(crate) const REQUIRED: &[&CStr] = &[
     c"cuModuleLoadData",
     c"cuModuleUnload",
     c"cuModuleGetFunction",
+    c"cuFuncLoad",
     c"cuLaunchKernel",
     c"cuStreamCreate",
     c"cuStreamDestroy_v2",
@@ -81,6 +82,7 @@ pub(crate) const REQUIRED: &[&CStr] = &[
     c"cuMemsetD8_v2",
     c"cuStreamWaitValue32_v2",
     c"cuStreamWriteValue32_v2",
+    c"cuStreamWaitEvent",
     c"cuMemGetHandleForAddressRange",
     c"cuPointerGetAttribute",
 ];
@@ -679,6 +681,17 @@ pub(crate) fn module_get_function(m: CUmodule, name: &str) -> Result<CUfunction>
     Ok(f)
 }
 
+/// Loads kernel `f` onto the device now. Under lazy module loading (CUDA's
+/// default) a kernel is otherwise loaded at its first launch, and loading
+/// waits for work already on the device: a first launch while another
+/// stream waits for that very kernel's result (a compute stream waiting for
+/// a layer's copy), or while a resident kernel runs, would never return.
+pub(crate) fn func_load(f: CUfunction) -> Result<()> {
+    let d = driver()?;
+    // SAFETY: a live function handle; loading one already loaded succeeds.
+    check(d, unsafe { (d.lib.cuFuncLoad)(f) }, || "cuFuncLoad".into())
+}
+
 /// # Safety
 /// `params` must hold one pointer per kernel parameter, each pointing at a
 /// value of exactly that parameter's type, valid for the duration of the call
@@ -992,6 +1005,21 @@ pub(crate) unsafe fn stream_wait_value32(
         unsafe { (d.lib.cuStreamWaitValue32_v2)(s, addr, value, flags as c_uint) },
         || format!("cuStreamWaitValue32({addr:#x}, {value}, flags {flags:#x})"),
     )
+}
+
+/// Later work on `s` waits until the work recorded in `e` (on another
+/// stream) is done: a dependency CUDA's scheduler sees, unlike a stream
+/// memory wait.
+///
+/// # Safety
+/// `s` is a live stream of the current context (0: its legacy default
+/// stream); `e` a live event of the same context.
+pub(crate) unsafe fn stream_wait_event(s: CUstream, e: CUevent) -> Result<()> {
+    let d = driver()?;
+    // SAFETY: the caller's contract; flags must be 0.
+    check(d, unsafe { (d.lib.cuStreamWaitEvent)(s, e, 0) }, || {
+        "cuStreamWaitEvent".into()
+    })
 }
 
 /// # Safety

@@ -16,6 +16,7 @@ use bytemuck::{Pod, Zeroable};
 
 use std::sync::Arc;
 
+use super::wait::CopyMark;
 use super::{
     kernels, CompletionCounter, Context, Event, Function, KernelArgs, LaunchConfig, Module,
     PinnedHostBuffer, Stream,
@@ -83,6 +84,10 @@ pub trait DeviceCopier: Send {
     fn release_counter(&mut self, counter: &Arc<CompletionCounter>, value: u32) -> Result<()>;
     /// A counter for one load, of the kind `signal_counter` writes.
     fn new_counter(&self) -> Result<Arc<CompletionCounter>>;
+    /// A mark after the copies started so far, for a compute stream to
+    /// wait on (an event recorded on the copy stream; the double's has
+    /// none).
+    fn mark(&mut self) -> Result<CopyMark>;
 }
 
 /// The test double: the same copies done by the CPU on host addresses.
@@ -229,6 +234,10 @@ impl DeviceCopier for HostCopier {
 
     fn new_counter(&self) -> Result<Arc<CompletionCounter>> {
         Ok(CompletionCounter::host_double())
+    }
+
+    fn mark(&mut self) -> Result<CopyMark> {
+        Ok(CopyMark::double())
     }
 }
 
@@ -430,6 +439,12 @@ impl DeviceCopier for CudaCopier {
 
     fn new_counter(&self) -> Result<Arc<CompletionCounter>> {
         CompletionCounter::device(&self._ctx)
+    }
+
+    fn mark(&mut self) -> Result<CopyMark> {
+        let e = self._ctx.sync_event()?;
+        e.record(&self.stream)?;
+        Ok(CopyMark::recorded(e))
     }
 }
 

@@ -7,8 +7,8 @@
 use std::sync::Arc;
 
 use super::{
-    abi, kernels, CompletionCounter, Context, Function, KernelArgs, LaunchConfig, Module, Stream,
-    WaitCond,
+    abi, kernels, CompletionCounter, Context, Event, Function, KernelArgs, LaunchConfig, Module,
+    Stream, WaitCond,
 };
 use crate::error::{Error, ErrorKind, Result};
 
@@ -73,6 +73,56 @@ impl LoadCounter {
                 self.value_for(layer),
                 0, // CU_STREAM_WAIT_VALUE_GEQ
             )
+        }
+    }
+}
+
+/// A point on kvtier's copy stream: every copy of one layer into KV memory
+/// was queued before it. A compute stream that waits on it
+/// ([`CopyMark::queue_on_raw_stream`], `cuStreamWaitEvent`) runs that
+/// layer's attention once the copy is done; unlike a wait on a
+/// [`LoadCounter`] queued ahead of the copy, CUDA sees this dependency, so
+/// its scheduler cannot order the copy behind the waiting stream (the
+/// deadlock `cuStreamWaitValue32`'s documentation warns of, seen with
+/// torch's legacy default stream on an H200).
+#[derive(Clone)]
+pub struct CopyMark {
+    /// `None`: the CPU test double's copies, done by the host.
+    event: Option<Arc<Event>>,
+}
+
+impl CopyMark {
+    /// A mark recorded on a GPU copy stream.
+    pub(crate) fn recorded(event: Event) -> CopyMark {
+        CopyMark {
+            event: Some(Arc::new(event)),
+        }
+    }
+
+    /// The CPU double's mark: no stream can wait on it.
+    pub(crate) fn double() -> CopyMark {
+        CopyMark { event: None }
+    }
+
+    /// True for the CPU test double's marks.
+    pub fn is_double(&self) -> bool {
+        self.event.is_none()
+    }
+
+    /// Later work on `stream` (a stream kvtier did not create: torch's
+    /// `cuda_stream`, 0 for the legacy default stream) waits on the GPU
+    /// until the marked copies are done; the host goes on at once.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of the context the KV memory is in (the
+    /// device's primary context).
+    pub unsafe fn queue_on_raw_stream(&self, stream: u64) -> Result<()> {
+        match &self.event {
+            // SAFETY: the caller's contract.
+            Some(e) => unsafe { e.queue_wait_on_raw_stream(stream) },
+            None => Err(Error::invalid(
+                "this layer was copied by the CPU test double: no stream can wait for it; wait on the host (wait_layer)",
+            )),
         }
     }
 }

@@ -59,7 +59,7 @@ use crate::p2p::P2pTable;
 use crate::pool::index::SharedIndex;
 use crate::pool::Key;
 use crate::sched::{Policy, Scheduler};
-use crate::staged::LoadCounter;
+use crate::staged::{CopyMark, LoadCounter};
 use crate::tier::{self, JobKind, JobResult, KeyOutcome, Tier, TierConfig, Usage};
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
@@ -287,6 +287,18 @@ enum Phase {
     Finished(JobResult),
 }
 
+/// Where a layer of a load stands for a compute stream
+/// ([`TierHandle::wait_layer_queued`]).
+#[derive(Clone)]
+pub enum LayerCopy {
+    /// Its copy into GPU memory is queued: a stream waits on this mark.
+    Queued(CopyMark),
+    /// Nothing for a stream to wait on: the layer is in memory or failed
+    /// ([`TierHandle::wait_layer`] says which), or the load is not a staged
+    /// GPU load.
+    Settled,
+}
+
 struct Entry {
     kind: JobKind,
     phase: Phase,
@@ -295,6 +307,8 @@ struct Entry {
     /// Next layer (absolute) not yet reported.
     layers_done: u32,
     layer_errors: Vec<Option<Failure>>,
+    /// Per layer of a staged GPU load: the mark after its copy, once queued.
+    layers_queued: Vec<Option<CopyMark>>,
 }
 
 #[derive(Default)]
@@ -648,6 +662,7 @@ impl TierHandle {
                     keys: keys.to_vec(),
                     layers_done: layers.start,
                     layer_errors: vec![None; layers.len()],
+                    layers_queued: vec![None; layers.len()],
                     layers,
                 },
             );
@@ -710,6 +725,7 @@ impl TierHandle {
                     layers: 0..0,
                     layers_done: 0,
                     layer_errors: Vec::new(),
+                    layers_queued: Vec::new(),
                 },
             );
             id
@@ -831,6 +847,39 @@ impl TierHandle {
     }
 
     fn wait_layer_until(&self, job: JobId, layer: u32, deadline: Option<Instant>) -> Result<bool> {
+        let done = self.wait_on_layer(job, layer, deadline, |e| {
+            if e.layers_done > layer {
+                return Some(match &e.layer_errors[(layer - e.layers.start) as usize] {
+                    Some(f) => Err(Error::Failed(
+                        f.context(format_args!("layer {layer} of job {job} failed")),
+                    )),
+                    None => Ok(()),
+                });
+            }
+            let Phase::Finished(r) = &e.phase else {
+                return None;
+            };
+            // Finished without this layer's event: only when it failed.
+            Some(match r.failures().next() {
+                Some((k, f)) => Err(Error::Failed(
+                    f.context(format_args!("job {job} failed to load key {k}")),
+                )),
+                None => Ok(()),
+            })
+        })?;
+        Ok(done.is_some())
+    }
+
+    /// Blocks until `settle`, looking at load `job`'s entry (for a layer it
+    /// has) under the job lock after every change, has an answer; `None`
+    /// once `deadline` has passed without one.
+    fn wait_on_layer<T>(
+        &self,
+        job: JobId,
+        layer: u32,
+        deadline: Option<Instant>,
+        settle: impl Fn(&Entry) -> Option<Result<T>>,
+    ) -> Result<Option<T>> {
         let mut jobs = lock(&self.shared.jobs);
         let mut expired = false;
         loop {
@@ -844,29 +893,63 @@ impl TierHandle {
                     "job {job} is not a load of layer {layer}"
                 )));
             }
-            if e.layers_done > layer {
-                return match &e.layer_errors[(layer - e.layers.start) as usize] {
-                    Some(f) => Err(Error::Failed(
-                        f.context(format_args!("layer {layer} of job {job} failed")),
-                    )),
-                    None => Ok(true),
-                };
-            }
-            if let Phase::Finished(r) = &e.phase {
-                // Finished without this layer's event: only when it failed.
-                return match r.failures().next() {
-                    Some((k, f)) => Err(Error::Failed(
-                        f.context(format_args!("job {job} failed to load key {k}")),
-                    )),
-                    None => Ok(true),
-                };
+            if let Some(r) = settle(e) {
+                return r.map(Some);
             }
             if expired {
-                return Ok(false);
+                return Ok(None);
             }
             // After a timeout, one more look: the change may have come with it.
             (jobs, expired) = self.wait_for_change(jobs, job, deadline)?;
         }
+    }
+
+    /// For a load into GPU KV memory on the staged path: block until layer
+    /// `layer`'s bytes are read from the pool, verified, and their copy into
+    /// GPU memory is queued on kvtier's copy stream; then a compute stream
+    /// waits for that copy on the GPU with the returned mark
+    /// ([`CopyMark::queue_on_raw_stream`]), so the layer's attention starts
+    /// as soon as the copy is done while the host goes on launching.
+    /// [`LayerCopy::Settled`] when there is nothing for a stream to wait on:
+    /// the layer is already in memory or failed ([`Self::wait_layer`] says
+    /// which, at once), or the load is not a staged GPU load.
+    ///
+    /// Why the host waits for the copy to be queued rather than queuing a
+    /// wait on [`Self::load_counter`] at once: a stream memory wait is a
+    /// dependency CUDA cannot see, and its scheduler may then order
+    /// kvtier's copy behind the waiting stream (`cuStreamWaitValue32`'s
+    /// documented deadlock; a prefill on torch's default stream hung so on
+    /// an H200). Waiting on an event recorded after the copy cannot.
+    pub fn wait_layer_queued(&self, job: JobId, layer: u32) -> Result<LayerCopy> {
+        self.wait_layer_queued_until(job, layer, None)
+            .map(|c| c.unwrap_or(LayerCopy::Settled))
+    }
+
+    /// Like [`Self::wait_layer_queued`], but gives up after `timeout`:
+    /// `None` if the layer's copy is not queued by then.
+    pub fn wait_layer_queued_timeout(
+        &self,
+        job: JobId,
+        layer: u32,
+        timeout: Duration,
+    ) -> Result<Option<LayerCopy>> {
+        self.wait_layer_queued_until(job, layer, Some(Instant::now() + timeout))
+    }
+
+    fn wait_layer_queued_until(
+        &self,
+        job: JobId,
+        layer: u32,
+        deadline: Option<Instant>,
+    ) -> Result<Option<LayerCopy>> {
+        self.wait_on_layer(job, layer, deadline, |e| {
+            if e.layers_done > layer || matches!(e.phase, Phase::Finished(_)) {
+                return Some(Ok(LayerCopy::Settled));
+            }
+            e.layers_queued[(layer - e.layers.start) as usize]
+                .clone()
+                .map(|m| Ok(LayerCopy::Queued(m)))
+        })
     }
 
     /// For a load into GPU KV memory on the staged path: the load's own
@@ -965,6 +1048,7 @@ fn apply_released(jobs: &mut Jobs, released: Vec<(JobId, Result<JobId>)>, events
 /// Everything the I/O thread learned in one turn, applied under the job lock.
 struct Turn {
     released: Vec<(JobId, Result<JobId>)>,
+    layers_queued: Vec<tier::LayerQueued>,
     layer_events: Vec<tier::LayerDone>,
     finished: Vec<JobResult>,
     failed_backlog: Vec<u64>,
@@ -985,6 +1069,7 @@ fn io_main(shared: Arc<Shared>) -> Result<()> {
             let s = core.as_mut().expect("only this thread takes the scheduler");
             let mut turn = Turn {
                 released: Vec::new(),
+                layers_queued: Vec::new(),
                 layer_events: Vec::new(),
                 finished: Vec::new(),
                 failed_backlog: Vec::new(),
@@ -1007,10 +1092,12 @@ fn io_main(shared: Arc<Shared>) -> Result<()> {
             }
             turn.error = r.err();
             // Layer events before results: collecting a result drops its events.
+            turn.layers_queued = s.layers_queued();
             turn.layer_events = s.layer_events();
             turn.finished = s.get_finished();
             turn.again = s.completions_pending()
                 || !turn.released.is_empty()
+                || !turn.layers_queued.is_empty()
                 || !turn.layer_events.is_empty()
                 || !turn.finished.is_empty();
             (
@@ -1091,6 +1178,22 @@ fn apply_turn(shared: &Shared, turn: Turn, first_error: &mut Option<Error>) {
                 "the tier handle was dropped before this store was issued; nothing of it is stored",
             );
             jobs.finish(id, failed_result(keys, &why), &mut events);
+        }
+    }
+    for q in turn.layers_queued {
+        // As layer events below: only a running job's are news.
+        let Some(e) = jobs.entries.get_mut(&q.job) else {
+            continue;
+        };
+        if !matches!(e.phase, Phase::Running) {
+            continue;
+        }
+        if let Some(slot) = q
+            .layer
+            .checked_sub(e.layers.start)
+            .and_then(|li| e.layers_queued.get_mut(li as usize))
+        {
+            *slot = Some(q.mark);
         }
     }
     for ev in turn.layer_events {

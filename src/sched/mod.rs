@@ -19,7 +19,7 @@
 use crate::error::{Error, Result};
 use crate::gpu::wait::LoadCounter;
 use crate::pool::Key;
-use crate::tier::{JobId, JobKind, JobPath, JobResult, LayerDone, Tier};
+use crate::tier::{JobId, JobKind, JobPath, JobResult, LayerDone, LayerQueued, Tier};
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 
@@ -160,6 +160,11 @@ impl Scheduler {
     /// Move the path along without blocking.
     pub fn poll(&mut self) -> Result<()> {
         self.path.poll()
+    }
+
+    /// Layers whose copy into GPU memory was queued since the last call.
+    pub fn layers_queued(&mut self) -> Vec<LayerQueued> {
+        self.path.layers_queued()
     }
 
     /// Layers that reached memory since the last call.

@@ -11,7 +11,7 @@ use crate::error::{Error, ErrorKind, Failure, Result};
 use crate::gpu::staging::{CopyDesc, DeviceCopier};
 use crate::gpu::wait::LoadCounter;
 use crate::pool::Key;
-use crate::tier::{JobId, JobKind, JobResult, KeyOutcome, Tier};
+use crate::tier::{JobId, JobKind, JobResult, KeyOutcome, LayerQueued, Tier};
 
 /// A load goes through in *units*: unit `u` is chunk `u % chunks` of layer
 /// `u / chunks` (a chunk is up to `load_blocks` of the load's keys in
@@ -190,6 +190,20 @@ impl StagedPath {
                 let job = self.loads.get_mut(&id).expect("listed");
                 let u = job.next_submit;
                 if u >= job.units().end || job.skipped_from.is_some() {
+                    break;
+                }
+                // The first layer alone until it has landed: read together
+                // with the next layers it shares the disk with them and
+                // lands with them (about layer_buffers times the average
+                // layer's time, seen on an H200's disk and the CPU double),
+                // while a compute stream waits for it and nothing else.
+                let first = job.units().start;
+                let first_layer = first..first + job.chunks as u64;
+                if !first_layer.contains(&u)
+                    && first_layer
+                        .clone()
+                        .any(|x| x >= job.next_scatter && !job.landed.contains_key(&x))
+                {
                     break;
                 }
                 let buf = (u % b as u64) as u32;
@@ -406,6 +420,20 @@ impl StagedPath {
                     });
                 } else {
                     self.seq = seq;
+                    // A whole layer queued with nothing failed: a compute
+                    // stream may wait for it on the GPU from now on. (A
+                    // failed one only gets its event, once its copies are
+                    // done: the host then learns which blocks to drop. A
+                    // mark that cannot be recorded means the same.)
+                    if last && job.layer_error.is_none() {
+                        if let Ok(mark) = self.copier.mark() {
+                            self.queued.push(LayerQueued {
+                                job: id,
+                                layer: l,
+                                mark,
+                            });
+                        }
+                    }
                     job.copying.push_back(Copying {
                         unit: u,
                         seq,

@@ -49,7 +49,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use crate::gpu::staging::{CudaCopier, DeviceCopier, HostCopier};
-pub use crate::gpu::wait::{LayerWait, LoadCounter};
+pub use crate::gpu::wait::{CopyMark, LayerWait, LoadCounter};
 pub use buffers::StagingConfig;
 
 use crate::error::{Error, Failure, Result};
@@ -57,7 +57,9 @@ use crate::gpu::{check_gpu_kv_memory, CompletionCounter, Context};
 use crate::memory::{HostKvCache, KvMemory, MemoryKind};
 use crate::p2p::P2pTable;
 use crate::pool::Key;
-use crate::tier::{FinishedJobs, JobId, JobKind, JobPath, JobResult, LayerDone, Tier};
+use crate::tier::{
+    FinishedJobs, JobId, JobKind, JobPath, JobResult, LayerDone, LayerQueued, Tier,
+};
 use buffers::{Layout, StagingMemory};
 use load::LoadJob;
 use store::{StoreAgg, StoreJob};
@@ -100,6 +102,9 @@ pub struct StagedPath {
     stores: HashMap<JobId, StoreAgg>,
     finished: FinishedJobs,
     events: VecDeque<HbmLayer>,
+    /// Layers whose copies are queued (the GPU's: a compute stream waits on
+    /// the mark), before their `events` entry.
+    queued: Vec<LayerQueued>,
     seq: u32,
     next_job: JobId,
     /// Counters of finished loads, with the value each was left at.
@@ -253,6 +258,7 @@ impl StagedPath {
             stores: HashMap::new(),
             finished: FinishedJobs::default(),
             events: VecDeque::new(),
+            queued: Vec::new(),
             seq: 0,
             next_job: STAGED_JOB_BASE,
             spare_counters: Vec::new(),
@@ -489,6 +495,12 @@ impl StagedPath {
         self.events.drain(..).collect()
     }
 
+    /// Layers whose copy into KV memory was queued since the last call, in
+    /// layer order per load (each before its [`Self::layer_events`] entry).
+    pub fn layers_queued(&mut self) -> Vec<LayerQueued> {
+        std::mem::take(&mut self.queued)
+    }
+
     /// Results of jobs that ended, in the order they ended.
     pub fn get_finished(&mut self) -> Vec<JobResult> {
         self.finished.take_all()
@@ -695,6 +707,11 @@ impl StagedTier {
         self.path.layer_events()
     }
 
+    /// Layers whose copy was queued since the last call.
+    pub fn layers_queued(&mut self) -> Vec<LayerQueued> {
+        self.path.layers_queued()
+    }
+
     /// Jobs finished since the last call.
     pub fn get_finished(&mut self) -> Vec<JobResult> {
         self.path.get_finished()
@@ -742,6 +759,10 @@ impl JobPath for StagedTier {
 
     fn poll(&mut self) -> Result<()> {
         StagedTier::poll(self)
+    }
+
+    fn layers_queued(&mut self) -> Vec<LayerQueued> {
+        StagedTier::layers_queued(self)
     }
 
     fn layer_events(&mut self) -> Vec<LayerDone> {

@@ -196,6 +196,19 @@ pub struct LayerDone {
     pub error: Option<Failure>,
 }
 
+/// "Layer `layer` of load `job` is read and verified, and its copy into GPU
+/// memory is queued on kvtier's copy stream" (the staged path): a compute
+/// stream waits on `mark` rather than the host waiting for [`LayerDone`].
+#[derive(Clone)]
+pub struct LayerQueued {
+    /// The load.
+    pub job: JobId,
+    /// The layer.
+    pub layer: u32,
+    /// After the layer's copies on the copy stream.
+    pub mark: crate::gpu::wait::CopyMark,
+}
+
 /// The outcome of one key of a job.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum KeyOutcome {

@@ -11,7 +11,7 @@
 //! the caller can still take back is a store in the scheduler's backlog,
 //! which never reached a path.
 
-use super::{JobId, JobKind, JobResult, LayerDone, Tier};
+use super::{JobId, JobKind, JobResult, LayerDone, LayerQueued, Tier};
 use crate::error::Result;
 use crate::gpu::wait::LoadCounter;
 use crate::p2p::P2pTable;
@@ -85,6 +85,12 @@ pub trait JobPath: Send {
     /// thread (host memory), or `None` when the path takes them itself (the
     /// staged path, on the GPU as it gathers).
     fn caller_crc_table(&self) -> Option<Arc<P2pTable>>;
+
+    /// Layers whose copy into GPU memory was queued since the last call (the
+    /// staged path's loads; they come before those layers' [`LayerDone`]).
+    fn layers_queued(&mut self) -> Vec<LayerQueued> {
+        Vec::new()
+    }
 
     /// The GPU completion counter of load `id` a compute stream can wait on
     /// (the staged path's loads, while in flight); `None` elsewhere.

@@ -59,6 +59,11 @@ pub(crate) struct BenchArgs {
     /// keeps the window fixed.
     #[arg(long, default_value = "256m", value_parser = parse_io_size)]
     load_inflight_max: u64,
+    /// Bytes of a load's first layer in flight at once
+    /// (TierConfig::first_layer_inflight_bytes; at most half the layer, so
+    /// it lands in two parts and the first is hashed while the second reads).
+    #[arg(long, default_value = "8m", value_parser = parse_io_size)]
+    first_layer_inflight: u64,
     /// Where the KV memory is: host, or gpu (HBM of GPU 0, through pinned
     /// host staging: restore and store each beside the disk-alone and
     /// copy-alone ceilings of the same run; needs a CUDA GPU).
@@ -181,7 +186,8 @@ pub(crate) fn run_bench(a: BenchArgs) -> Result<i32> {
             .with_uring(uring_cfg(&a, 64))
             .with_max_io_bytes(a.max_io)
             .with_load_inflight_bytes(a.load_inflight)
-            .with_load_inflight_max_bytes(a.load_inflight_max),
+            .with_load_inflight_max_bytes(a.load_inflight_max)
+            .with_first_layer_inflight_bytes(a.first_layer_inflight),
         verify: !a.no_verify,
         cross_layer: a.cross_layer,
         store_job_blocks: a.store_job_blocks,
