@@ -210,6 +210,21 @@ fn gpu_store_staging_is_bounded() {
     not(kvtier_gpu_tests),
     ignore = "needs an NVIDIA GPU (none at build time): run with --include-ignored on one"
 )]
+fn gpu_store_chunks_overlap() {
+    let Some(ctx) = gpu("gpu_store_chunks_overlap") else {
+        return;
+    };
+    store_chunks_overlap(
+        &GpuRig::new(&ctx, HostLayout::PerLayer),
+        "gpu-staged-overlap",
+    );
+}
+
+#[test]
+#[cfg_attr(
+    not(kvtier_gpu_tests),
+    ignore = "needs an NVIDIA GPU (none at build time): run with --include-ignored on one"
+)]
 fn gpu_corrupt_block_is_caught() {
     let Some(ctx) = gpu("gpu_corrupt_block_is_caught") else {
         return;

@@ -67,6 +67,11 @@ fn double_store_staging_is_bounded() {
 }
 
 #[test]
+fn double_store_chunks_overlap() {
+    store_chunks_overlap(&HostRig::new(HostLayout::PerLayer), "staged-overlap");
+}
+
+#[test]
 fn double_corrupt_block_is_caught() {
     for l in LAYOUTS {
         corrupt_block_is_caught(&HostRig::new(l), &format!("staged-corrupt-{l:?}"));

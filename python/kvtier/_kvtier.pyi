@@ -65,8 +65,10 @@ class TierBuilder:
         dtype's element size, every layer the same number of blocks. Never
         resize a registered tensor's storage while the tier is open: kvtier
         would write memory torch freed."""
-    def staging(self, layer_buffers: int = 4, load_blocks: int | None = None, store_blocks: int | None = None) -> Self:
-        """Pinned host staging of the staged HBM path (CUDA tensors)."""
+    def staging(self, layer_buffers: int = 4, load_blocks: int | None = None, store_blocks: int | None = None, store_chunk_blocks: int | None = None) -> Self:
+        """Pinned host staging of the staged HBM path (CUDA tensors); stores go
+        in chunks of store_chunk_blocks (default: a quarter of store_blocks),
+        each gathered while the ones before are written."""
     def test_only_staged_host_double(self) -> Self:
         """TEST DOUBLE: CPU tensors given to kv_memory pose as GPU memory on
         the staged HBM path, the CPU doing the copy kernels' work. Never for serving."""

@@ -165,7 +165,12 @@ pub(crate) fn staging_blocks_arg(o: &Bound<'_, PyAny>) -> PyResult<Option<u32>> 
     if o.is_none() {
         return Ok(None);
     }
-    int_arg(o, "staging load_blocks/store_blocks", "1..2**32, or None").map(Some)
+    int_arg(
+        o,
+        "staging load_blocks/store_blocks/store_chunk_blocks",
+        "1..2**32, or None",
+    )
+    .map(Some)
 }
 
 /// A size in bytes: an int, or a string with a k/m/g/t/p suffix (powers of

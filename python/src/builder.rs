@@ -134,26 +134,36 @@ impl TierBuilder {
     /// Pinned host staging of the staged HBM path (CUDA KV tensors):
     /// `layer_buffers` layers of loads in flight (at least 2), each of up to
     /// `load_blocks` blocks (larger loads go in chunks), `store_blocks`
-    /// blocks of stores in flight.
-    /// Defaults: 4 buffers, min(blocks, 1024) and min(blocks, 64).
-    #[pyo3(signature = (layer_buffers = 4, load_blocks = None, store_blocks = None))]
+    /// blocks of stores in flight, in chunks of `store_chunk_blocks` (each
+    /// gathered while the ones before are written).
+    /// Defaults: 4 buffers, min(blocks, 1024), min(blocks, 64) and a quarter
+    /// of the store blocks.
+    #[pyo3(signature = (layer_buffers = 4, load_blocks = None, store_blocks = None, store_chunk_blocks = None))]
     fn staging(
         mut slf: PyRefMut<'_, Self>,
         #[pyo3(from_py_with = layer_buffers_arg)] layer_buffers: u32,
         #[pyo3(from_py_with = staging_blocks_arg)] load_blocks: Option<u32>,
         #[pyo3(from_py_with = staging_blocks_arg)] store_blocks: Option<u32>,
+        #[pyo3(from_py_with = staging_blocks_arg)] store_chunk_blocks: Option<u32>,
     ) -> PyResult<PyRefMut<'_, Self>> {
-        if layer_buffers < 2 || load_blocks == Some(0) || store_blocks == Some(0) {
+        if layer_buffers < 2
+            || load_blocks == Some(0)
+            || store_blocks == Some(0)
+            || store_chunk_blocks == Some(0)
+        {
             return Err(usage(format!(
-                "staging(layer_buffers={layer_buffers}, load_blocks={load_blocks:?}, store_blocks={store_blocks:?}): need at least 2 layer buffers and 1 block each"
+                "staging(layer_buffers={layer_buffers}, load_blocks={load_blocks:?}, store_blocks={store_blocks:?}, store_chunk_blocks={store_chunk_blocks:?}): need at least 2 layer buffers and 1 block each"
             )));
         }
-        // Block counts left out follow the memory's size at build.
-        slf.staging = Some(StagingConfig::new(
-            layer_buffers,
-            load_blocks.unwrap_or(0),
-            store_blocks.unwrap_or(0),
-        ));
+        // Block counts left out (0 here) follow the memory's size at build.
+        slf.staging = Some(
+            StagingConfig::new(
+                layer_buffers,
+                load_blocks.unwrap_or(0),
+                store_blocks.unwrap_or(0),
+            )
+            .with_store_chunk_blocks(store_chunk_blocks.unwrap_or(0)),
+        );
         Ok(slf)
     }
 
@@ -550,19 +560,31 @@ impl TierBuilder {
                 let m = memory_of(g, &regions, &layout, kind, copies_only)?;
                 if let Some(s) = slf.staging {
                     let d = StagingConfig::for_blocks(m.num_blocks);
-                    b = b.staging(StagingConfig::new(
-                        s.layer_buffers,
-                        if s.load_blocks == 0 {
-                            d.load_blocks
-                        } else {
-                            s.load_blocks
-                        },
-                        if s.store_blocks == 0 {
-                            d.store_blocks
-                        } else {
-                            s.store_blocks
-                        },
-                    ));
+                    let store = if s.store_blocks == 0 {
+                        d.store_blocks
+                    } else {
+                        s.store_blocks
+                    };
+                    b = b.staging(
+                        StagingConfig::new(
+                            s.layer_buffers,
+                            if s.load_blocks == 0 {
+                                d.load_blocks
+                            } else {
+                                s.load_blocks
+                            },
+                            store,
+                        )
+                        // By default 4 chunks in the store area, so gathers
+                        // overlap writes.
+                        .with_store_chunk_blocks(
+                            if s.store_chunk_blocks == 0 {
+                                store.div_ceil(4)
+                            } else {
+                                s.store_chunk_blocks
+                            },
+                        ),
+                    );
                 }
                 let gpu = match kind {
                     MemoryKind::Gpu { ordinal } => Some(gpu_context(py, ordinal)?),

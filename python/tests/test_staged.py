@@ -135,6 +135,41 @@ def test_double_load_larger_than_staging_goes_in_chunks(tmp_path, tiny_model):
     tier.close()
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 4])
+def test_double_store_chunks_of_a_store_area(tmp_path, tiny_model, chunk):
+    """A store area of 4 blocks in chunks of 1, 2 (several in flight) or 4
+    stores 7 blocks whole; a chunk larger than the area is refused, naming it."""
+    t = cache("per_layer", 14)
+    tier = (
+        builder(tmp_path, tiny_model)
+        .staging(layer_buffers=2, load_blocks=4, store_blocks=4, store_chunk_blocks=chunk)
+        .kv_memory(t)
+        .build()
+    )
+    keys = [i + 1 for i in range(7)]
+    src = list(range(7))
+    want = {(b, l): block_layer(t, "per_layer", b, l).clone() for b in src for l in range(LAYERS)}
+    assert tier.wait(tier.submit_store(keys, src)).ok
+    dst = list(range(7, 14))
+    assert tier.lookup_and_pin(keys) == 7
+    job = tier.submit_load(keys, dst)
+    assert tier.wait(job).ok
+    tier.unpin(keys)
+    for s, d in zip(src, dst):
+        for l in range(LAYERS):
+            assert torch.equal(block_layer(t, "per_layer", d, l), want[(s, l)])
+    tier.close()
+
+
+def test_double_store_chunk_larger_than_the_area_is_refused(tmp_path, tiny_model):
+    b = builder(tmp_path, tiny_model).staging(layer_buffers=2, load_blocks=4, store_blocks=4,
+                                              store_chunk_blocks=8)
+    with pytest.raises(Exception, match="store_chunk_blocks"):
+        b.kv_memory(cache("per_layer", 8)).build()
+    with pytest.raises(Exception, match="store_chunk_blocks"):
+        builder(tmp_path, tiny_model).staging(store_chunk_blocks=0)
+
+
 def bad(tmp_path, model, tensors, layout="per_layer", double=True):
     return builder(tmp_path, model, double).kv_memory(tensors, layout=layout).build()
 

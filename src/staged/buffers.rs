@@ -20,30 +20,41 @@ pub struct StagingConfig {
     /// Blocks of one layer a layer buffer holds; a larger load goes through
     /// in chunks of this many per layer (each a buffer's turn).
     pub load_blocks: u32,
-    /// Blocks the stores in flight may hold in staging (all layers each);
-    /// a larger store goes out in chunks of this many.
+    /// Blocks the stores in flight may hold in staging (all layers each).
     pub store_blocks: u32,
+    /// Blocks of one store chunk (one gather, one tier store); 0: the
+    /// whole store area. A store goes out in chunks of this many, as many
+    /// at once as the store area holds, so the gather of one chunk runs
+    /// while the chunks before it are written (one chunk of the whole area
+    /// serializes them: gather, write, gather, write).
+    #[serde(default)]
+    pub store_chunk_blocks: u32,
 }
 
 impl StagingConfig {
     /// `layer_buffers` layer buffers of `load_blocks` blocks each (larger
-    /// loads go in chunks), stores in chunks of `store_blocks` (checked when
-    /// the staged path opens).
+    /// loads go in chunks), stores in chunks of `store_blocks`, one at a
+    /// time (see [`Self::with_store_chunk_blocks`]; checked when the staged
+    /// path opens).
     pub fn new(layer_buffers: u32, load_blocks: u32, store_blocks: u32) -> StagingConfig {
         StagingConfig {
             layer_buffers,
             load_blocks,
             store_blocks,
+            store_chunk_blocks: 0,
         }
     }
 
     /// Defaults for KV memory of `num_blocks` blocks: 4 layer buffers of
-    /// 1024 blocks (larger loads go in chunks), stores in chunks of 64.
+    /// 1024 blocks (larger loads go in chunks), a store area of 64 blocks
+    /// holding 4 chunks of 16 (so gathers overlap writes).
     pub fn for_blocks(num_blocks: u32) -> StagingConfig {
+        let store_blocks = num_blocks.clamp(1, 64);
         StagingConfig {
             layer_buffers: 4,
             load_blocks: num_blocks.clamp(1, 1024),
-            store_blocks: num_blocks.clamp(1, 64),
+            store_blocks,
+            store_chunk_blocks: store_blocks.div_ceil(4),
         }
     }
 
@@ -66,6 +77,22 @@ impl StagingConfig {
     pub fn with_store_blocks(mut self, store_blocks: u32) -> Self {
         self.store_blocks = store_blocks;
         self
+    }
+
+    /// With stores in chunks of `blocks` (at most `store_blocks`; 0: the
+    /// whole store area, one chunk at a time).
+    #[must_use]
+    pub fn with_store_chunk_blocks(mut self, blocks: u32) -> Self {
+        self.store_chunk_blocks = blocks;
+        self
+    }
+
+    /// Blocks of one store chunk.
+    pub fn store_chunk(&self) -> u32 {
+        match self.store_chunk_blocks {
+            0 => self.store_blocks,
+            n => n.min(self.store_blocks),
+        }
     }
 
     /// Bytes of pinned host memory this staging takes for `g` (`u64::MAX`
@@ -93,6 +120,12 @@ impl StagingConfig {
             return Err(Error::invalid(format!(
                 "staging of {} layer buffers, {} load blocks, {} store blocks: need at least 2 layer buffers and 1 block each",
                 self.layer_buffers, self.load_blocks, self.store_blocks
+            )));
+        }
+        if self.store_chunk_blocks > self.store_blocks {
+            return Err(Error::invalid(format!(
+                "staging store chunks of {} blocks in a store area of {}: a chunk must fit the area; lower StagingConfig::store_chunk_blocks or raise store_blocks",
+                self.store_chunk_blocks, self.store_blocks
             )));
         }
         // Saturating: each factor is a u32, the sum of products fits a u64
@@ -255,6 +288,7 @@ mod tests {
             layer_buffers: 2,
             load_blocks: 3,
             store_blocks: 2,
+            store_chunk_blocks: 0,
         };
         let obj = g.object_bytes();
         let l = Layout::new(&g, &cfg, 1 << 30);

@@ -30,7 +30,11 @@
 //! area (`store_blocks` blocks, all layers each) and computes each object's
 //! crc32c on the GPU; the per-layer checksums the headers record are
 //! combined from those, and the tier writes the staged bytes with its crash
-//! protocol. Blocks stored from HBM are thus verifiable like any other.
+//! protocol. Blocks stored from HBM are thus verifiable like any other. A
+//! store goes in chunks of `store_chunk()` blocks, each one gather and one
+//! tier store, as many in flight as the area holds: the gather of chunk
+//! n+1 runs while chunk n is written (a chunk of the whole area serialized
+//! them, the disk idle during each gather and the copier during each write).
 //!
 //! The copies go through a [`DeviceCopier`]: [`CudaCopier`] on a GPU, or
 //! [`HostCopier`], the CPU test double, against host memory standing in for
@@ -105,6 +109,11 @@ pub struct StagedPath {
     next_job: JobId,
     /// Counters of finished loads, with the value each was left at.
     spare_counters: Vec<(Arc<CompletionCounter>, u32)>,
+    /// With `KVTIER_TRACE_STORES` set: when the path opened; each store
+    /// chunk's gather and end are printed to stderr in ms since then (the
+    /// tier prints each chunk's own steps), to see whether gathers and
+    /// writes overlap.
+    store_trace: Option<std::time::Instant>,
     _target_owner: Option<Arc<HostKvCache>>,
 }
 
@@ -253,6 +262,7 @@ impl StagedPath {
             seq: 0,
             next_job: STAGED_JOB_BASE,
             spare_counters: Vec::new(),
+            store_trace: std::env::var_os("KVTIER_TRACE_STORES").map(|_| std::time::Instant::now()),
             _target_owner: None,
         })
     }
@@ -331,6 +341,16 @@ impl StagedPath {
             job.tier_jobs_out -= 1;
             job.landed.insert(u, (live, Some(r)));
         } else if let Some(s) = self.store_jobs.remove(&r.job) {
+            if let Some(t0) = self.store_trace {
+                eprintln!(
+                    "kvtier staged store {}: chunk at key {} (tier store {}) ended at {:.2} ms, {} chunks still out",
+                    s.id,
+                    s.offset,
+                    r.job,
+                    t0.elapsed().as_secs_f64() * 1e3,
+                    self.store_jobs.len()
+                );
+            }
             self.store_free.extend(s.places);
             if let Some(a) = self.stores.get_mut(&s.id) {
                 for (i, o) in r.outcomes.into_iter().enumerate() {
@@ -512,6 +532,12 @@ impl StagedPath {
     /// Loads in flight.
     pub fn loads_in_flight(&self) -> usize {
         self.loads.len()
+    }
+
+    /// Chunks of staged stores gathered and handed to the tier whose tier
+    /// stores have not been seen to end (each holds its store places).
+    pub fn store_chunks_in_flight(&self) -> usize {
+        self.store_jobs.len()
     }
 
     /// The first of `blocks` (of the KV memory served) that a staged job of

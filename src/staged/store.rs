@@ -8,7 +8,8 @@ use crate::gpu::staging::CopyDesc;
 use crate::pool::Key;
 use crate::tier::{JobId, JobKind, JobResult, KeyOutcome, Tier};
 
-/// One tier store of a staged store: a chunk of at most `store_blocks` keys.
+/// One tier store of a staged store: a chunk of at most
+/// `StagingConfig::store_chunk()` keys.
 pub(super) struct StoreJob {
     pub(super) id: JobId,
     /// Position of the chunk's first key in the staged store.
@@ -31,8 +32,10 @@ pub(super) struct StoreAgg {
 impl StagedPath {
     /// Start storing `keys` from the KV memory's `mem_blocks` (all layers).
     /// The blocks are gathered into staging with their checksums (on the
-    /// GPU) in chunks of `store_blocks`, as store staging has room: what
-    /// fits now is gathered before this returns, the rest by later polls,
+    /// GPU) in chunks of `StagingConfig::store_chunk()`, as store staging
+    /// has room (several chunks at once when the store area holds several,
+    /// each gathered while the ones before are written): what fits now is
+    /// gathered before this returns, the rest by later polls,
     /// so the memory blocks must not be written until the store ends (loads
     /// into blocks not yet gathered are refused). Nothing here waits for a
     /// device: a caller holding a lock (the handle's I/O thread holds the
@@ -91,7 +94,7 @@ impl StagedPath {
     /// staging has room for now. An error only for its first chunk (then
     /// nothing of the store went out); a later chunk's fails its keys.
     pub(super) fn push_chunks(&mut self, tier: &mut Tier, id: JobId) -> Result<()> {
-        let chunk = self.cfg.store_blocks as usize;
+        let chunk = self.cfg.store_chunk() as usize;
         loop {
             let Some(a) = self.stores.get_mut(&id) else {
                 return Ok(());
@@ -247,8 +250,18 @@ impl StagedPath {
                 }
             }
         }
+        let t_gather = self.store_trace.map(|t0| t0.elapsed());
         self.copier.gather_crc32c(&list)?;
         let crcs = self.copier.finish()?;
+        if let (Some(t0), Some(a)) = (self.store_trace, t_gather) {
+            eprintln!(
+                "kvtier staged store: gathered {} blocks {:.2}..{:.2} ms ({} chunks out before it)",
+                keys.len(),
+                a.as_secs_f64() * 1e3,
+                t0.elapsed().as_secs_f64() * 1e3,
+                self.store_jobs.len()
+            );
+        }
         if crcs.len() != list.len() {
             return Err(Error::gpu(
                 "staging gather",

@@ -235,6 +235,44 @@ pub fn store_staging_is_bounded(rig: &dyn KvRig, tag: &str) {
     }
 }
 
+/// A store area of several chunks keeps several chunks' writes in flight:
+/// submitting a store of 10 blocks into an area of 8 in chunks of 2 hands
+/// 4 chunks to the tier before returning (each gathered while the ones
+/// before are being written), the fifth once one of them ends; every key
+/// is stored whole. One chunk of the whole area (the old staging) had one
+/// write in flight, its disk idle while the next chunk was gathered.
+pub fn store_chunks_overlap(rig: &dyn KvRig, tag: &str) {
+    let dir = TempDir::new(tag);
+    let (mut st, _) = staged_over(rig, &dir, config(2, 8, 8).with_store_chunk_blocks(2));
+    let ks: Vec<u64> = (300..310).collect();
+    let mem: Vec<u32> = (0..10).collect();
+    for (k, &b) in ks.iter().zip(&mem) {
+        fill(rig, b, seed_of(*k));
+    }
+    let j = st.submit_store(&keys(&ks), &mem).unwrap();
+    assert_eq!(
+        st.path().store_chunks_in_flight(),
+        4,
+        "chunks of 2 in an area of 8: 4 writes in flight at once"
+    );
+    let r = st.wait(j).unwrap();
+    assert!(r.outcomes.iter().all(|o| *o == KeyOutcome::Done), "{r:?}");
+    assert_eq!(st.path().store_chunks_in_flight(), 0);
+    rig.clear();
+    let layers = rig.geometry().layers;
+    let j = st.submit_load(&keys(&ks), &mem, 0..layers).unwrap();
+    assert!(st.wait(j).unwrap().all_ok());
+    for (k, &b) in ks.iter().zip(&mem) {
+        assert!(matches(rig, b, seed_of(*k), 0..layers), "key {k}");
+    }
+    // The defaults keep several chunks in flight too.
+    let d = StagingConfig::for_blocks(rig.num_blocks());
+    assert!(
+        d.store_blocks / d.store_chunk() >= 2 || d.store_blocks == 1,
+        "{d:?}"
+    );
+}
+
 /// A block whose bytes on the SSD changed after the store is caught when
 /// its layer lands in staging (Corrupt, never copied on), the layer's event
 /// says so, the other keys load whole, and the block leaves the pool.

@@ -429,8 +429,11 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
                     &path.display().to_string(),
                     planned,
                     &mem,
-                    cfg.tier.max_io_bytes,
-                    &cfg.tier.uring,
+                    &rewrite::StoreShape {
+                        job_blocks: cfg.store_job_blocks as usize,
+                        max_io_bytes: cfg.tier.max_io_bytes,
+                        uring: &cfg.tier.uring,
+                    },
                 ) {
                     Ok(r) => first_write = Some(r.durable_gib_s),
                     Err(e) => skipped.push(format!(
@@ -490,8 +493,11 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
                 &path.display().to_string(),
                 &keys,
                 &mem,
-                cfg.tier.max_io_bytes,
-                &cfg.tier.uring,
+                &rewrite::StoreShape {
+                    job_blocks: cfg.store_job_blocks as usize,
+                    max_io_bytes: cfg.tier.max_io_bytes,
+                    uring: &cfg.tier.uring,
+                },
             ) {
                 Ok(r) => reference = Some(r),
                 Err(e) => skipped.push(format!(

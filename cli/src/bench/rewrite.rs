@@ -26,20 +26,23 @@ pub(crate) struct Write {
     pub segs: Vec<u32>,
 }
 
-/// Objects `(offset, segment)` of `object_bytes` each, sorted by offset and
-/// merged where adjacent into writes of at most `max_io_bytes` and
-/// `max_segs` segments (as the store's plan coalesces its data).
+/// Objects `(offset, segment, job)` of `object_bytes` each, sorted by
+/// offset and merged where adjacent and of one store job into writes of at
+/// most `max_io_bytes` and `max_segs` segments (as the store's plan
+/// coalesces its data: each job on its own).
 pub(crate) fn coalesce(
-    mut objects: Vec<(u64, u32)>,
+    mut objects: Vec<(u64, u32, usize)>,
     object_bytes: u64,
     max_io_bytes: u64,
     max_segs: usize,
 ) -> Vec<Write> {
     objects.sort_unstable();
     let mut out: Vec<Write> = Vec::new();
-    for (off, seg) in objects {
+    let mut last_job = usize::MAX;
+    for (off, seg, job) in objects {
         if let Some(w) = out.last_mut() {
-            if w.offset + w.len as u64 == off
+            if job == last_job
+                && w.offset + w.len as u64 == off
                 && w.len as u64 + object_bytes <= max_io_bytes
                 && w.segs.len() < max_segs
             {
@@ -53,8 +56,18 @@ pub(crate) fn coalesce(
             len: object_bytes as u32,
             segs: vec![seg],
         });
+        last_job = job;
     }
     out
+}
+
+/// How the store being held to the rewrite wrote: jobs of `job_blocks`
+/// keys (a staged store's chunks, a host store's jobs), each coalesced on
+/// its own into I/Os of at most `max_io_bytes`, at the engine's depth.
+pub(crate) struct StoreShape<'a> {
+    pub job_blocks: usize,
+    pub max_io_bytes: u64,
+    pub uring: &'a UringConfig,
 }
 
 /// GiB/s of the rewrite without its flush and with it.
@@ -71,8 +84,7 @@ pub(crate) fn rewrite_stored(
     name: &str,
     keys: &[Key],
     mem: &[u32],
-    max_io_bytes: u64,
-    uring: &UringConfig,
+    shape: &StoreShape,
 ) -> Result<Rewrite> {
     let slots = {
         let ix = tier.pool().index();
@@ -84,7 +96,45 @@ pub(crate) fn rewrite_stored(
             })
             .collect::<Result<Vec<u64>>>()?
     };
-    rewrite_slots(tier, file, name, &slots, mem, max_io_bytes, uring)
+    rewrite_slots(tier, file, name, &slots, mem, shape)
+}
+
+/// The writes of the data of `slots` (`slots[i]` from memory block
+/// `mem[i]` of `table`), stored as jobs of `job_blocks` keys in order: each
+/// object at its offset, merged where adjacent and of one job into writes
+/// of at most `max_io_bytes` and the store plan's segment cap, as the
+/// store plans its data step. One-file pools only.
+pub(crate) fn plan_writes(
+    tier: &Tier,
+    table: &kvtier::p2p::P2pTable,
+    slots: &[u64],
+    mem: &[u32],
+    job_blocks: usize,
+    max_io_bytes: u64,
+) -> Result<Vec<Write>> {
+    let pool = tier.pool();
+    let layout = pool.layout();
+    let geo = *pool.geometry();
+    let mut objects = Vec::with_capacity(slots.len() * geo.objects_per_block() as usize);
+    for (i, (&slot, &m)) in slots.iter().zip(mem).enumerate() {
+        for layer in 0..geo.layers {
+            for kv in 0..2 {
+                let (dev, off) = layout.object_offset(slot, layer, kv);
+                if dev != 0 {
+                    return Err(Error::invalid(
+                        "the rewrite reference needs a one-file pool",
+                    ));
+                }
+                objects.push((off, table.index(m, layer, kv), i / job_blocks.max(1)));
+            }
+        }
+    }
+    Ok(coalesce(
+        objects,
+        geo.object_bytes(),
+        max_io_bytes,
+        IOCB_MAX_SEGS.min(1024),
+    ))
 }
 
 /// [`rewrite_stored`] to the data of `slots` (`slots[i]` from `mem[i]`).
@@ -94,38 +144,21 @@ pub(crate) fn rewrite_slots(
     name: &str,
     slots: &[u64],
     mem: &[u32],
-    max_io_bytes: u64,
-    uring: &UringConfig,
+    shape: &StoreShape,
 ) -> Result<Rewrite> {
     let table = tier
         .p2p_table()
         .ok_or_else(|| Error::invalid("the tier has no registered memory to rewrite from"))?
         .clone();
-    let pool = tier.pool();
-    let layout = pool.layout();
-    let geo = *pool.geometry();
-    let mut objects = Vec::with_capacity(slots.len() * geo.objects_per_block() as usize);
-    {
-        for (&slot, &m) in slots.iter().zip(mem) {
-            for layer in 0..geo.layers {
-                for kv in 0..2 {
-                    let (dev, off) = layout.object_offset(slot, layer, kv);
-                    if dev != 0 {
-                        return Err(Error::invalid(
-                            "the rewrite reference needs a one-file pool",
-                        ));
-                    }
-                    objects.push((off, table.index(m, layer, kv)));
-                }
-            }
-        }
-    }
-    let writes = coalesce(
-        objects,
-        geo.object_bytes(),
-        max_io_bytes,
-        IOCB_MAX_SEGS.min(1024),
-    );
+    let writes = plan_writes(
+        tier,
+        &table,
+        slots,
+        mem,
+        shape.job_blocks,
+        shape.max_io_bytes,
+    )?;
+    let uring = shape.uring;
     let fd = file
         .as_fd()
         .try_clone_to_owned()
@@ -205,7 +238,13 @@ mod tests {
     /// order whatever order they came in; a gap starts a new write.
     #[test]
     fn objects_merge_like_the_store_plans_them() {
-        let objs = vec![(8192, 3), (0, 1), (4096, 2), (12288, 4), (20480, 5)];
+        let objs = vec![
+            (8192, 3, 0),
+            (0, 1, 0),
+            (4096, 2, 0),
+            (12288, 4, 0),
+            (20480, 5, 0),
+        ];
         let w = coalesce(objs, 4096, 8192, 1024);
         let got: Vec<(u64, u32, Vec<u32>)> =
             w.into_iter().map(|w| (w.offset, w.len, w.segs)).collect();
@@ -217,7 +256,19 @@ mod tests {
                 (20480, 4096, vec![5])
             ]
         );
-        let w = coalesce(vec![(0, 1), (4096, 2), (8192, 3)], 4096, 1 << 20, 2);
+        let w = coalesce(
+            vec![(0, 1, 0), (4096, 2, 0), (8192, 3, 0)],
+            4096,
+            1 << 20,
+            2,
+        );
         assert_eq!(w.len(), 2, "at most 2 segments per write");
+        let w = coalesce(
+            vec![(0, 1, 0), (4096, 2, 1), (8192, 3, 1)],
+            4096,
+            1 << 20,
+            8,
+        );
+        assert_eq!(w.len(), 2, "objects of two store jobs never merge");
     }
 }
