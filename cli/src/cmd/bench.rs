@@ -56,8 +56,8 @@ pub(crate) struct BenchArgs {
     load_inflight: u64,
     /// The most the in-flight window grows to while later layers arrive
     /// faster (TierConfig::load_inflight_max_bytes); equal to --load-inflight
-    /// keeps the window fixed.
-    #[arg(long, default_value = "256m", value_parser = parse_io_size)]
+    /// (the default) keeps the window fixed; e.g. 256m lets it adapt.
+    #[arg(long, default_value = "32m", value_parser = parse_io_size)]
     load_inflight_max: u64,
     /// Bytes of a load's first layer in flight at once
     /// (TierConfig::first_layer_inflight_bytes; at most half the layer, so
