@@ -375,15 +375,7 @@ pub fn run(
             .with_prewrite(cfg.prewrite),
         files()?,
         per_dev,
-        &mut |done, total| {
-            if done == 0 || done == total || done % (1 << 30) == 0 {
-                progress(&format!(
-                    "prewriting the pool files: {} of {}",
-                    human_bytes(done),
-                    human_bytes(total)
-                ))
-            }
-        },
+        &mut |done, total| super::prewrite_progress(&mut progress, done, total),
     )?;
     check_scratch_pool(&pool, &scratch)?;
     let slots = pool.index().total_slots();

@@ -240,6 +240,17 @@ fn cpu_seconds() -> f64 {
     user + sys
 }
 
+/// A progress line for a pool's prewrite: at its start, its end and every GiB.
+pub(crate) fn prewrite_progress(progress: &mut impl FnMut(&str), done: u64, total: u64) {
+    if done == 0 || done == total || done % (1 << 30) == 0 {
+        progress(&format!(
+            "prewriting the pool files: {} of {}",
+            human_bytes(done),
+            human_bytes(total)
+        ))
+    }
+}
+
 pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchReport> {
     let geo = cfg.geometry;
     crate::cli::make_dir(&cfg.dir)?;
@@ -320,15 +331,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
                 &pool_cfg(Vec::new(), false),
                 files,
                 per_dev,
-                &mut |done, total| {
-                    if done == 0 || done == total || done % (1 << 30) == 0 {
-                        progress(&format!(
-                            "prewriting the pool files: {} of {}",
-                            human_bytes(done),
-                            human_bytes(total)
-                        ))
-                    }
-                },
+                &mut |done, total| prewrite_progress(&mut progress, done, total),
             )?;
             check_scratch_pool(&pool, &scratch)?;
             (pool, None)
