@@ -1141,3 +1141,28 @@ fn double_first_layer_is_read_alone() {
         }
     }
 }
+
+/// A caller that never collects the copy marks does not gather them: after
+/// many loads, only the last finished load's marks are still held (each
+/// would hold a CUDA event on a GPU).
+#[test]
+fn double_uncollected_marks_are_bounded() {
+    let rig = HostRig::new(HostLayout::PerLayer);
+    let g = rig.geometry();
+    let dir = common::TempDir::new("staged-marks-bounded");
+    let (mut st, _) = staged_over(&rig, &dir, config(2, 8, 8));
+    let ks: Vec<u64> = (700..704).collect();
+    let mem: Vec<u32> = (0..4).collect();
+    store_all(&rig, &mut st, &ks, &mem, 4);
+    for _ in 0..20 {
+        let job = st.submit_load(&keys(&ks), &mem, 0..g.layers).unwrap();
+        assert!(st.wait(job).unwrap().all_ok());
+    }
+    let held = st.layers_queued();
+    assert!(
+        held.len() <= g.layers as usize,
+        "{} marks held after 20 loads of {} layers",
+        held.len(),
+        g.layers
+    );
+}

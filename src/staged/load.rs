@@ -485,6 +485,15 @@ impl StagedPath {
                 done.push(id);
             }
         }
+        if !done.is_empty() {
+            // Marks of loads that finished earlier and were never collected
+            // only hold CUDA events: a caller that never collects them must
+            // not gather one per layer of every load. (Those of the loads
+            // finishing now stay for the next collection, with their
+            // layers' events.)
+            let loads = &self.loads;
+            self.queued.retain(|q| loads.contains_key(&q.job));
+        }
         for id in done {
             let job = self.loads.remove(&id).expect("listed");
             tier.release_job_keys(&job.keys, &job.slots);
