@@ -601,23 +601,12 @@ impl TierHandle {
     }
 
     fn check_blocks(&self, keys: &[Key], mem_blocks: &[u32]) -> Result<()> {
-        if keys.is_empty() {
-            return Err(Error::invalid("a job needs at least one key"));
-        }
-        if keys.len() != mem_blocks.len() {
-            return Err(Error::invalid(format!(
-                "{} keys but {} memory blocks: give one memory block per key",
-                keys.len(),
-                mem_blocks.len()
-            )));
-        }
-        let n = self.shared.mem_blocks;
-        if let Some(&b) = mem_blocks.iter().find(|&&b| b >= n) {
-            return Err(Error::invalid(format!(
-                "memory block {b} is out of range: the registered KV memory has {n} blocks (0..{n})"
-            )));
-        }
-        Ok(())
+        tier::check_job_blocks(
+            keys,
+            mem_blocks,
+            self.shared.mem_blocks,
+            "the registered KV memory",
+        )
     }
 
     fn check_open(&self, jobs: &Jobs) -> Result<()> {

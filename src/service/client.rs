@@ -23,7 +23,7 @@ use crate::memory::{KvLayout, KvMemory, MemoryKind};
 use crate::model::KvGeometry;
 use crate::pool::Key;
 use crate::staged::LoadCounter;
-use crate::tier::{JobKind, JobResult};
+use crate::tier::{check_job_blocks, JobKind, JobResult};
 use std::collections::HashMap;
 use std::io::Write;
 use std::ops::Range;
@@ -293,23 +293,12 @@ impl ServiceClient {
     }
 
     fn check_blocks(&self, keys: &[Key], blocks: &[u32]) -> Result<()> {
-        if keys.is_empty() {
-            return Err(Error::invalid("a job needs at least one key"));
-        }
-        if keys.len() != blocks.len() {
-            return Err(Error::invalid(format!(
-                "{} keys but {} memory blocks: give one memory block per key",
-                keys.len(),
-                blocks.len()
-            )));
-        }
-        let n = self.memory_blocks();
-        if let Some(&b) = blocks.iter().find(|&&b| b >= n) {
-            return Err(Error::invalid(format!(
-                "memory block {b} is out of range: this client shares {n} blocks with the service (0..{n})"
-            )));
-        }
-        Ok(())
+        check_job_blocks(
+            keys,
+            blocks,
+            self.memory_blocks(),
+            "the memory this client shares with the service",
+        )
     }
 
     /// Send `req` and wait for its answer.

@@ -58,7 +58,7 @@ use crate::memory::{HostKvCache, KvMemory, MemoryKind};
 use crate::p2p::P2pTable;
 use crate::pool::Key;
 use crate::tier::{
-    FinishedJobs, JobId, JobKind, JobPath, JobResult, LayerDone, LayerQueued, Tier,
+    check_job_blocks, FinishedJobs, JobId, JobKind, JobPath, JobResult, LayerDone, LayerQueued, Tier,
 };
 use buffers::{Layout, StagingMemory};
 use load::LoadJob;
@@ -310,26 +310,16 @@ impl StagedPath {
     }
 
     fn check_blocks(&self, keys: &[Key], blocks: &[u32], most: u32, what: &str) -> Result<()> {
-        if keys.len() != blocks.len() {
-            return Err(Error::invalid(format!(
-                "{} keys but {} memory blocks: give one memory block per key",
-                keys.len(),
-                blocks.len()
-            )));
-        }
-        if keys.is_empty() {
-            return Err(Error::invalid("a job needs at least one key"));
-        }
+        check_job_blocks(
+            keys,
+            blocks,
+            self.target.num_blocks,
+            "the registered KV memory",
+        )?;
         if keys.len() > most as usize {
             return Err(Error::invalid(format!(
                 "a {what} of {} blocks exceeds the staging's {most}; split the job or raise StagingConfig::{what}_blocks",
                 keys.len()
-            )));
-        }
-        if let Some(&b) = blocks.iter().find(|&&b| b >= self.target.num_blocks) {
-            return Err(Error::invalid(format!(
-                "memory block {b} is out of range: the registered KV memory has {} blocks",
-                self.target.num_blocks
             )));
         }
         Ok(())

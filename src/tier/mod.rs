@@ -189,6 +189,34 @@ pub enum JobKind {
     Store,
 }
 
+/// Refuses a job unless its keys and memory blocks pair one to one, there
+/// is at least one, and every block is below `num_blocks`; `memory` names
+/// what holds those blocks. Every way a job comes in (tier, staged path,
+/// handle, service client) checks it so.
+pub(crate) fn check_job_blocks(
+    keys: &[Key],
+    blocks: &[u32],
+    num_blocks: u32,
+    memory: &str,
+) -> Result<()> {
+    if keys.len() != blocks.len() {
+        return Err(Error::invalid(format!(
+            "{} keys but {} memory blocks: give one memory block per key",
+            keys.len(),
+            blocks.len()
+        )));
+    }
+    if keys.is_empty() {
+        return Err(Error::invalid("a job needs at least one key"));
+    }
+    if let Some(&b) = blocks.iter().find(|&&b| b >= num_blocks) {
+        return Err(Error::invalid(format!(
+            "memory block {b} is out of range: {memory} has {num_blocks} blocks (0..{num_blocks})"
+        )));
+    }
+    Ok(())
+}
+
 /// "Layer `layer` of load `job` is in memory", or failed to load.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LayerDone {
@@ -563,24 +591,12 @@ impl Tier {
 
     pub(super) fn check_mem_blocks(&self, keys: &[Key], mem_blocks: &[u32]) -> Result<()> {
         let table = self.table()?;
-        if keys.len() != mem_blocks.len() {
-            return Err(Error::invalid(format!(
-                "{} keys but {} memory blocks: give one memory block per key",
-                keys.len(),
-                mem_blocks.len()
-            )));
-        }
-        if keys.is_empty() {
-            return Err(Error::invalid("a job needs at least one key"));
-        }
-        if let Some(&b) = mem_blocks.iter().find(|&&b| b >= table.num_blocks()) {
-            return Err(Error::invalid(format!(
-                "memory block {b} is out of range: the registered KV memory has {} blocks (0..{})",
-                table.num_blocks(),
-                table.num_blocks()
-            )));
-        }
-        Ok(())
+        check_job_blocks(
+            keys,
+            mem_blocks,
+            table.num_blocks(),
+            "the registered KV memory",
+        )
     }
 
     /// After a job is created its id must reach the caller, so an engine
