@@ -126,6 +126,16 @@ fn service_child() {
         let _ = writeln!(o, "{s}");
         let _ = o.flush();
     };
+    if role == "pin-only" {
+        // A scheduler's connection: lookup-only, pins, then waits to be killed.
+        let c = ServiceClient::connect_lookup_only(sock).unwrap();
+        say(format!(
+            "PINNED {}",
+            c.lookup_and_pin(&keys(first..first + n))
+        ));
+        std::thread::sleep(Duration::from_secs(600));
+        return;
+    }
     if role == "connect" {
         match ServiceClient::connect(sock, 0) {
             Ok(_) => say("CONNECTED".into()),
@@ -532,9 +542,229 @@ fn hello() -> Vec<u8> {
     Request::Hello {
         version: protocol::VERSION,
         blocks: 0,
+        kind: protocol::ClientKind::Memory,
     }
     .encode(1)
     .unwrap()
+}
+
+/// The next frame on `st`, decoded.
+fn next_response(st: &mut UnixStream) -> protocol::Response {
+    let (h, body) = protocol::read_frame(st).unwrap().expect("a frame");
+    protocol::Response::decode(h.kind, &body).unwrap()
+}
+
+/// A client of the protocol's first version (magic, version 1, blocks) is
+/// refused with a frame it can read, naming both versions and the fix, and
+/// the service goes on serving.
+#[test]
+fn a_client_of_another_protocol_version_is_refused_clearly() {
+    let dir = TempDir::new("serve-version");
+    let s = Serve::start(&dir, POOL, 2, 16);
+    let mut v1 = protocol::MAGIC.to_vec();
+    v1.extend_from_slice(&1u32.to_le_bytes());
+    v1.extend_from_slice(&0u32.to_le_bytes());
+    let mut frame = Header {
+        body_len: v1.len() as u32,
+        kind: 1,
+        flags: 0,
+        req: 1,
+    }
+    .encode()
+    .to_vec();
+    frame.extend_from_slice(&v1);
+    let mut st = UnixStream::connect(&s.sock).unwrap();
+    st.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    st.write_all(&frame).unwrap();
+    match next_response(&mut st) {
+        protocol::Response::Refused(f) => {
+            let m = f.to_string();
+            assert!(
+                m.contains("version 1")
+                    && m.contains(&format!("version {}", protocol::VERSION))
+                    && m.contains("one kvtier release"),
+                "{m}"
+            );
+        }
+        other => panic!("a version-1 hello was answered with {other:?}"),
+    }
+    let mut rest = Vec::new();
+    assert_eq!(st.read_to_end(&mut rest).unwrap(), 0, "the connection ends");
+    s.wait_log("speaks service protocol version 1");
+    let c = ServiceClient::connect(&s.sock, 0).unwrap();
+    assert_eq!(c.lookup_prefix(&keys(0..4)), 0);
+}
+
+/// The welcome names the pool's namespace and model: a client of the
+/// service sees what an in-process handle on the same pool sees.
+#[test]
+fn service_clients_see_the_pools_namespace_and_model() {
+    use kvtier::{HostKvCache, HostLayout, TierApi, TierBuilder};
+    let dir = TempDir::new("serve-namespace");
+    let mut s = Serve::start(&dir, POOL, 2, 16);
+    let data = TierBuilder::default().service(&s.sock).build().unwrap();
+    let lookups = TierBuilder::default()
+        .service(&s.sock)
+        .lookup_only()
+        .build()
+        .unwrap();
+    let served: Vec<(String, String)> = [&data, &lookups]
+        .iter()
+        .map(|c| (c.namespace().to_string(), c.model_name().to_string()))
+        .collect();
+    drop((data, lookups));
+    assert!(s.sigterm().success());
+    // The same pool, opened in-process (the service let go of it): no
+    // model or namespace given, so it is the pool's own that it reports.
+    let g = tiny_geometry();
+    let local = TierBuilder::default()
+        .directory(dir.file("pool"))
+        .create_mode(kvtier::CreateMode::Never)
+        .geometry(g)
+        .host_cache(Arc::new(
+            HostKvCache::new(g, 4, HostLayout::PerLayer).unwrap(),
+        ))
+        .build()
+        .unwrap();
+    let own = (
+        TierApi::namespace(&local).to_string(),
+        TierApi::model_name(&local).to_string(),
+    );
+    assert!(!own.0.is_empty() && !own.1.is_empty(), "{own:?}");
+    assert_eq!(served, vec![own.clone(), own]);
+    local.close().unwrap();
+}
+
+/// A lookup-only client (an engine's scheduler) takes no memory and no
+/// client slot, is bounded by --lookup-clients, is refused loads and
+/// stores (staying connected, the service unharmed), and its pins go when
+/// its process is killed.
+#[test]
+fn lookup_only_clients_share_no_memory_and_lose_their_pins_when_killed() {
+    use kvtier::{TierApi, TierBuilder};
+    let dir = TempDir::new("serve-lookup-only");
+    let geo = tiny_geometry();
+    let cap = device_bytes(&geo, kvtier::pool::DEFAULT_GROUP_BLOCKS, 2);
+    let s = Serve::start_with(&dir, cap, 1, 128, &["--lookup-clients", "2"]);
+    // The one memory slot is taken; lookup-only clients still get in.
+    let me = ServiceClient::connect(&s.sock, 0).unwrap();
+    store_range(&me, 0, 128, |_| {}).unwrap();
+    let lo = TierBuilder::default()
+        .service(&s.sock)
+        .lookup_only()
+        .build()
+        .unwrap();
+    assert!(lo.is_lookup_only() && TierApi::memory(&lo).is_none());
+    assert_eq!(lo.lookup_prefix(&keys(0..128)), 128);
+    assert_eq!(lo.lookup_and_pin(&keys(0..4)), 4);
+    lo.unpin(&keys(0..4));
+    let e = lo.submit_load(&keys(0..1), &[0], 0..1).unwrap_err();
+    assert!(e.to_string().contains("lookup-only"), "{e}");
+    let e = TierBuilder::default()
+        .service(&s.sock)
+        .lookup_only()
+        .blocks(4)
+        .build()
+        .unwrap_err();
+    assert!(e.to_string().contains("lookup_only"), "{e}");
+
+    // A hostile lookup-only client asks for a load and a store anyway: each
+    // is refused with an error, and it stays connected.
+    let mut st = UnixStream::connect(&s.sock).unwrap();
+    st.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let hello_lo = Request::Hello {
+        version: protocol::VERSION,
+        blocks: 0,
+        kind: protocol::ClientKind::LookupOnly,
+    }
+    .encode(1)
+    .unwrap();
+    st.write_all(&hello_lo).unwrap();
+    match next_response(&mut st) {
+        protocol::Response::Welcome {
+            blocks, file_bytes, ..
+        } => assert_eq!((blocks, file_bytes), (0, 0)),
+        other => panic!("{other:?}"),
+    }
+    let load = Request::SubmitLoad {
+        keys: keys(0..2),
+        blocks: vec![0, 1],
+        layers: 0..geo.layers,
+    };
+    let store = Request::SubmitStore {
+        keys: keys(500..502),
+        blocks: vec![0, 1],
+    };
+    for (i, r) in [load, store].iter().enumerate() {
+        st.write_all(&r.encode(2 + i as u64).unwrap()).unwrap();
+        match next_response(&mut st) {
+            protocol::Response::Refused(f) => {
+                assert!(f.to_string().contains("lookup-only"), "{f}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    st.write_all(&Request::Lookup(keys(0..8)).encode(9).unwrap())
+        .unwrap();
+    assert!(matches!(
+        next_response(&mut st),
+        protocol::Response::Count(8)
+    ));
+    assert_eq!(me.lookup_prefix(&keys(500..502)), 0, "nothing was stored");
+    // Two lookup-only clients are connected: a third is refused, clearly.
+    let e = ServiceClient::connect_lookup_only(&s.sock).unwrap_err();
+    assert!(e.to_string().contains("lookup_clients"), "{e}");
+    drop(st);
+    drop(lo);
+
+    // A scheduler process pins every block of the pool and is killed: its
+    // pins go, so a store of 128 new keys can evict them all.
+    let t0 = Instant::now();
+    let mut p = loop {
+        let mut p = ClientProc::spawn("pin-only", &s.sock, 0, 128);
+        // Its place comes back once the service has seen the two go.
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| p.until("PINNED", |_| {}))) {
+            Ok(line) => {
+                assert_eq!(line, "PINNED 128");
+                break p;
+            }
+            Err(_) if t0.elapsed() < Duration::from_secs(20) => {
+                p.kill();
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(_) => panic!("the pin-only client never connected"),
+        }
+    };
+    assert!(
+        !stored_all(&me, 1000, 16),
+        "a pinned block was evicted while the scheduler lived"
+    );
+    assert_eq!(me.lookup_prefix(&keys(0..128)), 128);
+    p.kill();
+    let t0 = Instant::now();
+    // Its pins are dropped once the service sees it gone.
+    while !(1000..1128).step_by(16).all(|k| stored_all(&me, k, 16)) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the killed scheduler's pins were not dropped"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(me.lookup_prefix(&keys(1000..1128)), 128);
+    assert_eq!(me.lookup_prefix(&keys(0..1)), 0);
+}
+
+/// Store keys `first..first + n` (n up to the client's blocks); whether
+/// every one was stored (a full pool of pinned blocks refuses them).
+fn stored_all(c: &ServiceClient, first: u64, n: u64) -> bool {
+    for i in 0..n {
+        fill(c, i as u32, first + i);
+    }
+    let blocks: Vec<u32> = (0..n as u32).collect();
+    match c.submit_store(&keys(first..first + n), &blocks) {
+        Ok(job) => c.wait(job).is_ok_and(|r| r.all_ok()),
+        Err(_) => false,
+    }
 }
 
 #[test]

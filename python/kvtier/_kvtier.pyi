@@ -72,12 +72,14 @@ class TierBuilder:
     def test_only_staged_host_double(self) -> Self:
         """TEST DOUBLE: CPU tensors given to kv_memory pose as GPU memory on
         the staged HBM path, the CPU doing the copy kernels' work. Never for serving."""
-    def service(self, path: str | PathLike[str], blocks: int = 0) -> Self:
+    def service(self, path: str | PathLike[str], blocks: int = 0, lookup_only: bool = False) -> Self:
         """The node's `kvtier serve` pool instead of one of this process's own;
         its KV memory is the `blocks` blocks the service shares (0: its
         --client-blocks). Pool, engine, policy, namespace and memory calls are
         refused with it (UsageError naming them); model()/geometry() are checked
-        against what the service serves."""
+        against what the service serves. lookup_only=True: lookups, pins and
+        unpins only (an engine's scheduler): no memory, no client slot; loads
+        and stores are refused."""
     def build(self) -> TierHandle: ...
 
 class TierHandle:
@@ -90,11 +92,11 @@ class TierHandle:
     @property
     def engine_reason(self) -> str: ...
     @property
-    def namespace(self) -> str | None:
-        """None through a service (the service's)."""
+    def namespace(self) -> str:
+        """The pool's key namespace (through a service: the service's pool's)."""
     @property
-    def model_name(self) -> str | None:
-        """None through a service (the service's)."""
+    def model_name(self) -> str:
+        """The model name the pool recorded (through a service: the service's pool's)."""
     @property
     def service(self) -> str | None:
         """The socket of the service serving this handle; None for an own pool."""
@@ -160,8 +162,8 @@ class SharedRegion:
 ServiceHandle = TierHandle
 """The name kvtier.connect's handles had; they are TierHandles."""
 
-def connect(path: str | PathLike[str], blocks: int = 0, memory: Literal["cpu"] = "cpu") -> TierHandle:
-    """TierBuilder().service(path, blocks).build()."""
+def connect(path: str | PathLike[str], blocks: int = 0, memory: Literal["cpu"] = "cpu", lookup_only: bool = False) -> TierHandle:
+    """TierBuilder().service(path, blocks, lookup_only).build()."""
 def resolve_model(spec: str, block_size: int = 16, dtype: str | None = None) -> tuple[dict[str, Any], str]: ...
 def rust_latency(handle: TierHandle, op: Literal["lookup", "store", "load"], keys: Sequence[Key], iters: int, key_base: int) -> int: ...
 def _exiting() -> bool:

@@ -74,7 +74,8 @@ pub struct TierBuilder {
     staged_host_double: bool,
     prewrite: bool,
     /// `service()`: the socket of the node's service, and blocks to share.
-    service: Option<(PathBuf, u32)>,
+    /// And whether lookup-only.
+    service: Option<(PathBuf, u32, bool)>,
 }
 
 #[pymethods]
@@ -111,13 +112,17 @@ impl TierBuilder {
     /// decides the pool, engine, policy, namespace and memory, so those
     /// calls are refused with it; `model()` / `geometry()` say what this
     /// process expects the service to serve (checked at build).
-    #[pyo3(signature = (path, blocks = 0))]
+    /// `lookup_only=True`: lookups, pins and unpins only (an engine's
+    /// scheduler): no memory shared, no client slot taken; loads and stores
+    /// are refused.
+    #[pyo3(signature = (path, blocks = 0, lookup_only = false))]
     fn service(
         mut slf: PyRefMut<'_, Self>,
         path: PathBuf,
         #[pyo3(from_py_with = service_blocks_arg)] blocks: u32,
+        lookup_only: bool,
     ) -> PyRefMut<'_, Self> {
-        slf.service = Some((path, blocks));
+        slf.service = Some((path, blocks, lookup_only));
         slf
     }
 
@@ -476,8 +481,8 @@ impl TierBuilder {
     /// Open the pool, start its engine and I/O thread, register the memory;
     /// or, after `service()`, connect to the node's service.
     fn build(mut slf: PyRefMut<'_, Self>, py: Python<'_>) -> PyResult<TierHandle> {
-        if let Some((path, blocks)) = slf.service.clone() {
-            return slf.build_service(py, path, blocks);
+        if let Some((path, blocks, lookup_only)) = slf.service.clone() {
+            return slf.build_service(py, path, blocks, lookup_only);
         }
         let named = match slf.model.clone().ok_or_else(|| {
             usage("no model: call model(\"llama3-8b\" or \"path/to/config.json\", block_size=16) or geometry(...) before build()")
@@ -608,6 +613,10 @@ impl TierBuilder {
         let staged = double || gpu.is_some();
         let handle = without_gil(py, || b.build()).map_err(to_py)?;
         let completions = handle.completions().map_err(to_py)?;
+        let (namespace, model_name) = (
+            handle.namespace().to_string(),
+            handle.model_name().to_string(),
+        );
         // The memory (and the objects keeping it alive) now belong to this
         // handle: a second build() must not register it again.
         slf.mem = None;
@@ -617,8 +626,8 @@ impl TierBuilder {
             memory,
             host,
             service: None,
-            namespace: Some(namespace),
-            model_name: Some(named.name),
+            namespace,
+            model_name,
             staged,
             gpu,
             owners: Mutex::new(std::mem::take(&mut slf.owners)),
@@ -667,7 +676,13 @@ impl TierBuilder {
 
     /// `build()` after `service()`: refuse what the service decides, resolve
     /// the model asked for (if any), connect.
-    fn build_service(&self, py: Python<'_>, path: PathBuf, blocks: u32) -> PyResult<TierHandle> {
+    fn build_service(
+        &self,
+        py: Python<'_>,
+        path: PathBuf,
+        blocks: u32,
+        lookup_only: bool,
+    ) -> PyResult<TierHandle> {
         let conflicts = self.own_pool_calls();
         if !conflicts.is_empty() {
             return Err(usage(format!(
@@ -689,7 +704,7 @@ impl TierBuilder {
             }
             Some(ModelSpec::Geometry(named)) => Some(named.geometry),
         };
-        crate::service::open(py, path, blocks, geometry)
+        crate::service::open(py, path, blocks, geometry, lookup_only)
     }
 }
 

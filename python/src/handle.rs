@@ -37,11 +37,13 @@ pub struct TierHandle {
     pub(crate) completions: Completions,
     pub(crate) memory: KvMemory,
     pub(crate) host: Option<Arc<HostKvCache>>,
-    /// Through a service: its socket, and the memory it shares (mapped here).
-    pub(crate) service: Option<(PathBuf, Arc<SharedMapping>)>,
-    /// The pool's namespace and model (`None` through a service: its own).
-    pub(crate) namespace: Option<String>,
-    pub(crate) model_name: Option<String>,
+    /// Through a service: its socket, and the memory it shares (mapped
+    /// here; `None` for a lookup-only client).
+    pub(crate) service: Option<(PathBuf, Option<Arc<SharedMapping>>)>,
+    /// The pool's namespace and the model it recorded (through a service:
+    /// the service's pool's).
+    pub(crate) namespace: String,
+    pub(crate) model_name: String,
     /// Served through the staged HBM path (on a GPU, or its host double).
     pub(crate) staged: bool,
     /// The CUDA context of GPU KV memory (torch's primary context).
@@ -142,15 +144,16 @@ impl TierHandle {
         self.h().engine_reason().to_string()
     }
 
-    /// The pool's key namespace; None through a service (the service's).
+    /// The pool's key namespace (through a service: the service's pool's).
     #[getter]
-    fn namespace(&self) -> Option<String> {
+    fn namespace(&self) -> String {
         self.namespace.clone()
     }
 
-    /// The pool's model name; None through a service (the service's).
+    /// The model name the pool recorded at its create (through a service:
+    /// the service's pool's).
     #[getter]
-    fn model_name(&self) -> Option<String> {
+    fn model_name(&self) -> String {
         self.model_name.clone()
     }
 
@@ -171,6 +174,7 @@ impl TierHandle {
                 "layer_region() is the KV memory a kvtier service shares with this process; this handle's pool is its own, over the memory given to the builder (host_memory() for a host_cache)",
             ));
         };
+        let mapping = mapping.as_ref().ok_or_else(lookup_only_memory)?;
         let g = self.memory.geometry;
         if layer >= g.layers {
             return Err(usage(format!(
@@ -552,6 +556,7 @@ impl TierHandle {
     fn host_memory(&self) -> PyResult<(u64, u64)> {
         self.live()?;
         if let Some((_, mapping)) = &self.service {
+            let mapping = mapping.as_ref().ok_or_else(lookup_only_memory)?;
             return Ok((mapping.addr(), mapping.len()));
         }
         match (&self.host, &self.memory.layout) {
@@ -583,17 +588,18 @@ impl TierHandle {
 
     fn __repr__(&self) -> String {
         match (&self.service, &self.namespace) {
-            (Some((path, _)), _) => format!(
-                "TierHandle(service={:?}, engine={}, memory_blocks={}, {})",
+            (Some((path, _)), ns) => format!(
+                "TierHandle(service={:?}, engine={}, namespace={:?}, memory_blocks={}, {})",
                 path.display().to_string(),
                 self.h().engine(),
+                ns,
                 self.memory.num_blocks,
                 self.memory.geometry.describe()
             ),
             (None, ns) => format!(
                 "TierHandle(engine={}, namespace={:?}, memory_blocks={})",
                 self.h().engine(),
-                ns.as_deref().unwrap_or_default(),
+                ns,
                 self.memory.num_blocks
             ),
         }
@@ -674,4 +680,11 @@ pub(crate) fn rust_latency(
         Ok(t.get(t.len() / 2).copied().unwrap_or(0))
     })
     .map_err(to_py)
+}
+
+/// A memory call on a lookup-only service handle.
+fn lookup_only_memory() -> PyErr {
+    usage(
+        "this handle is a lookup-only client of the kvtier service: it shares no KV memory with the service (connect without lookup_only to load, store or see the memory)",
+    )
 }

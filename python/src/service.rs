@@ -72,10 +72,17 @@ impl SharedRegion {
 
 /// Connect to the kvtier service listening on `path`, sharing `blocks`
 /// blocks of KV memory with it (0: as many as the service gives a client):
-/// `TierBuilder().service(path, blocks).build()`.
+/// `TierBuilder().service(path, blocks).build()`. `lookup_only=True`:
+/// lookups, pins and unpins only (no memory shared; an engine's scheduler).
 #[pyfunction]
-#[pyo3(signature = (path, blocks = 0, memory = "cpu"))]
-pub fn connect(py: Python<'_>, path: PathBuf, blocks: u32, memory: &str) -> PyResult<TierHandle> {
+#[pyo3(signature = (path, blocks = 0, memory = "cpu", lookup_only = false))]
+pub fn connect(
+    py: Python<'_>,
+    path: PathBuf,
+    blocks: u32,
+    memory: &str,
+    lookup_only: bool,
+) -> PyResult<TierHandle> {
     if memory != "cpu" {
         return Err(exception_for(
             ErrorKind::Unsupported,
@@ -84,7 +91,7 @@ pub fn connect(py: Python<'_>, path: PathBuf, blocks: u32, memory: &str) -> PyRe
             ),
         ));
     }
-    open(py, path, blocks, None)
+    open(py, path, blocks, None, lookup_only)
 }
 
 /// The handle of a client of the service at `path`, expecting `geometry`
@@ -94,24 +101,32 @@ pub(crate) fn open(
     path: PathBuf,
     blocks: u32,
     geometry: Option<KvGeometry>,
+    lookup_only: bool,
 ) -> PyResult<TierHandle> {
     let mut b = RsBuilder::default().service(&path).blocks(blocks);
     if let Some(g) = geometry {
         b = b.geometry(g);
+    }
+    if lookup_only {
+        b = b.lookup_only();
     }
     let client = without_gil(py, || b.build()).map_err(to_py)?;
     // Events queue from here on, as for a pool of this process's own.
     let completions = client.completions().map_err(to_py)?;
     let memory = client.memory().clone();
     let mapping = client.shared_mapping();
+    let (namespace, model_name) = (
+        client.namespace().to_string(),
+        client.model_name().to_string(),
+    );
     Ok(TierHandle {
         inner: Some(Box::new(client)),
         completions,
         memory,
         host: None,
         service: Some((path, mapping)),
-        namespace: None,
-        model_name: None,
+        namespace,
+        model_name,
         staged: false,
         gpu: None,
         owners: Mutex::new(Vec::new()),

@@ -174,3 +174,39 @@ def test_builder_service_refuses_what_the_service_decides(service, tmp_path, tin
     # kvtier.connect is the short form of the same thing.
     with kvtier.connect(sock, blocks=4) as h:
         assert type(h) is kvtier.TierHandle and h.memory_blocks == 4
+
+
+def test_service_handles_name_the_pools_namespace_and_model(kvtier_service, tmp_path,
+                                                            tiny_model):
+    """The service's welcome names its pool's namespace and model: a client
+    sees what an in-process handle on a pool of that model sees."""
+    sock, _ = kvtier_service(clients=1, client_blocks=8)
+    own = (kvtier.TierBuilder().directory(tmp_path / "own").capacity("64m").model(tiny_model)
+           .host_cache(4).build())
+    with own, kvtier.connect(sock) as remote, kvtier.connect(sock, lookup_only=True) as lo:
+        assert own.namespace and own.model_name
+        for h in (remote, lo):
+            assert (h.namespace, h.model_name) == (own.namespace, own.model_name)
+            assert own.namespace in repr(h)
+
+
+def test_lookup_only_handle_shares_no_memory(kvtier_service):
+    """An engine's scheduler: lookups and pins, no memory, no client slot
+    (the one slot here is taken); loads, stores and memory are refused."""
+    sock, _ = kvtier_service(clients=1, client_blocks=8)
+    with kvtier.connect(sock) as h, \
+            kvtier.TierBuilder().service(sock, lookup_only=True).build() as lo:
+        n = h.block_bytes
+        for b in range(4):
+            h.write_block(b, bytes([b + 1]) * n)
+        assert h.wait(h.submit_store([1, 2, 3, 4], [0, 1, 2, 3])).ok
+        assert lo.memory_blocks == 0
+        assert lo.lookup([1, 2, 3, 4, 5]) == 4
+        assert lo.lookup_and_pin([1, 2]) == 2
+        lo.unpin([1, 2])
+        for call in (lambda: lo.submit_load([1], [0]), lambda: lo.submit_store([9], [0]),
+                     lambda: lo.host_memory(), lambda: kvtier.service_tensors(lo)):
+            with pytest.raises(kvtier.UsageError, match="lookup-only|shares"):
+                call()
+        with pytest.raises(kvtier.UsageError, match="lookup_only"):
+            kvtier.TierBuilder().service(sock, blocks=4, lookup_only=True).build()

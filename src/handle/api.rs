@@ -27,6 +27,10 @@ pub trait TierApi: Send + Sync + std::fmt::Debug {
     fn engine_reason(&self) -> &str;
     /// The pool's KV geometry.
     fn geometry(&self) -> &KvGeometry;
+    /// The pool's key namespace (through a service: the service's pool's).
+    fn namespace(&self) -> &str;
+    /// The model name the pool recorded at its create.
+    fn model_name(&self) -> &str;
     /// Blocks of KV memory jobs may name (`0..memory_blocks()`).
     fn memory_blocks(&self) -> u32;
     /// The KV memory as this process sees it, when the handle knows it
@@ -107,6 +111,12 @@ impl TierApi for TierHandle {
     }
     fn geometry(&self) -> &KvGeometry {
         TierHandle::geometry(self)
+    }
+    fn namespace(&self) -> &str {
+        TierHandle::namespace(self)
+    }
+    fn model_name(&self) -> &str {
+        TierHandle::model_name(self)
     }
     fn memory_blocks(&self) -> u32 {
         TierHandle::memory_blocks(self)

@@ -413,6 +413,8 @@ impl TierBuilder {
                 let crc_table = sched.path().caller_crc_table();
                 let engine_name = sched.tier().engine().name().to_string();
                 let index = sched.tier().shared_index();
+                let namespace = sched.tier().pool().namespace().to_string();
+                let model_name = sched.tier().pool().model().to_string();
                 let shared = Arc::new(Shared {
                     core: Mutex::new(Some(sched)),
                     index,
@@ -431,6 +433,8 @@ impl TierBuilder {
                     cfg: config,
                     engine: engine_name,
                     engine_reason: reason,
+                    namespace,
+                    model_name,
                     io_thread: std::thread::current().id(),
                 });
                 if tx.send(Ok(shared)).is_err() {

@@ -444,6 +444,9 @@ struct Shared {
     cfg: HandleConfig,
     engine: String,
     engine_reason: String,
+    /// The pool's key namespace and the model it recorded at create.
+    namespace: String,
+    model_name: String,
     io_thread: ThreadId,
 }
 
@@ -517,6 +520,16 @@ impl TierHandle {
     /// The engine serving the pool (`uring`, `nvme`, `gpu`, ...).
     pub fn engine(&self) -> &str {
         &self.shared.engine
+    }
+
+    /// The pool's key namespace (model, dtype, layout, TP rank).
+    pub fn namespace(&self) -> &str {
+        &self.shared.namespace
+    }
+
+    /// The model name the pool recorded at its create.
+    pub fn model_name(&self) -> &str {
+        &self.shared.model_name
     }
 
     /// Why that engine (the `auto` verdict, or "asked for").

@@ -1398,6 +1398,10 @@ impl Pool {
     pub fn namespace(&self) -> &str {
         &self.namespace
     }
+    /// The model name recorded at its create.
+    pub fn model(&self) -> &str {
+        &self.model
+    }
     /// Slots whose header failed its checksum at open.
     pub fn damaged_headers(&self) -> &[u64] {
         &self.damaged_headers

@@ -36,6 +36,7 @@ impl TierBuilder {
         ServiceBuilder {
             socket: socket.into(),
             blocks: 0,
+            lookup_only: false,
             geometry: self.asked_geometry(),
             conflicts: self.own_pool_calls(),
         }
@@ -48,6 +49,7 @@ impl TierBuilder {
 pub struct ServiceBuilder {
     socket: PathBuf,
     blocks: u32,
+    lookup_only: bool,
     geometry: Option<KvGeometry>,
     /// Calls made before `service(..)` that the service decides.
     conflicts: Vec<&'static str>,
@@ -58,6 +60,14 @@ impl ServiceBuilder {
     /// 0: as many as it gives a client, its `--client-blocks`).
     pub fn blocks(mut self, blocks: u32) -> Self {
         self.blocks = blocks;
+        self
+    }
+
+    /// Lookups, pins and unpins only (an engine's scheduler): the service
+    /// shares no memory with this client and gives it no client slot;
+    /// loads and stores are refused. Not with `blocks(..)`.
+    pub fn lookup_only(mut self) -> Self {
+        self.lookup_only = true;
         self
     }
 
@@ -85,7 +95,17 @@ impl ServiceBuilder {
                 if self.conflicts.len() == 1 { "it" } else { "them" },
             )));
         }
-        let client = ServiceClient::connect(&self.socket, self.blocks)?;
+        let client = if self.lookup_only {
+            if self.blocks != 0 {
+                return Err(Error::invalid(format!(
+                    "blocks({}) with lookup_only(): a lookup-only client of the kvtier service shares no memory; drop one of them",
+                    self.blocks
+                )));
+            }
+            ServiceClient::connect_lookup_only(&self.socket)?
+        } else {
+            ServiceClient::connect(&self.socket, self.blocks)?
+        };
         if let Some(want) = self.geometry.filter(|g| g != client.geometry()) {
             let served = client.geometry().describe();
             let _ = client.close();

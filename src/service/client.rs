@@ -15,7 +15,7 @@
 //! [`crate::ErrorKind::Closed`] (adapters treat that as a miss), and
 //! lookups answer 0.
 
-use super::protocol::{self, Request, Response};
+use super::protocol::{self, ClientKind, Request, Response};
 use super::sys::{self, SharedMapping};
 use crate::error::{Error, ErrorKind, Failure, Result};
 use crate::handle::{Completions, Event, EventSubscribers, JobId, LayerCopy, TierApi};
@@ -66,8 +66,12 @@ struct Inner {
     next_req: AtomicU64,
     state: Mutex<State>,
     cond: Condvar,
-    mapping: Arc<SharedMapping>,
+    /// The memory the service shares; `None` for a lookup-only client.
+    mapping: Option<Arc<SharedMapping>>,
+    /// Described as mapped here (0 blocks for a lookup-only client).
     memory: KvMemory,
+    namespace: String,
+    model_name: String,
     layer_stride: u64,
     engine: String,
     /// Which service serves the pool, for `engine_reason`.
@@ -113,7 +117,18 @@ impl ServiceClient {
     /// Connect to the service at `socket`, sharing `blocks` blocks of KV
     /// memory with it (0: as many as it gives a client).
     pub fn connect(socket: impl AsRef<Path>, blocks: u32) -> Result<ServiceClient> {
-        let socket = socket.as_ref();
+        Self::open(socket.as_ref(), blocks, ClientKind::Memory)
+    }
+
+    /// Connect to the service at `socket` for lookups, pins and unpins
+    /// only (an engine's scheduler): no memory is shared and no client
+    /// slot taken; loads and stores are refused. Its pins are dropped when
+    /// it disconnects, as any client's.
+    pub fn connect_lookup_only(socket: impl AsRef<Path>) -> Result<ServiceClient> {
+        Self::open(socket.as_ref(), 0, ClientKind::LookupOnly)
+    }
+
+    fn open(socket: &Path, blocks: u32, kind: ClientKind) -> Result<ServiceClient> {
         let stream = UnixStream::connect(socket).map_err(|e| {
             Error::io(
                 format!(
@@ -126,6 +141,7 @@ impl ServiceClient {
         let hello = Request::Hello {
             version: protocol::VERSION,
             blocks,
+            kind,
         }
         .encode(1)?;
         (&stream)
@@ -137,16 +153,32 @@ impl ServiceClient {
         let mut body = vec![0u8; h.body_len as usize];
         std::io::Read::read_exact(&mut &stream, &mut body)
             .map_err(|e| Error::io("reading the kvtier service's welcome", e))?;
-        let (geometry, blocks, layer_stride, file_bytes, engine) =
-            match Response::decode(h.kind, &body)? {
+        let welcome = Response::decode(h.kind, &body).map_err(|e| {
+            Error::invalid(format!(
+                "the kvtier service at {} answered the hello with a welcome this library cannot read: {e}",
+                socket.display()
+            ))
+        })?;
+        let (geometry, namespace, model_name, blocks, layer_stride, file_bytes, engine) =
+            match welcome {
                 Response::Welcome {
                     geometry,
+                    namespace,
+                    model_name,
                     blocks,
                     layer_stride,
                     file_bytes,
                     engine,
                     ..
-                } => (geometry, blocks, layer_stride, file_bytes, engine),
+                } => (
+                    geometry,
+                    namespace,
+                    model_name,
+                    blocks,
+                    layer_stride,
+                    file_bytes,
+                    engine,
+                ),
                 Response::Refused(f) => {
                     return Err(Error::Failed(
                         f.context("the kvtier service refused the hello"),
@@ -158,26 +190,38 @@ impl ServiceClient {
                     )))
                 }
             };
-        let fd = fd.ok_or_else(|| {
-            Error::invalid("the kvtier service's welcome carried no shared memory file")
-        })?;
-        sys::check_sealed(&fd, file_bytes)?;
-        let obj = geometry.object_bytes();
-        if layer_stride < 2 * blocks as u64 * obj
-            || layer_stride.checked_mul(geometry.layers as u64) != Some(file_bytes)
-        {
-            return Err(Error::invalid(format!(
-                "the kvtier service's welcome does not add up: {blocks} blocks of {obj}-byte objects, layer stride {layer_stride}, file {file_bytes} bytes"
-            )));
-        }
-        let mapping = Arc::new(SharedMapping::new(&fd, file_bytes)?);
-        drop(fd);
+        let mapping = match kind {
+            ClientKind::LookupOnly => {
+                if fd.is_some() || blocks != 0 {
+                    return Err(Error::invalid(format!(
+                        "the kvtier service shared {blocks} blocks of memory with a lookup-only client"
+                    )));
+                }
+                None
+            }
+            ClientKind::Memory => {
+                let fd = fd.ok_or_else(|| {
+                    Error::invalid("the kvtier service's welcome carried no shared memory file")
+                })?;
+                sys::check_sealed(&fd, file_bytes)?;
+                let obj = geometry.object_bytes();
+                if layer_stride < 2 * blocks as u64 * obj
+                    || layer_stride.checked_mul(geometry.layers as u64) != Some(file_bytes)
+                {
+                    return Err(Error::invalid(format!(
+                        "the kvtier service's welcome does not add up: {blocks} blocks of {obj}-byte objects, layer stride {layer_stride}, file {file_bytes} bytes"
+                    )));
+                }
+                Some(Arc::new(SharedMapping::new(&fd, file_bytes)?))
+            }
+        };
+        let base = mapping.as_ref().map_or(0, |m| m.addr());
         let memory = KvMemory {
             geometry,
             num_blocks: blocks,
             layout: KvLayout::BlockMajor {
                 layer_bases: (0..geometry.layers as u64)
-                    .map(|l| mapping.addr() + l * layer_stride)
+                    .map(|l| base + l * layer_stride)
                     .collect(),
             },
             kind: MemoryKind::Host,
@@ -193,6 +237,8 @@ impl ServiceClient {
             cond: Condvar::new(),
             mapping,
             memory,
+            namespace,
+            model_name,
             served_by: format!(
                 "the kvtier service at {} serves the pool with it",
                 socket.display()
@@ -220,6 +266,29 @@ impl ServiceClient {
         &self.inner.engine
     }
 
+    /// The service's pool's key namespace.
+    pub fn namespace(&self) -> &str {
+        &self.inner.namespace
+    }
+
+    /// The model name the service's pool recorded at its create.
+    pub fn model_name(&self) -> &str {
+        &self.inner.model_name
+    }
+
+    /// Whether this client is lookup-only (shares no memory).
+    pub fn is_lookup_only(&self) -> bool {
+        self.inner.mapping.is_none()
+    }
+
+    fn mapping(&self) -> Result<&Arc<SharedMapping>> {
+        self.inner.mapping.as_ref().ok_or_else(|| {
+            Error::invalid(
+                "this kvtier service client is lookup-only: it shares no KV memory with the service (connect with memory to load, store or see the memory)",
+            )
+        })
+    }
+
     /// Blocks of KV memory shared with the service.
     pub fn memory_blocks(&self) -> u32 {
         self.inner.memory.num_blocks
@@ -241,19 +310,24 @@ impl ServiceClient {
             )));
         }
         Ok((
-            self.inner.mapping.addr() + layer as u64 * self.inner.layer_stride,
+            self.mapping()?.addr() + layer as u64 * self.inner.layer_stride,
             2 * self.inner.memory.num_blocks as u64 * self.inner.memory.geometry.object_bytes(),
         ))
     }
 
-    /// The whole shared mapping, `(address, bytes)`.
+    /// The whole shared mapping, `(address, bytes)` (`(0, 0)` for a
+    /// lookup-only client).
     pub fn host_memory(&self) -> (u64, u64) {
-        (self.inner.mapping.addr(), self.inner.mapping.len())
+        self.inner
+            .mapping
+            .as_ref()
+            .map_or((0, 0), |m| (m.addr(), m.len()))
     }
 
     /// The mapping itself, for bindings that hand out views of it (it
-    /// stays mapped while any clone of the `Arc` lives).
-    pub fn shared_mapping(&self) -> Arc<SharedMapping> {
+    /// stays mapped while any clone of the `Arc` lives); `None` for a
+    /// lookup-only client.
+    pub fn shared_mapping(&self) -> Option<Arc<SharedMapping>> {
         self.inner.mapping.clone()
     }
 
@@ -265,21 +339,21 @@ impl ServiceClient {
                 m.num_blocks, m.geometry.layers
             )));
         }
-        Ok(m.object_addr(block, layer, kv) - self.inner.mapping.addr())
+        Ok(m.object_addr(block, layer, kv) - self.mapping()?.addr())
     }
 
     /// Copy one object (K: `kv` 0, V: 1) out of the shared memory.
     pub fn read_object(&self, block: u32, layer: u32, kv: u32, out: &mut [u8]) -> Result<()> {
         let off = self.object_offset(block, layer, kv)?;
         self.check_len(out.len())?;
-        self.inner.mapping.read(off, out)
+        self.mapping()?.read(off, out)
     }
 
     /// Copy one object into the shared memory.
     pub fn write_object(&self, block: u32, layer: u32, kv: u32, data: &[u8]) -> Result<()> {
         let off = self.object_offset(block, layer, kv)?;
         self.check_len(data.len())?;
-        self.inner.mapping.write(off, data)
+        self.mapping()?.write(off, data)
     }
 
     fn check_len(&self, n: usize) -> Result<()> {
@@ -293,6 +367,7 @@ impl ServiceClient {
     }
 
     fn check_blocks(&self, keys: &[Key], blocks: &[u32]) -> Result<()> {
+        self.mapping()?;
         check_job_blocks(
             keys,
             blocks,
@@ -622,8 +697,14 @@ impl TierApi for ServiceClient {
     fn memory_blocks(&self) -> u32 {
         ServiceClient::memory_blocks(self)
     }
+    fn namespace(&self) -> &str {
+        ServiceClient::namespace(self)
+    }
+    fn model_name(&self) -> &str {
+        ServiceClient::model_name(self)
+    }
     fn memory(&self) -> Option<&KvMemory> {
-        Some(ServiceClient::memory(self))
+        (!self.is_lookup_only()).then(|| ServiceClient::memory(self))
     }
     fn lookup_prefix(&self, keys: &[Key]) -> usize {
         ServiceClient::lookup_prefix(self, keys)

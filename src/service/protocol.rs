@@ -6,8 +6,15 @@
 //! first and is bounded ([`MAX_KEYS`] keys, [`MAX_TEXT_BYTES`] of text), so a
 //! reader never allocates more than the frame it already bounded. A client's
 //! first frame is [`Request::Hello`] with [`MAGIC`] and [`VERSION`]; the
-//! service answers [`Response::Welcome`] with the client's shared memory file
-//! attached (`SCM_RIGHTS`), or refuses and closes.
+//! service answers [`Response::Welcome`] (the pool's geometry, namespace and
+//! model) with the client's shared memory file attached (`SCM_RIGHTS`), or
+//! refuses and closes. A [`ClientKind::LookupOnly`] client (an engine's
+//! scheduler) shares no memory: its welcome carries no file, and it may
+//! look up, pin and unpin but not load or store.
+//!
+//! The hello's first twelve bytes (magic, version) and the refusal frame
+//! are the same in every version, so a client and a service of different
+//! releases always get to say which versions they speak.
 //!
 //! Anything that does not decode (a wrong magic or version, an unknown kind,
 //! a length past its bound, bytes left over) is a [`crate::ErrorKind::Usage`]
@@ -22,7 +29,8 @@ use std::ops::Range;
 /// The first eight bytes of a hello.
 pub const MAGIC: [u8; 8] = *b"KVTIERSV";
 /// The protocol version this build speaks; a hello with another is refused.
-pub const VERSION: u32 = 1;
+/// 2: the welcome names the pool's namespace and model; lookup-only clients.
+pub const VERSION: u32 = 2;
 /// Bytes of a frame header.
 pub const HEADER_BYTES: usize = 16;
 /// Largest body a frame may carry (a job of [`MAX_KEYS`] keys fits).
@@ -90,16 +98,53 @@ fn bad(msg: impl std::fmt::Display) -> Error {
     Error::InvalidArgument(format!("kvtier service protocol: {msg}"))
 }
 
+/// What a client is to the service, said in its hello.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClientKind {
+    /// An engine process: the service shares KV memory with it, and it
+    /// loads and stores through that memory.
+    Memory,
+    /// Lookups, pins and unpins only (an engine's scheduler): no memory,
+    /// no client slot; loads and stores are refused.
+    LookupOnly,
+}
+
+impl ClientKind {
+    fn code(self) -> u32 {
+        match self {
+            ClientKind::Memory => 0,
+            ClientKind::LookupOnly => 1,
+        }
+    }
+    fn of(code: u32) -> Option<ClientKind> {
+        match code {
+            0 => Some(ClientKind::Memory),
+            1 => Some(ClientKind::LookupOnly),
+            _ => None,
+        }
+    }
+}
+
+/// The text of a version mismatch, from either side.
+pub fn version_mismatch(client: u32, service: u32) -> String {
+    format!(
+        "this kvtier client speaks service protocol version {client} and the kvtier service version {service}: run the engines' kvtier library and `kvtier serve` from one kvtier release (upgrade the older one and restart it)"
+    )
+}
+
 /// What a client asks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Request {
-    /// The first frame: protocol magic and version, and how many KV memory
-    /// blocks the client wants shared with the service.
+    /// The first frame: protocol magic and version, what the client is, and
+    /// how many KV memory blocks it wants shared with the service.
     Hello {
         /// [`VERSION`] of the client.
         version: u32,
-        /// Memory blocks wanted (0: as many as the service gives a client).
+        /// Memory blocks wanted (0: as many as the service gives a client;
+        /// must be 0 for a lookup-only client).
         blocks: u32,
+        /// A client with memory, or a lookup-only one.
+        kind: ClientKind,
     },
     /// `lookup_prefix`.
     Lookup(Vec<Key>),
@@ -134,12 +179,18 @@ pub enum Request {
 /// What the service sends: answers (with the request's id) and events (id 0).
 #[derive(Clone, Debug)]
 pub enum Response {
-    /// The hello's answer; the client's shared memory file rides with it.
+    /// The hello's answer; the client's shared memory file rides with it
+    /// (none for a lookup-only client: `blocks`, `layer_stride` and
+    /// `file_bytes` are 0).
     Welcome {
         /// The service's protocol version.
         version: u32,
         /// The pool's KV geometry.
         geometry: KvGeometry,
+        /// The pool's key namespace.
+        namespace: String,
+        /// The model name the pool recorded at its create.
+        model_name: String,
         /// Memory blocks this client may name (0..blocks).
         blocks: u32,
         /// Bytes between layer `l` and `l + 1` in the shared file: layer `l`
@@ -412,10 +463,15 @@ impl Request {
             Ok(())
         };
         let kind = match self {
-            Request::Hello { version, blocks } => {
+            Request::Hello {
+                version,
+                blocks,
+                kind: client,
+            } => {
                 o.0.extend_from_slice(&MAGIC);
                 o.u32(*version);
                 o.u32(*blocks);
+                o.u32(client.code());
                 kind::HELLO
             }
             Request::Lookup(ks) => {
@@ -476,15 +532,25 @@ impl Request {
                         "the first frame is not a kvtier hello (wrong magic): is this client speaking to the right socket?",
                     ));
                 }
+                // The version before anything else: the rest of a hello
+                // of another version may be laid out differently.
                 let version = i.u32()?;
                 if version != VERSION {
+                    return Err(bad(version_mismatch(version, VERSION)));
+                }
+                let blocks = i.u32()?;
+                let code = i.u32()?;
+                let kind = ClientKind::of(code)
+                    .ok_or_else(|| bad(format!("unknown client kind {code} in a hello")))?;
+                if kind == ClientKind::LookupOnly && blocks != 0 {
                     return Err(bad(format!(
-                        "the client speaks protocol version {version}, this service {VERSION}: use the kvtier library and service of one release"
+                        "a lookup-only hello asks for {blocks} memory blocks; a lookup-only client shares no memory (ask for 0, or connect as a client with memory)"
                     )));
                 }
                 Request::Hello {
                     version,
-                    blocks: i.u32()?,
+                    blocks,
+                    kind,
                 }
             }
             kind::LOOKUP => Request::Lookup(i.keys()?),
@@ -532,6 +598,8 @@ impl Response {
             Response::Welcome {
                 version,
                 geometry,
+                namespace,
+                model_name,
                 blocks,
                 layer_stride,
                 file_bytes,
@@ -543,6 +611,8 @@ impl Response {
                 o.u32(geometry.head_dim);
                 o.u32(geometry.dtype.code());
                 o.u32(geometry.block_size);
+                o.text(namespace);
+                o.text(model_name);
                 o.u32(*blocks);
                 o.u64(*layer_stride);
                 o.u64(*file_bytes);
@@ -608,7 +678,12 @@ impl Response {
         };
         let r = match kind {
             kind::WELCOME => {
+                // The version first: a welcome of another version may be
+                // laid out differently.
                 let version = i.u32()?;
+                if version != VERSION {
+                    return Err(bad(version_mismatch(VERSION, version)));
+                }
                 let layers = i.u32()?;
                 let kv_heads = i.u32()?;
                 let head_dim = i.u32()?;
@@ -625,6 +700,8 @@ impl Response {
                         dtype,
                         block_size,
                     },
+                    namespace: i.text()?,
+                    model_name: i.text()?,
                     blocks: i.u32()?,
                     layer_stride: i.u64()?,
                     file_bytes: i.u64()?,
@@ -745,6 +822,12 @@ mod tests {
         round_trip_req(Request::Hello {
             version: VERSION,
             blocks: 12,
+            kind: ClientKind::Memory,
+        });
+        round_trip_req(Request::Hello {
+            version: VERSION,
+            blocks: 0,
+            kind: ClientKind::LookupOnly,
         });
         round_trip_req(Request::Lookup(ks.clone()));
         round_trip_req(Request::LookupAndPin(ks.clone()));
@@ -771,6 +854,8 @@ mod tests {
                 dtype: DType::BF16,
                 block_size: 16,
             },
+            namespace: "tiny/bf16/bs16/tp0".into(),
+            model_name: "tiny".into(),
             blocks: 8,
             layer_stride: 1 << 20,
             file_bytes: 4 << 20,
@@ -818,6 +903,7 @@ mod tests {
         let mut hello = Request::Hello {
             version: VERSION,
             blocks: 1,
+            kind: ClientKind::Memory,
         }
         .encode(1)
         .unwrap();
@@ -830,6 +916,45 @@ mod tests {
         old.u32(0);
         let e = Request::decode(kind::HELLO, &old.0).unwrap_err();
         assert!(e.to_string().contains("protocol version"), "{e}");
+        // A version-1 hello (magic, version, blocks: no client kind) is
+        // refused by its version, naming both and the fix.
+        let mut v1 = Out::default();
+        v1.0.extend_from_slice(&MAGIC);
+        v1.u32(1);
+        v1.u32(0);
+        let e = Request::decode(kind::HELLO, &v1.0).unwrap_err().to_string();
+        assert!(
+            e.contains("version 1") && e.contains(&format!("version {VERSION}")),
+            "{e}"
+        );
+        assert!(e.contains("one kvtier release"), "{e}");
+        // A welcome of another version is refused by the client the same way.
+        let mut w = Out::default();
+        w.u32(1);
+        w.u32(4);
+        let e = Response::decode(kind::WELCOME, &w.0).unwrap_err().to_string();
+        assert!(
+            e.contains("version 1") && e.contains(&format!("version {VERSION}")),
+            "{e}"
+        );
+        // A client kind this version does not define; memory asked by a
+        // lookup-only client.
+        let mut odd = Out::default();
+        odd.0.extend_from_slice(&MAGIC);
+        odd.u32(VERSION);
+        odd.u32(0);
+        odd.u32(9);
+        let e = Request::decode(kind::HELLO, &odd.0).unwrap_err();
+        assert!(e.to_string().contains("client kind 9"), "{e}");
+        let f = Request::Hello {
+            version: VERSION,
+            blocks: 4,
+            kind: ClientKind::LookupOnly,
+        }
+        .encode(1)
+        .unwrap();
+        let e = Request::decode(kind::HELLO, &f[HEADER_BYTES..]).unwrap_err();
+        assert!(e.to_string().contains("lookup-only"), "{e}");
         // A count past the bound is refused before anything is allocated.
         let mut many = Out::default();
         many.u32(u32::MAX);

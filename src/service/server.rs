@@ -14,7 +14,7 @@
 //! crash), and its slice is cleared and reused once they have.
 
 use super::arena::Arena;
-use super::protocol::{self, Request, Response};
+use super::protocol::{self, ClientKind, Request, Response};
 use super::sys;
 use crate::error::{Error, ErrorKind, Failure, Result};
 use crate::handle::{Event, JobId, TierApi, TierBuilder, TierHandle};
@@ -25,7 +25,7 @@ use std::collections::{HashMap, HashSet};
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -39,8 +39,11 @@ pub struct ServiceConfig {
     /// A group whose members may connect too (socket mode 0660); without
     /// one, only this process's uid (and root) may (mode 0600).
     pub group: Option<u32>,
-    /// Clients connected at once, at most.
+    /// Clients with memory connected at once, at most.
     pub clients: u32,
+    /// Lookup-only clients (engines' schedulers) connected at once, at
+    /// most; they take no memory, only a thread and a socket each.
+    pub lookup_clients: u32,
     /// KV memory blocks each client shares with the service.
     pub client_blocks: u32,
     /// Frames queued for a client that does not read them before it is dropped.
@@ -54,6 +57,7 @@ impl ServiceConfig {
             socket: socket.into(),
             group: None,
             clients: 8,
+            lookup_clients: 64,
             client_blocks: 256,
             client_queue: 1 << 16,
         }
@@ -63,8 +67,10 @@ impl ServiceConfig {
 with_setters!(ServiceConfig {
     /// Let members of group `group` connect (socket mode 0660).
     with_group => group: Option<u32>,
-    /// At most `clients` clients at once.
+    /// At most `clients` clients with memory at once.
     with_clients => clients: u32,
+    /// At most `lookup_clients` lookup-only clients at once.
+    with_lookup_clients => lookup_clients: u32,
     /// `client_blocks` blocks of shared KV memory per client.
     with_client_blocks => client_blocks: u32,
     /// Drop a client once `client_queue` frames wait for it.
@@ -85,7 +91,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 struct Client {
     id: u64,
     peer: sys::Peer,
-    slot: u32,
+    /// Its slice of the arena; `None` for a lookup-only client.
+    slot: Option<u32>,
     /// Blocks it may name: 0..blocks of its slice.
     blocks: u32,
     out: SyncSender<Vec<u8>>,
@@ -100,8 +107,15 @@ struct Client {
 impl Client {
     fn who(&self) -> String {
         format!(
-            "client {} (pid {}, uid {})",
-            self.id, self.peer.pid, self.peer.uid
+            "{}client {} (pid {}, uid {})",
+            if self.slot.is_none() {
+                "lookup-only "
+            } else {
+                ""
+            },
+            self.id,
+            self.peer.pid,
+            self.peer.uid
         )
     }
 
@@ -139,6 +153,8 @@ struct Shared {
     /// store of keys already stored finishes at once).
     orphans: Mutex<HashMap<JobId, crate::tier::JobResult>>,
     clients: Mutex<HashMap<u64, Arc<Client>>>,
+    /// Lookup-only clients connected now.
+    lookup_clients: AtomicU32,
     next_client: AtomicU64,
     stopping: AtomicBool,
     /// The dispatcher stops once this is set and the handle is closed.
@@ -156,19 +172,31 @@ impl Shared {
             return;
         }
         drop(jobs);
-        self.arena.clear(c.slot);
-        lock(&self.free_slots).push(c.slot);
+        match c.slot {
+            Some(slot) => {
+                self.arena.clear(slot);
+                lock(&self.free_slots).push(slot);
+            }
+            None => {
+                self.lookup_clients.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
     }
 
-    fn global_blocks(&self, c: &Client, blocks: &[u32]) -> Result<Vec<u32>> {
+    /// The arena's block numbers of `c`'s `blocks`; `None` for a
+    /// lookup-only client, which has none.
+    fn global_blocks(&self, c: &Client, blocks: &[u32]) -> Result<Option<Vec<u32>>> {
+        let Some(slot) = c.slot else {
+            return Ok(None);
+        };
         if let Some(&b) = blocks.iter().find(|&&b| b >= c.blocks) {
             return Err(Error::invalid(format!(
                 "memory block {b} is outside the {} blocks this client shares with the service",
                 c.blocks
             )));
         }
-        let base = c.slot * self.arena.slot_blocks();
-        Ok(blocks.iter().map(|&b| base + b).collect())
+        let base = slot * self.arena.slot_blocks();
+        Ok(Some(blocks.iter().map(|&b| base + b).collect()))
     }
 }
 
@@ -283,6 +311,7 @@ impl Service {
             owners: Mutex::new(HashMap::new()),
             orphans: Mutex::new(HashMap::new()),
             clients: Mutex::new(HashMap::new()),
+            lookup_clients: AtomicU32::new(0),
             next_client: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
             dispatcher_done: AtomicBool::new(false),
@@ -533,9 +562,9 @@ fn serve_client(s: &Arc<Shared>, stream: UnixStream, hello_due: Instant) {
     // The rest of the hello, by its deadline (a zero timeout would mean none).
     let left = hello_due.saturating_duration_since(Instant::now());
     let _ = stream.set_read_timeout(Some(left.max(Duration::from_millis(1))));
-    let (req, blocks) = match protocol::read_frame(&mut &stream) {
+    let (req, blocks, kind) = match protocol::read_frame(&mut &stream) {
         Ok(Some((h, body))) => match Request::decode(h.kind, &body) {
-            Ok(Request::Hello { blocks, .. }) => (h.req, blocks),
+            Ok(Request::Hello { blocks, kind, .. }) => (h.req, blocks, kind),
             Ok(_) => {
                 log(format_args!(
                     "dropped client {id} (pid {}): its first frame is not a hello",
@@ -557,7 +586,11 @@ fn serve_client(s: &Arc<Shared>, stream: UnixStream, hello_due: Instant) {
     };
     let _ = stream.set_read_timeout(None);
     let slot_blocks = s.arena.slot_blocks();
-    let blocks = if blocks == 0 { slot_blocks } else { blocks };
+    let blocks = match kind {
+        ClientKind::LookupOnly => 0,
+        ClientKind::Memory if blocks == 0 => slot_blocks,
+        ClientKind::Memory => blocks,
+    };
     if blocks > slot_blocks {
         refuse(
             &stream,
@@ -579,40 +612,92 @@ fn serve_client(s: &Arc<Shared>, stream: UnixStream, hello_due: Instant) {
         );
         return;
     }
-    let Some(slot) = lock(&s.free_slots).pop() else {
-        refuse(&stream, req, Failure::new(
-            ErrorKind::Backpressure,
-            format!("all {} client slots of this service are taken (its clients setting); retry once a client leaves", s.cfg.clients),
-        ));
-        log(format_args!(
-            "refused pid {}: all {} client slots taken",
-            peer.pid, s.cfg.clients
-        ));
-        return;
+    // What this client holds until it goes: a slice of the arena, or
+    // (lookup-only) one of the lookup clients' places.
+    let slot = match kind {
+        ClientKind::Memory => {
+            let Some(slot) = lock(&s.free_slots).pop() else {
+                refuse(&stream, req, Failure::new(
+                    ErrorKind::Backpressure,
+                    format!("all {} client slots of this service are taken (its clients setting); retry once a client leaves", s.cfg.clients),
+                ));
+                log(format_args!(
+                    "refused pid {}: all {} client slots taken",
+                    peer.pid, s.cfg.clients
+                ));
+                return;
+            };
+            Some(slot)
+        }
+        ClientKind::LookupOnly => {
+            let max = s.cfg.lookup_clients;
+            if s.lookup_clients
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                    (n < max).then_some(n + 1)
+                })
+                .is_err()
+            {
+                refuse(&stream, req, Failure::new(
+                    ErrorKind::Backpressure,
+                    format!("all {max} lookup-only client places of this service are taken (its lookup_clients setting); retry once one leaves"),
+                ));
+                log(format_args!(
+                    "refused pid {}: all {max} lookup-only client places taken",
+                    peer.pid
+                ));
+                return;
+            }
+            None
+        }
+    };
+    let give_back = |slot: Option<u32>| match slot {
+        Some(slot) => lock(&s.free_slots).push(slot),
+        None => {
+            s.lookup_clients.fetch_sub(1, Ordering::SeqCst);
+        }
     };
     let welcome = Response::Welcome {
         version: protocol::VERSION,
         geometry: *s.handle.geometry(),
+        namespace: s.handle.namespace().to_string(),
+        model_name: s.handle.model_name().to_string(),
         blocks,
-        layer_stride: s.arena.slot_stride(),
-        file_bytes: s.arena.slot_file_bytes(),
+        layer_stride: if slot.is_some() {
+            s.arena.slot_stride()
+        } else {
+            0
+        },
+        file_bytes: if slot.is_some() {
+            s.arena.slot_file_bytes()
+        } else {
+            0
+        },
         engine: s.handle.engine().to_string(),
     }
     .encode(req);
-    if let Err(e) = sys::send_with_fd(&stream, &welcome, s.arena.file(slot)) {
+    let sent = match slot {
+        Some(slot) => sys::send_with_fd(&stream, &welcome, s.arena.file(slot)),
+        None => {
+            use std::io::Write;
+            (&stream)
+                .write_all(&welcome)
+                .map_err(|e| Error::io("sending a lookup-only client its welcome", e))
+        }
+    };
+    if let Err(e) = sent {
         log(format_args!("client {id} (pid {}): {e}", peer.pid));
-        lock(&s.free_slots).push(slot);
+        give_back(slot);
         return;
     }
     let (tx, rx) = sync_channel::<Vec<u8>>(s.cfg.client_queue);
     // A client that stops reading cannot hold a writer (or the shutdown) for long.
     let _ = stream.set_write_timeout(Some(Duration::from_secs(10)));
     let Ok(write_half) = stream.try_clone() else {
-        lock(&s.free_slots).push(slot);
+        give_back(slot);
         return;
     };
     let Ok(shut) = stream.try_clone() else {
-        lock(&s.free_slots).push(slot);
+        give_back(slot);
         return;
     };
     let c = Arc::new(Client {
@@ -628,10 +713,13 @@ fn serve_client(s: &Arc<Shared>, stream: UnixStream, hello_due: Instant) {
         released: AtomicBool::new(false),
     });
     lock(&s.clients).insert(id, c.clone());
-    log(format_args!(
-        "{} connected: slot {slot}, {blocks} blocks",
-        c.who()
-    ));
+    match slot {
+        Some(slot) => log(format_args!(
+            "{} connected: slot {slot}, {blocks} blocks",
+            c.who()
+        )),
+        None => log(format_args!("{} connected", c.who())),
+    }
     let writer = std::thread::Builder::new()
         .name("kvtier-serve-writer".into())
         .spawn(move || {
@@ -720,6 +808,17 @@ fn refused(e: Error) -> Response {
     Response::Refused(Failure::from(&e))
 }
 
+/// A load or store asked by a client that shares no memory: refused, the
+/// client stays (its lookups and pins are what it is for).
+fn lookup_only_refusal(what: &str) -> Response {
+    Response::Refused(Failure::new(
+        ErrorKind::Usage,
+        format!(
+            "this connection to the kvtier service is lookup-only (it shares no KV memory with the service), so it cannot {what}: connect as a client with memory (TierBuilder::service(PATH) without lookup_only) to load and store"
+        ),
+    ))
+}
+
 /// The answer to `req` (id `req_id`), or `None` when it was already sent.
 fn answer(
     s: &Shared,
@@ -766,9 +865,12 @@ fn answer(
             blocks,
             layers,
         } => {
-            let g = s
+            let Some(g) = s
                 .global_blocks(c, &blocks)
-                .map_err(|e| Claim(e.to_string()))?;
+                .map_err(|e| Claim(e.to_string()))?
+            else {
+                return Ok(Some(lookup_only_refusal("load")));
+            };
             let mut owners = lock(&s.owners);
             match s.handle.submit_load(&keys, &g, layers) {
                 Ok(job) => {
@@ -780,9 +882,12 @@ fn answer(
             }
         }
         Request::SubmitStore { keys, blocks } => {
-            let g = s
+            let Some(g) = s
                 .global_blocks(c, &blocks)
-                .map_err(|e| Claim(e.to_string()))?;
+                .map_err(|e| Claim(e.to_string()))?
+            else {
+                return Ok(Some(lookup_only_refusal("store")));
+            };
             // Not under the owners' lock: the submit hashes the blocks, and
             // other clients' events must not wait for that.
             match s.handle.submit_store(&keys, &g) {

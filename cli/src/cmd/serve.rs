@@ -24,9 +24,13 @@ pub(crate) struct ServeArgs {
     /// it only this user may (mode 0600).
     #[arg(long)]
     group: Option<String>,
-    /// Clients connected at once, at most.
+    /// Clients with memory (engine workers) connected at once, at most.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
     clients: u32,
+    /// Lookup-only clients (engines' schedulers: no memory) connected at
+    /// once, at most.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(0..=4096))]
+    lookup_clients: u32,
     /// KV memory blocks each client shares with the service (its load and
     /// store buffer).
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1 << 20))]
@@ -63,6 +67,7 @@ pub(crate) fn run(a: ServeArgs) -> Result<i32> {
     let cfg = ServiceConfig::new(&a.socket)
         .with_group(group)
         .with_clients(a.clients)
+        .with_lookup_clients(a.lookup_clients)
         .with_client_blocks(a.client_blocks);
     let svc = Service::start(builder, named.geometry, cfg)?;
     service::stop_on_signals(svc.stopper())?;
