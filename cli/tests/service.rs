@@ -1189,3 +1189,35 @@ fn silent_connections_take_no_thread() {
     let mut buf = [0u8; 1];
     assert_eq!(last.read(&mut buf).unwrap(), 0, "closed by the service");
 }
+
+/// `--tp-size N`: the pool holds one TP rank's shard (the KV heads / N);
+/// a size that neither splits nor evenly replicates the heads is refused.
+#[test]
+fn tp_size_serves_one_ranks_shard() {
+    let dir = TempDir::new("serve-tp");
+    // One head of 64 bf16 per token: 32-token blocks fill a 4 KiB object.
+    let s = Serve::start_with(&dir, POOL, 2, 8, &["--tp-size", "2", "--block-size", "32"]);
+    let c = ServiceClient::connect(&s.sock, 0).unwrap();
+    let full = tiny_geometry();
+    assert_eq!(c.geometry().kv_heads, full.kv_heads / 2);
+    assert_eq!(c.geometry().head_dim, full.head_dim);
+    assert_eq!(c.geometry().layers, full.layers);
+    drop(c);
+    drop(s);
+    let out = Command::new(BIN)
+        .args(["serve", "--dir"])
+        .arg(dir.file("pool3"))
+        .args(["--capacity", &POOL.to_string(), "--model"])
+        .arg(tiny_config(&dir))
+        .arg("--socket")
+        .arg(dir.file("tp3.sock"))
+        .args(["--tp-size", "3"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("--tp-size 3") && err.contains("2 KV heads"),
+        "{err}"
+    );
+}

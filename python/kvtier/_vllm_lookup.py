@@ -1,4 +1,10 @@
-"""The lookup service between vLLM's scheduler and a worker's pool.
+"""The scheduler's lookups: from a worker's pool, or from the node's service.
+
+``ServiceLookups``: over ``kvtier serve`` the scheduler asks the service
+itself, on a lookup-only connection of its own (no memory shared, no client
+slot taken); its pins are that connection's, dropped by the service if the
+scheduler's process dies. The rest of this module is the pool-of-its-own
+case:
 
 The worker owns the pool (its flock, its KV memory); the scheduler, in another
 process, asks it how many of a prefix's keys the pool holds, and pins what it
@@ -24,7 +30,7 @@ import threading
 import time
 from typing import Any
 
-from . import KvtierError
+from . import ClosedError, KvtierError, TierBuilder
 
 KEY_BYTES = 32
 LOOKUP, PIN, UNPIN = b"L", b"P", b"U"
@@ -274,3 +280,83 @@ class LookupClient:
                         # nothing can be loaded from it.
                         return 0
         return 0
+
+
+class ServiceLookups:
+    """The scheduler's view of the node's kvtier service: one lookup-only
+    connection. Every failure is a count of 0 (a miss), never an exception
+    into vLLM's scheduling loop; a lost connection (the service restarted)
+    is reopened at most once per ``RETRY_S``."""
+
+    RETRY_S = 1.0
+
+    def __init__(self, path: str, logger: Any = None) -> None:
+        self._path = path
+        self._log = logger
+        self._h: Any = None
+        self._lock = threading.Lock()
+        self._next_try = 0.0
+        self._next_check = 0.0
+        self._open()
+
+    def _open(self) -> None:
+        try:
+            self._h = TierBuilder().service(self._path, lookup_only=True).build()
+        except KvtierError as e:
+            self._h = None
+            self._next_try = time.monotonic() + self.RETRY_S
+            if self._log is not None:
+                self._log.warning("kvtier: the scheduler cannot reach the kvtier service at %s "
+                                  "(every lookup is a miss until it can): %s", self._path, e)
+
+    def _gone(self) -> bool:
+        """Whether the connection is gone (a lookup answers 0 either way);
+        asked at most once per RETRY_S."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return False
+        self._next_check = now + self.RETRY_S
+        try:
+            self._h.usage()
+        except ClosedError:
+            return True
+        except KvtierError:
+            return False
+        return False
+
+    def call(self, op: bytes, keys: list[bytes]) -> int:
+        with self._lock:
+            if self._h is None:
+                if time.monotonic() < self._next_try:
+                    return 0
+                self._open()
+                if self._h is None:
+                    return 0
+            try:
+                if op == LOOKUP:
+                    n = self._h.lookup(keys)
+                elif op == PIN:
+                    n = self._h.lookup_and_pin(keys)
+                else:
+                    self._h.unpin(keys)
+                    return 0
+            except KvtierError:
+                n = 0
+            if n == 0 and keys and self._gone():
+                # Its pins went with it (the service drops a connection's
+                # pins): nothing to hand over. The next call reconnects.
+                self._close_handle()
+                self._next_try = 0.0
+            return n
+
+    def _close_handle(self) -> None:
+        h, self._h = self._h, None
+        if h is not None:
+            try:
+                h.close()
+            except KvtierError:
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_handle()

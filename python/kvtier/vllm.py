@@ -20,6 +20,18 @@ sees exactly what the worker's pool holds, and ``lookup_and_pin`` keeps the
 matched blocks from being evicted between the scheduler's decision and the
 worker's load; the worker drops those pins when the load finishes.
 
+With ``"service": PATH`` no process owns a pool: the node's ``kvtier serve``
+does, and every engine's workers and schedulers are its clients. A worker
+shares memory with it (its staging); the scheduler opens a lookup-only
+connection of its own (no memory) and looks up and pins there, so it sees
+exactly what the service holds. Pins are per connection: the scheduler
+drops its pins once each worker reports the load done, and the service
+drops them if the scheduler's process dies. Each TP rank's worker is one
+client; a rank's KV shard differs from another's, so its keys are the
+block's keys salted with the rank (``rank_keys``), and the pool's geometry
+is one rank's shard. The scheduler counts a block as a hit only where
+every rank holds it, and pins every rank's keys.
+
 Keys are a SHA-256 chain over each full block's token ids (and the request's
 cache salt), computed the same way in every process and every restart,
 whatever vLLM's own prefix-hash settings: with a non-cryptographic
@@ -72,7 +84,8 @@ from . import BackpressureError, KvtierError, TierBuilder, TierHandle
 from ._vllm_layout import KvMapping, map_kv_caches
 from ._vllm_lookup import LOOKUP as _LOOKUP
 from ._vllm_lookup import PIN as _PIN
-from ._vllm_lookup import LookupClient, LookupServer, socket_name
+from ._vllm_lookup import UNPIN as _UNPIN
+from ._vllm_lookup import LookupClient, LookupServer, ServiceLookups, socket_name
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,7 +95,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["KvtierConnector", "KvtierTier", "block_keys"]
+__all__ = ["KvtierConnector", "KvtierTier", "block_keys", "rank_keys"]
 
 # Under vLLM's logger tree ("vllm."), so kvtier's lines appear in vLLM's log
 # with its format and level (a logger outside it is never configured).
@@ -113,6 +126,17 @@ def block_keys(token_ids: Iterable[int], block_size: int, salt: str | None = Non
     return keys
 
 
+def rank_keys(keys: list[bytes], rank: int, tp_size: int) -> list[bytes]:
+    """The keys of TP rank ``rank``'s shard of each block, on a kvtier
+    service every rank shares: each rank holds another part of a block's KV
+    (its heads), so a rank's key is the block's key salted with the rank and
+    the TP size. With one rank, the block's keys."""
+    if tp_size == 1:
+        return keys
+    tag = _ROOT + b"/tp" + struct.pack("<II", rank, tp_size)
+    return [hashlib.sha256(tag + k).digest() for k in keys]
+
+
 @dataclass
 class _Load:
     req_id: str
@@ -120,6 +144,9 @@ class _Load:
     block_ids: list[int]
     # Keys the scheduler pinned on each TP rank's pool (a prefix of `keys`).
     pinned: list[int]
+    # The scheduler's number for it: over a service the workers report it
+    # done by it, and the scheduler then drops its pins.
+    load_id: int = 0
 
 
 @dataclass
@@ -159,10 +186,14 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
 
     stored: list[bytes] = field(default_factory=list)
     removed: list[bytes] = field(default_factory=list)
+    # Over a service: (load id, rank) of every load of the scheduler's
+    # metadata the rank is done with (its pins there can go).
+    loaded: list[tuple[int, int]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KvtierWorkerMetadata":
         if isinstance(other, KvtierWorkerMetadata):
-            return KvtierWorkerMetadata(self.stored + other.stored, self.removed + other.removed)
+            return KvtierWorkerMetadata(self.stored + other.stored, self.removed + other.removed,
+                                        self.loaded + other.loaded)
         return self
 
 
@@ -283,10 +314,13 @@ class KvtierConnector(KVConnectorBase_V1):
         node's ``kvtier serve``: every engine on the node shares its pool (a
         block one stored is a hit for the others). The worker's staging
         (``staging_blocks`` for loads and as many for stores) is the memory
-        the service shares with it; keys carry a hash of the model's identity,
-        so engines of different models on one service never share a block.
-        CPU KV caches and one TP rank (GPU caches and TP ranks over the
-        service are not built yet: issue 25).
+        the service shares with it; the scheduler looks up and pins over a
+        lookup-only connection of its own. Keys carry a hash of the model's
+        identity (and TP size), so engines of different models on one service
+        never share a block; with TP, each rank is a client and its keys are
+        salted with its rank (the service's model is then one rank's shard:
+        ``kvtier serve --model`` with the per-rank KV heads). CPU KV caches
+        (GPU caches over the service are not built yet: issue 25).
       capacity: bytes of pool to create per rank when absent (default "4g").
       prewrite: write a new pool's files once at creation (capacity at the
         disk's write speed) so first stores run at overwrite speed, not at
@@ -336,12 +370,6 @@ class KvtierConnector(KVConnectorBase_V1):
                 "KvtierConnector serves tensor parallelism only; pipeline_parallel_size must be 1"
             )
         self._tp_size = par.tensor_parallel_size
-        if self._service and self._tp_size != 1:
-            raise ValueError(
-                "KvtierConnector over a kvtier service serves one TP rank; TP ranks as clients "
-                "of one service are not built yet (issue 25): give each engine its own "
-                "pool_dir for tensor_parallel_size > 1"
-            )
         # Keys on a shared service carry the model's identity: block hashes
         # are of token ids only.
         self._key_salt = ""
@@ -351,9 +379,19 @@ class KvtierConnector(KVConnectorBase_V1):
                 json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:32]
         self._interval: dict[str, float] = {}
         if role == KVConnectorRole.SCHEDULER:
-            self._clients = [
+            # Over a service: one lookup-only connection for every rank's
+            # keys; else each rank's worker answers for its own pool.
+            self._svc = ServiceLookups(self._service, logger) if self._service else None
+            self._clients = [] if self._service else [
                 LookupClient(socket_name(self._rank_dir(r))) for r in range(self._tp_size)
             ]
+            self._next_load = 1
+            # Over a service, per load id: each rank's keys this scheduler
+            # pinned (None once that rank reported the load done).
+            self._pins: dict[int, list[list[bytes] | None]] = {}
+            # Over a service with TP: a rank's key -> the block's key, for
+            # the keys the workers report stored or removed.
+            self._base_of: OrderedDict[bytes, bytes] = OrderedDict()
             self._reqs: dict[str, _ReqState] = {}
             self._loads: list[_Load] = []
             self._step_load_blocks = 0
@@ -371,10 +409,6 @@ class KvtierConnector(KVConnectorBase_V1):
             self._init_worker()
 
     def _rank_dir(self, rank: int) -> str:
-        if self._service:
-            # Names only the rank's lookup socket: one per engine instance.
-            return os.path.join(f"{self._service}.vllm", self._vllm_config.instance_id,
-                                f"tp{rank}")
         return os.path.join(self._pool_dir, f"tp{rank}")
 
     def _count(self, stats: dict[str, Any], name: str, n: float) -> None:
@@ -421,6 +455,10 @@ class KvtierConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------
 
     def _lookup(self, op: bytes, keys: list[bytes]) -> list[int]:
+        """How many leading keys each rank holds (and pins them, `_PIN`)."""
+        if self._svc is not None:
+            return [self._svc.call(op, rank_keys(keys, r, self._tp_size))
+                    for r in range(self._tp_size)]
         return [c.call(op, keys) for c in self._clients]
 
     def _state(self, request: "Request") -> _ReqState | None:
@@ -480,7 +518,13 @@ class KvtierConnector(KVConnectorBase_V1):
         ids = list(blocks.get_block_ids()[0][start : start + n])
         pinned = self._lookup(_PIN, keys)
         self._count(self._sched_stats, "pin_shortfall_blocks", n - min(pinned))
-        self._loads.append(_Load(request.request_id, keys, ids, pinned))
+        load_id, self._next_load = self._next_load, self._next_load + 1
+        if self._svc is not None:
+            # This scheduler's pins on the service, until each rank's worker
+            # reports the load done (update_connector_output).
+            self._pins[load_id] = [rank_keys(keys[:p], r, self._tp_size) if p else None
+                                   for r, p in enumerate(pinned)]
+        self._loads.append(_Load(request.request_id, keys, ids, pinned, load_id))
         self._step_load_blocks += n
         self._count(self._sched_stats, "matched_tokens", num_external_tokens)
         self._count(self._sched_stats, "hit_blocks", n)
@@ -557,6 +601,14 @@ class KvtierConnector(KVConnectorBase_V1):
             self._planned.move_to_end(key)
         while len(self._planned) > _MAX_EVENT_KEYS:
             self._planned.popitem(last=False)
+        if self._svc is not None and self._tp_size > 1:
+            # The workers report their ranks' keys: name the block by them.
+            for r in range(self._tp_size):
+                for rk, key in zip(rank_keys(keys, r, self._tp_size), keys):
+                    self._base_of[rk] = key
+                    self._base_of.move_to_end(rk)
+            while len(self._base_of) > _MAX_EVENT_KEYS * self._tp_size:
+                self._base_of.popitem(last=False)
 
     def _kv_hash_block_size(self) -> int:
         cfg = self._kv_cache_config
@@ -570,6 +622,11 @@ class KvtierConnector(KVConnectorBase_V1):
         from vllm.distributed.kv_events import BlockRemoved, BlockStored
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
+        for load_id, rank in meta.loaded:
+            self._release_pins(load_id, rank)
+        if self._base_of:
+            meta = KvtierWorkerMetadata([self._base_of.get(k, k) for k in meta.stored],
+                                        [self._base_of.get(k, k) for k in meta.removed])
         for key in meta.stored:
             n = self._stored_ranks.get(key, 0) + 1
             if n < self._tp_size:
@@ -593,6 +650,18 @@ class KvtierConnector(KVConnectorBase_V1):
             self._events.append(BlockRemoved(
                 block_hashes=[maybe_convert_block_hash(h) for h in gone],
                 medium=KV_EVENT_MEDIUM))
+
+    def _release_pins(self, load_id: int, rank: int) -> None:
+        """Rank ``rank``'s worker is done with load ``load_id``: drop the
+        pins this scheduler took for it on the service."""
+        ranks = self._pins.get(load_id)
+        if ranks is None or not 0 <= rank < len(ranks):
+            return
+        keys, ranks[rank] = ranks[rank], None
+        if keys:
+            self._svc.call(_UNPIN, keys)
+        if all(k is None for k in ranks):
+            del self._pins[load_id]
 
     def take_events(self) -> Iterable[Any]:
         events, self._events = self._events, []
@@ -627,6 +696,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._ev_stored: list[bytes] = []
         self._ev_removed: list[bytes] = []
+        self._ev_loaded: list[tuple[int, int]] = []
         self._stats: dict[str, Any] = {"rank": self._rank, "staged": None, "hbm": None,
                                        "stream_waits": 0, "loaded_blocks": 0,
                                        "layer_waits": [], "load_error_blocks": 0,
@@ -701,10 +771,10 @@ class KvtierConnector(KVConnectorBase_V1):
         self._stats["layer_waits"] = [0] * m.layers
         self._stats["layout"] = {"vllm": m.vllm_layout, "kvtier": m.layout,
                                  "page_bytes": m.page_bytes, "layers": m.layers}
-        rank_dir = self._rank_dir(self._rank)
         if self._service:
-            self._connect_service(m, rank_dir, double)
+            self._connect_service(m, double)
             return
+        rank_dir = self._rank_dir(self._rank)
         name = _model_tail(str(self._vllm_config.model_config.model))
         b = (
             TierBuilder()
@@ -767,10 +837,12 @@ class KvtierConnector(KVConnectorBase_V1):
         logger.info("kvtier: rank %d pool %s, engine %s, %s", self._rank, rank_dir,
                     self._tier.engine, m.describe())
 
-    def _connect_service(self, m: KvMapping, rank_dir: str, double: bool) -> None:
+    def _connect_service(self, m: KvMapping, double: bool) -> None:
         """The worker's side over ``kvtier serve``: the service's shared
         memory is the staging (loads land in it, stores read it), copied per
-        layer from and into vLLM's own pages."""
+        layer from and into vLLM's own pages. No lookup socket: the
+        scheduler asks the service. The pool's geometry is this rank's
+        shard (``m``: the tensors vLLM gave this worker)."""
         if self._hbm or double:
             raise KvtierError(
                 "CUDA KV caches over a kvtier service are not built yet (issue 25: the staged "
@@ -806,14 +878,29 @@ class KvtierConnector(KVConnectorBase_V1):
         self._free_store = list(range(self._staging, 2 * self._staging))
         self._stats["staged"] = True
         self._stats["service"] = self._service
-        self._server = LookupServer(socket_name(rank_dir), self._tier, logger)
-        logger.info("kvtier: rank %d on the kvtier service %s (engine %s), %s", self._rank,
-                    self._service, h.engine, m.describe())
+        logger.info("kvtier: rank %d of %d on the kvtier service %s (engine %s, namespace %s), "
+                    "%s", self._rank, self._tp_size, self._service, h.engine, h.namespace,
+                    m.describe())
+
+    def _my_keys(self, keys: list[bytes]) -> list[bytes]:
+        """The keys of this rank's shard of the blocks ``keys`` name."""
+        return rank_keys(keys, self._rank, self._tp_size) if self._service else keys
+
+    def _done_with(self, ld: _Load, n: int) -> None:
+        """This rank is done with load ``ld`` (``n`` blocks were pinned for
+        it here): its pins go. Over a service they are the scheduler's, so
+        the scheduler is told; else this worker's pool holds them."""
+        if self._service:
+            self._ev_loaded.append((ld.load_id, self._rank))
+        elif n:
+            self._tier.unpin(ld.keys[:n])
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierConnectorMetadata)
         if self._tier is None:
+            for ld in meta.loads:
+                self._done_with(ld, 0)
             return
         for ld in meta.loads:
             n = min(ld.pinned[self._rank], len(ld.keys))
@@ -821,20 +908,22 @@ class KvtierConnector(KVConnectorBase_V1):
             # in between: vLLM recomputes or fails them (kv_load_failure_policy).
             self._load_errors.update(ld.block_ids[n:])
             if n == 0:
+                self._done_with(ld, 0)
                 continue
             slots = None
             if self._stage is not None:
                 if len(self._free_load) < n:
                     self._load_errors.update(ld.block_ids[:n])
-                    self._tier.unpin(ld.keys[:n])
+                    self._done_with(ld, n)
                     continue
                 slots = [self._free_load.pop() for _ in range(n)]
             try:
-                job = self._tier.submit_load(ld.keys[:n], slots if slots is not None else ld.block_ids[:n])
+                job = self._tier.submit_load(self._my_keys(ld.keys[:n]),
+                                             slots if slots is not None else ld.block_ids[:n])
             except KvtierError as e:
                 logger.warning("kvtier: load of %d blocks for %s refused: %s", n, ld.req_id, e)
                 self._load_errors.update(ld.block_ids[:n])
-                self._tier.unpin(ld.keys[:n])
+                self._done_with(ld, n)
                 if slots:
                     self._free_load.extend(slots)
                 continue
@@ -955,7 +1044,7 @@ class KvtierConnector(KVConnectorBase_V1):
             good = len(ld.block_ids) - len(bad)
             self._count(self._stats, "loaded_blocks", good)
             self._count(self._stats, "loaded_bytes", good * self._map.block_bytes)
-            self._tier.unpin(ld.load.keys[: len(ld.block_ids)])
+            self._done_with(ld.load, len(ld.block_ids))
             if ld.slots is not None:
                 self._free_load.extend(ld.slots)
         self._inflight = []
@@ -990,7 +1079,8 @@ class KvtierConnector(KVConnectorBase_V1):
             for layer, pages in enumerate(self._map.pages):
                 _copy_rows(self._stage[:, layer], slots, pages, st.block_ids)
         try:
-            job = self._tier.submit_store(st.keys, slots if slots is not None else st.block_ids)
+            job = self._tier.submit_store(self._my_keys(st.keys),
+                                          slots if slots is not None else st.block_ids)
         except BackpressureError:
             self._count(self._stats, "stores_dropped", n)
             if slots:
@@ -1022,10 +1112,10 @@ class KvtierConnector(KVConnectorBase_V1):
         return (done or None), None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if not (self._ev_stored or self._ev_removed):
+        if not (self._ev_stored or self._ev_removed or self._ev_loaded):
             return None
-        meta = KvtierWorkerMetadata(self._ev_stored, self._ev_removed)
-        self._ev_stored, self._ev_removed = [], []
+        meta = KvtierWorkerMetadata(self._ev_stored, self._ev_removed, self._ev_loaded)
+        self._ev_stored, self._ev_removed, self._ev_loaded = [], [], []
         return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -1034,6 +1124,9 @@ class KvtierConnector(KVConnectorBase_V1):
         return errs
 
     def shutdown(self) -> None:
+        if getattr(self, "_svc", None) is not None:
+            self._svc.close()
+            self._svc = None
         if getattr(self, "_server", None) is not None:
             self._server.close()
             self._server = None

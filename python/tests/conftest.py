@@ -68,7 +68,7 @@ def kvtier_service(tmp_path, tiny_model):
     started = []
 
     def start(clients: int = 4, client_blocks: int = 32, model: str | None = None,
-              block_size: int = 16):
+              block_size: int = 16, dtype: str | None = None, tp_size: int = 1):
         n = len(started)
         sock = tmp_path / f"kvtier{n}.sock"
         log = tmp_path / f"serve{n}.log"
@@ -77,7 +77,8 @@ def kvtier_service(tmp_path, tiny_model):
                 [binary, "serve", "--dir", str(tmp_path / f"svc-pool{n}"), "--capacity", "64m",
                  "--model", model or tiny_model, "--block-size", str(block_size),
                  "--socket", str(sock), "--clients", str(clients),
-                 "--client-blocks", str(client_blocks)],
+                 "--client-blocks", str(client_blocks), "--tp-size", str(tp_size)]
+                + (["--dtype", dtype] if dtype else []),
                 stderr=err,
             )
         started.append((proc, log))

@@ -236,7 +236,7 @@ def random_model(tmp_path_factory):
     return tiny_random.make(str(tmp_path_factory.mktemp("tiny-random")))
 
 
-def run_engine(tmp_path, name, prompts, pool=None, model=None, dtype=None, extra=None):
+def run_engine(tmp_path, name, prompts, pool=None, model=None, dtype=None, extra=None, tp=1):
     out = tmp_path / f"{name}.json"
     stats = tmp_path / f"{name}-stats"
     args = [sys.executable, os.path.join(HERE, "vllm_engine.py"), str(out)]
@@ -245,13 +245,19 @@ def run_engine(tmp_path, name, prompts, pool=None, model=None, dtype=None, extra
     env = dict(os.environ, KVTIER_TEST_PROMPTS=json.dumps(prompts), VLLM_CPU_KVCACHE_SPACE="1",
                HF_HUB_OFFLINE="1", KVTIER_TEST_MODEL=model,
                **({"KVTIER_TEST_DTYPE": dtype} if dtype else {}),
-               **({"KVTIER_TEST_EXTRA": json.dumps(extra)} if extra else {}))
+               **({"KVTIER_TEST_EXTRA": json.dumps(extra)} if extra else {}),
+               # vllm-cpu binds each rank's threads to a NUMA node unless told
+               # which cores: this VM has one node, so one core per rank.
+               **({"KVTIER_TEST_TP": str(tp), "VLLM_CPU_OMP_THREADS_BIND": "|".join(
+                   str(r % (os.cpu_count() or 1)) for r in range(tp))} if tp > 1 else {}))
     p = subprocess.run(args, env=env, capture_output=True, text=True, timeout=240, cwd=HERE)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     res = json.loads(out.read_text())
     if pool is not None:
         res["scheduler"] = json.loads((tmp_path / f"{name}-stats.scheduler").read_text())
         res["worker"] = json.loads((tmp_path / f"{name}-stats.tp0").read_text())
+        res["workers"] = [json.loads((tmp_path / f"{name}-stats.tp{r}").read_text())
+                          for r in range(tp)]
     return res
 
 
@@ -316,6 +322,139 @@ def test_real_engines_share_one_kvtier_service(tmp_path, random_model, kvtier_se
     assert two["cached"] == [256, 256], two["cached"]
     text = log.read_text()
     assert text.count("connected: slot") >= 2 and "dropped" not in text, text
+    # Each engine's scheduler asked the service itself, on a lookup-only
+    # connection (no memory, no client slot); no worker ran a lookup socket.
+    assert lookup_only_connections(text) == 2, text
+
+
+def lookup_only_connections(log: str) -> int:
+    return sum(1 for line in log.splitlines()
+               if "lookup-only client" in line and line.endswith(" connected"))
+
+
+def test_real_tp2_engine_ranks_are_clients_of_one_service(tmp_path, random_model, kvtier_service):
+    """One tensor_parallel_size=2 engine at a time on one kvtier serve: each
+    rank's worker is a client storing its own shard under its own keys, and
+    a second engine's requests for the first's prefixes are served from
+    kvtier on both ranks, greedy tokens equal in fp32."""
+    rng = random.Random(7)
+    pa = [rng.randrange(3, 500) for _ in range(300)]
+    pb = [rng.randrange(3, 500) for _ in range(300)]
+    t1 = [rng.randrange(3, 500) for _ in range(24)]
+    t2 = [rng.randrange(3, 500) for _ in range(9)]
+    first = [pa + t1, pb + t1]
+    second = [pa[:260] + t2, pb[:270] + t2]
+    # The service holds one rank's shard: --tp-size 2 halves the KV heads.
+    sock, log = kvtier_service(clients=4, client_blocks=32,
+                               model=os.path.join(random_model, "config.json"), block_size=128,
+                               dtype="float32", tp_size=2)
+    extra = {"service": str(sock)}
+
+    base = run_engine(tmp_path, "reference", first + second, model=random_model,
+                      dtype="float32", tp=2)
+    assert base["tokens"][2] != base["tokens"][3]
+    one = run_engine(tmp_path, "engine1", first, "-", random_model, dtype="float32",
+                     extra=extra, tp=2)
+    assert one["tokens"] == base["tokens"][:2]
+    assert all(w["stored_blocks"] >= 4 for w in one["workers"]), one["workers"]
+    two = run_engine(tmp_path, "engine2", second, "-", random_model, dtype="float32",
+                     extra=extra, tp=2)
+    assert two["tokens"] == base["tokens"][2:], "the service's KV changed the generated tokens"
+    s = two["scheduler"]
+    assert s["matched_tokens"] == 2 * 256, s
+    for w in two["workers"]:
+        assert w["loaded_blocks"] == 4 and w["load_error_blocks"] == 0, two["workers"]
+    assert [w["rank"] for w in two["workers"]] == [0, 1]
+    assert two["cached"] == [256, 256], two["cached"]
+    text = log.read_text()
+    # Two engines x two ranks with memory; each engine's scheduler lookup-only.
+    assert text.count("connected: slot") >= 4 and lookup_only_connections(text) == 2, text
+    assert "dropped" not in text, text
+
+
+def test_scheduler_over_a_service_counts_what_every_rank_holds(tmp_path, kvtier_service):
+    """The real scheduler connector with TP 2 over a service: a block is a
+    hit only where both ranks' keys are stored, it pins both ranks' keys on
+    its own lookup-only connection, drops each rank's pins when that rank
+    reports the load done, and a killed scheduler process leaves no pin."""
+    import kvtier
+    from vllm.v1.outputs import KVConnectorOutput
+
+    sock, log = kvtier_service(clients=2, client_blocks=8)
+    cfg = vllm_config(tmp_path, service=str(sock))
+    cfg.kv_transfer_config.kv_connector_extra_config.pop("pool_dir")
+    cfg.parallel_config.tensor_parallel_size = 2
+    sched = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, None)
+    try:
+        rng = random.Random(9)
+        prefix = [rng.randrange(3, 500) for _ in range(4 * BS)]
+        keys = kv.block_keys(prefix, BS, f"{sched._key_salt}|")
+        r0, r1 = kv.rank_keys(keys, 0, 2), kv.rank_keys(keys, 1, 2)
+        assert len({*keys, *r0, *r1}) == 12, "each rank's keys differ from the block's"
+        with kvtier.connect(sock) as h:
+            for b in range(6):
+                h.write_block(b, bytes([b + 1]) * h.block_bytes)
+            # Rank 0 holds all four blocks, rank 1 the first two.
+            assert h.wait(h.submit_store(r0[:4] + r1[:2], list(range(6)))).ok
+
+            def pinned():
+                return h.usage()["tier"]["pinned_blocks"]
+
+            req = request("a", prefix + [1])
+            assert sched.get_num_new_matched_tokens(req, 0) == (2 * BS, False)
+            assert pinned() == 0
+            sched.update_state_after_alloc(
+                req, KVCacheBlocks(([KVCacheBlock(i) for i in (3, 4, 5)],)), 2 * BS)
+            meta = sched.build_connector_meta(sched_output())
+            (ld,) = meta.loads
+            assert ld.pinned == [2, 2] and ld.keys == keys[:2] and ld.block_ids == [3, 4]
+            assert pinned() == 4
+            # Each rank reports the load done (worker metadata): its pins go.
+            for rank, left in ((1, 2), (0, 0)):
+                sched.update_connector_output(KVConnectorOutput(
+                    kv_connector_worker_meta=kv.KvtierWorkerMetadata(loaded=[(ld.load_id,
+                                                                              rank)])))
+                assert pinned() == left
+
+            # A scheduler process that pins and is killed (SIGKILL): the
+            # service drops its connection's pins.
+            child = subprocess.Popen(
+                [sys.executable, "-c", PIN_AND_WAIT, str(sock), str(tmp_path), HERE],
+                stdout=subprocess.PIPE, text=True,
+                env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+            try:
+                assert child.stdout.readline().split() == ["PINNED", "2", "2"]
+                assert pinned() == 4
+            finally:
+                child.kill()
+                child.wait()
+            deadline = time.monotonic() + 20
+            while pinned() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert pinned() == 0
+    finally:
+        sched.shutdown()
+    assert "lookup-only client" in log.read_text()
+
+
+PIN_AND_WAIT = r"""
+import random, sys, time
+sys.path.insert(0, sys.argv[3])
+from test_vllm import (BS, KVCacheBlock, KVCacheBlocks, KVConnectorFactory, KVConnectorRole,
+                       request, sched_output, vllm_config)
+cfg = vllm_config(sys.argv[2], service=sys.argv[1])
+cfg.kv_transfer_config.kv_connector_extra_config.pop("pool_dir")
+cfg.parallel_config.tensor_parallel_size = 2
+sched = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, None)
+rng = random.Random(9)
+prefix = [rng.randrange(3, 500) for _ in range(4 * BS)]
+req = request("a", prefix + [1])
+n, _ = sched.get_num_new_matched_tokens(req, 0)
+sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(i) for i in (3, 4, 5)],)), n)
+(ld,) = sched.build_connector_meta(sched_output()).loads
+print("PINNED", *ld.pinned, flush=True)
+time.sleep(600)
+"""
 
 
 # The shapes users serve: MQA (1 KV head), GQA with 8 KV heads x 128 (llama3-

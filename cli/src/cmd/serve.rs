@@ -35,6 +35,12 @@ pub(crate) struct ServeArgs {
     /// store buffer).
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1 << 20))]
     client_blocks: u32,
+    /// The engines' tensor-parallel size: each TP rank is a client and the
+    /// pool holds one rank's shard of each block (the model's KV heads / N;
+    /// a model with fewer KV heads than ranks keeps one per rank, as vLLM
+    /// replicates them).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    tp_size: u32,
     /// auto, uring, nvme, gpu or gpu-host.
     #[arg(long, default_value = "auto")]
     engine: String,
@@ -50,12 +56,29 @@ fn pool_builder(dir: &Path, capacity: Option<u64>, named: &model::NamedGeometry)
     }
 }
 
+/// The model as one of `tp_size` tensor-parallel ranks holds it: its KV
+/// heads split over the ranks (vLLM's split: a model with fewer KV heads
+/// than ranks has one per rank, replicated).
+fn per_rank(mut named: model::NamedGeometry, tp_size: u32) -> Result<model::NamedGeometry> {
+    let heads = named.geometry.kv_heads;
+    if tp_size > 1 {
+        if heads >= tp_size && heads % tp_size != 0 || heads < tp_size && tp_size % heads != 0 {
+            return Err(kvtier::Error::invalid(format!(
+                "--tp-size {tp_size} neither splits nor evenly replicates the {heads} KV heads of {}: give the engines' tensor_parallel_size, which vLLM also requires to divide (or be a multiple of) the KV heads",
+                named.name
+            )));
+        }
+        named.geometry.kv_heads = (heads / tp_size).max(1);
+    }
+    Ok(named)
+}
+
 /// Runs `kvtier serve` until SIGTERM or SIGINT; the exit code.
 pub(crate) fn run(a: ServeArgs) -> Result<i32> {
     // Before any thread starts: every thread inherits the mask, and only
     // the signal thread takes them.
     service::block_termination_signals()?;
-    let named = a.model.resolve()?;
+    let named = per_rank(a.model.resolve()?, a.tp_size)?;
     let engine = EngineChoice::parse(&a.engine).ok_or_else(|| {
         kvtier::Error::invalid(format!(
             "unknown --engine {:?}; use auto, uring, nvme, gpu or gpu-host",
