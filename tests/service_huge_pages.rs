@@ -160,7 +160,9 @@ fn service_memory_is_in_reserved_huge_pages_when_free_and_small_pages_else() {
         .and_then(|s| s.trim().parse().ok())
         .unwrap_or(0);
     let _guard = if free_pages < 4 {
-        match HugePages::set(total + 4 - free_pages) {
+        // 16 pages more than the arena's four: another process's small
+        // DMA buffer may take some meanwhile.
+        match HugePages::set(total + 20 - free_pages) {
             Some(g) if hugetlb_free_bytes() >= arena_bytes => Some(g),
             _ => {
                 eprintln!(
