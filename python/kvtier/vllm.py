@@ -318,8 +318,8 @@ class KvtierConnector(KVConnectorBase_V1):
         lookup-only connection of its own. Keys carry a hash of the model's
         identity (and TP size), so engines of different models on one service
         never share a block; with TP, each rank is a client and its keys are
-        salted with its rank (the service's model is then one rank's shard:
-        ``kvtier serve --model`` with the per-rank KV heads). CPU KV caches
+        salted with its rank (the service then serves one rank's shard:
+        ``kvtier serve --tp-size N`` for ``tensor_parallel_size=N``). CPU KV caches
         (GPU caches over the service are not built yet: issue 25).
       capacity: bytes of pool to create per rank when absent (default "4g").
       prewrite: write a new pool's files once at creation (capacity at the
