@@ -15,6 +15,10 @@
 //! that is a failure, so a GPU run cannot pass by silently skipping.
 
 mod common;
+// The service helpers this file uses (the rest serve tests/service_staged.rs).
+#[allow(dead_code)]
+#[path = "common/service.rs"]
+mod service;
 #[path = "common/staged.rs"]
 mod staged;
 
@@ -22,7 +26,7 @@ use kvtier::gpu::{probe, Context, Device, DeviceBuffer, PinnedHostBuffer};
 use kvtier::memory::pattern_fill;
 use kvtier::staged::{LayerWait, StagedTier, StagingConfig};
 use kvtier::tier::Tier;
-use kvtier::{HostLayout, KvGeometry, KvLayout, KvMemory, MemoryKind};
+use kvtier::{HostLayout, KvGeometry, KvLayout, KvMemory, MemoryKind, TierBuilder};
 use staged::*;
 
 fn skip(test: &str, why: &str) {
@@ -320,5 +324,45 @@ fn gpu_compute_stream_waits_per_layer_without_the_host() {
                 }
             }
         }
+    }
+}
+
+/// KV memory in GPU memory through the node service (issue 25, item 4):
+/// two clients of one service, each with its own HBM; the service shares
+/// each client's slice, which the client registers as pinned and uses as
+/// the staged path's staging. One stores (the gather kernel takes the
+/// checksums, the service writes them), the other loads layer by layer:
+/// each layer's copy is queued on the client's copy stream with a GPU event
+/// for a compute stream, and its bytes are the first client's.
+/// tests/service_staged.rs runs the same round trip on the CPU double.
+#[test]
+#[cfg_attr(
+    not(kvtier_gpu_tests),
+    ignore = "needs an NVIDIA GPU (none at build time): run with --include-ignored on one"
+)]
+fn gpu_round_trip_through_the_service() {
+    let Some(ctx) = gpu("gpu_round_trip_through_the_service") else {
+        return;
+    };
+    for layout in LAYOUTS {
+        let dir = common::TempDir::new(&format!("gpu-svc-staged-{layout:?}"));
+        let svc = service::Svc::start(&dir, 2, 64);
+        let (ra, rb) = (GpuRig::new(&ctx, layout), GpuRig::new(&ctx, layout));
+        // SAFETY: the rigs' HBM outlives the clients (dropped before them).
+        let open = |r: &GpuRig| {
+            unsafe {
+                TierBuilder::default()
+                    .service(&svc.sock)
+                    .memory(r.memory.clone())
+            }
+            .build()
+            .unwrap()
+        };
+        let (a, b) = (open(&ra), open(&rb));
+        service::round_trip_between((&ra, &a), (&rb, &b), 40, 24, true);
+        a.close().unwrap();
+        b.close().unwrap();
+        drop((a, b));
+        svc.stop();
     }
 }

@@ -7,20 +7,26 @@
 //! the round trip on a GPU.
 
 mod common;
+#[path = "common/service.rs"]
+mod service;
+// Shared with the in-process staged tests: only the rig and its checks here.
+#[allow(dead_code)]
+#[path = "common/staged.rs"]
+mod staged;
 
-use kvtier::service::{Service, ServiceClient, ServiceConfig, StagedServiceClient};
+use kvtier::service::{ServiceClient, StagedServiceClient};
 use kvtier::staged::{StagedPath, StagingConfig};
 use kvtier::{HostKvCache, HostLayout, Key, LayerCopy, TierApi, TierBuilder};
 use std::io::{BufRead, BufReader, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const ENV: &str = "KVTIER_SERVICE_STAGED_CHILD";
-const POOL: u64 = 64 << 20;
+use service::{Svc, POOL};
 
-fn keys(r: std::ops::Range<u64>) -> Vec<Key> {
+fn keys_in(r: std::ops::Range<u64>) -> Vec<Key> {
     r.map(Key::from_u64).collect()
 }
 
@@ -28,56 +34,29 @@ fn seed(k: u64) -> u64 {
     common::seed_of(k)
 }
 
-/// A service in this process, on a pool in `dir`.
-struct Svc {
-    stopper: kvtier::service::Stopper,
-    thread: Option<std::thread::JoinHandle<kvtier::Result<()>>>,
-    sock: PathBuf,
-    handle: kvtier::TierHandle,
-}
+/// Host memory posing as the GPU's KV memory, copied by the CPU.
+struct HostRig(Arc<HostKvCache>);
 
-impl Svc {
-    fn start(dir: &common::TempDir, clients: u32, client_blocks: u32) -> Svc {
-        let g = common::tiny_geometry();
-        let sock = dir.file("kvtier.sock");
-        let builder = TierBuilder::default()
-            .directory(dir.file("pool"))
-            .capacity(POOL)
-            .geometry(g)
-            .model_name("test");
-        let cfg = ServiceConfig::new(&sock)
-            .with_clients(clients)
-            .with_client_blocks(client_blocks);
-        let svc = Service::start(builder, g, cfg).unwrap();
-        let handle = svc.handle().clone();
-        let stopper = svc.stopper();
-        let thread = Some(std::thread::spawn(move || svc.run()));
-        Svc {
-            stopper,
-            thread,
-            sock,
-            handle,
-        }
+impl staged::KvRig for HostRig {
+    fn geometry(&self) -> kvtier::KvGeometry {
+        self.0.memory().geometry
     }
-
-    fn usage(&self) -> kvtier::handle::HandleUsage {
-        self.handle.usage().unwrap()
+    fn num_blocks(&self) -> u32 {
+        self.0.num_blocks()
     }
-
-    fn stop(mut self) {
-        self.stopper.stop();
-        if let Some(t) = self.thread.take() {
-            t.join().unwrap().unwrap();
-        }
+    fn write_object(&self, block: u32, layer: u32, kv: u32, data: &[u8]) {
+        self.0.write_object(block, layer, kv, data)
     }
-}
-
-impl Drop for Svc {
-    fn drop(&mut self) {
-        self.stopper.stop();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+    fn read_object(&self, block: u32, layer: u32, kv: u32) -> Vec<u8> {
+        let mut v = vec![0; self.geometry().object_bytes() as usize];
+        self.0.read_object(block, layer, kv, &mut v);
+        v
+    }
+    fn clear(&self) {
+        self.0.clear()
+    }
+    fn staged(&self, tier: kvtier::tier::Tier, cfg: StagingConfig) -> kvtier::staged::StagedTier {
+        kvtier::staged::StagedTier::with_host_double(tier, self.0.clone(), cfg).unwrap()
     }
 }
 
@@ -126,12 +105,12 @@ fn script(t: &dyn TierApi, c: &HostKvCache) {
         c.fill_block(i, seed(100 + i as u64));
     }
     let s = t
-        .submit_store(&keys(100..112), &(0..12).collect::<Vec<_>>())
+        .submit_store(&keys_in(100..112), &(0..12).collect::<Vec<_>>())
         .unwrap();
     t.flush_stores().unwrap();
     assert!(t.wait(s).unwrap().all_ok());
     c.clear();
-    let ks = keys(100..112);
+    let ks = keys_in(100..112);
     assert_eq!(t.lookup_and_pin(&ks), 12);
     let into: Vec<u32> = (20..32).collect();
     let j = t.submit_load(&ks, &into, 0..g.layers).unwrap();
@@ -146,7 +125,7 @@ fn script(t: &dyn TierApi, c: &HostKvCache) {
     }
     assert!(t.wait(j).unwrap().all_ok());
     t.unpin(&ks);
-    let some = keys(103..107);
+    let some = keys_in(103..107);
     assert_eq!(t.lookup_and_pin(&some), 4);
     let j = t.submit_load(&some, &[40, 41, 42, 43], 1..3).unwrap();
     assert!(t.wait(j).unwrap().all_ok());
@@ -216,14 +195,14 @@ fn long_load_goes_through_a_small_staging_area_in_chunks() {
         c.fill_block(i, seed(500 + i as u64));
     }
     let s = t
-        .submit_store(&keys(500..540), &(0..40).collect::<Vec<_>>())
+        .submit_store(&keys_in(500..540), &(0..40).collect::<Vec<_>>())
         .unwrap();
     t.flush_stores().unwrap();
     let r = TierApi::wait(&t, s).unwrap();
     assert!(r.all_ok(), "{r:?}");
-    assert_eq!(t.lookup_prefix(&keys(500..540)), 40);
+    assert_eq!(t.lookup_prefix(&keys_in(500..540)), 40);
     c.clear();
-    let ks = keys(500..540);
+    let ks = keys_in(500..540);
     assert_eq!(t.lookup_and_pin(&ks), 40);
     // Into blocks in another order than the keys, so chunks scatter.
     let into: Vec<u32> = (0..40).map(|i| 63 - i).collect();
@@ -284,7 +263,7 @@ fn copy_marks_come_in_order_and_never_for_a_failed_layer() {
             c.fill_block(i, seed(700 + i as u64));
         }
         let s = t
-            .submit_store(&keys(700..706), &(0..6).collect::<Vec<_>>())
+            .submit_store(&keys_in(700..706), &(0..6).collect::<Vec<_>>())
             .unwrap();
         t.flush_stores().unwrap();
         assert!(TierApi::wait(&t, s).unwrap().all_ok());
@@ -307,7 +286,7 @@ fn copy_marks_come_in_order_and_never_for_a_failed_layer() {
     };
     let mem: Vec<u32> = (8..14).collect();
     let job = path
-        .submit_load(&mut client, &keys(700..706), &mem, 0..g.layers)
+        .submit_load(&mut client, &keys_in(700..706), &mem, 0..g.layers)
         .unwrap();
     let (mut marks, mut events) = (Vec::new(), Vec::new());
     let t0 = Instant::now();
@@ -345,7 +324,7 @@ fn copy_marks_come_in_order_and_never_for_a_failed_layer() {
     }
     let r = path.wait(&mut client, job).unwrap();
     let failed: Vec<Key> = r.failures().map(|(k, _)| *k).collect();
-    assert_eq!(failed, keys(703..704), "only the damaged key fails");
+    assert_eq!(failed, keys_in(703..704), "only the damaged key fails");
     for (i, &b) in mem.iter().enumerate() {
         if i != 3 {
             assert!(
@@ -360,7 +339,7 @@ fn copy_marks_come_in_order_and_never_for_a_failed_layer() {
     // The damaged key left the pool; through the handle-shaped client the
     // others load with a copy mark or a settled layer, waited for in order.
     let t = staged_client(&svc.sock, &c, None);
-    let ks: Vec<Key> = keys(700..706)
+    let ks: Vec<Key> = keys_in(700..706)
         .into_iter()
         .filter(|k| *k != Key::from_u64(703))
         .collect();
@@ -387,6 +366,24 @@ fn copy_marks_come_in_order_and_never_for_a_failed_layer() {
     svc.stop();
 }
 
+/// The round trip tests/gpu_staged.rs makes on a GPU, on the double: two
+/// staged clients of one service, one stores from its "GPU" memory, the
+/// other loads layer by layer with copy marks, in both layouts.
+#[test]
+fn round_trip_between_two_staged_clients() {
+    for layout in [HostLayout::PerLayer, HostLayout::CrossLayer] {
+        let dir = common::TempDir::new(&format!("svc-staged-rt-{layout:?}"));
+        let svc = Svc::start(&dir, 2, 64);
+        let (ra, rb) = (HostRig(cache(layout, 48)), HostRig(cache(layout, 48)));
+        let a = staged_client(&svc.sock, &ra.0, None);
+        let b = staged_client(&svc.sock, &rb.0, None);
+        service::round_trip_between((&ra, &a), (&rb, &b), 40, 24, false);
+        a.close().unwrap();
+        b.close().unwrap();
+        svc.stop();
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Client processes
 
@@ -407,7 +404,7 @@ fn service_staged_child() {
     };
     let g = common::tiny_geometry();
     let c = cache(HostLayout::PerLayer, 64);
-    let ks = keys(first..first + n);
+    let ks = keys_in(first..first + n);
     let into: Vec<u32> = (0..n as u32).collect();
     match role {
         // Load through the staged client and check every byte.
@@ -507,7 +504,7 @@ fn store_from_gpu_memory_loads_in_another_process() {
         c.fill_block(i, seed(900 + i as u64));
     }
     let s = t
-        .submit_store(&keys(900..920), &(0..20).collect::<Vec<_>>())
+        .submit_store(&keys_in(900..920), &(0..20).collect::<Vec<_>>())
         .unwrap();
     t.flush_stores().unwrap();
     assert!(TierApi::wait(&t, s).unwrap().all_ok());
@@ -531,7 +528,7 @@ fn client_killed_mid_load_leaves_no_pin_or_job() {
         c.fill_block(i, seed(300 + i as u64));
     }
     let s = t
-        .submit_store(&keys(300..308), &(0..8).collect::<Vec<_>>())
+        .submit_store(&keys_in(300..308), &(0..8).collect::<Vec<_>>())
         .unwrap();
     t.flush_stores().unwrap();
     assert!(TierApi::wait(&t, s).unwrap().all_ok());
