@@ -80,6 +80,17 @@ fn kv_bench_reports_every_figure_and_plots() {
     // slots are not known before its store (said so).
     assert!(results[0]["engine_first_write_gib_s"].as_f64().unwrap() > 0.0);
     assert!(results[1]["engine_first_write_gib_s"].is_null());
+    // The store's reference brackets it: the same write timed right before
+    // it too, where its slots were known.
+    let (before, before_durable) = (
+        results[0]["engine_write_before_gib_s"].as_f64().unwrap(),
+        results[0]["engine_write_before_durable_gib_s"]
+            .as_f64()
+            .unwrap(),
+    );
+    assert!(0.0 < before_durable && before_durable <= before);
+    assert!(results[1]["engine_write_before_durable_gib_s"].is_null());
+    assert!(text.contains("right before the store"), "{text}");
     assert!(
         text.contains("4096 tokens: no engine-alone write before the store"),
         "{text}"

@@ -15,12 +15,15 @@
 //! vLLM's CPU KV cache.
 
 use super::sys::{sealed_memfd, Reservation};
+use crate::memory::hugetlb_free_bytes;
 use crate::error::{Error, Result};
 use crate::memory::{KvLayout, KvMemory, MemoryKind};
 use crate::model::KvGeometry;
 use std::os::fd::OwnedFd;
 
 const PAGE: u64 = 4096;
+/// A reserved (hugetlbfs) page.
+const HUGE_PAGE: u64 = 2 << 20;
 
 /// Every client slice, mapped into one reservation.
 pub struct Arena {
@@ -29,6 +32,7 @@ pub struct Arena {
     geometry: KvGeometry,
     slots: u32,
     slot_blocks: u32,
+    huge: bool,
 }
 
 impl Arena {
@@ -58,14 +62,57 @@ impl Arena {
             .and_then(|x| x.checked_mul(slots as u64))
             .ok_or_else(|| Error::invalid("the service's KV memory overflows 64 bits"))?;
         let reservation = Reservation::new(total)?;
+        // Reserved huge pages where the system has them free for the whole
+        // arena and every mapping is whole 2 MiB pages: each 2 MiB of a
+        // load or store is then one DMA segment, as in an engine's own
+        // memory, whatever shmem_enabled says (this VM's kernel: never, and
+        // 4 KiB pages cost transfers up to a third of their speed). Mapping
+        // can still fail when another process takes the pages first: then
+        // the arena is built again in small pages.
+        let huge = slot_stride % HUGE_PAGE == 0 && hugetlb_free_bytes() >= total;
+        let files = match huge
+            .then(|| Self::map_slices(&reservation, geometry.layers, slots, slot_stride, true))
+        {
+            Some(Ok(files)) => Some(files),
+            Some(Err(_)) => {
+                reservation.unmap(0, total)?;
+                None
+            }
+            None => None,
+        };
+        let huge = files.is_some();
+        let files = match files {
+            Some(f) => f,
+            None => Self::map_slices(&reservation, geometry.layers, slots, slot_stride, false)?,
+        };
+        Ok(Arena {
+            reservation,
+            files,
+            geometry,
+            slots,
+            slot_blocks,
+            huge,
+        })
+    }
+
+    /// Make and map every slice's file: layer `l` of slice `s` at
+    /// `l * stride + s * slot_stride` of the reservation.
+    fn map_slices(
+        reservation: &Reservation,
+        layers: u32,
+        slots: u32,
+        slot_stride: u64,
+        huge: bool,
+    ) -> Result<Vec<OwnedFd>> {
         let stride = slot_stride * slots as u64;
         let mut files = Vec::with_capacity(slots as usize);
         for s in 0..slots {
             let fd = sealed_memfd(
                 &format!("kvtier-client-{s}"),
-                slot_stride * geometry.layers as u64,
+                slot_stride * layers as u64,
+                huge,
             )?;
-            for l in 0..geometry.layers as u64 {
+            for l in 0..layers as u64 {
                 reservation.map_fixed(
                     l * stride + s as u64 * slot_stride,
                     slot_stride,
@@ -75,13 +122,23 @@ impl Arena {
             }
             files.push(fd);
         }
-        Ok(Arena {
-            reservation,
-            files,
-            geometry,
-            slots,
-            slot_blocks,
-        })
+        Ok(files)
+    }
+
+    /// Whether the slices are in reserved 2 MiB pages.
+    pub fn huge_pages(&self) -> bool {
+        self.huge
+    }
+
+    /// Blocks per client that make a client's layer whole 2 MiB pages (the
+    /// condition for reserved huge pages).
+    pub fn huge_page_blocks(geometry: &KvGeometry) -> u64 {
+        let pair = 2 * geometry.object_bytes();
+        let (mut a, mut b) = (HUGE_PAGE, pair);
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        HUGE_PAGE / a
     }
 
     /// The tier's view: one block-major KV memory over every slice.

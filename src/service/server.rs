@@ -301,9 +301,22 @@ impl Service {
             shared.cfg.clients,
             shared.cfg.client_blocks
         ));
-        if sys::shmem_huge_pages() == Some(false) {
+        if shared.arena.huge_pages() {
             log(format_args!(
-                "the shared KV memory is in 4 KiB pages: shmem huge pages are off here (/sys/kernel/mm/transparent_hugepage/shmem_enabled), so every 4 KiB page of a load or store is a DMA segment of its own (a 2 MiB huge page would be one) and transfers run slower than into an engine's own memory in huge pages (examples/service_bench measures both); `echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled` lets the service ask for huge pages"
+                "the shared KV memory is in reserved 2 MiB huge pages (hugetlbfs)"
+            ));
+        } else if sys::shmem_huge_pages() == Some(false) {
+            let blocks = Arena::huge_page_blocks(shared.handle.geometry());
+            let pages =
+                (shared.arena.slot_file_bytes() * shared.arena.slots() as u64).div_ceil(2 << 20);
+            log(format_args!(
+                "the shared KV memory is in 4 KiB pages: shmem huge pages are off here (/sys/kernel/mm/transparent_hugepage/shmem_enabled) and too few reserved huge pages are free, so every 4 KiB page of a load or store is a DMA segment of its own (a 2 MiB huge page would be one) and transfers run slower than into an engine's own memory in huge pages (examples/service_bench measures both). Reserve them before starting the service: raise vm.nr_hugepages by {} (2 MiB pages; sysctl.conf keeps it){}; or `echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled`",
+                pages,
+                if shared.arena.slot_blocks() as u64 % blocks == 0 {
+                    String::new()
+                } else {
+                    format!(" with client blocks a multiple of {blocks}")
+                }
             ));
         }
         Ok(Service {

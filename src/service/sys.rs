@@ -15,12 +15,20 @@ fn last_os(what: &str) -> Error {
 
 /// A memfd of fixed size, sealed so that nobody (the client it is given to
 /// included) can shrink or grow it: a mapping of it can never fault past
-/// its end (SIGBUS in the service).
-pub fn sealed_memfd(name: &str, bytes: u64) -> Result<OwnedFd> {
+/// its end (SIGBUS in the service). With `huge`, in reserved 2 MiB pages
+/// (hugetlbfs: `bytes` a multiple of 2 MiB; mapping it fails where too few
+/// are free).
+pub fn sealed_memfd(name: &str, bytes: u64, huge: bool) -> Result<OwnedFd> {
     let cname = std::ffi::CString::new(name).map_err(|_| Error::invalid("memfd name has a NUL"))?;
+    let flags = libc::MFD_CLOEXEC
+        | libc::MFD_ALLOW_SEALING
+        | if huge {
+            libc::MFD_HUGETLB | libc::MFD_HUGE_2MB
+        } else {
+            0
+        };
     // SAFETY: a valid C string; the flags are constants.
-    let fd =
-        unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    let fd = unsafe { libc::memfd_create(cname.as_ptr(), flags) };
     if fd < 0 {
         return Err(last_os("memfd_create for a client's shared KV memory"));
     }
@@ -152,9 +160,36 @@ impl Reservation {
             ));
         }
         // Huge pages where the kernel allows shmem THP (fewer DMA segments);
-        // a refusal only costs segments.
+        // a refusal only costs segments (hugetlbfs pages refuse: they are huge).
         // SAFETY: advice on the mapping just made.
         unsafe { libc::madvise(at, len as usize, libc::MADV_HUGEPAGE) };
+        Ok(())
+    }
+
+    /// Give `len` bytes at `offset` back to PROT_NONE address space (a
+    /// mapping replaced before any I/O used it).
+    pub fn unmap(&self, offset: u64, len: u64) -> Result<()> {
+        if offset.checked_add(len).is_none_or(|e| e > self.len as u64) {
+            return Err(Error::invalid("arena unmapping past the reservation"));
+        }
+        let at = (self.base as u64 + offset) as *mut libc::c_void;
+        // SAFETY: MAP_FIXED over our own reservation, replacing a mapping
+        // no I/O uses yet (the arena is being built).
+        let p = unsafe {
+            libc::mmap(
+                at,
+                len as usize,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(last_os(
+                "returning the service's KV arena to reserved space",
+            ));
+        }
         Ok(())
     }
 
