@@ -77,7 +77,9 @@ class TierBuilder:
         its KV memory is the `blocks` blocks the service shares (0: its
         --client-blocks). Pool, engine, policy, namespace and memory calls are
         refused with it (UsageError naming them); model()/geometry() are checked
-        against what the service serves."""
+        against what the service serves. With kv_memory(CUDA tensors) (and
+        staging()), the tensors are the KV memory, through the staged GPU path
+        whose staging is the memory the service shares (model() required)."""
     def build(self) -> TierHandle: ...
 
 class TierHandle:

@@ -110,7 +110,10 @@ impl TierBuilder {
     /// kvtier.service_tensors views them as torch tensors). The service
     /// decides the pool, engine, policy, namespace and memory, so those
     /// calls are refused with it; `model()` / `geometry()` say what this
-    /// process expects the service to serve (checked at build).
+    /// process expects the service to serve (checked at build). With
+    /// `kv_memory()` of CUDA tensors (and `staging()`), the tensors are the
+    /// KV memory instead, through the staged GPU path whose staging is the
+    /// memory the service shares (`blocks` of it; the model is required).
     #[pyo3(signature = (path, blocks = 0))]
     fn service(
         mut slf: PyRefMut<'_, Self>,
@@ -667,8 +670,28 @@ impl TierBuilder {
 
     /// `build()` after `service()`: refuse what the service decides, resolve
     /// the model asked for (if any), connect.
-    fn build_service(&self, py: Python<'_>, path: PathBuf, blocks: u32) -> PyResult<TierHandle> {
-        let conflicts = self.own_pool_calls();
+    fn build_service(
+        &mut self,
+        py: Python<'_>,
+        path: PathBuf,
+        blocks: u32,
+    ) -> PyResult<TierHandle> {
+        // GPU KV memory (kv_memory of CUDA tensors, or CPU tensors posing
+        // as them with the double) goes through the service on the staged
+        // path, with the staging the service shares: those calls are this
+        // process's, not the service's.
+        let staged = matches!(self.mem, Some(Mem::Regions { .. }));
+        let conflicts: Vec<&str> = self
+            .own_pool_calls()
+            .into_iter()
+            .filter(|c| {
+                !(staged
+                    && matches!(
+                        *c,
+                        "kv_memory()" | "staging()" | "test_only_staged_host_double()"
+                    ))
+            })
+            .collect();
         if !conflicts.is_empty() {
             return Err(usage(format!(
                 "{} set up a pool of this process's own, but service({:?}) uses the node's kvtier service, which decides its pool, engine, policy, namespace and the KV memory it shares (kvtier.service_tensors(handle) views it): drop {}, or drop service() to open a pool of this process's own",
@@ -689,7 +712,88 @@ impl TierBuilder {
             }
             Some(ModelSpec::Geometry(named)) => Some(named.geometry),
         };
+        if staged {
+            return self.build_staged_service(py, path, blocks, geometry);
+        }
         crate::service::open(py, path, blocks, geometry)
+    }
+
+    /// `build()` after `service()` with `kv_memory()`: the tensors are this
+    /// process's GPU KV memory (or the double's CPU stand-in), served by
+    /// the staged path over the slice the service shares.
+    fn build_staged_service(
+        &mut self,
+        py: Python<'_>,
+        path: PathBuf,
+        blocks: u32,
+        geometry: Option<KvGeometry>,
+    ) -> PyResult<TierHandle> {
+        let g = geometry.ok_or_else(|| {
+            usage("service() with kv_memory(): give the model (model(...) or geometry(...)) the tensors hold, which the service must serve")
+        })?;
+        let Some(Mem::Regions {
+            regions,
+            layout,
+            kind,
+            shapes,
+        }) = self.mem.clone()
+        else {
+            unreachable!("checked by build_service")
+        };
+        check_shapes(&g, &layout, &shapes)?;
+        let double = self.staged_host_double;
+        if double && kind != MemoryKind::Host {
+            return Err(usage(
+                "test_only_staged_host_double() copies with the CPU: give it CPU tensors posing as GPU memory, or drop it to serve CUDA tensors through the real staged path",
+            ));
+        }
+        if !double && kind == MemoryKind::Host {
+            return Err(usage(
+                "kv_memory() through a kvtier service is for CUDA tensors (the staged GPU path over the memory the service shares); CPU KV memory through a service is the memory it shares (kvtier.service_tensors(handle)): drop kv_memory()",
+            ));
+        }
+        // Only copies touch it (the staged path's): 16-byte alignment.
+        let m = memory_of(g, &regions, &layout, kind, true)?;
+        let gpu = match kind {
+            MemoryKind::Gpu { ordinal } => Some(gpu_context(py, ordinal)?),
+            MemoryKind::Host => None,
+        };
+        let b = RsBuilder::default()
+            .service(&path)
+            .blocks(blocks)
+            .geometry(g);
+        // SAFETY: the handle object keeps every tensor and buffer (`owners`,
+        // `buffers`) alive until the client is closed and dropped; the
+        // double's memory is host memory (checked above).
+        let mut b = unsafe {
+            if double {
+                b.staged_host_double_memory(m.clone())
+            } else {
+                b.memory(m.clone())
+            }
+        };
+        if let Some(s) = self.staging {
+            // Block counts left out (0) follow the shared slice's size.
+            b = b.staging(s);
+        }
+        let client = without_gil(py, || b.build()).map_err(to_py)?;
+        let completions = kvtier::TierApi::completions(&client).map_err(to_py)?;
+        let mapping = client.service_client().shared_mapping();
+        self.mem = None;
+        Ok(TierHandle {
+            inner: Some(Box::new(client)),
+            completions,
+            memory: m,
+            host: None,
+            service: Some((path, mapping)),
+            namespace: None,
+            model_name: None,
+            staged: true,
+            gpu,
+            owners: Mutex::new(std::mem::take(&mut self.owners)),
+            buffers: Mutex::new(std::mem::take(&mut self.buffers)),
+            forks: FORKS.load(Ordering::SeqCst),
+        })
     }
 }
 

@@ -166,9 +166,9 @@ impl TierHandle {
     /// the pool's dtype, as a writable buffer (kvtier.service_tensors makes
     /// torch tensors of them).
     fn layer_region(&self, #[pyo3(from_py_with = layer_arg)] layer: u32) -> PyResult<SharedRegion> {
-        let Some((_, mapping)) = &self.service else {
+        let Some((_, mapping)) = self.service.as_ref().filter(|_| !self.staged) else {
             return Err(usage(
-                "layer_region() is the KV memory a kvtier service shares with this process; this handle's pool is its own, over the memory given to the builder (host_memory() for a host_cache)",
+                "layer_region() is the KV memory a kvtier service shares with this process; this handle's KV memory is the memory given to the builder (a pool of its own, or GPU memory through a service's staging)",
             ));
         };
         let g = self.memory.geometry;
@@ -551,7 +551,7 @@ impl TierHandle {
     /// handle object lives.
     fn host_memory(&self) -> PyResult<(u64, u64)> {
         self.live()?;
-        if let Some((_, mapping)) = &self.service {
+        if let Some((_, mapping)) = self.service.as_ref().filter(|_| !self.staged) {
             return Ok((mapping.addr(), mapping.len()));
         }
         match (&self.host, &self.memory.layout) {

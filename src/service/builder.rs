@@ -4,7 +4,7 @@
 //! without it.
 
 use super::client::ServiceClient;
-use super::staged_client::{check_staged_memory, StagedServiceClient};
+use super::staged_client::{check_staged_memory, staging_for_slice, StagedServiceClient};
 use crate::error::{Error, Result};
 use crate::handle::TierBuilder;
 use crate::memory::{HostKvCache, KvMemory};
@@ -95,6 +95,7 @@ impl ServiceBuilder {
             base: self,
             memory: mem,
             double: None,
+            host_double: false,
             staging: None,
         }
     }
@@ -108,6 +109,23 @@ impl ServiceBuilder {
             base: self,
             memory: cache.memory().clone(),
             double: Some(cache),
+            host_double: true,
+            staging: None,
+        }
+    }
+
+    /// As [`Self::staged_host_double`] over host memory the caller owns
+    /// (CPU tensors posing as the GPU's KV memory: the bindings' double).
+    ///
+    /// # Safety
+    /// As [`Self::memory`]; `mem` must be host memory.
+    #[doc(hidden)]
+    pub unsafe fn staged_host_double_memory(self, mem: KvMemory) -> StagedServiceBuilder {
+        StagedServiceBuilder {
+            base: self,
+            memory: mem,
+            double: None,
+            host_double: true,
             staging: None,
         }
     }
@@ -142,6 +160,8 @@ pub struct StagedServiceBuilder {
     base: ServiceBuilder,
     memory: KvMemory,
     double: Option<Arc<HostKvCache>>,
+    /// Host memory standing in for GPU memory (the CPU double).
+    host_double: bool,
     staging: Option<StagingConfig>,
 }
 
@@ -158,8 +178,9 @@ impl std::fmt::Debug for StagedServiceBuilder {
 
 impl StagedServiceBuilder {
     /// How the shared slice is cut into staging (default:
-    /// `staged_client::staging_for_slice` of its blocks); it must fit the
-    /// blocks the service shares.
+    /// [`super::staged_client::staging_for_slice`] of its blocks); it must
+    /// fit the blocks the service shares. `load_blocks` or `store_blocks` 0:
+    /// that default's (and with `store_blocks` 0, its store chunks too).
     pub fn staging(mut self, cfg: StagingConfig) -> Self {
         self.staging = Some(cfg);
         self
@@ -174,7 +195,13 @@ impl StagedServiceBuilder {
 
     /// Connect, check the geometry and the memory, start the staged path.
     pub fn build(self) -> Result<StagedServiceClient> {
-        if self.double.is_none() {
+        if self.host_double {
+            if self.memory.kind != crate::memory::MemoryKind::Host {
+                return Err(Error::invalid(
+                    "the staged double copies with the CPU: its stand-in KV memory must be host memory",
+                ));
+            }
+        } else {
             check_staged_memory(&self.memory)?;
         }
         let socket = self.base.socket.clone();
@@ -187,10 +214,22 @@ impl StagedServiceBuilder {
             "the kvtier service at {} serves the pool with it; this process's GPU KV memory goes through the staged path over the memory the service shares",
             socket.display()
         );
+        let d = staging_for_slice(client.memory_blocks());
+        let staging = self.staging.map(|s| {
+            let or = |v: u32, d: u32| if v == 0 { d } else { v };
+            let mut c = StagingConfig::new(
+                s.layer_buffers,
+                or(s.load_blocks, d.load_blocks),
+                or(s.store_blocks, d.store_blocks),
+            )
+            .with_store_chunk_blocks(s.store_chunk_blocks);
+            if s.store_blocks == 0 && s.store_chunk_blocks == 0 {
+                c = c.with_store_chunk_blocks(d.store_chunk_blocks);
+            }
+            c
+        });
         // SAFETY: the caller of `memory(..)` promised `memory` outlives the
         // client; the double's cache is kept alive by the client.
-        unsafe {
-            StagedServiceClient::open(client, self.memory, self.staging, self.double, served_by)
-        }
+        unsafe { StagedServiceClient::open(client, self.memory, staging, self.double, served_by) }
     }
 }
