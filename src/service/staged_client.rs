@@ -122,14 +122,17 @@ impl StagingJobs for ServiceClient {
         Ok((held, tokens))
     }
 
-    fn keys_left(&self, keys: &[Key], _tokens: &[u64]) -> Vec<bool> {
+    fn keys_left(&self, keys: &[Key], _tokens: &[u64], refused: bool) -> Vec<bool> {
         // Held keys leave the pool only when a load finds their block
-        // damaged; a layer asked for with such a key would be refused
-        // whole (every key of the load failed), so they are looked up
-        // first: one request while all are there, one more per key gone.
-        // (One dropped between this and the layer's submit still fails the
-        // load's remaining keys: misses, never wrong bytes.)
+        // damaged, and a layer asked for with such a key is refused: only
+        // then are they looked up (one request while all are there, one
+        // more per key gone), and the layer asked for again without them.
+        // Looking before every layer cost a round trip each (the first
+        // layer's time through the service grew by one).
         let mut left = vec![false; keys.len()];
+        if !refused {
+            return left;
+        }
         let mut at = 0;
         while at < keys.len() {
             let n = match self.call(&Request::Lookup(keys[at..].to_vec())) {

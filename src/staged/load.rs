@@ -230,7 +230,7 @@ impl StagedPath {
                 // A key another load found damaged left the pool while this
                 // one held it: it fails here, alone (named in a layer job, the
                 // tier refused the job and every key of the load failed).
-                let left = tier.keys_left(&job.keys, &job.slots);
+                let left = tier.keys_left(&job.keys, &job.slots, false);
                 for p in (0..job.keys.len()).filter(|&p| left[p]) {
                     if job.outcomes[p].is_none() {
                         let f = Failure::new(
@@ -278,7 +278,7 @@ impl StagedPath {
                         // this submit (through the node service, its loads
                         // run beside this path's): the check drops it, and
                         // the layer is asked for again without it.
-                        let left = tier.keys_left(&job.keys, &job.slots);
+                        let left = tier.keys_left(&job.keys, &job.slots, true);
                         if (0..job.keys.len()).any(|p| job.outcomes[p].is_none() && left[p]) {
                             continue;
                         }

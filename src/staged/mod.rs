@@ -117,8 +117,11 @@ pub trait StagingJobs {
     fn hold_present(&mut self, keys: &[Key]) -> Result<(Vec<Key>, Vec<u64>)>;
     /// Per held key: whether it left the pool since it was held (a load
     /// found its block damaged): such a key is left out of the layers not
-    /// yet read, and fails alone.
-    fn keys_left(&self, keys: &[Key], tokens: &[u64]) -> Vec<bool>;
+    /// yet read, and fails alone. Asked before each layer's read, and again
+    /// once a read was refused (`refused`): a path where the first answer
+    /// costs a round trip (the service) may answer it with nothing left
+    /// and look only after a refusal.
+    fn keys_left(&self, keys: &[Key], tokens: &[u64], refused: bool) -> Vec<bool>;
 }
 
 impl StagingJobs for Tier {
@@ -165,7 +168,7 @@ impl StagingJobs for Tier {
         Ok((held, slots))
     }
 
-    fn keys_left(&self, keys: &[Key], tokens: &[u64]) -> Vec<bool> {
+    fn keys_left(&self, keys: &[Key], tokens: &[u64], _refused: bool) -> Vec<bool> {
         let index = self.pool().index();
         keys.iter()
             .zip(tokens)
@@ -409,6 +412,9 @@ impl StagedPath {
                 "shared staging must be block-major per layer (the service's slice)",
             ));
         };
+        // (The service's tier bounds a store chunk by its header staging,
+        // 8192 blocks by default, far past a slice's blocks: a chunk past it
+        // would fail its keys with the tier's error.)
         let layout = Layout::new(&g, &cfg, 0);
         let need = layout.load_places() as u64 + cfg.store_blocks as u64;
         if need > staging.num_blocks as u64 {
