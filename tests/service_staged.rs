@@ -384,6 +384,71 @@ fn round_trip_between_two_staged_clients() {
     }
 }
 
+/// A store with the client's checksums: lists that do not fit the model
+/// are refused (the client stays connected); checksums that do not match
+/// the bytes are written as given, and the load that reads those bytes
+/// fails the key as corrupt (never serves them) and drops it.
+#[test]
+fn client_checksums_are_checked_by_the_load_that_reads_them() {
+    let dir = common::TempDir::new("svc-staged-crcs");
+    let svc = Svc::start(&dir, 2, 16);
+    let c = ServiceClient::connect(&svc.sock, 0).unwrap();
+    let g = common::tiny_geometry();
+    let ks = keys_in(600..602);
+    let e = c
+        .submit_store_with_crcs(&ks, &[0, 1], vec![vec![0; 3], vec![0; 3]])
+        .unwrap_err();
+    assert!(e.to_string().contains("layer checksums"), "{e}");
+    let e = c
+        .submit_store_with_crcs(&ks, &[0, 1], vec![vec![0; 4]])
+        .unwrap_err();
+    assert!(e.to_string().contains("checksum lists"), "{e}");
+    // Right shapes: the block's true checksums for key 600, wrong ones for 601.
+    let obj = g.object_bytes() as usize;
+    let mut buf = vec![0u8; obj];
+    let mut crcs = Vec::new();
+    for (b, k) in [(0u32, 600u64), (1, 601)] {
+        let mut per_layer = Vec::new();
+        for l in 0..g.layers {
+            let mut layer = Vec::new();
+            for kv in 0..2 {
+                kvtier::memory::pattern_fill(&mut buf, seed(k), l, kv);
+                c.write_object(b, l, kv, &buf).unwrap();
+                layer.extend_from_slice(&buf);
+            }
+            per_layer.push(crc32c::crc32c(&layer) ^ u32::from(k == 601));
+        }
+        crcs.push(per_layer);
+    }
+    let s = c.submit_store_with_crcs(&ks, &[0, 1], crcs).unwrap();
+    c.flush_stores().unwrap();
+    assert!(c.wait(s).unwrap().all_ok());
+    assert_eq!(c.lookup_and_pin(&ks), 2);
+    let j = c.submit_load(&ks, &[4, 5], 0..g.layers).unwrap();
+    let r = c.wait(j).unwrap();
+    let failed: Vec<Key> = r.failures().map(|(k, _)| *k).collect();
+    assert_eq!(failed, keys_in(601..602), "{r:?}");
+    assert!(matches!(
+        r.outcomes[1],
+        kvtier::tier::KeyOutcome::Corrupt(_)
+    ));
+    c.unpin(&ks);
+    assert!(
+        !c.contains(&Key::from_u64(601)),
+        "the damaged key left the pool"
+    );
+    let mut got = vec![0u8; obj];
+    for l in 0..g.layers {
+        for kv in 0..2 {
+            kvtier::memory::pattern_fill(&mut buf, seed(600), l, kv);
+            c.read_object(4, l, kv, &mut got).unwrap();
+            assert_eq!(got, buf, "key 600 layer {l}");
+        }
+    }
+    c.close().unwrap();
+    svc.stop();
+}
+
 // ---------------------------------------------------------------------------
 // Client processes
 
