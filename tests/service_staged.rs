@@ -288,6 +288,10 @@ fn copy_marks_come_in_order_and_never_for_a_failed_layer() {
     let job = path
         .submit_load(&mut client, &keys_in(700..706), &mem, 0..g.layers)
         .unwrap();
+    // The load's counter (the double's host word, written as a GPU's
+    // would be): a compute stream waiting for any layer, the failed one
+    // included, is released once the layer's event is out.
+    let counter = path.load_counter(job).expect("a staged load has a counter");
     let (mut marks, mut events) = (Vec::new(), Vec::new());
     let t0 = Instant::now();
     while events.len() < g.layers as usize {
@@ -302,6 +306,13 @@ fn copy_marks_come_in_order_and_never_for_a_failed_layer() {
             marks.push((q.layer, events.len()));
         }
         for e in path.layer_events() {
+            let now = counter.counter.load().unwrap();
+            assert!(
+                now.wrapping_sub(counter.value_for(e.layer)) as i32 >= 0,
+                "layer {} announced with its counter at {now}, short of {}",
+                e.layer,
+                counter.value_for(e.layer)
+            );
             events.push((e.layer, e.error.is_some()));
         }
         std::thread::sleep(Duration::from_millis(1));
