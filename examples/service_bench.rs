@@ -10,7 +10,15 @@
 //! the ratios are the figures (a noisy machine moves both sides).
 //!
 //! `cargo run --release --example service_bench -- [--dir D] [--blocks N]
-//! [--rounds R] [--loads L] [--lookups K]`
+//! [--rounds R] [--loads L] [--lookups K] [--staged-double]`
+//!
+//! `--staged-double`: KV memory in "GPU" memory instead, on the staged
+//! path's CPU double (host memory standing in for HBM, the CPU doing the
+//! copy kernels' work), in-process vs through the service (the staging in
+//! the memory the service shares, one service load per layer), both with
+//! the same staging (4 layer buffers of 32 blocks, a store area of 16):
+//! what the service's per-layer round trips cost the staged path. (A GPU's
+//! copies and the CUDA IPC alternative are for a GPU run.)
 
 use kvtier::handle::TierBuilder;
 use kvtier::memory::{pattern_fill, KvLayout, KvMemory, MemoryKind};
@@ -214,6 +222,65 @@ fn open_builder(pool: &Path, g: KvGeometry) -> TierBuilder {
     })
 }
 
+/// The staged double's sides: in-process and through a service, with the
+/// same staging; returns (in-process, service) figures of one round.
+fn staged_double_round(
+    dir: &Path,
+    pool: &Path,
+    g: KvGeometry,
+    blocks: u32,
+    loads: u32,
+    lookups: u32,
+) -> kvtier::Result<(Figures, Figures)> {
+    use kvtier::staged::StagingConfig;
+    let cfg = StagingConfig::new(4, 32, 16).with_store_chunk_blocks(4);
+    let check_of = |c: &HostKvCache, b: u32, k: u64| c.block_matches(b, seed(k), 0..g.layers);
+    let here = Arc::new(HostKvCache::new(g, blocks, HostLayout::PerLayer)?);
+    let h = open_builder(pool, g)
+        .staging(cfg)
+        .staged_host_double(here.clone())
+        .build()?;
+    let a = measure(
+        &h,
+        &|b, k| check_of(&here, b, k),
+        &g,
+        blocks,
+        loads,
+        lookups,
+    );
+    h.close()?;
+    let sock = dir.join("bench.sock");
+    let s = Service::start(
+        open_builder(pool, g),
+        g,
+        ServiceConfig::new(&sock)
+            .with_clients(1)
+            .with_client_blocks(4 * 32 + 16),
+    )?;
+    let stop = s.stopper();
+    let t = std::thread::spawn(move || s.run());
+    let there = Arc::new(HostKvCache::new(g, blocks, HostLayout::PerLayer)?);
+    let c = TierBuilder::default()
+        .service(&sock)
+        .geometry(g)
+        .staged_host_double(there.clone())
+        .staging(cfg)
+        .build()?;
+    let b = measure(
+        &c,
+        &|b, k| check_of(&there, b, k),
+        &g,
+        blocks,
+        loads,
+        lookups,
+    );
+    c.close()?;
+    drop(c);
+    stop.stop();
+    t.join().expect("service thread")?;
+    Ok((a, b))
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -266,6 +333,32 @@ fn main() -> kvtier::Result<()> {
         g.block_bytes() >> 20,
         (blocks as u64 * g.block_bytes()) >> 20
     );
+    if args.iter().any(|a| a == "--staged-double") {
+        let (mut here, mut there) = (Vec::new(), Vec::new());
+        for round in 0..rounds {
+            let (a, b) = staged_double_round(&dir, &pool, g, blocks, loads, lookups)?;
+            for (name, f) in [("staged in-process", &a), ("staged service", &b)] {
+                println!(
+                    "round {round} {name:18}: {:.2} GiB/s, first layer {:.2} ms",
+                    f.gib_s, f.first_layer_ms
+                );
+            }
+            here.push(a);
+            there.push(b);
+        }
+        let m = |v: &[Figures], f: Pick| median(v.iter().map(f).collect());
+        println!("median of {rounds} rounds (CPU double): figure | in-process | service | service / in-process");
+        let rows: [(&str, Pick); 2] = [
+            ("load GiB/s", |f| f.gib_s),
+            ("first layer ms", |f| f.first_layer_ms),
+        ];
+        for (name, f) in rows {
+            let (a, b) = (m(&here, f), m(&there, f));
+            println!("FIG {name:16} | {a:8.2} | {b:8.2} | {:.2}x", b / a);
+        }
+        let _ = std::fs::remove_file(&pool);
+        return Ok(());
+    }
     let mut figs: [Vec<Figures>; 3] = [Vec::new(), Vec::new(), Vec::new()];
     let names = ["in-process", "in-process 4K", "service"];
     for round in 0..rounds {

@@ -15,6 +15,10 @@
 //! that is a failure, so a GPU run cannot pass by silently skipping.
 
 mod common;
+// The service helpers this file uses (the rest serve tests/service_staged.rs).
+#[allow(dead_code)]
+#[path = "common/service.rs"]
+mod service;
 #[path = "common/staged.rs"]
 mod staged;
 
@@ -22,7 +26,7 @@ use kvtier::gpu::{probe, Context, Device, DeviceBuffer, PinnedHostBuffer};
 use kvtier::memory::pattern_fill;
 use kvtier::staged::{LayerWait, StagedTier, StagingConfig};
 use kvtier::tier::Tier;
-use kvtier::{HostLayout, KvGeometry, KvLayout, KvMemory, MemoryKind};
+use kvtier::{HostLayout, KvGeometry, KvLayout, KvMemory, MemoryKind, TierBuilder};
 use staged::*;
 
 fn skip(test: &str, why: &str) {
@@ -321,4 +325,137 @@ fn gpu_compute_stream_waits_per_layer_without_the_host() {
             }
         }
     }
+}
+
+/// KV memory in GPU memory through the node service (issue 25, item 4):
+/// two clients of one service, each with its own HBM; the service shares
+/// each client's slice, which the client registers as pinned and uses as
+/// the staged path's staging. One stores (the gather kernel takes the
+/// checksums, the service writes them), the other loads layer by layer:
+/// each layer's copy is queued on the client's copy stream with a GPU event
+/// for a compute stream, and its bytes are the first client's.
+/// tests/service_staged.rs runs the same round trip on the CPU double.
+#[test]
+#[cfg_attr(
+    not(kvtier_gpu_tests),
+    ignore = "needs an NVIDIA GPU (none at build time): run with --include-ignored on one"
+)]
+fn gpu_round_trip_through_the_service() {
+    let Some(ctx) = gpu("gpu_round_trip_through_the_service") else {
+        return;
+    };
+    for layout in LAYOUTS {
+        let dir = common::TempDir::new(&format!("gpu-svc-staged-{layout:?}"));
+        let svc = service::Svc::start(&dir, 2, 64);
+        let (ra, rb) = (GpuRig::new(&ctx, layout), GpuRig::new(&ctx, layout));
+        // SAFETY: the rigs' HBM outlives the clients (dropped before them).
+        let open = |r: &GpuRig| {
+            unsafe {
+                TierBuilder::default()
+                    .service(&svc.sock)
+                    .memory(r.memory.clone())
+            }
+            .build()
+            .unwrap()
+        };
+        let (a, b) = (open(&ra), open(&rb));
+        service::round_trip_between((&ra, &a), (&rb, &b), 40, 24, true);
+        a.close().unwrap();
+        b.close().unwrap();
+        drop((a, b));
+        svc.stop();
+    }
+}
+
+/// Through the service on a GPU, a compute stream of the loading client
+/// waits for each layer on the load's counter (queued right after the
+/// submit, no host call in between) and then snapshots the layer: the
+/// snapshot holds the restored bytes, not the cleared memory, so the
+/// client's own copy of each layer out of the shared staging came first.
+#[test]
+#[cfg_attr(
+    not(kvtier_gpu_tests),
+    ignore = "needs an NVIDIA GPU (none at build time): run with --include-ignored on one"
+)]
+fn gpu_compute_stream_waits_per_layer_through_the_service() {
+    const NAME: &str = "gpu_compute_stream_waits_per_layer_through_the_service";
+    let Some(ctx) = gpu(NAME) else {
+        return;
+    };
+    use kvtier::TierApi;
+    let dir = common::TempDir::new("gpu-svc-staged-wait");
+    let svc = service::Svc::start(&dir, 2, 64);
+    let (ra, rb) = (
+        GpuRig::new(&ctx, HostLayout::PerLayer),
+        GpuRig::new(&ctx, HostLayout::PerLayer),
+    );
+    // SAFETY: the rigs' HBM outlives the clients (dropped before them).
+    let open = |r: &GpuRig| {
+        unsafe {
+            TierBuilder::default()
+                .service(&svc.sock)
+                .memory(r.memory.clone())
+        }
+        .build()
+        .unwrap()
+    };
+    let (a, b) = (open(&ra), open(&rb));
+    let g = ra.geometry();
+    let obj = g.object_bytes() as usize;
+    let ks: Vec<u64> = (700..712).collect();
+    for (i, &k) in ks.iter().enumerate() {
+        fill(&ra, i as u32, common::seed_of(k));
+    }
+    let s = a
+        .submit_store(&keys(&ks), &(0..12).collect::<Vec<_>>())
+        .unwrap();
+    a.flush_stores().unwrap();
+    assert!(TierApi::wait(&a, s).unwrap().all_ok());
+    rb.clear();
+    assert_eq!(b.lookup_and_pin(&keys(&ks)), 12);
+    let mem: Vec<u32> = (0..12).map(|i| 40 - i).collect();
+    let job = b.submit_load(&keys(&ks), &mem, 0..g.layers).unwrap();
+    let c = TierApi::load_counter(&b, job)
+        .unwrap()
+        .expect("a GPU load through the service has its own counter");
+    let compute = ctx.stream().unwrap();
+    let snap = PinnedHostBuffer::alloc(&ctx, g.layers as usize * 12 * 2 * obj).unwrap();
+    let mut wait = LayerWait::new(&ctx);
+    for l in 0..g.layers {
+        wait.queue(&compute, &c.counter, c.value_for(l)).unwrap();
+        for (i, &m) in mem.iter().enumerate() {
+            for kv in 0..2 {
+                let at = ((l as usize * 12 + i) * 2 + kv as usize) * obj;
+                // SAFETY: the snapshot and the rig's HBM outlive the
+                // synchronize below.
+                unsafe {
+                    compute
+                        .memcpy_async(
+                            snap.device_ptr() + at as u64,
+                            rb.memory.object_addr(m, l, kv),
+                            obj,
+                        )
+                        .unwrap()
+                };
+            }
+        }
+    }
+    assert!(TierApi::wait(&b, job).unwrap().all_ok());
+    compute.synchronize().unwrap();
+    let (mut got, mut want) = (vec![0u8; obj], vec![0u8; obj]);
+    for l in 0..g.layers {
+        for (i, &k) in ks.iter().enumerate() {
+            for kv in 0..2 {
+                let at = ((l as usize * 12 + i) * 2 + kv as usize) * obj;
+                snap.read(at, &mut got).unwrap();
+                pattern_fill(&mut want, common::seed_of(k), l, kv);
+                assert!(got == want, "layer {l} of key {k} read before its copy");
+            }
+        }
+    }
+    b.unpin(&keys(&ks));
+    a.close().unwrap();
+    b.close().unwrap();
+    drop((a, b));
+    svc.stop();
 }

@@ -77,9 +77,11 @@ class TierBuilder:
         its KV memory is the `blocks` blocks the service shares (0: its
         --client-blocks). Pool, engine, policy, namespace and memory calls are
         refused with it (UsageError naming them); model()/geometry() are checked
-        against what the service serves. lookup_only=True: lookups, pins and
-        unpins only (an engine's scheduler): no memory, no client slot; loads
-        and stores are refused."""
+        against what the service serves. With kv_memory(CUDA tensors) (and
+        staging()), the tensors are the KV memory, through the staged GPU path
+        whose staging is the memory the service shares (model() required).
+        lookup_only=True: lookups, pins and unpins only (an engine's
+        scheduler): no memory, no client slot; loads and stores are refused."""
     def build(self) -> TierHandle: ...
 
 class TierHandle:

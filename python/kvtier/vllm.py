@@ -319,8 +319,10 @@ class KvtierConnector(KVConnectorBase_V1):
         identity (and TP size), so engines of different models on one service
         never share a block; with TP, each rank is a client and its keys are
         salted with its rank (the service then serves one rank's shard:
-        ``kvtier serve --tp-size N`` for ``tensor_parallel_size=N``). CPU KV caches
-        (GPU caches over the service are not built yet: issue 25).
+        ``kvtier serve --tp-size N`` for ``tensor_parallel_size=N``). CUDA KV
+        caches go through the staged GPU path with the memory the service
+        shares as its staging (registered as pinned here; the copies run on
+        this process's copy stream).
       capacity: bytes of pool to create per rank when absent (default "4g").
       prewrite: write a new pool's files once at creation (capacity at the
         disk's write speed) so first stores run at overwrite speed, not at
@@ -840,15 +842,14 @@ class KvtierConnector(KVConnectorBase_V1):
     def _connect_service(self, m: KvMapping, double: bool) -> None:
         """The worker's side over ``kvtier serve``: the service's shared
         memory is the staging (loads land in it, stores read it), copied per
-        layer from and into vLLM's own pages. No lookup socket: the
-        scheduler asks the service. The pool's geometry is this rank's
-        shard (``m``: the tensors vLLM gave this worker)."""
-        if self._hbm or double:
-            raise KvtierError(
-                "CUDA KV caches over a kvtier service are not built yet (issue 25: the staged "
-                "GPU path with staging shared by both processes); run this engine with a "
-                "pool_dir of its own"
-            )
+        layer from and into vLLM's own pages; for CUDA caches by kvtier's
+        staged GPU path (the copies on this process's copy stream, each
+        layer's copy waited for on the GPU, as with a pool of its own). No
+        lookup socket: the scheduler asks the service. The pool's geometry
+        is this rank's shard (``m``: the tensors vLLM gave this worker)."""
+        if self._hbm:
+            self._connect_service_hbm(m, double)
+            return
         if m.padded:
             raise KvtierError(m.padding_fix + " (a kvtier service stores whole pages)")
         # The service's pool, checked (by the library) to serve this geometry.
@@ -894,6 +895,33 @@ class KvtierConnector(KVConnectorBase_V1):
             self._ev_loaded.append((ld.load_id, self._rank))
         elif n:
             self._tier.unpin(ld.keys[:n])
+
+    def _connect_service_hbm(self, m: KvMapping, double: bool) -> None:
+        """CUDA KV caches (or, with the test double, CPU tensors posing as
+        them) over ``kvtier serve``: the memory the service shares is the
+        staged path's staging, registered as pinned in this process; vLLM's
+        tensors are the KV memory, loaded into and stored from directly."""
+        if m.padded:
+            raise KvtierError(m.padding_fix + " (CUDA caches are copied by kvtier's kernels "
+                              "page by page, which needs whole-sector pages)")
+        # The service's pool, checked (by the library) to serve this geometry;
+        # its staging block counts follow the blocks the service shares.
+        b = (
+            TierBuilder()
+            .service(self._service)
+            .geometry(layers=m.layers, kv_heads=m.kv_heads, head_dim=m.head_dim, dtype=m.dtype,
+                      block_size=self._block_size, name="vllm")
+            .staging(layer_buffers=4)
+        )
+        if double:
+            b = b.test_only_staged_host_double()
+        self._tier = b.kv_memory(m.regions, layout=m.layout).build()
+        self._stats["staged"] = False
+        self._stats["hbm"] = "cuda" if self._cuda else "host double"
+        self._stats["service"] = self._service
+        logger.info("kvtier: rank %d of %d on the kvtier service %s (engine %s, namespace %s, GPU "
+                    "KV memory through its shared staging), %s", self._rank, self._tp_size,
+                    self._service, self._tier.engine, self._tier.namespace, m.describe())
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

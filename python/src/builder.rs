@@ -111,7 +111,10 @@ impl TierBuilder {
     /// kvtier.service_tensors views them as torch tensors). The service
     /// decides the pool, engine, policy, namespace and memory, so those
     /// calls are refused with it; `model()` / `geometry()` say what this
-    /// process expects the service to serve (checked at build).
+    /// process expects the service to serve (checked at build). With
+    /// `kv_memory()` of CUDA tensors (and `staging()`), the tensors are the
+    /// KV memory instead, through the staged GPU path whose staging is the
+    /// memory the service shares (`blocks` of it; the model is required).
     /// `lookup_only=True`: lookups, pins and unpins only (an engine's
     /// scheduler): no memory shared, no client slot taken; loads and stores
     /// are refused.
@@ -677,13 +680,33 @@ impl TierBuilder {
     /// `build()` after `service()`: refuse what the service decides, resolve
     /// the model asked for (if any), connect.
     fn build_service(
-        &self,
+        &mut self,
         py: Python<'_>,
         path: PathBuf,
         blocks: u32,
         lookup_only: bool,
     ) -> PyResult<TierHandle> {
-        let conflicts = self.own_pool_calls();
+        // GPU KV memory (kv_memory of CUDA tensors, or CPU tensors posing
+        // as them with the double) goes through the service on the staged
+        // path, with the staging the service shares: those calls are this
+        // process's, not the service's.
+        let staged = matches!(self.mem, Some(Mem::Regions { .. }));
+        if staged && lookup_only {
+            return Err(usage(
+                "service(..., lookup_only=True) shares no KV memory with the service, so kv_memory() has nothing to serve: drop kv_memory() for a scheduler's lookup-only handle, or drop lookup_only to load and store",
+            ));
+        }
+        let conflicts: Vec<&str> = self
+            .own_pool_calls()
+            .into_iter()
+            .filter(|c| {
+                !(staged
+                    && matches!(
+                        *c,
+                        "kv_memory()" | "staging()" | "test_only_staged_host_double()"
+                    ))
+            })
+            .collect();
         if !conflicts.is_empty() {
             return Err(usage(format!(
                 "{} set up a pool of this process's own, but service({:?}) uses the node's kvtier service, which decides its pool, engine, policy, namespace and the KV memory it shares (kvtier.service_tensors(handle) views it): drop {}, or drop service() to open a pool of this process's own",
@@ -704,7 +727,90 @@ impl TierBuilder {
             }
             Some(ModelSpec::Geometry(named)) => Some(named.geometry),
         };
+        if staged {
+            return self.build_staged_service(py, path, blocks, geometry);
+        }
         crate::service::open(py, path, blocks, geometry, lookup_only)
+    }
+
+    /// `build()` after `service()` with `kv_memory()`: the tensors are this
+    /// process's GPU KV memory (or the double's CPU stand-in), served by
+    /// the staged path over the slice the service shares.
+    fn build_staged_service(
+        &mut self,
+        py: Python<'_>,
+        path: PathBuf,
+        blocks: u32,
+        geometry: Option<KvGeometry>,
+    ) -> PyResult<TierHandle> {
+        let g = geometry.ok_or_else(|| {
+            usage("service() with kv_memory(): give the model (model(...) or geometry(...)) the tensors hold, which the service must serve")
+        })?;
+        let Some(Mem::Regions {
+            regions,
+            layout,
+            kind,
+            shapes,
+        }) = self.mem.clone()
+        else {
+            unreachable!("checked by build_service")
+        };
+        check_shapes(&g, &layout, &shapes)?;
+        let double = self.staged_host_double;
+        if double && kind != MemoryKind::Host {
+            return Err(usage(
+                "test_only_staged_host_double() copies with the CPU: give it CPU tensors posing as GPU memory, or drop it to serve CUDA tensors through the real staged path",
+            ));
+        }
+        if !double && kind == MemoryKind::Host {
+            return Err(usage(
+                "kv_memory() through a kvtier service is for CUDA tensors (the staged GPU path over the memory the service shares); CPU KV memory through a service is the memory it shares (kvtier.service_tensors(handle)): drop kv_memory()",
+            ));
+        }
+        // Only copies touch it (the staged path's): 16-byte alignment.
+        let m = memory_of(g, &regions, &layout, kind, true)?;
+        let gpu = match kind {
+            MemoryKind::Gpu { ordinal } => Some(gpu_context(py, ordinal)?),
+            MemoryKind::Host => None,
+        };
+        let b = RsBuilder::default()
+            .service(&path)
+            .blocks(blocks)
+            .geometry(g);
+        // SAFETY: the handle object keeps every tensor and buffer (`owners`,
+        // `buffers`) alive until the client is closed and dropped; the
+        // double's memory is host memory (checked above).
+        let mut b = unsafe {
+            if double {
+                b.staged_host_double_memory(m.clone())
+            } else {
+                b.memory(m.clone())
+            }
+        };
+        if let Some(s) = self.staging {
+            // Block counts left out (0) follow the shared slice's size.
+            b = b.staging(s);
+        }
+        let client = without_gil(py, || b.build()).map_err(to_py)?;
+        let completions = kvtier::TierApi::completions(&client).map_err(to_py)?;
+        let mapping = client.service_client().shared_mapping();
+        let namespace = kvtier::TierApi::namespace(&client).to_string();
+        let model_name = kvtier::TierApi::model_name(&client).to_string();
+        self.mem = None;
+        Ok(TierHandle {
+            inner: Some(Box::new(client)),
+            completions,
+            memory: m,
+            host: None,
+            service: Some((path, mapping)),
+            namespace,
+            model_name,
+            staged: true,
+            gpu,
+            owners: Mutex::new(std::mem::take(&mut self.owners)),
+            buffers: Mutex::new(std::mem::take(&mut self.buffers)),
+            forks: FORKS.load(Ordering::SeqCst),
+        })
     }
 }
 

@@ -169,9 +169,9 @@ impl TierHandle {
     /// the pool's dtype, as a writable buffer (kvtier.service_tensors makes
     /// torch tensors of them).
     fn layer_region(&self, #[pyo3(from_py_with = layer_arg)] layer: u32) -> PyResult<SharedRegion> {
-        let Some((_, mapping)) = &self.service else {
+        let Some((_, mapping)) = self.service.as_ref().filter(|_| !self.staged) else {
             return Err(usage(
-                "layer_region() is the KV memory a kvtier service shares with this process; this handle's pool is its own, over the memory given to the builder (host_memory() for a host_cache)",
+                "layer_region() is the KV memory a kvtier service shares with this process; this handle's KV memory is the memory given to the builder (a pool of its own, or GPU memory through a service's staging)",
             ));
         };
         let mapping = mapping.as_ref().ok_or_else(lookup_only_memory)?;
@@ -555,7 +555,7 @@ impl TierHandle {
     /// handle object lives.
     fn host_memory(&self) -> PyResult<(u64, u64)> {
         self.live()?;
-        if let Some((_, mapping)) = &self.service {
+        if let Some((_, mapping)) = self.service.as_ref().filter(|_| !self.staged) {
             let mapping = mapping.as_ref().ok_or_else(lookup_only_memory)?;
             return Ok((mapping.addr(), mapping.len()));
         }

@@ -87,7 +87,7 @@ pub fn connect(
         return Err(exception_for(
             ErrorKind::Unsupported,
             format!(
-                "memory={memory:?} over the kvtier service is not built yet: GPU KV memory needs the service's staged GPU path (issue 25, item 4: pinned staging shared by both processes, per-layer counters in shared memory); use memory=\"cpu\" or a pool of this process's own"
+                "memory={memory:?}: connect() shares the service's own memory, which is host memory; for GPU KV memory through the service give the CUDA tensors: TierBuilder().service(PATH).model(...).kv_memory([tensors]).build() (the staged path over the memory the service shares)"
             ),
         ));
     }

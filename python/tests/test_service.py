@@ -82,7 +82,7 @@ def test_two_processes_share_stored_blocks_layer_by_layer(service):
 
 def test_misuse_is_refused_clearly(service):
     sock, _ = service
-    with pytest.raises(kvtier.UnsupportedError, match="issue 25"):
+    with pytest.raises(kvtier.UnsupportedError, match="kv_memory"):
         kvtier.connect(sock, memory="cuda")
     with pytest.raises(kvtier.UsageError, match="client_blocks"):
         kvtier.connect(sock, blocks=33)

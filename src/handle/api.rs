@@ -4,8 +4,10 @@
 //! and the node's shared pool through `kvtier serve`
 //! (`crate::service::ServiceClient`, from `TierBuilder::service(PATH)`)
 //! answer the same calls with the same meaning: an engine adapter written
-//! against `&dyn TierApi` runs on either. What differs is said per method
-//! (a service has no GPU counters yet; its usage is the service's).
+//! against `&dyn TierApi` runs on either; so does GPU KV memory through the
+//! service (`crate::service::StagedServiceClient`, the staged path over the
+//! memory the service shares). What differs is said per method (a
+//! service's usage is the service's).
 
 use super::{Completions, JobId, LayerCopy, TierHandle};
 use crate::error::{Error, Result};
@@ -73,17 +75,17 @@ pub trait TierApi: Send + Sync + std::fmt::Debug {
     /// For a load into GPU memory on the staged path: once layer `layer`'s
     /// copy into GPU memory is queued, the mark a compute stream waits on
     /// (see [`TierHandle::wait_layer_queued`]); [`LayerCopy::Settled`] when
-    /// there is nothing to wait on (host memory: every load through a
-    /// service today). `None` if not queued within `timeout`.
+    /// there is nothing to wait on (host memory, of this process or shared
+    /// by a service). `None` if not queued within `timeout`.
     fn wait_layer_queued_timeout(
         &self,
         job: JobId,
         layer: u32,
         timeout: Duration,
     ) -> Result<Option<LayerCopy>>;
-    /// The per-layer GPU counter of a load on the staged HBM path; `None`
-    /// where there is none (host memory, a finished load, and every load
-    /// through a service today).
+    /// The per-layer GPU counter of a load on the staged HBM path
+    /// (in-process or through a service); `None` where there is none (host
+    /// memory, a finished load).
     fn load_counter(&self, job: JobId) -> Result<Option<LoadCounter>>;
     /// A new stream of this handle's events, with an eventfd.
     fn completions(&self) -> Result<Completions>;

@@ -701,6 +701,46 @@ impl TierHandle {
     /// and is durable when its outcome says `Done`. Keys already stored cost
     /// no I/O. A full write backlog refuses with `ErrorKind::Backpressure`.
     pub fn submit_store(&self, keys: &[Key], mem_blocks: &[u32]) -> Result<JobId> {
+        self.store_job(keys, mem_blocks, None)
+    }
+
+    /// As [`Self::submit_store`], with each key's per-layer crc32c taken by
+    /// the caller (`crcs[i]` for `keys[i]`, one per layer), written into
+    /// the headers instead of hashing the blocks here: the node service
+    /// stores so what a client gathered from its GPU memory with checksums.
+    /// A key whose checksums do not match its bytes is stored, and fails
+    /// verification when loaded (`KeyOutcome::Corrupt`, dropped, never
+    /// served). The staged path takes its own checksums and ignores these.
+    pub fn submit_store_with_crcs(
+        &self,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        crcs: &[Vec<u32>],
+    ) -> Result<JobId> {
+        let layers = self.shared.geometry.layers as usize;
+        if crcs.len() != keys.len() {
+            return Err(Error::invalid(format!(
+                "{} keys but {} checksum lists: give one list of per-layer crc32c per key",
+                keys.len(),
+                crcs.len()
+            )));
+        }
+        if let Some((i, c)) = crcs.iter().enumerate().find(|(_, c)| c.len() != layers) {
+            return Err(Error::invalid(format!(
+                "key {} has {} layer checksums; the pool's model has {layers} layers",
+                keys[i],
+                c.len()
+            )));
+        }
+        self.store_job(keys, mem_blocks, Some(crcs))
+    }
+
+    fn store_job(
+        &self,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        given: Option<&[Vec<u32>]>,
+    ) -> Result<JobId> {
         self.check_blocks(keys, mem_blocks)?;
         // Refused before any checksum is taken: such a store would never be
         // accepted, and a caller that retries on backpressure would spin.
@@ -721,12 +761,11 @@ impl TierHandle {
                     mem_blocks
                         .iter()
                         .zip(present)
-                        .map(|(&b, p)| {
-                            if p {
-                                None
-                            } else {
-                                Tier::layer_crcs(table, b, layers)
-                            }
+                        .enumerate()
+                        .map(|(i, (&b, p))| match (p, given) {
+                            (true, _) => None,
+                            (false, Some(c)) => Some(c[i].clone()),
+                            (false, None) => Tier::layer_crcs(table, b, layers),
                         })
                         .collect(),
                 )

@@ -4,10 +4,14 @@
 //! without it.
 
 use super::client::ServiceClient;
+use super::staged_client::{check_staged_memory, staging_for_slice, StagedServiceClient};
 use crate::error::{Error, Result};
 use crate::handle::TierBuilder;
+use crate::memory::{HostKvCache, KvMemory};
 use crate::model::{KvGeometry, NamedGeometry};
+use crate::staged::StagingConfig;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 #[cfg(doc)]
 use crate::handle::TierApi;
@@ -85,6 +89,57 @@ impl ServiceBuilder {
         self.geometry(model.geometry)
     }
 
+    /// Serve this process's own KV memory in GPU memory through the
+    /// service: the slice the service shares becomes the staged path's
+    /// staging (`crate::staged`), registered as pinned here; loads are
+    /// copied into `mem` on this process's copy stream, stores gathered
+    /// from it with GPU checksums. `build()` then gives a
+    /// [`StagedServiceClient`], the same handle API with per-layer copy
+    /// marks and counters as an in-process staged handle.
+    ///
+    /// # Safety
+    /// As [`TierBuilder::memory`]: every byte `mem` describes stays
+    /// allocated until the client is closed or its last clone dropped.
+    pub unsafe fn memory(self, mem: KvMemory) -> StagedServiceBuilder {
+        StagedServiceBuilder {
+            base: self,
+            memory: mem,
+            double: None,
+            host_double: false,
+            staging: None,
+        }
+    }
+
+    /// The staged path through the service with `cache` (host memory)
+    /// standing in for the GPU's KV memory and the CPU doing the staging
+    /// kernels' copies: the test double of [`Self::memory`].
+    #[doc(hidden)]
+    pub fn staged_host_double(self, cache: Arc<HostKvCache>) -> StagedServiceBuilder {
+        StagedServiceBuilder {
+            base: self,
+            memory: cache.memory().clone(),
+            double: Some(cache),
+            host_double: true,
+            staging: None,
+        }
+    }
+
+    /// As [`Self::staged_host_double`] over host memory the caller owns
+    /// (CPU tensors posing as the GPU's KV memory: the bindings' double).
+    ///
+    /// # Safety
+    /// As [`Self::memory`]; `mem` must be host memory.
+    #[doc(hidden)]
+    pub unsafe fn staged_host_double_memory(self, mem: KvMemory) -> StagedServiceBuilder {
+        StagedServiceBuilder {
+            base: self,
+            memory: mem,
+            double: None,
+            host_double: true,
+            staging: None,
+        }
+    }
+
     /// Connect, share the memory, check the geometry.
     pub fn build(self) -> Result<ServiceClient> {
         if !self.conflicts.is_empty() {
@@ -116,5 +171,85 @@ impl ServiceBuilder {
             )));
         }
         Ok(client)
+    }
+}
+
+/// A [`ServiceBuilder`] for KV memory of this process's own in GPU memory
+/// (the staged path over the service's shared slice).
+pub struct StagedServiceBuilder {
+    base: ServiceBuilder,
+    memory: KvMemory,
+    double: Option<Arc<HostKvCache>>,
+    /// Host memory standing in for GPU memory (the CPU double).
+    host_double: bool,
+    staging: Option<StagingConfig>,
+}
+
+impl std::fmt::Debug for StagedServiceBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StagedServiceBuilder")
+            .field("base", &self.base)
+            .field("memory", &self.memory)
+            .field("double", &self.double.is_some())
+            .field("staging", &self.staging)
+            .finish()
+    }
+}
+
+impl StagedServiceBuilder {
+    /// How the shared slice is cut into staging (default:
+    /// [`super::staged_client::staging_for_slice`] of its blocks); it must
+    /// fit the blocks the service shares. `load_blocks` or `store_blocks` 0:
+    /// that default's (and with `store_blocks` 0, its store chunks too).
+    pub fn staging(mut self, cfg: StagingConfig) -> Self {
+        self.staging = Some(cfg);
+        self
+    }
+
+    /// Blocks of staging the service shares with this process (default 0:
+    /// as many as it gives a client).
+    pub fn blocks(mut self, blocks: u32) -> Self {
+        self.base.blocks = blocks;
+        self
+    }
+
+    /// Connect, check the geometry and the memory, start the staged path.
+    pub fn build(self) -> Result<StagedServiceClient> {
+        if self.host_double {
+            if self.memory.kind != crate::memory::MemoryKind::Host {
+                return Err(Error::invalid(
+                    "the staged double copies with the CPU: its stand-in KV memory must be host memory",
+                ));
+            }
+        } else {
+            check_staged_memory(&self.memory)?;
+        }
+        let socket = self.base.socket.clone();
+        let base = ServiceBuilder {
+            geometry: Some(self.base.geometry.unwrap_or(self.memory.geometry)),
+            ..self.base
+        };
+        let client = base.build()?;
+        let served_by = format!(
+            "the kvtier service at {} serves the pool with it; this process's GPU KV memory goes through the staged path over the memory the service shares",
+            socket.display()
+        );
+        let d = staging_for_slice(client.memory_blocks());
+        let staging = self.staging.map(|s| {
+            let or = |v: u32, d: u32| if v == 0 { d } else { v };
+            let mut c = StagingConfig::new(
+                s.layer_buffers,
+                or(s.load_blocks, d.load_blocks),
+                or(s.store_blocks, d.store_blocks),
+            )
+            .with_store_chunk_blocks(s.store_chunk_blocks);
+            if s.store_blocks == 0 && s.store_chunk_blocks == 0 {
+                c = c.with_store_chunk_blocks(d.store_chunk_blocks);
+            }
+            c
+        });
+        // SAFETY: the caller of `memory(..)` promised `memory` outlives the
+        // client; the double's cache is kept alive by the client.
+        unsafe { StagedServiceClient::open(client, self.memory, staging, self.double, served_by) }
     }
 }

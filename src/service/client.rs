@@ -15,57 +15,30 @@
 //! [`crate::ErrorKind::Closed`] (adapters treat that as a miss), and
 //! lookups answer 0.
 
+use super::board::{gone, lock, Board};
 use super::protocol::{self, ClientKind, Request, Response};
 use super::sys::{self, SharedMapping};
 use crate::error::{Error, ErrorKind, Failure, Result};
-use crate::handle::{Completions, Event, EventSubscribers, JobId, LayerCopy, TierApi};
+use crate::handle::{Completions, JobId, LayerCopy, TierApi};
 use crate::memory::{KvLayout, KvMemory, MemoryKind};
 use crate::model::KvGeometry;
 use crate::pool::Key;
 use crate::staged::LoadCounter;
 use crate::tier::{check_job_blocks, JobKind, JobResult};
-use std::collections::HashMap;
 use std::io::Write;
 use std::ops::Range;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-#[derive(Default)]
-struct JobState {
-    /// Submitted through this client (its id came back).
-    known: bool,
-    /// Load or store (set with `known`).
-    kind: Option<JobKind>,
-    /// The memory blocks it reads (a store) or writes (a load).
-    blocks: Vec<u32>,
-    layers: Option<Range<u32>>,
-    done_layers: HashMap<u32, Option<Failure>>,
-    result: Option<JobResult>,
-}
-
-#[derive(Default)]
-struct State {
-    replies: HashMap<u64, Response>,
-    jobs: HashMap<JobId, JobState>,
-    /// Why the connection ended, once it has.
-    broken: Option<String>,
-    /// The [`Completions`] streams handed out.
-    subscribers: EventSubscribers,
-}
 
 struct Inner {
     stream: UnixStream,
     write: Mutex<()>,
     next_req: AtomicU64,
-    state: Mutex<State>,
-    cond: Condvar,
+    /// Replies, jobs and the event streams, filled by the reader thread.
+    board: Board,
     /// The memory the service shares; `None` for a lookup-only client.
     mapping: Option<Arc<SharedMapping>>,
     /// Described as mapped here (0 blocks for a lookup-only client).
@@ -105,12 +78,6 @@ impl std::fmt::Debug for ServiceClient {
             .field("blocks", &self.inner.memory.num_blocks)
             .finish()
     }
-}
-
-fn gone(why: &str) -> Error {
-    Error::Closed(format!(
-        "the kvtier service connection is gone ({why}); the job's keys are not loaded or stored: treat them as misses, and reconnect once the service is back"
-    ))
 }
 
 impl ServiceClient {
@@ -233,8 +200,7 @@ impl ServiceClient {
             stream,
             write: Mutex::new(()),
             next_req: AtomicU64::new(2),
-            state: Mutex::new(State::default()),
-            cond: Condvar::new(),
+            board: Board::default(),
             mapping,
             memory,
             namespace,
@@ -376,15 +342,17 @@ impl ServiceClient {
         )
     }
 
+    /// This client's job table.
+    pub(super) fn board(&self) -> &Board {
+        &self.inner.board
+    }
+
     /// Send `req` and wait for its answer.
-    fn call(&self, req: &Request) -> Result<Response> {
+    pub(super) fn call(&self, req: &Request) -> Result<Response> {
         let id = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
         let frame = req.encode(id)?;
-        {
-            let st = lock(&self.inner.state);
-            if let Some(why) = &st.broken {
-                return Err(gone(why));
-            }
+        if let Some(why) = &self.inner.board.lock().broken {
+            return Err(gone(why));
         }
         {
             let _w = lock(&self.inner.write);
@@ -392,19 +360,7 @@ impl ServiceClient {
                 .write_all(&frame)
                 .map_err(|e| gone(&format!("sending a request: {e}")))?;
         }
-        let mut st = lock(&self.inner.state);
-        loop {
-            if let Some(r) = st.replies.remove(&id) {
-                return match r {
-                    Response::Refused(f) => Err(Error::Failed(f)),
-                    r => Ok(r),
-                };
-            }
-            if let Some(why) = &st.broken {
-                return Err(gone(why));
-            }
-            st = self.inner.cond.wait(st).unwrap_or_else(|e| e.into_inner());
-        }
+        self.inner.board.wait_reply(id)
     }
 
     /// How many leading keys the pool holds (0 if the service is gone).
@@ -446,17 +402,13 @@ impl ServiceClient {
         &self,
         r: Response,
         kind: JobKind,
+        keys: &[Key],
         blocks: &[u32],
         layers: Option<Range<u32>>,
     ) -> Result<JobId> {
         match r {
             Response::Job(j) => {
-                let mut st = lock(&self.inner.state);
-                let e = st.jobs.entry(j).or_default();
-                e.known = true;
-                e.kind = Some(kind);
-                e.blocks = blocks.to_vec();
-                e.layers = layers;
+                self.inner.board.add_job(j, kind, keys, blocks, layers);
                 Ok(j)
             }
             other => Err(unexpected(&other)),
@@ -477,7 +429,7 @@ impl ServiceClient {
             blocks: mem_blocks.to_vec(),
             layers: layers.clone(),
         })?;
-        self.submitted(r, JobKind::Load, mem_blocks, Some(layers))
+        self.submitted(r, JobKind::Load, keys, mem_blocks, Some(layers))
     }
 
     /// Accept a store of `keys` from this client's `mem_blocks` (see
@@ -488,7 +440,26 @@ impl ServiceClient {
             keys: keys.to_vec(),
             blocks: mem_blocks.to_vec(),
         })?;
-        self.submitted(r, JobKind::Store, mem_blocks, None)
+        self.submitted(r, JobKind::Store, keys, mem_blocks, None)
+    }
+
+    /// As [`Self::submit_store`], with each key's per-layer crc32c taken
+    /// by this process (the staged GPU path's gather): the service writes
+    /// them into the headers instead of hashing the blocks itself, so the
+    /// checksums cover the bytes as they were in this process's memory.
+    pub fn submit_store_with_crcs(
+        &self,
+        keys: &[Key],
+        mem_blocks: &[u32],
+        crcs: Vec<Vec<u32>>,
+    ) -> Result<JobId> {
+        self.check_blocks(keys, mem_blocks)?;
+        let r = self.call(&Request::SubmitStoreCrcs {
+            keys: keys.to_vec(),
+            blocks: mem_blocks.to_vec(),
+            crcs,
+        })?;
+        self.submitted(r, JobKind::Store, keys, mem_blocks, None)
     }
 
     /// Issue every store in the service's backlog now.
@@ -514,71 +485,13 @@ impl ServiceClient {
         self.wait_until(job, Some(Instant::now()))
     }
 
-    fn unknown(job: JobId) -> Error {
-        Error::invalid(format!(
-            "job {job} is unknown or its result was already taken (by wait or try_result: each result is handed out once, to one caller)"
-        ))
-    }
-
-    /// Sleep until the reader thread has news or `deadline` passes (None
-    /// once it has: the caller times out).
-    fn wait_for_news<'a>(
-        &self,
-        st: MutexGuard<'a, State>,
-        deadline: Option<Instant>,
-    ) -> Option<MutexGuard<'a, State>> {
-        let Some(d) = deadline else {
-            return Some(self.inner.cond.wait(st).unwrap_or_else(|e| e.into_inner()));
-        };
-        let left = d.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return None;
-        }
-        let (st, _) = self
-            .inner
-            .cond
-            .wait_timeout(st, left)
-            .unwrap_or_else(|e| e.into_inner());
-        Some(st)
-    }
-
     fn wait_until(&self, job: JobId, deadline: Option<Instant>) -> Result<Option<JobResult>> {
-        let mut st = lock(&self.inner.state);
-        loop {
-            let Some(e) = st.jobs.get_mut(&job).filter(|e| e.known) else {
-                return Err(Self::unknown(job));
-            };
-            if e.result.is_some() {
-                let e = st.jobs.remove(&job).expect("present");
-                return Ok(e.result);
-            }
-            if let Some(why) = &st.broken {
-                return Err(gone(why));
-            }
-            st = match self.wait_for_news(st, deadline) {
-                Some(st) => st,
-                None => return Ok(None),
-            };
-        }
+        self.inner.board.wait_until(job, deadline)
     }
-
     /// Results of every finished job of this client not yet collected.
     pub fn get_finished(&self) -> Vec<JobResult> {
-        let mut st = lock(&self.inner.state);
-        let done: Vec<JobId> = st
-            .jobs
-            .iter()
-            .filter(|(_, e)| e.known && e.result.is_some())
-            .map(|(&j, _)| j)
-            .collect();
-        let mut out: Vec<JobResult> = done
-            .into_iter()
-            .filter_map(|j| st.jobs.remove(&j).and_then(|e| e.result))
-            .collect();
-        out.sort_by_key(|r| r.job);
-        out
+        self.inner.board.get_finished()
     }
-
     /// Block until layer `layer` of load `job` is in this client's memory;
     /// an error means the layer must not be used.
     pub fn wait_layer(&self, job: JobId, layer: u32) -> Result<()> {
@@ -591,69 +504,20 @@ impl ServiceClient {
     }
 
     fn wait_layer_until(&self, job: JobId, layer: u32, deadline: Option<Instant>) -> Result<bool> {
-        let mut st = lock(&self.inner.state);
-        loop {
-            let Some(e) = st.jobs.get(&job).filter(|e| e.known) else {
-                return Err(Self::unknown(job));
-            };
-            if !e.layers.as_ref().is_some_and(|r| r.contains(&layer)) {
-                return Err(Error::invalid(format!(
-                    "job {job} is not a load of layer {layer}"
-                )));
-            }
-            if let Some(err) = e.done_layers.get(&layer) {
-                return match err {
-                    Some(f) => Err(Error::Failed(
-                        f.context(format_args!("layer {layer} of job {job} failed")),
-                    )),
-                    None => Ok(true),
-                };
-            }
-            if let Some(r) = &e.result {
-                return match r.failures().next() {
-                    Some((k, f)) => Err(Error::Failed(
-                        f.context(format_args!("job {job} failed to load key {k}")),
-                    )),
-                    None => Ok(true),
-                };
-            }
-            if let Some(why) = &st.broken {
-                return Err(gone(why));
-            }
-            st = match self.wait_for_news(st, deadline) {
-                Some(st) => st,
-                None => return Ok(false),
-            };
-        }
+        self.inner.board.wait_layer_until(job, layer, deadline)
     }
-
     /// A new stream of this client's events (layer done, job finished),
     /// with an eventfd that polls readable while events are queued; as
     /// [`crate::TierHandle::completions`].
     pub fn completions(&self) -> Result<Completions> {
-        lock(&self.inner.state).subscribers.subscribe()
+        self.inner.board.subscribe()
     }
 
     /// Which unfinished job of this client uses memory block `block`:
     /// `Load` while a load writes it, `Store` while a store reads it.
     pub fn memory_block_use(&self, block: u32) -> Option<JobKind> {
-        let st = lock(&self.inner.state);
-        let mut using = st
-            .jobs
-            .values()
-            .filter(|e| e.known && e.result.is_none() && e.blocks.contains(&block))
-            .filter_map(|e| e.kind);
-        // A load's use is the stronger one (nothing may touch the block).
-        let first = using.next()?;
-        Some(
-            if first == JobKind::Load || using.any(|k| k == JobKind::Load) {
-                JobKind::Load
-            } else {
-                JobKind::Store
-            },
-        )
+        self.inner.board.memory_block_use(block)
     }
-
     /// The service's usage (the pool's, shared by every client), as JSON of
     /// [`crate::handle::HandleUsage`].
     pub fn usage_json(&self) -> Result<String> {
@@ -667,18 +531,7 @@ impl ServiceClient {
     /// service drops this client's pins). Results not yet collected stay
     /// collectable on this object.
     pub fn close(&self) -> Result<()> {
-        let mut st = lock(&self.inner.state);
-        loop {
-            let open = st.jobs.values().any(|e| e.known && e.result.is_none());
-            if !open {
-                break;
-            }
-            if let Some(why) = &st.broken {
-                return Err(gone(why));
-            }
-            st = self.inner.cond.wait(st).unwrap_or_else(|e| e.into_inner());
-        }
-        drop(st);
+        self.inner.board.wait_all()?;
         let _ = self.inner.stream.shutdown(std::net::Shutdown::Both);
         Ok(())
     }
@@ -751,8 +604,9 @@ impl TierApi for ServiceClient {
     fn wait_layer_timeout(&self, job: JobId, layer: u32, timeout: Duration) -> Result<bool> {
         ServiceClient::wait_layer_timeout(self, job, layer, timeout)
     }
-    /// Settled: the service serves host memory only (its GPU path is
-    /// issue 25's item 4, not built yet); `wait_layer` is the wait.
+    /// Settled: this client's memory is host memory the service shares
+    /// (GPU memory through a service is `StagedServiceClient`'s);
+    /// `wait_layer` is the wait.
     fn wait_layer_queued_timeout(
         &self,
         _job: JobId,
@@ -783,13 +637,6 @@ fn unexpected(r: &Response) -> Error {
     ))
 }
 
-fn broadcast(st: &mut State, ev: Event) {
-    let State {
-        subscribers, jobs, ..
-    } = st;
-    subscribers.broadcast(&[ev], &|job| jobs.contains_key(&job));
-}
-
 fn read_loop(stream: UnixStream, inner: std::sync::Weak<Inner>) {
     let mut r = &stream;
     let why = loop {
@@ -805,40 +652,16 @@ fn read_loop(stream: UnixStream, inner: std::sync::Weak<Inner>) {
         let Some(inner) = inner.upgrade() else {
             return;
         };
-        let mut st = lock(&inner.state);
         match msg {
-            Response::Layer { job, layer, error } => {
-                let ev = Event::Layer {
-                    job,
-                    layer,
-                    error: error.clone(),
-                };
-                st.jobs
-                    .entry(job)
-                    .or_default()
-                    .done_layers
-                    .insert(layer, error);
-                broadcast(&mut st, ev);
-            }
-            Response::Finished(r) => {
-                let job = r.job;
-                let ev = Event::Finished {
-                    job,
-                    kind: r.kind,
-                    ok: r.all_ok(),
-                };
-                st.jobs.entry(job).or_default().result = Some(r);
-                broadcast(&mut st, ev);
-            }
+            Response::Layer { job, layer, error } => inner.board.layer_done(job, layer, error),
+            Response::Finished(r) => inner.board.finished(r),
             other => {
-                st.replies.insert(h.req, other);
+                inner.board.lock().replies.insert(h.req, other);
+                inner.board.notify();
             }
         }
-        drop(st);
-        inner.cond.notify_all();
     };
     if let Some(inner) = inner.upgrade() {
-        lock(&inner.state).broken = Some(why);
-        inner.cond.notify_all();
+        inner.board.set_broken(why);
     }
 }

@@ -174,6 +174,18 @@ pub enum Request {
     FlushStores,
     /// `usage`: the handle's usage as JSON.
     Usage,
+    /// `submit_store` from this client's memory blocks with each key's
+    /// per-layer crc32c as the client took them (the staged GPU path
+    /// gathers its blocks into this memory with their checksums): the
+    /// service writes them into the headers rather than hashing the blocks.
+    SubmitStoreCrcs {
+        /// The keys.
+        keys: Vec<Key>,
+        /// One memory block (the client's numbering) per key.
+        blocks: Vec<u32>,
+        /// Per key, one crc32c per layer.
+        crcs: Vec<Vec<u32>>,
+    },
 }
 
 /// What the service sends: answers (with the request's id) and events (id 0).
@@ -235,6 +247,8 @@ mod kind {
     pub const SUBMIT_STORE: u16 = 7;
     pub const FLUSH_STORES: u16 = 8;
     pub const USAGE: u16 = 9;
+    // Apart from the kinds above, so that kinds added beside it do not meet.
+    pub const SUBMIT_STORE_CRCS: u16 = 0x20;
     pub const WELCOME: u16 = 0x81;
     pub const COUNT: u16 = 0x82;
     pub const JOB: u16 = 0x83;
@@ -448,6 +462,18 @@ fn check_job(keys: &[Key], blocks: &[u32]) -> Result<()> {
     Ok(())
 }
 
+/// One checksum list per key (each the model's layers: the service checks
+/// that against its pool).
+fn check_crcs(keys: usize, crcs: &[Vec<u32>]) -> Result<()> {
+    if crcs.len() != keys {
+        return Err(Error::invalid(format!(
+            "{keys} keys but {} checksum lists: give one list of per-layer crc32c per key",
+            crcs.len()
+        )));
+    }
+    Ok(())
+}
+
 impl Request {
     /// The frame of this request with id `req`. Refuses a request the
     /// service could not take (too many keys).
@@ -514,6 +540,22 @@ impl Request {
             }
             Request::FlushStores => kind::FLUSH_STORES,
             Request::Usage => kind::USAGE,
+            Request::SubmitStoreCrcs { keys, blocks, crcs } => {
+                check_job(keys, blocks)?;
+                check_crcs(keys.len(), crcs)?;
+                o.keys(keys);
+                o.blocks(blocks);
+                for c in crcs {
+                    o.blocks(c);
+                }
+                if o.0.len() > MAX_BODY_BYTES as usize {
+                    return Err(Error::invalid(format!(
+                        "a store of {} keys with their checksums is more than one request carries ({MAX_BODY_BYTES} bytes); split the store",
+                        keys.len()
+                    )));
+                }
+                kind::SUBMIT_STORE_CRCS
+            }
         };
         Ok(frame(kind, req, o))
     }
@@ -576,6 +618,15 @@ impl Request {
             }
             kind::FLUSH_STORES => Request::FlushStores,
             kind::USAGE => Request::Usage,
+            kind::SUBMIT_STORE_CRCS => {
+                let keys = i.keys()?;
+                let blocks = i.blocks()?;
+                check_job(&keys, &blocks).map_err(|e| bad(e.to_string()))?;
+                let crcs = (0..keys.len())
+                    .map(|_| i.blocks())
+                    .collect::<Result<Vec<_>>>()?;
+                Request::SubmitStoreCrcs { keys, blocks, crcs }
+            }
             k => return Err(bad(format!("unknown request kind {k:#x}"))),
         };
         i.end()?;
@@ -844,6 +895,11 @@ mod tests {
         });
         round_trip_req(Request::FlushStores);
         round_trip_req(Request::Usage);
+        round_trip_req(Request::SubmitStoreCrcs {
+            keys: vec![Key::from_u64(7), Key::from_u64(8)],
+            blocks: vec![3, 4],
+            crcs: vec![vec![1, 2, 3], vec![4, 5, 6]],
+        });
         round_trip_resp(Response::Usage("{\"tier\": {}}".into()));
         round_trip_resp(Response::Welcome {
             version: VERSION,

@@ -894,7 +894,12 @@ fn answer(
                 Err(e) => refused(e),
             }
         }
-        Request::SubmitStore { keys, blocks } => {
+        Request::SubmitStore { .. } | Request::SubmitStoreCrcs { .. } => {
+            let (keys, blocks, crcs) = match req {
+                Request::SubmitStoreCrcs { keys, blocks, crcs } => (keys, blocks, Some(crcs)),
+                Request::SubmitStore { keys, blocks } => (keys, blocks, None),
+                _ => unreachable!("matched above"),
+            };
             let Some(g) = s
                 .global_blocks(c, &blocks)
                 .map_err(|e| Claim(e.to_string()))?
@@ -903,7 +908,11 @@ fn answer(
             };
             // Not under the owners' lock: the submit hashes the blocks, and
             // other clients' events must not wait for that.
-            match s.handle.submit_store(&keys, &g) {
+            let submitted = match &crcs {
+                Some(crcs) => s.handle.submit_store_with_crcs(&keys, &g, crcs),
+                None => s.handle.submit_store(&keys, &g),
+            };
+            match submitted {
                 Ok(job) => {
                     lock(&c.jobs).insert(job);
                     let mut owners = lock(&s.owners);

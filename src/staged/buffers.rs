@@ -231,18 +231,25 @@ impl Layout {
 
 /// The staging memory: page-aligned host memory (huge pages where the
 /// kernel gives them) for direct I/O, registered with CUDA as PORTABLE |
-/// DEVICEMAP on a GPU so copies on any context's stream run at pinned speed.
+/// DEVICEMAP on a GPU so copies on any context's stream run at pinned speed;
+/// or memory another party shares with this process (the node service's
+/// slice of a client, a sealed memfd mapped here), kept alive by `keep`.
 pub(super) struct StagingMemory {
     // Unregistered before the memory goes.
     pub(super) reg: Option<HostRegistration>,
-    pub(super) buf: DmaBuffer,
+    addr: u64,
+    _own: Option<DmaBuffer>,
+    _keep: Option<std::sync::Arc<dyn Send + Sync>>,
 }
 
 impl StagingMemory {
     pub(super) fn host(len: u64) -> Result<StagingMemory> {
+        let buf = DmaBuffer::new(len as usize)?;
         Ok(StagingMemory {
             reg: None,
-            buf: DmaBuffer::new(len as usize)?,
+            addr: buf.addr(),
+            _own: Some(buf),
+            _keep: None,
         })
     }
 
@@ -254,14 +261,53 @@ impl StagingMemory {
         };
         Ok(StagingMemory {
             reg: Some(reg),
-            buf,
+            addr: buf.addr(),
+            _own: Some(buf),
+            _keep: None,
         })
+    }
+
+    /// `len` bytes at `addr`, mapped for as long as `keep` lives; on a GPU
+    /// (`ctx`) registered as pinned (`cuMemHostRegister`) in this process.
+    ///
+    /// # Safety
+    /// `addr..addr + len` is mapped host memory while `keep` lives.
+    pub(super) unsafe fn shared(
+        ctx: Option<&Context>,
+        addr: u64,
+        len: u64,
+        keep: std::sync::Arc<dyn Send + Sync>,
+    ) -> Result<StagingMemory> {
+        let reg = match ctx {
+            // SAFETY: the caller's contract; `keep` outlives the
+            // registration (field order).
+            Some(ctx) => Some(unsafe {
+                HostRegistration::register(
+                    ctx,
+                    addr as *mut u8,
+                    len as usize,
+                    RegisterFlags::DeviceMap,
+                )?
+            }),
+            None => None,
+        };
+        Ok(StagingMemory {
+            reg,
+            addr,
+            _own: None,
+            _keep: Some(keep),
+        })
+    }
+
+    /// The host address of the staging.
+    pub(super) fn addr(&self) -> u64 {
+        self.addr
     }
 
     /// The copier's address of host address `a` of the staging.
     pub(super) fn dev(&self, a: u64) -> u64 {
         match &self.reg {
-            Some(r) => r.device_ptr() + (a - self.buf.addr()),
+            Some(r) => r.device_ptr() + (a - self.addr),
             None => a,
         }
     }

@@ -6,12 +6,12 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 
-use super::{HbmLayer, StagedPath};
+use super::{HbmLayer, StagedPath, StagingJobs};
 use crate::error::{Error, ErrorKind, Failure, Result};
 use crate::gpu::staging::{CopyDesc, DeviceCopier};
 use crate::gpu::wait::LoadCounter;
 use crate::pool::Key;
-use crate::tier::{JobId, JobKind, JobResult, KeyOutcome, LayerQueued, Tier};
+use crate::tier::{JobId, JobKind, JobResult, KeyOutcome, LayerQueued};
 
 /// A load goes through in *units*: unit `u` is chunk `u % chunks` of layer
 /// `u / chunks` (a chunk is up to `load_blocks` of the load's keys in
@@ -19,7 +19,8 @@ use crate::tier::{JobId, JobKind, JobResult, KeyOutcome, LayerQueued, Tier};
 /// `load_blocks` keys has one chunk: its units are its layers.
 pub(super) struct LoadJob {
     pub(super) keys: Vec<Key>,
-    /// The slot each key held when the load began (for `Tier::release_job_keys`).
+    /// Each key's hold token (on the tier: the slot it held when the load
+    /// began, for `Tier::release_job_keys`).
     pub(super) slots: Vec<u64>,
     pub(super) hbm: Vec<u32>,
     /// The place of each key position in its chunk's buffer (slot order:
@@ -33,9 +34,14 @@ pub(super) struct LoadJob {
     pub(super) next_scatter: u64,
     /// Units from here on are not read: no key is left to read.
     pub(super) skipped_from: Option<u64>,
-    /// Why keys left out of a layer's read (dropped from the pool meanwhile)
-    /// failed: that layer's event says so.
-    pub(super) dropped: BTreeMap<u32, Failure>,
+    /// Keys left out of a layer's read (dropped from the pool meanwhile),
+    /// by position, and why: that layer's event says so, unless an earlier
+    /// layer's read of this load already reported the key failed (it found
+    /// the damage itself; through the node service the pool drops the key
+    /// before this path has seen that read's result).
+    pub(super) dropped: BTreeMap<u32, Vec<(u32, Failure)>>,
+    /// Per position: a read of this load reported the key failed.
+    pub(super) reported: Vec<bool>,
     /// Landed units not yet scattered: (positions read, tier result).
     pub(super) landed: BTreeMap<u64, (Vec<u32>, Option<JobResult>)>,
     /// Why the layer being scattered failed so far (over its chunks).
@@ -74,6 +80,16 @@ impl LoadJob {
         )
     }
 
+    /// Layer `l` is being scattered: keys dropped before its read fail it,
+    /// unless a read of this load reported them failed already.
+    pub(super) fn note_dropped(&mut self, l: u32) {
+        for (p, f) in self.dropped.remove(&l).unwrap_or_default() {
+            if !std::mem::replace(&mut self.reported[p as usize], true) {
+                self.layer_error.get_or_insert(f);
+            }
+        }
+    }
+
     /// The positions of chunk `c`, in staging order.
     pub(super) fn chunk(&self, c: u32, load_blocks: u32) -> &[u32] {
         let lb = load_blocks as usize;
@@ -88,7 +104,7 @@ impl StagedPath {
     /// job ends. Layers complete in order ([`Self::layer_events`]).
     pub fn submit_load(
         &mut self,
-        tier: &mut Tier,
+        tier: &mut dyn StagingJobs,
         keys: &[Key],
         mem_blocks: &[u32],
         layers: Range<u32>,
@@ -99,7 +115,7 @@ impl StagedPath {
     /// `submit_load` as job `want` (the caller's numbering) or the next id.
     pub(super) fn load_job(
         &mut self,
-        tier: &mut Tier,
+        tier: &mut dyn StagingJobs,
         want: Option<JobId>,
         keys: &[Key],
         mem_blocks: &[u32],
@@ -123,8 +139,7 @@ impl StagedPath {
                 "memory block {b} is read by a store not yet gathered; wait for that store before loading into it"
             )));
         }
-        // Job pins, not a caller's: see `Tier::hold_job_keys`.
-        let slots = tier.hold_job_keys(keys)?;
+        let slots = tier.hold_keys(keys)?;
         // Staging places in slot order: the pool's coalesced order.
         let mut order: Vec<u32> = (0..keys.len() as u32).collect();
         order.sort_by_key(|&p| slots[p as usize]);
@@ -139,7 +154,7 @@ impl StagedPath {
             None => match self.copier.new_counter() {
                 Ok(c) => (c, 0),
                 Err(e) => {
-                    tier.release_job_keys(keys, &slots);
+                    tier.release_keys(keys, &slots);
                     return Err(e);
                 }
             },
@@ -169,6 +184,7 @@ impl StagedPath {
                 skipped_from: None,
                 landed: BTreeMap::new(),
                 dropped: BTreeMap::new(),
+                reported: vec![false; keys.len()],
                 layer_error: None,
                 copying: VecDeque::new(),
                 outcomes: vec![None; keys.len()],
@@ -181,7 +197,7 @@ impl StagedPath {
     }
 
     /// Submit the next units of loads whose buffers are free.
-    pub(super) fn submit_layers(&mut self, tier: &mut Tier) {
+    pub(super) fn submit_layers(&mut self, tier: &mut dyn StagingJobs) {
         let b = self.cfg.layer_buffers;
         let lb = self.cfg.load_blocks;
         let ids: Vec<JobId> = self.loads.keys().copied().collect();
@@ -214,11 +230,9 @@ impl StagedPath {
                 // A key another load found damaged left the pool while this
                 // one held it: it fails here, alone (named in a layer job, the
                 // tier refused the job and every key of the load failed).
-                let index = tier.pool().index();
-                for p in 0..job.keys.len() {
-                    if job.outcomes[p].is_none()
-                        && index.get(&job.keys[p]).map(|e| e.slot) != Some(job.slots[p])
-                    {
+                let left = tier.keys_left(&job.keys, &job.slots, false);
+                for p in (0..job.keys.len()).filter(|&p| left[p]) {
+                    if job.outcomes[p].is_none() {
                         let f = Failure::new(
                             ErrorKind::Corrupt,
                             format!(
@@ -226,12 +240,10 @@ impl StagedPath {
                                 job.keys[p]
                             ),
                         );
-                        job.dropped.entry(l).or_insert_with(|| f.clone());
+                        job.dropped.entry(l).or_default().push((p as u32, f.clone()));
                         job.outcomes[p] = Some(KeyOutcome::Corrupt(f));
                     }
                 }
-                // Never held into the submit below (it locks the index too).
-                drop(index);
                 if job.outcomes.iter().all(Option::is_some) {
                     job.skipped_from = Some(u);
                     break;
@@ -254,7 +266,7 @@ impl StagedPath {
                     .iter()
                     .map(|&p| self.layout.load_place(buf, job.sblock[p as usize]))
                     .collect();
-                match tier.submit_load(&keys, &places, l..l + 1) {
+                match tier.submit_layer_load(&keys, &places, l) {
                     Ok(t) => {
                         job.next_submit += 1;
                         job.tier_jobs_out += 1;
@@ -262,6 +274,14 @@ impl StagedPath {
                         self.layer_jobs.insert(t, (id, u, live));
                     }
                     Err(e) => {
+                        // A key left the pool between the check above and
+                        // this submit (through the node service, its loads
+                        // run beside this path's): the check drops it, and
+                        // the layer is asked for again without it.
+                        let left = tier.keys_left(&job.keys, &job.slots, true);
+                        if (0..job.keys.len()).any(|p| job.outcomes[p].is_none() && left[p]) {
+                            continue;
+                        }
                         let f = Failure::from(&e).context(format_args!("layer {l}"));
                         for o in job.outcomes.iter_mut().filter(|o| o.is_none()) {
                             *o = Some(KeyOutcome::Failed(f.clone()));
@@ -309,9 +329,7 @@ impl StagedPath {
                 if job.skipped_from.is_some_and(|s| u >= s) {
                     // Not read: announced with the failure once the copies
                     // before it are done.
-                    if let Some(f) = job.dropped.remove(&l) {
-                        job.layer_error.get_or_insert(f);
-                    }
+                    job.note_dropped(l);
                     if last {
                         let mut error = job.layer_error.take().unwrap_or_else(|| {
                             Failure::new(
@@ -348,12 +366,11 @@ impl StagedPath {
                 let Some((live, r)) = job.landed.remove(&u) else {
                     break;
                 };
-                if let Some(f) = job.dropped.remove(&l) {
-                    job.layer_error.get_or_insert(f);
-                }
+                job.note_dropped(l);
                 if let Some(r) = &r {
                     for (i, &p) in live.iter().enumerate() {
                         if let KeyOutcome::Failed(f) | KeyOutcome::Corrupt(f) = &r.outcomes[i] {
+                            job.reported[p as usize] = true;
                             if job.outcomes[p as usize].is_none() {
                                 job.outcomes[p as usize] = Some(r.outcomes[i].clone());
                             }
@@ -370,9 +387,11 @@ impl StagedPath {
                             continue;
                         }
                         list.push(CopyDesc {
-                            src: self.staging.dev(self.layout.load_obj(
-                                buf,
-                                job.sblock[p as usize],
+                            src: self.staging.dev(Self::place_addr(
+                                &self.places,
+                                &self.layout,
+                                self.layout.load_place(buf, job.sblock[p as usize]),
+                                l,
                                 kv,
                             )),
                             dst: self.target.object_addr(job.hbm[p as usize], l, kv),
@@ -448,7 +467,7 @@ impl StagedPath {
 
     /// Announce layers whose copies are done, free their buffers, and end
     /// loads with nothing left.
-    pub(super) fn retire(&mut self, tier: &mut Tier) -> Result<()> {
+    pub(super) fn retire(&mut self, tier: &mut dyn StagingJobs) -> Result<()> {
         let now = self.copier.signaled()?;
         let b = self.cfg.layer_buffers as u64;
         let mut done = Vec::new();
@@ -496,7 +515,7 @@ impl StagedPath {
         }
         for id in done {
             let job = self.loads.remove(&id).expect("listed");
-            tier.release_job_keys(&job.keys, &job.slots);
+            tier.release_keys(&job.keys, &job.slots);
             if let Some(c) = job.counter {
                 // Layers not copied (failed keys, skipped layers) still
                 // reached their values: every scatter signals, and a skipped

@@ -54,7 +54,7 @@ pub use buffers::StagingConfig;
 
 use crate::error::{Error, Failure, Result};
 use crate::gpu::{check_gpu_kv_memory, CompletionCounter, Context};
-use crate::memory::{HostKvCache, KvMemory, MemoryKind};
+use crate::memory::{HostKvCache, KvLayout, KvMemory, MemoryKind};
 use crate::p2p::P2pTable;
 use crate::pool::Key;
 use crate::tier::{
@@ -82,6 +82,101 @@ pub struct HbmLayer {
 /// Job ids of the staged path start here, apart from the tier's own.
 pub(crate) const STAGED_JOB_BASE: JobId = 1 << 62;
 
+/// What the staged path runs its reads into and writes from the staging
+/// as: one load job per (layer, chunk) into staging blocks, one store job
+/// per chunk from staging blocks with the checksums the gather took, and
+/// the holds that keep a load's keys in the pool. The in-process [`Tier`]
+/// (the staging registered with it) and a client of the node's service
+/// (the staging in the memory the service shares with it,
+/// `crate::service::ServiceClient`) answer it, so one staged path serves
+/// GPU memory either way: same round-robin buffers, chunks, checks, copy
+/// marks and counters.
+pub trait StagingJobs {
+    /// Load `keys` into staging blocks `places` for layer `layer`.
+    fn submit_layer_load(&mut self, keys: &[Key], places: &[u32], layer: u32) -> Result<JobId>;
+    /// Store `keys` from staging blocks `places`, with each key's per-layer
+    /// crc32c as gathered.
+    fn submit_chunk_store(
+        &mut self,
+        keys: &[Key],
+        places: &[u32],
+        crcs: &[Option<Vec<u32>>],
+    ) -> Result<JobId>;
+    /// Move the jobs along without blocking.
+    fn poll_jobs(&mut self) -> Result<()>;
+    /// Results of the jobs that ended since the last call.
+    fn finished_jobs(&mut self) -> Vec<JobResult>;
+    /// Block until job `id` ends; its result.
+    fn wait_job(&mut self, id: JobId) -> Result<JobResult>;
+    /// Keep `keys` (all in the pool, or an error and nothing held) in the
+    /// pool until [`Self::release_keys`]; one token per key.
+    fn hold_keys(&mut self, keys: &[Key]) -> Result<Vec<u64>>;
+    /// Give back what [`Self::hold_keys`] or [`Self::hold_present`] took.
+    fn release_keys(&mut self, keys: &[Key], tokens: &[u64]);
+    /// Hold those of `keys` the pool has now: (keys held, tokens).
+    fn hold_present(&mut self, keys: &[Key]) -> Result<(Vec<Key>, Vec<u64>)>;
+    /// Per held key: whether it left the pool since it was held (a load
+    /// found its block damaged): such a key is left out of the layers not
+    /// yet read, and fails alone. Asked before each layer's read, and again
+    /// once a read was refused (`refused`): a path where the first answer
+    /// costs a round trip (the service) may answer it with nothing left
+    /// and look only after a refusal.
+    fn keys_left(&self, keys: &[Key], tokens: &[u64], refused: bool) -> Vec<bool>;
+}
+
+impl StagingJobs for Tier {
+    fn submit_layer_load(&mut self, keys: &[Key], places: &[u32], layer: u32) -> Result<JobId> {
+        self.submit_load(keys, places, layer..layer + 1)
+    }
+
+    fn submit_chunk_store(
+        &mut self,
+        keys: &[Key],
+        places: &[u32],
+        crcs: &[Option<Vec<u32>>],
+    ) -> Result<JobId> {
+        self.submit_store_with_crcs(keys, places, Some(crcs))
+    }
+
+    fn poll_jobs(&mut self) -> Result<()> {
+        Tier::poll(self)?;
+        // The layer jobs' own events: a staged layer is announced after its copy.
+        let _ = Tier::layer_events(self);
+        Ok(())
+    }
+
+    fn finished_jobs(&mut self) -> Vec<JobResult> {
+        Tier::get_finished(self)
+    }
+
+    fn wait_job(&mut self, id: JobId) -> Result<JobResult> {
+        Tier::wait(self, id)
+    }
+
+    fn hold_keys(&mut self, keys: &[Key]) -> Result<Vec<u64>> {
+        // Job pins, not a caller's: see `Tier::hold_job_keys`.
+        self.hold_job_keys(keys)
+    }
+
+    fn release_keys(&mut self, keys: &[Key], tokens: &[u64]) {
+        self.release_job_keys(keys, tokens)
+    }
+
+    fn hold_present(&mut self, keys: &[Key]) -> Result<(Vec<Key>, Vec<u64>)> {
+        let held: Vec<Key> = keys.iter().filter(|k| self.contains(k)).copied().collect();
+        let slots = self.hold_job_keys(&held)?;
+        Ok((held, slots))
+    }
+
+    fn keys_left(&self, keys: &[Key], tokens: &[u64], _refused: bool) -> Vec<bool> {
+        let index = self.pool().index();
+        keys.iter()
+            .zip(tokens)
+            .map(|(k, &slot)| index.get(k).map(|e| e.slot) != Some(slot))
+            .collect()
+    }
+}
+
 /// The staged path's state beside a [`Tier`] whose registered memory is
 /// the staging: every call takes that tier. The tier must be drained
 /// (see [`StagedPath::drain`]) before this is dropped: its I/O targets the
@@ -90,6 +185,10 @@ pub struct StagedPath {
     copier: Box<dyn DeviceCopier>,
     staging: StagingMemory,
     layout: Layout,
+    /// Where staging block `p`'s object (layer, K|V) is when the staging is
+    /// memory another party lays out (the node service's slice of this
+    /// client, block-major per layer); `None`: the layout's own places.
+    places: Option<KvMemory>,
     target: KvMemory,
     cfg: StagingConfig,
     /// The user of each layer buffer: (load job, layer, unit).
@@ -230,7 +329,7 @@ impl StagedPath {
                 tier.pool().geometry().describe()
             )));
         }
-        let layout = Layout::new(&g, &cfg, staging.buf.addr());
+        let layout = Layout::new(&g, &cfg, staging.addr());
         let table = P2pTable::from_objects(
             g,
             layout.load_places() + cfg.store_blocks,
@@ -242,10 +341,23 @@ impl StagedPath {
         // SAFETY: the staging memory lives in the result, which the caller
         // keeps until the tier has drained (StagedPath's contract).
         unsafe { tier.register_table(table)? };
-        Ok(StagedPath {
+        Ok(Self::assemble(copier, staging, layout, None, target, cfg))
+    }
+
+    /// The path's state, before any job.
+    fn assemble(
+        copier: Box<dyn DeviceCopier>,
+        staging: StagingMemory,
+        layout: Layout,
+        places: Option<KvMemory>,
+        target: KvMemory,
+        cfg: StagingConfig,
+    ) -> StagedPath {
+        StagedPath {
             copier,
             staging,
             layout,
+            places,
             target,
             cfg,
             buffers: vec![None; cfg.layer_buffers as usize],
@@ -264,7 +376,94 @@ impl StagedPath {
             spare_counters: Vec::new(),
             store_trace: std::env::var_os("KVTIER_TRACE_STORES").map(|_| std::time::Instant::now()),
             _target_owner: None,
-        })
+        }
+    }
+
+    /// A staged path whose staging is block-major memory `staging` that
+    /// something else reads into and writes from (the node service, through
+    /// the slice it shares with this client; `keep` keeps it mapped): its
+    /// blocks `0..layer_buffers * load_blocks` are the layer buffers'
+    /// places, the next `store_blocks` the store area. The copies go
+    /// through the staging kernels on a GPU (`target` GPU memory: the
+    /// staging registered as pinned here), or the CPU double (`target` host
+    /// memory standing in for it, copied by [`HostCopier`]).
+    ///
+    /// # Safety
+    /// `staging` describes host memory mapped while `keep` lives; every
+    /// byte `target` describes stays allocated until the path is dropped.
+    pub unsafe fn over_shared_staging(
+        staging: KvMemory,
+        keep: Arc<dyn Send + Sync>,
+        target: KvMemory,
+        cfg: StagingConfig,
+    ) -> Result<StagedPath> {
+        cfg.validate(&target.geometry)?;
+        target.validate_for_copies()?;
+        let g = target.geometry;
+        if staging.geometry != g {
+            return Err(Error::Registration(format!(
+                "memory has geometry {} but the pool stores {}",
+                g.describe(),
+                staging.geometry.describe()
+            )));
+        }
+        let KvLayout::BlockMajor { layer_bases } = &staging.layout else {
+            return Err(Error::invalid(
+                "shared staging must be block-major per layer (the service's slice)",
+            ));
+        };
+        // (The service's tier bounds a store chunk by its header staging,
+        // 8192 blocks by default, far past a slice's blocks: a chunk past it
+        // would fail its keys with the tier's error.)
+        let layout = Layout::new(&g, &cfg, 0);
+        let need = layout.load_places() as u64 + cfg.store_blocks as u64;
+        if need > staging.num_blocks as u64 {
+            return Err(Error::invalid(format!(
+                "staging of {} layer buffers of {} load blocks and {} store blocks takes {need} blocks of the {} shared with the service; lower StagingConfig's sizes or share more blocks",
+                cfg.layer_buffers, cfg.load_blocks, cfg.store_blocks, staging.num_blocks
+            )));
+        }
+        // The mapping's extent: from the lowest layer base to the end of
+        // the highest layer's blocks.
+        let lo = layer_bases.iter().copied().min().unwrap_or(0);
+        let hi = layer_bases.iter().copied().max().unwrap_or(0)
+            + 2 * staging.num_blocks as u64 * g.object_bytes();
+        let (copier, ctx): (Box<dyn DeviceCopier>, Option<Context>) = match target.kind {
+            MemoryKind::Gpu { ordinal } => {
+                let ctx = Context::primary(&crate::gpu::Device::get(ordinal as i32)?)?;
+                check_gpu_kv_memory(&ctx, &target)?;
+                let capacity = (2 * cfg.load_blocks as usize)
+                    .max(cfg.store_blocks as usize * g.objects_per_block() as usize);
+                (Box::new(CudaCopier::new(&ctx, capacity)?), Some(ctx))
+            }
+            MemoryKind::Host => (Box::new(HostCopier::default()), None),
+        };
+        // SAFETY: the caller's contract for the staging's range and `keep`.
+        let staging_mem = unsafe { StagingMemory::shared(ctx.as_ref(), lo, hi - lo, keep)? };
+        Ok(Self::assemble(
+            copier,
+            staging_mem,
+            layout,
+            Some(staging),
+            target,
+            cfg,
+        ))
+    }
+
+    /// The host address of staging block `place`'s object (`layer`, `kv`)
+    /// (of `self.places`, else `self.layout`'s; fields, so a caller may
+    /// hold a load's entry meanwhile).
+    fn place_addr(
+        places: &Option<KvMemory>,
+        layout: &Layout,
+        place: u32,
+        layer: u32,
+        kv: u32,
+    ) -> u64 {
+        match places {
+            Some(m) => m.object_addr(place, layer, kv),
+            None => layout.addr(place, layer, kv),
+        }
     }
 
     /// Its staging settings.
@@ -357,15 +556,13 @@ impl StagedPath {
     }
 
     /// Move everything along without blocking.
-    pub fn poll(&mut self, tier: &mut Tier) -> Result<()> {
-        tier.poll()?;
-        for r in tier.get_finished() {
+    pub fn poll(&mut self, tier: &mut dyn StagingJobs) -> Result<()> {
+        tier.poll_jobs()?;
+        for r in tier.finished_jobs() {
             self.on_tier_result(r);
         }
         self.push_stores(tier);
         self.finish_stores();
-        // The layer jobs' own events: a staged layer is announced after its copy.
-        let _ = tier.layer_events();
         self.scatter_landed()?;
         self.retire(tier)?;
         self.submit_layers(tier);
@@ -380,7 +577,7 @@ impl StagedPath {
 
     /// Block until something moves: the oldest tier job ends, or the copies
     /// started finish.
-    fn wait_some(&mut self, tier: &mut Tier) -> Result<()> {
+    fn wait_some(&mut self, tier: &mut dyn StagingJobs) -> Result<()> {
         let oldest = self
             .layer_jobs
             .keys()
@@ -388,7 +585,7 @@ impl StagedPath {
             .min()
             .copied();
         if let Some(t) = oldest {
-            let r = tier.wait(t)?;
+            let r = tier.wait_job(t)?;
             self.on_tier_result(r);
         } else if self.loads.values().any(|j| !j.copying.is_empty()) {
             self.copier.finish()?;
@@ -418,7 +615,7 @@ impl StagedPath {
     }
 
     /// Wait for job `id` and take its result.
-    pub fn wait(&mut self, tier: &mut Tier, id: JobId) -> Result<JobResult> {
+    pub fn wait(&mut self, tier: &mut dyn StagingJobs, id: JobId) -> Result<JobResult> {
         if !self.known(id) {
             return Err(Error::invalid(format!(
                 "no staged job {id} in flight or unreported"
@@ -438,7 +635,7 @@ impl StagedPath {
     /// not verify, a read failed: its memory must not be used), or, once the
     /// load has ended, if any key failed; a layer the load does not cover is
     /// refused (it is never "in memory").
-    pub fn wait_layer(&mut self, tier: &mut Tier, id: JobId, layer: u32) -> Result<()> {
+    pub fn wait_layer(&mut self, tier: &mut dyn StagingJobs, id: JobId, layer: u32) -> Result<()> {
         if !self.known(id) || self.stores.contains_key(&id) {
             return Err(Error::invalid(format!(
                 "no staged load {id} in flight or unreported"
@@ -497,7 +694,7 @@ impl StagedPath {
     }
 
     /// Wait for every job.
-    pub fn drain(&mut self, tier: &mut Tier) -> Result<()> {
+    pub fn drain(&mut self, tier: &mut dyn StagingJobs) -> Result<()> {
         loop {
             self.poll(tier)?;
             if self.loads.is_empty() && self.stores.is_empty() {

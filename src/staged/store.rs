@@ -2,11 +2,11 @@
 //! store area with a crc32c per object (on the GPU), in chunks as the area
 //! frees, each chunk one tier store with the combined per-layer checksums.
 
-use super::StagedPath;
+use super::{StagedPath, StagingJobs};
 use crate::error::{Error, ErrorKind, Failure, Result};
 use crate::gpu::staging::CopyDesc;
 use crate::pool::Key;
-use crate::tier::{JobId, JobKind, JobResult, KeyOutcome, Tier};
+use crate::tier::{JobId, JobKind, JobResult, KeyOutcome};
 
 /// One tier store of a staged store: a chunk of at most
 /// `StagingConfig::store_chunk()` keys.
@@ -45,7 +45,7 @@ impl StagedPath {
     /// its keys in the job's result.
     pub fn submit_store(
         &mut self,
-        tier: &mut Tier,
+        tier: &mut dyn StagingJobs,
         keys: &[Key],
         mem_blocks: &[u32],
     ) -> Result<JobId> {
@@ -55,7 +55,7 @@ impl StagedPath {
     /// `submit_store` as job `want` (the caller's numbering) or the next id.
     pub(super) fn store_job(
         &mut self,
-        tier: &mut Tier,
+        tier: &mut dyn StagingJobs,
         want: Option<JobId>,
         keys: &[Key],
         mem_blocks: &[u32],
@@ -93,7 +93,7 @@ impl StagedPath {
     /// Gather and hand to the tier the chunks of store `id` that store
     /// staging has room for now. An error only for its first chunk (then
     /// nothing of the store went out); a later chunk's fails its keys.
-    pub(super) fn push_chunks(&mut self, tier: &mut Tier, id: JobId) -> Result<()> {
+    pub(super) fn push_chunks(&mut self, tier: &mut dyn StagingJobs, id: JobId) -> Result<()> {
         let chunk = self.cfg.store_chunk() as usize;
         loop {
             let Some(a) = self.stores.get_mut(&id) else {
@@ -135,7 +135,7 @@ impl StagedPath {
     }
 
     /// Push the chunks waiting for store staging, oldest store first.
-    pub(super) fn push_stores(&mut self, tier: &mut Tier) {
+    pub(super) fn push_stores(&mut self, tier: &mut dyn StagingJobs) {
         let mut ids: Vec<JobId> = self
             .stores
             .iter()
@@ -164,7 +164,7 @@ impl StagedPath {
     /// are enough) and hand it to the tier: (tier job, places).
     pub(super) fn store_chunk(
         &mut self,
-        tier: &mut Tier,
+        tier: &mut dyn StagingJobs,
         keys: &[Key],
         mem_blocks: &[u32],
         earlier: &[Key],
@@ -176,17 +176,12 @@ impl StagedPath {
         // held while this chunk allocates, as one tier store holds its own
         // keys: the staged store must not evict what it reports stored (a
         // later chunk evicted the first chunks' blocks, all reported Done).
-        let held: Vec<Key> = earlier
-            .iter()
-            .filter(|k| tier.contains(k))
-            .copied()
-            .collect();
-        let slots = tier.hold_job_keys(&held)?;
+        let (held, slots) = tier.hold_present(earlier)?;
         let places: Vec<u32> = (0..keys.len())
             .map(|_| self.store_free.pop().expect("counted"))
             .collect();
         let r = self.gather_and_store(tier, keys, mem_blocks, &places);
-        tier.release_job_keys(&held, &slots);
+        tier.release_keys(&held, &slots);
         match r {
             Ok(t) => Ok((t, places)),
             Err(e) => {
@@ -229,7 +224,7 @@ impl StagedPath {
 
     pub(super) fn gather_and_store(
         &mut self,
-        tier: &mut Tier,
+        tier: &mut dyn StagingJobs,
         keys: &[Key],
         mem_blocks: &[u32],
         places: &[u32],
@@ -240,10 +235,15 @@ impl StagedPath {
         for (i, &b) in mem_blocks.iter().enumerate() {
             for layer in 0..g.layers {
                 for kv in 0..2 {
-                    let s = places[i] - self.layout.load_places();
                     list.push(CopyDesc {
                         src: self.target.object_addr(b, layer, kv),
-                        dst: self.staging.dev(self.layout.store_obj(s, layer, kv)),
+                        dst: self.staging.dev(Self::place_addr(
+                            &self.places,
+                            &self.layout,
+                            places[i],
+                            layer,
+                            kv,
+                        )),
                         len: obj as u32,
                         reserved: 0,
                     });
@@ -279,6 +279,6 @@ impl StagedPath {
                 )
             })
             .collect();
-        tier.submit_store_with_crcs(keys, places, Some(&per_key))
+        tier.submit_chunk_store(keys, places, &per_key)
     }
 }
