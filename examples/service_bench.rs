@@ -255,7 +255,11 @@ fn staged_double_round(
         g,
         ServiceConfig::new(&sock)
             .with_clients(1)
-            .with_client_blocks(4 * 32 + 16),
+            // The staging's 4 * 32 + 16 blocks, rounded up to whole 2 MiB
+            // pages per layer (32 llama3-8b blocks of K and V): else the
+            // slice is in 4 KiB pages whatever vm.nr_hugepages holds, and
+            // in-process staging is in (transparent) huge pages.
+            .with_client_blocks((4 * 32 + 16u32).next_multiple_of(32)),
     )?;
     let stop = s.stopper();
     let t = std::thread::spawn(move || s.run());

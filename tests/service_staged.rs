@@ -377,6 +377,96 @@ fn copy_marks_come_in_order_and_never_for_a_failed_layer() {
     svc.stop();
 }
 
+/// Stores keys `first..first + n` through a staged client of `svc` (block
+/// `i` of `c` holds key `first + i`).
+fn store_through_service(svc: &Svc, c: &Arc<HostKvCache>, first: u64, n: u32) {
+    let t = staged_client(&svc.sock, c, None);
+    for i in 0..n {
+        c.fill_block(i, seed(first + i as u64));
+    }
+    let s = t
+        .submit_store(
+            &keys_in(first..first + n as u64),
+            &(0..n).collect::<Vec<_>>(),
+        )
+        .unwrap();
+    t.flush_stores().unwrap();
+    assert!(TierApi::wait(&t, s).unwrap().all_ok());
+    t.close().unwrap();
+}
+
+/// Over the service's slice, a layer buffer holds every layer: a load
+/// keeps more layers' reads in flight than there are layer buffers (each
+/// read's round trip through the service hides behind those queued), and
+/// still copies, marks and announces them one by one in order, bytes
+/// equal.
+#[test]
+fn reads_run_ahead_of_the_layer_buffers_over_shared_staging() {
+    let dir = common::TempDir::new("svc-staged-ahead");
+    let g = common::tiny_geometry();
+    let c = cache(HostLayout::PerLayer, 16);
+    let svc = Svc::start(&dir, 2, 32);
+    store_through_service(&svc, &c, 800, 6);
+    c.clear();
+    let mut client = ServiceClient::connect(&svc.sock, 0).unwrap();
+    let cfg = StagingConfig::new(2, 8, 4);
+    // SAFETY: the cache outlives the path (dropped at the end of the test).
+    let mut path = unsafe {
+        StagedPath::over_shared_staging(
+            client.memory().clone(),
+            client.shared_mapping().expect("a memory client"),
+            c.memory().clone(),
+            cfg,
+        )
+        .unwrap()
+    };
+    let mem: Vec<u32> = (8..14).collect();
+    let job = path
+        .submit_load(&mut client, &keys_in(800..806), &mem, 0..g.layers)
+        .unwrap();
+    let (mut most, mut events, mut marks) = (0, Vec::new(), Vec::new());
+    let t0 = Instant::now();
+    while events.len() < g.layers as usize {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the load never ended"
+        );
+        path.poll(&mut client).unwrap();
+        let reading: Vec<u32> = path
+            .buffers_in_use()
+            .into_iter()
+            .flatten()
+            .map(|(_, l)| l)
+            .collect();
+        most = most.max(reading.len());
+        marks.extend(path.layers_queued().into_iter().map(|q| q.layer));
+        events.extend(
+            path.layer_events()
+                .into_iter()
+                .map(|e| (e.layer, e.error.is_none())),
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(
+        most > cfg.layer_buffers as usize,
+        "at most {most} layers read at once with {} layer buffers",
+        cfg.layer_buffers
+    );
+    assert_eq!(marks, (0..g.layers).collect::<Vec<_>>());
+    assert_eq!(events, (0..g.layers).map(|l| (l, true)).collect::<Vec<_>>());
+    assert!(path.wait(&mut client, job).unwrap().all_ok());
+    for (i, &b) in mem.iter().enumerate() {
+        assert!(
+            c.block_matches(b, seed(800 + i as u64), 0..g.layers),
+            "block {b}"
+        );
+    }
+    path.drain(&mut client).unwrap();
+    drop(path);
+    drop(client);
+    svc.stop();
+}
+
 /// The round trip tests/gpu_staged.rs makes on a GPU, on the double: two
 /// staged clients of one service, one stores from its "GPU" memory, the
 /// other loads layer by layer with copy marks, in both layouts.

@@ -362,7 +362,14 @@ fn turn(inner: &Inner) -> bool {
     let Some(c) = core.as_mut() else {
         return false;
     };
-    if let Err(e) = c.path.poll(&mut c.jobs) {
+    // What landed is copied and announced before the next layers are
+    // asked for: each request waits for the service's answer, and a
+    // layer's waiter must not wait for those too.
+    let moved = c.path.poll_copies(&mut c.jobs).and_then(|()| {
+        publish(inner, &mut c.path);
+        c.path.poll_reads(&mut c.jobs)
+    });
+    if let Err(e) = moved {
         drop(core);
         // The copier failed in a way the path could not pin on a layer:
         // every wait says so rather than hanging.
@@ -372,16 +379,21 @@ fn turn(inner: &Inner) -> bool {
         ));
         return false;
     }
-    for q in c.path.layers_queued() {
+    publish(inner, &mut c.path);
+    c.path.copies_pending()
+}
+
+/// File the path's news on the client's job table.
+fn publish(inner: &Inner, path: &mut StagedPath) {
+    for q in path.layers_queued() {
         inner.board.layer_queued(q.job, q.layer, q.mark);
     }
-    for e in c.path.layer_events() {
+    for e in path.layer_events() {
         inner.board.layer_done(e.job, e.layer, e.error);
     }
-    for r in c.path.get_finished() {
+    for r in path.get_finished() {
         inner.board.finished(r);
     }
-    c.path.copies_pending()
 }
 
 fn drive(inner: Weak<Inner>, news: Completions, doorbell: Arc<EventFd>, stop: Arc<AtomicBool>) {

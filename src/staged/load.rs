@@ -222,11 +222,15 @@ impl StagedPath {
                 {
                     break;
                 }
+                let (l, c) = job.unit(u);
                 let buf = (u % b as u64) as u32;
-                if self.buffers[buf as usize].is_some() {
+                let slot = Self::slot_of(&self.places, buf, l);
+                if self.buffers[slot].is_some() {
                     break; // back-pressure: the buffer's copy is not done yet
                 }
-                let (l, c) = job.unit(u);
+                if u >= job.next_scatter + self.ahead {
+                    break; // as many units ahead of the copies as it may
+                }
                 // A key another load found damaged left the pool while this
                 // one held it: it fails here, alone (named in a layer job, the
                 // tier refused the job and every key of the load failed).
@@ -270,7 +274,7 @@ impl StagedPath {
                     Ok(t) => {
                         job.next_submit += 1;
                         job.tier_jobs_out += 1;
-                        self.buffers[buf as usize] = Some((id, l, u));
+                        self.buffers[slot] = Some((id, l, u));
                         self.layer_jobs.insert(t, (id, u, live));
                     }
                     Err(e) => {
@@ -482,9 +486,9 @@ impl StagedPath {
                     announce,
                 } = job.copying.pop_front().expect("front");
                 let (l, _) = job.unit(unit);
-                let buf = (unit % b) as usize;
-                if self.buffers[buf] == Some((id, l, unit)) {
-                    self.buffers[buf] = None;
+                let slot = Self::slot_of(&self.places, (unit % b) as u32, l);
+                if self.buffers[slot] == Some((id, l, unit)) {
+                    self.buffers[slot] = None;
                 }
                 if let Some(error) = announce {
                     job.announced = l + 1;

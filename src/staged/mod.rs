@@ -79,6 +79,13 @@ pub struct HbmLayer {
     pub counter: u32,
 }
 
+/// Over shared staging (the node service's slice), how many times
+/// `layer_buffers` units a load keeps in flight ahead of its copies: there
+/// every layer buffer holds every layer, so the buffers do not bound the
+/// reads ahead, and each read's round trip through the service is hidden
+/// only behind reads already queued there.
+pub(crate) const SHARED_UNITS_AHEAD: u64 = 2;
+
 /// Job ids of the staged path start here, apart from the tier's own.
 pub(crate) const STAGED_JOB_BASE: JobId = 1 << 62;
 
@@ -191,8 +198,13 @@ pub struct StagedPath {
     places: Option<KvMemory>,
     target: KvMemory,
     cfg: StagingConfig,
-    /// The user of each layer buffer: (load job, layer, unit).
+    /// The user of each layer buffer: (load job, layer, unit); over shared
+    /// staging, of each (layer buffer, layer) ([`Self::slot_of`]).
     buffers: Vec<Option<(JobId, u32, u64)>>,
+    /// Units a load may have submitted past the next one to copy: the
+    /// layer buffers in staging of its own (they bound it anyway), more
+    /// over shared staging, where they do not ([`SHARED_UNITS_AHEAD`]).
+    ahead: u64,
     store_free: Vec<u32>,
     loads: BTreeMap<JobId, LoadJob>,
     /// Tier job -> (load job, unit, positions it reads).
@@ -353,6 +365,11 @@ impl StagedPath {
         target: KvMemory,
         cfg: StagingConfig,
     ) -> StagedPath {
+        let slots_per_buffer = places.as_ref().map_or(1, |m| m.geometry.layers as usize);
+        let ahead = match places {
+            Some(_) => SHARED_UNITS_AHEAD * cfg.layer_buffers as u64,
+            None => cfg.layer_buffers as u64,
+        };
         StagedPath {
             copier,
             staging,
@@ -360,7 +377,8 @@ impl StagedPath {
             places,
             target,
             cfg,
-            buffers: vec![None; cfg.layer_buffers as usize],
+            buffers: vec![None; cfg.layer_buffers as usize * slots_per_buffer],
+            ahead,
             store_free: (layout.load_places()..layout.load_places() + cfg.store_blocks)
                 .rev()
                 .collect(),
@@ -466,6 +484,18 @@ impl StagedPath {
         }
     }
 
+    /// Where the use of layer buffer `buf` for layer `layer` is recorded
+    /// in `buffers`: the buffer in staging of its own (one layer's room);
+    /// over shared staging, the buffer's blocks hold every layer (the
+    /// service's slice is block-major per layer), so a unit of one layer
+    /// never touches another layer's bytes and the pair is the unit of use.
+    fn slot_of(places: &Option<KvMemory>, buf: u32, layer: u32) -> usize {
+        match places {
+            Some(m) => (buf * m.geometry.layers + layer) as usize,
+            None => buf as usize,
+        }
+    }
+
     /// Its staging settings.
     pub fn config(&self) -> &StagingConfig {
         &self.cfg
@@ -500,7 +530,8 @@ impl StagedPath {
         self.loads.get(&id)?.counter.clone()
     }
 
-    /// Which layer buffers are in use, and by what (load job, layer).
+    /// Which layer buffers are in use, and by what (load job, layer); over
+    /// shared staging, per (layer buffer, layer): entry `buf * layers + layer`.
     pub fn buffers_in_use(&self) -> Vec<Option<(JobId, u32)>> {
         self.buffers
             .iter()
@@ -557,6 +588,16 @@ impl StagedPath {
 
     /// Move everything along without blocking.
     pub fn poll(&mut self, tier: &mut dyn StagingJobs) -> Result<()> {
+        self.poll_copies(tier)?;
+        self.poll_reads(tier)
+    }
+
+    /// The first half of [`Self::poll`]: take the tier's results, copy
+    /// what landed, announce what is copied; no new layer is asked for.
+    /// Where asking costs a round trip each (the node service), a caller
+    /// hands out this half's events before [`Self::poll_reads`]: a layer
+    /// copied is not held back behind the requests for the next ones.
+    pub fn poll_copies(&mut self, tier: &mut dyn StagingJobs) -> Result<()> {
         tier.poll_jobs()?;
         for r in tier.finished_jobs() {
             self.on_tier_result(r);
@@ -564,7 +605,12 @@ impl StagedPath {
         self.push_stores(tier);
         self.finish_stores();
         self.scatter_landed()?;
-        self.retire(tier)?;
+        self.retire(tier)
+    }
+
+    /// The second half of [`Self::poll`]: ask for the layers whose turn
+    /// has come.
+    pub fn poll_reads(&mut self, tier: &mut dyn StagingJobs) -> Result<()> {
         self.submit_layers(tier);
         // A load whose every key has failed learns it in `submit_layers`
         // (its later layers are skipped); with nothing of it in flight no
