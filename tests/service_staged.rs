@@ -701,12 +701,13 @@ fn a_key_that_leaves_the_pool_under_a_staged_load_fails_alone() {
         // Another client's load finds 803's layer 2 damaged: the service
         // drops the key while this load holds it.
         let other = ServiceClient::connect(&sock, 4).unwrap();
-        let j = other
-            .submit_load(&keys_in(803..804), &[0], 2..3)
-            .unwrap();
+        let j = other.submit_load(&keys_in(803..804), &[0], 2..3).unwrap();
         let r = other.wait(j).unwrap();
         assert!(!r.all_ok(), "the damaged block must fail its load");
-        assert!(!other.contains(&Key::from_u64(803)), "a damaged key leaves the pool");
+        assert!(
+            !other.contains(&Key::from_u64(803)),
+            "a damaged key leaves the pool"
+        );
         other.close().unwrap();
         let r = path.wait(&mut client, job).unwrap();
         path.drain(&mut client).unwrap();
