@@ -738,3 +738,83 @@ fn client_killed_mid_load_leaves_no_pin_or_job() {
     assert_eq!(other.until("LOADED"), "LOADED 8 OK true BAD 0");
     svc.stop();
 }
+
+/// A key the staged load holds leaves the pool under it (another client's
+/// load finds its block damaged) before the load's next layers go out: the
+/// service refuses the next layer's request naming it, the path looks the
+/// keys up, fails that key alone and asks for the layer again without it.
+/// It looked the keys up again only once per refusal and then asked with
+/// the key again: a request loop that never returned from `poll` (seen in
+/// a CI run: 3.5 million refused requests).
+#[test]
+fn a_key_that_leaves_the_pool_under_a_staged_load_fails_alone() {
+    let dir = common::TempDir::new("svc-staged-left");
+    let g = common::tiny_geometry();
+    let c = cache(HostLayout::PerLayer, 16);
+    {
+        let svc = Svc::start(&dir, 2, 32);
+        let t = staged_client(&svc.sock, &c, None);
+        for i in 0..6u32 {
+            c.fill_block(i, seed(800 + i as u64));
+        }
+        let s = t
+            .submit_store(&keys_in(800..806), &(0..6).collect::<Vec<_>>())
+            .unwrap();
+        t.flush_stores().unwrap();
+        assert!(TierApi::wait(&t, s).unwrap().all_ok());
+        t.close().unwrap();
+        svc.stop();
+    }
+    damage(&dir, 803, 2);
+    let svc = Svc::start(&dir, 2, 32);
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let sock = svc.sock.clone();
+    let c2 = c.clone();
+    std::thread::spawn(move || {
+        let mut client = ServiceClient::connect(&sock, 0).unwrap();
+        c2.clear();
+        // SAFETY: the cache outlives the path (this thread holds a clone).
+        let mut path = unsafe {
+            StagedPath::over_shared_staging(
+                client.memory().clone(),
+                client.shared_mapping().expect("a memory client"),
+                c2.memory().clone(),
+                StagingConfig::new(2, 8, 4),
+            )
+            .unwrap()
+        };
+        let mem: Vec<u32> = (8..14).collect();
+        // The load holds its keys and reads layer 0 alone first.
+        let job = path
+            .submit_load(&mut client, &keys_in(800..806), &mem, 0..g.layers)
+            .unwrap();
+        // Another client's load finds 803's layer 2 damaged: the service
+        // drops the key while this load holds it.
+        let other = ServiceClient::connect(&sock, 4).unwrap();
+        let j = other.submit_load(&keys_in(803..804), &[0], 2..3).unwrap();
+        let r = other.wait(j).unwrap();
+        assert!(!r.all_ok(), "the damaged block must fail its load");
+        assert!(
+            !other.contains(&Key::from_u64(803)),
+            "a damaged key leaves the pool"
+        );
+        other.close().unwrap();
+        let r = path.wait(&mut client, job).unwrap();
+        path.drain(&mut client).unwrap();
+        let failed: Vec<Key> = r.failures().map(|(k, _)| *k).collect();
+        let _ = done_tx.send((failed, mem));
+    });
+    let (failed, mem) = done_rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the staged load never ended (a request loop in the path)");
+    assert_eq!(failed, keys_in(803..804), "only the key that left fails");
+    for (i, &b) in mem.iter().enumerate() {
+        if i != 3 {
+            assert!(
+                c.block_matches(b, seed(800 + i as u64), 0..g.layers),
+                "block {b}"
+            );
+        }
+    }
+    svc.stop();
+}

@@ -1220,4 +1220,24 @@ fn tp_size_serves_one_ranks_shard() {
         err.contains("--tp-size 3") && err.contains("2 KV heads"),
         "{err}"
     );
+    // 16-token blocks hold 4 KiB objects of the whole model but 2 KiB of a
+    // rank's shard: the refusal says it is the shard's, and the fix.
+    let out = Command::new(BIN)
+        .args(["serve", "--dir"])
+        .arg(dir.file("pool2"))
+        .args(["--capacity", &POOL.to_string(), "--model"])
+        .arg(tiny_config(&dir))
+        .arg("--socket")
+        .arg(dir.file("tp2.sock"))
+        .args(["--tp-size", "2", "--block-size", "16"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("one rank's shard")
+            && err.contains("--tp-size 2")
+            && err.contains("block_size that is a multiple of 32"),
+        "{err}"
+    );
 }

@@ -202,6 +202,10 @@ impl StagedPath {
         let lb = self.cfg.load_blocks;
         let ids: Vec<JobId> = self.loads.keys().copied().collect();
         for id in ids {
+            // A layer's request was just refused: look its keys up again
+            // (the check below drops those that left, so each retry has
+            // fewer keys and the retries end).
+            let mut refused = false;
             loop {
                 let job = self.loads.get_mut(&id).expect("listed");
                 let u = job.next_submit;
@@ -234,7 +238,7 @@ impl StagedPath {
                 // A key another load found damaged left the pool while this
                 // one held it: it fails here, alone (named in a layer job, the
                 // tier refused the job and every key of the load failed).
-                let left = tier.keys_left(&job.keys, &job.slots, false);
+                let left = tier.keys_left(&job.keys, &job.slots, std::mem::take(&mut refused));
                 for p in (0..job.keys.len()).filter(|&p| left[p]) {
                     if job.outcomes[p].is_none() {
                         let f = Failure::new(
@@ -284,6 +288,7 @@ impl StagedPath {
                         // the layer is asked for again without it.
                         let left = tier.keys_left(&job.keys, &job.slots, true);
                         if (0..job.keys.len()).any(|p| job.outcomes[p].is_none() && left[p]) {
+                            refused = true;
                             continue;
                         }
                         let f = Failure::from(&e).context(format_args!("layer {l}"));

@@ -69,6 +69,14 @@ fn per_rank(mut named: model::NamedGeometry, tp_size: u32) -> Result<model::Name
             )));
         }
         named.geometry.kv_heads = (heads / tp_size).max(1);
+        // A rank's shard has fewer heads per token: its objects can fall
+        // below the direct-I/O alignment the whole model meets.
+        named.geometry.validate().map_err(|e| {
+            kvtier::Error::invalid(format!(
+                "one rank's shard of {} under --tp-size {tp_size} ({} of its {heads} KV heads per rank): {e}",
+                named.name, named.geometry.kv_heads
+            ))
+        })?;
     }
     Ok(named)
 }
