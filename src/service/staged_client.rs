@@ -9,7 +9,10 @@
 //! staged path's round-robin layer buffers, the next its store area; on a
 //! GPU it is registered as pinned in this process (`cuMemHostRegister`), so
 //! no CUDA object crosses the process boundary. A load is one service load
-//! per (layer, chunk) into the layer buffer whose turn it is; the service
+//! per (layer, chunk) into the layer buffer whose turn it is (the slice
+//! is block-major per layer, so a buffer holds every layer and more layers'
+//! requests are out at once than there are buffers: each request's round
+//! trip hides behind those queued); the service
 //! verifies each layer's crc32c as it verifies any load; once it reports the
 //! layer, this process copies it into its KV blocks on its own copy stream
 //! (the staging kernels; the CPU double's copier without a GPU), records

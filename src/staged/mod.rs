@@ -24,7 +24,11 @@
 //! carry the failure, and its keys fail in the load's result.
 //! A layer whose buffer is still busy waits (back-pressure), so staging
 //! stays `layer_buffers` layers however long the prefix; the reads of layer
-//! l+1 run while layer l is copied.
+//! l+1 run while layer l is copied. Over staging another party lays out
+//! block-major per layer (the node service's slice of a client), each
+//! buffer's blocks hold every layer: there a unit holds (buffer, layer),
+//! and a load keeps up to twice `layer_buffers` units
+//! in flight ahead of its copies.
 //!
 //! Store. The gather kernel copies the blocks' objects from HBM into a store
 //! area (`store_blocks` blocks, all layers each) and computes each object's
