@@ -111,7 +111,14 @@ fn kv_bench_reports_every_figure_and_plots() {
     assert!(at("Data complete") < at("Flush(Data) complete"));
     assert!(at("Flush(Data) complete") < at("Headers issue"));
     assert!(at("Headers complete") < at("Flush(Headers) complete"));
-    assert!(v["peak_rss"]["kvtier_bytes"].as_u64().unwrap() > 256 << 21);
+    // The peak memory counts the 512 MiB KV cache, in the resident set or
+    // in reserved huge pages (which RSS leaves out) where some were free.
+    let peak = &v["peak_rss"];
+    assert!(
+        peak["kvtier_bytes"].as_u64().unwrap() + peak["hugetlb_bytes"].as_u64().unwrap()
+            > 256 << 21,
+        "{peak}"
+    );
     assert!(v["machine"]["kernel"].as_str().unwrap().len() > 1);
     assert_eq!(v["config"]["geometry"]["layers"], 32);
     let svg_text = std::fs::read_to_string(&svg).unwrap();

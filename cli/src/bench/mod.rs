@@ -177,16 +177,44 @@ pub struct BenchReport {
 #[derive(Clone, Copy, Debug, serde::Serialize)]
 pub struct PeakRss {
     pub kvtier_bytes: u64,
+    /// Reserved (hugetlbfs) huge pages held at the peak: the KV cache goes
+    /// there when enough are free (`scripts/bench.sh` reserves some), and
+    /// the kernel never counts them in the resident set, so without them
+    /// the figure would leave the cache out.
+    #[serde(default)]
+    pub hugetlb_bytes: u64,
+}
+
+/// Bytes of reserved huge pages this process holds now (HugetlbPages in
+/// /proc/self/status; 0 where the kernel does not say).
+pub(crate) fn hugetlb_held_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("HugetlbPages:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .map_or(0, |kib| kib * 1024)
 }
 
 impl PeakRss {
-    /// Now, from getrusage (ru_maxrss, KiB on Linux).
-    pub fn now() -> Option<PeakRss> {
+    /// Now, from getrusage (ru_maxrss, KiB on Linux), with the reserved
+    /// huge pages held now or at `hugetlb_peak` (sampled while the KV
+    /// cache was alive), whichever is more.
+    pub fn now(hugetlb_peak: u64) -> Option<PeakRss> {
         // SAFETY: getrusage fills the struct we pass.
         let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
         (unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } == 0).then(|| PeakRss {
             kvtier_bytes: ru.ru_maxrss.max(0) as u64 * 1024,
+            hugetlb_bytes: hugetlb_held_bytes().max(hugetlb_peak),
         })
+    }
+
+    /// The resident set plus the reserved huge pages.
+    pub fn total_bytes(&self) -> u64 {
+        self.kvtier_bytes + self.hugetlb_bytes
     }
 }
 
@@ -396,7 +424,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
             skipped,
             fio: None,
             huge_page_share: None,
-            peak_rss: PeakRss::now(),
+            peak_rss: PeakRss::now(0),
         });
     }
     crate::cli::check_host_memory(
@@ -414,6 +442,9 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
         HostLayout::PerLayer
     };
     let cache = Arc::new(HostKvCache::new(geo, max_blocks as u32, layout)?);
+    // The cache lives until the contexts are done: what it holds in
+    // reserved huge pages (which the resident set leaves out) is the peak.
+    let hugetlb_peak = hugetlb_held_bytes();
     tier.register_host_cache(cache.clone())?;
     let engine = tier.engine().describe();
     let huge_page_share = tier.p2p_table().and_then(|t| {
@@ -679,7 +710,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
         skipped,
         fio: None,
         huge_page_share,
-        peak_rss: PeakRss::now(),
+        peak_rss: PeakRss::now(hugetlb_peak),
     })
 }
 
@@ -1387,8 +1418,16 @@ pub fn render(report: &BenchReport) -> String {
     }
     if let Some(p) = report.peak_rss {
         s += &format!(
-            "peak RSS: kvtier {}{}\n",
-            human_bytes(p.kvtier_bytes),
+            "peak RSS: kvtier {}{}{}\n",
+            human_bytes(p.total_bytes()),
+            if p.hugetlb_bytes > 0 {
+                format!(
+                    " ({} of it in reserved huge pages, which RSS leaves out)",
+                    human_bytes(p.hugetlb_bytes)
+                )
+            } else {
+                String::new()
+            },
             report
                 .config
                 .mem_budget
