@@ -18,7 +18,10 @@
 //! the memory the service shares, one service load per layer), both with
 //! the same staging (4 layer buffers of 32 blocks, a store area of 16):
 //! what the service's per-layer round trips cost the staged path. (A GPU's
-//! copies and the CUDA IPC alternative are for a GPU run.)
+//! copies and the CUDA IPC alternative are for a GPU run.) Both sides are
+//! in 2 MiB pages only with about 300 reserved (`vm.nr_hugepages`): the
+//! in-process staging and both stand-in caches take them too, beside the
+//! service's slice of 160 blocks; the service says when its slice is not.
 
 use kvtier::handle::TierBuilder;
 use kvtier::memory::{pattern_fill, KvLayout, KvMemory, MemoryKind};
