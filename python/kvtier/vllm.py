@@ -80,7 +80,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.logger import init_logger
 
-from . import BackpressureError, KvtierError, TierBuilder, TierHandle
+from . import BackpressureError, ClosedError, KvtierError, TierBuilder, TierHandle
 from ._vllm_layout import KvMapping, map_kv_caches
 from ._vllm_lookup import LOOKUP as _LOOKUP
 from ._vllm_lookup import PIN as _PIN
@@ -168,6 +168,27 @@ class _InflightLoad:
     done: set[int] = field(default_factory=set)
     # The job's result, once taken (a failed layer takes it early).
     result: Any = None
+
+
+@dataclass
+class _GoneResult:
+    """A job's result once the worker's kvtier service connection is gone
+    (``kvtier serve`` restarted or died): every key failed, a miss (vLLM
+    recomputes the blocks; stores are dropped), never an exception into
+    vLLM's step, which would end the engine."""
+
+    keys: list[bytes]
+    error: KvtierError
+    evicted: list[bytes] = field(default_factory=list)
+    ok: bool = False
+
+    @property
+    def outcomes(self) -> list[str]:
+        return ["failed"] * len(self.keys)
+
+    @property
+    def errors(self) -> list[KvtierError]:
+        return [self.error] * len(self.keys)
 
 
 @dataclass
@@ -896,6 +917,29 @@ class KvtierConnector(KVConnectorBase_V1):
         elif n:
             self._tier.unpin(ld.keys[:n])
 
+    def _gone(self, e: ClosedError) -> None:
+        """The kvtier service connection is gone: said once; from then on
+        every load and store of this worker is a miss."""
+        if not getattr(self, "_gone_said", False):
+            self._gone_said = True
+            logger.warning("kvtier: %s; this worker's loads and stores are misses from now on "
+                           "(restart the engine to use the kvtier service again)", e)
+
+    def _wait_job(self, job: int, keys: list[bytes]) -> Any:
+        """Job ``job``'s result (its keys: ``keys``); once the service is
+        gone, every key failed."""
+        try:
+            return self._tier.wait(job)
+        except ClosedError as e:
+            self._gone(e)
+            return _GoneResult(list(keys), e)
+
+    def _flush(self) -> None:
+        try:
+            self._tier.flush_stores()
+        except ClosedError as e:
+            self._gone(e)
+
     def _connect_service_hbm(self, m: KvMapping, double: bool) -> None:
         """CUDA KV caches (or, with the test double, CPU tensors posing as
         them) over ``kvtier serve``: the memory the service shares is the
@@ -984,7 +1028,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 # bytes (every layer of the job is in once it has ended).
                 logger.warning("kvtier: layer %d of %s failed to load: %s", layer,
                                ld.load.req_id, e)
-                ld.result = self._tier.wait(ld.job)
+                ld.result = self._wait_job(ld.job, ld.load.keys[:len(ld.block_ids)])
                 failed = True
         if failed:
             r = ld.result
@@ -1018,10 +1062,10 @@ class KvtierConnector(KVConnectorBase_V1):
         waiting = [j for j, (_, r) in self._store_jobs.items()
                    if r is not None and r in kv_connector_metadata.preempted]
         if waiting:
-            self._tier.flush_stores()  # the slack and sync policies may hold them
+            self._flush()  # the slack and sync policies may hold them
         for job in waiting:
             _, req_id = self._store_jobs[job]
-            self._tier.wait(job)
+            self._wait_job(job, [])
             del self._store_jobs[job]
             self._store_reqs[req_id] -= 1
 
@@ -1034,7 +1078,11 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def _reap_stores(self) -> None:
         for job in list(self._store_jobs):
-            r = self._tier.try_result(job)
+            try:
+                r = self._tier.try_result(job)
+            except ClosedError as e:
+                self._gone(e)
+                r = _GoneResult([], e)
             if r is None:
                 continue
             slots, req_id = self._store_jobs.pop(job)
@@ -1058,7 +1106,7 @@ class KvtierConnector(KVConnectorBase_V1):
             if not self._cuda:
                 for layer in range(self._map.layers):
                     self._finish_layer(ld, layer)
-            r = ld.result or self._tier.wait(ld.job)
+            r = ld.result or self._wait_job(ld.job, ld.load.keys[:len(ld.block_ids)])
             bad = [bid for bid, err in zip(ld.block_ids, r.errors) if err is not None]
             corrupt = [k for k, o in zip(r.keys, r.outcomes) if o == "corrupt"]
             self._ev_removed += corrupt
@@ -1109,7 +1157,9 @@ class KvtierConnector(KVConnectorBase_V1):
         try:
             job = self._tier.submit_store(self._my_keys(st.keys),
                                           slots if slots is not None else st.block_ids)
-        except BackpressureError:
+        except (BackpressureError, ClosedError) as e:
+            if isinstance(e, ClosedError):
+                self._gone(e)
             self._count(self._stats, "stores_dropped", n)
             if slots:
                 self._free_store.extend(slots)
@@ -1133,7 +1183,7 @@ class KvtierConnector(KVConnectorBase_V1):
         if len(done) < len(self._sending) and self._policy == "sync":
             # Finished requests wait on direct stores the sync policy holds
             # until a flush: issue them, or their blocks are never freed.
-            self._tier.flush_stores()
+            self._flush()
         self._sending -= done
         for r in done:
             self._store_reqs.pop(r, None)
@@ -1160,7 +1210,10 @@ class KvtierConnector(KVConnectorBase_V1):
             self._server = None
         if getattr(self, "_tier", None) is not None:
             tier, self._tier = self._tier, None
-            tier.close()
+            try:
+                tier.close()
+            except ClosedError:
+                pass  # the service went first: its jobs ended with it
         if getattr(self, "_stats", None) is not None:
             _write_stats(f"{self._stats_path}.tp{self._rank}" if self._stats_path else None,
                          self._stats)

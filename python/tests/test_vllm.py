@@ -844,3 +844,65 @@ def test_kv_events_name_kvtier_blocks_with_vllms_block_hashes(tmp_path):
         sub.close(linger=0)
         pub.shutdown()
         worker.shutdown()
+
+
+def test_worker_over_a_service_that_goes_away_misses_instead_of_raising(tmp_path, tiny_model):
+    """`kvtier serve` stops (a restart, an upgrade, a crash) under a running
+    engine: the worker's loads and stores over it are misses from then on
+    (blocks reported for vLLM to recompute, stores dropped), never a
+    ClosedError out of vLLM's step, which ends the engine."""
+    import signal
+
+    from conftest import kvtier_bin
+
+    binary = kvtier_bin()
+    if binary is None:
+        pytest.skip("no kvtier binary: run `cargo build` (or set KVTIER_BIN)")
+    sock, log = tmp_path / "kvtier.sock", tmp_path / "serve.log"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            [binary, "serve", "--dir", str(tmp_path / "svc-pool"), "--capacity", "64m",
+             "--model", tiny_model, "--block-size", str(BS), "--socket", str(sock),
+             "--clients", "2", "--client-blocks", "32"], stderr=err)
+    try:
+        deadline = time.monotonic() + 30
+        while b"serving " not in log.read_bytes():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.02)
+        cfg = vllm_config(tmp_path, service=str(sock))
+        cfg.kv_transfer_config.kv_connector_extra_config.pop("pool_dir")
+        worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, None)
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+        layers = kv_tensors(32, True)
+        worker.register_kv_caches(dict(zip(names, layers)))
+        try:
+            rng = random.Random(11)
+            keys = kv.block_keys([rng.randrange(3, 500) for _ in range(2 * BS)], BS, "gone")
+
+            def step(meta):
+                worker.bind_connector_metadata(meta)
+                worker.start_load_kv(None)
+                for name in names:
+                    worker.wait_for_layer_load(name)
+                worker.wait_for_save()
+                worker.clear_connector_metadata()
+                return worker.get_finished(set())
+
+            # A store while the service runs.
+            step(kv.KvtierConnectorMetadata(stores=[kv._Store("a", keys, [4, 9])]))
+            # The service stops (SIGTERM: it finishes acknowledged work and
+            # disconnects its clients, as for a restart).
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0, log.read_text()
+            # The next step loads and stores over the gone service: misses.
+            step(kv.KvtierConnectorMetadata(
+                loads=[kv._Load("b", keys, [20, 21], [2], 1)],
+                stores=[kv._Store("b", kv.block_keys(list(range(2 * BS)), BS, "x"), [5, 6])]))
+            assert worker.get_block_ids_with_load_errors() == {20, 21}
+            assert worker._stats["stores_dropped"] >= 2
+        finally:
+            worker.shutdown()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

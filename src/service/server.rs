@@ -377,6 +377,8 @@ impl Service {
         // Connections accepted whose hello has not begun to arrive, oldest
         // first: they wait here, in this loop's poll, not on a thread each.
         let mut waiting: std::collections::VecDeque<(UnixStream, Instant)> = Default::default();
+        // Accepts failing since the last one that worked (said once).
+        let mut accept_failing = false;
         loop {
             let now = Instant::now();
             while waiting.front().is_some_and(|(_, due)| *due <= now) {
@@ -441,6 +443,10 @@ impl Service {
             }
             match self.listener.accept() {
                 Ok((stream, _)) => {
+                    if accept_failing {
+                        accept_failing = false;
+                        log(format_args!("accepting connections again"));
+                    }
                     if waiting.len() >= MAX_WAITING_HELLOS {
                         waiting.pop_front();
                         log(format_args!(
@@ -449,7 +455,20 @@ impl Service {
                     }
                     waiting.push_back((stream, Instant::now() + HELLO_TIMEOUT));
                 }
-                Err(e) => log(format_args!("accept failed: {e}")),
+                Err(e) => {
+                    // Out of file descriptors (EMFILE, ENFILE) or memory:
+                    // the connection stays queued and the listener readable,
+                    // so polling again at once spun here, a core and a log
+                    // line per try, until a descriptor freed. Said once, and
+                    // tried again after a pause.
+                    if !accept_failing {
+                        accept_failing = true;
+                        log(format_args!(
+                            "accept failed: {e}; new connections wait in the socket's queue, retried every {ACCEPT_RETRY:?} (out of file descriptors: raise the service's open-file limit, LimitNOFILE= in its systemd unit or ulimit -n, or lower --clients / --lookup-clients)"
+                        ));
+                    }
+                    std::thread::sleep(ACCEPT_RETRY);
+                }
             }
         }
         log(format_args!(
@@ -535,6 +554,9 @@ enum End {
     Dropped(String),
 }
 
+/// The pause before accepting again after an accept failed (out of file
+/// descriptors): the listener stays readable, so retrying at once spins.
+const ACCEPT_RETRY: Duration = Duration::from_millis(100);
 /// How long a connection has from its accept to its whole hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections accepted and not yet saying hello, at most; past that the
