@@ -246,6 +246,46 @@ fn damage(dir: &common::TempDir, key: u64, layer: u32) {
     f.sync_all().unwrap();
 }
 
+/// Six blocks (keys `base..base + 6` from memory blocks 0..6) stored
+/// through a staged client, the fourth one's layer 2 then damaged on the
+/// pool file: a fresh service on the pool, to load them again.
+fn stored_with_one_damaged(dir: &common::TempDir, c: &Arc<HostKvCache>, base: u64) -> Svc {
+    {
+        let svc = Svc::start(dir, 2, 32);
+        let t = staged_client(&svc.sock, c, None);
+        for i in 0..6u32 {
+            c.fill_block(i, seed(base + i as u64));
+        }
+        let s = t
+            .submit_store(&keys_in(base..base + 6), &(0..6).collect::<Vec<_>>())
+            .unwrap();
+        t.flush_stores().unwrap();
+        assert!(TierApi::wait(&t, s).unwrap().all_ok());
+        t.close().unwrap();
+        svc.stop();
+    }
+    damage(dir, base + 3, 2);
+    Svc::start(dir, 2, 32)
+}
+
+/// The staged path by hand over `client`'s shared slice, into `c`
+/// (2 layer buffers of 8 blocks, a store area of 4).
+///
+/// # Safety
+/// `c` outlives the path.
+unsafe fn path_over(client: &ServiceClient, c: &HostKvCache) -> StagedPath {
+    // SAFETY: the caller keeps the cache alive.
+    unsafe {
+        StagedPath::over_shared_staging(
+            client.memory().clone(),
+            client.shared_mapping().expect("a memory client"),
+            c.memory().clone(),
+            StagingConfig::new(2, 8, 4),
+        )
+        .unwrap()
+    }
+}
+
 /// The staged path driven by hand over a service client (its jobs are the
 /// service's): each layer's copy mark comes in layer order, before its
 /// event, and never for a layer that failed (one key's block is damaged on
@@ -256,34 +296,11 @@ fn copy_marks_come_in_order_and_never_for_a_failed_layer() {
     let dir = common::TempDir::new("svc-staged-marks");
     let g = common::tiny_geometry();
     let c = cache(HostLayout::PerLayer, 16);
-    {
-        let svc = Svc::start(&dir, 2, 32);
-        let t = staged_client(&svc.sock, &c, None);
-        for i in 0..6u32 {
-            c.fill_block(i, seed(700 + i as u64));
-        }
-        let s = t
-            .submit_store(&keys_in(700..706), &(0..6).collect::<Vec<_>>())
-            .unwrap();
-        t.flush_stores().unwrap();
-        assert!(TierApi::wait(&t, s).unwrap().all_ok());
-        t.close().unwrap();
-        svc.stop();
-    }
-    damage(&dir, 703, 2);
-    let svc = Svc::start(&dir, 2, 32);
+    let svc = stored_with_one_damaged(&dir, &c, 700);
     let mut client = ServiceClient::connect(&svc.sock, 0).unwrap();
     c.clear();
     // SAFETY: the cache outlives the path (dropped at the end of the test).
-    let mut path = unsafe {
-        StagedPath::over_shared_staging(
-            client.memory().clone(),
-            client.shared_mapping().expect("a memory client"),
-            c.memory().clone(),
-            StagingConfig::new(2, 8, 4),
-        )
-        .unwrap()
-    };
+    let mut path = unsafe { path_over(&client, &c) };
     let mem: Vec<u32> = (8..14).collect();
     let job = path
         .submit_load(&mut client, &keys_in(700..706), &mem, 0..g.layers)
@@ -751,22 +768,7 @@ fn a_key_that_leaves_the_pool_under_a_staged_load_fails_alone() {
     let dir = common::TempDir::new("svc-staged-left");
     let g = common::tiny_geometry();
     let c = cache(HostLayout::PerLayer, 16);
-    {
-        let svc = Svc::start(&dir, 2, 32);
-        let t = staged_client(&svc.sock, &c, None);
-        for i in 0..6u32 {
-            c.fill_block(i, seed(800 + i as u64));
-        }
-        let s = t
-            .submit_store(&keys_in(800..806), &(0..6).collect::<Vec<_>>())
-            .unwrap();
-        t.flush_stores().unwrap();
-        assert!(TierApi::wait(&t, s).unwrap().all_ok());
-        t.close().unwrap();
-        svc.stop();
-    }
-    damage(&dir, 803, 2);
-    let svc = Svc::start(&dir, 2, 32);
+    let svc = stored_with_one_damaged(&dir, &c, 800);
     let (done_tx, done_rx) = std::sync::mpsc::channel();
     let sock = svc.sock.clone();
     let c2 = c.clone();
@@ -774,15 +776,7 @@ fn a_key_that_leaves_the_pool_under_a_staged_load_fails_alone() {
         let mut client = ServiceClient::connect(&sock, 0).unwrap();
         c2.clear();
         // SAFETY: the cache outlives the path (this thread holds a clone).
-        let mut path = unsafe {
-            StagedPath::over_shared_staging(
-                client.memory().clone(),
-                client.shared_mapping().expect("a memory client"),
-                c2.memory().clone(),
-                StagingConfig::new(2, 8, 4),
-            )
-            .unwrap()
-        };
+        let mut path = unsafe { path_over(&client, &c2) };
         let mem: Vec<u32> = (8..14).collect();
         // The load holds its keys and reads layer 0 alone first.
         let job = path

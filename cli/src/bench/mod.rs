@@ -483,6 +483,24 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
         // (this VM: 1.1-3.4 GiB/s against 3.8-5.0 at 64K tokens), so the
         // store and its reference after it (below) both write a range just
         // written.
+        // The engine alone writing the planned slots from the context's
+        // memory (one file), then one flush.
+        let shape = rewrite::StoreShape {
+            job_blocks: cfg.store_job_blocks as usize,
+            max_io_bytes: cfg.tier.max_io_bytes,
+            uring: &cfg.tier.uring,
+        };
+        let rewrite_planned = |file: &ScratchFile, planned: &[u64]| -> Result<rewrite::Rewrite> {
+            let (fd, path) = file.descriptor()?;
+            rewrite::rewrite_slots(
+                &tier,
+                &fd,
+                &path.display().to_string(),
+                planned,
+                &mem,
+                &shape,
+            )
+        };
         let mut first_write = None;
         match (&scratch[..], &planned) {
             ([file], Some(planned)) => {
@@ -490,19 +508,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
                     "{tokens} tokens: the engine alone writing the same {} first",
                     human_bytes(bytes)
                 ));
-                let (fd, path) = file.descriptor()?;
-                match rewrite::rewrite_slots(
-                    &tier,
-                    &fd,
-                    &path.display().to_string(),
-                    planned,
-                    &mem,
-                    &rewrite::StoreShape {
-                        job_blocks: cfg.store_job_blocks as usize,
-                        max_io_bytes: cfg.tier.max_io_bytes,
-                        uring: &cfg.tier.uring,
-                    },
-                ) {
+                match rewrite_planned(file, planned) {
                     Ok(r) => first_write = Some(r.durable_gib_s),
                     Err(e) => skipped.push(format!(
                         "{tokens} tokens: the engine-alone first write did not run: {e}"
@@ -523,19 +529,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
                 "{tokens} tokens: the engine alone writing the same {} again, then one flush (before the store)",
                 human_bytes(bytes)
             ));
-            let (fd, path) = file.descriptor()?;
-            match rewrite::rewrite_slots(
-                &tier,
-                &fd,
-                &path.display().to_string(),
-                planned,
-                &mem,
-                &rewrite::StoreShape {
-                    job_blocks: cfg.store_job_blocks as usize,
-                    max_io_bytes: cfg.tier.max_io_bytes,
-                    uring: &cfg.tier.uring,
-                },
-            ) {
+            match rewrite_planned(file, planned) {
                 Ok(r) => before = Some(r),
                 Err(e) => skipped.push(format!(
                     "{tokens} tokens: the engine-alone write before the store did not run: {e}"
@@ -589,11 +583,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
                 &path.display().to_string(),
                 &keys,
                 &mem,
-                &rewrite::StoreShape {
-                    job_blocks: cfg.store_job_blocks as usize,
-                    max_io_bytes: cfg.tier.max_io_bytes,
-                    uring: &cfg.tier.uring,
-                },
+                &shape,
             ) {
                 Ok(r) => reference = Some(r),
                 Err(e) => skipped.push(format!(
