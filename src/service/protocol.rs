@@ -274,7 +274,11 @@ impl Out {
         self.0.extend_from_slice(&v.to_le_bytes());
     }
     fn text(&mut self, s: &str) {
-        let mut end = s.len().min(MAX_TEXT_BYTES);
+        self.text_within(s, MAX_TEXT_BYTES)
+    }
+    /// Text up to `max` bytes (and [`MAX_TEXT_BYTES`]); longer is cut.
+    fn text_within(&mut self, s: &str, max: usize) {
+        let mut end = s.len().min(MAX_TEXT_BYTES).min(max);
         while !s.is_char_boundary(end) {
             end -= 1;
         }
@@ -308,8 +312,11 @@ impl Out {
         }
     }
     fn failure(&mut self, f: &Failure) {
+        self.failure_within(f, MAX_TEXT_BYTES)
+    }
+    fn failure_within(&mut self, f: &Failure, max_text: usize) {
         self.u8(kind_code(f.kind));
-        self.text(&f.message);
+        self.text_within(&f.message, max_text);
     }
     fn opt_failure(&mut self, f: &Option<Failure>) {
         match f {
@@ -690,6 +697,26 @@ impl Response {
                 kind::LAYER
             }
             Response::Finished(r) => {
+                // Evictions past the bound are not worth a dropped client:
+                // they only feed the engine's KV events.
+                let ev = &r.evicted[..r.evicted.len().min(MAX_KEYS)];
+                // A job of many keys that all failed with long messages
+                // (up to MAX_KEYS x MAX_TEXT_BYTES) would not fit a frame:
+                // the failures share what the rest leaves of one.
+                let key_bytes =
+                    |ks: &[Key]| 4 + ks.iter().map(|k| 1 + k.as_bytes().len()).sum::<usize>();
+                let failures = r
+                    .outcomes
+                    .iter()
+                    .filter(|o| matches!(o, KeyOutcome::Failed(_) | KeyOutcome::Corrupt(_)))
+                    .count();
+                let fixed = 8
+                    + 1
+                    + key_bytes(&r.keys)
+                    + r.outcomes.len()
+                    + failures * (1 + 4)
+                    + key_bytes(ev);
+                let per_text = (MAX_BODY_BYTES as usize).saturating_sub(fixed) / failures.max(1);
                 o.u64(r.job);
                 o.u8(job_kind_code(r.kind));
                 o.keys(&r.keys);
@@ -699,17 +726,14 @@ impl Response {
                         KeyOutcome::AlreadyStored => o.u8(1),
                         KeyOutcome::Failed(f) => {
                             o.u8(2);
-                            o.failure(f);
+                            o.failure_within(f, per_text);
                         }
                         KeyOutcome::Corrupt(f) => {
                             o.u8(3);
-                            o.failure(f);
+                            o.failure_within(f, per_text);
                         }
                     }
                 }
-                // Evictions past the bound are not worth a dropped client:
-                // they only feed the engine's KV events.
-                let ev = &r.evicted[..r.evicted.len().min(MAX_KEYS)];
                 o.keys(ev);
                 kind::FINISHED
             }
@@ -938,6 +962,58 @@ mod tests {
                 KeyOutcome::Corrupt(Failure::new(ErrorKind::Corrupt, "crc")),
             ],
             evicted: vec![Key::from_u64(77)],
+        }));
+    }
+
+    /// A job of the most keys a request may name, every one failed with a
+    /// message of the longest text: the result still fits one frame (the
+    /// messages cut to share it) and decodes. It came to ~270 MiB, past
+    /// the frame bound: a debug assertion in the service's dispatcher (every
+    /// client's waits hung) and a dropped client in release builds.
+    #[test]
+    fn the_largest_failed_job_fits_one_frame() {
+        let keys: Vec<Key> = (0..MAX_KEYS as u64)
+            .map(|k| { let mut b = [7u8; 32]; b[..8].copy_from_slice(&k.to_le_bytes()); Key::new(&b).unwrap() })
+            .collect();
+        let long = "x".repeat(MAX_TEXT_BYTES + 100);
+        let r = Response::Finished(JobResult {
+            job: 9,
+            kind: JobKind::Load,
+            keys: keys.clone(),
+            outcomes: (0..keys.len())
+                .map(|i| {
+                    let f = Failure::new(ErrorKind::Corrupt, long.clone());
+                    if i % 2 == 0 {
+                        KeyOutcome::Corrupt(f)
+                    } else {
+                        KeyOutcome::Failed(f)
+                    }
+                })
+                .collect(),
+            evicted: keys.clone(),
+        });
+        let f = r.encode(5);
+        let h = Header::decode(f[..HEADER_BYTES].try_into().unwrap()).unwrap();
+        assert!(h.body_len <= MAX_BODY_BYTES);
+        match Response::decode(h.kind, &f[HEADER_BYTES..]).unwrap() {
+            Response::Finished(back) => {
+                assert_eq!(back.keys, keys);
+                assert_eq!(back.evicted, keys);
+                assert!(back.outcomes.iter().all(|o| match o {
+                    KeyOutcome::Corrupt(f) | KeyOutcome::Failed(f) =>
+                        !f.message.is_empty() && f.message.len() < MAX_TEXT_BYTES,
+                    _ => false,
+                }));
+            }
+            other => panic!("{other:?}"),
+        }
+        // A small job keeps its messages whole.
+        round_trip_resp(Response::Finished(JobResult {
+            job: 1,
+            kind: JobKind::Load,
+            keys: vec![Key::from_u64(1)],
+            outcomes: vec![KeyOutcome::Failed(Failure::new(ErrorKind::Io, long[..MAX_TEXT_BYTES].to_string()))],
+            evicted: vec![],
         }));
     }
 
