@@ -1321,9 +1321,10 @@ fn a_slot_given_to_the_next_client_is_not_shared_with_the_last() {
 /// A service that stops answering (SIGSTOP here; a reader stuck on a dead
 /// device alike) is a miss to an engine's scheduler, never a hang of its
 /// scheduling loop: the own-pool lookup client times out after 2 s
-/// (python/kvtier/_vllm_lookup.py), the service client waits forever.
+/// (python/kvtier/_vllm_lookup.py); the service client's index calls
+/// after 5 s (they waited forever), ending the connection, so the service
+/// drops the client's pins once it runs again.
 #[test]
-#[ignore = "review finding: service calls wait for their reply without a timeout; fails until they time out"]
 fn a_stopped_service_is_a_miss_to_a_lookup_not_a_hang() {
     let dir = TempDir::new("serve-stopped");
     let s = Serve::start(&dir, POOL, 1, 8);
@@ -1331,15 +1332,26 @@ fn a_stopped_service_is_a_miss_to_a_lookup_not_a_hang() {
     let pid = nix::unistd::Pid::from_raw(s.child.id() as i32);
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
-    let t = std::thread::spawn(move || tx.send(c.lookup_prefix(&keys(0..4))).unwrap());
+    let t = std::thread::spawn(move || {
+        let n = c.lookup_prefix(&keys(0..4));
+        tx.send(n).unwrap();
+        c
+    });
     let answer = rx.recv_timeout(Duration::from_secs(10));
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT).unwrap();
-    t.join().unwrap();
+    let c = t.join().unwrap();
     assert_eq!(
         answer,
         Ok(0),
         "a lookup on a stopped service still waits after 10 s"
     );
+    // That connection is over: its calls fail at once as gone (misses for
+    // an adapter, which reconnects); a new one is served.
+    let e = c.usage_json().unwrap_err();
+    assert_eq!(e.kind(), kvtier::ErrorKind::Closed, "{e}");
+    assert!(e.to_string().contains("did not answer"), "{e}");
+    let c2 = ServiceClient::connect_lookup_only(&s.sock).unwrap();
+    c2.usage_json().unwrap();
 }
 
 /// Pins held through the service: blocks of `c`'s pool pinned now.

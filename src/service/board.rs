@@ -14,7 +14,7 @@ use crate::tier::{JobKind, JobResult, KeyOutcome};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Condvar, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -164,9 +164,10 @@ impl Board {
         self.notify();
     }
 
-    /// The connection ended: every waiting call fails.
+    /// The connection ended: every waiting call fails (with the first
+    /// reason: ending it here makes the reader see it closed after).
     pub(super) fn set_broken(&self, why: String) {
-        self.lock().broken = Some(why);
+        self.lock().broken.get_or_insert(why);
         self.notify();
     }
 
@@ -363,20 +364,38 @@ impl Board {
         }
     }
 
-    /// Wait for the answer to request `id`.
-    pub(super) fn wait_reply(&self, id: u64) -> Result<Response> {
+    /// Wait for the answer to request `id`, at most `timeout`: a service
+    /// that does not answer by then (stopped, or stuck on a dead device)
+    /// counts as gone, for this call and every other (`Ok(None)`: the
+    /// caller ends the connection, which drops this client's pins there).
+    pub(super) fn wait_reply(&self, id: u64, timeout: Duration) -> Result<Option<Response>> {
+        let deadline = Instant::now() + timeout;
         let mut st = self.lock();
         loop {
             if let Some(r) = st.replies.remove(&id) {
                 return match r {
                     Response::Refused(f) => Err(Error::Failed(f)),
-                    r => Ok(r),
+                    r => Ok(Some(r)),
                 };
             }
             if let Some(why) = &st.broken {
                 return Err(gone(why));
             }
-            st = self.cond.wait(st).unwrap_or_else(|e| e.into_inner());
+            let now = Instant::now();
+            if now >= deadline {
+                st.broken = Some(format!(
+                    "the service did not answer a request within {} s",
+                    timeout.as_secs()
+                ));
+                drop(st);
+                self.notify();
+                return Ok(None);
+            }
+            st = self
+                .cond
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
     }
 }

@@ -33,6 +33,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// How long a call the service answers from its index (lookups, pins,
+/// unpins) waits for the answer: they take microseconds, and an engine's
+/// scheduler must see a service that stopped answering as a miss soon (a
+/// pool's own lookup socket gives up after 2 s).
+pub(crate) const INDEX_REPLY_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long any other call (submits, usage, the hello) waits.
+pub(crate) const REPLY_TIMEOUT: Duration = Duration::from_secs(60);
+
 struct Inner {
     stream: UnixStream,
     write: Mutex<()>,
@@ -105,6 +113,13 @@ impl ServiceClient {
                 e,
             )
         })?;
+        // A service that stops answering (stopped, stuck) must not hang
+        // the engine: the hello's answer and every send are bounded; the
+        // reader thread then waits without a bound (`call` bounds replies).
+        stream
+            .set_read_timeout(Some(REPLY_TIMEOUT))
+            .and_then(|_| stream.set_write_timeout(Some(REPLY_TIMEOUT)))
+            .map_err(|e| Error::io("setting the service socket's timeouts", e))?;
         let hello = Request::Hello {
             version: protocol::VERSION,
             blocks,
@@ -120,6 +135,9 @@ impl ServiceClient {
         let mut body = vec![0u8; h.body_len as usize];
         std::io::Read::read_exact(&mut &stream, &mut body)
             .map_err(|e| Error::io("reading the kvtier service's welcome", e))?;
+        stream
+            .set_read_timeout(None)
+            .map_err(|e| Error::io("setting the service socket's timeouts", e))?;
         let welcome = Response::decode(h.kind, &body).map_err(|e| {
             Error::invalid(format!(
                 "the kvtier service at {} answered the hello with a welcome this library cannot read: {e}",
@@ -347,7 +365,11 @@ impl ServiceClient {
         &self.inner.board
     }
 
-    /// Send `req` and wait for its answer.
+    /// Send `req` and wait for its answer, at most [`INDEX_REPLY_TIMEOUT`]
+    /// for what the service answers from its index, [`REPLY_TIMEOUT`] for
+    /// the rest. A request that cannot be sent, or is not answered in time,
+    /// ends the connection (the service then drops this client's pins and
+    /// jobs; every wait here fails as gone, which adapters take as misses).
     pub(super) fn call(&self, req: &Request) -> Result<Response> {
         let id = self.inner.next_req.fetch_add(1, Ordering::Relaxed);
         let frame = req.encode(id)?;
@@ -356,11 +378,30 @@ impl ServiceClient {
         }
         {
             let _w = lock(&self.inner.write);
-            (&self.inner.stream)
-                .write_all(&frame)
-                .map_err(|e| gone(&format!("sending a request: {e}")))?;
+            if let Err(e) = (&self.inner.stream).write_all(&frame) {
+                // Part of a frame may be out: nothing after it would parse.
+                let why = format!("sending a request: {e}");
+                self.inner.board.set_broken(why.clone());
+                let _ = self.inner.stream.shutdown(std::net::Shutdown::Both);
+                return Err(gone(&why));
+            }
         }
-        self.inner.board.wait_reply(id)
+        let timeout = match req {
+            Request::Lookup(_) | Request::LookupAndPin(_) | Request::Unpin(_) => {
+                INDEX_REPLY_TIMEOUT
+            }
+            _ => REPLY_TIMEOUT,
+        };
+        match self.inner.board.wait_reply(id, timeout)? {
+            Some(r) => Ok(r),
+            None => {
+                let _ = self.inner.stream.shutdown(std::net::Shutdown::Both);
+                Err(gone(&format!(
+                    "the service did not answer a request within {} s",
+                    timeout.as_secs()
+                )))
+            }
+        }
     }
 
     /// How many leading keys the pool holds (0 if the service is gone).
