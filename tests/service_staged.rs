@@ -96,19 +96,29 @@ fn snapshot(c: &HostKvCache) -> Vec<u8> {
     out
 }
 
+/// Fill blocks `0..n` of `c` with keys `first..first + n`'s bytes and store
+/// them through `t`, flushed; every key must be stored.
+fn store_blocks(t: &dyn TierApi, c: &HostKvCache, first: u64, n: u32) {
+    for i in 0..n {
+        c.fill_block(i, seed(first + i as u64));
+    }
+    let s = t
+        .submit_store(
+            &keys_in(first..first + n as u64),
+            &(0..n).collect::<Vec<_>>(),
+        )
+        .unwrap();
+    t.flush_stores().unwrap();
+    let r = t.wait(s).unwrap();
+    assert!(r.all_ok(), "{r:?}");
+}
+
 /// The script both ways run: store 12 blocks, clear, load them all into
 /// other blocks layer by layer (waiting for each layer in order), then
 /// layers 1..3 of a few into yet other blocks; each step's result checked.
 fn script(t: &dyn TierApi, c: &HostKvCache) {
     let g = *t.geometry();
-    for i in 0..12u32 {
-        c.fill_block(i, seed(100 + i as u64));
-    }
-    let s = t
-        .submit_store(&keys_in(100..112), &(0..12).collect::<Vec<_>>())
-        .unwrap();
-    t.flush_stores().unwrap();
-    assert!(t.wait(s).unwrap().all_ok());
+    store_blocks(t, c, 100, 12);
     c.clear();
     let ks = keys_in(100..112);
     assert_eq!(t.lookup_and_pin(&ks), 12);
@@ -191,15 +201,7 @@ fn long_load_goes_through_a_small_staging_area_in_chunks() {
     let t = staged_client(&svc.sock, &c, Some(cfg));
     assert_eq!(t.staging().unwrap(), cfg);
     let g = common::tiny_geometry();
-    for i in 0..40u32 {
-        c.fill_block(i, seed(500 + i as u64));
-    }
-    let s = t
-        .submit_store(&keys_in(500..540), &(0..40).collect::<Vec<_>>())
-        .unwrap();
-    t.flush_stores().unwrap();
-    let r = TierApi::wait(&t, s).unwrap();
-    assert!(r.all_ok(), "{r:?}");
+    store_blocks(&t, &c, 500, 40);
     assert_eq!(t.lookup_prefix(&keys_in(500..540)), 40);
     c.clear();
     let ks = keys_in(500..540);
@@ -252,16 +254,7 @@ fn damage(dir: &common::TempDir, key: u64, layer: u32) {
 fn stored_with_one_damaged(dir: &common::TempDir, c: &Arc<HostKvCache>, base: u64) -> Svc {
     {
         let svc = Svc::start(dir, 2, 32);
-        let t = staged_client(&svc.sock, c, None);
-        for i in 0..6u32 {
-            c.fill_block(i, seed(base + i as u64));
-        }
-        let s = t
-            .submit_store(&keys_in(base..base + 6), &(0..6).collect::<Vec<_>>())
-            .unwrap();
-        t.flush_stores().unwrap();
-        assert!(TierApi::wait(&t, s).unwrap().all_ok());
-        t.close().unwrap();
+        store_through_service(&svc, c, base, 6);
         svc.stop();
     }
     damage(dir, base + 3, 2);
@@ -398,17 +391,7 @@ fn copy_marks_come_in_order_and_never_for_a_failed_layer() {
 /// `i` of `c` holds key `first + i`).
 fn store_through_service(svc: &Svc, c: &Arc<HostKvCache>, first: u64, n: u32) {
     let t = staged_client(&svc.sock, c, None);
-    for i in 0..n {
-        c.fill_block(i, seed(first + i as u64));
-    }
-    let s = t
-        .submit_store(
-            &keys_in(first..first + n as u64),
-            &(0..n).collect::<Vec<_>>(),
-        )
-        .unwrap();
-    t.flush_stores().unwrap();
-    assert!(TierApi::wait(&t, s).unwrap().all_ok());
+    store_blocks(&t, c, first, n);
     t.close().unwrap();
 }
 
@@ -683,14 +666,7 @@ fn store_from_gpu_memory_loads_in_another_process() {
     let svc = Svc::start(&dir, 3, 32);
     let c = cache(HostLayout::CrossLayer, 32);
     let t = staged_client(&svc.sock, &c, None);
-    for i in 0..20u32 {
-        c.fill_block(i, seed(900 + i as u64));
-    }
-    let s = t
-        .submit_store(&keys_in(900..920), &(0..20).collect::<Vec<_>>())
-        .unwrap();
-    t.flush_stores().unwrap();
-    assert!(TierApi::wait(&t, s).unwrap().all_ok());
+    store_blocks(&t, &c, 900, 20);
     let mut other = ClientProc::spawn("load", &svc.sock, 900, 20);
     assert_eq!(other.until("LOADED"), "LOADED 20 OK true BAD 0");
     assert!(other.child.wait().unwrap().success());
@@ -706,17 +682,7 @@ fn client_killed_mid_load_leaves_no_pin_or_job() {
     let dir = common::TempDir::new("svc-staged-kill");
     let svc = Svc::start(&dir, 2, 32);
     let c = cache(HostLayout::PerLayer, 32);
-    let t = staged_client(&svc.sock, &c, None);
-    for i in 0..8u32 {
-        c.fill_block(i, seed(300 + i as u64));
-    }
-    let s = t
-        .submit_store(&keys_in(300..308), &(0..8).collect::<Vec<_>>())
-        .unwrap();
-    t.flush_stores().unwrap();
-    assert!(TierApi::wait(&t, s).unwrap().all_ok());
-    t.close().unwrap();
-    drop(t);
+    store_through_service(&svc, &c, 300, 8);
     let mut p = ClientProc::spawn("load-then-die", &svc.sock, 300, 8);
     p.until("LOADING");
     let u = svc.usage();
