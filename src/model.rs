@@ -148,7 +148,7 @@ fn config_err(source_name: &str, reason: impl Into<String>) -> Error {
     }
 }
 
-fn gcd(mut a: u64, mut b: u64) -> u64 {
+pub(crate) fn gcd(mut a: u64, mut b: u64) -> u64 {
     while b != 0 {
         (a, b) = (b, a % b);
     }

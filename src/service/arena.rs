@@ -25,6 +25,12 @@ const PAGE: u64 = 4096;
 /// A reserved (hugetlbfs) page.
 const HUGE_PAGE: u64 = 2 << 20;
 
+/// The fewest blocks whose K and V objects fill whole pages of `page`
+/// bytes (a client's layer is that many blocks, or a multiple).
+fn blocks_per_page(geometry: &KvGeometry, page: u64) -> u64 {
+    page / crate::model::gcd(page, 2 * geometry.object_bytes())
+}
+
 /// Every client slice, mapped into one reservation.
 pub struct Arena {
     reservation: Reservation,
@@ -47,14 +53,9 @@ impl Arena {
         let pair = 2 * geometry.object_bytes();
         let slot_stride = slot_blocks as u64 * pair;
         if slot_stride % PAGE != 0 {
-            // Whole pages take a multiple of PAGE / gcd(PAGE, pair) blocks.
-            let (mut a, mut b) = (PAGE, pair);
-            while b != 0 {
-                (a, b) = (b, a % b);
-            }
             return Err(Error::invalid(format!(
                 "a client's layer is {slot_stride} bytes ({slot_blocks} blocks of K and V), not whole pages, which the shared mappings need: make the service's client_blocks a multiple of {}",
-                PAGE / a
+                blocks_per_page(&geometry, PAGE)
             )));
         }
         let total = slot_stride
@@ -133,12 +134,7 @@ impl Arena {
     /// Blocks per client that make a client's layer whole 2 MiB pages (the
     /// condition for reserved huge pages).
     pub fn huge_page_blocks(geometry: &KvGeometry) -> u64 {
-        let pair = 2 * geometry.object_bytes();
-        let (mut a, mut b) = (HUGE_PAGE, pair);
-        while b != 0 {
-            (a, b) = (b, a % b);
-        }
-        HUGE_PAGE / a
+        blocks_per_page(geometry, HUGE_PAGE)
     }
 
     /// The tier's view: one block-major KV memory over every slice.
@@ -190,5 +186,23 @@ impl Arena {
                 self.slot_stride(),
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// llama3-8b's 32 KiB objects: 32 blocks of K and V per 2 MiB page; a
+    /// 4 KiB page is always whole (objects are 4 KiB multiples).
+    #[test]
+    fn blocks_per_page_fill_whole_pages() {
+        let g = crate::model::preset("llama3-8b", 16).unwrap();
+        assert_eq!(Arena::huge_page_blocks(&g), 32);
+        assert_eq!(blocks_per_page(&g, PAGE), 1);
+        let g = crate::model::preset("llama3-8b", 48).unwrap();
+        // 96 KiB objects, 192 KiB a block's pair: 2 MiB / gcd(2 MiB, 192 KiB).
+        assert_eq!(Arena::huge_page_blocks(&g), 32);
+        assert_eq!(32 * 2 * g.object_bytes() % HUGE_PAGE, 0);
     }
 }
