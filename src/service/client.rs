@@ -380,10 +380,7 @@ impl ServiceClient {
             let _w = lock(&self.inner.write);
             if let Err(e) = (&self.inner.stream).write_all(&frame) {
                 // Part of a frame may be out: nothing after it would parse.
-                let why = format!("sending a request: {e}");
-                self.inner.board.set_broken(why.clone());
-                let _ = self.inner.stream.shutdown(std::net::Shutdown::Both);
-                return Err(gone(&why));
+                return Err(self.end(format!("sending a request: {e}")));
             }
         }
         let timeout = match req {
@@ -394,14 +391,22 @@ impl ServiceClient {
         };
         match self.inner.board.wait_reply(id, timeout)? {
             Some(r) => Ok(r),
-            None => {
-                let _ = self.inner.stream.shutdown(std::net::Shutdown::Both);
-                Err(gone(&format!(
-                    "the service did not answer a request within {} s",
-                    timeout.as_secs()
-                )))
-            }
+            // Stopped, or stuck on a dead device: gone, for every call.
+            None => Err(self.end(format!(
+                "the service did not answer a request within {} s",
+                timeout.as_secs()
+            ))),
         }
+    }
+
+    /// End the connection for `why`: every wait here fails as gone (with
+    /// this reason), and the service, seeing it closed, drops this
+    /// client's pins and jobs. The error to return.
+    fn end(&self, why: String) -> Error {
+        let e = gone(&why);
+        self.inner.board.set_broken(why);
+        let _ = self.inner.stream.shutdown(std::net::Shutdown::Both);
+        e
     }
 
     /// How many leading keys the pool holds (0 if the service is gone).
