@@ -1299,7 +1299,6 @@ fn out_of_file_descriptors_does_not_spin_the_accept_loop() {
 /// layer after the service verified it (bytes the next client then uses,
 /// never detected).
 #[test]
-#[ignore = "review finding: a slot's memfd is reused for every client of the slot; fails until each client gets memory of its own"]
 fn a_slot_given_to_the_next_client_is_not_shared_with_the_last() {
     let dir = TempDir::new("serve-slot-reuse");
     let s = Serve::start(&dir, POOL, 1, 8);
@@ -1316,6 +1315,28 @@ fn a_slot_given_to_the_next_client_is_not_shared_with_the_last() {
         seen != secret,
         "the slot's last client reads (and could write) the next client's KV memory"
     );
+    // The engine reaches the new memory, not the pages it registered at
+    // start (io_uring's fixed buffers pin those): the next client's stores
+    // take its bytes and its loads land where it reads them, whatever the
+    // last client writes into its old mapping meanwhile.
+    for round in 0..2u64 {
+        a.write_object(1, 0, 0, &vec![0xa5u8; obj]).unwrap();
+        store_range(&b, 10 * round, 4, |_| {}).unwrap();
+        assert_eq!(load_range(&b, 10 * round, 4).unwrap(), 0, "round {round}");
+    }
+    // And again for a third client of the same slot.
+    b.close().unwrap();
+    while s.log_text().matches("disconnected").count() < 2 {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let c = connect_retrying(&s.sock);
+    assert_eq!(load_range(&c, 0, 4).unwrap(), 0);
+    let mut seen = vec![0u8; obj];
+    b.read_object(0, 0, 0, &mut seen).unwrap();
+    c.write_object(0, 0, 0, &secret).unwrap();
+    let mut again = vec![0u8; obj];
+    b.read_object(0, 0, 0, &mut again).unwrap();
+    assert_eq!(seen, again, "the second client sees the third's writes");
 }
 
 /// A service that stops answering (SIGSTOP here; a reader stuck on a dead
@@ -1367,7 +1388,6 @@ fn pinned_blocks(c: &ServiceClient) -> u64 {
 /// entry, so the first client's unpin (or its disconnect) dropped the
 /// second's pin, and the block could be evicted under the second's load.
 #[test]
-#[ignore = "review finding: the service's pin ledger is by key, the pool's pins by entry; fails until an unpin is tied to the entry it pinned"]
 fn an_unpin_never_drops_another_clients_pin_on_a_key_stored_anew() {
     let dir = TempDir::new("serve-pin-ledger");
     let s = Serve::start(&dir, POOL, 1, 8);
@@ -1386,4 +1406,28 @@ fn an_unpin_never_drops_another_clients_pin_on_a_key_stored_anew() {
         1,
         "the first client's unpin dropped the second client's pin"
     );
+}
+
+/// A lookup longer than one frame (a 1M-token prompt in 16-token blocks
+/// is 65,536 keys) is counted in parts, not refused as a miss; pins and
+/// unpins of as many keys alike.
+#[test]
+fn a_lookup_longer_than_one_frame_is_counted() {
+    let dir = TempDir::new("serve-long-lookup");
+    let s = Serve::start(&dir, POOL, 1, 8);
+    let w = ServiceClient::connect(&s.sock, 0).unwrap();
+    store_range(&w, 0, 4, |_| {}).unwrap();
+    let many = keys(0..(kvtier::service::protocol::MAX_KEYS as u64 + 10));
+    assert_eq!(w.lookup_prefix(&many), 4);
+    assert_eq!(w.lookup_and_pin(&many), 4);
+    assert_eq!(pinned_blocks(&w), 4);
+    w.unpin(&many);
+    assert_eq!(pinned_blocks(&w), 0);
+    // A prefix that crosses a part boundary: every key of the first part
+    // must be held for the second to count; here it is not.
+    let mut crossing = keys(0..4);
+    crossing.extend(keys(
+        100..(kvtier::service::protocol::MAX_KEYS as u64 + 100),
+    ));
+    assert_eq!(w.lookup_prefix(&crossing), 4);
 }

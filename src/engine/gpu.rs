@@ -44,7 +44,7 @@ use crate::nvme::ctrl::{Bar0, DmaRegion};
 use crate::nvme::spec::SglDescriptor;
 use crate::nvme::spec::{cq_head_doorbell, reg, sq_tail_doorbell, Extent};
 use crate::nvme::NvmeNamespace;
-use crate::p2p::P2pTable;
+use crate::p2p::{MemRegion, P2pTable};
 use crate::pool::Storage;
 use crate::ring::abi::*;
 use crate::ring::{GioRing, IocbId};
@@ -870,6 +870,18 @@ impl<B: Bar0 + Send> IoEngine for GpuEngine<B> {
             }
             self.check_stall(ring)?;
             std::hint::spin_loop();
+        }
+    }
+
+    /// Its mappings (IOMMU or physical addresses) name the pages pinned at
+    /// registration: map the whole table again, once nothing is in flight.
+    fn remap_memory(&mut self, _ranges: &[MemRegion]) -> Result<bool> {
+        if self.in_flight > 0 {
+            return Ok(false);
+        }
+        match self.table.clone() {
+            Some(table) => self.register_memory(table).map(|()| true),
+            None => Ok(true),
         }
     }
 

@@ -13,7 +13,7 @@ pub mod uring;
 
 use crate::error::Result;
 use crate::memory::MemoryKind;
-use crate::p2p::P2pTable;
+use crate::p2p::{MemRegion, P2pTable};
 use crate::ring::abi::IOCTX_STATUS_INVALID;
 use crate::ring::{GioRing, IocbId};
 use std::os::fd::RawFd;
@@ -62,6 +62,18 @@ pub trait IoEngine: Send {
     /// through this table from now on and may pin or map its regions (fixed
     /// buffers, IOMMU). Must not be called with I/O in flight.
     fn register_memory(&mut self, table: Arc<P2pTable>) -> Result<()>;
+
+    /// New pages now back `ranges` of the registered memory (a file mapped
+    /// over the same addresses; no I/O in flight targets them): make every
+    /// later I/O reach the new pages, not the ones the registration pinned.
+    /// `Ok(false)`: not while I/O is in flight (an engine that can only
+    /// register again when idle); call again once it has drained. The
+    /// default is for engines that resolve addresses on every I/O and pin
+    /// nothing at registration: nothing to do.
+    fn remap_memory(&mut self, ranges: &[MemRegion]) -> Result<bool> {
+        let _ = ranges;
+        Ok(true)
+    }
 
     /// Start the IOCBs waiting in the ring's SQ, as many IOCTXs as the queue
     /// depth allows (the rest wait inside the engine), with one batch

@@ -38,7 +38,7 @@ use crate::nvme::ctrl::{Bar0, DataMode, DmaRegion};
 use crate::nvme::namespace::DATA_QUEUE;
 use crate::nvme::namespace::{NvmeConfig, NvmeNamespace};
 use crate::nvme::spec::{build_prps, DataPtr, Extent, SglDescriptor, Sqe, SGL_DESCRIPTOR_LEN};
-use crate::p2p::P2pTable;
+use crate::p2p::{MemRegion, P2pTable};
 use crate::ring::abi::*;
 use crate::ring::{GioRing, IocbId};
 use std::collections::VecDeque;
@@ -760,6 +760,18 @@ impl<B: Bar0 + Send> IoEngine for NvmeEngine<B> {
             }
             self.check_timeouts(ring)?;
             std::hint::spin_loop();
+        }
+    }
+
+    /// Its mappings (IOMMU or physical addresses) name the pages pinned at
+    /// registration: map the whole table again, once nothing is in flight.
+    fn remap_memory(&mut self, _ranges: &[MemRegion]) -> Result<bool> {
+        if self.in_flight > 0 {
+            return Ok(false);
+        }
+        match self.table.clone() {
+            Some(table) => self.register_memory(table).map(|()| true),
+            None => Ok(true),
         }
     }
 

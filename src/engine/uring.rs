@@ -585,6 +585,41 @@ impl IoEngine for UringEngine {
         Ok(())
     }
 
+    /// Fixed buffers hold the pages they were registered over: each one
+    /// that overlaps `ranges` is registered again in place (the kernel keeps
+    /// the old pages for I/O already submitted, so this needs no drain).
+    /// Addresses outside the fixed buffers are resolved on every I/O.
+    fn remap_memory(&mut self, ranges: &[MemRegion]) -> Result<bool> {
+        for (chunk, index) in &self.fixed {
+            if !ranges
+                .iter()
+                .any(|r| r.addr < chunk.addr + chunk.len && chunk.addr < r.addr + r.len)
+            {
+                continue;
+            }
+            let iov = [libc::iovec {
+                iov_base: chunk.addr as *mut libc::c_void,
+                iov_len: chunk.len as usize,
+            }];
+            for dev in &self.devs {
+                // SAFETY: the same registered KV memory as at registration
+                // (the tier's contract keeps it mapped), now backed by new
+                // pages; the buffer index is one this ring registered.
+                unsafe { dev.ring.submitter().register_buffers_update(*index as u32, &iov, None) }
+                    .map_err(|e| {
+                        Error::io(
+                            format!(
+                                "registering fixed buffer {index} again over new pages at {:#x}",
+                                chunk.addr
+                            ),
+                            e,
+                        )
+                    })?;
+            }
+        }
+        Ok(true)
+    }
+
     fn submit(&mut self, ring: &mut GioRing) -> Result<()> {
         self.accept(ring);
         self.fill_all(ring);

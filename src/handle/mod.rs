@@ -578,6 +578,29 @@ impl TierHandle {
         }
     }
 
+    /// Like `lookup_and_pin`, and names each entry pinned by its
+    /// generation, for `unpin_entries`: a caller sharing the pool with
+    /// others (the service's clients) never drops a pin on a later entry
+    /// of the same key.
+    pub(crate) fn lookup_and_pin_entries(&self, keys: &[Key]) -> Vec<u64> {
+        if !self.shared.index_open.load(Ordering::Acquire) {
+            return Vec::new();
+        }
+        self.shared.index.lock().lookup_and_pin_entries(keys)
+    }
+
+    /// Drop one pin per `(key, generation)` where that entry is still the
+    /// key's (see `lookup_and_pin_entries`).
+    pub(crate) fn unpin_entries(&self, pins: &[(Key, u64)]) {
+        if !self.shared.index_open.load(Ordering::Acquire) {
+            return;
+        }
+        let mut ix = self.shared.index.lock();
+        for (k, g) in pins {
+            ix.unpin_entry(k, *g);
+        }
+    }
+
     /// Take `keys` out of the pool now, for an engine that decides on its
     /// own what the tier holds (LMCache's L2 delete): a removed key is never
     /// served again, a load already reading it finishes, and its slot is
@@ -589,6 +612,15 @@ impl TierHandle {
         let mut core = lock(&self.shared.core);
         let s = core.as_mut().ok_or_else(Shared::closed_error)?;
         Ok(s.tier_mut().remove(keys))
+    }
+
+    /// New pages now back `ranges` of this handle's KV memory: see
+    /// `Tier::remap_memory`. `Ok(false)`: try
+    /// again once the I/O in flight has drained.
+    pub(crate) fn remap_memory(&self, ranges: &[crate::p2p::MemRegion]) -> Result<bool> {
+        let mut core = lock(&self.shared.core);
+        let s = core.as_mut().ok_or_else(Shared::closed_error)?;
+        s.tier_mut().remap_memory(ranges)
     }
 
     /// Whether the pool holds `key` (false once closed).

@@ -273,6 +273,24 @@ impl Index {
         n
     }
 
+    /// Like `lookup_and_pin`, and returns the generation of each entry it
+    /// pinned: the names to unpin by (`unpin_entry`) for a caller that must
+    /// never drop a pin on a later entry of the same key (a service's
+    /// client, whose pinned key may be removed and stored anew while
+    /// another client pins the new entry).
+    pub fn lookup_and_pin_entries(&mut self, keys: &[Key]) -> Vec<u64> {
+        let n = self.lookup_and_pin(keys);
+        keys[..n].iter().map(|k| self.map[k].generation).collect()
+    }
+
+    /// Drop one caller pin of `key` if its entry is still the one stored
+    /// under `generation`; a later entry's pins belong to whoever took them.
+    pub fn unpin_entry(&mut self, key: &Key, generation: u64) {
+        if self.map.get(key).is_some_and(|e| e.generation == generation) {
+            self.drop_pin(key, false);
+        }
+    }
+
     /// Pin a live key against eviction for a caller. False if the key is not live.
     pub fn pin(&mut self, key: &Key) -> bool {
         self.add_pin(key, false)
@@ -578,6 +596,25 @@ mod tests {
         assert!(ix.allocate(1).is_err(), "the read slot is not free yet");
         ix.release_condemned(s3);
         assert_eq!(ix.allocate(1).unwrap().slots, vec![s3]);
+    }
+
+    /// An unpin by entry drops nothing once the key was stored anew: the
+    /// new entry's pin is another caller's.
+    #[test]
+    fn unpin_entry_touches_only_the_entry_it_pinned() {
+        let mut ix = Index::new(4);
+        let a = ix.allocate(1).unwrap().slots[0];
+        ix.commit(k(7), a, 10);
+        assert_eq!(ix.lookup_and_pin_entries(&[k(7), k(8)]), vec![10]);
+        ix.remove(&k(7));
+        let b = ix.allocate(1).unwrap().slots[0];
+        ix.commit(k(7), b, 11);
+        assert_eq!(ix.lookup_and_pin_entries(&[k(7)]), vec![11]);
+        ix.unpin_entry(&k(7), 10);
+        assert_eq!(ix.get(&k(7)).unwrap().pins, 1, "a stale unpin dropped a live pin");
+        ix.unpin_entry(&k(7), 11);
+        assert_eq!(ix.get(&k(7)).unwrap().pins, 0);
+        assert_eq!(ix.pinned(), 0);
     }
 
     #[test]

@@ -9,6 +9,15 @@
 //! slice's file, so it can neither see nor name another client's blocks
 //! (the service translates its block numbers and bounds them to its slice).
 //!
+//! A slice's file is its client's for good: the client keeps its mapping
+//! after it disconnects (or is dropped) for as long as its process lives,
+//! so the next client of the slice gets a new file mapped over the same
+//! addresses, never the last one's, and the engine is told each time that
+//! new pages back them (`Tier::remap_memory`): first private placeholder
+//! pages (`vacate`), so that neither the service nor the engine holds the
+//! old file's pages (reserved huge pages go back to the system once the
+//! last client unmaps them), then the new file (`renew`).
+//!
 //! Inside a slice's file layer `l` of block `b` is at
 //! `l * slot_stride + 2 * b * object_bytes` (K, then V): per layer, a tensor
 //! shaped `(slot_blocks, 2, block_size, kv_heads, head_dim)`, the layout of
@@ -19,7 +28,9 @@ use crate::memory::hugetlb_free_bytes;
 use crate::error::{Error, Result};
 use crate::memory::{KvLayout, KvMemory, MemoryKind};
 use crate::model::KvGeometry;
+use crate::p2p::MemRegion;
 use std::os::fd::OwnedFd;
+use std::sync::Mutex;
 
 const PAGE: u64 = 4096;
 /// A reserved (hugetlbfs) page.
@@ -34,7 +45,8 @@ fn blocks_per_page(geometry: &KvGeometry, page: u64) -> u64 {
 /// Every client slice, mapped into one reservation.
 pub struct Arena {
     reservation: Reservation,
-    files: Vec<OwnedFd>,
+    /// Each slice's file now; `None` while a slice is between clients.
+    files: Mutex<Vec<Option<OwnedFd>>>,
     geometry: KvGeometry,
     slots: u32,
     slot_blocks: u32,
@@ -71,9 +83,12 @@ impl Arena {
         // can still fail when another process takes the pages first: then
         // the arena is built again in small pages.
         let huge = slot_stride % HUGE_PAGE == 0 && hugetlb_free_bytes() >= total;
-        let files = match huge
-            .then(|| Self::map_slices(&reservation, geometry.layers, slots, slot_stride, true))
-        {
+        let map_all = |huge| -> Result<Vec<OwnedFd>> {
+            (0..slots)
+                .map(|s| Self::map_slice(&reservation, geometry.layers, slots, slot_stride, s, huge))
+                .collect()
+        };
+        let files = match huge.then(|| map_all(true)) {
             Some(Ok(files)) => Some(files),
             Some(Err(_)) => {
                 reservation.unmap(0, total)?;
@@ -84,11 +99,11 @@ impl Arena {
         let huge = files.is_some();
         let files = match files {
             Some(f) => f,
-            None => Self::map_slices(&reservation, geometry.layers, slots, slot_stride, false)?,
+            None => map_all(false)?,
         };
         Ok(Arena {
             reservation,
-            files,
+            files: Mutex::new(files.into_iter().map(Some).collect()),
             geometry,
             slots,
             slot_blocks,
@@ -96,34 +111,80 @@ impl Arena {
         })
     }
 
-    /// Make and map every slice's file: layer `l` of slice `s` at
-    /// `l * stride + s * slot_stride` of the reservation.
-    fn map_slices(
+    /// Make slice `s`'s file and map it: its layer `l` at
+    /// `l * stride + s * slot_stride` of the reservation (over whatever
+    /// was mapped there).
+    fn map_slice(
         reservation: &Reservation,
         layers: u32,
         slots: u32,
         slot_stride: u64,
+        s: u32,
         huge: bool,
-    ) -> Result<Vec<OwnedFd>> {
+    ) -> Result<OwnedFd> {
         let stride = slot_stride * slots as u64;
-        let mut files = Vec::with_capacity(slots as usize);
-        for s in 0..slots {
-            let fd = sealed_memfd(
-                &format!("kvtier-client-{s}"),
-                slot_stride * layers as u64,
-                huge,
+        let fd = sealed_memfd(
+            &format!("kvtier-client-{s}"),
+            slot_stride * layers as u64,
+            huge,
+        )?;
+        for l in 0..layers as u64 {
+            reservation.map_fixed(
+                l * stride + s as u64 * slot_stride,
+                slot_stride,
+                &fd,
+                l * slot_stride,
             )?;
-            for l in 0..layers as u64 {
-                reservation.map_fixed(
-                    l * stride + s as u64 * slot_stride,
-                    slot_stride,
-                    &fd,
-                    l * slot_stride,
-                )?;
-            }
-            files.push(fd);
         }
-        Ok(files)
+        Ok(fd)
+    }
+
+    /// Let go of slice `s`'s file: private placeholder pages over its
+    /// addresses, and the service's descriptor closed. No job may use the
+    /// slice. An error leaves the slice unusable: the caller retires it.
+    pub fn vacate(&self, s: u32) -> Result<()> {
+        let stride = self.slot_stride() * self.slots as u64;
+        for l in 0..self.geometry.layers as u64 {
+            self.reservation
+                .map_placeholder(l * stride + s as u64 * self.slot_stride(), self.slot_stride())?;
+        }
+        // The service's own descriptor: the file lives on only in the last
+        // client's mapping (and the engine's registration, until told).
+        self.files.lock().unwrap_or_else(|e| e.into_inner())[s as usize] = None;
+        Ok(())
+    }
+
+    /// Give slice `s` memory no earlier client maps: a new file (zeroed,
+    /// like any new file), mapped over the slice's addresses. In reserved
+    /// 2 MiB pages where the arena is and enough are free (the last client
+    /// may still map its slice's), else in small pages; returns whether in
+    /// huge pages. No job may use the slice, and the engine must be told
+    /// (`ranges`, `Tier::remap_memory`) before one does. An error leaves
+    /// the slice unusable: the caller retires it.
+    pub fn renew(&self, s: u32) -> Result<bool> {
+        let (layers, slots, stride) = (self.geometry.layers, self.slots, self.slot_stride());
+        let bytes = self.slot_file_bytes();
+        let huge_fd = (self.huge && hugetlb_free_bytes() >= bytes)
+            .then(|| Self::map_slice(&self.reservation, layers, slots, stride, s, true))
+            .and_then(|r| r.ok());
+        let huge = huge_fd.is_some();
+        let fd = match huge_fd {
+            Some(fd) => fd,
+            None => Self::map_slice(&self.reservation, layers, slots, stride, s, false)?,
+        };
+        self.files.lock().unwrap_or_else(|e| e.into_inner())[s as usize] = Some(fd);
+        Ok(huge)
+    }
+
+    /// Slice `s`'s addresses in the tier's KV memory, a range per layer.
+    pub fn ranges(&self, s: u32) -> Vec<MemRegion> {
+        let stride = self.slot_stride() * self.slots as u64;
+        (0..self.geometry.layers as u64)
+            .map(|l| MemRegion {
+                addr: self.reservation.addr() + l * stride + s as u64 * self.slot_stride(),
+                len: self.slot_stride(),
+            })
+            .collect()
     }
 
     /// Whether the slices are in reserved 2 MiB pages.
@@ -172,19 +233,15 @@ impl Arena {
         self.slots
     }
 
-    /// Slice `s`'s file, to send to its client.
-    pub fn file(&self, s: u32) -> &OwnedFd {
-        &self.files[s as usize]
-    }
-
-    /// Zero slice `s` (no job may use it).
-    pub fn clear(&self, s: u32) {
-        let stride = self.slot_stride() * self.slots as u64;
-        for l in 0..self.geometry.layers as u64 {
-            self.reservation.zero(
-                l * stride + s as u64 * self.slot_stride(),
-                self.slot_stride(),
-            );
+    /// Slice `s`'s file, to send to its client (a descriptor of its own).
+    pub fn file(&self, s: u32) -> Result<OwnedFd> {
+        match &self.files.lock().unwrap_or_else(|e| e.into_inner())[s as usize] {
+            Some(fd) => fd
+                .try_clone()
+                .map_err(|e| Error::io("duplicating a client's shared memory descriptor", e)),
+            None => Err(Error::invalid(format!(
+                "client slot {s} has no memory: it is between clients"
+            ))),
         }
     }
 }

@@ -411,24 +411,38 @@ impl ServiceClient {
 
     /// How many leading keys the pool holds (0 if the service is gone).
     pub fn lookup_prefix(&self, keys: &[Key]) -> usize {
-        match self.call(&Request::Lookup(keys.to_vec())) {
-            Ok(Response::Count(n)) => (n as usize).min(keys.len()),
-            _ => 0,
+        self.prefix_in_parts(keys, |ks| Request::Lookup(ks.to_vec()))
+    }
+
+    /// A prefix count asked in parts of at most [`protocol::MAX_KEYS`]
+    /// keys (the most one frame takes), stopping at the first part not
+    /// wholly held: a longer prefix is counted, not refused (0).
+    fn prefix_in_parts(&self, keys: &[Key], request: impl Fn(&[Key]) -> Request) -> usize {
+        let mut held = 0;
+        for part in keys.chunks(protocol::MAX_KEYS) {
+            let n = match self.call(&request(part)) {
+                Ok(Response::Count(n)) => (n as usize).min(part.len()),
+                _ => 0,
+            };
+            held += n;
+            if n < part.len() {
+                break;
+            }
         }
+        held
     }
 
     /// Like `lookup_prefix`, and pins the keys it counts for this client
     /// (dropped by `unpin`, or when this client disconnects).
     pub fn lookup_and_pin(&self, keys: &[Key]) -> usize {
-        match self.call(&Request::LookupAndPin(keys.to_vec())) {
-            Ok(Response::Count(n)) => (n as usize).min(keys.len()),
-            _ => 0,
-        }
+        self.prefix_in_parts(keys, |ks| Request::LookupAndPin(ks.to_vec()))
     }
 
     /// Drop one of this client's pins per key; never fails.
     pub fn unpin(&self, keys: &[Key]) {
-        let _ = self.call(&Request::Unpin(keys.to_vec()));
+        for part in keys.chunks(protocol::MAX_KEYS) {
+            let _ = self.call(&Request::Unpin(part.to_vec()));
+        }
     }
 
     /// Whether the pool holds `key`.
@@ -438,10 +452,14 @@ impl ServiceClient {
 
     /// Take `keys` out of the pool (see [`crate::TierHandle::remove`]).
     pub fn remove(&self, keys: &[Key]) -> Result<usize> {
-        match self.call(&Request::Remove(keys.to_vec()))? {
-            Response::Count(n) => Ok(n as usize),
-            other => Err(unexpected(&other)),
+        let mut removed = 0;
+        for part in keys.chunks(protocol::MAX_KEYS) {
+            match self.call(&Request::Remove(part.to_vec()))? {
+                Response::Count(n) => removed += n as usize,
+                other => return Err(unexpected(&other)),
+            }
         }
+        Ok(removed)
     }
 
     fn submitted(

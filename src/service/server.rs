@@ -21,7 +21,7 @@ use crate::handle::{Event, JobId, TierApi, TierBuilder, TierHandle};
 use crate::model::KvGeometry;
 use crate::pool::Key;
 use nix::sys::eventfd::{EfdFlags, EventFd};
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -97,7 +97,11 @@ struct Client {
     blocks: u32,
     out: SyncSender<Vec<u8>>,
     stream: UnixStream,
-    pins: Mutex<HashMap<Key, u32>>,
+    /// Its pins: per key, the entries it pinned (by generation, oldest
+    /// first) and how many times each. An unpin drops a pin on an entry it
+    /// took, never one another client holds on a later entry of the same
+    /// key. Bounded by the entries the pool has held, not by calls.
+    pins: Mutex<HashMap<Key, VecDeque<(u64, u32)>>>,
     /// Its jobs not yet finished.
     jobs: Mutex<HashSet<JobId>>,
     gone: AtomicBool,
@@ -145,6 +149,11 @@ struct Shared {
     arena: Arena,
     cfg: ServiceConfig,
     free_slots: Mutex<Vec<u32>>,
+    /// Slices on their way from their last client to the next, out of
+    /// `free_slots` until the engine reaches their new file (an engine
+    /// that registers memory again only when idle waits for a drain):
+    /// `(slot, renewed)`, `renewed` once the new file is mapped.
+    renewing: Mutex<Vec<(u32, bool)>>,
     /// Who owns each unfinished job. Held across a load's submit and the
     /// insert, so the dispatcher never sees a layer event it cannot place.
     owners: Mutex<HashMap<JobId, Arc<Client>>>,
@@ -173,14 +182,61 @@ impl Shared {
         }
         drop(jobs);
         match c.slot {
-            Some(slot) => {
-                self.arena.clear(slot);
-                lock(&self.free_slots).push(slot);
-            }
+            Some(slot) => self.renew_slot(slot),
             None => {
                 self.lookup_clients.fetch_sub(1, Ordering::SeqCst);
             }
         }
+    }
+
+    /// A slice its client had (or may have been sent) goes to the next one
+    /// in memory of its own: placeholder pages and then a new file over its
+    /// addresses, the engine told of each. A slice that cannot be renewed
+    /// is retired (the service serves one client fewer), never handed out
+    /// with the last client's memory.
+    fn renew_slot(&self, slot: u32) {
+        match self.arena.vacate(slot) {
+            Ok(()) => {
+                lock(&self.renewing).push((slot, false));
+                self.remap_renewing();
+            }
+            Err(e) => retire(slot, &e),
+        }
+    }
+
+    /// Take each slice on its way to a new client as far as the engine
+    /// allows: at once with io_uring; once no I/O is in flight for engines
+    /// that map memory only when idle (the dispatcher calls again).
+    fn remap_renewing(&self) {
+        let mut renewing = lock(&self.renewing);
+        renewing.retain_mut(|(slot, renewed)| loop {
+            match self.handle.remap_memory(&self.arena.ranges(*slot)) {
+                Ok(true) if *renewed => {
+                    lock(&self.free_slots).push(*slot);
+                    return false;
+                }
+                Ok(true) => match self.arena.renew(*slot) {
+                    Ok(huge) => {
+                        if self.arena.huge_pages() && !huge {
+                            log(format_args!(
+                                "client slot {slot}: too few reserved 2 MiB pages free for its next client (its last client may still map its own), so it is in 4 KiB pages now, which loads and stores run slower through: raise vm.nr_hugepages by {}",
+                                self.arena.slot_file_bytes().div_ceil(2 << 20)
+                            ));
+                        }
+                        *renewed = true;
+                    }
+                    Err(e) => {
+                        retire(*slot, &e);
+                        return false;
+                    }
+                },
+                Ok(false) => return true,
+                Err(e) => {
+                    retire(*slot, &e);
+                    return false;
+                }
+            }
+        });
     }
 
     /// The arena's block numbers of `c`'s `blocks`; `None` for a
@@ -305,6 +361,7 @@ impl Service {
         let comps = handle.completions()?;
         let shared = Arc::new(Shared {
             free_slots: Mutex::new((0..cfg.clients).rev().collect()),
+            renewing: Mutex::new(Vec::new()),
             handle,
             arena,
             cfg,
@@ -504,6 +561,9 @@ impl Service {
 /// Route events to their clients; collect every result.
 fn dispatch(s: &Shared, comps: crate::handle::Completions) {
     loop {
+        if !lock(&s.renewing).is_empty() {
+            s.remap_renewing();
+        }
         let Some(ev) = comps.recv_timeout(Duration::from_millis(50)) else {
             if s.dispatcher_done.load(Ordering::SeqCst) {
                 return;
@@ -544,6 +604,13 @@ fn finish(s: &Shared, c: &Client, result: crate::tier::JobResult) {
     c.send(Response::Finished(result).encode(0));
     lock(&c.jobs).remove(&job);
     s.maybe_release(c);
+}
+
+/// A slice that could not be given new memory leaves service for good.
+fn retire(slot: u32, why: &Error) {
+    log(format_args!(
+        "client slot {slot} retired: its next client's memory could not be set up ({why}); this service now takes one client fewer"
+    ));
 }
 
 /// What ends a client's connection.
@@ -685,8 +752,10 @@ fn serve_client(s: &Arc<Shared>, stream: UnixStream, hello_due: Instant) {
             None
         }
     };
+    // The welcome may have reached it with the slice's file: a slice given
+    // back is renewed as at a disconnect.
     let give_back = |slot: Option<u32>| match slot {
-        Some(slot) => lock(&s.free_slots).push(slot),
+        Some(slot) => s.renew_slot(slot),
         None => {
             s.lookup_clients.fetch_sub(1, Ordering::SeqCst);
         }
@@ -711,7 +780,10 @@ fn serve_client(s: &Arc<Shared>, stream: UnixStream, hello_due: Instant) {
     }
     .encode(req);
     let sent = match slot {
-        Some(slot) => sys::send_with_fd(&stream, &welcome, s.arena.file(slot)),
+        Some(slot) => s
+            .arena
+            .file(slot)
+            .and_then(|fd| sys::send_with_fd(&stream, &welcome, &fd)),
         None => {
             use std::io::Write;
             (&stream)
@@ -779,12 +851,15 @@ fn serve_client(s: &Arc<Shared>, stream: UnixStream, hello_due: Instant) {
         let _ = stream.shutdown(std::net::Shutdown::Both);
     }
     // Its pins go now; its jobs finish on their own and free the slice.
-    let pins: Vec<Key> = lock(&c.pins)
+    let pins: Vec<(Key, u64)> = lock(&c.pins)
         .drain()
-        .flat_map(|(k, n)| std::iter::repeat_n(k, n as usize))
+        .flat_map(|(k, gens)| {
+            gens.into_iter()
+                .flat_map(move |(g, n)| std::iter::repeat_n((k, g), n as usize))
+        })
         .collect();
     if !pins.is_empty() {
-        s.handle.unpin(&pins);
+        s.handle.unpin_entries(&pins);
     }
     lock(&s.clients).remove(&id);
     c.gone.store(true, Ordering::SeqCst);
@@ -867,28 +942,37 @@ fn answer(
         }
         Request::Lookup(keys) => Response::Count(s.handle.lookup_prefix(&keys) as u64),
         Request::LookupAndPin(keys) => {
-            let n = s.handle.lookup_and_pin(&keys);
+            let gens = s.handle.lookup_and_pin_entries(&keys);
             let mut pins = lock(&c.pins);
-            for k in &keys[..n] {
-                *pins.entry(*k).or_default() += 1;
+            for (k, g) in keys.iter().zip(&gens) {
+                let gens = pins.entry(*k).or_default();
+                match gens.back_mut() {
+                    Some((last, n)) if last == g => *n += 1,
+                    _ => gens.push_back((*g, 1)),
+                }
             }
-            Response::Count(n as u64)
+            Response::Count(gens.len() as u64)
         }
         Request::Unpin(keys) => {
             let mut mine = Vec::with_capacity(keys.len());
             {
                 let mut pins = lock(&c.pins);
                 for k in keys {
-                    if let Some(n) = pins.get_mut(&k) {
-                        *n -= 1;
-                        if *n == 0 {
+                    if let Some(gens) = pins.get_mut(&k) {
+                        if let Some((g, n)) = gens.front_mut() {
+                            mine.push((k, *g));
+                            *n -= 1;
+                            if *n == 0 {
+                                gens.pop_front();
+                            }
+                        }
+                        if gens.is_empty() {
                             pins.remove(&k);
                         }
-                        mine.push(k);
                     }
                 }
             }
-            s.handle.unpin(&mine);
+            s.handle.unpin_entries(&mine);
             Response::Ok
         }
         Request::Remove(keys) => match s.handle.remove(&keys) {

@@ -142,8 +142,8 @@ impl Reservation {
         }
         let at = (self.base as u64 + offset) as *mut libc::c_void;
         // SAFETY: MAP_FIXED inside our own reservation, replacing only
-        // PROT_NONE pages (or an earlier mapping of the same slot that no I/O
-        // uses: callers map each slot once); fd is a valid memfd.
+        // PROT_NONE pages or an earlier mapping of the same slice that no
+        // job uses (a slice renewed for its next client); fd is a valid memfd.
         let p = unsafe {
             libc::mmap(
                 at,
@@ -168,6 +168,33 @@ impl Reservation {
 
     /// Give `len` bytes at `offset` back to PROT_NONE address space (a
     /// mapping replaced before any I/O used it).
+    /// Map private zero pages over `len` bytes at `offset`, in place of a
+    /// slice's file: the service's hold on that file's pages ends (and the
+    /// engine's, once told), while its registered memory stays readable
+    /// and writable for the engine to register again.
+    pub fn map_placeholder(&self, offset: u64, len: u64) -> Result<()> {
+        if offset.checked_add(len).is_none_or(|e| e > self.len as u64) {
+            return Err(Error::invalid("arena placeholder past the reservation"));
+        }
+        let at = (self.base as u64 + offset) as *mut libc::c_void;
+        // SAFETY: MAP_FIXED inside our own reservation, over a slice no job
+        // uses (its client is gone and its jobs have finished).
+        let p = unsafe {
+            libc::mmap(
+                at,
+                len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(last_os("mapping a placeholder over a client's old slice"));
+        }
+        Ok(())
+    }
+
     pub fn unmap(&self, offset: u64, len: u64) -> Result<()> {
         if offset.checked_add(len).is_none_or(|e| e > self.len as u64) {
             return Err(Error::invalid("arena unmapping past the reservation"));
@@ -191,18 +218,6 @@ impl Reservation {
             ));
         }
         Ok(())
-    }
-
-    /// Zero `len` bytes at `offset` (a slice given back, before its next client).
-    pub fn zero(&self, offset: u64, len: u64) {
-        if offset.checked_add(len).is_none_or(|e| e > self.len as u64) {
-            return;
-        }
-        // SAFETY: inside the reservation, in a mapped slot no job uses
-        // (the caller's contract).
-        unsafe {
-            std::ptr::write_bytes((self.base as *mut u8).add(offset as usize), 0, len as usize)
-        };
     }
 }
 

@@ -417,6 +417,15 @@ impl Tier {
         self.io.engine()
     }
 
+    /// New pages now back `ranges` of the registered memory (the service's
+    /// arena gives a slice's next client a file of its own, mapped over the
+    /// same addresses): make the engine reach them. `Ok(false)`: the engine
+    /// can only do it with no I/O in flight; call again later. No job may
+    /// target `ranges` meanwhile.
+    pub(crate) fn remap_memory(&mut self, ranges: &[crate::p2p::MemRegion]) -> Result<bool> {
+        self.io.engine_mut().remap_memory(ranges)
+    }
+
     /// Register a host KV cache kvtier allocated: the tier keeps it alive.
     pub fn register_host_cache(&mut self, cache: Arc<HostKvCache>) -> Result<()> {
         // SAFETY: the tier holds `cache` for as long as the registration lasts.
