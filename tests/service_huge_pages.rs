@@ -74,14 +74,53 @@ fn round_trip(dir: &Path) -> u64 {
     let page_kb = slice_page_kb().expect("the service's slices are mapped here");
     let stop = service.stopper();
     let serving = std::thread::spawn(move || service.run());
-    let c = TierBuilder::default()
-        .service(&sock)
-        .blocks(CLIENT_BLOCKS)
-        .geometry(g)
-        .build()
-        .expect("client connects");
+    let connect = || {
+        TierBuilder::default()
+            .service(&sock)
+            .blocks(CLIENT_BLOCKS)
+            .geometry(g)
+            .build()
+    };
+    let first = connect().expect("client connects");
+    let other = connect().expect("a second client connects");
+    store_and_load(&first, g, 1000);
+    first.close().expect("close");
+    drop(first);
+    // Its slot's next client gets a new file: in the same pages as before
+    // (the old one's go back once its client unmaps them), and reached by
+    // the engine (a store and load through it).
+    let started = std::time::Instant::now();
+    let next = loop {
+        match connect() {
+            Ok(c) => break c,
+            Err(_) if started.elapsed().as_secs() < 10 => {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            Err(e) => panic!("the released slot is never given again: {e}"),
+        }
+    };
+    assert_eq!(
+        slice_page_kb(),
+        Some(page_kb),
+        "a renewed slice is in other pages than the arena's"
+    );
+    store_and_load(&next, g, 2000);
+    for c in [next, other] {
+        c.close().expect("close");
+    }
+    stop.stop();
+    serving
+        .join()
+        .expect("service thread")
+        .expect("service ran");
+    page_kb
+}
+
+/// Store 8 blocks from `c`'s memory under keys from `first_key`, load them
+/// into other blocks, compare.
+fn store_and_load(c: &kvtier::service::ServiceClient, g: KvGeometry, first_key: u64) {
     let n = g.object_bytes() as usize;
-    let keys: Vec<Key> = (0..8u64).map(|k| Key::from_u64(1000 + k)).collect();
+    let keys: Vec<Key> = (0..8u64).map(|k| Key::from_u64(first_key + k)).collect();
     let mut buf = vec![0u8; n];
     for b in 0..8u32 {
         for l in 0..g.layers {
@@ -109,14 +148,6 @@ fn round_trip(dir: &Path) -> u64 {
             }
         }
     }
-    c.close().expect("close");
-    drop(c);
-    stop.stop();
-    serving
-        .join()
-        .expect("service thread")
-        .expect("service ran");
-    page_kb
 }
 
 /// Sets `vm.nr_hugepages` and puts the old value back on drop.

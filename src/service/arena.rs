@@ -156,12 +156,15 @@ impl Arena {
 
     /// Give slice `s` memory no earlier client maps: a new file (zeroed,
     /// like any new file), mapped over the slice's addresses. In reserved
-    /// 2 MiB pages where the arena is and enough are free (the last client
-    /// may still map its slice's), else in small pages; returns whether in
-    /// huge pages. No job may use the slice, and the engine must be told
-    /// (`ranges`, `Tier::remap_memory`) before one does. An error leaves
-    /// the slice unusable: the caller retires it.
-    pub fn renew(&self, s: u32) -> Result<bool> {
+    /// 2 MiB pages where the arena is and enough are free; `Ok(None)` when
+    /// they are not free yet and `small_ok` is false (the pages its last
+    /// client had go back once that client unmaps them and the engine's
+    /// registration lets go, which may lag: the caller asks again a little
+    /// later), else in small pages. Returns whether in huge pages. No job
+    /// may use the slice, and the engine must be told (`ranges`,
+    /// `Tier::remap_memory`) before one does. An error leaves the slice
+    /// unusable: the caller retires it.
+    pub fn renew(&self, s: u32, small_ok: bool) -> Result<Option<bool>> {
         let (layers, slots, stride) = (self.geometry.layers, self.slots, self.slot_stride());
         let bytes = self.slot_file_bytes();
         let huge_fd = (self.huge && hugetlb_free_bytes() >= bytes)
@@ -170,10 +173,11 @@ impl Arena {
         let huge = huge_fd.is_some();
         let fd = match huge_fd {
             Some(fd) => fd,
+            None if self.huge && !small_ok => return Ok(None),
             None => Self::map_slice(&self.reservation, layers, slots, stride, s, false)?,
         };
         self.files.lock().unwrap_or_else(|e| e.into_inner())[s as usize] = Some(fd);
-        Ok(huge)
+        Ok(Some(huge))
     }
 
     /// Slice `s`'s addresses in the tier's KV memory, a range per layer.

@@ -150,10 +150,8 @@ struct Shared {
     cfg: ServiceConfig,
     free_slots: Mutex<Vec<u32>>,
     /// Slices on their way from their last client to the next, out of
-    /// `free_slots` until the engine reaches their new file (an engine
-    /// that registers memory again only when idle waits for a drain):
-    /// `(slot, renewed)`, `renewed` once the new file is mapped.
-    renewing: Mutex<Vec<(u32, bool)>>,
+    /// `free_slots` until the engine reaches their new file.
+    renewing: Mutex<Vec<Renewal>>,
     /// Who owns each unfinished job. Held across a load's submit and the
     /// insert, so the dispatcher never sees a layer event it cannot place.
     owners: Mutex<HashMap<JobId, Arc<Client>>>,
@@ -193,46 +191,70 @@ impl Shared {
     /// in memory of its own: placeholder pages and then a new file over its
     /// addresses, the engine told of each. A slice that cannot be renewed
     /// is retired (the service serves one client fewer), never handed out
-    /// with the last client's memory.
+    /// with the last client's memory. Nothing to do once the service stops.
     fn renew_slot(&self, slot: u32) {
+        if self.stopping.load(Ordering::SeqCst) {
+            return;
+        }
         match self.arena.vacate(slot) {
             Ok(()) => {
-                lock(&self.renewing).push((slot, false));
-                self.remap_renewing();
+                lock(&self.renewing).push(Renewal {
+                    slot,
+                    stage: RenewalStage::Vacated,
+                    since: Instant::now(),
+                });
+                self.renew_pending();
             }
             Err(e) => retire(slot, &e),
         }
     }
 
-    /// Take each slice on its way to a new client as far as the engine
-    /// allows: at once with io_uring; once no I/O is in flight for engines
-    /// that map memory only when idle (the dispatcher calls again).
-    fn remap_renewing(&self) {
+    /// Take each slice on its way to a new client as far as it can go now
+    /// (the dispatcher calls again): the engine told of the placeholder
+    /// (io_uring at once; engines that map memory only when idle once no
+    /// I/O is in flight), the new file mapped (in reserved huge pages once
+    /// the last client's are back, or small pages after `HUGE_PAGES_WAIT`),
+    /// the engine told of that, the slice free.
+    fn renew_pending(&self) {
         let mut renewing = lock(&self.renewing);
-        renewing.retain_mut(|(slot, renewed)| loop {
-            match self.handle.remap_memory(&self.arena.ranges(*slot)) {
-                Ok(true) if *renewed => {
-                    lock(&self.free_slots).push(*slot);
+        if self.stopping.load(Ordering::SeqCst) {
+            renewing.clear();
+            return;
+        }
+        renewing.retain_mut(|r| loop {
+            let step = match r.stage {
+                RenewalStage::Vacated | RenewalStage::Mapped => self
+                    .handle
+                    .remap_memory(&self.arena.ranges(r.slot))
+                    .map(|done| done.then_some(r.stage)),
+                RenewalStage::Remapped => self
+                    .arena
+                    .renew(r.slot, r.since.elapsed() >= HUGE_PAGES_WAIT)
+                    .map(|huge| {
+                        huge.map(|huge| {
+                            if self.arena.huge_pages() && !huge {
+                                log(format_args!(
+                                    "client slot {}: its last client's reserved 2 MiB pages did not come back within {HUGE_PAGES_WAIT:?} (its process may still map them), so it is in 4 KiB pages now, which loads and stores run slower through: raise vm.nr_hugepages by {}",
+                                    r.slot,
+                                    self.arena.slot_file_bytes().div_ceil(2 << 20)
+                                ));
+                            }
+                            r.stage
+                        })
+                    }),
+            };
+            match step {
+                Ok(Some(RenewalStage::Vacated)) => r.stage = RenewalStage::Remapped,
+                Ok(Some(RenewalStage::Remapped)) => r.stage = RenewalStage::Mapped,
+                Ok(Some(RenewalStage::Mapped)) => {
+                    lock(&self.free_slots).push(r.slot);
                     return false;
                 }
-                Ok(true) => match self.arena.renew(*slot) {
-                    Ok(huge) => {
-                        if self.arena.huge_pages() && !huge {
-                            log(format_args!(
-                                "client slot {slot}: too few reserved 2 MiB pages free for its next client (its last client may still map its own), so it is in 4 KiB pages now, which loads and stores run slower through: raise vm.nr_hugepages by {}",
-                                self.arena.slot_file_bytes().div_ceil(2 << 20)
-                            ));
-                        }
-                        *renewed = true;
-                    }
-                    Err(e) => {
-                        retire(*slot, &e);
-                        return false;
-                    }
-                },
-                Ok(false) => return true,
+                Ok(None) => return true,
+                // A service stopping meanwhile closed the handle: no next client.
+                Err(_) if self.stopping.load(Ordering::SeqCst) => return false,
                 Err(e) => {
-                    retire(*slot, &e);
+                    retire(r.slot, &e);
                     return false;
                 }
             }
@@ -562,7 +584,7 @@ impl Service {
 fn dispatch(s: &Shared, comps: crate::handle::Completions) {
     loop {
         if !lock(&s.renewing).is_empty() {
-            s.remap_renewing();
+            s.renew_pending();
         }
         let Some(ev) = comps.recv_timeout(Duration::from_millis(50)) else {
             if s.dispatcher_done.load(Ordering::SeqCst) {
@@ -605,6 +627,28 @@ fn finish(s: &Shared, c: &Client, result: crate::tier::JobResult) {
     lock(&c.jobs).remove(&job);
     s.maybe_release(c);
 }
+
+/// A slice between clients: where it is on its way to the next one.
+struct Renewal {
+    slot: u32,
+    stage: RenewalStage,
+    /// When its client let go of it.
+    since: Instant,
+}
+
+/// A slice's way to its next client: placeholder pages mapped (`Vacated`),
+/// the engine told (`Remapped`), a new file mapped (`Mapped`), the engine
+/// told: free.
+#[derive(Clone, Copy)]
+enum RenewalStage {
+    Vacated,
+    Remapped,
+    Mapped,
+}
+
+/// How long a renewed slice waits for reserved huge pages (its last
+/// client's, once unmapped) before taking small pages.
+const HUGE_PAGES_WAIT: Duration = Duration::from_secs(2);
 
 /// A slice that could not be given new memory leaves service for good.
 fn retire(slot: u32, why: &Error) {
