@@ -542,6 +542,11 @@ impl TierHandle {
         &self.shared.geometry
     }
 
+    /// Most blocks its write backlog holds (`HandleConfig`).
+    pub(crate) fn backlog_limit_blocks(&self) -> u64 {
+        self.shared.cfg.backlog_limit_blocks
+    }
+
     /// Blocks in the registered KV memory.
     pub fn memory_blocks(&self) -> u32 {
         self.shared.mem_blocks

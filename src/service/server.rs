@@ -21,7 +21,7 @@ use crate::handle::{Event, JobId, TierApi, TierBuilder, TierHandle};
 use crate::model::KvGeometry;
 use crate::pool::Key;
 use nix::sys::eventfd::{EfdFlags, EventFd};
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -103,7 +103,8 @@ struct Client {
     /// key. Bounded by the entries the pool has held, not by calls.
     pins: Mutex<HashMap<Key, VecDeque<(u64, u32)>>>,
     /// Its jobs not yet finished.
-    jobs: Mutex<HashSet<JobId>>,
+    /// Its jobs not yet finished, each with its blocks if a store.
+    jobs: Mutex<HashMap<JobId, u64>>,
     gone: AtomicBool,
     released: AtomicBool,
 }
@@ -259,6 +260,33 @@ impl Shared {
                 }
             }
         });
+    }
+
+    /// The refusal of a job that would take `c` past its share of what the
+    /// tier holds for all clients (unfinished jobs, blocks of unfinished
+    /// stores: `store_blocks` more with this one), so that one client's
+    /// flood is its own backpressure, never another client's.
+    fn over_share(&self, c: &Client, store_blocks: u64) -> Option<Response> {
+        let shares = self.cfg.clients.max(1) as u64;
+        let max_jobs = crate::handle::MAX_JOBS as u64 / shares;
+        let max_blocks = self.handle.backlog_limit_blocks() / shares;
+        let jobs = lock(&c.jobs);
+        let held: u64 = jobs.values().sum();
+        let why = if jobs.len() as u64 >= max_jobs {
+            format!(
+                "{} of its jobs are unfinished, its share of the service's {} ({} clients)",
+                jobs.len(),
+                crate::handle::MAX_JOBS,
+                shares
+            )
+        } else if store_blocks > 0 && held + store_blocks > max_blocks.max(store_blocks) {
+            format!("its unfinished stores hold {held} blocks and this one {store_blocks}, past its share ({max_blocks}) of the service's write backlog ({} clients)", shares)
+        } else {
+            return None;
+        };
+        Some(refused(Error::Backpressure(format!(
+            "{why}: wait for some of its jobs (or flush_stores) and submit again"
+        ))))
     }
 
     /// The arena's block numbers of `c`'s `blocks`; `None` for a
@@ -859,7 +887,7 @@ fn serve_client(s: &Arc<Shared>, stream: UnixStream, hello_due: Instant) {
         out: tx,
         stream: shut,
         pins: Mutex::new(HashMap::new()),
-        jobs: Mutex::new(HashSet::new()),
+        jobs: Mutex::new(HashMap::new()),
         gone: AtomicBool::new(false),
         released: AtomicBool::new(false),
     });
@@ -1034,11 +1062,14 @@ fn answer(
             else {
                 return Ok(Some(lookup_only_refusal("load")));
             };
+            if let Some(refusal) = s.over_share(c, 0) {
+                return Ok(Some(refusal));
+            }
             let mut owners = lock(&s.owners);
             match s.handle.submit_load(&keys, &g, layers) {
                 Ok(job) => {
                     owners.insert(job, c.clone());
-                    lock(&c.jobs).insert(job);
+                    lock(&c.jobs).insert(job, 0);
                     Response::Job(job)
                 }
                 Err(e) => refused(e),
@@ -1056,6 +1087,9 @@ fn answer(
             else {
                 return Ok(Some(lookup_only_refusal("store")));
             };
+            if let Some(refusal) = s.over_share(c, keys.len() as u64) {
+                return Ok(Some(refusal));
+            }
             // Not under the owners' lock: the submit hashes the blocks, and
             // other clients' events must not wait for that.
             let submitted = match &crcs {
@@ -1064,7 +1098,7 @@ fn answer(
             };
             match submitted {
                 Ok(job) => {
-                    lock(&c.jobs).insert(job);
+                    lock(&c.jobs).insert(job, keys.len() as u64);
                     let mut owners = lock(&s.owners);
                     let early = lock(&s.orphans).remove(&job);
                     match early {

@@ -21,6 +21,16 @@ pub struct Svc {
 
 impl Svc {
     pub fn start(dir: &TempDir, clients: u32, client_blocks: u32) -> Svc {
+        Svc::start_with(dir, clients, client_blocks, None)
+    }
+
+    /// `start`, the service's handle with `config` (its policy, backlog).
+    pub fn start_with(
+        dir: &TempDir,
+        clients: u32,
+        client_blocks: u32,
+        config: Option<kvtier::HandleConfig>,
+    ) -> Svc {
         let g = tiny_geometry();
         let sock = dir.file("kvtier.sock");
         let builder = TierBuilder::default()
@@ -28,6 +38,10 @@ impl Svc {
             .capacity(POOL)
             .geometry(g)
             .model_name("test");
+        let builder = match config {
+            Some(c) => builder.config(c),
+            None => builder,
+        };
         let cfg = ServiceConfig::new(&sock)
             .with_clients(clients)
             .with_client_blocks(client_blocks);
