@@ -1431,3 +1431,66 @@ fn a_lookup_longer_than_one_frame_is_counted() {
     ));
     assert_eq!(w.lookup_prefix(&crossing), 4);
 }
+
+/// A client's shared memory can never lose a page under the service: the
+/// service refuses the jobs of a client that did not seal its slice
+/// against holes once mapped (a hole punched in reserved huge pages faults
+/// SIGBUS in the service when none are free, ending every client's
+/// service), and kvtier's client seals it, so a hole punched through any
+/// descriptor of the file is refused by the kernel.
+#[test]
+fn a_slice_is_sealed_against_holes_before_any_job_uses_it() {
+    let dir = TempDir::new("serve-seal");
+    let s = Serve::start(&dir, POOL, 2, 8);
+    // A client that never maps (nor seals) the file its welcome carried.
+    let mut st = UnixStream::connect(&s.sock).unwrap();
+    st.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    st.write_all(&hello()).unwrap();
+    assert!(matches!(
+        next_response(&mut st),
+        protocol::Response::Welcome { .. }
+    ));
+    let load = Request::SubmitLoad {
+        keys: keys(0..1),
+        blocks: vec![0],
+        layers: 0..1,
+    }
+    .encode(2)
+    .unwrap();
+    st.write_all(&load).unwrap();
+    match next_response(&mut st) {
+        protocol::Response::Refused(f) => {
+            assert!(f.to_string().contains("F_SEAL_FUTURE_WRITE"), "{f}")
+        }
+        other => panic!("a job on an unsealed slice was answered with {other:?}"),
+    }
+    // kvtier's client: its mapping's file refuses a punched hole.
+    let c = ServiceClient::connect(&s.sock, 0).unwrap();
+    store_range(&c, 0, 1, |_| {}).unwrap();
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let line = maps
+        .lines()
+        .find(|l| l.contains("kvtier-client-"))
+        .expect("the client's shared mapping");
+    let range = line.split_whitespace().next().unwrap();
+    let file = match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(format!("/proc/self/map_files/{range}"))
+    {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("SKIP the hole half: /proc/self/map_files needs CAP_SYS_ADMIN ({e})");
+            return;
+        }
+    };
+    let r = nix::fcntl::fallocate(
+        &file,
+        nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE
+            | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE,
+        0,
+        4096,
+    );
+    assert_eq!(r, Err(nix::errno::Errno::EPERM), "a hole was punched");
+    assert_eq!(load_range(&c, 0, 1).unwrap(), 0);
+}

@@ -197,7 +197,9 @@ impl ServiceClient {
                         "the kvtier service's welcome does not add up: {blocks} blocks of {obj}-byte objects, layer stride {layer_stride}, file {file_bytes} bytes"
                     )));
                 }
-                Some(Arc::new(SharedMapping::new(&fd, file_bytes)?))
+                let mapping = SharedMapping::new(&fd, file_bytes)?;
+                sys::seal_after_mapping(&fd)?;
+                Some(Arc::new(mapping))
             }
         };
         let base = mapping.as_ref().map_or(0, |m| m.addr());

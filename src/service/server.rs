@@ -107,6 +107,9 @@ struct Client {
     jobs: Mutex<HashMap<JobId, u64>>,
     gone: AtomicBool,
     released: AtomicBool,
+    /// Its slice is sealed against holes and every page is in
+    /// (`Shared::slice_ready`): checked once, before its first job.
+    slice_ready: AtomicBool,
 }
 
 impl Client {
@@ -260,6 +263,37 @@ impl Shared {
                 }
             }
         });
+    }
+
+    /// Before `c`'s first job: its slice's file must be sealed against holes
+    /// (its client adds F_SEAL_FUTURE_WRITE once mapped; kvtier's client
+    /// does), and every page of it in, so that no page the engine or the
+    /// checksums touch can vanish (a hole punched in reserved huge pages
+    /// faults SIGBUS in the service when none are free, which would end
+    /// every client's service). `Ok(Some)`: the refusal of an unsealed
+    /// slice; `Err`: a slice with a hole no page can fill (drop it).
+    fn slice_ready(&self, c: &Client) -> std::result::Result<Option<Response>, Claim> {
+        let Some(slot) = c.slot else {
+            return Ok(None);
+        };
+        if c.slice_ready.load(Ordering::Acquire) {
+            return Ok(None);
+        }
+        let sealed = self
+            .arena
+            .file(slot)
+            .is_ok_and(|fd| sys::sealed_against_holes(&fd));
+        if !sealed {
+            return Ok(Some(refused(Error::invalid(
+                "this client's shared KV memory is not sealed: add F_SEAL_FUTURE_WRITE to the file the service sent once it is mapped (kvtier's client does), then submit again",
+            ))));
+        }
+        for r in self.arena.ranges(slot) {
+            sys::populate_for_write(r.addr, r.len)
+                .map_err(|e| Claim(format!("its shared KV memory has a hole: {e}")))?;
+        }
+        c.slice_ready.store(true, Ordering::Release);
+        Ok(None)
     }
 
     /// The refusal of a job that would take `c` past its share of what the
@@ -890,6 +924,7 @@ fn serve_client(s: &Arc<Shared>, stream: UnixStream, hello_due: Instant) {
         jobs: Mutex::new(HashMap::new()),
         gone: AtomicBool::new(false),
         released: AtomicBool::new(false),
+        slice_ready: AtomicBool::new(false),
     });
     lock(&s.clients).insert(id, c.clone());
     match slot {
@@ -1062,7 +1097,7 @@ fn answer(
             else {
                 return Ok(Some(lookup_only_refusal("load")));
             };
-            if let Some(refusal) = s.over_share(c, 0) {
+            if let Some(refusal) = s.slice_ready(c)?.or_else(|| s.over_share(c, 0)) {
                 return Ok(Some(refusal));
             }
             let mut owners = lock(&s.owners);
@@ -1087,7 +1122,10 @@ fn answer(
             else {
                 return Ok(Some(lookup_only_refusal("store")));
             };
-            if let Some(refusal) = s.over_share(c, keys.len() as u64) {
+            if let Some(refusal) = s
+                .slice_ready(c)?
+                .or_else(|| s.over_share(c, keys.len() as u64))
+            {
                 return Ok(Some(refusal));
             }
             // Not under the owners' lock: the submit hashes the blocks, and

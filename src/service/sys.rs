@@ -38,12 +38,56 @@ pub fn sealed_memfd(name: &str, bytes: u64, huge: bool) -> Result<OwnedFd> {
     if unsafe { libc::ftruncate(fd.as_raw_fd(), bytes as libc::off_t) } != 0 {
         return Err(last_os("sizing a client's shared KV memory (ftruncate)"));
     }
-    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // Not F_SEAL_SEAL: the client adds F_SEAL_FUTURE_WRITE once it has
+    // mapped the file (`seal_after_mapping`), and then seals the seals.
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
     // SAFETY: fcntl on our own fd with an int argument.
     if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
         return Err(last_os("sealing a client's shared KV memory"));
     }
     Ok(fd)
+}
+
+/// Seal a shared memory file its client has mapped: no hole can be punched
+/// in it from now on (F_SEAL_FUTURE_WRITE refuses fallocate's PUNCH_HOLE,
+/// write(2) and new writable mappings; the mappings made stay writable),
+/// so a page the service touches can never vanish under it (a hole in
+/// reserved huge pages faults SIGBUS when none are free), and no seal can
+/// be added or taken after.
+pub fn seal_after_mapping(fd: &OwnedFd) -> Result<()> {
+    let seals = libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_SEAL;
+    // SAFETY: fcntl on a valid fd with an int argument.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(last_os(
+            "sealing the KV memory shared with the kvtier service (F_SEAL_FUTURE_WRITE)",
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `fd` carries F_SEAL_FUTURE_WRITE (its client sealed it).
+pub fn sealed_against_holes(fd: &OwnedFd) -> bool {
+    // SAFETY: fcntl F_GET_SEALS on a valid fd.
+    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    seals >= 0 && seals & libc::F_SEAL_FUTURE_WRITE != 0
+}
+
+/// Fault in every page of `len` bytes at `addr` (a mapping of ours) for
+/// writing; an error (a hole no page can fill) instead of a SIGBUS later.
+pub fn populate_for_write(addr: u64, len: u64) -> Result<()> {
+    // SAFETY: madvise on a range the caller mapped; POPULATE_WRITE only
+    // faults pages in (it never changes their contents).
+    if unsafe {
+        libc::madvise(
+            addr as *mut libc::c_void,
+            len as usize,
+            libc::MADV_POPULATE_WRITE,
+        )
+    } != 0
+    {
+        return Err(last_os("faulting in a client's shared KV memory"));
+    }
+    Ok(())
 }
 
 /// Whether `fd` is a memfd of exactly `bytes` that nobody can resize.
