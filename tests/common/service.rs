@@ -31,7 +31,17 @@ impl Svc {
         client_blocks: u32,
         config: Option<kvtier::HandleConfig>,
     ) -> Svc {
-        let g = tiny_geometry();
+        Svc::start_shaped(dir, tiny_geometry(), clients, client_blocks, config)
+    }
+
+    /// `start_with` for a pool of geometry `g`.
+    pub fn start_shaped(
+        dir: &TempDir,
+        g: kvtier::KvGeometry,
+        clients: u32,
+        client_blocks: u32,
+        config: Option<kvtier::HandleConfig>,
+    ) -> Svc {
         let sock = dir.file("kvtier.sock");
         let builder = TierBuilder::default()
             .directory(dir.file("pool"))
