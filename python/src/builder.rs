@@ -793,7 +793,7 @@ impl TierBuilder {
         }
         let client = without_gil(py, || b.build()).map_err(to_py)?;
         let completions = kvtier::TierApi::completions(&client).map_err(to_py)?;
-        let mapping = client.service_client().shared_mapping();
+        let mapping = client.shared_mapping();
         let namespace = kvtier::TierApi::namespace(&client).to_string();
         let model_name = kvtier::TierApi::model_name(&client).to_string();
         self.mem = None;

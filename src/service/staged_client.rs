@@ -287,9 +287,11 @@ impl StagedServiceClient {
         })
     }
 
-    /// The service connection underneath (its shared slice is the staging).
-    pub fn service_client(&self) -> &ServiceClient {
-        &self.inner.client
+    /// The memory this client shares with the service (its staging). Not
+    /// the connection underneath: a caller waiting on it could take the
+    /// results this client's staged path waits for.
+    pub fn shared_mapping(&self) -> Option<std::sync::Arc<super::SharedMapping>> {
+        self.inner.client.shared_mapping()
     }
 
     /// The staging settings.
