@@ -44,6 +44,23 @@ impl MappedTable {
 }
 
 /// Engines swap their view of memory only with nothing in flight.
+/// `IoEngine::remap_memory` for an engine whose mappings (IOMMU, physical
+/// addresses, a GPU's view of pinned host memory) name the pages pinned
+/// at registration: register `table` again once nothing is in flight
+/// (`Ok(false)` until then).
+pub(crate) fn remap_when_idle<E: super::IoEngine + ?Sized>(
+    engine: &mut E,
+    table: Option<std::sync::Arc<crate::p2p::P2pTable>>,
+) -> Result<bool> {
+    if engine.in_flight() > 0 {
+        return Ok(false);
+    }
+    match table {
+        Some(table) => engine.register_memory(table).map(|()| true),
+        None => Ok(true),
+    }
+}
+
 pub(crate) fn refuse_if_in_flight(in_flight: usize) -> Result<()> {
     if in_flight > 0 {
         return Err(Error::invalid(

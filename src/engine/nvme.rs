@@ -763,16 +763,11 @@ impl<B: Bar0 + Send> IoEngine for NvmeEngine<B> {
         }
     }
 
-    /// Its mappings (IOMMU or physical addresses) name the pages pinned at
-    /// registration: map the whole table again, once nothing is in flight.
+    /// Its mappings name the pages pinned at registration: map the whole
+    /// table again, once nothing is in flight.
     fn remap_memory(&mut self, _ranges: &[MemRegion]) -> Result<bool> {
-        if self.in_flight > 0 {
-            return Ok(false);
-        }
-        match self.table.clone() {
-            Some(table) => self.register_memory(table).map(|()| true),
-            None => Ok(true),
-        }
+        let table = self.table.clone();
+        super::mapped::remap_when_idle(self, table)
     }
 
     fn in_flight(&self) -> usize {

@@ -210,56 +210,50 @@ impl Reservation {
         Ok(())
     }
 
-    /// Give `len` bytes at `offset` back to PROT_NONE address space (a
-    /// mapping replaced before any I/O used it).
     /// Map private zero pages over `len` bytes at `offset`, in place of a
     /// slice's file: the service's hold on that file's pages ends (and the
     /// engine's, once told), while its registered memory stays readable
-    /// and writable for the engine to register again.
+    /// and writable for the engine to register again. No job may use them.
     pub fn map_placeholder(&self, offset: u64, len: u64) -> Result<()> {
-        if offset.checked_add(len).is_none_or(|e| e > self.len as u64) {
-            return Err(Error::invalid("arena placeholder past the reservation"));
-        }
-        let at = (self.base as u64 + offset) as *mut libc::c_void;
-        // SAFETY: MAP_FIXED inside our own reservation, over a slice no job
-        // uses (its client is gone and its jobs have finished).
-        let p = unsafe {
-            libc::mmap(
-                at,
-                len as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(last_os("mapping a placeholder over a client's old slice"));
-        }
-        Ok(())
+        self.map_anonymous(
+            offset,
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            "mapping a placeholder over a client's old slice",
+        )
     }
 
+    /// Give `len` bytes at `offset` back to PROT_NONE address space (a
+    /// mapping replaced before any I/O used it).
     pub fn unmap(&self, offset: u64, len: u64) -> Result<()> {
+        self.map_anonymous(
+            offset,
+            len,
+            libc::PROT_NONE,
+            "returning the service's KV arena to reserved space",
+        )
+    }
+
+    /// Private anonymous memory of `prot` over `len` bytes at `offset`.
+    fn map_anonymous(&self, offset: u64, len: u64, prot: libc::c_int, what: &str) -> Result<()> {
         if offset.checked_add(len).is_none_or(|e| e > self.len as u64) {
-            return Err(Error::invalid("arena unmapping past the reservation"));
+            return Err(Error::invalid(format!("{what}: past the reservation")));
         }
         let at = (self.base as u64 + offset) as *mut libc::c_void;
-        // SAFETY: MAP_FIXED over our own reservation, replacing a mapping
-        // no I/O uses yet (the arena is being built).
+        // SAFETY: MAP_FIXED over our own reservation, replacing a mapping no
+        // job uses (the arena being built, or a slice between clients).
         let p = unsafe {
             libc::mmap(
                 at,
                 len as usize,
-                libc::PROT_NONE,
+                prot,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
                 -1,
                 0,
             )
         };
         if p == libc::MAP_FAILED {
-            return Err(last_os(
-                "returning the service's KV arena to reserved space",
-            ));
+            return Err(last_os(what));
         }
         Ok(())
     }
