@@ -106,6 +106,9 @@ struct Client {
     /// Its jobs not yet finished, each with its blocks if a store.
     jobs: Mutex<HashMap<JobId, u64>>,
     gone: AtomicBool,
+    /// Its reader thread has answered its last request: no submit of its
+    /// can be between the handle and `jobs` any more.
+    reader_done: AtomicBool,
     released: AtomicBool,
     /// Its slice is sealed against holes and every page is in
     /// (`Shared::slice_ready`): checked once, before its first job.
@@ -173,10 +176,15 @@ struct Shared {
 }
 
 impl Shared {
-    /// Give a gone client's slice back once none of its jobs runs.
+    /// Give a gone client's slice back once none of its jobs runs. Not
+    /// before its reader has ended: `gone` is also set by the dispatcher
+    /// (a client whose queue is full) while the reader may be submitting a
+    /// job not yet in `jobs`, whose I/O would then use the slice renewed
+    /// under it (a store's bytes from the placeholder, a load's into the
+    /// next client's memory).
     fn maybe_release(&self, c: &Client) {
         let jobs = lock(&c.jobs);
-        if !c.gone.load(Ordering::SeqCst) || !jobs.is_empty() {
+        if !c.reader_done.load(Ordering::SeqCst) || !jobs.is_empty() {
             return;
         }
         if c.released.swap(true, Ordering::SeqCst) {
@@ -923,6 +931,7 @@ fn serve_client(s: &Arc<Shared>, stream: UnixStream, hello_due: Instant) {
         pins: Mutex::new(HashMap::new()),
         jobs: Mutex::new(HashMap::new()),
         gone: AtomicBool::new(false),
+        reader_done: AtomicBool::new(false),
         released: AtomicBool::new(false),
         slice_ready: AtomicBool::new(false),
     });
@@ -970,6 +979,7 @@ fn serve_client(s: &Arc<Shared>, stream: UnixStream, hello_due: Instant) {
     }
     lock(&s.clients).remove(&id);
     c.gone.store(true, Ordering::SeqCst);
+    c.reader_done.store(true, Ordering::SeqCst);
     s.maybe_release(&c);
     drop(c);
     // The writer ends once the last frame for this client is queued (its
