@@ -217,3 +217,29 @@ def test_every_importable_backend_has_a_served_layout():
         assert served & set(layouts), (e.name, layouts)
         checked += 1
     assert checked >= 8
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.uint8],
+                         ids=str)
+def test_mla_service_geometry_is_the_connectors_slot(tmp_path, dtype):
+    """`kvtier serve --model config.json` of an MLA model sizes each object
+    as the connector maps vLLM's latent page (its halves, padded to whole
+    sectors where a block does not fill them): the same kv_heads, head_dim
+    and slot bytes at every block size, or the service refuses the engine."""
+    import json
+
+    for rank, rope in [(512, 64), (128, 64)]:
+        conf = tmp_path / f"mla-{rank}.json"
+        conf.write_text(json.dumps({
+            "num_hidden_layers": LAYERS, "num_attention_heads": 16, "num_key_value_heads": 16,
+            "hidden_size": 2048, "kv_lora_rank": rank, "qk_rope_head_dim": rope,
+            "torch_dtype": "bfloat16"}))
+        for bs in [16, 32, 64, 128]:
+            spec = MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=rank + rope,
+                                    dtype=dtype)
+            kvcfg = kv_cache_config(spec, KVCacheLayout.LBNHC)
+            caches = allocate_kv_cache(kvcfg, torch.device("cpu"), KVCacheLayout.LBNHC)
+            m = map_kv_caches(caches, NUM_BLOCKS, bs, "LBNHC")
+            g, _ = kvtier.resolve_model(str(conf), block_size=bs, dtype=m.dtype)
+            assert (g["kv_heads"], g["head_dim"], 2 * g["object_bytes"]) == (
+                m.kv_heads, m.head_dim, m.slot_bytes), (rank, rope, bs, m.describe())
