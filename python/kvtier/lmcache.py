@@ -53,6 +53,7 @@ from typing import Any
 
 from . import (
     BackpressureError,
+    ClosedError,
     KvtierError,
     TierBuilder,
     TierHandle,
@@ -199,7 +200,10 @@ class KvtierL2:
         (``staging_blocks`` of it, at most the service's ``--client-blocks``;
         by default all of that).
         The pool options (capacity, devices, group_blocks, engine, prewrite,
-        namespace) are the service's.
+        namespace) are the service's. A service that goes away (a restart,
+        an upgrade) makes every operation a miss (gets) or a dropped store
+        (sets) until this client connects again, which it tries once its
+        jobs have drained, every ``service_reconnect_s`` seconds (default 5).
     """
 
     def __init__(
@@ -222,6 +226,7 @@ class KvtierL2:
         namespace: str | None = None,
         workers: int | None = None,
         service: str | None = None,
+        service_reconnect_s: float = 5.0,
     ) -> None:
         if [path, files, service].count(None) != 2:
             raise ValueError(
@@ -243,12 +248,19 @@ class KvtierL2:
             )
         del workers  # accepted for old configurations: one I/O thread now serves all
         self.tier: TierHandle
+        # Over a service: how to connect again, when the connection went
+        # away (None while up) and when a new one was last tried.
+        self._service = service
+        self._connect = lambda: (TierBuilder().service(service, blocks=staging_blocks or 0)
+                                 .model(model, block_size=chunk_size, dtype=dtype).build())
+        self._gone_at: float | None = None
+        self._reconnect_tried = 0.0
+        self._reconnect_s = float(service_reconnect_s)
         if service is not None:
             # The service's pool, checked to serve this model at this chunk
             # size; without staging_blocks, all the memory it gives a client.
             try:
-                self.tier = (TierBuilder().service(service, blocks=staging_blocks or 0)
-                             .model(model, block_size=chunk_size, dtype=dtype).build())
+                self.tier = self._connect()
             except UsageError as e:
                 raise ValueError(
                     f"adapter_params.service: {e} (this LMCache config: {model} at chunk_size "
@@ -539,8 +551,59 @@ class KvtierL2:
                 logger.exception("kvtier L2: I/O thread error (carrying on)")
                 time.sleep(0.01)
 
+    def _gone(self, e: Exception) -> None:
+        """The kvtier service's connection went away: said once; until a new
+        one (`_keep_connected`), gets miss and sets are dropped."""
+        if self._service is not None and isinstance(e, ClosedError) and self._gone_at is None:
+            self._gone_at = self._reconnect_tried = time.monotonic()
+            logger.warning("kvtier L2: %s; chunks miss and are not stored until the kvtier "
+                           "service answers again (tried every %.0f s)", e, self._reconnect_s)
+
+    def _keep_connected(self) -> None:
+        """Over a service, every ``service_reconnect_s``: while connected,
+        ask it for its usage (a lookup of a gone service answers a miss, not
+        an error, so gets alone would never notice); once it went away,
+        connect again, when none of the old connection's jobs is left (their
+        staging blocks and results belong to it)."""
+        now = time.monotonic()
+        if (self._service is None or self._gone_at == float("inf")
+                or now - self._reconnect_tried < self._reconnect_s):
+            return
+        self._reconnect_tried = now
+        if self._gone_at is None:
+            try:
+                self.tier.usage()
+            except KvtierError as e:
+                self._gone(e)
+            return
+        if self._jobs:
+            return
+        try:
+            tier = self._connect()
+        except (KvtierError, OSError) as e:
+            logger.debug("kvtier L2: the kvtier service does not answer yet: %s", e)
+            return
+        if tier.memory_blocks < self.staging_blocks:
+            tier.close()
+            logger.warning("kvtier L2: the kvtier service now shares %d blocks with a client, "
+                           "fewer than this client's %d: not connecting again",
+                           tier.memory_blocks, self.staging_blocks)
+            self._gone_at = float("inf")  # given up: said once
+            return
+        old, self.tier = self.tier, tier
+        self._tier_fd = tier.event_fd()
+        self._free = list(range(self.staging_blocks - 1, -1, -1))
+        logger.info("kvtier L2: connected to the kvtier service %s again after %.1f s",
+                    self._service, now - self._gone_at)
+        self._gone_at = None
+        try:
+            old.close()
+        except KvtierError:
+            pass
+
     def _step(self) -> bool:
         """One turn of the I/O thread; True once closed and everything finished."""
+        self._keep_connected()
         with self._lock:
             while self._new:
                 self._waiting.append(self._new.popleft())
@@ -549,6 +612,8 @@ class KvtierL2:
         if closing and not self._waiting and not self._jobs:
             return True
         timeout = 1.0
+        if self._service is not None:
+            timeout = min(timeout, self._reconnect_s)
         if self._waiting and self._retry_at:
             timeout = max(0.0, min(timeout, self._retry_at - time.monotonic()))
         if self._log_interval > 0:
@@ -566,10 +631,19 @@ class KvtierL2:
         return False
 
     def _reap(self) -> None:
-        """Settle every job that finished (non-blocking)."""
-        for ev in self.tier.drain_completions():
+        """Settle every job that finished (non-blocking); once the service
+        has gone, every job of its connection (each fails)."""
+        try:
+            events = self.tier.drain_completions()
+        except KvtierError as e:
+            self._gone(e)
+            events = []
+        for ev in events:
             if ev.kind == "finished" and ev.job in self._jobs:
                 self._settle(ev.job)
+        if self._gone_at is not None:
+            for job in list(self._jobs):
+                self._settle(job)
 
     def _start_parts(self) -> None:
         """Copy and submit groups of waiting operations while staging is free."""
@@ -626,7 +700,8 @@ class KvtierL2:
         except BackpressureError:
             return False
         except Exception as e:  # reported per key, never lost: LMCache waits on this op
-            if op.kind == "get" and len(idx) > 1:
+            self._gone(e)
+            if op.kind == "get" and len(idx) > 1 and self._gone_at is None:
                 # One key removed meanwhile (LMCache's delete) refuses the
                 # whole load: load the others one by one.
                 self._free.extend(blocks)
@@ -660,6 +735,7 @@ class KvtierL2:
         try:
             r = self.tier.wait(job)
         except KvtierError as e:  # the handle failed as a whole
+            self._gone(e)
             why = f"{type(e).__name__}: {e}"
             logger.warning("kvtier L2: a job failed: %s", why)
             op.error = op.error or why

@@ -343,7 +343,9 @@ class KvtierConnector(KVConnectorBase_V1):
         ``kvtier serve --tp-size N`` for ``tensor_parallel_size=N``). CUDA KV
         caches go through the staged GPU path with the memory the service
         shares as its staging (registered as pinned here; the copies run on
-        this process's copy stream).
+        this process's copy stream). A worker whose service went away (a
+        restart, an upgrade) serves misses and connects again, once its
+        jobs have drained, every ``service_reconnect_s`` seconds (default 5).
       capacity: bytes of pool to create per rank when absent (default "4g").
       prewrite: write a new pool's files once at creation (capacity at the
         disk's write speed) so first stores run at overwrite speed, not at
@@ -702,6 +704,13 @@ class KvtierConnector(KVConnectorBase_V1):
         except Exception:  # no distributed state: a single rank
             self._rank = 0
         self._tier: TierHandle | None = None
+        # Over a service: when its connection went away (None while up),
+        # when a new one was last tried, and how often to try.
+        self._gone_at: float | None = None
+        self._reconnect_tried = 0.0
+        self._reconnect_s = float(self._kv_transfer_config.get_from_extra_config(
+            "service_reconnect_s", 5.0))
+        self._double = False
         self._server: LookupServer | None = None
         self._map: KvMapping | None = None
         # The staged HBM path (CUDA caches, or its CPU test double).
@@ -783,6 +792,7 @@ class KvtierConnector(KVConnectorBase_V1):
             raise KvtierError("test_only_staged_host_double stands CPU tensors in for GPU "
                               "memory; drop it to serve CUDA KV caches")
         self._hbm = self._cuda or double
+        self._double = double
         cfg = self._kv_cache_config
         # The layout vLLM resolved; the mapping itself is read off the
         # tensors' addresses and strides (see _vllm_layout).
@@ -921,12 +931,38 @@ class KvtierConnector(KVConnectorBase_V1):
             self._tier.unpin(ld.keys[:n])
 
     def _gone(self, e: ClosedError) -> None:
-        """The kvtier service connection is gone: said once; from then on
-        every load and store of this worker is a miss."""
-        if not getattr(self, "_gone_said", False):
-            self._gone_said = True
-            logger.warning("kvtier: %s; this worker's loads and stores are misses from now on "
-                           "(restart the engine to use the kvtier service again)", e)
+        """The kvtier service connection is gone: said once; until a new one
+        (`_reconnect`), every load and store of this worker is a miss."""
+        if self._gone_at is None:
+            self._gone_at = self._reconnect_tried = time.monotonic()
+            logger.warning("kvtier: %s; this worker's loads and stores are misses until the "
+                           "kvtier service answers again (tried every %.0f s)", e,
+                           self._reconnect_s)
+
+    def _reconnect(self) -> None:
+        """Over a service that went away: connect again, every
+        ``service_reconnect_s``, once none of the old connection's jobs is
+        left here (their staging slots and results belong to it)."""
+        now = time.monotonic()
+        if (self._gone_at is None or now - self._reconnect_tried < self._reconnect_s
+                or self._inflight or self._store_jobs):
+            return
+        self._reconnect_tried = now
+        old = self._tier
+        try:
+            self._connect_service(self._map, self._double)
+        except (KvtierError, OSError) as e:
+            self._tier = old
+            logger.debug("kvtier: the kvtier service does not answer yet: %s", e)
+            return
+        logger.info("kvtier: rank %d connected to the kvtier service %s again after %.1f s",
+                    self._rank, self._service, now - self._gone_at)
+        self._gone_at = None
+        if old is not None:
+            try:
+                old.close()
+            except KvtierError:
+                pass
 
     def _wait_job(self, job: int, keys: list[bytes]) -> Any:
         """Job ``job``'s result (its keys: ``keys``); once the service is
@@ -973,6 +1009,8 @@ class KvtierConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierConnectorMetadata)
+        if self._service:
+            self._reconnect()
         if self._tier is None:
             for ld in meta.loads:
                 self._done_with(ld, 0)

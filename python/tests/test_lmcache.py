@@ -658,13 +658,13 @@ def test_a_chunk_whose_store_completed_survives_kill_9(tmp_path, tiny_model):
         l2.close()
 
 
-def service_adapter(sock, tiny_model, n_objs):
+def service_adapter(sock, tiny_model, n_objs, **params):
     """NativeConnectorL2Adapter over a KvtierL2 on a kvtier serve's socket."""
     cfg = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[json.dumps({
         "type": "native_plugin", "module_path": "kvtier.lmcache", "class_name": "KvtierL2",
         "max_capacity_gb": 0.0625,
         "adapter_params": {"service": str(sock), "model": tiny_model, "chunk_size": CHUNK,
-                           "staging_blocks": 8},
+                           "staging_blocks": 8, **params},
     })]))
     l1 = torch.zeros(n_objs * (CHUNK_BYTES // 2), dtype=torch.bfloat16)
     desc = L1MemoryDesc(ptr=l1.data_ptr(), size=l1.numel() * 2, align_bytes=2)
@@ -700,3 +700,56 @@ def test_two_lmcache_l2_clients_share_one_kvtier_service(tmp_path, tiny_model, k
         KvtierL2(model=tiny_model, chunk_size=2 * CHUNK, service=str(sock))
     with pytest.raises(ValueError, match="exactly one of"):
         KvtierL2(model=tiny_model, chunk_size=CHUNK, service=str(sock), path=str(tmp_path / "p"))
+
+
+def test_lmcache_l2_over_a_service_that_restarts_misses_then_reconnects(tmp_path, tiny_model):
+    """`kvtier serve` restarts (an upgrade) under a running LMCache: its
+    gets miss while the service is away, never an error out of LMCache's
+    thread, and once it is back the adapter connects again and finds the
+    chunks stored before the restart, bytes equal."""
+    import signal
+    import subprocess
+
+    from conftest import kvtier_bin
+
+    binary = kvtier_bin()
+    if binary is None:
+        pytest.skip("no kvtier binary: run `cargo build` (or set KVTIER_BIN)")
+    sock = tmp_path / "kvtier.sock"
+
+    def serve(log):
+        with open(log, "wb") as err:
+            proc = subprocess.Popen(
+                [binary, "serve", "--dir", str(tmp_path / "svc-pool"), "--capacity", "64m",
+                 "--model", tiny_model, "--block-size", str(CHUNK), "--socket", str(sock),
+                 "--clients", "2", "--client-blocks", "8"], stderr=err)
+        deadline = time.monotonic() + 30
+        while b"serving " not in log.read_bytes():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.02)
+        return proc
+
+    proc = serve(tmp_path / "serve1.log")
+    a, l1 = service_adapter(sock, tiny_model, 9, service_reconnect_s=0.2)
+    try:
+        keys = tiny_keys(11, 3)
+        src = chunk_objs(l1, 3)
+        for o in src:
+            o.tensor.copy_(torch.randn(o.tensor.shape).to(torch.bfloat16))
+        store_through(a, keys, src)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert load_through(a, keys, chunk_objs(l1, 3, first=3)) == [False] * 3
+        proc = serve(tmp_path / "serve2.log")
+        dst = chunk_objs(l1, 3, first=6)
+        deadline = time.monotonic() + 10
+        while (got := load_through(a, keys, dst)) != [True] * 3:
+            assert time.monotonic() < deadline, f"no reconnect within 10 s: {got}"
+            time.sleep(0.1)
+        for s_, d in zip(src, dst):
+            assert torch.equal(s_.tensor, d.tensor)
+    finally:
+        a.close()
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=30)

@@ -878,11 +878,12 @@ def test_kv_events_name_kvtier_blocks_with_vllms_block_hashes(tmp_path):
         worker.shutdown()
 
 
-def test_worker_over_a_service_that_goes_away_misses_instead_of_raising(tmp_path, tiny_model):
+def test_worker_over_a_service_that_goes_away_misses_then_reconnects(tmp_path, tiny_model):
     """`kvtier serve` stops (a restart, an upgrade, a crash) under a running
-    engine: the worker's loads and stores over it are misses from then on
-    (blocks reported for vLLM to recompute, stores dropped), never a
-    ClosedError out of vLLM's step, which ends the engine."""
+    engine: the worker's loads and stores over it are misses (blocks
+    reported for vLLM to recompute, stores dropped), never a ClosedError out
+    of vLLM's step, which ends the engine; once the service is back the
+    worker connects again and loads what was stored before the restart."""
     import signal
 
     from conftest import kvtier_bin
@@ -890,22 +891,31 @@ def test_worker_over_a_service_that_goes_away_misses_instead_of_raising(tmp_path
     binary = kvtier_bin()
     if binary is None:
         pytest.skip("no kvtier binary: run `cargo build` (or set KVTIER_BIN)")
-    sock, log = tmp_path / "kvtier.sock", tmp_path / "serve.log"
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(
-            [binary, "serve", "--dir", str(tmp_path / "svc-pool"), "--capacity", "64m",
-             "--model", tiny_model, "--block-size", str(BS), "--socket", str(sock),
-             "--clients", "2", "--client-blocks", "32"], stderr=err)
-    try:
+    sock = tmp_path / "kvtier.sock"
+
+    def serve(log):
+        with open(log, "wb") as err:
+            proc = subprocess.Popen(
+                [binary, "serve", "--dir", str(tmp_path / "svc-pool"), "--capacity", "64m",
+                 "--model", tiny_model, "--block-size", str(BS), "--socket", str(sock),
+                 "--clients", "2", "--client-blocks", "32"], stderr=err)
         deadline = time.monotonic() + 30
         while b"serving " not in log.read_bytes():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.02)
+        return proc
+
+    log = tmp_path / "serve.log"
+    proc = serve(log)
+    try:
         cfg = vllm_config(tmp_path, service=str(sock))
         cfg.kv_transfer_config.kv_connector_extra_config.pop("pool_dir")
+        cfg.kv_transfer_config.kv_connector_extra_config["service_reconnect_s"] = 0.2
         worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, None)
         names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
         layers = kv_tensors(32, True)
+        for t in layers:
+            t.copy_(torch.randn_like(t))
         worker.register_kv_caches(dict(zip(names, layers)))
         try:
             rng = random.Random(11)
@@ -932,6 +942,14 @@ def test_worker_over_a_service_that_goes_away_misses_instead_of_raising(tmp_path
                 stores=[kv._Store("b", kv.block_keys(list(range(2 * BS)), BS, "x"), [5, 6])]))
             assert worker.get_block_ids_with_load_errors() == {20, 21}
             assert worker._stats["stores_dropped"] >= 2
+            # The service is back (the same pool): within a step or two the
+            # worker is its client again and loads the blocks stored before.
+            proc = serve(tmp_path / "serve2.log")
+            time.sleep(0.3)
+            step(kv.KvtierConnectorMetadata(loads=[kv._Load("c", keys, [20, 21], [2], 1)]))
+            assert worker.get_block_ids_with_load_errors() == set()
+            for t in layers:
+                assert torch.equal(t[20], t[4]) and torch.equal(t[21], t[9])
         finally:
             worker.shutdown()
     finally:
