@@ -332,13 +332,6 @@ fn non_empty_dir(p: &Path) -> bool {
     std::fs::read_dir(p).is_ok_and(|mut d| d.next().is_some())
 }
 
-/// `major.minor` of a kernel release string (`6.8.0-45-generic`).
-pub(crate) fn kernel_version(release: &str) -> Option<(u32, u32)> {
-    let mut it = release.trim().split(['.', '-']);
-    let major = it.next()?.parse().ok()?;
-    let minor = it.next()?.parse().ok()?;
-    Some((major, minor))
-}
 
 fn check_dma_buf(root: &Path) -> PathCheck {
     let mut missing = Vec::new();
@@ -349,7 +342,7 @@ fn check_dma_buf(root: &Path) -> PathCheck {
         missing.push("no /dev/iommu (kernel without CONFIG_IOMMUFD, or no IOMMU)".to_string());
     }
     let release = std::fs::read_to_string(root.join("proc/sys/kernel/osrelease")).ok();
-    match release.as_deref().and_then(kernel_version) {
+    match release.as_deref().and_then(crate::host::kernel_version) {
         Some(v) if v >= IOAS_MAP_FILE_KERNEL => found.push(format!("kernel {}.{}", v.0, v.1)),
         Some(v) => missing.push(format!(
             "kernel {}.{} < {}.{} (no IOMMU_IOAS_MAP_FILE)",
@@ -614,10 +607,10 @@ mod tests {
 
     #[test]
     fn kernel_versions() {
-        assert_eq!(kernel_version("6.8.0-45-generic"), Some((6, 8)));
-        assert_eq!(kernel_version("6.13\n"), Some((6, 13)));
-        assert_eq!(kernel_version("6"), None);
-        assert_eq!(kernel_version("x.y"), None);
+        assert_eq!(crate::host::kernel_version("6.8.0-45-generic"), Some((6, 8)));
+        assert_eq!(crate::host::kernel_version("6.13\n"), Some((6, 13)));
+        assert_eq!(crate::host::kernel_version("6"), None);
+        assert_eq!(crate::host::kernel_version("x.y"), None);
         assert!((6, 13) >= IOAS_MAP_FILE_KERNEL && (6, 12) < IOAS_MAP_FILE_KERNEL);
     }
 

@@ -14,6 +14,15 @@ pub mod signature;
 pub mod size;
 pub mod sysfs;
 
+/// `(major, minor)` of a kernel release string (`6.8.0-45-generic`, the
+/// text of /proc/sys/kernel/osrelease).
+pub fn kernel_version(release: &str) -> Option<(u32, u32)> {
+    let mut it = release.trim().split(['.', '-']);
+    let major = it.next()?.parse().ok()?;
+    let minor = it.next()?.parse().ok()?;
+    Some((major, minor))
+}
+
 /// What kind of file `ft` is, for messages: "a directory", "a FIFO", ...
 pub fn file_kind(ft: &std::fs::FileType) -> &'static str {
     use std::os::unix::fs::FileTypeExt;

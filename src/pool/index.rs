@@ -28,6 +28,15 @@ pub struct Entry {
     pub tick: u64,
 }
 
+impl Entry {
+    /// Whether anything pins it (a caller or a job). Counts saturate at
+    /// u32::MAX rather than wrap (4 billion pins of one key: the entry
+    /// then stays pinned for good, which only costs its slot).
+    pub fn pinned(&self) -> bool {
+        self.pins > 0 || self.job_pins > 0
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum SlotState {
     Free,
@@ -186,7 +195,7 @@ impl Index {
         let e = self.map.remove(key)?;
         self.lru.remove(&(e.tick, e.slot));
         self.slot_key.remove(&e.slot);
-        if e.pins + e.job_pins > 0 {
+        if e.pinned() {
             self.pinned -= 1;
         }
         self.stale_header[e.slot as usize] = !header_cleared;
@@ -249,7 +258,7 @@ impl Index {
     pub fn touch(&mut self, key: &Key) {
         let t = self.next_tick();
         if let Some(e) = self.map.get_mut(key) {
-            if e.pins + e.job_pins == 0 {
+            if !e.pinned() {
                 self.lru.remove(&(e.tick, e.slot));
                 self.lru.insert((t, e.slot));
             }
@@ -316,14 +325,14 @@ impl Index {
         let Some(e) = self.map.get_mut(key) else {
             return false;
         };
-        if e.pins + e.job_pins == 0 {
+        if !e.pinned() {
             self.lru.remove(&(e.tick, e.slot));
             self.pinned += 1;
         }
         if job {
-            e.job_pins += 1;
+            e.job_pins = e.job_pins.saturating_add(1);
         } else {
-            e.pins += 1;
+            e.pins = e.pins.saturating_add(1);
         }
         true
     }
@@ -337,7 +346,7 @@ impl Index {
             return;
         }
         *count -= 1;
-        if e.pins + e.job_pins == 0 {
+        if !e.pinned() {
             self.lru.insert((e.tick, e.slot));
             self.pinned -= 1;
         }
@@ -470,7 +479,7 @@ impl Index {
             self.slot_key.remove(&e.slot);
             self.slots[e.slot as usize] = SlotState::Free;
             self.free.insert(e.slot);
-            if e.pins + e.job_pins > 0 {
+            if e.pinned() {
                 self.pinned -= 1;
             }
         }

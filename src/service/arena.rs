@@ -13,10 +13,13 @@
 //! after it disconnects (or is dropped) for as long as its process lives,
 //! so the next client of the slice gets a new file mapped over the same
 //! addresses, never the last one's, and the engine is told each time that
-//! new pages back them (`Tier::remap_memory`): first private placeholder
-//! pages (`vacate`), so that neither the service nor the engine holds the
-//! old file's pages (reserved huge pages go back to the system once the
-//! last client unmaps them), then the new file (`renew`).
+//! new pages back them (`Tier::remap_memory`): first a placeholder
+//! (`vacate`), so that neither the service nor the engine holds the old
+//! file's pages (reserved huge pages go back to the system once the last
+//! client unmaps them), then the new file (`renew`). The placeholder is one
+//! small file, a layer's slice long, mapped over every layer of every
+//! vacated slice: io_uring pins what it registers, so a placeholder of the
+//! slice's whole size would cost that much memory while it lasts.
 //!
 //! Inside a slice's file layer `l` of block `b` is at
 //! `l * slot_stride + 2 * b * object_bytes` (K, then V): per layer, a tensor
@@ -47,6 +50,10 @@ pub struct Arena {
     reservation: Reservation,
     /// Each slice's file now; `None` while a slice is between clients.
     files: Mutex<Vec<Option<OwnedFd>>>,
+    /// What a vacated slice's layers map: one layer's slice of pages no
+    /// client has, shared by every vacated slice and layer (nothing reads
+    /// or writes it; it only stands in for the engine's registration).
+    placeholder: OwnedFd,
     geometry: KvGeometry,
     slots: u32,
     slot_blocks: u32,
@@ -104,6 +111,7 @@ impl Arena {
         Ok(Arena {
             reservation,
             files: Mutex::new(files.into_iter().map(Some).collect()),
+            placeholder: sealed_memfd("kvtier-vacated", slot_stride, false)?,
             geometry,
             slots,
             slot_blocks,
@@ -139,14 +147,18 @@ impl Arena {
         Ok(fd)
     }
 
-    /// Let go of slice `s`'s file: private placeholder pages over its
-    /// addresses, and the service's descriptor closed. No job may use the
-    /// slice. An error leaves the slice unusable: the caller retires it.
+    /// Let go of slice `s`'s file: the placeholder over each of its layers,
+    /// and the service's descriptor closed. No job may use the slice. An
+    /// error leaves the slice unusable: the caller retires it.
     pub fn vacate(&self, s: u32) -> Result<()> {
         let stride = self.slot_stride() * self.slots as u64;
         for l in 0..self.geometry.layers as u64 {
-            self.reservation
-                .map_placeholder(l * stride + s as u64 * self.slot_stride(), self.slot_stride())?;
+            self.reservation.map_fixed(
+                l * stride + s as u64 * self.slot_stride(),
+                self.slot_stride(),
+                &self.placeholder,
+                0,
+            )?;
         }
         // The service's own descriptor: the file lives on only in the last
         // client's mapping (and the engine's registration, until told).

@@ -159,6 +159,8 @@ struct Shared {
     /// Slices on their way from their last client to the next, out of
     /// `free_slots` until the engine reaches their new file.
     renewing: Mutex<Vec<Renewal>>,
+    /// Slices retired (their memory could not be renewed): out for good.
+    retired: AtomicU32,
     /// Who owns each unfinished job. Held across a load's submit and the
     /// insert, so the dispatcher never sees a layer event it cannot place.
     owners: Mutex<HashMap<JobId, Arc<Client>>>,
@@ -214,10 +216,14 @@ impl Shared {
                     slot,
                     stage: RenewalStage::Vacated,
                     since: Instant::now(),
+                    said_waiting: false,
                 });
                 self.renew_pending();
             }
-            Err(e) => retire(slot, &e),
+            Err(e) => {
+                self.retired.fetch_add(1, Ordering::SeqCst);
+                retire(slot, &e);
+            }
         }
     }
 
@@ -262,10 +268,27 @@ impl Shared {
                     lock(&self.free_slots).push(r.slot);
                     return false;
                 }
-                Ok(None) => return true,
+                Ok(None) => {
+                    // An engine that maps memory only when idle (nvme, gpu)
+                    // under steady load from other clients may wait long.
+                    if r.stage != RenewalStage::Remapped
+                        && !r.said_waiting
+                        && r.since.elapsed() >= IDLE_WAIT_SAID
+                    {
+                        r.said_waiting = true;
+                        log(format_args!(
+                            "client slot {}: its next client's memory waits for a moment with no I/O in flight (the {} engine maps memory only then), {:?} so far; the slot is given out once it comes",
+                            r.slot,
+                            self.handle.engine(),
+                            r.since.elapsed()
+                        ));
+                    }
+                    return true;
+                }
                 // A service stopping meanwhile closed the handle: no next client.
                 Err(_) if self.stopping.load(Ordering::SeqCst) => return false,
                 Err(e) => {
+                    self.retired.fetch_add(1, Ordering::SeqCst);
                     retire(r.slot, &e);
                     return false;
                 }
@@ -415,6 +438,7 @@ impl Service {
         geometry: KvGeometry,
         cfg: ServiceConfig,
     ) -> Result<Service> {
+        sys::check_kernel()?;
         let arena = Arena::new(geometry, cfg.clients, cfg.client_blocks)?;
         if let Ok(meta) = std::fs::symlink_metadata(&cfg.socket) {
             use std::os::unix::fs::FileTypeExt;
@@ -454,6 +478,7 @@ impl Service {
         let shared = Arc::new(Shared {
             free_slots: Mutex::new((0..cfg.clients).rev().collect()),
             renewing: Mutex::new(Vec::new()),
+            retired: AtomicU32::new(0),
             handle,
             arena,
             cfg,
@@ -652,9 +677,11 @@ impl Service {
 
 /// Route events to their clients; collect every result.
 fn dispatch(s: &Shared, comps: crate::handle::Completions) {
+    let mut last_renewal = Instant::now();
     loop {
-        if !lock(&s.renewing).is_empty() {
+        if last_renewal.elapsed() >= RENEW_RETRY && !lock(&s.renewing).is_empty() {
             s.renew_pending();
+            last_renewal = Instant::now();
         }
         let Some(ev) = comps.recv_timeout(Duration::from_millis(50)) else {
             if s.dispatcher_done.load(Ordering::SeqCst) {
@@ -704,12 +731,14 @@ struct Renewal {
     stage: RenewalStage,
     /// When its client let go of it.
     since: Instant,
+    /// Said that the engine waits for a moment with no I/O in flight.
+    said_waiting: bool,
 }
 
 /// A slice's way to its next client: placeholder pages mapped (`Vacated`),
 /// the engine told (`Remapped`), a new file mapped (`Mapped`), the engine
 /// told: free.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum RenewalStage {
     Vacated,
     Remapped,
@@ -719,6 +748,13 @@ enum RenewalStage {
 /// How long a renewed slice waits for reserved huge pages (its last
 /// client's, once unmapped) before taking small pages.
 const HUGE_PAGES_WAIT: Duration = Duration::from_secs(2);
+
+/// How long a slice waits for its engine to map its memory before the log
+/// says so.
+const IDLE_WAIT_SAID: Duration = Duration::from_secs(10);
+
+/// The dispatcher's pause between turns of the slices being renewed.
+const RENEW_RETRY: Duration = Duration::from_millis(20);
 
 /// A slice that could not be given new memory leaves service for good.
 fn retire(slot: u32, why: &Error) {
@@ -835,7 +871,18 @@ fn serve_client(s: &Arc<Shared>, stream: UnixStream, hello_due: Instant) {
             let Some(slot) = lock(&s.free_slots).pop() else {
                 refuse(&stream, req, Failure::new(
                     ErrorKind::Backpressure,
-                    format!("all {} client slots of this service are taken (its clients setting); retry once a client leaves", s.cfg.clients),
+                    format!(
+                        "all {} client slots of this service are taken (its clients setting){}{}; retry once a client leaves",
+                        s.cfg.clients,
+                        match lock(&s.renewing).len() {
+                            0 => String::new(),
+                            n => format!(", {n} of them getting new memory for their next client (a moment)"),
+                        },
+                        match s.retired.load(Ordering::SeqCst) {
+                            0 => String::new(),
+                            n => format!(", {n} retired (their memory could not be renewed: see the service's log)"),
+                        },
+                    ),
                 ));
                 log(format_args!(
                     "refused pid {}: all {} client slots taken",
@@ -1064,7 +1111,7 @@ fn answer(
             for (k, g) in keys.iter().zip(&gens) {
                 let gens = pins.entry(*k).or_default();
                 match gens.back_mut() {
-                    Some((last, n)) if last == g => *n += 1,
+                    Some((last, n)) if last == g => *n = n.saturating_add(1),
                     _ => gens.push_back((*g, 1)),
                 }
             }

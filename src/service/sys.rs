@@ -90,6 +90,30 @@ pub fn populate_for_write(addr: u64, len: u64) -> Result<()> {
     Ok(())
 }
 
+/// The oldest kernel the service runs on: it faults a client's slice in
+/// with MADV_POPULATE_WRITE (5.14) and re-registers io_uring fixed buffers
+/// in place with IORING_REGISTER_BUFFERS_UPDATE (5.13); on an older one
+/// every client would be dropped at its first job and every slot retired at
+/// its first disconnect, so the service refuses to start.
+pub const MIN_KERNEL: (u32, u32) = (5, 14);
+
+/// Refuses a kernel older than [`MIN_KERNEL`] (an unreadable release is
+/// let through: the calls then say what fails).
+pub fn check_kernel() -> Result<()> {
+    let Ok(release) = std::fs::read_to_string("/proc/sys/kernel/osrelease") else {
+        return Ok(());
+    };
+    match crate::host::kernel_version(&release) {
+        Some(v) if v < MIN_KERNEL => Err(Error::Unsupported(format!(
+            "kvtier serve needs Linux {}.{} or newer (MADV_POPULATE_WRITE, io_uring buffer updates); this kernel is {}: run the service on a newer kernel, or give each engine a pool of its own",
+            MIN_KERNEL.0,
+            MIN_KERNEL.1,
+            release.trim()
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// Whether `fd` is a memfd of exactly `bytes` that nobody can resize.
 pub fn check_sealed(fd: &OwnedFd, bytes: u64) -> Result<()> {
     // SAFETY: fcntl F_GET_SEALS on a valid fd.
@@ -210,50 +234,29 @@ impl Reservation {
         Ok(())
     }
 
-    /// Map private zero pages over `len` bytes at `offset`, in place of a
-    /// slice's file: the service's hold on that file's pages ends (and the
-    /// engine's, once told), while its registered memory stays readable
-    /// and writable for the engine to register again. No job may use them.
-    pub fn map_placeholder(&self, offset: u64, len: u64) -> Result<()> {
-        self.map_anonymous(
-            offset,
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            "mapping a placeholder over a client's old slice",
-        )
-    }
-
     /// Give `len` bytes at `offset` back to PROT_NONE address space (a
     /// mapping replaced before any I/O used it).
     pub fn unmap(&self, offset: u64, len: u64) -> Result<()> {
-        self.map_anonymous(
-            offset,
-            len,
-            libc::PROT_NONE,
-            "returning the service's KV arena to reserved space",
-        )
-    }
-
-    /// Private anonymous memory of `prot` over `len` bytes at `offset`.
-    fn map_anonymous(&self, offset: u64, len: u64, prot: libc::c_int, what: &str) -> Result<()> {
         if offset.checked_add(len).is_none_or(|e| e > self.len as u64) {
-            return Err(Error::invalid(format!("{what}: past the reservation")));
+            return Err(Error::invalid("arena unmapping past the reservation"));
         }
         let at = (self.base as u64 + offset) as *mut libc::c_void;
-        // SAFETY: MAP_FIXED over our own reservation, replacing a mapping no
-        // job uses (the arena being built, or a slice between clients).
+        // SAFETY: MAP_FIXED over our own reservation, replacing a mapping
+        // no I/O uses yet (the arena is being built).
         let p = unsafe {
             libc::mmap(
                 at,
                 len as usize,
-                prot,
+                libc::PROT_NONE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
                 -1,
                 0,
             )
         };
         if p == libc::MAP_FAILED {
-            return Err(last_os(what));
+            return Err(last_os(
+                "returning the service's KV arena to reserved space",
+            ));
         }
         Ok(())
     }
@@ -512,4 +515,24 @@ pub fn shmem_huge_pages() -> Option<bool> {
     let s = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled").ok()?;
     let chosen = s.split_whitespace().find(|w| w.starts_with('['))?;
     Some(!matches!(chosen, "[never]" | "[deny]"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Distribution kernels' release strings, and which the service takes.
+    #[test]
+    fn kernel_versions_are_read_and_old_ones_refused() {
+        use crate::host::kernel_version;
+        assert_eq!(kernel_version("6.1.0-28-amd64\n"), Some((6, 1)));
+        assert_eq!(kernel_version("5.10.0-32-cloud-amd64"), Some((5, 10)));
+        assert_eq!(
+            kernel_version("5.14.0-427.13.1.el9_4.x86_64"),
+            Some((5, 14))
+        );
+        assert_eq!(kernel_version("garbage"), None);
+        assert!((5, 10) < MIN_KERNEL && (5, 14) >= MIN_KERNEL && (6, 1) >= MIN_KERNEL);
+        check_kernel().expect("this machine's kernel is new enough for the tests");
+    }
 }
