@@ -161,6 +161,11 @@ struct Shared {
     renewing: Mutex<Vec<Renewal>>,
     /// Slices retired (their memory could not be renewed): out for good.
     retired: AtomicU32,
+    /// New loads and stores are refused (backpressure) so that the I/O in
+    /// flight drains: a slice has waited `FENCE_AFTER` for an engine that
+    /// maps memory only with nothing in flight (nvme, gpu), which steady
+    /// load from other clients would deny it for good.
+    fence: AtomicBool,
     /// Who owns each unfinished job. Held across a load's submit and the
     /// insert, so the dispatcher never sees a layer event it cannot place.
     owners: Mutex<HashMap<JobId, Arc<Client>>>,
@@ -237,6 +242,7 @@ impl Shared {
         let mut renewing = lock(&self.renewing);
         if self.stopping.load(Ordering::SeqCst) {
             renewing.clear();
+            self.fence.store(false, Ordering::SeqCst);
             return;
         }
         renewing.retain_mut(|r| loop {
@@ -294,6 +300,29 @@ impl Shared {
                 }
             }
         });
+        let fence = renewing
+            .iter()
+            .any(|r| r.stage != RenewalStage::Remapped && r.since.elapsed() >= FENCE_AFTER);
+        if self.fence.swap(fence, Ordering::SeqCst) != fence {
+            log(format_args!(
+                "{}",
+                if fence {
+                    "holding new loads and stores (backpressure) until the I/O in flight drains, so the engine can map a client slot's new memory"
+                } else {
+                    "taking loads and stores again"
+                }
+            ));
+        }
+    }
+
+    /// The refusal of a new job while the fence stands (`fence`).
+    fn fenced(&self) -> Option<Response> {
+        self.fence.load(Ordering::SeqCst).then(|| {
+            refused(Error::Backpressure(format!(
+                "the kvtier service is giving a client slot new memory, which the {} engine maps only with no I/O in flight: submit again in a moment",
+                self.handle.engine()
+            )))
+        })
     }
 
     /// Before `c`'s first job: its slice's file must be sealed against holes
@@ -479,6 +508,7 @@ impl Service {
             free_slots: Mutex::new((0..cfg.clients).rev().collect()),
             renewing: Mutex::new(Vec::new()),
             retired: AtomicU32::new(0),
+            fence: AtomicBool::new(false),
             handle,
             arena,
             cfg,
@@ -752,6 +782,10 @@ const HUGE_PAGES_WAIT: Duration = Duration::from_secs(2);
 /// How long a slice waits for its engine to map its memory before the log
 /// says so.
 const IDLE_WAIT_SAID: Duration = Duration::from_secs(10);
+
+/// How long a slice waits for an idle engine before new jobs are held
+/// (`Shared::fence`).
+const FENCE_AFTER: Duration = Duration::from_secs(1);
 
 /// The dispatcher's pause between turns of the slices being renewed.
 const RENEW_RETRY: Duration = Duration::from_millis(20);
@@ -1154,7 +1188,11 @@ fn answer(
             else {
                 return Ok(Some(lookup_only_refusal("load")));
             };
-            if let Some(refusal) = s.slice_ready(c)?.or_else(|| s.over_share(c, 0)) {
+            if let Some(refusal) = s
+                .slice_ready(c)?
+                .or_else(|| s.fenced())
+                .or_else(|| s.over_share(c, 0))
+            {
                 return Ok(Some(refusal));
             }
             let mut owners = lock(&s.owners);
@@ -1181,6 +1219,7 @@ fn answer(
             };
             if let Some(refusal) = s
                 .slice_ready(c)?
+                .or_else(|| s.fenced())
                 .or_else(|| s.over_share(c, keys.len() as u64))
             {
                 return Ok(Some(refusal));
