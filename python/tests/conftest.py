@@ -53,15 +53,31 @@ def kvtier_bin() -> str | None:
     return None
 
 
+def serve_process(binary, pool_dir, sock, log, args):
+    """`kvtier serve` on a pool of 64 MiB in `pool_dir` at `sock` (its
+    stderr in `log`, more arguments in `args`), once it says it serves: the
+    process. Started again on the same pool, it serves what was stored."""
+    import subprocess
+    import time
+
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            [binary, "serve", "--dir", str(pool_dir), "--capacity", "64m", "--socket", str(sock)]
+            + list(args), stderr=err)
+    deadline = time.monotonic() + 30
+    while b"serving " not in log.read_bytes():
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.02)
+    return proc
+
+
 @pytest.fixture
 def kvtier_service(tmp_path, tiny_model):
     """Starts `kvtier serve` for the tiny model on a pool in tmp_path:
     kvtier_service(clients=, client_blocks=, model=, block_size=) -> (socket,
     log path). Each is
     stopped with SIGTERM at the end and must exit 0."""
-    import subprocess
-    import time
-
     binary = kvtier_bin()
     if binary is None:
         pytest.skip("no kvtier binary: run `cargo build` (or set KVTIER_BIN)")
@@ -72,21 +88,11 @@ def kvtier_service(tmp_path, tiny_model):
         n = len(started)
         sock = tmp_path / f"kvtier{n}.sock"
         log = tmp_path / f"serve{n}.log"
-        with open(log, "wb") as err:
-            proc = subprocess.Popen(
-                [binary, "serve", "--dir", str(tmp_path / f"svc-pool{n}"), "--capacity", "64m",
-                 "--model", model or tiny_model, "--block-size", str(block_size),
-                 "--socket", str(sock), "--clients", str(clients),
-                 "--client-blocks", str(client_blocks), "--tp-size", str(tp_size)]
-                + (["--dtype", dtype] if dtype else []),
-                stderr=err,
-            )
+        proc = serve_process(binary, tmp_path / f"svc-pool{n}", sock, log,
+                             ["--model", model or tiny_model, "--block-size", str(block_size),
+                              "--clients", str(clients), "--client-blocks", str(client_blocks),
+                              "--tp-size", str(tp_size)] + (["--dtype", dtype] if dtype else []))
         started.append((proc, log))
-        deadline = time.monotonic() + 30
-        while b"serving " not in log.read_bytes():
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.02)
         return sock, log
 
     yield start

@@ -708,9 +708,8 @@ def test_lmcache_l2_over_a_service_that_restarts_misses_then_reconnects(tmp_path
     thread, and once it is back the adapter connects again and finds the
     chunks stored before the restart, bytes equal."""
     import signal
-    import subprocess
 
-    from conftest import kvtier_bin
+    from conftest import kvtier_bin, serve_process
 
     binary = kvtier_bin()
     if binary is None:
@@ -718,16 +717,9 @@ def test_lmcache_l2_over_a_service_that_restarts_misses_then_reconnects(tmp_path
     sock = tmp_path / "kvtier.sock"
 
     def serve(log):
-        with open(log, "wb") as err:
-            proc = subprocess.Popen(
-                [binary, "serve", "--dir", str(tmp_path / "svc-pool"), "--capacity", "64m",
-                 "--model", tiny_model, "--block-size", str(CHUNK), "--socket", str(sock),
-                 "--clients", "2", "--client-blocks", "8"], stderr=err)
-        deadline = time.monotonic() + 30
-        while b"serving " not in log.read_bytes():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.02)
-        return proc
+        return serve_process(binary, tmp_path / "svc-pool", sock, log,
+                             ["--model", tiny_model, "--block-size", str(CHUNK),
+                              "--clients", "2", "--client-blocks", "8"])
 
     proc = serve(tmp_path / "serve1.log")
     a, l1 = service_adapter(sock, tiny_model, 9, service_reconnect_s=0.2)

@@ -886,7 +886,7 @@ def test_worker_over_a_service_that_goes_away_misses_then_reconnects(tmp_path, t
     worker connects again and loads what was stored before the restart."""
     import signal
 
-    from conftest import kvtier_bin
+    from conftest import kvtier_bin, serve_process
 
     binary = kvtier_bin()
     if binary is None:
@@ -894,16 +894,9 @@ def test_worker_over_a_service_that_goes_away_misses_then_reconnects(tmp_path, t
     sock = tmp_path / "kvtier.sock"
 
     def serve(log):
-        with open(log, "wb") as err:
-            proc = subprocess.Popen(
-                [binary, "serve", "--dir", str(tmp_path / "svc-pool"), "--capacity", "64m",
-                 "--model", tiny_model, "--block-size", str(BS), "--socket", str(sock),
-                 "--clients", "2", "--client-blocks", "32"], stderr=err)
-        deadline = time.monotonic() + 30
-        while b"serving " not in log.read_bytes():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.02)
-        return proc
+        return serve_process(binary, tmp_path / "svc-pool", sock, log,
+                             ["--model", tiny_model, "--block-size", str(BS),
+                              "--clients", "2", "--client-blocks", "32"])
 
     log = tmp_path / "serve.log"
     proc = serve(log)
