@@ -26,6 +26,7 @@
 //! shaped `(slot_blocks, 2, block_size, kv_heads, head_dim)`, the layout of
 //! vLLM's CPU KV cache.
 
+use super::board::lock;
 use super::sys::{sealed_memfd, Reservation};
 use crate::memory::hugetlb_free_bytes;
 use crate::error::{Error, Result};
@@ -43,6 +44,12 @@ const HUGE_PAGE: u64 = 2 << 20;
 /// bytes (a client's layer is that many blocks, or a multiple).
 fn blocks_per_page(geometry: &KvGeometry, page: u64) -> u64 {
     page / crate::model::gcd(page, 2 * geometry.object_bytes())
+}
+
+/// Where layer `l` of slice `s` starts in the reservation: layers of
+/// `slots` slices of `slot_stride` bytes each, one after another.
+fn slice_offset(slots: u32, slot_stride: u64, s: u32, l: u64) -> u64 {
+    (l * slots as u64 + s as u64) * slot_stride
 }
 
 /// Every client slice, mapped into one reservation.
@@ -119,9 +126,8 @@ impl Arena {
         })
     }
 
-    /// Make slice `s`'s file and map it: its layer `l` at
-    /// `l * stride + s * slot_stride` of the reservation (over whatever
-    /// was mapped there).
+    /// Make slice `s`'s file and map it, each layer at its `slice_offset`
+    /// in the reservation (over whatever was mapped there).
     fn map_slice(
         reservation: &Reservation,
         layers: u32,
@@ -130,7 +136,6 @@ impl Arena {
         s: u32,
         huge: bool,
     ) -> Result<OwnedFd> {
-        let stride = slot_stride * slots as u64;
         let fd = sealed_memfd(
             &format!("kvtier-client-{s}"),
             slot_stride * layers as u64,
@@ -138,7 +143,7 @@ impl Arena {
         )?;
         for l in 0..layers as u64 {
             reservation.map_fixed(
-                l * stride + s as u64 * slot_stride,
+                slice_offset(slots, slot_stride, s, l),
                 slot_stride,
                 &fd,
                 l * slot_stride,
@@ -151,10 +156,9 @@ impl Arena {
     /// and the service's descriptor closed. No job may use the slice. An
     /// error leaves the slice unusable: the caller retires it.
     pub fn vacate(&self, s: u32) -> Result<()> {
-        let stride = self.slot_stride() * self.slots as u64;
         for l in 0..self.geometry.layers as u64 {
             self.reservation.map_fixed(
-                l * stride + s as u64 * self.slot_stride(),
+                slice_offset(self.slots, self.slot_stride(), s, l),
                 self.slot_stride(),
                 &self.placeholder,
                 0,
@@ -162,7 +166,7 @@ impl Arena {
         }
         // The service's own descriptor: the file lives on only in the last
         // client's mapping (and the engine's registration, until told).
-        self.files.lock().unwrap_or_else(|e| e.into_inner())[s as usize] = None;
+        lock(&self.files)[s as usize] = None;
         Ok(())
     }
 
@@ -188,16 +192,15 @@ impl Arena {
             None if self.huge && !small_ok => return Ok(None),
             None => Self::map_slice(&self.reservation, layers, slots, stride, s, false)?,
         };
-        self.files.lock().unwrap_or_else(|e| e.into_inner())[s as usize] = Some(fd);
+        lock(&self.files)[s as usize] = Some(fd);
         Ok(Some(huge))
     }
 
     /// Slice `s`'s addresses in the tier's KV memory, a range per layer.
     pub fn ranges(&self, s: u32) -> Vec<MemRegion> {
-        let stride = self.slot_stride() * self.slots as u64;
         (0..self.geometry.layers as u64)
             .map(|l| MemRegion {
-                addr: self.reservation.addr() + l * stride + s as u64 * self.slot_stride(),
+                addr: self.reservation.addr() + slice_offset(self.slots, self.slot_stride(), s, l),
                 len: self.slot_stride(),
             })
             .collect()
@@ -216,13 +219,12 @@ impl Arena {
 
     /// The tier's view: one block-major KV memory over every slice.
     pub fn kv_memory(&self) -> KvMemory {
-        let stride = self.slot_stride() * self.slots as u64;
         KvMemory {
             geometry: self.geometry,
             num_blocks: self.slots * self.slot_blocks,
             layout: KvLayout::BlockMajor {
                 layer_bases: (0..self.geometry.layers as u64)
-                    .map(|l| self.reservation.addr() + l * stride)
+                    .map(|l| self.reservation.addr() + slice_offset(self.slots, self.slot_stride(), 0, l))
                     .collect(),
             },
             kind: MemoryKind::Host,
@@ -251,7 +253,7 @@ impl Arena {
 
     /// Slice `s`'s file, to send to its client (a descriptor of its own).
     pub fn file(&self, s: u32) -> Result<OwnedFd> {
-        match &self.files.lock().unwrap_or_else(|e| e.into_inner())[s as usize] {
+        match &lock(&self.files)[s as usize] {
             Some(fd) => fd
                 .try_clone()
                 .map_err(|e| Error::io("duplicating a client's shared memory descriptor", e)),

@@ -102,7 +102,6 @@ struct Client {
     /// took, never one another client holds on a later entry of the same
     /// key. Bounded by the entries the pool has held, not by calls.
     pins: Mutex<HashMap<Key, VecDeque<(u64, u32)>>>,
-    /// Its jobs not yet finished.
     /// Its jobs not yet finished, each with its blocks if a store.
     jobs: Mutex<HashMap<JobId, u64>>,
     gone: AtomicBool,
@@ -225,10 +224,7 @@ impl Shared {
                 });
                 self.renew_pending();
             }
-            Err(e) => {
-                self.retired.fetch_add(1, Ordering::SeqCst);
-                retire(slot, &e);
-            }
+            Err(e) => self.retire(slot, &e),
         }
     }
 
@@ -294,8 +290,7 @@ impl Shared {
                 // A service stopping meanwhile closed the handle: no next client.
                 Err(_) if self.stopping.load(Ordering::SeqCst) => return false,
                 Err(e) => {
-                    self.retired.fetch_add(1, Ordering::SeqCst);
-                    retire(r.slot, &e);
+                    self.retire(r.slot, &e);
                     return false;
                 }
             }
@@ -313,6 +308,24 @@ impl Shared {
                 }
             ));
         }
+    }
+
+    /// A slice that could not be given new memory leaves service for good.
+    fn retire(&self, slot: u32, why: &Error) {
+        self.retired.fetch_add(1, Ordering::SeqCst);
+        log(format_args!(
+            "client slot {slot} retired: its next client's memory could not be set up ({why}); this service now takes one client fewer"
+        ));
+    }
+
+    /// Whether `c` may submit a job now (a store of `store_blocks`, a load
+    /// 0): its slice ready, no fence, within its share; else the refusal
+    /// (`Err`: drop it, see `slice_ready`).
+    fn admit(&self, c: &Client, store_blocks: u64) -> std::result::Result<Option<Response>, Claim> {
+        Ok(self
+            .slice_ready(c)?
+            .or_else(|| self.fenced())
+            .or_else(|| self.over_share(c, store_blocks)))
     }
 
     /// The refusal of a new job while the fence stands (`fence`).
@@ -790,13 +803,6 @@ const FENCE_AFTER: Duration = Duration::from_secs(1);
 /// The dispatcher's pause between turns of the slices being renewed.
 const RENEW_RETRY: Duration = Duration::from_millis(20);
 
-/// A slice that could not be given new memory leaves service for good.
-fn retire(slot: u32, why: &Error) {
-    log(format_args!(
-        "client slot {slot} retired: its next client's memory could not be set up ({why}); this service now takes one client fewer"
-    ));
-}
-
 /// What ends a client's connection.
 enum End {
     /// It hung up.
@@ -1188,11 +1194,7 @@ fn answer(
             else {
                 return Ok(Some(lookup_only_refusal("load")));
             };
-            if let Some(refusal) = s
-                .slice_ready(c)?
-                .or_else(|| s.fenced())
-                .or_else(|| s.over_share(c, 0))
-            {
+            if let Some(refusal) = s.admit(c, 0)? {
                 return Ok(Some(refusal));
             }
             let mut owners = lock(&s.owners);
@@ -1217,11 +1219,7 @@ fn answer(
             else {
                 return Ok(Some(lookup_only_refusal("store")));
             };
-            if let Some(refusal) = s
-                .slice_ready(c)?
-                .or_else(|| s.fenced())
-                .or_else(|| s.over_share(c, keys.len() as u64))
-            {
+            if let Some(refusal) = s.admit(c, keys.len() as u64)? {
                 return Ok(Some(refusal));
             }
             // Not under the owners' lock: the submit hashes the blocks, and
