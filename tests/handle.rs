@@ -5,7 +5,6 @@ mod common;
 
 use common::fault::{FaultEngine, Faults, Stall};
 use common::*;
-use kvtier::engine::uring::{UringDevice, UringEngine};
 use kvtier::error::ErrorKind;
 use kvtier::handle::{EngineChoice, Event, HandleConfig, TierBuilder, TierHandle};
 use kvtier::pool::{Key, Pool};
@@ -18,16 +17,6 @@ use std::time::{Duration, Instant};
 
 fn keys(r: std::ops::Range<u64>) -> Vec<Key> {
     r.map(Key::from_u64).collect()
-}
-
-fn uring_of(pool: &Pool) -> Box<dyn kvtier::engine::IoEngine> {
-    let devs: Vec<UringDevice> = pool
-        .device_fds()
-        .unwrap()
-        .into_iter()
-        .map(|(fd, name)| UringDevice { fd, name })
-        .collect();
-    Box::new(UringEngine::new(&devs, Default::default()).unwrap())
 }
 
 /// A handle on a fresh pool of `slots` blocks behind the faulty double.
@@ -46,7 +35,7 @@ fn faulty_handle(
     let h = TierBuilder::default()
         .custom_engine(move || {
             let pool = Pool::create(&pcfg)?;
-            let eng = uring_of(&pool);
+            let eng = uring_of(&pool)?;
             Ok((pool, Box::new(FaultEngine::wrap(eng, f)) as _))
         })
         .config(cfg)

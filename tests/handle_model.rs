@@ -10,7 +10,6 @@ mod common;
 
 use common::fault::{FaultEngine, Faults};
 use common::*;
-use kvtier::engine::uring::{UringDevice, UringEngine};
 use kvtier::error::ErrorKind;
 use kvtier::handle::{HandleConfig, TierBuilder, TierHandle};
 use kvtier::pool::{Key, Pool};
@@ -34,12 +33,7 @@ fn rig(dir: &TempDir, threads: u32) -> (TierHandle, Arc<HostKvCache>, Arc<Mutex<
     let h = TierBuilder::default()
         .custom_engine(move || {
             let pool = Pool::create(&pcfg)?;
-            let devs: Vec<UringDevice> = pool
-                .device_fds()?
-                .into_iter()
-                .map(|(fd, name)| UringDevice { fd, name })
-                .collect();
-            let eng = Box::new(UringEngine::new(&devs, Default::default())?);
+            let eng = uring_of(&pool)?;
             Ok((pool, Box::new(FaultEngine::wrap(eng, f)) as _))
         })
         .config(HandleConfig::default())

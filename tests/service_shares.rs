@@ -133,7 +133,6 @@ impl kvtier::engine::IoEngine for IdleRemap {
 /// refused as backpressure until the I/O drains, then taken again.
 #[test]
 fn a_slot_renews_under_steady_load_on_an_engine_that_maps_only_when_idle() {
-    use kvtier::engine::uring::{UringDevice, UringEngine};
     use kvtier::pool::Pool;
     use kvtier::service::{Service, ServiceConfig};
     use kvtier::TierBuilder;
@@ -147,13 +146,8 @@ fn a_slot_renews_under_steady_load_on_an_engine_that_maps_only_when_idle() {
     let pcfg = common::pool_config(g, 4, &devs, 64);
     let builder = TierBuilder::default().custom_engine(move || {
         let pool = Pool::create(&pcfg)?;
-        let devs: Vec<UringDevice> = pool
-            .device_fds()?
-            .into_iter()
-            .map(|(fd, name)| UringDevice { fd, name })
-            .collect();
-        let uring = UringEngine::new(&devs, Default::default())?;
-        Ok((pool, Box::new(IdleRemap::new(Box::new(uring))) as _))
+        let uring = common::uring_of(&pool)?;
+        Ok((pool, Box::new(IdleRemap::new(uring)) as _))
     });
     let sock = dir.file("s.sock");
     let svc = Service::start(

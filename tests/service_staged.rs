@@ -34,6 +34,20 @@ fn seed(k: u64) -> u64 {
     common::seed_of(k)
 }
 
+/// Blocks `mem` of `c` hold every layer of keys `first_key..` in order
+/// (a load landed), but for the one at `failed` (its key failed).
+fn assert_loaded(c: &HostKvCache, mem: &[u32], first_key: u64, failed: Option<usize>) {
+    let layers = 0..c.memory().geometry.layers;
+    for (i, &b) in mem.iter().enumerate() {
+        if Some(i) != failed {
+            assert!(
+                c.block_matches(b, seed(first_key + i as u64), layers.clone()),
+                "block {b}"
+            );
+        }
+    }
+}
+
 /// Host memory posing as the GPU's KV memory, copied by the CPU.
 struct HostRig(Arc<HostKvCache>);
 
@@ -214,12 +228,7 @@ fn long_load_goes_through_a_small_staging_area_in_chunks() {
     }
     assert!(TierApi::wait(&t, j).unwrap().all_ok());
     t.unpin(&ks);
-    for (i, &b) in into.iter().enumerate() {
-        assert!(
-            c.block_matches(b, seed(500 + i as u64), 0..g.layers),
-            "block {b}"
-        );
-    }
+    assert_loaded(&c, &into, 500, None);
     // The staging's places are the first 2 * 3 + 4 blocks of the slice;
     // a staging that does not fit the slice is refused with the sizes.
     let e = TierBuilder::default()
@@ -346,14 +355,7 @@ fn copy_marks_come_in_order_and_never_for_a_failed_layer() {
     let r = path.wait(&mut client, job).unwrap();
     let failed: Vec<Key> = r.failures().map(|(k, _)| *k).collect();
     assert_eq!(failed, keys_in(703..704), "only the damaged key fails");
-    for (i, &b) in mem.iter().enumerate() {
-        if i != 3 {
-            assert!(
-                c.block_matches(b, seed(700 + i as u64), 0..g.layers),
-                "block {b}"
-            );
-        }
-    }
+    assert_loaded(&c, &mem, 700, Some(3));
     path.drain(&mut client).unwrap();
     drop(path);
     drop(client);
@@ -455,12 +457,7 @@ fn reads_run_ahead_of_the_layer_buffers_over_shared_staging() {
     assert_eq!(marks, (0..g.layers).collect::<Vec<_>>());
     assert_eq!(events, (0..g.layers).map(|l| (l, true)).collect::<Vec<_>>());
     assert!(path.wait(&mut client, job).unwrap().all_ok());
-    for (i, &b) in mem.iter().enumerate() {
-        assert!(
-            c.block_matches(b, seed(800 + i as u64), 0..g.layers),
-            "block {b}"
-        );
-    }
+    assert_loaded(&c, &mem, 800, None);
     path.drain(&mut client).unwrap();
     drop(path);
     drop(client);
@@ -768,13 +765,6 @@ fn a_key_that_leaves_the_pool_under_a_staged_load_fails_alone() {
         .recv_timeout(Duration::from_secs(60))
         .expect("the staged load never ended (a request loop in the path)");
     assert_eq!(failed, keys_in(803..804), "only the key that left fails");
-    for (i, &b) in mem.iter().enumerate() {
-        if i != 3 {
-            assert!(
-                c.block_matches(b, seed(800 + i as u64), 0..g.layers),
-                "block {b}"
-            );
-        }
-    }
+    assert_loaded(&c, &mem, 800, Some(3));
     svc.stop();
 }

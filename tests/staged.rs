@@ -841,7 +841,6 @@ fn double_handle_drop_with_staged_jobs_in_flight() {
 #[test]
 fn double_handle_chunked_store_does_not_block_the_handle() {
     use common::fault::{FaultEngine, Faults};
-    use kvtier::engine::uring::{UringDevice, UringEngine};
     use kvtier::handle::{HandleConfig, TierBuilder};
     use kvtier::sched::Policy;
     use std::sync::mpsc;
@@ -856,12 +855,7 @@ fn double_handle_chunked_store_does_not_block_the_handle() {
     let h = TierBuilder::default()
         .custom_engine(move || {
             let pool = kvtier::Pool::create(&pcfg)?;
-            let devs: Vec<UringDevice> = pool
-                .device_fds()?
-                .into_iter()
-                .map(|(fd, name)| UringDevice { fd, name })
-                .collect();
-            let eng = Box::new(UringEngine::new(&devs, Default::default())?);
+            let eng = common::uring_of(&pool)?;
             Ok((pool, Box::new(FaultEngine::wrap(eng, f)) as _))
         })
         .config(HandleConfig::default().with_policy(Policy::Naive))

@@ -445,19 +445,12 @@ fn defer_taskrun_round_trip_and_the_thread_rule() {
 #[test]
 fn first_layer_goes_to_the_device_alone_half_at_a_time() {
     use common::fault::{FaultEngine, Faults};
-    use kvtier::engine::uring::{UringDevice, UringEngine};
     use std::sync::Mutex;
 
     let dir = TempDir::new("firstlayer");
     let geo = tiny_geometry();
     let pool = create_pool(&dir, geo, 16, 1, 2); // 32 slots in groups of 16
-    let devs: Vec<UringDevice> = pool
-        .device_fds()
-        .unwrap()
-        .into_iter()
-        .map(|(fd, name)| UringDevice { fd, name })
-        .collect();
-    let uring = Box::new(UringEngine::new(&devs, Default::default()).unwrap());
+    let uring = uring_of(&pool).unwrap();
     let faults = Arc::new(Mutex::new(Faults::default()));
     let engine = FaultEngine::wrap(uring, faults.clone());
     // One object per read: layer 0 of 16 blocks is 32 reads.

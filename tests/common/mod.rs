@@ -83,6 +83,18 @@ pub fn device_bytes(geo: &KvGeometry, g: u32, groups: u64) -> u64 {
         + groups * kvtier::pool::layout::PoolLayout::group_bytes_for(geo, g)
 }
 
+/// The io_uring engine over `pool`'s devices, default settings (what a
+/// test double of a device wraps, or a custom engine starts from).
+pub fn uring_of(pool: &Pool) -> kvtier::Result<Box<dyn kvtier::engine::IoEngine>> {
+    use kvtier::engine::uring::{UringDevice, UringEngine};
+    let devs: Vec<UringDevice> = pool
+        .device_fds()?
+        .into_iter()
+        .map(|(fd, name)| UringDevice { fd, name })
+        .collect();
+    Ok(Box::new(UringEngine::new(&devs, Default::default())?))
+}
+
 pub fn pool_config(geo: KvGeometry, g: u32, devs: &[PathBuf], groups_per_dev: u64) -> PoolConfig {
     PoolConfig::new(geo, "test", "test/ns")
         .with_group_blocks(g)
