@@ -61,6 +61,7 @@ from . import (
     resolve_model,
 )
 from ._kvtier import _exit_grace, _exiting
+from ._service import ServiceLink
 
 __all__ = ["KvtierL2", "COUNTERS"]
 
@@ -248,14 +249,12 @@ class KvtierL2:
             )
         del workers  # accepted for old configurations: one I/O thread now serves all
         self.tier: TierHandle
-        # Over a service: how to connect again, when the connection went
-        # away (None while up) and when a new one was last tried.
+        # Over a service: how to connect again, whether the connection went
+        # away and when to try again.
         self._service = service
         self._connect = lambda: (TierBuilder().service(service, blocks=staging_blocks or 0)
                                  .model(model, block_size=chunk_size, dtype=dtype).build())
-        self._gone_at: float | None = None
-        self._reconnect_tried = 0.0
-        self._reconnect_s = float(service_reconnect_s)
+        self._link = ServiceLink(service_reconnect_s)
         if service is not None:
             # The service's pool, checked to serve this model at this chunk
             # size; without staging_blocks, all the memory it gives a client.
@@ -554,10 +553,9 @@ class KvtierL2:
     def _gone(self, e: Exception) -> None:
         """The kvtier service's connection went away: said once; until a new
         one (`_keep_connected`), gets miss and sets are dropped."""
-        if self._service is not None and isinstance(e, ClosedError) and self._gone_at is None:
-            self._gone_at = self._reconnect_tried = time.monotonic()
+        if self._service is not None and isinstance(e, ClosedError) and self._link.went_away():
             logger.warning("kvtier L2: %s; chunks miss and are not stored until the kvtier "
-                           "service answers again (tried every %.0f s)", e, self._reconnect_s)
+                           "service answers again (tried every %.0f s)", e, self._link.every_s)
 
     def _keep_connected(self) -> None:
         """Over a service, every ``service_reconnect_s``: while connected,
@@ -565,12 +563,9 @@ class KvtierL2:
         an error, so gets alone would never notice); once it went away,
         connect again, when none of the old connection's jobs is left (their
         staging blocks and results belong to it)."""
-        now = time.monotonic()
-        if (self._service is None or self._gone_at == float("inf")
-                or now - self._reconnect_tried < self._reconnect_s):
+        if self._service is None or not self._link.due():
             return
-        self._reconnect_tried = now
-        if self._gone_at is None:
+        if not self._link.gone:
             try:
                 self.tier.usage()
             except KvtierError as e:
@@ -588,14 +583,13 @@ class KvtierL2:
             logger.warning("kvtier L2: the kvtier service now shares %d blocks with a client, "
                            "fewer than this client's %d: not connecting again",
                            tier.memory_blocks, self.staging_blocks)
-            self._gone_at = float("inf")  # given up: said once
+            self._link.give_up()
             return
         old, self.tier = self.tier, tier
         self._tier_fd = tier.event_fd()
         self._free = list(range(self.staging_blocks - 1, -1, -1))
         logger.info("kvtier L2: connected to the kvtier service %s again after %.1f s",
-                    self._service, now - self._gone_at)
-        self._gone_at = None
+                    self._service, self._link.back())
         try:
             old.close()
         except KvtierError:
@@ -613,7 +607,7 @@ class KvtierL2:
             return True
         timeout = 1.0
         if self._service is not None:
-            timeout = min(timeout, self._reconnect_s)
+            timeout = min(timeout, self._link.every_s)
         if self._waiting and self._retry_at:
             timeout = max(0.0, min(timeout, self._retry_at - time.monotonic()))
         if self._log_interval > 0:
@@ -641,7 +635,7 @@ class KvtierL2:
         for ev in events:
             if ev.kind == "finished" and ev.job in self._jobs:
                 self._settle(ev.job)
-        if self._gone_at is not None:
+        if self._link.gone:
             for job in list(self._jobs):
                 self._settle(job)
 
@@ -701,7 +695,7 @@ class KvtierL2:
             return False
         except Exception as e:  # reported per key, never lost: LMCache waits on this op
             self._gone(e)
-            if op.kind == "get" and len(idx) > 1 and self._gone_at is None:
+            if op.kind == "get" and len(idx) > 1 and not self._link.gone:
                 # One key removed meanwhile (LMCache's delete) refuses the
                 # whole load: load the others one by one.
                 self._free.extend(blocks)

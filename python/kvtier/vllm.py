@@ -81,6 +81,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.logger import init_logger
 
 from . import BackpressureError, ClosedError, KvtierError, TierBuilder, TierHandle
+from ._service import ServiceLink
 from ._vllm_layout import KvMapping, map_kv_caches
 from ._vllm_lookup import LOOKUP as _LOOKUP
 from ._vllm_lookup import PIN as _PIN
@@ -704,11 +705,8 @@ class KvtierConnector(KVConnectorBase_V1):
         except Exception:  # no distributed state: a single rank
             self._rank = 0
         self._tier: TierHandle | None = None
-        # Over a service: when its connection went away (None while up),
-        # when a new one was last tried, and how often to try.
-        self._gone_at: float | None = None
-        self._reconnect_tried = 0.0
-        self._reconnect_s = float(self._kv_transfer_config.get_from_extra_config(
+        # Over a service: whether its connection went away, when to try again.
+        self._link = ServiceLink(self._kv_transfer_config.get_from_extra_config(
             "service_reconnect_s", 5.0))
         self._double = False
         self._server: LookupServer | None = None
@@ -933,21 +931,17 @@ class KvtierConnector(KVConnectorBase_V1):
     def _gone(self, e: ClosedError) -> None:
         """The kvtier service connection is gone: said once; until a new one
         (`_reconnect`), every load and store of this worker is a miss."""
-        if self._gone_at is None:
-            self._gone_at = self._reconnect_tried = time.monotonic()
+        if self._link.went_away():
             logger.warning("kvtier: %s; this worker's loads and stores are misses until the "
                            "kvtier service answers again (tried every %.0f s)", e,
-                           self._reconnect_s)
+                           self._link.every_s)
 
     def _reconnect(self) -> None:
         """Over a service that went away: connect again, every
         ``service_reconnect_s``, once none of the old connection's jobs is
         left here (their staging slots and results belong to it)."""
-        now = time.monotonic()
-        if (self._gone_at is None or now - self._reconnect_tried < self._reconnect_s
-                or self._inflight or self._store_jobs):
+        if not self._link.gone or self._inflight or self._store_jobs or not self._link.due():
             return
-        self._reconnect_tried = now
         old = self._tier
         try:
             self._connect_service(self._map, self._double)
@@ -956,8 +950,7 @@ class KvtierConnector(KVConnectorBase_V1):
             logger.debug("kvtier: the kvtier service does not answer yet: %s", e)
             return
         logger.info("kvtier: rank %d connected to the kvtier service %s again after %.1f s",
-                    self._rank, self._service, now - self._gone_at)
-        self._gone_at = None
+                    self._rank, self._service, self._link.back())
         if old is not None:
             try:
                 old.close()

@@ -73,6 +73,19 @@ def serve_process(binary, pool_dir, sock, log, args):
 
 
 @pytest.fixture
+def restartable_service(tmp_path):
+    """(socket, start): ``start(log, args)`` runs `kvtier serve` (with
+    ``args``: model, block size, clients) on one pool in tmp_path at the
+    socket, and again on the same pool after the test stopped it (a
+    restart): the process. The test stops each one it starts."""
+    binary = kvtier_bin()
+    if binary is None:
+        pytest.skip("no kvtier binary: run `cargo build` (or set KVTIER_BIN)")
+    sock = tmp_path / "kvtier.sock"
+    return sock, lambda log, args: serve_process(binary, tmp_path / "svc-pool", sock, log, args)
+
+
+@pytest.fixture
 def kvtier_service(tmp_path, tiny_model):
     """Starts `kvtier serve` for the tiny model on a pool in tmp_path:
     kvtier_service(clients=, client_blocks=, model=, block_size=) -> (socket,

@@ -702,24 +702,19 @@ def test_two_lmcache_l2_clients_share_one_kvtier_service(tmp_path, tiny_model, k
         KvtierL2(model=tiny_model, chunk_size=CHUNK, service=str(sock), path=str(tmp_path / "p"))
 
 
-def test_lmcache_l2_over_a_service_that_restarts_misses_then_reconnects(tmp_path, tiny_model):
+def test_lmcache_l2_over_a_service_that_restarts_misses_then_reconnects(tmp_path, tiny_model,
+                                                                       restartable_service):
     """`kvtier serve` restarts (an upgrade) under a running LMCache: its
     gets miss while the service is away, never an error out of LMCache's
     thread, and once it is back the adapter connects again and finds the
     chunks stored before the restart, bytes equal."""
     import signal
 
-    from conftest import kvtier_bin, serve_process
-
-    binary = kvtier_bin()
-    if binary is None:
-        pytest.skip("no kvtier binary: run `cargo build` (or set KVTIER_BIN)")
-    sock = tmp_path / "kvtier.sock"
+    sock, start = restartable_service
 
     def serve(log):
-        return serve_process(binary, tmp_path / "svc-pool", sock, log,
-                             ["--model", tiny_model, "--block-size", str(CHUNK),
-                              "--clients", "2", "--client-blocks", "8"])
+        return start(log, ["--model", tiny_model, "--block-size", str(CHUNK),
+                           "--clients", "2", "--client-blocks", "8"])
 
     proc = serve(tmp_path / "serve1.log")
     a, l1 = service_adapter(sock, tiny_model, 9, service_reconnect_s=0.2)

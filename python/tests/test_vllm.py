@@ -878,7 +878,8 @@ def test_kv_events_name_kvtier_blocks_with_vllms_block_hashes(tmp_path):
         worker.shutdown()
 
 
-def test_worker_over_a_service_that_goes_away_misses_then_reconnects(tmp_path, tiny_model):
+def test_worker_over_a_service_that_goes_away_misses_then_reconnects(tmp_path, tiny_model,
+                                                                     restartable_service):
     """`kvtier serve` stops (a restart, an upgrade, a crash) under a running
     engine: the worker's loads and stores over it are misses (blocks
     reported for vLLM to recompute, stores dropped), never a ClosedError out
@@ -886,17 +887,11 @@ def test_worker_over_a_service_that_goes_away_misses_then_reconnects(tmp_path, t
     worker connects again and loads what was stored before the restart."""
     import signal
 
-    from conftest import kvtier_bin, serve_process
-
-    binary = kvtier_bin()
-    if binary is None:
-        pytest.skip("no kvtier binary: run `cargo build` (or set KVTIER_BIN)")
-    sock = tmp_path / "kvtier.sock"
+    sock, start = restartable_service
 
     def serve(log):
-        return serve_process(binary, tmp_path / "svc-pool", sock, log,
-                             ["--model", tiny_model, "--block-size", str(BS),
-                              "--clients", "2", "--client-blocks", "32"])
+        return start(log, ["--model", tiny_model, "--block-size", str(BS),
+                           "--clients", "2", "--client-blocks", "32"])
 
     log = tmp_path / "serve.log"
     proc = serve(log)
