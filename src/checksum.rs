@@ -28,6 +28,39 @@ pub fn crc32c_append(crc: u32, data: &[u8]) -> u32 {
     d.finalize() as u32
 }
 
+/// crc32c(A ‖ B) from crc32c(A) and crc32c(B), for B of one fixed length.
+/// Appending B shifts A's checksum by a linear map that depends only on B's
+/// length, so it is built once here: `crc32c_combine` rebuilds it on every
+/// call (tens of microseconds), too slow for once per layer of every block.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CrcConcat {
+    cols: [u32; 32],
+}
+
+impl CrcConcat {
+    pub fn new(len_b: u64) -> CrcConcat {
+        let mut cols = [0u32; 32];
+        for (i, c) in cols.iter_mut().enumerate() {
+            *c = crc32c::crc32c_combine(1 << i, 0, len_b as usize);
+        }
+        CrcConcat { cols }
+    }
+
+    pub fn apply(&self, crc_a: u32, crc_b: u32) -> u32 {
+        let mut out = crc_b;
+        let mut a = crc_a;
+        let mut i = 0;
+        while a != 0 {
+            if a & 1 != 0 {
+                out ^= self.cols[i];
+            }
+            a >>= 1;
+            i += 1;
+        }
+        out
+    }
+}
+
 /// FNV-1a, 64 bits: a stable hash of a short name (the same on every
 /// machine and build), for ids that are written down (a block header's
 /// namespace, a model id). Not for data: that is [`crc32c()`].

@@ -15,6 +15,7 @@ internal_room! {
 }
 pub use place::CreateMode;
 
+use crate::checksum::CrcConcat;
 use crate::error::{Error, Fix, Result};
 use crate::host::dio::AlignedBuf;
 use crate::host::signature::POOL_MAGIC;
@@ -364,39 +365,6 @@ impl SlotCrcs {
             (Some(_), _) => CrcKind::Whole,
         };
         self.whole[s] = whole.unwrap_or(0);
-    }
-}
-
-/// crc32c(A ‖ B) from crc32c(A) and crc32c(B), for B of one fixed length.
-/// Appending B shifts A's checksum by a linear map that depends only on B's
-/// length, so it is built once here: `crc32c_combine` rebuilds it on every
-/// call (tens of microseconds), too slow for once per layer of every block.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct CrcConcat {
-    cols: [u32; 32],
-}
-
-impl CrcConcat {
-    pub fn new(len_b: u64) -> CrcConcat {
-        let mut cols = [0u32; 32];
-        for (i, c) in cols.iter_mut().enumerate() {
-            *c = crc32c::crc32c_combine(1 << i, 0, len_b as usize);
-        }
-        CrcConcat { cols }
-    }
-
-    pub fn apply(&self, crc_a: u32, crc_b: u32) -> u32 {
-        let mut out = crc_b;
-        let mut a = crc_a;
-        let mut i = 0;
-        while a != 0 {
-            if a & 1 != 0 {
-                out ^= self.cols[i];
-            }
-            a >>= 1;
-            i += 1;
-        }
-        out
     }
 }
 

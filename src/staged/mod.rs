@@ -210,6 +210,8 @@ pub struct StagedPath {
     /// over shared staging, where they do not ([`SHARED_UNITS_AHEAD`]).
     ahead: u64,
     store_free: Vec<u32>,
+    /// crc32c(K ‖ V) from K's and V's (objects of the geometry's size).
+    kv_concat: crate::checksum::CrcConcat,
     loads: BTreeMap<JobId, LoadJob>,
     /// Tier job -> (load job, unit, positions it reads).
     layer_jobs: HashMap<JobId, (JobId, u64, Vec<u32>)>,
@@ -383,6 +385,7 @@ impl StagedPath {
             cfg,
             buffers: vec![None; cfg.layer_buffers as usize * slots_per_buffer],
             ahead,
+            kv_concat: crate::checksum::CrcConcat::new(layout.obj),
             store_free: (layout.load_places()..layout.load_places() + cfg.store_blocks)
                 .rev()
                 .collect(),

@@ -177,6 +177,11 @@ impl StagedPath {
         // keys: the staged store must not evict what it reports stored (a
         // later chunk evicted the first chunks' blocks, all reported Done).
         let (held, slots) = tier.hold_present(earlier)?;
+        // The lowest free places, ascending: a chunk's blocks then sit side
+        // by side in each layer of the store area (layer-major), so a
+        // write of one layer's K (or V) objects of consecutive slots is one
+        // contiguous span of staging, not a segment per block.
+        self.store_free.sort_unstable_by(|a, b| b.cmp(a));
         let places: Vec<u32> = (0..keys.len())
             .map(|_| self.store_free.pop().expect("counted"))
             .collect();
@@ -268,13 +273,16 @@ impl StagedPath {
                 format!("{} checksums for {} copies", crcs.len(), list.len()),
             ));
         }
-        // A layer's checksum covers K then V: combine the two objects'.
+        // A layer's checksum covers K then V: combine the two objects'
+        // through the precomputed shift (`crc32c_combine` rebuilt it per
+        // call: 15 us each, 30 ms per 64-block chunk of llama3-8b on the
+        // thread that drives the writes).
         let per_key: Vec<Option<Vec<u32>>> = crcs
             .chunks_exact(g.objects_per_block() as usize)
             .map(|c| {
                 Some(
                     c.chunks_exact(2)
-                        .map(|kv| crc32c::crc32c_combine(kv[0], kv[1], obj as usize))
+                        .map(|kv| self.kv_concat.apply(kv[0], kv[1]))
                         .collect(),
                 )
             })

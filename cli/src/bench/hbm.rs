@@ -790,6 +790,10 @@ mod tests {
     struct Recording {
         inner: UringEngine,
         writes: Arc<Mutex<Vec<(u64, u32, usize)>>>,
+        /// Per write: the contiguous memory spans its segments make (what
+        /// the engine merges them into: one DMA segment each).
+        spans: Arc<Mutex<Vec<usize>>>,
+        table: Option<Arc<P2pTable>>,
     }
 
     impl Recording {
@@ -805,6 +809,19 @@ mod tests {
                 for c in &iocb.ctx[..iocb.hdr.count as usize] {
                     if c.op == IOCTX_OP_WRITE {
                         w.push((c.dev_offset, c.len, c.seg_count as usize));
+                        let first = c.seg_first as usize;
+                        let segs = &iocb.segs[first..first + c.seg_count as usize];
+                        let table = self.table.as_ref().expect("memory registered");
+                        let mut spans = 0;
+                        let mut end = None;
+                        for &i in segs {
+                            let d = table.entry(i).expect("a segment of the table");
+                            if end != Some(d.addr) {
+                                spans += 1;
+                            }
+                            end = Some(d.addr + d.len as u64);
+                        }
+                        self.spans.lock().unwrap().push(spans);
                     }
                 }
                 drop(w);
@@ -819,6 +836,7 @@ mod tests {
             "uring"
         }
         fn register_memory(&mut self, table: Arc<P2pTable>) -> Result<()> {
+            self.table = Some(table.clone());
             self.inner.register_memory(table)
         }
         fn submit(&mut self, ring: &mut GioRing) -> Result<()> {
@@ -850,7 +868,8 @@ mod tests {
     /// writes a staged store (chunked, several chunks in flight, from the
     /// store staging) gives the engine are, write for write, the ones the
     /// reference plans from host memory: same offsets, same sizes, same
-    /// segment counts (the old reference stored other keys at other slots).
+    /// segment counts (the old reference stored other keys at other slots);
+    /// and each reads one contiguous span of the store staging.
     #[test]
     fn reference_writes_are_the_staged_stores_data_writes() {
         let dir = std::env::temp_dir().join(format!(
@@ -885,6 +904,7 @@ mod tests {
         let fds = pool.device_fds().unwrap();
         let uring = UringConfig::default();
         let writes = Arc::new(Mutex::new(Vec::new()));
+        let spans = Arc::new(Mutex::new(Vec::new()));
         let engine = Recording {
             inner: UringEngine::new(
                 &fds.into_iter()
@@ -894,6 +914,8 @@ mod tests {
             )
             .unwrap(),
             writes: writes.clone(),
+            spans: spans.clone(),
+            table: None,
         };
         // 12 KiB I/Os: a group's 4 objects of a layer's K split in two.
         let max_io = 3 * 4096;
@@ -927,13 +949,22 @@ mod tests {
             .flat_map(|&s| (0..geo.layers).flat_map(move |l| (0..2).map(move |kv| (s, l, kv))))
             .map(|(s, l, kv)| layout.object_offset(s, l, kv).1)
             .collect();
-        let mut got: Vec<(u64, u32, usize)> = writes
+        let data_writes: Vec<((u64, u32, usize), usize)> = writes
             .lock()
             .unwrap()
             .iter()
             .copied()
-            .filter(|w| object_offsets.contains(&w.0))
+            .zip(spans.lock().unwrap().iter().copied())
+            .filter(|(w, _)| object_offsets.contains(&w.0))
             .collect();
+        // Each data write reads one span of staging (a chunk's places side
+        // by side in each layer), whatever its objects: one DMA segment.
+        assert!(data_writes.iter().any(|(w, _)| w.2 >= 2), "{data_writes:?}");
+        assert!(
+            data_writes.iter().all(|&(_, spans)| spans == 1),
+            "writes from staging in several spans: {data_writes:?}"
+        );
+        let mut got: Vec<(u64, u32, usize)> = data_writes.iter().map(|&(w, _)| w).collect();
         let table = P2pTable::build(host.memory()).unwrap();
         let mut want: Vec<(u64, u32, usize)> =
             super::super::rewrite::plan_writes(st.tier(), &table, &slots, &mem, 2, max_io)
