@@ -7,11 +7,13 @@ mod common;
 #[path = "common/staged.rs"]
 mod staged;
 
+use common::fault::{FaultEngine, Faults};
 use kvtier::staged::{StagedTier, StagingConfig};
-use kvtier::tier::Tier;
+use kvtier::tier::{KeyOutcome, Tier, TierConfig};
 use kvtier::{HostKvCache, HostLayout, KvGeometry};
 use staged::*;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// Host memory posing as HBM, copied by the CPU.
 struct HostRig(Arc<HostKvCache>);
@@ -64,6 +66,63 @@ fn double_round_robin_and_back_pressure() {
 #[test]
 fn double_store_staging_is_bounded() {
     store_staging_is_bounded(&HostRig::new(HostLayout::PerLayer), "staged-bounded");
+}
+
+/// A staged store larger than its store area writes all its data while
+/// every flush is held: a chunk's staging takes the next chunk once the
+/// chunk's data is written, not once its store's flushes are done (on a
+/// device a flush waits for every write queued before it, the later
+/// chunks' too, so chunks held their staging until those were written and
+/// the next gather found the disk idle). Then the flushes go, the store
+/// ends whole, and every key loads back as stored.
+#[test]
+fn double_store_staging_is_reused_once_a_chunk_is_written() {
+    let rig = HostRig::new(HostLayout::PerLayer);
+    let g = rig.geometry();
+    let dir = common::TempDir::new("staged-reuse-written");
+    let pool = common::create_pool(&dir, g, 8, 1, 4);
+    let paths = pool.paths();
+    let faults = Arc::new(Mutex::new(Faults {
+        hold_flushes: true,
+        ..Default::default()
+    }));
+    let engine = FaultEngine::open(&paths, faults.clone());
+    let tier = Tier::with_engine(pool, TierConfig::default(), Box::new(engine)).unwrap();
+    // 12 blocks in chunks of 2 through a store area of 4: 6 chunks, at
+    // most 2 gathered at once.
+    let mut st = rig.staged(tier, config(2, 8, 4).with_store_chunk_blocks(2));
+    let ks: Vec<u64> = (500..512).collect();
+    let mem: Vec<u32> = (0..12).collect();
+    for (k, &b) in ks.iter().zip(&mem) {
+        fill(&rig, b, common::seed_of(*k));
+    }
+    let j = st.submit_store(&keys(&ks), &mem).unwrap();
+    let data = ks.len() as u64 * g.block_bytes();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let written = |st: &StagedTier| st.tier().usage().engine.bytes_written;
+    while written(&st) < data && Instant::now() < deadline {
+        st.poll().unwrap();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let got = written(&st);
+    // Let the flushes go before judging, so a failure ends the test rather
+    // than the tier waiting out held I/O when it drops.
+    faults.lock().unwrap().hold_flushes = false;
+    assert_eq!(
+        got, data,
+        "every chunk's data written while the flushes are held ({got} of {data} bytes)"
+    );
+    let r = st.wait(j).unwrap();
+    assert!(r.outcomes.iter().all(|o| *o == KeyOutcome::Done), "{r:?}");
+    rig.clear();
+    let j = st.submit_load(&keys(&ks), &mem, 0..g.layers).unwrap();
+    assert!(st.wait(j).unwrap().all_ok());
+    for (k, &b) in ks.iter().zip(&mem) {
+        assert!(
+            matches(&rig, b, common::seed_of(*k), 0..g.layers),
+            "key {k}"
+        );
+    }
 }
 
 #[test]

@@ -119,6 +119,19 @@ pub trait StagingJobs {
     fn finished_jobs(&mut self) -> Vec<JobResult>;
     /// Block until job `id` ends; its result.
     fn wait_job(&mut self, id: JobId) -> Result<JobResult>;
+    /// Whether store `id` is done reading its memory (its data written,
+    /// its flushes maybe not yet): its staging may take the next chunk.
+    /// Where that is not known (false), a chunk's staging waits for its
+    /// store's end.
+    fn store_memory_released(&self, _id: JobId) -> bool {
+        false
+    }
+    /// Block until some I/O completes; false, without blocking, where that
+    /// cannot be waited for alone or nothing is in flight (then a wait is
+    /// for a job's end).
+    fn wait_any_io(&mut self) -> Result<bool> {
+        Ok(false)
+    }
     /// Keep `keys` (all in the pool, or an error and nothing held) in the
     /// pool until [`Self::release_keys`]; one token per key.
     fn hold_keys(&mut self, keys: &[Key]) -> Result<Vec<u64>>;
@@ -162,6 +175,14 @@ impl StagingJobs for Tier {
 
     fn wait_job(&mut self, id: JobId) -> Result<JobResult> {
         Tier::wait(self, id)
+    }
+
+    fn store_memory_released(&self, id: JobId) -> bool {
+        Tier::store_memory_released(self, id)
+    }
+
+    fn wait_any_io(&mut self) -> Result<bool> {
+        Tier::wait_for_io(self)
     }
 
     fn hold_keys(&mut self, keys: &[Key]) -> Result<Vec<u64>> {
@@ -589,6 +610,19 @@ impl StagedPath {
         }
     }
 
+    /// Give back the store staging of chunks whose data is written: their
+    /// tier stores only flush and write headers now, and a flush waits for
+    /// every write queued before it (the later chunks'), so a chunk held
+    /// its staging until the chunks after it were written too and the
+    /// next gather found the disk idle.
+    fn release_written_chunks(&mut self, tier: &dyn StagingJobs) {
+        for (&t, s) in self.store_jobs.iter_mut() {
+            if !s.places.is_empty() && tier.store_memory_released(t) {
+                self.store_free.append(&mut s.places);
+            }
+        }
+    }
+
     fn finish(&mut self, r: JobResult) {
         self.finished.push(r);
     }
@@ -609,6 +643,7 @@ impl StagedPath {
         for r in tier.finished_jobs() {
             self.on_tier_result(r);
         }
+        self.release_written_chunks(tier);
         self.push_stores(tier);
         self.finish_stores();
         self.scatter_landed()?;
@@ -631,6 +666,14 @@ impl StagedPath {
     /// Block until something moves: the oldest tier job ends, or the copies
     /// started finish.
     fn wait_some(&mut self, tier: &mut dyn StagingJobs) -> Result<()> {
+        // Chunks wait for store staging that chunks being written hold: the
+        // next completion may be the data write that frees it, long before
+        // the oldest job ends (its flushes wait for the later chunks' writes).
+        let chunks_waiting = self.stores.values().any(|a| a.next < a.keys.len());
+        let staging_held = self.store_jobs.values().any(|s| !s.places.is_empty());
+        if chunks_waiting && staging_held && tier.wait_any_io()? {
+            return Ok(());
+        }
         let oldest = self
             .layer_jobs
             .keys()

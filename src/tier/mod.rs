@@ -636,6 +636,18 @@ impl Tier {
         self.pump()
     }
 
+    /// Block until at least one IOCB completes; false, without blocking,
+    /// when none is in flight or queued to go (nothing would complete).
+    pub fn wait_for_io(&mut self) -> Result<bool> {
+        self.take_engine_error()?;
+        self.fill_iocbs()?;
+        if self.jobs.iocb_owner.is_empty() {
+            return Ok(false);
+        }
+        self.wait_any()?;
+        Ok(true)
+    }
+
     /// Block until at least one IOCB completes (or nothing is in flight).
     pub(super) fn wait_any(&mut self) -> Result<()> {
         self.take_engine_error()?;
@@ -672,6 +684,31 @@ impl Tier {
             }
         }
         self.wait_any()
+    }
+
+    /// Whether store `id` is done reading its memory blocks: every data
+    /// write it issued has completed and no worker still hashes them (its
+    /// header writes and flushes may still be on their way), or it has
+    /// finished. A staged path gathers its next chunk into such a chunk's
+    /// staging rather than wait out flushes that other chunks' writes hold
+    /// up. False for a load or an unknown job.
+    pub fn store_memory_released(&self, id: JobId) -> bool {
+        match self.jobs.live.get(&id) {
+            Some(j) if j.kind == JobKind::Store => {
+                let hashing = j
+                    .store
+                    .as_ref()
+                    .and_then(|s| s.headers.as_ref())
+                    .is_some_and(|h| h.worker.is_some());
+                !hashing
+                    && j.items
+                        .iter()
+                        .filter(|i| i.step == jobs::Step::Data)
+                        .all(Item::complete)
+            }
+            Some(_) => false,
+            None => self.jobs.finished.get(id).is_some_and(|r| r.kind == JobKind::Store),
+        }
     }
 
     /// Block until `job` finishes; returns (and removes) its result. Every

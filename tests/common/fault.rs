@@ -3,7 +3,8 @@
 //!
 //! `FaultEngine` is a TEST DOUBLE of a device, not an engine for real use. It
 //! holds the IOCBs the tier submits while [`Faults::hold`] is set or their
-//! job's gate is closed ([`Faults::gates`]), then runs them on one of three
+//! job's gate is closed ([`Faults::gates`]) (or, with
+//! [`Faults::hold_flushes`], those that flush), then runs them on one of three
 //! back ends:
 //! - [`FaultEngine::open`]: the pool's files, with plain positional reads and
 //!   writes (no O_DIRECT, not under the pool's lock, beside the `Pool` that
@@ -68,6 +69,9 @@ pub struct Faults {
     pub failed_writes: u64,
     /// Hold every IOCB until this is false again.
     pub hold: bool,
+    /// Hold every IOCB that flushes until this is false again (a device
+    /// whose flushes wait behind other writes for a long while).
+    pub hold_flushes: bool,
     /// Stop the thread that enters the engine (`submit` or `reap`: inside
     /// the handle I/O thread's poll turn) while the stall is armed.
     pub stall: Option<Arc<Stall>>,
@@ -287,7 +291,14 @@ impl FaultEngine {
         let mut keep = Vec::new();
         for id in std::mem::take(&mut self.held) {
             let job = ring.iocb(id).hdr.user_data;
-            if !self.faults.lock().unwrap().admits(job) {
+            let b = ring.iocb(id);
+            let flushes = b.ctx[..b.hdr.count as usize]
+                .iter()
+                .any(|c| c.op == IOCTX_OP_FLUSH);
+            let f = self.faults.lock().unwrap();
+            let admitted = f.admits(job) && !(flushes && f.hold_flushes);
+            drop(f);
+            if !admitted {
                 keep.push(id);
                 continue;
             }
