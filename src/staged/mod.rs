@@ -233,6 +233,11 @@ pub struct StagedPath {
     store_free: Vec<u32>,
     /// crc32c(K ‖ V) from K's and V's (objects of the geometry's size).
     kv_concat: crate::checksum::CrcConcat,
+    /// Most blocks of chunks whose places went back before their tier
+    /// store ended: each still holds header staging until it ends, which
+    /// the tier's header staging must have room for beside the store area
+    /// (0: places go back only when the store ends).
+    released_cap: usize,
     loads: BTreeMap<JobId, LoadJob>,
     /// Tier job -> (load job, unit, positions it reads).
     layer_jobs: HashMap<JobId, (JobId, u64, Vec<u32>)>,
@@ -380,7 +385,14 @@ impl StagedPath {
         // SAFETY: the staging memory lives in the result, which the caller
         // keeps until the tier has drained (StagedPath's contract).
         unsafe { tier.register_table(table)? };
-        Ok(Self::assemble(copier, staging, layout, None, target, cfg))
+        let mut path = Self::assemble(copier, staging, layout, None, target, cfg);
+        // Chunks written but not ended hold header staging beside the
+        // chunks in the store area: at most what is left of it, so a
+        // chunk's tier store never waits for header staging (checked
+        // above: store_blocks < header_staging).
+        path.released_cap =
+            (cfg.store_blocks as usize).min((headers - 1 - cfg.store_blocks) as usize);
+        Ok(path)
     }
 
     /// The path's state, before any job.
@@ -407,6 +419,7 @@ impl StagedPath {
             buffers: vec![None; cfg.layer_buffers as usize * slots_per_buffer],
             ahead,
             kv_concat: crate::checksum::CrcConcat::new(layout.obj),
+            released_cap: 0,
             store_free: (layout.load_places()..layout.load_places() + cfg.store_blocks)
                 .rev()
                 .collect(),
@@ -599,7 +612,9 @@ impl StagedPath {
                     self.store_jobs.len()
                 );
             }
-            self.store_free.extend(s.places);
+            if !s.released {
+                self.store_free.extend(s.places);
+            }
             if let Some(a) = self.stores.get_mut(&s.id) {
                 for (i, o) in r.outcomes.into_iter().enumerate() {
                     a.outcomes[s.offset + i] = Some(o);
@@ -615,10 +630,31 @@ impl StagedPath {
     /// every write queued before it (the later chunks'), so a chunk held
     /// its staging until the chunks after it were written too and the
     /// next gather found the disk idle.
+    /// At most `released_cap` blocks of such chunks at once (their tier
+    /// stores hold header staging until they end), oldest chunks first.
     fn release_written_chunks(&mut self, tier: &dyn StagingJobs) {
-        for (&t, s) in self.store_jobs.iter_mut() {
-            if !s.places.is_empty() && tier.store_memory_released(t) {
-                self.store_free.append(&mut s.places);
+        let mut released: usize = self
+            .store_jobs
+            .values()
+            .filter(|s| s.released)
+            .map(|s| s.places.len())
+            .sum();
+        let mut jobs: Vec<JobId> = self
+            .store_jobs
+            .iter()
+            .filter(|(_, s)| !s.released)
+            .map(|(&t, _)| t)
+            .collect();
+        jobs.sort_unstable();
+        for t in jobs {
+            let s = self.store_jobs.get_mut(&t).expect("listed");
+            if released + s.places.len() > self.released_cap {
+                break;
+            }
+            if tier.store_memory_released(t) {
+                s.released = true;
+                released += s.places.len();
+                self.store_free.extend_from_slice(&s.places);
             }
         }
     }
@@ -670,7 +706,7 @@ impl StagedPath {
         // next completion may be the data write that frees it, long before
         // the oldest job ends (its flushes wait for the later chunks' writes).
         let chunks_waiting = self.stores.values().any(|a| a.next < a.keys.len());
-        let staging_held = self.store_jobs.values().any(|s| !s.places.is_empty());
+        let staging_held = self.store_jobs.values().any(|s| !s.released);
         if chunks_waiting && staging_held && tier.wait_any_io()? {
             return Ok(());
         }

@@ -15,6 +15,9 @@ pub(super) struct StoreJob {
     /// Position of the chunk's first key in the staged store.
     pub(super) offset: usize,
     pub(super) places: Vec<u32>,
+    /// The places went back to the store area once the chunk's data was
+    /// written (its tier store still flushes and writes headers).
+    pub(super) released: bool,
 }
 
 /// A staged store, whose chunks are tier stores.
@@ -120,6 +123,7 @@ impl StagedPath {
                             id,
                             offset: start,
                             places,
+                            released: false,
                         },
                     );
                 }
