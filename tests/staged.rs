@@ -74,62 +74,68 @@ fn double_store_staging_is_bounded() {
 /// flush waits for every write queued before it, the later chunks' too,
 /// so chunks held their staging until those were written and the next
 /// gather found the disk idle). Written chunks whose stores have not ended
-/// are bounded by the store area (their headers wait in the tier's header
-/// staging): with the flushes held, twice the area's data is written and
-/// no more. Then the flushes go, the store ends whole, and every key loads
-/// back as stored.
+/// hold header staging, so they are bounded by the store area and by what
+/// the tier's header staging has beside it: with the flushes held, the
+/// area's data plus that bound is written and no more (twice the area with
+/// the default header staging; the area plus 2 blocks with a header
+/// staging of the area plus 3). Then the flushes go, the store ends whole,
+/// and every key loads back as stored.
 #[test]
 fn double_store_staging_is_reused_once_a_chunk_is_written() {
-    let rig = HostRig::new(HostLayout::PerLayer);
-    let g = rig.geometry();
-    let dir = common::TempDir::new("staged-reuse-written");
-    let pool = common::create_pool(&dir, g, 8, 1, 4);
-    let paths = pool.paths();
-    let faults = Arc::new(Mutex::new(Faults {
-        hold_flushes: true,
-        ..Default::default()
-    }));
-    let engine = FaultEngine::open(&paths, faults.clone());
-    let tier = Tier::with_engine(pool, TierConfig::default(), Box::new(engine)).unwrap();
-    // 16 blocks in chunks of 2 through a store area of 4: 8 chunks, at
-    // most 2 gathered at once.
-    let area = 4u64;
-    let mut st = rig.staged(tier, config(2, 8, area as u32).with_store_chunk_blocks(2));
-    let ks: Vec<u64> = (500..516).collect();
-    let mem: Vec<u32> = (0..16).collect();
-    for (k, &b) in ks.iter().zip(&mem) {
-        fill(&rig, b, common::seed_of(*k));
-    }
-    let j = st.submit_store(&keys(&ks), &mem).unwrap();
-    let bound = 2 * area * g.block_bytes();
-    let written = |st: &StagedTier| st.tier().usage().engine.bytes_written;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while written(&st) < bound && Instant::now() < deadline {
-        st.poll().unwrap();
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    for _ in 0..50 {
-        st.poll().unwrap();
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    let got = written(&st);
-    // Let the flushes go before judging, so a failure ends the test rather
-    // than the tier waiting out held I/O when it drops.
-    faults.lock().unwrap().hold_flushes = false;
-    assert_eq!(
-        got, bound,
-        "twice the store area's data written while the flushes are held ({got} of {bound} bytes)"
-    );
-    let r = st.wait(j).unwrap();
-    assert!(r.outcomes.iter().all(|o| *o == KeyOutcome::Done), "{r:?}");
-    rig.clear();
-    let j = st.submit_load(&keys(&ks), &mem, 0..g.layers).unwrap();
-    assert!(st.wait(j).unwrap().all_ok());
-    for (k, &b) in ks.iter().zip(&mem) {
-        assert!(
-            matches(&rig, b, common::seed_of(*k), 0..g.layers),
-            "key {k}"
+    let area = 4u32;
+    for (header_staging, released) in [(TierConfig::default().header_staging, area), (area + 3, 2)]
+    {
+        let rig = HostRig::new(HostLayout::PerLayer);
+        let g = rig.geometry();
+        let dir = common::TempDir::new("staged-reuse-written");
+        let pool = common::create_pool(&dir, g, 8, 1, 4);
+        let paths = pool.paths();
+        let faults = Arc::new(Mutex::new(Faults {
+            hold_flushes: true,
+            ..Default::default()
+        }));
+        let engine = FaultEngine::open(&paths, faults.clone());
+        let cfg = TierConfig::default().with_header_staging(header_staging);
+        let tier = Tier::with_engine(pool, cfg, Box::new(engine)).unwrap();
+        // 16 blocks in chunks of 2 through a store area of 4: 8 chunks, at
+        // most 2 gathered at once.
+        let mut st = rig.staged(tier, config(2, 8, area).with_store_chunk_blocks(2));
+        let ks: Vec<u64> = (500..516).collect();
+        let mem: Vec<u32> = (0..16).collect();
+        for (k, &b) in ks.iter().zip(&mem) {
+            fill(&rig, b, common::seed_of(*k));
+        }
+        let j = st.submit_store(&keys(&ks), &mem).unwrap();
+        let bound = (area + released) as u64 * g.block_bytes();
+        let written = |st: &StagedTier| st.tier().usage().engine.bytes_written;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while written(&st) < bound && Instant::now() < deadline {
+            st.poll().unwrap();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        for _ in 0..50 {
+            st.poll().unwrap();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let got = written(&st);
+        // Let the flushes go before judging, so a failure ends the test
+        // rather than the tier waiting out held I/O when it drops.
+        faults.lock().unwrap().hold_flushes = false;
+        assert_eq!(
+            got, bound,
+            "header staging {header_staging}: the area's data and {released} written blocks' more while the flushes are held ({got} of {bound} bytes)"
         );
+        let r = st.wait(j).unwrap();
+        assert!(r.outcomes.iter().all(|o| *o == KeyOutcome::Done), "{r:?}");
+        rig.clear();
+        let j = st.submit_load(&keys(&ks), &mem, 0..g.layers).unwrap();
+        assert!(st.wait(j).unwrap().all_ok());
+        for (k, &b) in ks.iter().zip(&mem) {
+            assert!(
+                matches(&rig, b, common::seed_of(*k), 0..g.layers),
+                "key {k}"
+            );
+        }
     }
 }
 

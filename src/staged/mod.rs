@@ -706,8 +706,15 @@ impl StagedPath {
         // next completion may be the data write that frees it, long before
         // the oldest job ends (its flushes wait for the later chunks' writes).
         let chunks_waiting = self.stores.values().any(|a| a.next < a.keys.len());
-        let staging_held = self.store_jobs.values().any(|s| !s.released);
-        if chunks_waiting && staging_held && tier.wait_any_io()? {
+        let released: usize = self
+            .store_jobs
+            .values()
+            .filter(|s| s.released)
+            .map(|s| s.places.len())
+            .sum();
+        let releasable = released < self.released_cap
+            && self.store_jobs.values().any(|s| !s.released);
+        if chunks_waiting && releasable && tier.wait_any_io()? {
             return Ok(());
         }
         let oldest = self
@@ -854,7 +861,8 @@ impl StagedPath {
     }
 
     /// Chunks of staged stores gathered and handed to the tier whose tier
-    /// stores have not been seen to end (each holds its store places).
+    /// stores have not been seen to end (each holds its store places until
+    /// its data is written, its header staging until it ends).
     pub fn store_chunks_in_flight(&self) -> usize {
         self.store_jobs.len()
     }

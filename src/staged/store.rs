@@ -181,14 +181,7 @@ impl StagedPath {
         // keys: the staged store must not evict what it reports stored (a
         // later chunk evicted the first chunks' blocks, all reported Done).
         let (held, slots) = tier.hold_present(earlier)?;
-        // The lowest free places, ascending: a chunk's blocks then sit side
-        // by side in each layer of the store area (layer-major), so a
-        // write of one layer's K (or V) objects of consecutive slots is one
-        // contiguous span of staging, not a segment per block.
-        self.store_free.sort_unstable_by(|a, b| b.cmp(a));
-        let places: Vec<u32> = (0..keys.len())
-            .map(|_| self.store_free.pop().expect("counted"))
-            .collect();
+        let places = take_places(&mut self.store_free, keys.len());
         let r = self.gather_and_store(tier, keys, mem_blocks, &places);
         tier.release_keys(&held, &slots);
         match r {
@@ -292,5 +285,39 @@ impl StagedPath {
             })
             .collect();
         tier.submit_chunk_store(keys, places, &per_key)
+    }
+}
+
+/// Take `n` places from `free` (at least `n` of them): the lowest run of
+/// `n` consecutive places where there is one, else the lowest `n`, in
+/// ascending order either way. A chunk's blocks then sit side by side in
+/// each layer of the store area (layer-major), so a write of one layer's
+/// K (or V) objects of consecutive slots is one span of staging, not a
+/// segment per block (best effort: places free in the order chunks are
+/// written, and slots come from the pool's allocator).
+pub(super) fn take_places(free: &mut Vec<u32>, n: usize) -> Vec<u32> {
+    free.sort_unstable();
+    let start = (0..=free.len().saturating_sub(n))
+        .find(|&i| n > 0 && free[i + n - 1] - free[i] == n as u32 - 1)
+        .unwrap_or(0);
+    free.drain(start..start + n).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::take_places;
+
+    #[test]
+    fn places_are_the_lowest_consecutive_run_else_the_lowest() {
+        let mut free = vec![9, 2, 0, 5, 6, 7, 3];
+        assert_eq!(take_places(&mut free, 3), vec![5, 6, 7]);
+        assert_eq!(free, vec![0, 2, 3, 9]);
+        assert_eq!(take_places(&mut free, 2), vec![2, 3]);
+        assert_eq!(take_places(&mut free, 2), vec![0, 9]);
+        assert!(free.is_empty());
+        let mut one = vec![4, 1];
+        assert_eq!(take_places(&mut one, 1), vec![1]);
+        assert_eq!(take_places(&mut one, 0), Vec::<u32>::new());
+        assert_eq!(one, vec![4]);
     }
 }

@@ -238,7 +238,7 @@ pub fn store_staging_is_bounded(rig: &dyn KvRig, tag: &str) {
 /// A store area of several chunks keeps several chunks' writes in flight:
 /// submitting a store of 10 blocks into an area of 8 in chunks of 2 hands
 /// 4 chunks to the tier before returning (each gathered while the ones
-/// before are being written), the fifth once one of them ends; every key
+/// before are being written), the fifth once one of them is written; every key
 /// is stored whole. One chunk of the whole area (the old staging) had one
 /// write in flight, its disk idle while the next chunk was gathered.
 pub fn store_chunks_overlap(rig: &dyn KvRig, tag: &str) {
