@@ -182,7 +182,7 @@ impl StagingJobs for Tier {
     }
 
     fn wait_any_io(&mut self) -> Result<bool> {
-        Tier::wait_for_io(self)
+        Tier::wait_any(self)
     }
 
     fn hold_keys(&mut self, keys: &[Key]) -> Result<Vec<u64>> {
@@ -420,9 +420,7 @@ impl StagedPath {
             ahead,
             kv_concat: crate::checksum::CrcConcat::new(layout.obj),
             released_cap: 0,
-            store_free: (layout.load_places()..layout.load_places() + cfg.store_blocks)
-                .rev()
-                .collect(),
+            store_free: (layout.load_places()..layout.load_places() + cfg.store_blocks).collect(),
             loads: BTreeMap::new(),
             layer_jobs: HashMap::new(),
             store_jobs: HashMap::new(),
@@ -633,12 +631,7 @@ impl StagedPath {
     /// At most `released_cap` blocks of such chunks at once (their tier
     /// stores hold header staging until they end), oldest chunks first.
     fn release_written_chunks(&mut self, tier: &dyn StagingJobs) {
-        let mut released: usize = self
-            .store_jobs
-            .values()
-            .filter(|s| s.released)
-            .map(|s| s.places.len())
-            .sum();
+        let mut released = self.released_blocks();
         let mut jobs: Vec<JobId> = self
             .store_jobs
             .iter()
@@ -657,6 +650,15 @@ impl StagedPath {
                 self.store_free.extend_from_slice(&s.places);
             }
         }
+    }
+
+    /// Blocks of chunks whose places went back before their stores ended.
+    fn released_blocks(&self) -> usize {
+        self.store_jobs
+            .values()
+            .filter(|s| s.released)
+            .map(|s| s.places.len())
+            .sum()
     }
 
     fn finish(&mut self, r: JobResult) {
@@ -706,13 +708,7 @@ impl StagedPath {
         // next completion may be the data write that frees it, long before
         // the oldest job ends (its flushes wait for the later chunks' writes).
         let chunks_waiting = self.stores.values().any(|a| a.next < a.keys.len());
-        let released: usize = self
-            .store_jobs
-            .values()
-            .filter(|s| s.released)
-            .map(|s| s.places.len())
-            .sum();
-        let releasable = released < self.released_cap
+        let releasable = self.released_blocks() < self.released_cap
             && self.store_jobs.values().any(|s| !s.released);
         if chunks_waiting && releasable && tier.wait_any_io()? {
             return Ok(());

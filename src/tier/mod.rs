@@ -636,32 +636,23 @@ impl Tier {
         self.pump()
     }
 
-    /// Block until at least one IOCB completes; false, without blocking,
-    /// when none is in flight or queued to go (nothing would complete).
-    pub fn wait_for_io(&mut self) -> Result<bool> {
+    /// Block until at least one IOCB completes: true; false, without
+    /// blocking, when none is in flight or queued to go (nothing would
+    /// complete; loaded layers still get announced).
+    pub fn wait_any(&mut self) -> Result<bool> {
         self.take_engine_error()?;
         self.fill_iocbs()?;
         if self.jobs.iocb_owner.is_empty() {
+            self.pump()?;
             return Ok(false);
-        }
-        self.wait_any()?;
-        Ok(true)
-    }
-
-    /// Block until at least one IOCB completes (or nothing is in flight).
-    pub(super) fn wait_any(&mut self) -> Result<()> {
-        self.take_engine_error()?;
-        self.fill_iocbs()?;
-        if self.jobs.iocb_owner.is_empty() {
-            // Nothing to wait for, but loaded layers may wait to be announced.
-            return self.pump();
         }
         let iocb = self.io.wait_cqe()?;
         self.on_iocb(iocb);
         while let Some(iocb) = self.io.poll()? {
             self.on_iocb(iocb);
         }
-        self.pump()
+        self.pump()?;
+        Ok(true)
     }
 
     fn check_job(&self, id: JobId) -> Result<()> {
@@ -683,7 +674,7 @@ impl Tier {
                 return Err(Error::Ring(format!("job {id} cannot make progress")));
             }
         }
-        self.wait_any()
+        self.wait_any().map(drop)
     }
 
     /// Whether store `id` is done reading its memory blocks: every data
