@@ -1190,6 +1190,56 @@ fn silent_connections_take_no_thread() {
     assert_eq!(last.read(&mut buf).unwrap(), 0, "closed by the service");
 }
 
+/// Connections that send part of a hello and stall wait in the accept
+/// loop's poll too: before, each got a thread of its own as soon as its
+/// first byte came (a peer made thousands), and a client that says hello
+/// meanwhile is served at once.
+#[test]
+fn stalled_hellos_take_no_thread_and_hold_up_nobody() {
+    let dir = TempDir::new("serve-stalled-hello");
+    let s = Serve::start(&dir, POOL, 4, 16);
+    let pid = s.child.id();
+    let before = threads_of(pid);
+    let h = hello();
+    let stalled: Vec<UnixStream> = (0..200)
+        .map(|i| {
+            let mut st = UnixStream::connect(&s.sock).unwrap();
+            st.write_all(&h[..1 + i % (h.len() - 1)]).unwrap();
+            st
+        })
+        .collect();
+    let t0 = Instant::now();
+    let c = ServiceClient::connect(&s.sock, 0).unwrap();
+    store_range(&c, 0, 4, |_| {}).unwrap();
+    assert_eq!(c.lookup_prefix(&keys(0..4)), 4);
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    let during = threads_of(pid);
+    // The one client's reader and writer; not one per stalled hello.
+    assert!(during <= before + 4, "{before} threads, then {during}");
+    // Past the hello's deadline the service closes them.
+    s.wait_log("sent no hello within");
+    let mut last = &stalled[199];
+    let mut buf = [0u8; 1];
+    last.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    assert_eq!(last.read(&mut buf).unwrap(), 0, "closed by the service");
+}
+
+/// A client that stops inside a frame's header is dropped once the header
+/// is late, as one inside a body is (it held its reader thread and its
+/// slot for as long as it lived).
+#[test]
+fn a_client_stalled_inside_a_frame_header_is_dropped() {
+    let dir = TempDir::new("serve-stalled-header");
+    let s = Serve::start(&dir, POOL, 4, 16);
+    let lookup = Request::Lookup(keys(0..4)).encode(2).unwrap();
+    let t0 = Instant::now();
+    assert!(dropped_after(&s.sock, &[hello(), lookup[..7].to_vec()]));
+    let took = t0.elapsed();
+    assert!(took >= Duration::from_secs(4), "dropped after {took:?}");
+    s.wait_log("header did not arrive in time");
+}
+
 /// `--tp-size N`: the pool holds one TP rank's shard (the KV heads / N);
 /// a size that neither splits nor evenly replicates the heads is refused.
 #[test]
