@@ -1240,6 +1240,60 @@ fn a_client_stalled_inside_a_frame_header_is_dropped() {
     s.wait_log("header did not arrive in time");
 }
 
+/// Client memory the machine cannot hold is refused at start, naming the
+/// settings to lower, before a pool is made: the engine pins the whole
+/// arena, and 64 clients of 65536 blocks of an 8B model (8 TiB) grew the
+/// service to 23 GiB until the OOM killer ended it.
+#[test]
+fn client_memory_past_the_machines_is_refused_at_start() {
+    let dir = TempDir::new("serve-huge-arena");
+    let pool = dir.file("pool");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args([
+            "serve",
+            "--dir",
+            pool.to_str().unwrap(),
+            "--capacity",
+            "200m",
+        ])
+        .args(["--socket", dir.file("s.sock").to_str().unwrap()])
+        .args(["--clients", "64", "--client-blocks", "65536"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let code = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st.code();
+        }
+        if t0.elapsed() > Duration::from_secs(10) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the service started with 8 TiB of client memory");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("64 clients x 65536 blocks")
+            && err.contains("available")
+            && err.contains("fewer clients or client blocks"),
+        "{err}"
+    );
+    assert!(
+        !pool.exists(),
+        "no pool is made for a service that cannot start"
+    );
+}
+
 /// `--tp-size N`: the pool holds one TP rank's shard (the KV heads / N);
 /// a size that neither splits nor evenly replicates the heads is refused.
 #[test]
