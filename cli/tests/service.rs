@@ -1294,6 +1294,27 @@ fn client_memory_past_the_machines_is_refused_at_start() {
     );
 }
 
+/// A pool made over several files in its directory (`pool create --dir
+/// --files 2`) is the one `serve --dir` opens: serve has no --files, and
+/// refused it as "the pool has 2 device(s) but 1 were named".
+#[test]
+fn serve_opens_a_pool_directory_of_several_files() {
+    let dir = TempDir::new("serve-files");
+    let cfg = tiny_config(&dir);
+    let out = Command::new(BIN)
+        .args(["pool", "create", "--dir"])
+        .arg(dir.file("pool"))
+        .args(["--files", "2", "--capacity", &POOL.to_string(), "--model"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let s = Serve::start(&dir, POOL, 2, 16);
+    let c = ServiceClient::connect(&s.sock, 0).unwrap();
+    store_range(&c, 0, 16, |_| {}).unwrap();
+    assert_eq!(load_range(&c, 0, 16).unwrap(), 0);
+}
+
 /// `--tp-size N`: the pool holds one TP rank's shard (the KV heads / N);
 /// a size that neither splits nor evenly replicates the heads is refused.
 #[test]

@@ -63,6 +63,32 @@ pub fn directory_files(dir: &Path, files: u32) -> Vec<PathBuf> {
         .collect()
 }
 
+/// How many files the pool in `dir` has, by the files there: one past the
+/// highest `kvtier-N.pool` (N below 64; 0 where there is none, or no
+/// directory). A pool made over several files then opens without its
+/// count given (`kvtier serve --dir` had no way to give it), and a file
+/// missing below the highest is named as missing.
+pub fn directory_files_found(dir: &Path) -> u32 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name();
+            let n: u32 = name
+                .to_str()?
+                .strip_prefix("kvtier-")?
+                .strip_suffix(".pool")?
+                .parse()
+                .ok()?;
+            // Only the names kvtier makes: "kvtier-01.pool" is not file 1.
+            (n < 64 && name.to_str() == Some(&format!("kvtier-{n}.pool"))).then_some(n + 1)
+        })
+        .max()
+        .unwrap_or(0)
+}
+
 /// The first 24 bytes of a regular file or block device, read without a lock
 /// (None for anything else: opening a FIFO to read would wait for a writer).
 pub(crate) fn head_of(path: &Path) -> Option<[u8; 24]> {
@@ -189,6 +215,19 @@ mod tests {
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
         d
+    }
+
+    #[test]
+    fn files_found_in_a_directory() {
+        let d = dir("found");
+        assert_eq!(directory_files_found(&d), 0);
+        assert_eq!(directory_files_found(&d.join("none")), 0);
+        for name in ["kvtier-1.pool", "kvtier-01.pool", "kvtier-99.pool", "other-7.pool"] {
+            std::fs::write(d.join(name), b"").unwrap();
+        }
+        assert_eq!(directory_files_found(&d), 2);
+        std::fs::write(d.join("kvtier-63.pool"), b"").unwrap();
+        assert_eq!(directory_files_found(&d), 64);
     }
 
     #[test]
