@@ -1058,6 +1058,16 @@ fn serve_client(s: &Arc<Shared>, stream: UnixStream, hello_due: Instant, head: V
             s.lookup_clients.fetch_sub(1, Ordering::SeqCst);
         }
     };
+    // Its slice's pages in now, in the service's mapping, on this client's
+    // thread, before its welcome: the check before its first job faults
+    // the sealed slice in again, and then only walks pages that are there
+    // instead of allocating them inside that job's time. Best effort: that
+    // check reports a slice no page can fill.
+    if let Some(slot) = slot {
+        for r in s.arena.ranges(slot) {
+            let _ = sys::populate_for_write(r.addr, r.len);
+        }
+    }
     let welcome = Response::Welcome {
         version: protocol::VERSION,
         geometry: *s.handle.geometry(),
