@@ -1294,6 +1294,39 @@ fn client_memory_past_the_machines_is_refused_at_start() {
     );
 }
 
+/// A socket path in a directory that is not there is refused before the
+/// pool is opened: the bind failed only after a pool had been created for
+/// a service that never ran.
+#[test]
+fn a_socket_in_a_missing_directory_is_refused_before_a_pool_is_made() {
+    let dir = TempDir::new("serve-nosockdir");
+    let pool = dir.file("pool");
+    let out = Command::new(BIN)
+        .args([
+            "serve",
+            "--dir",
+            pool.to_str().unwrap(),
+            "--capacity",
+            "64m",
+        ])
+        .arg("--model")
+        .arg(tiny_config(&dir))
+        .arg("--socket")
+        .arg(dir.file("missing/kvtier.sock"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("missing") && err.contains("create it, or give the service a socket path"),
+        "{err}"
+    );
+    assert!(
+        !pool.exists(),
+        "a pool was made for a service that cannot start"
+    );
+}
+
 /// A pool made over several files in its directory (`pool create --dir
 /// --files 2`) is the one `serve --dir` opens: serve has no --files, and
 /// refused it as "the pool has 2 device(s) but 1 were named".

@@ -468,6 +468,29 @@ pub struct Service {
     dispatcher: std::thread::JoinHandle<()>,
 }
 
+/// Refuses a socket path whose directory is not there (or is no
+/// directory) before the pool is opened: the bind failed only after the
+/// builder had created a pool for a service that never ran.
+fn socket_place_ok(socket: &Path) -> Result<()> {
+    let parent = match socket.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    match std::fs::metadata(parent) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(Error::invalid(format!(
+            "the socket {}: {} is not a directory; give the service a socket path in a directory",
+            socket.display(),
+            parent.display()
+        ))),
+        Err(e) => Err(Error::invalid(format!(
+            "the socket {}: its directory {} cannot be used ({e}); create it, or give the service a socket path in a directory that exists",
+            socket.display(),
+            parent.display()
+        ))),
+    }
+}
+
 /// Whether something answers on the socket at `path`.
 fn socket_in_use(path: &Path) -> bool {
     UnixStream::connect(path).is_ok()
@@ -485,6 +508,7 @@ impl Service {
     ) -> Result<Service> {
         sys::check_kernel()?;
         let arena = Arena::new(geometry, cfg.clients, cfg.client_blocks)?;
+        socket_place_ok(&cfg.socket)?;
         if let Ok(meta) = std::fs::symlink_metadata(&cfg.socket) {
             use std::os::unix::fs::FileTypeExt;
             if !meta.file_type().is_socket() {
