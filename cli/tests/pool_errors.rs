@@ -446,4 +446,12 @@ fn a_pool_directory_made_by_the_cli_is_the_one_the_builder_opens() {
     // Over the existing pool: refused without --force, as for --dev.
     let (code, text) = create_in(d, &["--files", "2", "--capacity", "64m"]);
     assert!(code != 0 && text.contains("--force"), "{text}");
+    // Made again over one file: the pool is that file, whatever earlier
+    // pool's file is left beside it.
+    let (code, text) = create_in(d, &["--files", "1", "--capacity", "64m", "--force"]);
+    assert_eq!(code, 0, "{text}");
+    let (code, text) = kvtier(&["pool", "info", "--json", "--dir", d]);
+    assert_eq!(code, 0, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["devices"].as_array().unwrap().len(), 1);
 }

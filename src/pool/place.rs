@@ -63,12 +63,17 @@ pub fn directory_files(dir: &Path, files: u32) -> Vec<PathBuf> {
         .collect()
 }
 
-/// How many files the pool in `dir` has, by the files there: one past the
-/// highest `kvtier-N.pool` (N below 64; 0 where there is none, or no
-/// directory). A pool made over several files then opens without its
-/// count given (`kvtier serve --dir` had no way to give it), and a file
-/// missing below the highest is named as missing.
+/// How many files the pool in `dir` has: as many as its first file's
+/// superblock records (a file left from an earlier pool of more files is
+/// not its), else one past the highest `kvtier-N.pool` there (N below 64;
+/// 0 where there is none, or no directory), so that a file missing below
+/// the highest is named as missing. A pool made over several files then
+/// opens without its count given (`kvtier serve --dir` had no way to give
+/// it).
 pub fn directory_files_found(dir: &Path) -> u32 {
+    if let Some(n) = recorded_device_count(&directory_files(dir, 1)[0]) {
+        return n;
+    }
     let Ok(entries) = std::fs::read_dir(dir) else {
         return 0;
     };
@@ -87,6 +92,23 @@ pub fn directory_files_found(dir: &Path) -> u32 {
         })
         .max()
         .unwrap_or(0)
+}
+
+/// The device count of the pool whose file `path` is (its first sound
+/// superblock copy, read without a lock); None for anything else.
+fn recorded_device_count(path: &Path) -> Option<u32> {
+    use super::layout::{Superblock, SUPERBLOCK_OFFSETS};
+    use std::os::unix::fs::FileExt;
+    if !std::fs::metadata(path).ok()?.is_file() {
+        return None;
+    }
+    let f = std::fs::File::open(path).ok()?;
+    SUPERBLOCK_OFFSETS.iter().find_map(|&off| {
+        let mut b = [0u8; std::mem::size_of::<Superblock>()];
+        f.read_exact_at(&mut b, off).ok()?;
+        let sb: Superblock = bytemuck::pod_read_unaligned(&b);
+        (sb.is_sound() && (1..=64).contains(&sb.device_count)).then_some(sb.device_count)
+    })
 }
 
 /// The first 24 bytes of a regular file or block device, read without a lock
