@@ -492,7 +492,15 @@ pub fn bind_private(path: &std::path::Path) -> Result<std::os::unix::net::UnixLi
     let old = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o177));
     let r = std::os::unix::net::UnixListener::bind(path);
     nix::sys::stat::umask(old);
-    r.map_err(|e| Error::io(format!("binding the service socket {}", path.display()), e))
+    r.map_err(|e| match e.kind() {
+        // The start checked the path was free: another service (or any
+        // process) bound it in between.
+        std::io::ErrorKind::AddrInUse => Error::invalid(format!(
+            "another process bound the socket {} while this kvtier service started (another service on the same path?): stop it, or give this one another socket path",
+            path.display()
+        )),
+        _ => Error::io(format!("binding the service socket {}", path.display()), e),
+    })
 }
 
 /// Make the socket at `path` mode 0660 owned by group `gid`.
@@ -548,5 +556,19 @@ mod tests {
         assert_eq!(kernel_version("garbage"), None);
         assert!((5, 10) < MIN_KERNEL && (5, 14) >= MIN_KERNEL && (6, 1) >= MIN_KERNEL);
         check_kernel().expect("this machine's kernel is new enough for the tests");
+    }
+
+    /// A socket path something bound since the service checked it is
+    /// refused naming the path and the fix, not a bare "Address in use".
+    #[test]
+    fn a_socket_bound_meanwhile_is_named() {
+        let dir = crate::scratch::TestDir::new("bind-race");
+        let path = dir.file("s.sock");
+        let _first = bind_private(&path).unwrap();
+        let e = bind_private(&path).unwrap_err().to_string();
+        assert!(
+            e.contains("s.sock") && e.contains("another socket path"),
+            "{e}"
+        );
     }
 }
