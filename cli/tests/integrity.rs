@@ -11,7 +11,7 @@ mod common;
 use common::fault::{FaultEngine, FaultStorage, Faults};
 use common::*;
 use kvtier::pool::backing::BackingDevice;
-use kvtier::pool::layout::{PoolLayout, Superblock, DATA_OFFSET};
+use kvtier::pool::layout::{PoolLayout, Superblock, BAD_TABLE_OFFSET, DATA_OFFSET};
 use kvtier::pool::{Key, OpenExpect, Pool, Storage};
 use kvtier::tier::{KeyOutcome, Tier, TierConfig};
 use kvtier::{HostKvCache, HostLayout, KvLayout, KvMemory, MemoryKind};
@@ -923,6 +923,28 @@ fn a_group_that_fails_every_write_is_retired_and_the_cache_goes_on() {
     let (code, text) = kvtier(&["pool", "info", "--dev", paths[0].to_str().unwrap()]);
     assert_eq!(code, 0, "{text}");
     assert!(text.contains("8 slot(s) retired"), "{text}");
+
+    // The bad-slot table damaged (a flipped bit in an entry: its checksum
+    // fails; in its magic: neither a table nor zeroes): no data is lost and
+    // the pool opens, but `pool check` names it (before, it said "clean"
+    // and the retired slots were silently back in service) and `--repair`
+    // writes it anew.
+    let dev = paths[0].to_str().unwrap();
+    for off in [BAD_TABLE_OFFSET + 32 + 2, BAD_TABLE_OFFSET + 3] {
+        flip(&paths[0], off, 4);
+        let (code, text) = kvtier(&["pool", "check", "--dev", dev]);
+        assert_eq!(code, 1, "{off}: {text}");
+        assert!(
+            text.contains("damaged bad-slot table") && text.contains("ssd0.pool"),
+            "{off}: {text}"
+        );
+        let (code, text) = kvtier(&["pool", "check", "--repair", "--dev", dev]);
+        assert_eq!(code, 0, "{off}: {text}");
+        assert!(text.contains("1 damaged bad-slot table"), "{off}: {text}");
+        let (code, text) = kvtier(&["pool", "check", "--dev", dev]);
+        assert_eq!(code, 0, "{off}: {text}");
+        assert!(text.contains("pool is clean"), "{off}: {text}");
+    }
 }
 
 /// The tier owns its pool: drop it and open the pool again from its files.

@@ -50,7 +50,7 @@ pub(crate) const MAX_LAYER_CRCS: u32 =
     ((SLOT_HEADER_BYTES as usize - LAYER_CRCS_OFFSET) / 4) as u32;
 /// Where a device's table of retired (bad) slots lives, inside the reserved area
 /// before the first group, and its size.
-pub(crate) const BAD_TABLE_OFFSET: u64 = 512 << 10;
+pub const BAD_TABLE_OFFSET: u64 = 512 << 10;
 pub(crate) const BAD_TABLE_BYTES: usize = 64 << 10;
 pub(crate) const BAD_TABLE_MAGIC: [u8; 8] = *b"KVBADSL1";
 /// Slots one device's bad table can record (after its 32-byte head).

@@ -193,6 +193,9 @@ pub struct Pool {
     layer_concat: CrcConcat,
     /// Slots whose header sector could not be read at open: their blocks are lost.
     unreadable_headers: Vec<u64>,
+    /// Devices whose bad-slot table was damaged or unreadable at open, and
+    /// why (`check` reports them; `repair` writes them anew).
+    damaged_bad_tables: Vec<(usize, String)>,
     uuid: [u8; 16],
     namespace: String,
     namespace_hash: u64,
@@ -296,6 +299,10 @@ pub struct CheckReport {
     pub damaged_superblocks: Vec<String>,
     /// Slots whose header sector could not be read (their blocks are lost).
     pub unreadable_headers: Vec<u64>,
+    /// Bad-slot tables that are damaged or unreadable: "DEVICE at OFFSET:
+    /// why". The slots they listed are retired again as their writes fail;
+    /// `repair` writes the tables anew.
+    pub damaged_bad_tables: Vec<String>,
     /// (slot, key) of live blocks whose data does not match the header's checksum.
     pub bad_data: Vec<(u64, String)>,
     /// (slot, key) of live blocks whose data could not be read.
@@ -316,6 +323,7 @@ impl CheckReport {
         self.damaged_headers.is_empty()
             && self.damaged_superblocks.is_empty()
             && self.unreadable_headers.is_empty()
+            && self.damaged_bad_tables.is_empty()
             && self.bad_data.is_empty()
             && self.unreadable_data.is_empty()
     }
@@ -832,6 +840,7 @@ impl Pool {
             next_generation: 1,
             damaged_headers: Vec::new(),
             unreadable_headers: Vec::new(),
+            damaged_bad_tables: Vec::new(),
             superblocks,
         })
     }
@@ -1004,6 +1013,7 @@ impl Pool {
                 device_sizes,
                 writable: true,
                 unreadable_headers: Vec::new(),
+            damaged_bad_tables: Vec::new(),
                 devices,
                 layout,
                 uuid: first.pool_uuid,
@@ -1084,23 +1094,31 @@ impl Pool {
 
     /// Retire the slots every device's bad table lists. A table that cannot be
     /// read or fails its checksum retires nothing (its slots fail again and are
-    /// retired again).
+    /// retired again); it is noted in `damaged_bad_tables` for `check` and
+    /// `repair`. All zeroes is no table (none written yet).
     fn load_bad_tables(&mut self) {
+        self.damaged_bad_tables.clear();
         for dev in 0..self.devices.len() {
             let mut buf = AlignedBuf::zeroed(BAD_TABLE_BYTES);
-            if self.devices[dev]
-                .read_exact_at(&mut buf, BAD_TABLE_OFFSET)
-                .is_err()
-            {
+            if let Err(e) = self.devices[dev].read_exact_at(&mut buf, BAD_TABLE_OFFSET) {
+                self.damaged_bad_tables
+                    .push((dev, format!("unreadable: {e}")));
                 continue;
             }
             let b = buf.as_slice();
+            if b.iter().all(|&x| x == 0) {
+                continue;
+            }
             if b[..8] != BAD_TABLE_MAGIC || b[8..24] != self.uuid {
+                self.damaged_bad_tables
+                    .push((dev, "neither this pool's table nor zeroes".into()));
                 continue;
             }
             let count = u32::from_le_bytes(b[24..28].try_into().expect("4 bytes")) as usize;
             let crc = u32::from_le_bytes(b[28..32].try_into().expect("4 bytes"));
             if count > BAD_TABLE_MAX || crc32c::crc32c(&b[32..32 + 8 * count]) != crc {
+                self.damaged_bad_tables
+                    .push((dev, format!("its {count} entries fail their checksum")));
                 continue;
             }
             let total = self.layout.total_slots();
@@ -1111,6 +1129,19 @@ impl Pool {
                 }
             }
         }
+    }
+
+    /// Bad-slot tables found damaged at open: "DEVICE: why".
+    fn damaged_bad_tables(&self) -> Vec<String> {
+        self.damaged_bad_tables
+            .iter()
+            .map(|(dev, why)| {
+                format!(
+                    "{} at offset {BAD_TABLE_OFFSET}: {why}",
+                    self.devices[*dev].path().display()
+                )
+            })
+            .collect()
     }
 
     internal_pub! {
@@ -1133,29 +1164,34 @@ impl Pool {
             devs.dedup();
             let mut first_err = None;
             for dev in devs {
-                let bad: Vec<u64> = device_slots(&self.layout, dev)
-                    .filter(|&s| self.index.lock().is_bad(s) && !self.unreadable_headers.contains(&s))
-                    .take(BAD_TABLE_MAX)
-                    .collect();
-                let mut buf = AlignedBuf::zeroed(BAD_TABLE_BYTES);
-                let b = buf.as_mut_slice();
-                b[..8].copy_from_slice(&BAD_TABLE_MAGIC);
-                b[8..24].copy_from_slice(&self.uuid);
-                b[24..28].copy_from_slice(&(bad.len() as u32).to_le_bytes());
-                for (i, s) in bad.iter().enumerate() {
-                    b[32 + 8 * i..40 + 8 * i].copy_from_slice(&s.to_le_bytes());
-                }
-                let crc = crc32c::crc32c(&b[32..32 + 8 * bad.len()]);
-                b[28..32].copy_from_slice(&crc.to_le_bytes());
-                let r = self.devices[dev]
-                    .write_all_at(&buf, BAD_TABLE_OFFSET)
-                    .and_then(|_| self.devices[dev].sync_data());
-                if let Err(e) = r {
+                if let Err(e) = self.write_bad_table(dev) {
                     first_err.get_or_insert(e);
                 }
             }
             first_err.map_or(Ok(()), Err)
         }
+    }
+
+    /// Write device `dev`'s bad table from the slots retired in memory,
+    /// durably.
+    fn write_bad_table(&self, dev: usize) -> Result<()> {
+        let bad: Vec<u64> = device_slots(&self.layout, dev)
+            .filter(|&s| self.index.lock().is_bad(s) && !self.unreadable_headers.contains(&s))
+            .take(BAD_TABLE_MAX)
+            .collect();
+        let mut buf = AlignedBuf::zeroed(BAD_TABLE_BYTES);
+        let b = buf.as_mut_slice();
+        b[..8].copy_from_slice(&BAD_TABLE_MAGIC);
+        b[8..24].copy_from_slice(&self.uuid);
+        b[24..28].copy_from_slice(&(bad.len() as u32).to_le_bytes());
+        for (i, s) in bad.iter().enumerate() {
+            b[32 + 8 * i..40 + 8 * i].copy_from_slice(&s.to_le_bytes());
+        }
+        let crc = crc32c::crc32c(&b[32..32 + 8 * bad.len()]);
+        b[28..32].copy_from_slice(&crc.to_le_bytes());
+        self.devices[dev]
+            .write_all_at(&buf, BAD_TABLE_OFFSET)
+            .and_then(|_| self.devices[dev].sync_data())
     }
 
     /// What a header sector holds: nothing (all zeroes: never written, or
@@ -1413,8 +1449,9 @@ impl Pool {
     }
 
     /// Drop every block `report` (from `check`) found damaged or unreadable,
-    /// clear damaged headers, and rewrite unreadable header sectors (retiring
-    /// those that still fail), so the pool checks clean afterwards. Returns
+    /// clear damaged headers, rewrite unreadable header sectors (retiring
+    /// those that still fail) and damaged bad-slot tables, so the pool checks
+    /// clean afterwards. Returns
     /// how many blocks were dropped. Needs a pool opened for writing.
     pub fn repair(&mut self, report: &CheckReport) -> Result<u64> {
         if !self.writable {
@@ -1462,6 +1499,16 @@ impl Pool {
         }
         if !lost_slots.is_empty() {
             self.retire_slots(&lost_slots)?;
+        }
+        // A damaged bad-slot table written anew from the slots retired now
+        // (what it listed is lost: those slots are retired again as their
+        // writes fail).
+        let tables = std::mem::take(&mut self.damaged_bad_tables);
+        for (dev, _) in &tables {
+            if let Err(e) = self.write_bad_table(*dev) {
+                self.damaged_bad_tables = tables.clone();
+                return Err(e);
+            }
         }
         Ok(dropped)
     }
@@ -1557,6 +1604,7 @@ impl Pool {
             damaged_headers: self.damaged_headers.clone(),
             damaged_superblocks: self.damaged_superblocks(),
             unreadable_headers: self.unreadable_headers.clone(),
+            damaged_bad_tables: self.damaged_bad_tables(),
             bad_slots: self.index.lock().bad_slots() - self.unreadable_headers.len() as u64,
             ..Default::default()
         };

@@ -219,6 +219,9 @@ pub(crate) fn run(cmd: PoolCmd) -> Result<i32> {
                 for s in &report.unreadable_headers {
                     outln!("unreadable header: slot {s} (its block, if any, is lost)");
                 }
+                for s in &report.damaged_bad_tables {
+                    outln!("damaged bad-slot table: {s} (no data is lost; the slots it listed are retired again as their writes fail)");
+                }
                 for (s, k) in &report.bad_data {
                     outln!("bad data: slot {s} key {k} does not match its checksum");
                 }
@@ -243,10 +246,11 @@ pub(crate) fn run(cmd: PoolCmd) -> Result<i32> {
             let (verdict, code) = if let Some(n) = repaired {
                 (
                     format!(
-                        "repaired: rewrote {} damaged superblock copy(ies), dropped {n} damaged block(s), cleared {} damaged header(s) and rewrote {} unreadable header sector(s) (retired where they still fail); the pool now holds only blocks that verify",
+                        "repaired: rewrote {} damaged superblock copy(ies), dropped {n} damaged block(s), cleared {} damaged header(s), rewrote {} unreadable header sector(s) (retired where they still fail) and {} damaged bad-slot table(s); the pool now holds only blocks that verify",
                         report.damaged_superblocks.len(),
                         report.damaged_headers.len(),
-                        report.unreadable_headers.len()
+                        report.unreadable_headers.len(),
+                        report.damaged_bad_tables.len()
                     ),
                     0,
                 )
@@ -263,10 +267,11 @@ pub(crate) fn run(cmd: PoolCmd) -> Result<i32> {
             } else {
                 (
                     format!(
-                        "pool is DAMAGED: {} damaged superblock copy(ies), {} damaged header(s), {} unreadable header(s), {} block(s) with bad data, {} unreadable; `kvtier pool check --repair` rewrites the superblocks and drops the rest",
+                        "pool is DAMAGED: {} damaged superblock copy(ies), {} damaged header(s), {} unreadable header(s), {} damaged bad-slot table(s), {} block(s) with bad data, {} unreadable; `kvtier pool check --repair` rewrites the superblocks and tables and drops the rest",
                         report.damaged_superblocks.len(),
                         report.damaged_headers.len(),
                         report.unreadable_headers.len(),
+                        report.damaged_bad_tables.len(),
                         report.bad_data.len(),
                         report.unreadable_data.len()
                     ),
