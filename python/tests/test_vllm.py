@@ -224,6 +224,25 @@ def test_connector_requires_pool_dir(tmp_path):
         KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, None)
 
 
+@pytest.mark.parametrize("extra,match", [
+    # A misspelt key was ignored: a 4g pool for "capacty": "64g".
+    ({"capacty": "64g"}, r"'capacty'.*did you mean 'capacity'"),
+    ({"staging_block": 128}, r"did you mean 'staging_blocks'"),
+    ({"pooldir": "/x"}, r"'pooldir'.*pool_dir"),
+    # bool("false") is True: a string is refused, not read as a bool.
+    ({"prewrite": "false"}, r"\['prewrite'\] is 'false', not a bool"),
+    ({"staging_blocks": "64"}, r"\['staging_blocks'\] is '64'.*at least 1"),
+    ({"staging_blocks": 0}, r"\['staging_blocks'\] is 0"),
+    ({"service_reconnect_s": -1}, r"service_reconnect_s.*above 0"),
+    ({"capacity": 6.5}, r"\['capacity'\] is 6.5"),
+])
+def test_connector_extra_config_mistakes_are_named(tmp_path, extra, match):
+    cfg = vllm_config(tmp_path, **extra)
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match=match):
+            KVConnectorFactory.create_connector(cfg, role, None)
+
+
 # ----------------------------------------------------------------------
 # A real engine, end to end
 # ----------------------------------------------------------------------
