@@ -832,3 +832,25 @@ def test_other_models_round_trip_full_and_partial_chunks(tmp_path, shape):
         adapter.submit_unlock(keys)
     finally:
         adapter.close()
+
+
+@pytest.mark.parametrize("params,match", [
+    # JSON written by hand: quoted numbers and bools failed deep inside
+    # ("'<' not supported between 'str' and 'int'", "argument 'enabled'")
+    # or, for a bool, would read "false" as true.
+    ({"chunk_size": "16"}, r"adapter_params.chunk_size is '16'"),
+    ({"chunk_size": 0}, r"adapter_params.chunk_size is 0"),
+    ({"staging_blocks": "4"}, r"adapter_params.staging_blocks is '4'"),
+    ({"prewrite": "false"}, r"adapter_params.prewrite is 'false': give true or false"),
+    ({"group_blocks": 8.5}, r"adapter_params.group_blocks is 8.5"),
+    ({"store_job_mb": "128"}, r"adapter_params.store_job_mb is '128': give a number"),
+])
+def test_adapter_params_of_the_wrong_type_are_named(tmp_path, tiny_model, params, match):
+    p = json.loads(l2_json(tmp_path, tiny_model))
+    p["adapter_params"].update(params)
+    cfg = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[json.dumps(p)]))
+    l1 = torch.zeros(1 << 20, dtype=torch.uint8)
+    desc = L1MemoryDesc(ptr=l1.data_ptr(), size=l1.numel(), align_bytes=1)
+    with pytest.raises(ValueError, match=match):
+        create_l2_adapter(cfg.adapters[0], l1_memory_desc=desc)
+    assert not (tmp_path / "pool").exists()  # refused before any pool was made
