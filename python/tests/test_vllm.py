@@ -673,6 +673,44 @@ def test_tier_under_tiering_manager_stores_and_promotes(tmp_path, offload_region
     tier.shutdown()
 
 
+# Chunk shapes of other models (bytes: layers x K,V x tokens x heads x dim x
+# dtype, rounded up to a 4 KiB page by vLLM): GQA 8x128 in 3 layers, MLA in
+# 27 layers at 16 tokens (DeepSeek-V2-Lite: 27 x 18432 B, rounded up), and
+# an odd number of pages (MQA 1x64 in one layer; MLA in 2 layers), which
+# kvtier cannot split into two sector-aligned halves: refused naming vLLM's
+# setting, not kvtier's own words.
+@pytest.mark.parametrize("chunk,ok", [(3 * 2 * 16 * 8 * 128 * 2, True),
+                                      (-(-27 * 18432 // 4096) * 4096, True),
+                                      (4096, False), (2 * 18432, False)],
+                         ids=["gqa8x128-3layers", "mla-27layers", "mqa1x64-1layer", "mla-2layers"])
+def test_tier_serves_other_chunk_sizes_or_names_vllms_setting(tmp_path, offload_region, chunk, ok):
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    region = offload_region("kvtier-test", num_chunks=4, kv_bytes_per_chunk=chunk,
+                            cpu_page_size=chunk)
+    from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager
+
+    view = CPUPrimaryTierOffloadingManager(num_chunks=4, mmap_region=region).get_kv_memoryview()
+    conf = {"type": "KvtierTier", "module_path": "kvtier.vllm",
+            "pool_dir": str(tmp_path / "tier"), "capacity": "64m"}
+    if not ok:
+        with pytest.raises(ValueError, match=rf"{chunk} B, an odd number of 4 KiB pages.*'block_size'"):
+            SecondaryTierFactory.create_secondary_tier(conf, view, None)
+        return
+    tier = SecondaryTierFactory.create_secondary_tier(conf, view, None)
+    try:
+        assert tier._tier.block_bytes == chunk
+        arr = np.asarray(view)
+        arr[1] = np.frombuffer(os.urandom(chunk), dtype=np.uint8)
+        want = arr[1].copy()
+        t = tier._tier
+        t.wait(t.submit_store([b"c1"], [1])).raise_for_failure()
+        t.wait(t.submit_load([b"c1"], [3])).raise_for_failure()
+        assert np.array_equal(arr[3], want)
+    finally:
+        tier._tier.close()
+
+
 def test_tier_backpressure_fails_the_job_at_once(tmp_path, offload_region):
 
     from vllm.v1.kv_offload.base import ReqContext, make_offload_key
