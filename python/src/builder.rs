@@ -441,7 +441,7 @@ impl TierBuilder {
                 (r.addr, r.len)
             } else {
                 kinds.push(MemoryKind::Host);
-                shapes.push(None);
+                shapes.push(buffer_float_type(t).map(|d| (Vec::new(), 1, d.to_string())));
                 // Through byte_buffer: multi-dimensional views (vLLM's
                 // primary_kv_view is (chunks, bytes)) are cast to bytes first.
                 let b = byte_buffer(t, &format!("KV memory {i}"))?;
@@ -823,4 +823,24 @@ fn pool_name_arg(name: String, call: &str) -> PyResult<String> {
         )));
     }
     Ok(name)
+}
+
+/// The float element type a buffer declares (numpy float16 / float32
+/// arrays, memoryviews cast to 'e' or 'f'), in torch's spelling, for the
+/// KV dtype check; None for bytes and integer formats (raw bytes).
+fn buffer_float_type(o: &Bound<'_, PyAny>) -> Option<&'static str> {
+    let mv = o
+        .py()
+        .import("builtins")
+        .ok()?
+        .getattr("memoryview")
+        .ok()?
+        .call1((o,))
+        .ok()?;
+    let format: String = mv.getattr("format").ok()?.extract().ok()?;
+    match format.trim_start_matches(['<', '>', '=', '@', '!']) {
+        "e" => Some("torch.float16"),
+        "f" => Some("torch.float32"),
+        _ => None,
+    }
 }

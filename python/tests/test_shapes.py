@@ -211,3 +211,19 @@ def test_keys_of_every_kind_and_their_misuse(tmp_path):
             tier.lookup(["a-hash"])
         with pytest.raises(TypeError, match="list of keys"):
             tier.lookup(b"one-key")
+
+
+def test_numpy_buffers_of_another_float_dtype_are_refused(tmp_path):
+    pytest.importorskip("numpy")
+    # numpy has no bfloat16: a float16 array is what a careless user has.
+    t = [x.view(torch.float16).numpy() for x in kv_tensors(2, 2, 64, torch.bfloat16, 16, "per_layer")]
+    with pytest.raises(kvtier.UsageError, match="torch.float16 but the model's KV dtype is bfloat16"):
+        small_tier(tmp_path / "a", t)
+    # Raw bytes or integers are registered as they are; float16 for a
+    # float16 model too.
+    t = [x.view(torch.int16).numpy() for x in kv_tensors(2, 2, 64, torch.bfloat16, 16, "per_layer")]
+    with small_tier(tmp_path / "b", t) as tier:
+        assert tier.memory_blocks == BLOCKS
+    t = [x.numpy() for x in kv_tensors(2, 2, 64, torch.float16, 16, "per_layer")]
+    with small_tier(tmp_path / "c", t, dtype="float16") as tier:
+        assert tier.memory_blocks == BLOCKS
