@@ -56,6 +56,9 @@ pub fn size_in(s: &str, min: u64, max: u64) -> std::result::Result<u64, String> 
             size_example(min, max)
         )
     };
+    if s.trim_start().starts_with('-') {
+        return Err(format!("is negative, out of range; {}", range()));
+    }
     let v = parse_size_str(s).map_err(|why| format!("{why}; {}", range()))?;
     if v < min || v > max {
         return Err(format!("out of range; {}", range()));
@@ -175,6 +178,40 @@ pub fn is_broken_pipe(e: &Error) -> bool {
         if context == STDOUT && source.kind() == std::io::ErrorKind::BrokenPipe)
 }
 
+/// `--flag -1g` written as `--flag=-1g`, for each value that looks like a
+/// negative number or size right after a long option; `None` if there is
+/// none. Clap takes `-1g` for an option of its own and said only
+/// "unexpected argument '-1' found", naming neither the flag nor what is
+/// wrong; parsed again this way, the flag's own parser refuses the value
+/// by name and range.
+pub fn join_negative_values(args: &[std::ffi::OsString]) -> Option<Vec<std::ffi::OsString>> {
+    let negative = |a: &std::ffi::OsString| {
+        let b = a.as_encoded_bytes();
+        b.len() >= 2 && b[0] == b'-' && (b[1].is_ascii_digit() || b[1] == b'.')
+    };
+    let flag = |a: &std::ffi::OsString| {
+        let b = a.as_encoded_bytes();
+        b.len() > 2 && b.starts_with(b"--") && !b.contains(&b'=')
+    };
+    let mut out = Vec::with_capacity(args.len());
+    let mut joined = false;
+    let mut i = 0;
+    while i < args.len() {
+        if i >= 1 && i + 1 < args.len() && flag(&args[i]) && negative(&args[i + 1]) {
+            let mut f = args[i].clone();
+            f.push("=");
+            f.push(&args[i + 1]);
+            out.push(f);
+            joined = true;
+            i += 2;
+        } else {
+            out.push(args[i].clone());
+            i += 1;
+        }
+    }
+    joined.then_some(out)
+}
+
 /// Refuse to allocate more host memory than the machine has available: the
 /// KV caches are faulted in up front, so an impossible size would end in
 /// the OOM killer rather than an error.
@@ -195,6 +232,28 @@ pub fn check_host_memory(bytes: u64, what: &str, fix: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn negative_values_are_joined_to_their_flag() {
+        let os = |v: &[&str]| v.iter().map(std::ffi::OsString::from).collect::<Vec<_>>();
+        assert_eq!(
+            join_negative_values(&os(&["kvtier", "pool", "--capacity", "-1g", "--force"])),
+            Some(os(&["kvtier", "pool", "--capacity=-1g", "--force"]))
+        );
+        assert_eq!(
+            join_negative_values(&os(&["kvtier", "--files", "-.5"])),
+            Some(os(&["kvtier", "--files=-.5"]))
+        );
+        for unchanged in [
+            &["kvtier", "--capacity", "1g"][..],
+            &["kvtier", "--capacity=-1g"],
+            &["kvtier", "-h"],
+            &["kvtier", "--dir", "-x"],
+            &["kvtier", "--capacity"],
+        ] {
+            assert_eq!(join_negative_values(&os(unchanged)), None, "{unchanged:?}");
+        }
+    }
 
     #[test]
     fn sizes() {

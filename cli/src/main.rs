@@ -140,8 +140,23 @@ impl ModelArgs {
     }
 }
 
+/// The command line, parsed; a negative value after a flag (`--capacity
+/// -1g`) is refused by that flag's parser, naming it.
+fn parse_cli() -> std::result::Result<Cli, clap::Error> {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    match Cli::try_parse_from(&args) {
+        Err(e) if e.kind() == clap::error::ErrorKind::UnknownArgument => {
+            match kvtier_cli::cli::join_negative_values(&args) {
+                Some(joined) => Cli::try_parse_from(joined),
+                None => Err(e),
+            }
+        }
+        parsed => parsed,
+    }
+}
+
 fn main() {
-    let cli = match Cli::try_parse() {
+    let cli = match parse_cli() {
         Ok(cli) => cli,
         Err(e) => {
             // Clap quotes the arguments it refuses: escaped like every message.

@@ -653,6 +653,73 @@ fn bench_memory_host_double_reports_ceilings() {
     assert!((ratio - r["restore_vs_ceiling"].as_f64().unwrap()).abs() < 1e-9);
 }
 
+/// `--service`: each context's store and restore also go through the node's
+/// service, started in the bench's process on a pool of its own, by a staged
+/// client over the same (double) KV memory; restored bytes are verified,
+/// each figure comes with its ratios to the in-process path and the
+/// ceilings of the same run, and nothing the service made is left in --dir.
+#[test]
+fn bench_memory_host_double_through_the_service() {
+    let dir = TempDir::new("bench-hbm-service");
+    let (text, v) = bench(
+        &dir,
+        &[
+            "--memory",
+            "host-double",
+            "--service",
+            "--contexts",
+            "256,1024",
+            "--capacity",
+            "600m",
+            "--group-blocks",
+            "16",
+        ],
+    );
+    assert!(text.contains("through the node's service"), "{text}");
+    assert!(v["service_staging"]["layer_buffers"].as_u64().unwrap() > 0);
+    assert!(v["service_first_jobs_ms"].as_f64().unwrap() > 0.0);
+    for (i, tokens) in [256, 1024].into_iter().enumerate() {
+        let r = &v["results"][i];
+        assert_eq!(r["tokens"], tokens);
+        let s = &r["service"];
+        assert_eq!(s["verified"], true, "{r}");
+        for f in ["restore_gib_s", "store_gib_s", "restore_first_layer_ms"] {
+            assert!(s[f].as_f64().unwrap() > 0.0, "{f}: {r}");
+        }
+        let f = |o: &serde_json::Value, k: &str| o[k].as_f64().unwrap();
+        let vs = f(s, "store_gib_s") / f(r, "store_gib_s");
+        assert!((vs - f(s, "store_vs_in_process")).abs() < 1e-9, "{r}");
+        let ceiling = f(r, "disk_read_gib_s").min(f(r, "h2d_gib_s"));
+        assert!((f(s, "restore_gib_s") / ceiling - f(s, "restore_vs_ceiling")).abs() < 1e-9);
+    }
+    // What the bench leaves: its JSON only (the pool, the service's pool,
+    // its socket and directory are gone).
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(left, ["out.json"]);
+}
+
+/// `--service` is the GPU bench's (the in-process staged path against the
+/// service's): without `--memory gpu` it is refused before anything is made.
+#[test]
+fn bench_service_needs_the_gpu_bench() {
+    let dir = TempDir::new("bench-service-host");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(["bench", "--service", "--contexts", "16", "--dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("--memory gpu") && err.contains("drop --service"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
+
 /// The bench's scratch pool is created, formatted and used through the
 /// descriptor it was created with: a symlink swapped in for it by another
 /// user of the directory (here a thread, as fast as it can) receives

@@ -551,6 +551,22 @@ fn every_numeric_flag_is_range_checked() {
             ],
             "--group-blocks",
         ),
+        // A negative value after its flag (not `--flag=-1`): clap took it
+        // for an option and said "unexpected argument '-1' found".
+        (vec!["replay", "--layer-us", "-5"], "--layer-us"),
+        (vec!["bench", "--devices", "-1"], "--devices"),
+        (
+            vec!["pool", "create", "--dev", pool, "--size", "-1g"],
+            "--size",
+        ),
+        (
+            vec!["pool", "create", "--dir", &d, "--capacity", "-1g"],
+            "--capacity",
+        ),
+        (
+            vec!["serve", "--socket", pool, "--clients", "-3"],
+            "--clients",
+        ),
     ];
     for (args, flag) in cases {
         let mut c = kvtier();

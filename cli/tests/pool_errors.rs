@@ -391,6 +391,12 @@ fn a_pool_directory_made_by_the_cli_is_the_one_the_builder_opens() {
     assert_eq!(code, 0, "{text}");
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["devices"].as_array().unwrap().len(), 2);
+    // Without --files: the files that are there (it said "the pool has 2
+    // device(s) but 1 were named").
+    let (code, text) = kvtier(&["pool", "info", "--json", "--dir", d]);
+    assert_eq!(code, 0, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["devices"].as_array().unwrap().len(), 2);
     // The builder opens it (open only: nothing is created), for the same
     // model's namespace, and stores into it.
     let named = kvtier::model::resolve_named(m, 16, None).unwrap();
@@ -413,6 +419,19 @@ fn a_pool_directory_made_by_the_cli_is_the_one_the_builder_opens() {
     let (code, text) = kvtier(&["pool", "check", "--dir", d, "--files", "2"]);
     assert_eq!(code, 0, "{text}");
     assert!(text.contains("1 live block(s) checked, 1 ok"), "{text}");
+    // The builder finds the count too, and the key stored above.
+    let named = kvtier::model::resolve_named(m, 16, None).unwrap();
+    let cache = Arc::new(HostKvCache::new(named.geometry, 4, HostLayout::PerLayer).unwrap());
+    let h = TierBuilder::default()
+        .directory(&pool_dir)
+        .model(named)
+        .create_mode(CreateMode::Never)
+        .engine(EngineChoice::Uring)
+        .host_cache(cache)
+        .build()
+        .unwrap();
+    assert_eq!(h.lookup_prefix(&[Key::from_u64(7)]), 1);
+    h.close().unwrap();
     // Too little capacity: the CLI's words, nothing made.
     let small = dir.file("small");
     let (code, text) = create_in(small.to_str().unwrap(), &["--capacity", "1m"]);
@@ -427,4 +446,12 @@ fn a_pool_directory_made_by_the_cli_is_the_one_the_builder_opens() {
     // Over the existing pool: refused without --force, as for --dev.
     let (code, text) = create_in(d, &["--files", "2", "--capacity", "64m"]);
     assert!(code != 0 && text.contains("--force"), "{text}");
+    // Made again over one file: the pool is that file, whatever earlier
+    // pool's file is left beside it.
+    let (code, text) = create_in(d, &["--files", "1", "--capacity", "64m", "--force"]);
+    assert_eq!(code, 0, "{text}");
+    let (code, text) = kvtier(&["pool", "info", "--json", "--dir", d]);
+    assert_eq!(code, 0, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["devices"].as_array().unwrap().len(), 1);
 }

@@ -1190,6 +1190,202 @@ fn silent_connections_take_no_thread() {
     assert_eq!(last.read(&mut buf).unwrap(), 0, "closed by the service");
 }
 
+/// Connections that send part of a hello and stall wait in the accept
+/// loop's poll too: before, each got a thread of its own as soon as its
+/// first byte came (a peer made thousands), and a client that says hello
+/// meanwhile is served at once.
+#[test]
+fn stalled_hellos_take_no_thread_and_hold_up_nobody() {
+    let dir = TempDir::new("serve-stalled-hello");
+    let s = Serve::start(&dir, POOL, 4, 16);
+    let pid = s.child.id();
+    let before = threads_of(pid);
+    let h = hello();
+    let stalled: Vec<UnixStream> = (0..200)
+        .map(|i| {
+            let mut st = UnixStream::connect(&s.sock).unwrap();
+            st.write_all(&h[..1 + i % (h.len() - 1)]).unwrap();
+            st
+        })
+        .collect();
+    let t0 = Instant::now();
+    let c = ServiceClient::connect(&s.sock, 0).unwrap();
+    store_range(&c, 0, 4, |_| {}).unwrap();
+    assert_eq!(c.lookup_prefix(&keys(0..4)), 4);
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    let during = threads_of(pid);
+    // The one client's reader and writer; not one per stalled hello.
+    assert!(during <= before + 4, "{before} threads, then {during}");
+    // Past the hello's deadline the service closes them.
+    s.wait_log("sent no hello within");
+    let mut last = &stalled[199];
+    let mut buf = [0u8; 1];
+    last.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    assert_eq!(last.read(&mut buf).unwrap(), 0, "closed by the service");
+}
+
+/// A client that stops inside a frame's header is dropped once the header
+/// is late, as one inside a body is (it held its reader thread and its
+/// slot for as long as it lived).
+#[test]
+fn a_client_stalled_inside_a_frame_header_is_dropped() {
+    let dir = TempDir::new("serve-stalled-header");
+    let s = Serve::start(&dir, POOL, 4, 16);
+    let lookup = Request::Lookup(keys(0..4)).encode(2).unwrap();
+    let t0 = Instant::now();
+    assert!(dropped_after(&s.sock, &[hello(), lookup[..7].to_vec()]));
+    let took = t0.elapsed();
+    assert!(took >= Duration::from_secs(4), "dropped after {took:?}");
+    s.wait_log("header did not arrive in time");
+}
+
+/// Client memory the machine cannot hold is refused at start, naming the
+/// settings to lower, before a pool is made: the engine pins the whole
+/// arena, and 64 clients of 65536 blocks of an 8B model (8 TiB) grew the
+/// service to 23 GiB until the OOM killer ended it.
+#[test]
+fn client_memory_past_the_machines_is_refused_at_start() {
+    let dir = TempDir::new("serve-huge-arena");
+    let pool = dir.file("pool");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args([
+            "serve",
+            "--dir",
+            pool.to_str().unwrap(),
+            "--capacity",
+            "200m",
+        ])
+        .args(["--socket", dir.file("s.sock").to_str().unwrap()])
+        .args(["--clients", "64", "--client-blocks", "65536"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let code = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st.code();
+        }
+        if t0.elapsed() > Duration::from_secs(10) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the service started with 8 TiB of client memory");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("64 clients x 65536 blocks")
+            && err.contains("available")
+            && err.contains("fewer clients or client blocks"),
+        "{err}"
+    );
+    assert!(
+        !pool.exists(),
+        "no pool is made for a service that cannot start"
+    );
+}
+
+/// Peak resident memory of process `pid`, bytes.
+fn peak_rss_of(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    kib << 10
+}
+
+/// A client's pins go in one step per key when it leaves, however many
+/// times it pinned each: the service listed every pin, so a key pinned
+/// 2 million times (a few seconds of 65536-key requests) took 100 MB and
+/// more at the disconnect, and 100 million 4.8 GB.
+#[test]
+fn a_clients_many_pins_of_one_key_cost_nothing_to_drop() {
+    let dir = TempDir::new("serve-pins");
+    let s = Serve::start(&dir, POOL, 2, 16);
+    let c = ServiceClient::connect(&s.sock, 0).unwrap();
+    store_range(&c, 0, 1, |_| {}).unwrap();
+    let pinner = ServiceClient::connect_lookup_only(&s.sock).unwrap();
+    let same = vec![Key::from_u64(0); protocol::MAX_KEYS];
+    for _ in 0..32 {
+        assert_eq!(pinner.lookup_and_pin(&same), protocol::MAX_KEYS);
+    }
+    let before = peak_rss_of(s.child.id());
+    drop(pinner);
+    let t0 = Instant::now();
+    while pinned_blocks(&c) != 0 {
+        assert!(t0.elapsed() < Duration::from_secs(20), "the pins stayed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let grew = peak_rss_of(s.child.id()).saturating_sub(before);
+    assert!(grew < 32 << 20, "the disconnect took {} MiB", grew >> 20);
+}
+
+/// A socket path in a directory that is not there is refused before the
+/// pool is opened: the bind failed only after a pool had been created for
+/// a service that never ran.
+#[test]
+fn a_socket_in_a_missing_directory_is_refused_before_a_pool_is_made() {
+    let dir = TempDir::new("serve-nosockdir");
+    let pool = dir.file("pool");
+    let out = Command::new(BIN)
+        .args([
+            "serve",
+            "--dir",
+            pool.to_str().unwrap(),
+            "--capacity",
+            "64m",
+        ])
+        .arg("--model")
+        .arg(tiny_config(&dir))
+        .arg("--socket")
+        .arg(dir.file("missing/kvtier.sock"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("missing") && err.contains("create it, or give the service a socket path"),
+        "{err}"
+    );
+    assert!(
+        !pool.exists(),
+        "a pool was made for a service that cannot start"
+    );
+}
+
+/// A pool made over several files in its directory (`pool create --dir
+/// --files 2`) is the one `serve --dir` opens: serve has no --files, and
+/// refused it as "the pool has 2 device(s) but 1 were named".
+#[test]
+fn serve_opens_a_pool_directory_of_several_files() {
+    let dir = TempDir::new("serve-files");
+    let cfg = tiny_config(&dir);
+    let out = Command::new(BIN)
+        .args(["pool", "create", "--dir"])
+        .arg(dir.file("pool"))
+        .args(["--files", "2", "--capacity", &POOL.to_string(), "--model"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let s = Serve::start(&dir, POOL, 2, 16);
+    let c = ServiceClient::connect(&s.sock, 0).unwrap();
+    store_range(&c, 0, 16, |_| {}).unwrap();
+    assert_eq!(load_range(&c, 0, 16).unwrap(), 0);
+}
+
 /// `--tp-size N`: the pool holds one TP rank's shard (the KV heads / N);
 /// a size that neither splits nor evenly replicates the heads is refused.
 #[test]

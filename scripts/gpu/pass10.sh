@@ -5,6 +5,7 @@
 #      GPU tests, and the Python CUDA-tensor tests from the carried wheel;
 #   2. `kvtier bench --memory gpu`, 3 rounds per layout: staged restore and store beside
 #      disk alone and pinned H2D alone of the same run, the GPU crc32c's share of a store;
+#      the per-layer runs also through the node's service (--service), same run;
 #   3. scripts/gpu/ttft.py: TTFT of recompute / kvtier restore under the suffix's layers /
 #      prefix in HBM, llama3-8b and llama3-70b (as many layers as fit), 8K and 32K prefixes.
 # Each part writes its raw output to $OUT as it finishes (a timeout keeps what was done).
@@ -34,15 +35,21 @@ part1() {
 }
 
 part2() {
-  # One round per invocation (a fresh pool each); 3 rounds, layouts alternating.
+  # One round per invocation (a fresh pool each); 3 rounds, layouts alternating. The
+  # per-layer runs also go through the node's service (--service: its staged client
+  # beside the in-process path, same run), its slice in reserved huge pages as a
+  # service host would have them (2.5 GiB for these contexts; given back after).
+  hp0=$(cat /proc/sys/vm/nr_hugepages 2>/dev/null || echo 0)
+  echo $((hp0 + 1400)) > /proc/sys/vm/nr_hugepages 2>/dev/null; fig "hugepages=$(cat /proc/sys/vm/nr_hugepages)"
   for r in 1 2 3; do
     for layout in per-layer cross-layer; do
-      x=; [ $layout = cross-layer ] && x=--cross-layer
-      step "hbm_${layout}_$r" 60 $G/kvtier bench --memory gpu --model llama3-8b --contexts ${CONTEXTS:-4096,16384} \
+      x=--service t=100 n=4; [ $layout = cross-layer ] && x=--cross-layer t=60 n=2
+      step "hbm_${layout}_$r" $t $G/kvtier bench --memory gpu --model llama3-8b --contexts ${CONTEXTS:-4096,16384} \
         --capacity 6g --dir "$D/bench" $x --json "$O/hbm-$layout-$r.json" >> "$O/hbm.txt" 2>&1
-      grep -E "^ +[0-9]+ " "$O/hbm.txt" | tail -2 | sed "s/^/FIG hbm $layout r$r: /" >> "$S"
+      grep -E "^ +[0-9]+ " "$O/hbm.txt" | tail -$n | sed "s/^/FIG hbm $layout r$r: /" >> "$S"
     done
   done
+  echo "$hp0" > /proc/sys/vm/nr_hugepages 2>/dev/null
 }
 
 part3() {

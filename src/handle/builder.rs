@@ -139,15 +139,17 @@ impl TierBuilder {
     }
 
     /// The pool in directory `dir`: the files kvtier makes there
-    /// (`kvtier-0.pool`, ...; one unless [`Self::directory_files`] says
-    /// more). The directory is made when the pool is created.
+    /// (`kvtier-0.pool`, ...: as many as are there, one for a new pool,
+    /// unless [`Self::directory_files`] says). The directory is made when
+    /// the pool is created.
     pub fn directory(mut self, dir: impl Into<PathBuf>) -> Self {
         self.location = Some(Location::Directory(dir.into()));
         self
     }
 
     /// How many files (1 to 64) a pool in [`Self::directory`] spreads over
-    /// (default 1); an existing pool must be opened with the count it was
+    /// (default: a new pool 1, one that is there the `kvtier-N.pool` files
+    /// it has); an existing pool must be opened with the count it was
     /// created with.
     pub fn directory_files(mut self, files: u32) -> Self {
         self.directory_files = Some(files);
@@ -528,7 +530,9 @@ impl TierBuilder {
         let (paths, dir) = match location {
             Location::Files(paths) if self.create.is_none() => (paths, None),
             Location::Directory(dir) => {
-                let files = self.directory_files.unwrap_or(1);
+                let files = self
+                    .directory_files
+                    .unwrap_or_else(|| place::directory_files_found(&dir).max(1));
                 if !(1..=64).contains(&files) {
                     return Err(Error::invalid(format!(
                         "directory_files({files}): give 1 to 64 pool files"

@@ -594,15 +594,16 @@ impl TierHandle {
         self.shared.index.lock().lookup_and_pin_entries(keys)
     }
 
-    /// Drop one pin per `(key, generation)` where that entry is still the
-    /// key's (see `lookup_and_pin_entries`).
-    pub(crate) fn unpin_entries(&self, pins: &[(Key, u64)]) {
+    /// Drop `n` pins per `(key, generation, n)` where that entry is still
+    /// the key's (see `lookup_and_pin_entries`): counted, so that a client
+    /// holding a key pinned millions of times costs one step to let go.
+    pub(crate) fn unpin_entries(&self, pins: &[(Key, u64, u32)]) {
         if !self.shared.index_open.load(Ordering::Acquire) {
             return;
         }
         let mut ix = self.shared.index.lock();
-        for (k, g) in pins {
-            ix.unpin_entry(k, *g);
+        for (k, g, n) in pins {
+            ix.unpin_entry(k, *g, *n);
         }
     }
 

@@ -292,11 +292,12 @@ impl Index {
         keys[..n].iter().map(|k| self.map[k].generation).collect()
     }
 
-    /// Drop one caller pin of `key` if its entry is still the one stored
-    /// under `generation`; a later entry's pins belong to whoever took them.
-    pub fn unpin_entry(&mut self, key: &Key, generation: u64) {
+    /// Drop `n` caller pins of `key` (as many as it has, at most) if its
+    /// entry is still the one stored under `generation`; a later entry's
+    /// pins belong to whoever took them.
+    pub fn unpin_entry(&mut self, key: &Key, generation: u64, n: u32) {
         if self.map.get(key).is_some_and(|e| e.generation == generation) {
-            self.drop_pin(key, false);
+            self.drop_pins(key, false, n);
         }
     }
 
@@ -338,14 +339,18 @@ impl Index {
     }
 
     fn drop_pin(&mut self, key: &Key, job: bool) {
+        self.drop_pins(key, job, 1)
+    }
+
+    fn drop_pins(&mut self, key: &Key, job: bool, n: u32) {
         let Some(e) = self.map.get_mut(key) else {
             return;
         };
         let count = if job { &mut e.job_pins } else { &mut e.pins };
-        if *count == 0 {
+        if *count == 0 || n == 0 {
             return;
         }
-        *count -= 1;
+        *count = count.saturating_sub(n);
         if !e.pinned() {
             self.lru.insert((e.tick, e.slot));
             self.pinned -= 1;
@@ -619,9 +624,9 @@ mod tests {
         let b = ix.allocate(1).unwrap().slots[0];
         ix.commit(k(7), b, 11);
         assert_eq!(ix.lookup_and_pin_entries(&[k(7)]), vec![11]);
-        ix.unpin_entry(&k(7), 10);
+        ix.unpin_entry(&k(7), 10, 1);
         assert_eq!(ix.get(&k(7)).unwrap().pins, 1, "a stale unpin dropped a live pin");
-        ix.unpin_entry(&k(7), 11);
+        ix.unpin_entry(&k(7), 11, 1);
         assert_eq!(ix.get(&k(7)).unwrap().pins, 0);
         assert_eq!(ix.pinned(), 0);
     }

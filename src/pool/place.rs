@@ -63,6 +63,54 @@ pub fn directory_files(dir: &Path, files: u32) -> Vec<PathBuf> {
         .collect()
 }
 
+/// How many files the pool in `dir` has: as many as its first file's
+/// superblock records (a file left from an earlier pool of more files is
+/// not its), else one past the highest `kvtier-N.pool` there (N below 64;
+/// 0 where there is none, or no directory), so that a file missing below
+/// the highest is named as missing. A pool made over several files then
+/// opens without its count given (`kvtier serve --dir` had no way to give
+/// it).
+pub fn directory_files_found(dir: &Path) -> u32 {
+    if let Some(n) = recorded_device_count(&directory_files(dir, 1)[0]) {
+        return n;
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name();
+            let n: u32 = name
+                .to_str()?
+                .strip_prefix("kvtier-")?
+                .strip_suffix(".pool")?
+                .parse()
+                .ok()?;
+            // Only the names kvtier makes: "kvtier-01.pool" is not file 1.
+            (n < 64 && name.to_str() == Some(&format!("kvtier-{n}.pool"))).then_some(n + 1)
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// The device count of the pool whose file `path` is (its first sound
+/// superblock copy, read without a lock); None for anything else.
+fn recorded_device_count(path: &Path) -> Option<u32> {
+    use super::layout::{Superblock, SUPERBLOCK_OFFSETS};
+    use std::os::unix::fs::FileExt;
+    if !std::fs::metadata(path).ok()?.is_file() {
+        return None;
+    }
+    let f = std::fs::File::open(path).ok()?;
+    SUPERBLOCK_OFFSETS.iter().find_map(|&off| {
+        let mut b = [0u8; std::mem::size_of::<Superblock>()];
+        f.read_exact_at(&mut b, off).ok()?;
+        let sb: Superblock = bytemuck::pod_read_unaligned(&b);
+        (sb.is_sound() && (1..=64).contains(&sb.device_count)).then_some(sb.device_count)
+    })
+}
+
 /// The first 24 bytes of a regular file or block device, read without a lock
 /// (None for anything else: opening a FIFO to read would wait for a writer).
 pub(crate) fn head_of(path: &Path) -> Option<[u8; 24]> {
@@ -189,6 +237,19 @@ mod tests {
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
         d
+    }
+
+    #[test]
+    fn files_found_in_a_directory() {
+        let d = dir("found");
+        assert_eq!(directory_files_found(&d), 0);
+        assert_eq!(directory_files_found(&d.join("none")), 0);
+        for name in ["kvtier-1.pool", "kvtier-01.pool", "kvtier-99.pool", "other-7.pool"] {
+            std::fs::write(d.join(name), b"").unwrap();
+        }
+        assert_eq!(directory_files_found(&d), 2);
+        std::fs::write(d.join("kvtier-63.pool"), b"").unwrap();
+        assert_eq!(directory_files_found(&d), 64);
     }
 
     #[test]

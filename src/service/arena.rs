@@ -30,6 +30,7 @@ use super::board::lock;
 use super::sys::{sealed_memfd, Reservation};
 use crate::memory::hugetlb_free_bytes;
 use crate::error::{Error, Result};
+use crate::host::size::human_bytes;
 use crate::memory::{KvLayout, KvMemory, MemoryKind};
 use crate::model::KvGeometry;
 use crate::p2p::MemRegion;
@@ -50,6 +51,28 @@ fn blocks_per_page(geometry: &KvGeometry, page: u64) -> u64 {
 /// `slots` slices of `slot_stride` bytes each, one after another.
 fn slice_offset(slots: u32, slot_stride: u64, s: u32, l: u64) -> u64 {
     (l * slots as u64 + s as u64) * slot_stride
+}
+
+/// Refuses an arena of `total` bytes in small pages that the machine's
+/// available memory cannot hold: the engine pins the arena when it
+/// registers it (io_uring's fixed buffers), so every page is faulted in at
+/// start, and `--clients 64 --client-blocks 65536` of an 8B model (8 TiB)
+/// grew the service until the OOM killer ended it, and others with it.
+fn fits_in_memory(geometry: &KvGeometry, slots: u32, slot_blocks: u32, total: u64) -> Result<()> {
+    let Some(avail) = crate::host::mem_available() else {
+        return Ok(());
+    };
+    if total <= avail {
+        return Ok(());
+    }
+    let per_block = 2 * geometry.object_bytes() * geometry.layers as u64 * slots as u64;
+    let step = blocks_per_page(geometry, PAGE);
+    let most = (avail / per_block.max(1)) / step * step;
+    Err(Error::invalid(format!(
+        "the service's KV memory of {slots} clients x {slot_blocks} blocks is {} but this machine has {} of memory available, and it is all held (pinned) while the service runs: give fewer clients or client blocks (at most {most} blocks each for {slots} clients), or reserve huge pages for it",
+        human_bytes(total),
+        human_bytes(avail)
+    )))
 }
 
 /// Every client slice, mapped into one reservation.
@@ -88,6 +111,11 @@ impl Arena {
             .checked_mul(geometry.layers as u64)
             .and_then(|x| x.checked_mul(slots as u64))
             .ok_or_else(|| Error::invalid("the service's KV memory overflows 64 bits"))?;
+        if hugetlb_free_bytes() < total {
+            // Small pages for certain: said before reserving the addresses
+            // (past the address space that failed as a bare ENOMEM).
+            fits_in_memory(&geometry, slots, slot_blocks, total)?;
+        }
         let reservation = Reservation::new(total)?;
         // Reserved huge pages where the system has them free for the whole
         // arena and every mapping is whole 2 MiB pages: each 2 MiB of a
@@ -113,7 +141,10 @@ impl Arena {
         let huge = files.is_some();
         let files = match files {
             Some(f) => f,
-            None => map_all(false)?,
+            None => {
+                fits_in_memory(&geometry, slots, slot_blocks, total)?;
+                map_all(false)?
+            }
         };
         Ok(Arena {
             reservation,

@@ -847,6 +847,17 @@ pub fn read_header(r: &mut impl std::io::Read) -> Result<Option<Header>> {
             Ok(0) => return Err(bad("the stream ended inside a frame header")),
             Ok(n) => got += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e)
+                if got > 0
+                    && matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+            {
+                return Err(bad(format!(
+                    "a frame's header did not arrive in time ({got} of its {HEADER_BYTES} bytes came)"
+                )))
+            }
             Err(e) => return Err(Error::io("reading a kvtier service frame", e)),
         }
     }

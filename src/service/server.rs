@@ -25,7 +25,7 @@ use std::collections::{HashMap, VecDeque};
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -175,6 +175,9 @@ struct Shared {
     clients: Mutex<HashMap<u64, Arc<Client>>>,
     /// Lookup-only clients connected now.
     lookup_clients: AtomicU32,
+    /// Connections whose hello has begun and is being read on a thread of
+    /// its own, at most [`MAX_HELLO_THREADS`].
+    hellos_reading: AtomicUsize,
     next_client: AtomicU64,
     stopping: AtomicBool,
     /// The dispatcher stops once this is set and the handle is closed.
@@ -465,6 +468,29 @@ pub struct Service {
     dispatcher: std::thread::JoinHandle<()>,
 }
 
+/// Refuses a socket path whose directory is not there (or is no
+/// directory) before the pool is opened: the bind failed only after the
+/// builder had created a pool for a service that never ran.
+fn socket_place_ok(socket: &Path) -> Result<()> {
+    let parent = match socket.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    match std::fs::metadata(parent) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(Error::invalid(format!(
+            "the socket {}: {} is not a directory; give the service a socket path in a directory",
+            socket.display(),
+            parent.display()
+        ))),
+        Err(e) => Err(Error::invalid(format!(
+            "the socket {}: its directory {} cannot be used ({e}); create it, or give the service a socket path in a directory that exists",
+            socket.display(),
+            parent.display()
+        ))),
+    }
+}
+
 /// Whether something answers on the socket at `path`.
 fn socket_in_use(path: &Path) -> bool {
     UnixStream::connect(path).is_ok()
@@ -482,6 +508,7 @@ impl Service {
     ) -> Result<Service> {
         sys::check_kernel()?;
         let arena = Arena::new(geometry, cfg.clients, cfg.client_blocks)?;
+        socket_place_ok(&cfg.socket)?;
         if let Ok(meta) = std::fs::symlink_metadata(&cfg.socket) {
             use std::os::unix::fs::FileTypeExt;
             if !meta.file_type().is_socket() {
@@ -529,6 +556,7 @@ impl Service {
             orphans: Mutex::new(HashMap::new()),
             clients: Mutex::new(HashMap::new()),
             lookup_clients: AtomicU32::new(0),
+            hellos_reading: AtomicUsize::new(0),
             next_client: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
             dispatcher_done: AtomicBool::new(false),
@@ -591,33 +619,48 @@ impl Service {
     pub fn run(self) -> Result<()> {
         use nix::poll::{PollFd, PollFlags, PollTimeout};
         let mut readers = Vec::new();
-        // Connections accepted whose hello has not begun to arrive, oldest
-        // first: they wait here, in this loop's poll, not on a thread each.
-        let mut waiting: std::collections::VecDeque<(UnixStream, Instant)> = Default::default();
+        // Connections accepted whose hello has not arrived whole, oldest
+        // first, with what of it has: they wait here, in this loop's poll
+        // (read without blocking), not on a thread each.
+        let mut waiting: std::collections::VecDeque<Waiting> = Default::default();
         // Accepts failing since the last one that worked (said once).
         let mut accept_failing = false;
         loop {
             let now = Instant::now();
-            while waiting.front().is_some_and(|(_, due)| *due <= now) {
+            while waiting.front().is_some_and(|w| w.due <= now) {
                 waiting.pop_front();
                 log(format_args!(
                     "closed a connection that sent no hello within {HELLO_TIMEOUT:?}"
                 ));
             }
+            // A connection gets its thread once its hello is in (a peer
+            // opening connections that each sent a byte made a thread apiece,
+            // thousands, bounded only by its file descriptors). Only a first
+            // frame too large for a hello is read further on its thread; past
+            // the cap on those, waiting connections are not polled (what they
+            // send keeps) until one ends.
+            let hello_threads_full =
+                self.shared.hellos_reading.load(Ordering::SeqCst) >= MAX_HELLO_THREADS;
             let (stopped, accept, ready) = {
                 let mut pfds = vec![
                     PollFd::new(self.listener.as_fd(), PollFlags::POLLIN),
                     PollFd::new(self.stop.as_fd(), PollFlags::POLLIN),
                 ];
-                pfds.extend(
-                    waiting
-                        .iter()
-                        .map(|(c, _)| PollFd::new(c.as_fd(), PollFlags::POLLIN)),
-                );
-                // Wake for the oldest waiting connection's deadline.
+                if !hello_threads_full {
+                    pfds.extend(
+                        waiting
+                            .iter()
+                            .map(|w| PollFd::new(w.stream.as_fd(), PollFlags::POLLIN)),
+                    );
+                }
+                // Wake for the oldest waiting connection's deadline (and, while
+                // the hello threads are all taken, soon to look again).
                 let timeout = match waiting.front() {
-                    Some((_, due)) => {
-                        let ms = due.saturating_duration_since(now).as_millis() + 1;
+                    Some(Waiting { due, .. }) => {
+                        let mut ms = due.saturating_duration_since(now).as_millis() + 1;
+                        if hello_threads_full {
+                            ms = ms.min(HELLO_THREADS_RECHECK.as_millis());
+                        }
                         PollTimeout::try_from(ms.min(60_000) as i32).unwrap_or(PollTimeout::MAX)
                     }
                     None => PollTimeout::NONE,
@@ -641,17 +684,27 @@ impl Service {
             if stopped {
                 break;
             }
-            // A connection whose hello has begun (or which hung up) gets its
-            // thread, which reads the hello within what is left of its time.
+            // A connection whose hello has arrived (or which said something
+            // else, or hung up) gets its thread, which reads the rest of a
+            // frame too large for a hello within what is left of its time.
             for i in ready.into_iter().rev() {
-                let (stream, due) = waiting.remove(i).expect("an index of the poll set");
+                if !waiting[i].read_some() {
+                    continue;
+                }
+                let Waiting { stream, due, head } =
+                    waiting.remove(i).expect("an index of the poll set");
+                let _ = stream.set_nonblocking(false);
                 let s = self.shared.clone();
+                s.hellos_reading.fetch_add(1, Ordering::SeqCst);
                 match std::thread::Builder::new()
                     .name("kvtier-serve-client".into())
-                    .spawn(move || serve_client(&s, stream, due))
+                    .spawn(move || serve_client(&s, stream, due, head))
                 {
                     Ok(t) => readers.push(t),
-                    Err(e) => log(format_args!("could not start a client thread: {e}")),
+                    Err(e) => {
+                        self.shared.hellos_reading.fetch_sub(1, Ordering::SeqCst);
+                        log(format_args!("could not start a client thread: {e}"))
+                    }
                 }
             }
             readers.retain(|t| !t.is_finished());
@@ -670,7 +723,13 @@ impl Service {
                             "closed the oldest of {MAX_WAITING_HELLOS} connections waiting to say hello"
                         ));
                     }
-                    waiting.push_back((stream, Instant::now() + HELLO_TIMEOUT));
+                    if stream.set_nonblocking(true).is_ok() {
+                        waiting.push_back(Waiting {
+                            stream,
+                            due: Instant::now() + HELLO_TIMEOUT,
+                            head: Vec::new(),
+                        });
+                    }
                 }
                 Err(e) => {
                     // Out of file descriptors (EMFILE, ENFILE) or memory:
@@ -819,8 +878,68 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections accepted and not yet saying hello, at most; past that the
 /// oldest is closed (each costs a file descriptor, never a thread).
 const MAX_WAITING_HELLOS: usize = 256;
+/// Hellos read at once, each on its thread, at most (a whole hello arrives
+/// in one write, so a client's hello thread ends at once; only a peer that
+/// stalls inside its hello holds one, for the hello's time at most).
+const MAX_HELLO_THREADS: usize = 32;
+/// How soon the accept loop looks again while every hello thread is taken.
+const HELLO_THREADS_RECHECK: Duration = Duration::from_millis(20);
 
-fn serve_client(s: &Arc<Shared>, stream: UnixStream, hello_due: Instant) {
+/// Counts a hello thread done when dropped (whichever way its hello ends).
+struct HelloRead<'a>(&'a AtomicUsize);
+
+impl Drop for HelloRead<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A connection accepted whose hello has not arrived whole.
+struct Waiting {
+    stream: UnixStream,
+    /// The hello's deadline.
+    due: Instant,
+    /// The bytes of its first frame read so far.
+    head: Vec<u8>,
+}
+
+/// The most of a first frame read in the accept loop: a hello is far
+/// smaller (a larger frame is no hello of this version; its thread reads
+/// the rest and refuses it).
+const HELLO_HEAD_BYTES: usize = 4096;
+
+impl Waiting {
+    /// Reads what has arrived without blocking; true once the connection
+    /// is ready for its thread: its first frame is whole (or longer than a
+    /// hello), or it hung up or failed.
+    fn read_some(&mut self) -> bool {
+        use std::io::Read;
+        loop {
+            let want = match self.head.len() {
+                n if n < protocol::HEADER_BYTES => protocol::HEADER_BYTES,
+                _ => {
+                    let len = u32::from_le_bytes(self.head[0..4].try_into().expect("4 bytes"));
+                    protocol::HEADER_BYTES.saturating_add(len as usize)
+                }
+            };
+            if self.head.len() >= want.min(HELLO_HEAD_BYTES) {
+                return true;
+            }
+            let mut buf = [0u8; 512];
+            let room = (want.min(HELLO_HEAD_BYTES) - self.head.len()).min(buf.len());
+            match (&self.stream).read(&mut buf[..room]) {
+                Ok(0) => return true,
+                Ok(n) => self.head.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
+                Err(_) => return true,
+            }
+        }
+    }
+}
+
+fn serve_client(s: &Arc<Shared>, stream: UnixStream, hello_due: Instant, head: Vec<u8>) {
+    let hello_read = HelloRead(&s.hellos_reading);
     let peer = match sys::peer(&stream) {
         Ok(p) => p,
         Err(e) => {
@@ -854,7 +973,8 @@ fn serve_client(s: &Arc<Shared>, stream: UnixStream, hello_due: Instant) {
     // The rest of the hello, by its deadline (a zero timeout would mean none).
     let left = hello_due.saturating_duration_since(Instant::now());
     let _ = stream.set_read_timeout(Some(left.max(Duration::from_millis(1))));
-    let (req, blocks, kind) = match protocol::read_frame(&mut &stream) {
+    use std::io::Read;
+    let (req, blocks, kind) = match protocol::read_frame(&mut head.as_slice().chain(&stream)) {
         Ok(Some((h, body))) => match Request::decode(h.kind, &body) {
             Ok(Request::Hello { blocks, kind, .. }) => (h.req, blocks, kind),
             Ok(_) => {
@@ -876,6 +996,7 @@ fn serve_client(s: &Arc<Shared>, stream: UnixStream, hello_due: Instant) {
             return;
         }
     };
+    drop(hello_read);
     let _ = stream.set_read_timeout(None);
     let slot_blocks = s.arena.slot_blocks();
     let blocks = match kind {
@@ -961,6 +1082,16 @@ fn serve_client(s: &Arc<Shared>, stream: UnixStream, hello_due: Instant) {
             s.lookup_clients.fetch_sub(1, Ordering::SeqCst);
         }
     };
+    // Its slice's pages in now, in the service's mapping, on this client's
+    // thread, before its welcome: the check before its first job faults
+    // the sealed slice in again, and then only walks pages that are there
+    // instead of allocating them inside that job's time. Best effort: that
+    // check reports a slice no page can fill.
+    if let Some(slot) = slot {
+        for r in s.arena.ranges(slot) {
+            let _ = sys::populate_for_write(r.addr, r.len);
+        }
+    }
     let welcome = Response::Welcome {
         version: protocol::VERSION,
         geometry: *s.handle.geometry(),
@@ -1053,13 +1184,12 @@ fn serve_client(s: &Arc<Shared>, stream: UnixStream, hello_due: Instant) {
         c.gone.store(true, Ordering::SeqCst);
         let _ = stream.shutdown(std::net::Shutdown::Both);
     }
-    // Its pins go now; its jobs finish on their own and free the slice.
-    let pins: Vec<(Key, u64)> = lock(&c.pins)
+    // Its pins go now, counted (one entry per key and generation: a key
+    // pinned 100 million times made as many entries, 4.8 GB, and held the
+    // index as long); its jobs finish on their own and free the slice.
+    let pins: Vec<(Key, u64, u32)> = lock(&c.pins)
         .drain()
-        .flat_map(|(k, gens)| {
-            gens.into_iter()
-                .flat_map(move |(g, n)| std::iter::repeat_n((k, g), n as usize))
-        })
+        .flat_map(|(k, gens)| gens.into_iter().map(move |(g, n)| (k, g, n)))
         .collect();
     if !pins.is_empty() {
         s.handle.unpin_entries(&pins);
@@ -1082,15 +1212,18 @@ fn serve_client(s: &Arc<Shared>, stream: UnixStream, hello_due: Instant) {
 fn read_requests(s: &Shared, c: &Arc<Client>, stream: &UnixStream) -> End {
     loop {
         // An idle client may wait as long as it likes between frames; a
-        // frame once begun must arrive whole within BODY_TIMEOUT.
-        let _ = stream.set_read_timeout(None);
+        // frame once begun must arrive whole within BODY_TIMEOUT, its header
+        // too (a peer stalled inside a header held its thread for good).
+        if let Err(e) = sys::wait_readable(stream) {
+            return End::Dropped(e.to_string());
+        }
+        let _ = stream.set_read_timeout(Some(BODY_TIMEOUT));
         let h = match protocol::read_header(&mut &*stream) {
             Ok(Some(h)) => h,
             Ok(None) => return End::Left,
             Err(e) if protocol::is_disconnect(&e) => return End::Left,
             Err(e) => return End::Dropped(e.to_string()),
         };
-        let _ = stream.set_read_timeout(Some(BODY_TIMEOUT));
         let body = match protocol::read_body(&mut &*stream, &h) {
             Ok(b) => b,
             Err(e) if protocol::is_disconnect(&e) => return End::Left,
@@ -1164,7 +1297,7 @@ fn answer(
                 for k in keys {
                     if let Some(gens) = pins.get_mut(&k) {
                         if let Some((g, n)) = gens.front_mut() {
-                            mine.push((k, *g));
+                            mine.push((k, *g, 1));
                             *n -= 1;
                             if *n == 0 {
                                 gens.pop_front();

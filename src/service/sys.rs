@@ -450,6 +450,20 @@ pub fn peer(s: &UnixStream) -> Result<Peer> {
     })
 }
 
+/// Waits, as long as it takes, until `s` has bytes to read or its peer has
+/// gone (a read then returns at once).
+pub fn wait_readable(s: &UnixStream) -> Result<()> {
+    use nix::poll::{PollFd, PollFlags, PollTimeout};
+    loop {
+        let mut pfd = [PollFd::new(s.as_fd(), PollFlags::POLLIN)];
+        match nix::poll::poll(&mut pfd, PollTimeout::NONE) {
+            Ok(_) => return Ok(()),
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(Error::io("waiting for a client's next request", e.into())),
+        }
+    }
+}
+
 /// The supplementary groups of process `pid` (empty when unreadable).
 pub fn groups_of(pid: i32) -> Vec<u32> {
     let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {

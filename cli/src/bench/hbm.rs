@@ -34,8 +34,11 @@ use kvtier::memory::{pattern_fill, HostKvCache, HostLayout, KvLayout, KvMemory, 
 use kvtier::model::KvGeometry;
 use kvtier::pool::{Key, OpenExpect, Pool, PoolConfig};
 use kvtier::scratch::ScratchFile;
+use kvtier::service::{Service, ServiceBuilder, ServiceConfig, StagedServiceClient};
 use kvtier::staged::{StagedTier, StagingConfig};
 use kvtier::tier::Tier;
+use kvtier::{HandleConfig, TierApi, TierBuilder};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -79,6 +82,27 @@ pub struct HbmResult {
     /// the crc32c's arithmetic hides under them, so this is ~0.
     pub crc_share_of_store: f64,
     pub verified: bool,
+    /// `--service`: the same store and restore through the node's service.
+    pub service: Option<ServiceFigures>,
+}
+
+/// The store and restore of a context through the node's service (`kvtier
+/// serve`, started in this process on the bench's pool) by a staged client
+/// of it: the slice the service shares is the staging, and the service's
+/// tier does the disk I/O. The keys are other than the in-process run's;
+/// the bytes are the same.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ServiceFigures {
+    pub restore_gib_s: f64,
+    pub restore_first_layer_ms: f64,
+    pub store_gib_s: f64,
+    /// Against the in-process staged path of the same context, same run.
+    pub restore_vs_in_process: f64,
+    pub store_vs_in_process: f64,
+    /// Against the ceilings of the same run: min(disk alone, copy alone).
+    pub restore_vs_ceiling: f64,
+    pub store_vs_ceiling: f64,
+    pub verified: bool,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -99,6 +123,13 @@ pub struct HbmReport {
     pub host_huge_page_share: Option<f64>,
     /// The staged tier's engine (fixed buffers over the staging or not).
     pub staging_engine: String,
+    /// `--service`: how the service client's slice is cut into staging,
+    /// and the share of the slice that huge pages back.
+    pub service_staging: Option<StagingConfig>,
+    pub service_slice_huge_page_share: Option<f64>,
+    /// The service client's first jobs, untimed in the figures: one block
+    /// stored and loaded back right after it connected.
+    pub service_first_jobs_ms: Option<f64>,
 }
 
 /// The KV memory a run targets, and its copies for the ceilings.
@@ -114,6 +145,8 @@ trait Target {
     /// A staging buffer the copier reaches: (host address, copier address).
     fn staging(&self, len: usize) -> Result<(Box<dyn std::any::Any>, u64)>;
     fn staged(&self, tier: Tier, cfg: StagingConfig) -> Result<StagedTier>;
+    /// A staged client of the service `b` connects to, over this memory.
+    fn service_client(&self, b: ServiceBuilder, cfg: StagingConfig) -> Result<StagedServiceClient>;
 }
 
 struct HostDouble(Arc<HostKvCache>);
@@ -156,6 +189,9 @@ impl Target for HostDouble {
     }
     fn staged(&self, tier: Tier, cfg: StagingConfig) -> Result<StagedTier> {
         StagedTier::with_host_double(tier, self.0.clone(), cfg)
+    }
+    fn service_client(&self, b: ServiceBuilder, cfg: StagingConfig) -> Result<StagedServiceClient> {
+        b.staged_host_double(self.0.clone()).staging(cfg).build()
     }
 }
 
@@ -267,6 +303,13 @@ impl Target for Hbm {
         // (dropped at the end of each context's run).
         unsafe { StagedTier::on_gpu(tier, &self.ctx, self.memory.clone(), cfg) }
     }
+    fn service_client(&self, b: ServiceBuilder, cfg: StagingConfig) -> Result<StagedServiceClient> {
+        // SAFETY: as in `staged`: the client is closed and dropped before
+        // self (`through_service`).
+        unsafe { b.memory(self.memory.clone()) }
+            .staging(cfg)
+            .build()
+    }
 }
 
 /// Which memory `kvtier bench --memory` targets.
@@ -338,6 +381,7 @@ fn verify(t: &dyn Target, blocks: u64, seed_base: u64, tokens: u64) -> Result<()
 pub fn run(
     cfg: &BenchConfig,
     which: BenchMemory,
+    service: bool,
     mut progress: impl FnMut(&str),
 ) -> Result<HbmReport> {
     if cfg.nvme.is_some() {
@@ -403,6 +447,9 @@ pub fn run(
         staging_huge_page_share: None,
         host_huge_page_share: None,
         staging_engine: String::new(),
+        service_staging: None,
+        service_slice_huge_page_share: None,
+        service_first_jobs_ms: None,
     };
     if max_blocks == 0 {
         report.skipped = skipped;
@@ -455,6 +502,16 @@ pub fn run(
         }
     };
 
+    // Declared after `target`, so dropped (its client closed) before it.
+    let rig = if service {
+        let st = service_staging(&staging, max_blocks);
+        let rig = ServiceRig::start(cfg, target.as_ref(), st, &mut progress)?;
+        report.service_staging = Some(st);
+        report.service_first_jobs_ms = Some(rig.first_job_ms);
+        Some(rig)
+    } else {
+        None
+    };
     let mut stored_blocks = 0u64;
     for (ci, &tokens) in contexts.iter().enumerate() {
         let blocks = geo.tokens_to_blocks(tokens);
@@ -640,6 +697,36 @@ pub fn run(
             gib_s(bytes, h2d),
         );
         let (store, down) = (gib_s(bytes, store_secs), gib_s(bytes, d2h));
+        let service = match &rig {
+            Some(rig) => {
+                let keys: Vec<Key> = (0..blocks)
+                    .map(|b| Key::from_u64(seed + SERVICE_KEYS + b))
+                    .collect();
+                // KV memory holds the context again: the restore above
+                // put it back (and verified it, unless --no-verify).
+                let f = rig.store_and_restore(cfg, target.as_ref(), &keys, &mem, &mut progress)?;
+                let verified = if cfg.verify {
+                    progress(&format!("{tokens} tokens: verifying the service's restore"));
+                    verify(target.as_ref(), blocks, seed, tokens)?;
+                    true
+                } else {
+                    false
+                };
+                let (s_restore, s_store) =
+                    (gib_s(bytes, f.restore_secs), gib_s(bytes, f.store_secs));
+                Some(ServiceFigures {
+                    restore_gib_s: s_restore,
+                    restore_first_layer_ms: f.first_layer_ms,
+                    store_gib_s: s_store,
+                    restore_vs_in_process: s_restore / restore.max(1e-9),
+                    store_vs_in_process: s_store / store.max(1e-9),
+                    restore_vs_ceiling: s_restore / disk_r.min(up),
+                    store_vs_ceiling: s_store / disk_write.min(down),
+                    verified,
+                })
+            }
+            None => None,
+        };
         report.results.push(HbmResult {
             tokens,
             blocks,
@@ -659,10 +746,237 @@ pub fn run(
             gather_share_of_store: gather_crc * gather_scale / store_secs,
             crc_share_of_store: ((gather_crc - gather_copy) * gather_scale).max(0.0) / store_secs,
             verified,
+            service,
         });
+    }
+    if let Some(rig) = rig {
+        report.service_slice_huge_page_share = rig.slice_huge_page_share();
+        rig.finish()?;
     }
     report.skipped = skipped;
     Ok(report)
+}
+
+/// The service run's keys: the in-process run's plus this (the same bytes
+/// under other keys, so the service's store writes them anew).
+const SERVICE_KEYS: u64 = 1 << 39;
+
+/// The service client's staging: the in-process run's store area and
+/// chunks, and 4 layer buffers of at most 256 blocks. A slice's block holds
+/// every layer (the service shares block-major memory), so its layer
+/// buffers take 32 times the memory of the in-process path's for
+/// llama3-8b: loads of more blocks go in chunks of 256 per layer, as a
+/// client's default staging (`staging_for_slice`) does with its slice.
+fn service_staging(in_process: &StagingConfig, max_blocks: u32) -> StagingConfig {
+    StagingConfig::new(4, max_blocks.clamp(1, 256), in_process.store_blocks)
+        .with_store_chunk_blocks(in_process.store_chunk())
+}
+
+/// Seconds of a run through the service.
+struct ServiceTimes {
+    store_secs: f64,
+    restore_secs: f64,
+    first_layer_ms: f64,
+}
+
+/// The node's service, started in this process on a pool of its own in a
+/// new directory under --dir (made like the bench's, prewritten alike),
+/// and one staged client of it over the bench's KV memory. Dropped (or
+/// `finish`ed), it closes the client, stops the service (every job
+/// ended) and removes what it made: the pool file, the socket, the
+/// directory.
+struct ServiceRig {
+    client: Option<StagedServiceClient>,
+    stopper: Option<kvtier::service::Stopper>,
+    thread: Option<std::thread::JoinHandle<Result<()>>>,
+    dir: PathBuf,
+    sock: PathBuf,
+    /// The pool's files in `dir`.
+    files: u32,
+    /// A one-block store and load back, the client's first jobs.
+    first_job_ms: f64,
+}
+
+impl ServiceRig {
+    fn start(
+        cfg: &BenchConfig,
+        target: &dyn Target,
+        staging: StagingConfig,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<ServiceRig> {
+        let g = cfg.geometry;
+        // A directory of this run's own: create_dir fails where anything
+        // is, so nothing of anyone else's is opened, written or removed.
+        let dir = cfg
+            .dir
+            .join(format!("bench-service-{}", std::process::id()));
+        std::fs::create_dir(&dir).map_err(|e| {
+            Error::io(
+                format!(
+                    "making {} for the service's pool (remove it if a past run left it)",
+                    dir.display()
+                ),
+                e,
+            )
+        })?;
+        let slice_blocks = staging.load_blocks * staging.layer_buffers + staging.store_blocks;
+        progress(&format!(
+            "--service: the node's service on a pool of its own ({}{}), its client sharing {} of staging",
+            human_bytes(cfg.capacity),
+            if cfg.prewrite { ", prewritten" } else { "" },
+            human_bytes(slice_blocks as u64 * g.block_bytes())
+        ));
+        let sock = dir.join("kvtier.sock");
+        let mut rig = ServiceRig {
+            client: None,
+            stopper: None,
+            thread: None,
+            dir: dir.clone(),
+            sock: sock.clone(),
+            files: cfg.devices,
+            first_job_ms: 0.0,
+        };
+        let builder = TierBuilder::default()
+            .directory(&dir)
+            .directory_files(cfg.devices)
+            .capacity(cfg.capacity)
+            .geometry(g)
+            .model_name(cfg.model.clone())
+            .group_blocks(cfg.group_blocks)
+            .prewrite(cfg.prewrite)
+            .config({
+                let mut c = HandleConfig::default();
+                c.tier = cfg.tier.clone();
+                c
+            });
+        let svc = Service::start(
+            builder,
+            g,
+            ServiceConfig::new(&sock)
+                .with_clients(1)
+                .with_client_blocks(slice_blocks),
+        )?;
+        rig.stopper = Some(svc.stopper());
+        rig.thread = Some(
+            std::thread::Builder::new()
+                .name("bench-service".into())
+                .spawn(move || svc.run())
+                .map_err(|e| Error::io("starting the bench's service thread", e))?,
+        );
+        let client = target.service_client(TierBuilder::default().service(&sock), staging)?;
+        // One block stored and loaded back first, untimed but said: a
+        // client's first job carries the service's check of its slice (every
+        // page faulted in), which the contexts' figures leave out as the
+        // in-process path's leave out its registration.
+        let t0 = Instant::now();
+        let key = [Key::from_u64(SERVICE_KEYS - 1)];
+        super::job_ok(
+            &client.wait(client.submit_store(&key, &[0])?)?,
+            "the service's first store",
+        )?;
+        super::job_ok(
+            &client.wait(client.submit_load(&key, &[0], 0..g.layers)?)?,
+            "the service's first load",
+        )?;
+        rig.first_job_ms = t0.elapsed().as_secs_f64() * 1e3;
+        rig.client = Some(client);
+        Ok(rig)
+    }
+
+    /// The share of the client's slice in huge pages (smaps counts a
+    /// hugetlbfs page where this mapping has touched it: ask after a run).
+    fn slice_huge_page_share(&self) -> Option<f64> {
+        let m = self.client.as_ref()?.shared_mapping()?;
+        super::huge_page_share(&[(m.addr(), m.len())])
+    }
+
+    /// Store `keys` from `mem` of `target` in the bench's store jobs,
+    /// clear `target`, restore them layer by layer.
+    fn store_and_restore(
+        &self,
+        cfg: &BenchConfig,
+        target: &dyn Target,
+        keys: &[Key],
+        mem: &[u32],
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<ServiceTimes> {
+        let client = self
+            .client
+            .as_ref()
+            .ok_or_else(|| Error::internal("the bench's service client is gone"))?;
+        let g = cfg.geometry;
+        let tokens = keys.len() as u64 * g.block_size as u64;
+        progress(&format!(
+            "{tokens} tokens: staged store through the service"
+        ));
+        let t0 = Instant::now();
+        let mut jobs = Vec::new();
+        let per_job = cfg.store_job_blocks as usize;
+        for (kc, mc) in keys.chunks(per_job).zip(mem.chunks(per_job)) {
+            jobs.push(client.submit_store(kc, mc)?);
+        }
+        for j in jobs {
+            super::job_ok(&client.wait(j)?, "staged store through the service")?;
+        }
+        let store_secs = t0.elapsed().as_secs_f64();
+        target.clear()?;
+        progress(&format!(
+            "{tokens} tokens: staged restore through the service, layer by layer"
+        ));
+        let t0 = Instant::now();
+        let job = client.submit_load(keys, mem, 0..g.layers)?;
+        client.wait_layer(job, 0)?;
+        let first_layer_ms = t0.elapsed().as_secs_f64() * 1e3;
+        super::job_ok(&client.wait(job)?, "staged restore through the service")?;
+        Ok(ServiceTimes {
+            store_secs,
+            restore_secs: t0.elapsed().as_secs_f64(),
+            first_layer_ms,
+        })
+    }
+
+    /// Close the client, stop the service, remove what was made; the first
+    /// error of these.
+    fn finish(mut self) -> Result<()> {
+        self.end()
+    }
+
+    fn end(&mut self) -> Result<()> {
+        let closed = self.client.take().map_or(Ok(()), |c| c.close());
+        if let Some(s) = &self.stopper {
+            s.stop();
+        }
+        let stopped = match self.thread.take() {
+            Some(t) => t
+                .join()
+                .unwrap_or_else(|_| Err(Error::internal("the bench's service thread panicked"))),
+            None => Ok(()),
+        };
+        // Only what this rig made: the socket (the service removes it as
+        // it stops), the pool's files, then the directory, which
+        // remove_dir leaves if anything else is in it.
+        let _ = std::fs::remove_file(&self.sock);
+        let removed = kvtier::pool::place::directory_files(&self.dir, self.files)
+            .into_iter()
+            .filter(|f| f.exists())
+            .try_for_each(|f| {
+                std::fs::remove_file(&f)
+                    .map_err(|e| Error::io(format!("removing {}", f.display()), e))
+            })
+            .and_then(|()| {
+                std::fs::remove_dir(&self.dir)
+                    .map_err(|e| Error::io(format!("removing {}", self.dir.display()), e))
+            });
+        closed.and(stopped).and(removed)
+    }
+}
+
+impl Drop for ServiceRig {
+    fn drop(&mut self) {
+        if self.thread.is_some() || self.dir.exists() {
+            let _ = self.end();
+        }
+    }
 }
 
 /// The share of a tier's registered memory that huge pages back.
@@ -767,6 +1081,47 @@ pub fn render(r: &HbmReport) -> String {
          writing the store's bytes to its offsets in its I/Os, then one flush; gather, crc = the \
          gather's (with crc32c) and the crc32c's own shares of the store time (gathers overlap writes)"
     );
+    if let Some(st) = &r.service_staging {
+        let _ = writeln!(
+            s,
+            "through the node's service (a staged client; staging {}: {} layer buffers of {} blocks, stores <= {} in chunks of {}; slice in huge pages: {}; its first jobs, one block stored and loaded, untimed: {:.0} ms):",
+            human_bytes(
+                (st.layer_buffers as u64 * st.load_blocks as u64 + st.store_blocks as u64)
+                    * r.config.geometry.block_bytes()
+            ),
+            st.layer_buffers,
+            st.load_blocks,
+            st.store_blocks,
+            st.store_chunk(),
+            share(r.service_slice_huge_page_share),
+            r.service_first_jobs_ms.unwrap_or(0.0)
+        );
+        let _ = writeln!(
+            s,
+            "{:>8} | {:>8} {:>9} {:>7} {:>9} | {:>8} {:>9} {:>7}",
+            "tokens", "restore", "layer0 ms", "ratio", "vs in-proc", "store", "ratio", "vs in-proc"
+        );
+        for x in &r.results {
+            if let Some(v) = &x.service {
+                let _ = writeln!(
+                    s,
+                    "{:>8} | {:>8.2} {:>9.1} {:>6.2}x {:>9.2}x | {:>8.2} {:>6.2}x {:>9.2}x",
+                    x.tokens,
+                    v.restore_gib_s,
+                    v.restore_first_layer_ms,
+                    v.restore_vs_ceiling,
+                    v.restore_vs_in_process,
+                    v.store_gib_s,
+                    v.store_vs_ceiling,
+                    v.store_vs_in_process
+                );
+            }
+        }
+        let _ = writeln!(
+            s,
+            "ratio = through the service / min(disk alone, copy alone) of the same run; vs in-proc = / the in-process staged path's of the same context"
+        );
+    }
     for k in &r.skipped {
         let _ = writeln!(s, "skipped: {k}");
     }

@@ -72,6 +72,12 @@ pub(crate) struct BenchArgs {
     /// Engine memory in vLLM's cross-layer layout instead of per-layer tensors.
     #[arg(long)]
     cross_layer: bool,
+    /// With --memory gpu: each context's store and restore also through
+    /// the node's service (`kvtier serve`, started in this process on a
+    /// pool of its own in --dir) by a staged client, beside the in-process
+    /// staged path's of the same run.
+    #[arg(long)]
+    service: bool,
     /// Skip the byte-for-byte check of retrieved data.
     #[arg(long)]
     no_verify: bool,
@@ -159,6 +165,11 @@ pub(crate) fn run_bench(a: BenchArgs) -> Result<i32> {
         ],
         &[("--model", Path::new(&a.model.model))],
     )?;
+    if a.service && a.memory == "host" {
+        return Err(kvtier::Error::invalid(
+            "--service compares the staged path through the node's service with the in-process one, for KV memory in GPU memory: add --memory gpu, or drop --service",
+        ));
+    }
     if a.pattern.is_some() || a.contention {
         return run_raw_bench(&a);
     }
@@ -266,7 +277,7 @@ fn run_hbm_bench(a: &BenchArgs, cfg: &BenchConfig) -> Result<i32> {
         ));
     }
     let bar = Progress::new();
-    let report = hbm::run(cfg, which, |msg| bar.say(msg))?;
+    let report = hbm::run(cfg, which, a.service, |msg| bar.say(msg))?;
     bar.finish();
     kvtier_cli::cli::out(&hbm::render(&report))?;
     write_json(&a.json, &report)?;

@@ -15,15 +15,20 @@ pub(crate) struct PoolAt {
     /// TierBuilder.directory open.
     #[arg(long, conflicts_with = "devs")]
     dir: Option<PathBuf>,
-    /// How many files the pool in --dir spreads over.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
-    files: u32,
+    /// How many files the pool in --dir spreads over (a new pool: 1; one
+    /// that is there: the kvtier-N.pool files it has).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
+    files: Option<u32>,
 }
 
 impl PoolAt {
     fn paths(&self) -> Vec<PathBuf> {
         match &self.dir {
-            Some(dir) => place::directory_files(dir, self.files),
+            Some(dir) => place::directory_files(
+                dir,
+                self.files
+                    .unwrap_or_else(|| place::directory_files_found(dir).max(1)),
+            ),
             None => self.devs.clone(),
         }
     }
