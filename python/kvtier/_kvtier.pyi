@@ -7,6 +7,14 @@ from typing import Any, Literal, Self
 Key = bytes | int
 """A content hash of 1 to 32 bytes, or an int in 0..2**64."""
 
+DTypeName = Any
+"""A KV dtype: a name ("bfloat16", "float16", "float32", "fp8", "fp8_e5m2")
+or a torch dtype (torch.bfloat16, a cache tensor's .dtype)."""
+
+BlockIds = Any
+"""Memory block indexes: a sequence of ints, a numpy array or a torch tensor
+of ints (a vLLM block table's row)."""
+
 class KvtierError(Exception):
     kind: str
     """usage, backpressure, io, corrupt, unsupported, closed or internal."""
@@ -48,8 +56,8 @@ class TierBuilder:
     def group_blocks(self, n: int) -> Self: ...
     def prewrite(self, enabled: bool = True) -> Self: ...
     def create(self, mode: Literal["auto", "always", "never"]) -> Self: ...
-    def model(self, spec: str, block_size: int = 16, dtype: str | None = None) -> Self: ...
-    def geometry(self, *, layers: int, kv_heads: int, head_dim: int, dtype: str,
+    def model(self, spec: str, block_size: int = 16, dtype: DTypeName | None = None) -> Self: ...
+    def geometry(self, *, layers: int, kv_heads: int, head_dim: int, dtype: DTypeName,
                  block_size: int, name: str) -> Self: ...
     def opaque_chunks(self, chunk_bytes: int, *, name: str) -> Self:
         """Blocks that are opaque chunks of chunk_bytes (a multiple of 8192), moved as they are."""
@@ -62,7 +70,8 @@ class TierBuilder:
     def kv_memory(self, tensors: Any, layout: Literal["per_layer", "block_major", "cross_layer"] = "per_layer") -> Self:
         """CPU tensors or buffers (direct I/O: 4096-byte aligned), or CUDA
         tensors (the staged HBM path: 16-byte aligned); contiguous, the KV
-        dtype's element size, every layer the same number of blocks. Never
+        dtype itself or a byte/integer view of it (a float tensor of another
+        dtype is refused), every layer the same number of blocks. Never
         resize a registered tensor's storage while the tier is open: kvtier
         would write memory torch freed."""
     def staging(self, layer_buffers: int = 4, load_blocks: int | None = None, store_blocks: int | None = None, store_chunk_blocks: int | None = None) -> Self:
@@ -124,11 +133,11 @@ class TierHandle:
         """Take keys out of the pool (never served again; loads already
         reading them finish); returns how many were held. Not durable alone:
         a pool reopened before a removed block's slot is reused may hold it."""
-    def submit_store(self, keys: Sequence[Key], blocks: Sequence[int]) -> int:
+    def submit_store(self, keys: Sequence[Key], blocks: BlockIds) -> int:
         """BackpressureError when the backlog is full (retry later); UsageError
         for a store larger than the whole backlog (split it). At most 2**22
         keys per call, as for every call that takes keys."""
-    def submit_load(self, keys: Sequence[Key], blocks: Sequence[int], layers: range | None = None) -> int: ...
+    def submit_load(self, keys: Sequence[Key], blocks: BlockIds, layers: range | None = None) -> int: ...
     def wait(self, job: int) -> JobResult:
         """Blocks with the GIL released; Python's signal handlers run meanwhile
         (KeyboardInterrupt leaves the job running, its result collectable)."""
@@ -166,7 +175,7 @@ ServiceHandle = TierHandle
 
 def connect(path: str | PathLike[str], blocks: int = 0, memory: Literal["cpu"] = "cpu", lookup_only: bool = False) -> TierHandle:
     """TierBuilder().service(path, blocks, lookup_only).build()."""
-def resolve_model(spec: str, block_size: int = 16, dtype: str | None = None) -> tuple[dict[str, Any], str]: ...
+def resolve_model(spec: str, block_size: int = 16, dtype: DTypeName | None = None) -> tuple[dict[str, Any], str]: ...
 def rust_latency(handle: TierHandle, op: Literal["lookup", "store", "load"], keys: Sequence[Key], iters: int, key_base: int) -> int: ...
 def _exiting() -> bool:
     """Whether the interpreter has begun exiting (kvtier's atexit hook ran)."""

@@ -235,6 +235,23 @@ class KvtierL2:
                 "adapter_params.files (pool files) or adapter_params.service (the socket of "
                 "a kvtier serve)"
             )
+        # adapter_params come from JSON: a quoted number or bool would
+        # otherwise fail deep inside with a message that names neither the
+        # parameter nor the fix (or, for a bool, read "false" as true).
+        for name, v in (("chunk_size", chunk_size), ("devices", devices)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"adapter_params.{name} is {v!r}: give an int of at least 1")
+        for name, v in (("group_blocks", group_blocks), ("staging_blocks", staging_blocks)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ValueError(f"adapter_params.{name} is {v!r}: give an int, or leave it out")
+        if not isinstance(prewrite, bool):
+            raise ValueError(f"adapter_params.prewrite is {prewrite!r}: give true or false")
+        for name, v in (("store_job_mb", store_job_mb), ("load_job_mb", load_job_mb),
+                        ("load_inflight_mb", load_inflight_mb),
+                        ("log_interval_s", log_interval_s),
+                        ("service_reconnect_s", service_reconnect_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"adapter_params.{name} is {v!r}: give a number")
         for name, mb in (
             ("store_job_mb", store_job_mb),
             ("load_job_mb", load_job_mb),

@@ -326,6 +326,57 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
                 per_engine[engine_idx].inc(v)
 
 
+# kv_connector_extra_config's keys and what each takes: a misspelt key would
+# otherwise be ignored (a pool of the default 4g for "capacty": "64g").
+_EXTRA_CONFIG = {
+    "pool_dir": "a directory (str)",
+    "service": "the socket path of a kvtier serve (str)",
+    "capacity": 'bytes per TP rank (an int, or a str like "64g")',
+    "prewrite": "true or false",
+    "staging_blocks": "an int of at least 1",
+    "engine": '"auto", "uring", "nvme", "gpu" or "gpu-host"',
+    "policy": '"slack", "naive" or "sync"',
+    "stats_path": "a file path (str)",
+    "service_reconnect_s": "seconds above 0",
+    "test_only_staged_host_double": "true or false (a test double, never for serving)",
+}
+
+
+def _check_extra_config(extra: dict[str, Any]) -> None:
+    """Refuses keys KvtierConnector does not know and values of the wrong
+    type, naming the key and what it takes."""
+    import difflib
+
+    def bad(key: str, why: str) -> ValueError:
+        return ValueError(f"kv_connector_extra_config[{key!r}] {why}; it takes "
+                          f"{_EXTRA_CONFIG[key]}")
+
+    for key in extra:
+        if key not in _EXTRA_CONFIG:
+            near = difflib.get_close_matches(str(key), list(_EXTRA_CONFIG), n=1)
+            raise ValueError(
+                f"kv_connector_extra_config has {key!r}, which KvtierConnector does not know"
+                + (f" (did you mean {near[0]!r}?)" if near else "")
+                + f"; its keys are {', '.join(_EXTRA_CONFIG)}")
+    for key in ("prewrite", "test_only_staged_host_double"):
+        if key in extra and not isinstance(extra[key], bool):
+            raise bad(key, f"is {extra[key]!r}, not a bool")
+    if "staging_blocks" in extra:
+        v = extra["staging_blocks"]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise bad("staging_blocks", f"is {v!r}")
+    if "service_reconnect_s" in extra:
+        v = extra["service_reconnect_s"]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise bad("service_reconnect_s", f"is {v!r}")
+    for key in ("pool_dir", "service", "stats_path", "engine", "policy"):
+        if key in extra and extra[key] is not None and not isinstance(extra[key], str):
+            raise bad(key, f"is a {type(extra[key]).__name__}")
+    if "capacity" in extra and (isinstance(extra["capacity"], bool)
+                                or not isinstance(extra["capacity"], (int, str))):
+        raise bad("capacity", f"is {extra['capacity']!r}")
+
+
 class KvtierConnector(KVConnectorBase_V1):
     """vLLM KV connector over a kvtier pool, loading layer by layer.
 
@@ -375,6 +426,7 @@ class KvtierConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
+        _check_extra_config(dict(tc.kv_connector_extra_config or {}))
         self._pool_dir = tc.get_from_extra_config("pool_dir", None)
         self._service = tc.get_from_extra_config("service", None)
         if bool(self._pool_dir) == bool(self._service):

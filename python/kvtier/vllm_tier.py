@@ -74,6 +74,19 @@ class KvtierTier(SecondaryTierManager):
         if kwargs:
             logger.warning("KvtierTier: ignoring unknown parameters %s", sorted(kwargs))
         chunk = self.block_size_bytes
+        if chunk % 8192:
+            # vLLM rounds a chunk up to a 4 KiB page; kvtier's direct I/O moves
+            # a block as two halves of whole 4 KiB sectors, and the primary's
+            # chunks are registered where they lie (no room to pad them).
+            per_chunk = getattr(offloading_spec, "blocks_per_chunk", None)
+            tokens = getattr(offloading_spec, "tokens_per_block", None)
+            now = (f" (now {per_chunk} GPU block(s) of {tokens[0]} tokens per chunk)"
+                   if per_chunk and tokens else "")
+            raise ValueError(
+                f"KvtierTier: vLLM's offloaded chunks are {chunk} B, an odd number of 4 KiB "
+                "pages; kvtier stores a chunk as two halves of whole 4 KiB sectors (direct "
+                "I/O), so a chunk must be a multiple of 8192 B: double the OffloadingConnector's "
+                f"kv_connector_extra_config 'block_size' (tokens per offloaded chunk){now}")
         b = (
             TierBuilder()
             .directory(os.path.join(pool_dir, "pool"))

@@ -21,6 +21,11 @@ pub(crate) fn key_of(o: &Bound<'_, PyAny>, i: usize) -> PyResult<Key> {
     if let Ok(x) = o.extract::<u64>() {
         return Ok(Key::from_u64(x));
     }
+    if o.is_instance_of::<pyo3::types::PyInt>() {
+        return Err(usage(format!(
+            "key {i} is {o}, out of range: an int key is in 0..2**64 (or pass 1 to 32 bytes of content hash)"
+        )));
+    }
     Err(PyTypeError::new_err(format!(
         "key {i} is a {}; a key is bytes (1 to 32 bytes of content hash) or an int in 0..2**64",
         o.get_type()
@@ -72,11 +77,43 @@ pub(crate) fn blocks_of(blocks: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     if len_hint(blocks).is_some_and(|n| n > MAX_KEYS_PER_CALL) {
         return Err(too_many("blocks"));
     }
-    blocks.extract::<Vec<u32>>().map_err(|_| {
+    // A list of ints at C speed; anything else (a numpy array, a torch
+    // tensor of block ids as vLLM's block tables are) item by item, each
+    // through __index__, so that a bad id is named with its place.
+    if let Ok(v) = blocks.extract::<Vec<u32>>() {
+        return Ok(v);
+    }
+    let not_ints = || {
         PyTypeError::new_err(
             "blocks must be a sequence of ints in 0..2**32 (block indexes of the registered KV memory)",
         )
-    })
+    };
+    let it = blocks.try_iter().map_err(|_| not_ints())?;
+    let mut out = Vec::with_capacity(len_hint(blocks).unwrap_or(0));
+    for (i, b) in it.enumerate() {
+        if i == MAX_KEYS_PER_CALL {
+            return Err(too_many("blocks"));
+        }
+        let b = b?;
+        let n = b
+            .call_method0("__index__")
+            .map_err(|_| {
+                let t = b
+                    .get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default();
+                PyTypeError::new_err(format!(
+                    "block {i} is a {t}; blocks are ints in 0..2**32 (block indexes of the registered KV memory)"
+                ))
+            })?;
+        out.push(n.extract::<u32>().map_err(|_| {
+            usage(format!(
+                "block {i} is {n}, out of range: block indexes of the registered KV memory are in 0..2**32"
+            ))
+        })?);
+    }
+    Ok(out)
 }
 
 /// A byte view of any C-contiguous buffer: pyo3 refuses formats such as
@@ -148,6 +185,9 @@ int_args! {
     layer_arg: u32 = "layer", "0..layers";
     stream_arg: u64 = "stream", "0..2**64 (torch.cuda.current_stream().cuda_stream)";
     layer_buffers_arg: u32 = "layer_buffers", "2..2**32";
+    layers_count_arg: u32 = "layers", "1..2**32 (transformer layers)";
+    kv_heads_arg: u32 = "kv_heads", "1..2**32 (KV heads per rank; 1 for MLA's latent)";
+    head_dim_arg: u32 = "head_dim", "1..2**32 (elements per head and token)";
     service_blocks_arg: u32 = "blocks", "0..2**32 (0: as many as the service gives a client)";
 }
 
@@ -203,6 +243,33 @@ pub(crate) fn size_arg(o: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
             "{what} {s:?} is out of range: give a size below 16 EiB, e.g. \"8g\""
         ))),
     }
+}
+
+/// A `dtype=` argument: a name ("bfloat16", "fp8", ...) or a torch dtype
+/// (`torch.bfloat16`, what a cache tensor's `.dtype` is), read as its name.
+pub(crate) fn dtype_name_arg(o: &Bound<'_, PyAny>) -> PyResult<String> {
+    if let Ok(s) = o.extract::<String>() {
+        return Ok(s);
+    }
+    let is_torch_dtype = o.get_type().module().is_ok_and(|m| m == "torch")
+        && o.get_type().name().is_ok_and(|n| n == "dtype");
+    if is_torch_dtype {
+        return Ok(o.str()?.to_string());
+    }
+    Err(PyTypeError::new_err(format!(
+        "dtype must be a name such as \"bfloat16\" or a torch dtype such as torch.bfloat16, not a {}",
+        o.get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_default()
+    )))
+}
+
+pub(crate) fn opt_dtype_name_arg(o: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
+    if o.is_none() {
+        return Ok(None);
+    }
+    dtype_name_arg(o).map(Some)
 }
 
 pub(crate) fn parse_dtype(d: &str) -> PyResult<DType> {

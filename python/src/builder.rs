@@ -40,7 +40,7 @@ pub(crate) enum Mem {
         kind: MemoryKind,
         /// Per torch tensor: its shape and element size, checked against
         /// the model at build (raw buffers have none).
-        shapes: Vec<Option<(Vec<u64>, u64)>>,
+        shapes: Vec<Option<crate::memory::TensorShape>>,
     },
 }
 
@@ -270,7 +270,7 @@ impl TierBuilder {
         mut slf: PyRefMut<'_, Self>,
         spec: String,
         #[pyo3(from_py_with = block_size_arg)] block_size: u32,
-        dtype: Option<String>,
+        #[pyo3(from_py_with = opt_dtype_name_arg)] dtype: Option<String>,
     ) -> PyResult<PyRefMut<'_, Self>> {
         slf.model = Some(ModelSpec::Named(spec, block_size, dtype));
         Ok(slf)
@@ -284,10 +284,10 @@ impl TierBuilder {
     #[pyo3(signature = (*, layers, kv_heads, head_dim, dtype, block_size, name))]
     fn geometry(
         mut slf: PyRefMut<'_, Self>,
-        layers: u32,
-        kv_heads: u32,
-        head_dim: u32,
-        dtype: String,
+        #[pyo3(from_py_with = layers_count_arg)] layers: u32,
+        #[pyo3(from_py_with = kv_heads_arg)] kv_heads: u32,
+        #[pyo3(from_py_with = head_dim_arg)] head_dim: u32,
+        #[pyo3(from_py_with = dtype_name_arg)] dtype: String,
         #[pyo3(from_py_with = block_size_arg)] block_size: u32,
         name: String,
     ) -> PyResult<PyRefMut<'_, Self>> {
@@ -437,11 +437,11 @@ impl TierBuilder {
             let (addr, len) = if t.hasattr("data_ptr")? {
                 let r = tensor_region(t, i)?;
                 kinds.push(r.kind);
-                shapes.push(Some((r.shape, r.element_size)));
+                shapes.push(Some((r.shape, r.element_size, r.dtype)));
                 (r.addr, r.len)
             } else {
                 kinds.push(MemoryKind::Host);
-                shapes.push(None);
+                shapes.push(buffer_float_type(t).map(|d| (Vec::new(), 1, d.to_string())));
                 // Through byte_buffer: multi-dimensional views (vLLM's
                 // primary_kv_view is (chunks, bytes)) are cast to bytes first.
                 let b = byte_buffer(t, &format!("KV memory {i}"))?;
@@ -823,4 +823,24 @@ fn pool_name_arg(name: String, call: &str) -> PyResult<String> {
         )));
     }
     Ok(name)
+}
+
+/// The float element type a buffer declares (numpy float16 / float32
+/// arrays, memoryviews cast to 'e' or 'f'), in torch's spelling, for the
+/// KV dtype check; None for bytes and integer formats (raw bytes).
+fn buffer_float_type(o: &Bound<'_, PyAny>) -> Option<&'static str> {
+    let mv = o
+        .py()
+        .import("builtins")
+        .ok()?
+        .getattr("memoryview")
+        .ok()?
+        .call1((o,))
+        .ok()?;
+    let format: String = mv.getattr("format").ok()?.extract().ok()?;
+    match format.trim_start_matches(['<', '>', '=', '@', '!']) {
+        "e" => Some("torch.float16"),
+        "f" => Some("torch.float32"),
+        _ => None,
+    }
 }

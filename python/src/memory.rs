@@ -7,7 +7,7 @@ use crate::lifecycle::without_gil;
 use kvtier::error::Error;
 use kvtier::gpu::{kernels, Context, Device};
 use kvtier::memory::{KvLayout, KvMemory, MemoryKind};
-use kvtier::model::KvGeometry;
+use kvtier::model::{DType, KvGeometry};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
@@ -18,6 +18,8 @@ pub(crate) struct TensorRegion {
     pub(crate) kind: MemoryKind,
     pub(crate) shape: Vec<u64>,
     pub(crate) element_size: u64,
+    /// torch's name of the element type, e.g. "torch.bfloat16".
+    pub(crate) dtype: String,
 }
 
 pub(crate) fn kind_label(k: MemoryKind) -> String {
@@ -79,12 +81,19 @@ pub(crate) fn tensor_region(t: &Bound<'_, PyAny>, i: usize) -> PyResult<TensorRe
     let region = tensor_facts(t, &torch_tensor, exact, i);
     no_torch_function.call_method1("__exit__", (t.py().None(), t.py().None(), t.py().None()))?;
     let (shape, addr, len, element_size) = region?;
+    // A CUDA region need not be a torch tensor (it is checked against the
+    // driver): without a dtype it is raw bytes.
+    let dtype = match t.getattr("dtype") {
+        Ok(d) => d.str()?.to_string(),
+        Err(_) => String::new(),
+    };
     Ok(TensorRegion {
         addr,
         len,
         kind,
         shape,
         element_size,
+        dtype,
     })
 }
 
@@ -121,20 +130,38 @@ pub(crate) fn tensor_facts(
     Ok((shape, addr, len, element_size))
 }
 
+/// A registered tensor's shape, element size and torch dtype name.
+pub(crate) type TensorShape = (Vec<u64>, u64, String);
+
 /// Torch tensors' shapes against the model and the layout: the element
-/// size is the KV dtype's (or 1, a byte view), and the dimension that
-/// separates K from V is 2 where the layout puts it.
+/// size is the KV dtype's (or 1, a byte view), a floating-point element
+/// type is the KV dtype itself (float16 and bfloat16 have the same size but
+/// other bytes: a pool's namespace names its dtype, and an engine reading
+/// bf16 KV stored from an fp16 cache would compute on wrong values), and
+/// the dimension that separates K from V is 2 where the layout puts it.
 pub(crate) fn check_shapes(
     g: &KvGeometry,
     layout: &str,
-    shapes: &[Option<(Vec<u64>, u64)>],
+    shapes: &[Option<TensorShape>],
 ) -> PyResult<()> {
     let dsize = g.dtype.bytes() as u64;
     for (i, s) in shapes.iter().enumerate() {
-        let Some((shape, esz)) = s else { continue };
+        let Some((shape, esz, dtype)) = s else {
+            continue;
+        };
         if *esz != dsize && *esz != 1 {
             return Err(usage(format!(
                 "KV tensor {i} has {esz}-byte elements but the model's KV dtype {} has {dsize}: pass dtype= to model() to match the cache, or a tensor of that dtype",
+                g.dtype.name()
+            )));
+        }
+        // Integer views (uint8 bytes, vLLM's fp8 caches) carry no dtype of
+        // their own; a float dtype kvtier knows must be the model's.
+        if let Some(d) = DType::parse(dtype).filter(|d| *d != g.dtype) {
+            return Err(usage(format!(
+                "KV tensor {i} is {dtype} but the model's KV dtype is {}: pass dtype=\"{}\" to model() or geometry() to match the cache, or tensors of {} (a byte view, tensor.view(torch.uint8), registers raw bytes)",
+                g.dtype.name(),
+                d.name(),
                 g.dtype.name()
             )));
         }

@@ -1,6 +1,6 @@
 //! Model specs and geometries as Python sees them.
 
-use crate::args::{block_size_arg, parse_dtype};
+use crate::args::{block_size_arg, opt_dtype_name_arg, parse_dtype};
 use crate::errors::to_py;
 use kvtier::model::{resolve_named, KvGeometry};
 use pyo3::prelude::*;
@@ -14,7 +14,7 @@ pub(crate) fn resolve_model<'py>(
     py: Python<'py>,
     spec: String,
     #[pyo3(from_py_with = block_size_arg)] block_size: u32,
-    dtype: Option<String>,
+    #[pyo3(from_py_with = opt_dtype_name_arg)] dtype: Option<String>,
 ) -> PyResult<(Bound<'py, PyDict>, String)> {
     let dtype = dtype.as_deref().map(parse_dtype).transpose()?;
     let n = resolve_named(&spec, block_size, dtype).map_err(to_py)?;

@@ -740,3 +740,117 @@ def test_lmcache_l2_over_a_service_that_restarts_misses_then_reconnects(tmp_path
         if proc.poll() is None:
             proc.terminate()
             proc.wait(timeout=30)
+
+
+# Models other than the tiny llama, as LMCache chunks them (KV_2LTD: layers
+# x K,V x chunk tokens x heads*dim; MLA's KV_MLA_FMT: layers x chunk tokens x
+# 576 latent): config.json as Hugging Face writes it, chunk sizes LMCache
+# users pick. (transformers config, layers, chunk, chunk bytes per token and
+# layer.)
+def _configs():
+    import transformers as T
+
+    return {
+        "gqa8x128-bf16-3layers-chunk64": (
+            T.LlamaConfig(num_hidden_layers=3, hidden_size=256, num_attention_heads=16,
+                          num_key_value_heads=8, head_dim=128, torch_dtype="bfloat16"),
+            64, 2 * 8 * 128 * 2),
+        "mha32x64-fp16-1layer-chunk32": (
+            T.LlamaConfig(num_hidden_layers=1, hidden_size=2048, num_attention_heads=32,
+                          num_key_value_heads=32, torch_dtype="float16"),
+            32, 2 * 32 * 64 * 2),
+        "gemma-gqa4x256-fp32-chunk16": (
+            T.GemmaConfig(num_hidden_layers=2, hidden_size=512, num_attention_heads=8,
+                          num_key_value_heads=4, head_dim=256, torch_dtype="float32"),
+            16, 2 * 4 * 256 * 4),
+        "mla-deepseek-v2-lite-chunk256": (
+            T.DeepseekV2Config(num_hidden_layers=2, hidden_size=512, num_attention_heads=4,
+                               num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None,
+                               qk_rope_head_dim=64, v_head_dim=64, qk_nope_head_dim=64,
+                               torch_dtype="bfloat16"),
+            256, 576 * 2),
+        # MLA at LMCache's small chunks: an 18432 B layer chunk in a padded block.
+        "mla-deepseek-v3-61layers-chunk16": (
+            T.DeepseekV3Config(num_hidden_layers=61, hidden_size=256, num_attention_heads=4,
+                               num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=96,
+                               qk_rope_head_dim=64, v_head_dim=64, qk_nope_head_dim=64,
+                               torch_dtype="bfloat16"),
+            16, 576 * 2),
+    }
+
+
+SHAPES = ["gqa8x128-bf16-3layers-chunk64", "mha32x64-fp16-1layer-chunk32",
+          "gemma-gqa4x256-fp32-chunk16", "mla-deepseek-v2-lite-chunk256",
+          "mla-deepseek-v3-61layers-chunk16"]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_other_models_round_trip_full_and_partial_chunks(tmp_path, shape):
+    pytest.importorskip("transformers")
+    config, chunk, per_token_layer = _configs()[shape]
+    model_dir = tmp_path / "model"
+    config.save_pretrained(model_dir)
+    chunk_bytes = config.num_hidden_layers * chunk * per_token_layer
+    cfg = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[json.dumps({
+        "type": "native_plugin", "module_path": "kvtier.lmcache", "class_name": "KvtierL2",
+        "max_capacity_gb": 0.25,
+        "adapter_params": {"path": str(tmp_path / "pool"), "capacity": "96m",
+                           "model": str(model_dir / "config.json"), "chunk_size": chunk,
+                           "staging_blocks": 4}})]))
+    n = 5
+    l1 = torch.zeros(2 * n * chunk_bytes, dtype=torch.uint8)
+    desc = L1MemoryDesc(ptr=l1.data_ptr(), size=l1.numel(), align_bytes=1)
+    adapter = create_l2_adapter(cfg.adapters[0], l1_memory_desc=desc)
+    try:
+        # A kvtier block holds one chunk: exactly, or (MLA at 16 tokens,
+        # 18432 B per layer) in a padded block of whole 8 KiB pages.
+        block = adapter._client.block_bytes
+        assert block == chunk_bytes or (
+            block > chunk_bytes and block == config.num_hidden_layers * 24576), (block, chunk_bytes)
+        keys = [ObjectKey(chunk_hash=bytes([i, 7]) * 8, model_name=shape, kv_rank=0)
+                for i in range(n)]
+        # The last object is a prompt's partial chunk: a third of the tokens.
+        sizes = [chunk_bytes] * (n - 1) + [chunk_bytes // chunk * (chunk // 3)]
+        src = [memobj(l1[i * chunk_bytes: i * chunk_bytes + sizes[i]]) for i in range(n)]
+        gen = torch.Generator().manual_seed(len(shape))
+        for o in src:
+            o.tensor.copy_(torch.randint(0, 256, o.tensor.shape, dtype=torch.uint8, generator=gen))
+        t = adapter.submit_store_task(keys, src)
+        wait_fd(adapter.get_store_event_fd())
+        assert adapter.pop_completed_store_tasks()[t].is_successful()
+        t = adapter.submit_lookup_and_lock_task(keys, {})
+        wait_fd(adapter.get_lookup_and_lock_event_fd())
+        assert adapter.query_lookup_and_lock_result(t).popcount() == n
+        base = n * chunk_bytes
+        dst = [memobj(l1[base + i * chunk_bytes: base + i * chunk_bytes + sizes[i]])
+               for i in range(n)]
+        t = adapter.submit_load_task(keys, dst)
+        wait_fd(adapter.get_load_event_fd())
+        assert adapter.query_load_result(t).popcount() == n
+        for s, d in zip(src, dst):
+            assert torch.equal(s.tensor, d.tensor)
+        adapter.submit_unlock(keys)
+    finally:
+        adapter.close()
+
+
+@pytest.mark.parametrize("params,match", [
+    # JSON written by hand: quoted numbers and bools failed deep inside
+    # ("'<' not supported between 'str' and 'int'", "argument 'enabled'")
+    # or, for a bool, would read "false" as true.
+    ({"chunk_size": "16"}, r"adapter_params.chunk_size is '16'"),
+    ({"chunk_size": 0}, r"adapter_params.chunk_size is 0"),
+    ({"staging_blocks": "4"}, r"adapter_params.staging_blocks is '4'"),
+    ({"prewrite": "false"}, r"adapter_params.prewrite is 'false': give true or false"),
+    ({"group_blocks": 8.5}, r"adapter_params.group_blocks is 8.5"),
+    ({"store_job_mb": "128"}, r"adapter_params.store_job_mb is '128': give a number"),
+])
+def test_adapter_params_of_the_wrong_type_are_named(tmp_path, tiny_model, params, match):
+    p = json.loads(l2_json(tmp_path, tiny_model))
+    p["adapter_params"].update(params)
+    cfg = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[json.dumps(p)]))
+    l1 = torch.zeros(1 << 20, dtype=torch.uint8)
+    desc = L1MemoryDesc(ptr=l1.data_ptr(), size=l1.numel(), align_bytes=1)
+    with pytest.raises(ValueError, match=match):
+        create_l2_adapter(cfg.adapters[0], l1_memory_desc=desc)
+    assert not (tmp_path / "pool").exists()  # refused before any pool was made

@@ -37,7 +37,8 @@ NUM_BLOCKS = 24
 
 # (name, spec): GQA 8 KV heads x 128 (llama3-8b per rank), MQA 1 x 256, MHA
 # 4 x 64 at 32-token blocks, an MLA latent (DeepSeek V2/V3, Kimi K2: 512 +
-# 64 rope, one "head") at 64-token blocks, and an fp8 GQA cache.
+# 64 rope, one "head") at 64-token blocks, and an fp8 GQA cache; below, MHA
+# 32 x 64 fp32 in one layer, head_dim 256 at 64-token blocks, MLA at 32.
 SPECS = {
     "gqa8x128": FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128,
                                   dtype=torch.bfloat16),
@@ -53,17 +54,31 @@ SPECS = {
                                    dtype=torch.bfloat16),
     "fp8gqa8x128": FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128,
                                      dtype=torch.uint8),
+    # MHA with 32 KV heads x 64 (llama2 / phi-style) at fp32, one layer
+    # (every layout's layer and block strides then coincide).
+    "mha32x64fp32l1": FullAttentionSpec(block_size=32, num_kv_heads=32, head_size=64,
+                                        dtype=torch.float32),
+    # head_dim 256 (Gemma) at 64-token blocks.
+    "gqa4x256bs64": FullAttentionSpec(block_size=64, num_kv_heads=4, head_size=256,
+                                      dtype=torch.bfloat16),
+    # An MLA latent at 32-token blocks: 36864 B pages, padded like 16's.
+    "mla576bs32": MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=576,
+                                   dtype=torch.bfloat16),
 }
+
+# Layers of each spec's model when not LAYERS.
+SPEC_LAYERS = {"mha32x64fp32l1": 1}
+PADDED = {"mla576bs16", "mla576bs32"}
 
 # Layouts whose pages are one run per block (or where H is 1, which makes
 # the per-head runs one): served. The others split a page per head.
 SPLIT_PAGE = {KVCacheLayout.LHBNC, KVCacheLayout.BHLNC}
 
 
-def kv_cache_config(spec, layout):
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    layer_stride, block_stride, *_ = compute_layout_strides(spec, NUM_BLOCKS, LAYERS, layout)
-    size = NUM_BLOCKS * LAYERS * spec.page_size_bytes
+def kv_cache_config(spec, layout, layers=LAYERS):
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    layer_stride, block_stride, *_ = compute_layout_strides(spec, NUM_BLOCKS, layers, layout)
+    size = NUM_BLOCKS * layers * spec.page_size_bytes
     return KVCacheConfig(
         num_blocks=NUM_BLOCKS,
         kv_cache_tensors=[KVCacheTensor(size=size, layers=names, layer_stride=layer_stride,
@@ -92,24 +107,30 @@ def step(w, meta):
 @pytest.mark.parametrize("spec_name", list(SPECS))
 def test_layout_round_trips_or_is_refused(tmp_path, layout, spec_name):
     spec = SPECS[spec_name]
-    kvcfg = kv_cache_config(spec, layout)
+    kvcfg = kv_cache_config(spec, layout, SPEC_LAYERS.get(spec_name, LAYERS))
     cfg = vllm_config(tmp_path / "pool", spec.block_size)
     src = allocate_kv_cache(kvcfg, torch.device("cpu"), layout)
     gen = torch.Generator().manual_seed(5)
     for t in src.values():
         t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
                                                 dtype=torch.uint8, generator=gen))
-    if layout in SPLIT_PAGE and spec.num_heads > 1:
+    layers = SPEC_LAYERS.get(spec_name, LAYERS)
+    # With one layer, block-outermost is layer-major (the same bytes in the
+    # same order) and BHLNC keeps each block's heads together, as LBHNC does.
+    if layout in SPLIT_PAGE and spec.num_heads > 1 and not (
+            layers == 1 and layout == KVCacheLayout.BHLNC):
         with pytest.raises(kvtier.KvtierError, match=layout.name + ".*LBNHC"):
             worker(cfg, kvcfg, src)
         return
     w = worker(cfg, kvcfg, src)
     m = w._map
-    assert m.layout == ("cross_layer" if layout.is_block_outermost else "block_major"), m
+    assert m.layout == ("cross_layer" if layout.is_block_outermost and layers > 1
+                        else "block_major"), m
     assert m.page_bytes == spec.page_size_bytes and m.vllm_layout == layout.name
     # Padded pages always go through staging; others when torch's buffer
     # is not page aligned (usually: 64 bytes past a page), else directly.
-    assert m.padded == (spec_name == "mla576bs16")
+    assert m.padded == (spec_name in PADDED)
+    assert len(m.layer_names) == layers
     assert w._stats["staged"] is (m.padded or m.regions[0].data_ptr() % 4096 != 0)
     rng = random.Random(spec_name + layout.name)
     keys = [rng.randbytes(32) for _ in range(5)]

@@ -7,6 +7,8 @@ Prompts come from the KVTIER_TEST_PROMPTS environment variable (JSON list
 of token-id lists), the model directory from KVTIER_TEST_MODEL (its
 safetensors if present, else dummy weights). With POOL_DIR, kvtier's connector is enabled by config (POOL_DIR "-": none,
 KVTIER_TEST_EXTRA='{"service": SOCKET}' names a kvtier serve instead).
+KVTIER_TEST_DTYPE, KVTIER_TEST_KV_CACHE_DTYPE (e.g. fp8), KVTIER_TEST_BLOCK_SIZE: the
+engine's dtype, KV cache dtype and block size.
 KVTIER_TEST_TP: tensor_parallel_size (ranks in worker processes; on CPU
 each rank's threads are bound to one core: VLLM_CPU_OMP_THREADS_BIND).
 """
@@ -58,6 +60,8 @@ def main() -> None:
         **({"block_size": int(os.environ["KVTIER_TEST_BLOCK_SIZE"])}
            if os.environ.get("KVTIER_TEST_BLOCK_SIZE") else {}),
         **({"dtype": os.environ["KVTIER_TEST_DTYPE"]} if os.environ.get("KVTIER_TEST_DTYPE") else {}),
+        **({"kv_cache_dtype": os.environ["KVTIER_TEST_KV_CACHE_DTYPE"]}
+           if os.environ.get("KVTIER_TEST_KV_CACHE_DTYPE") else {}),
         **({"tensor_parallel_size": int(os.environ["KVTIER_TEST_TP"]),
             "distributed_executor_backend": "mp"} if os.environ.get("KVTIER_TEST_TP") else {}),
         **kw,
