@@ -24,7 +24,8 @@ use std::sync::{Arc, Mutex};
 
 pub(crate) enum Where {
     Files(Vec<PathBuf>),
-    Dir(PathBuf, u32),
+    /// The directory, and its file count if given.
+    Dir(PathBuf, Option<u32>),
 }
 
 /// What the KV memory is, before `build`.
@@ -210,16 +211,19 @@ impl TierBuilder {
     }
 
     /// A pool of `devices` files (`kvtier-<i>.pool`) in `path`; the
-    /// directory is created when the pool is.
-    #[pyo3(signature = (path, devices = 1))]
-    fn directory(
-        mut slf: PyRefMut<'_, Self>,
+    /// directory is created when the pool is. `devices` left out: the pool
+    /// there has as many files as it was made with (its superblock says),
+    /// and one is created where none is.
+    #[pyo3(signature = (path, devices = None))]
+    fn directory<'py>(
+        mut slf: PyRefMut<'py, Self>,
         path: PathBuf,
-        #[pyo3(from_py_with = devices_arg)] devices: u32,
-    ) -> PyResult<PyRefMut<'_, Self>> {
-        if devices == 0 || devices > 64 {
+        devices: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<PyRefMut<'py, Self>> {
+        let devices = devices.map(|d| devices_arg(&d)).transpose()?;
+        if let Some(n) = devices.filter(|n| *n == 0 || *n > 64) {
             return Err(usage(format!(
-                "directory(devices={devices}): give 1 to 64 pool files"
+                "directory(devices={n}): give 1 to 64 pool files"
             )));
         }
         slf.place = Some(Where::Dir(path, devices));
@@ -511,7 +515,13 @@ impl TierBuilder {
                 ))
             }
             Some(Where::Files(p)) => RsBuilder::default().files(p.clone()),
-            Some(Where::Dir(d, n)) => RsBuilder::default().directory(d).directory_files(*n),
+            Some(Where::Dir(d, n)) => {
+                let b = RsBuilder::default().directory(d);
+                match n {
+                    Some(n) => b.directory_files(*n),
+                    None => b,
+                }
+            }
         }
         .model(named.clone())
         .namespace(namespace.clone())

@@ -296,3 +296,28 @@ def test_a_pool_whose_files_disagree_says_how_to_recover(tmp_path, tiny_model):
         f.write(b"KVTIERFM" + b"\x5a" * 16 + b"\0" * (4096 - 24))
     with pytest.raises(kvtier.KvtierError, match=r"kvtier-0.pool"):
         b().build()
+
+
+def test_a_pool_directory_of_several_files_reopens_without_naming_them(tmp_path, tiny_model):
+    """directory(path) without devices= opens the pool there with as many
+    files as it was made with (before, it always meant one file and
+    refused a pool made over two: "2 device(s) but 1 were named")."""
+    d = tmp_path / "pool"
+
+    def builder(**kw):
+        return (kvtier.TierBuilder().directory(d, **kw).capacity("16m")
+                .model(tiny_model, block_size=16))
+
+    keys = [bytes([i]) * 32 for i in range(4)]
+    data = [os.urandom(BLOCK) for _ in range(4)]
+    with builder(devices=2).host_cache(4).build() as t:
+        for b, x in enumerate(data):
+            t.write_block(b, x)
+        assert t.wait(t.submit_store(keys, [0, 1, 2, 3])).ok
+    assert sorted(p.name for p in d.iterdir()) == ["kvtier-0.pool", "kvtier-1.pool"]
+    with builder().host_cache(4).build() as t:
+        assert t.lookup(keys) == 4
+        assert t.wait(t.submit_load(keys, [3, 2, 1, 0])).ok
+        assert [t.read_block(b) for b in (3, 2, 1, 0)] == data
+    with pytest.raises(kvtier.UsageError, match="devices"):
+        kvtier.TierBuilder().directory(d, devices=0)
