@@ -278,6 +278,70 @@ fn cli_create_info_round_trip() {
     assert!(text.contains("--force"), "{text}");
 }
 
+/// `pool create --dev FILE` without --size on a file that exists takes the
+/// file's size, as for a block device (before, it asked for --size); what the
+/// file holds still decides whether it may be formatted: data needs --force,
+/// and a file too small names the size it needs.
+#[test]
+fn create_on_an_existing_file_takes_its_size() {
+    let dir = TempDir::new("cli-size");
+    let f = dir.file("made.pool");
+    std::fs::File::create(&f)
+        .unwrap()
+        .set_len(300 << 20)
+        .unwrap();
+    let dev = f.to_str().unwrap();
+    let (code, text) = kvtier(&[
+        "pool",
+        "create",
+        "--dev",
+        dev,
+        "--model",
+        "llama3-8b",
+        "--group-blocks",
+        "16",
+    ]);
+    assert_eq!(code, 0, "{text}");
+    assert_eq!(std::fs::metadata(&f).unwrap().len(), 300 << 20);
+    let (code, text) = kvtier(&["pool", "info", "--json", "--dev", dev]);
+    assert_eq!(code, 0, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert!(v["capacity_bytes"].as_u64().unwrap() > 0, "{v}");
+    // A file with data: refused without --force, and left as it was.
+    let data = dir.file("data");
+    std::fs::write(&data, vec![1u8; 300 << 20]).unwrap();
+    let (code, text) = kvtier(&[
+        "pool",
+        "create",
+        "--dev",
+        data.to_str().unwrap(),
+        "--model",
+        "llama3-8b",
+    ]);
+    assert_ne!(code, 0);
+    assert!(text.contains("--force"), "{text}");
+    assert!(std::fs::read(&data).unwrap().iter().all(|&b| b == 1));
+    // Too small for one group of llama3-8b: says what it needs.
+    let small = dir.file("small");
+    std::fs::File::create(&small)
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    let (code, text) = kvtier(&[
+        "pool",
+        "create",
+        "--dev",
+        small.to_str().unwrap(),
+        "--model",
+        "llama3-8b",
+    ]);
+    assert_ne!(code, 0);
+    assert!(
+        text.contains("at least") && text.contains("--size"),
+        "{text}"
+    );
+}
+
 /// Control characters from arguments, configs and superblocks never reach
 /// the terminal raw: each message escapes them (`\u001b`), clap's own
 /// refusals included. Before, an ESC sequence in any of them was printed as

@@ -674,6 +674,14 @@ impl BackingDevice {
         force: bool,
         unfinished: &[[u8; 16]],
     ) -> Result<BackingDevice> {
+        // An existing regular file and no size given: the pool takes the
+        // file's size, as it takes a block device's (whether the file may be
+        // formatted at all is decided below, by what it holds).
+        let size = size.or_else(|| {
+            meta.as_ref()
+                .filter(|m| m.file_type().is_file() && m.len() > 0)
+                .map(|m| round_down(m.len()))
+        });
         let Some(size) = size else {
             return Err(backing_fix(
                 path,
