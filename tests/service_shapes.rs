@@ -81,13 +81,14 @@ fn every_shape_round_trips_between_two_clients() {
     }
 }
 
-/// Kilobytes of `Rss` /proc/self/smaps gives the mapping that starts at `addr`.
-fn rss_kb_of_mapping_at(addr: u64) -> Option<u64> {
+/// The kilobytes /proc/self/smaps gives `field` (`"Rss:"`,
+/// `"KernelPageSize:"`) of the mapping that starts at `addr`.
+fn smaps_kb_of_mapping_at(addr: u64, field: &str) -> Option<u64> {
     let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
     let head = format!("{addr:x}-");
     let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&head)).skip(1);
     lines.find_map(|l| {
-        l.strip_prefix("Rss:")?
+        l.strip_prefix(field)?
             .trim()
             .strip_suffix("kB")?
             .trim()
@@ -108,17 +109,9 @@ fn a_client_has_its_shared_memory_in_once_connected() {
     let svc = Svc::start_shaped(&dir, g, 1, 64, None);
     let c = ServiceClient::connect(&svc.sock, 0).unwrap();
     let (addr, len) = c.host_memory();
-    let rss = rss_kb_of_mapping_at(addr).expect("the client's mapping in smaps");
+    let rss = smaps_kb_of_mapping_at(addr, "Rss:").expect("the client's mapping in smaps");
     // hugetlbfs pages are not counted in Rss: only small pages are checked.
-    let huge = std::fs::read_to_string("/proc/self/smaps")
-        .unwrap()
-        .lines()
-        .skip_while(|l| !l.starts_with(&format!("{addr:x}-")))
-        .find_map(|l| {
-            l.strip_prefix("KernelPageSize:")
-                .map(|v| !v.contains(" 4 kB"))
-        })
-        .unwrap();
+    let huge = smaps_kb_of_mapping_at(addr, "KernelPageSize:").unwrap() > 4;
     if !huge {
         assert_eq!(
             rss << 10,

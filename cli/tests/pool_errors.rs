@@ -285,56 +285,35 @@ fn cli_create_info_round_trip() {
 #[test]
 fn create_on_an_existing_file_takes_its_size() {
     let dir = TempDir::new("cli-size");
-    let f = dir.file("made.pool");
-    std::fs::File::create(&f)
-        .unwrap()
-        .set_len(300 << 20)
-        .unwrap();
-    let dev = f.to_str().unwrap();
-    let (code, text) = kvtier(&[
-        "pool",
-        "create",
-        "--dev",
-        dev,
-        "--model",
-        "llama3-8b",
-        "--group-blocks",
-        "16",
-    ]);
+    // `pool create` of llama3-8b on `path`, no --size.
+    let create_unsized = |path: &std::path::Path, extra: &[&str]| {
+        let mut args = vec!["pool", "create", "--dev", path.to_str().unwrap()];
+        args.extend_from_slice(&["--model", "llama3-8b"]);
+        args.extend_from_slice(extra);
+        kvtier(&args)
+    };
+    let sized = |name: &str, len: u64| {
+        let f = dir.file(name);
+        std::fs::File::create(&f).unwrap().set_len(len).unwrap();
+        f
+    };
+    let f = sized("made.pool", 300 << 20);
+    let (code, text) = create_unsized(&f, &["--group-blocks", "16"]);
     assert_eq!(code, 0, "{text}");
     assert_eq!(std::fs::metadata(&f).unwrap().len(), 300 << 20);
-    let (code, text) = kvtier(&["pool", "info", "--json", "--dev", dev]);
+    let (code, text) = kvtier(&["pool", "info", "--json", "--dev", f.to_str().unwrap()]);
     assert_eq!(code, 0, "{text}");
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert!(v["capacity_bytes"].as_u64().unwrap() > 0, "{v}");
     // A file with data: refused without --force, and left as it was.
     let data = dir.file("data");
     std::fs::write(&data, vec![1u8; 300 << 20]).unwrap();
-    let (code, text) = kvtier(&[
-        "pool",
-        "create",
-        "--dev",
-        data.to_str().unwrap(),
-        "--model",
-        "llama3-8b",
-    ]);
+    let (code, text) = create_unsized(&data, &[]);
     assert_ne!(code, 0);
     assert!(text.contains("--force"), "{text}");
     assert!(std::fs::read(&data).unwrap().iter().all(|&b| b == 1));
     // Too small for one group of llama3-8b: says what it needs.
-    let small = dir.file("small");
-    std::fs::File::create(&small)
-        .unwrap()
-        .set_len(1 << 20)
-        .unwrap();
-    let (code, text) = kvtier(&[
-        "pool",
-        "create",
-        "--dev",
-        small.to_str().unwrap(),
-        "--model",
-        "llama3-8b",
-    ]);
+    let (code, text) = create_unsized(&sized("small", 1 << 20), &[]);
     assert_ne!(code, 0);
     assert!(
         text.contains("at least") && text.contains("--size"),

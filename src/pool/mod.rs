@@ -1013,7 +1013,7 @@ impl Pool {
                 device_sizes,
                 writable: true,
                 unreadable_headers: Vec::new(),
-            damaged_bad_tables: Vec::new(),
+                damaged_bad_tables: Vec::new(),
                 devices,
                 layout,
                 uuid: first.pool_uuid,

@@ -111,12 +111,6 @@ impl Arena {
             .checked_mul(geometry.layers as u64)
             .and_then(|x| x.checked_mul(slots as u64))
             .ok_or_else(|| Error::invalid("the service's KV memory overflows 64 bits"))?;
-        if hugetlb_free_bytes() < total {
-            // Small pages for certain: said before reserving the addresses
-            // (past the address space that failed as a bare ENOMEM).
-            fits_in_memory(&geometry, slots, slot_blocks, total)?;
-        }
-        let reservation = Reservation::new(total)?;
         // Reserved huge pages where the system has them free for the whole
         // arena and every mapping is whole 2 MiB pages: each 2 MiB of a
         // load or store is then one DMA segment, as in an engine's own
@@ -125,6 +119,12 @@ impl Arena {
         // can still fail when another process takes the pages first: then
         // the arena is built again in small pages.
         let huge = slot_stride % HUGE_PAGE == 0 && hugetlb_free_bytes() >= total;
+        if !huge {
+            // Small pages for certain: said before reserving the addresses
+            // (past the address space that failed as a bare ENOMEM).
+            fits_in_memory(&geometry, slots, slot_blocks, total)?;
+        }
+        let reservation = Reservation::new(total)?;
         let map_all = |huge| -> Result<Vec<OwnedFd>> {
             (0..slots)
                 .map(|s| Self::map_slice(&reservation, geometry.layers, slots, slot_stride, s, huge))
@@ -134,6 +134,8 @@ impl Arena {
             Some(Ok(files)) => Some(files),
             Some(Err(_)) => {
                 reservation.unmap(0, total)?;
+                // Small pages after all: the check the start skipped.
+                fits_in_memory(&geometry, slots, slot_blocks, total)?;
                 None
             }
             None => None,
@@ -141,10 +143,7 @@ impl Arena {
         let huge = files.is_some();
         let files = match files {
             Some(f) => f,
-            None => {
-                fits_in_memory(&geometry, slots, slot_blocks, total)?;
-                map_all(false)?
-            }
+            None => map_all(false)?,
         };
         Ok(Arena {
             reservation,

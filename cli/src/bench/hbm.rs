@@ -87,7 +87,7 @@ pub struct HbmResult {
 }
 
 /// The store and restore of a context through the node's service (`kvtier
-/// serve`, started in this process on the bench's pool) by a staged client
+/// serve`, started in this process on a pool of its own) by a staged client
 /// of it: the slice the service shares is the staging, and the service's
 /// tier does the disk I/O. The keys are other than the in-process run's;
 /// the bytes are the same.
@@ -305,7 +305,7 @@ impl Target for Hbm {
     }
     fn service_client(&self, b: ServiceBuilder, cfg: StagingConfig) -> Result<StagedServiceClient> {
         // SAFETY: as in `staged`: the client is closed and dropped before
-        // self (`through_service`).
+        // self (`run` drops its `ServiceRig` before its target).
         unsafe { b.memory(self.memory.clone()) }
             .staging(cfg)
             .build()
