@@ -120,16 +120,19 @@ const STDOUT: &str = "writing to stdout";
 
 /// An error as the command line says it: the library names a fix by its
 /// meaning ([`kvtier::error::Fix`]); here it is named by this program's flags
-/// and commands.
-pub fn error_text(e: &Error) -> String {
+/// and commands. `size_flag` is the flag that sizes the pool in the command
+/// that failed: `--size` (each file, `pool create --dev`) or `--capacity`
+/// (the whole pool: `pool create --dir`, `bench`, `serve`), so a fix never
+/// names a flag the command does not have.
+pub fn error_text(e: &Error, size_flag: &str) -> String {
     match e.fix() {
-        Some(fix) => format!("{}; {}", e.without_fix(), fix_text(fix)),
+        Some(fix) => format!("{}; {}", e.without_fix(), fix_text(fix, size_flag)),
         None => e.to_string(),
     }
 }
 
-/// A fix in the command line's words.
-pub fn fix_text(fix: &Fix) -> String {
+/// A fix in the command line's words (`size_flag`: see [`error_text`]).
+pub fn fix_text(fix: &Fix, size_flag: &str) -> String {
     match fix {
         Fix::Overwrite => "pass --force to overwrite it (its contents will be lost)".into(),
         Fix::AllowSparse => "pass --force to create it sparse anyway".into(),
@@ -141,8 +144,8 @@ pub fn fix_text(fix: &Fix) -> String {
             at_least,
         } => format!("give --size (a multiple of {multiple_of} bytes, at least {at_least} bytes)"),
         Fix::AlignSize { example } => format!("give a --size that is, e.g. {example} bytes"),
-        Fix::SmallerSize => "give a smaller --size".into(),
-        Fix::LargerSize => "give a larger --size".into(),
+        Fix::SmallerSize => format!("give a smaller {size_flag}"),
+        Fix::LargerSize => format!("give a larger {size_flag}"),
         Fix::Recreate => "recreate the pool with `kvtier pool create --force` (every block \
                           stored in it is lost)"
             .into(),

@@ -170,13 +170,14 @@ fn main() {
             std::process::exit(e.exit_code());
         }
     };
+    let size_flag = cli.cmd.size_flag();
     let code = match run(cli) {
         Ok(code) => code,
         Err(e) if kvtier_cli::cli::is_broken_pipe(&e) => die_of_sigpipe(),
         Err(e) => {
             note(&format!(
                 "kvtier: error: {}",
-                kvtier_cli::cli::error_text(&e)
+                kvtier_cli::cli::error_text(&e, size_flag)
             ));
             2
         }
@@ -194,6 +195,17 @@ fn die_of_sigpipe() -> ! {
         libc::raise(libc::SIGPIPE);
     }
     std::process::exit(141)
+}
+
+impl Cmd {
+    /// The flag that sizes the pool this command makes, for error fixes:
+    /// `pool create --dev` sizes each file, the others the whole pool.
+    fn size_flag(&self) -> &'static str {
+        match self {
+            Cmd::Pool(p) if !p.sizes_by_capacity() => "--size",
+            _ => "--capacity",
+        }
+    }
 }
 
 fn run(cli: Cli) -> Result<i32> {

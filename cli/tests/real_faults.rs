@@ -205,6 +205,86 @@ fn create_on_a_full_tmpfs_is_refused_and_leaves_nothing() {
     assert!(free_bytes(&fs.0) >= 7 << 20, "no space is left taken");
 }
 
+/// Each command that sizes a pool by its total `--capacity` names that
+/// flag when the file system is too small for it, and says how much is
+/// free there: `--size` is `pool create --dev`'s alone (with `--dir`
+/// clap refuses it), and `bench` and `serve` have no such flag.
+#[test]
+fn out_of_space_names_the_flag_each_command_has_and_what_is_free() {
+    let dir = TempDir::new("capflag");
+    let fs = or_skip!(tmpfs(&dir, "t", 8 << 20), "tmpfs");
+    let cfg = tiny_config(&dir);
+    let cfg = cfg.to_str().unwrap();
+    let at = |name: &str| fs.0.join(name).to_str().unwrap().to_string();
+    let (pdir, bdir, sdir) = (at("p"), at("b"), at("s"));
+    std::fs::create_dir_all(&bdir).unwrap();
+    let sock = at("s.sock");
+    let runs: [(&str, Vec<&str>); 3] = [
+        (
+            "pool create --dir",
+            vec![
+                "pool",
+                "create",
+                "--dir",
+                &pdir,
+                "--capacity",
+                "64m",
+                "--group-blocks",
+                "8",
+            ],
+        ),
+        (
+            "bench",
+            vec![
+                "bench",
+                "--dir",
+                &bdir,
+                "--capacity",
+                "64m",
+                "--contexts",
+                "64",
+                "--group-blocks",
+                "8",
+            ],
+        ),
+        (
+            "serve",
+            vec![
+                "serve",
+                "--dir",
+                &sdir,
+                "--capacity",
+                "64m",
+                "--socket",
+                &sock,
+            ],
+        ),
+    ];
+    for (what, mut args) in runs {
+        args.extend(["--model", cfg]);
+        let (code, text) = kvtier(&args);
+        assert_eq!(code, 2, "{what}: {text}");
+        assert!(
+            text.contains("not enough free space")
+                && text.contains("give a smaller --capacity")
+                && !text.contains("--size"),
+            "{what}: the fix names the command's own flag: {text}"
+        );
+        assert!(
+            text.contains(" MiB is free there"),
+            "{what}: says what is free: {text}"
+        );
+        assert!(
+            free_bytes(&fs.0) >= 7 << 20,
+            "{what}: no space is left taken"
+        );
+    }
+    // pool create --dev sizes each file: its fix is still --size.
+    let (code, text) = create_tiny(&[&fs.0.join("a.pool")], "64m", Path::new(cfg), &[]);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("give a smaller --size"), "{text}");
+}
+
 #[test]
 fn prewrite_of_a_sparse_pool_on_a_full_filesystem_fails_cleanly() {
     let dir = TempDir::new("prewritefull");

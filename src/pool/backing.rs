@@ -389,15 +389,22 @@ fn allocate_for_pool(path: &Path, file: &File, len: u64, size: u64, force: bool)
             }
         }
         Err(Errno::ENOSPC) => {
+            // What is free, so the fix can be sized without another tool.
+            let free = match nix::sys::statvfs::fstatvfs(file) {
+                Ok(v) => format!(
+                    "{} is free there",
+                    human(u64::from(v.blocks_available()) * u64::from(v.fragment_size()))
+                ),
+                Err(_) => "free space there".to_string(),
+            };
             return Err(backing_fix(
                 path,
                 format!(
-                    "not enough free space on its filesystem for {} ({size} bytes); free \
-                     space there",
+                    "not enough free space on its filesystem for {} ({size} bytes); {free}",
                     human(size)
                 ),
                 Fix::SmallerSize,
-            ))
+            ));
         }
         Err(Errno::EFBIG) => {
             return Err(backing_fix(

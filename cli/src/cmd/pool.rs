@@ -89,6 +89,14 @@ pub(crate) enum PoolCmd {
 }
 
 /// Runs one `kvtier pool` command; the exit code.
+impl PoolCmd {
+    /// Whether this command sizes a pool by its total `--capacity` (a pool
+    /// directory) rather than each file's `--size`.
+    pub(crate) fn sizes_by_capacity(&self) -> bool {
+        matches!(self, PoolCmd::Create { at, .. } if at.dir.is_some())
+    }
+}
+
 pub(crate) fn run(cmd: PoolCmd) -> Result<i32> {
     match cmd {
         PoolCmd::Create {
