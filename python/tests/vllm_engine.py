@@ -9,6 +9,8 @@ safetensors if present, else dummy weights). With POOL_DIR, kvtier's connector i
 KVTIER_TEST_EXTRA='{"service": SOCKET}' names a kvtier serve instead).
 KVTIER_TEST_DTYPE, KVTIER_TEST_KV_CACHE_DTYPE (e.g. fp8), KVTIER_TEST_BLOCK_SIZE: the
 engine's dtype, KV cache dtype and block size.
+KVTIER_TEST_LLM_KW: more keyword arguments of LLM(...) as JSON (e.g.
+'{"enable_prefix_caching": false, "max_num_batched_tokens": 128}').
 KVTIER_TEST_TP: tensor_parallel_size (ranks in worker processes; on CPU
 each rank's threads are bound to one core: VLLM_CPU_OMP_THREADS_BIND).
 """
@@ -64,6 +66,7 @@ def main() -> None:
            if os.environ.get("KVTIER_TEST_KV_CACHE_DTYPE") else {}),
         **({"tensor_parallel_size": int(os.environ["KVTIER_TEST_TP"]),
             "distributed_executor_backend": "mp"} if os.environ.get("KVTIER_TEST_TP") else {}),
+        **json.loads(os.environ.get("KVTIER_TEST_LLM_KW", "{}")),
         **kw,
     )
     init_s = time.time() - t
