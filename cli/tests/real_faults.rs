@@ -285,6 +285,48 @@ fn out_of_space_names_the_flag_each_command_has_and_what_is_free() {
     assert!(text.contains("give a smaller --size"), "{text}");
 }
 
+/// `kvtier bench` without `--capacity` makes (and prewrites) the pool the
+/// contexts that run need, not a fixed 12 GiB: on a 96 MiB file system the
+/// 16-token context runs, and the 1024-token one over the memory budget is
+/// skipped for that, naming --mem-budget (not --capacity). Before, the
+/// 12 GiB pool was refused for want of space, and on a disk with room it
+/// cost 12 GiB of writing before the first figure.
+#[test]
+fn bench_without_capacity_sizes_its_pool_to_the_contexts_that_run() {
+    let dir = TempDir::new("benchdefcap");
+    let fs = or_skip!(tmpfs(&dir, "t", 96 << 20), "tmpfs");
+    let json = dir.file("out.json");
+    let (code, text) = kvtier(&[
+        "bench",
+        "--dir",
+        fs.0.to_str().unwrap(),
+        "--contexts",
+        "16,1024",
+        "--group-blocks",
+        "4",
+        "--mem-budget",
+        "64m",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{text}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    // llama3-8b: 2 MiB blocks; one group of 4 and the superblock area.
+    let capacity = v["config"]["capacity"].as_u64().unwrap();
+    assert!(
+        capacity < 16 << 20,
+        "the pool holds the 16-token context: {capacity}"
+    );
+    assert_eq!(v["results"].as_array().unwrap().len(), 1, "{text}");
+    assert!(
+        text.contains("skipped 1024 tokens") && text.contains("raise --mem-budget"),
+        "{text}"
+    );
+    assert!(!text.contains("raise --capacity"), "{text}");
+    assert!(free_bytes(&fs.0) >= 95 << 20, "the pool file is removed");
+}
+
 #[test]
 fn prewrite_of_a_sparse_pool_on_a_full_filesystem_fails_cleanly() {
     let dir = TempDir::new("prewritefull");

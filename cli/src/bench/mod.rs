@@ -403,13 +403,19 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
         scratch.iter_mut().for_each(ScratchFile::keep);
     }
     let slots = pool.index().total_slots();
-    let (contexts, mut skipped, max_blocks) =
-        contexts_that_fit(&cfg.contexts, &geo, slots, "the pool's");
-    let (contexts, over_budget, max_blocks) = match cfg.mem_budget {
-        Some(budget) => contexts_within_memory(&contexts, &geo, budget),
-        None => (contexts, Vec::new(), max_blocks),
+    // The memory budget first: a context over it is skipped for that, the
+    // fix that runs it, even where the pool (sized by default for the
+    // contexts within the budget) could not hold it either.
+    let (contexts, mut skipped) = match cfg.mem_budget {
+        Some(budget) => {
+            let (fit, over, _) = contexts_within_memory(&cfg.contexts, &geo, budget);
+            (fit, over)
+        }
+        None => (cfg.contexts.clone(), Vec::new()),
     };
-    skipped.extend(over_budget);
+    let (contexts, over_capacity, max_blocks) =
+        contexts_that_fit(&contexts, &geo, slots, "the pool's");
+    skipped.extend(over_capacity);
     let mut tier = match engine {
         Some(e) => Tier::with_engine(pool, cfg.tier.clone(), e)?,
         None => Tier::open(pool, cfg.tier.clone())?,
@@ -1486,6 +1492,55 @@ pub(crate) fn contexts_that_fit(
     (fit, skipped, max_blocks)
 }
 
+/// The most `kvtier bench` makes its pool when `--capacity` is not given
+/// (its fixed default before it was sized to the contexts).
+pub const DEFAULT_MAX_CAPACITY: u64 = 12 << 30;
+
+/// The bench's pool when `--capacity` is not given: the smallest pool of
+/// `devices` files that holds the largest of `contexts` that will run
+/// (within `mem_budget`), at most [`DEFAULT_MAX_CAPACITY`] (contexts over it
+/// are skipped, naming --capacity). The pool is prewritten at creation, so
+/// a fixed 12 GiB cost that much free disk and writing time even where only
+/// 4K and 16K tokens run (`scripts/bench.sh`'s 4 GiB memory budget: a
+/// 2.1 GiB pool for llama3-8b).
+pub fn default_capacity(
+    contexts: &[u64],
+    geo: &KvGeometry,
+    mem_budget: Option<u64>,
+    devices: u32,
+    group_blocks: u32,
+) -> u64 {
+    use kvtier::pool::layout::{PoolLayout, DATA_OFFSET};
+    let devices = u64::from(devices.max(1));
+    let runnable: Vec<u64> = match mem_budget {
+        Some(budget) => contexts_within_memory(contexts, geo, budget).0,
+        None => contexts.to_vec(),
+    };
+    let blocks = runnable
+        .iter()
+        .map(|&t| geo.tokens_to_blocks(t))
+        .filter(|&b| {
+            let groups = b.div_ceil(devices).div_ceil(u64::from(group_blocks));
+            let per_dev = DATA_OFFSET + groups * PoolLayout::group_bytes_for(geo, group_blocks);
+            per_dev.next_multiple_of(4096) * devices <= DEFAULT_MAX_CAPACITY
+        })
+        .max()
+        .unwrap_or(0);
+    // Groups go round-robin over the files: each holds its share, whole groups.
+    let groups = blocks
+        .div_ceil(devices)
+        .div_ceil(u64::from(group_blocks))
+        .max(1);
+    let per_dev = DATA_OFFSET + groups * PoolLayout::group_bytes_for(geo, group_blocks);
+    let need = per_dev.next_multiple_of(4096) * devices;
+    if blocks == 0 {
+        // Nothing fits: the old default, so the skip lines name what each needs.
+        DEFAULT_MAX_CAPACITY.max(need)
+    } else {
+        need
+    }
+}
+
 /// The most blocks any of `contexts` needs (0 for none).
 fn most_blocks(contexts: &[u64], geo: &KvGeometry) -> u64 {
     contexts
@@ -1556,6 +1611,52 @@ mod tests {
         );
         let (fit, skipped, max) = contexts_within_memory(&[65536], &geo, 1 << 30);
         assert!(fit.is_empty() && max == 0 && skipped.len() == 1);
+    }
+
+    /// Without --capacity the pool holds the largest context that runs:
+    /// every slot count is checked against the pool layout's own count of
+    /// a file of that size, for one and for several files.
+    #[test]
+    fn the_default_capacity_holds_the_largest_context_that_runs() {
+        use kvtier::pool::layout::PoolLayout;
+        use kvtier::pool::place::split_capacity;
+        let geo = kvtier::model::preset("llama3-8b", 16).unwrap();
+        let slots = |cap: u64, devs: u32, g: u32| {
+            u64::from(PoolLayout::groups_fitting(
+                &geo,
+                g,
+                split_capacity(cap, devs as usize),
+            )) * u64::from(g)
+                * u64::from(devs)
+        };
+        let contexts = [4096, 16384, 65536, 131072];
+        // scripts/bench.sh's 4 GiB budget: 16K tokens (1024 blocks) run.
+        let cap = default_capacity(&contexts, &geo, Some(4 << 30), 1, 64);
+        assert!(
+            slots(cap, 1, 64) >= 1024 && cap < (2 << 30) + (256 << 20),
+            "{cap}"
+        );
+        // No budget: 64K (4096 blocks) runs; 128K needs 16 GiB, over 12 GiB.
+        let cap = default_capacity(&contexts, &geo, None, 1, 64);
+        assert!(
+            slots(cap, 1, 64) >= 4096 && cap <= DEFAULT_MAX_CAPACITY,
+            "{cap}"
+        );
+        assert!(slots(cap, 1, 64) < 8192);
+        // Several files, odd group sizes: whole groups per file.
+        for (devs, g, tokens) in [(3, 64, 16384), (2, 7, 4096), (4, 1, 16), (5, 16, 100)] {
+            let cap = default_capacity(&[tokens], &geo, None, devs, g);
+            assert!(
+                slots(cap, devs, g) >= geo.tokens_to_blocks(tokens),
+                "{devs} files, groups of {g}, {tokens} tokens: {cap}"
+            );
+            assert!(cap >= kvtier::pool::place::min_capacity(&geo, g, devs as usize));
+        }
+        // Nothing runs: the fixed default, whose skip lines name each fix.
+        assert_eq!(
+            default_capacity(&[65536], &geo, Some(1 << 30), 1, 64),
+            DEFAULT_MAX_CAPACITY
+        );
     }
 
     /// Memory on reserved (hugetlbfs) pages counts as huge: smaps reports

@@ -30,9 +30,12 @@ pub(crate) struct BenchArgs {
     #[arg(long, value_delimiter = ',', default_values_t = vec![4096u64, 16384, 65536, 131072],
           value_parser = clap::value_parser!(u64).range(1..=MAX_TOKENS))]
     contexts: Vec<u64>,
-    /// Total pool size over all devices.
-    #[arg(long, default_value = "12g", value_parser = parse_capacity)]
-    capacity: u64,
+    /// Total pool size over all devices [default: what the largest context
+    /// that runs needs (within --mem-budget), at most 12g]. The pool is
+    /// written once at creation (see --first-fill), so its size is disk
+    /// space and time.
+    #[arg(long, value_parser = parse_capacity)]
+    capacity: Option<u64>,
     /// Pool files ("SSDs") to stripe over.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     devices: u32,
@@ -190,7 +193,16 @@ pub(crate) fn run_bench(a: BenchArgs) -> Result<i32> {
         model: named.name,
         geometry: named.geometry,
         contexts: a.contexts.clone(),
-        capacity: a.capacity,
+        capacity: a.capacity.unwrap_or_else(|| {
+            bench::default_capacity(
+                &a.contexts,
+                &named.geometry,
+                // The HBM bench holds no context in host memory.
+                a.mem_budget.filter(|_| a.memory == "host"),
+                a.devices,
+                a.group_blocks,
+            )
+        }),
         devices: a.devices,
         group_blocks: a.group_blocks,
         tier: TierConfig::default()
