@@ -287,8 +287,9 @@ fn out_of_space_names_the_flag_each_command_has_and_what_is_free() {
 
 /// `kvtier bench` without `--capacity` makes (and prewrites) the pool the
 /// contexts that run need, not a fixed 12 GiB: on a 96 MiB file system the
-/// 16-token context runs, and the 1024-token one over the memory budget is
-/// skipped for that, naming --mem-budget (not --capacity). Before, the
+/// 16- and 64-token contexts run, both held at once (a store that evicts
+/// has no engine-alone reference), and the 1024-token one over the memory
+/// budget is skipped for that, naming --mem-budget (not --capacity). Before, the
 /// 12 GiB pool was refused for want of space, and on a disk with room it
 /// cost 12 GiB of writing before the first figure.
 #[test]
@@ -301,7 +302,7 @@ fn bench_without_capacity_sizes_its_pool_to_the_contexts_that_run() {
         "--dir",
         fs.0.to_str().unwrap(),
         "--contexts",
-        "16,1024",
+        "16,64,1024",
         "--group-blocks",
         "4",
         "--mem-budget",
@@ -312,13 +313,15 @@ fn bench_without_capacity_sizes_its_pool_to_the_contexts_that_run() {
     assert_eq!(code, 0, "{text}");
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    // llama3-8b: 2 MiB blocks; one group of 4 and the superblock area.
+    // llama3-8b: 2 MiB blocks; 1 + 4 of them in two groups of 4 and the
+    // superblock area.
     let capacity = v["config"]["capacity"].as_u64().unwrap();
     assert!(
-        capacity < 16 << 20,
-        "the pool holds the 16-token context: {capacity}"
+        capacity < 24 << 20,
+        "the pool holds the 16- and 64-token contexts: {capacity}"
     );
-    assert_eq!(v["results"].as_array().unwrap().len(), 1, "{text}");
+    assert_eq!(v["results"].as_array().unwrap().len(), 2, "{text}");
+    assert!(!text.contains("the store evicts"), "{text}");
     assert!(
         text.contains("skipped 1024 tokens") && text.contains("raise --mem-budget"),
         "{text}"

@@ -1497,12 +1497,13 @@ pub(crate) fn contexts_that_fit(
 pub const DEFAULT_MAX_CAPACITY: u64 = 12 << 30;
 
 /// The bench's pool when `--capacity` is not given: the smallest pool of
-/// `devices` files that holds the largest of `contexts` that will run
-/// (within `mem_budget`), at most [`DEFAULT_MAX_CAPACITY`] (contexts over it
-/// are skipped, naming --capacity). The pool is prewritten at creation, so
-/// a fixed 12 GiB cost that much free disk and writing time even where only
-/// 4K and 16K tokens run (`scripts/bench.sh`'s 4 GiB memory budget: a
-/// 2.1 GiB pool for llama3-8b).
+/// `devices` files that holds every context that will run (within
+/// `mem_budget`) at once, since the run stores them one after another into
+/// the same pool and a store that evicts has no engine-alone reference;
+/// at most [`DEFAULT_MAX_CAPACITY`] (a context over it is skipped, naming
+/// --capacity). The pool is prewritten at creation, so a fixed 12 GiB cost
+/// that much free disk and writing time even where only 4K and 16K tokens
+/// run (`scripts/bench.sh`'s 4 GiB memory budget: 2.6 GiB for llama3-8b).
 pub fn default_capacity(
     contexts: &[u64],
     geo: &KvGeometry,
@@ -1512,33 +1513,29 @@ pub fn default_capacity(
 ) -> u64 {
     use kvtier::pool::layout::{PoolLayout, DATA_OFFSET};
     let devices = u64::from(devices.max(1));
-    let runnable: Vec<u64> = match mem_budget {
+    // Groups go round-robin over the files: each holds its share, whole groups.
+    let bytes_for = |blocks: u64| {
+        let groups = blocks
+            .div_ceil(devices)
+            .div_ceil(u64::from(group_blocks))
+            .max(1);
+        let per_dev = DATA_OFFSET + groups * PoolLayout::group_bytes_for(geo, group_blocks);
+        per_dev.next_multiple_of(4096).saturating_mul(devices)
+    };
+    let runnable = match mem_budget {
         Some(budget) => contexts_within_memory(contexts, geo, budget).0,
         None => contexts.to_vec(),
     };
-    let blocks = runnable
+    let blocks: u64 = runnable
         .iter()
         .map(|&t| geo.tokens_to_blocks(t))
-        .filter(|&b| {
-            let groups = b.div_ceil(devices).div_ceil(u64::from(group_blocks));
-            let per_dev = DATA_OFFSET + groups * PoolLayout::group_bytes_for(geo, group_blocks);
-            per_dev.next_multiple_of(4096) * devices <= DEFAULT_MAX_CAPACITY
-        })
-        .max()
-        .unwrap_or(0);
-    // Groups go round-robin over the files: each holds its share, whole groups.
-    let groups = blocks
-        .div_ceil(devices)
-        .div_ceil(u64::from(group_blocks))
-        .max(1);
-    let per_dev = DATA_OFFSET + groups * PoolLayout::group_bytes_for(geo, group_blocks);
-    let need = per_dev.next_multiple_of(4096) * devices;
+        .filter(|&b| bytes_for(b) <= DEFAULT_MAX_CAPACITY)
+        .sum();
     if blocks == 0 {
-        // Nothing fits: the old default, so the skip lines name what each needs.
-        DEFAULT_MAX_CAPACITY.max(need)
-    } else {
-        need
+        // Nothing runs: the old default, so each skip line names its fix.
+        return DEFAULT_MAX_CAPACITY;
     }
+    bytes_for(blocks).min(DEFAULT_MAX_CAPACITY)
 }
 
 /// The most blocks any of `contexts` needs (0 for none).
@@ -1613,7 +1610,7 @@ mod tests {
         assert!(fit.is_empty() && max == 0 && skipped.len() == 1);
     }
 
-    /// Without --capacity the pool holds the largest context that runs:
+    /// Without --capacity the pool holds every context that runs:
     /// every slot count is checked against the pool layout's own count of
     /// a file of that size, for one and for several files.
     #[test]
@@ -1630,24 +1627,28 @@ mod tests {
                 * u64::from(devs)
         };
         let contexts = [4096, 16384, 65536, 131072];
-        // scripts/bench.sh's 4 GiB budget: 16K tokens (1024 blocks) run.
+        // scripts/bench.sh's 4 GiB budget: 4K and 16K tokens (256 + 1024
+        // blocks) run, both held at once (no store evicts).
         let cap = default_capacity(&contexts, &geo, Some(4 << 30), 1, 64);
         assert!(
-            slots(cap, 1, 64) >= 1024 && cap < (2 << 30) + (256 << 20),
+            slots(cap, 1, 64) >= 1280 && cap < (2 << 30) + (768 << 20),
             "{cap}"
         );
-        // No budget: 64K (4096 blocks) runs; 128K needs 16 GiB, over 12 GiB.
+        // No budget: 4K + 16K + 64K (5376 blocks, 10.5 GiB) run; 128K needs
+        // 16 GiB, over 12 GiB, and is skipped.
         let cap = default_capacity(&contexts, &geo, None, 1, 64);
         assert!(
-            slots(cap, 1, 64) >= 4096 && cap <= DEFAULT_MAX_CAPACITY,
+            slots(cap, 1, 64) >= 5376 && cap <= DEFAULT_MAX_CAPACITY,
             "{cap}"
         );
-        assert!(slots(cap, 1, 64) < 8192);
+        // More than 12 GiB together: 12 GiB (the largest still fits).
+        let cap = default_capacity(&[65536, 65536], &geo, None, 1, 64);
+        assert_eq!(cap, DEFAULT_MAX_CAPACITY);
         // Several files, odd group sizes: whole groups per file.
         for (devs, g, tokens) in [(3, 64, 16384), (2, 7, 4096), (4, 1, 16), (5, 16, 100)] {
-            let cap = default_capacity(&[tokens], &geo, None, devs, g);
+            let cap = default_capacity(&[tokens, 16], &geo, None, devs, g);
             assert!(
-                slots(cap, devs, g) >= geo.tokens_to_blocks(tokens),
+                slots(cap, devs, g) >= geo.tokens_to_blocks(tokens) + 1,
                 "{devs} files, groups of {g}, {tokens} tokens: {cap}"
             );
             assert!(cap >= kvtier::pool::place::min_capacity(&geo, g, devs as usize));

@@ -30,8 +30,8 @@ pub(crate) struct BenchArgs {
     #[arg(long, value_delimiter = ',', default_values_t = vec![4096u64, 16384, 65536, 131072],
           value_parser = clap::value_parser!(u64).range(1..=MAX_TOKENS))]
     contexts: Vec<u64>,
-    /// Total pool size over all devices [default: what the largest context
-    /// that runs needs (within --mem-budget), at most 12g]. The pool is
+    /// Total pool size over all devices [default: what the contexts that
+    /// run (within --mem-budget) need together, at most 12g]. The pool is
     /// written once at creation (see --first-fill), so its size is disk
     /// space and time.
     #[arg(long, value_parser = parse_capacity)]
