@@ -316,7 +316,17 @@ class KvtierL2:
         if namespace is not None:
             b.namespace(namespace)
         self._staging = staging_blocks
-        return b.build()
+        try:
+            return b.build()
+        except UsageError as e:
+            if "it is in use" not in str(e):
+                raise
+            # Several LMCache servers on one node (one per GPU, say): the
+            # fix is to share the pool, not to stop the other server.
+            raise UsageError(
+                f"{e}; several LMCache servers on one node share one pool through "
+                "`kvtier serve` (adapter_params.service instead of path), or give each "
+                "its own adapter_params.path") from e
 
     def _setup(self, staging_blocks: int, store_job_mb: float, load_job_mb: float,
                load_inflight_mb: float, log_interval_s: float) -> None:

@@ -637,6 +637,16 @@ def test_a_chunk_whose_store_completed_survives_kill_9(tmp_path, tiny_model):
     try:
         assert sel.select([p.stdout], [], [], 60)[0], "no completion in time"
         assert p.stdout.readline().strip() == "acked True"
+        # A second LMCache server on the node, on the same path, while the
+        # first holds it: refused, naming the holder and how servers share
+        # a pool (the service), not only "stop that process".
+        from kvtier import UsageError
+        from kvtier.lmcache import KvtierL2
+
+        with pytest.raises(UsageError, match=rf"pid {p.pid} .*`kvtier serve` "
+                                             r"\(adapter_params.service"):
+            KvtierL2(model=tiny_model, chunk_size=CHUNK, path=str(tmp_path / "p"),
+                     staging_blocks=4)
         os.kill(p.pid, signal.SIGKILL)
     finally:
         p.kill()
