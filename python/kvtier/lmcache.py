@@ -302,7 +302,15 @@ class KvtierL2:
         b = b.directory(path, devices) if path is not None else b.files(list(files or []))
         if capacity is not None:
             b.capacity(capacity)
-        geometry, _ = resolve_model(model, block_size=chunk_size, dtype=dtype)
+        try:
+            geometry, _ = resolve_model(model, block_size=chunk_size, dtype=dtype)
+        except UsageError as e:
+            if "block_size" not in str(e):
+                raise
+            # kvtier's block is LMCache's chunk: name the setting this user has.
+            raise ValueError(
+                f"adapter_params.chunk_size {chunk_size} (LMCache's --chunk-size, kvtier's "
+                f"block_size): {e}") from e
         if group_blocks is None:
             group_blocks = max(8, min(64, (4 << 20) // int(geometry["object_bytes"])))
         b.group_blocks(group_blocks).prewrite(prewrite)
