@@ -498,3 +498,65 @@ fn a_pool_directory_made_by_the_cli_is_the_one_the_builder_opens() {
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["devices"].as_array().unwrap().len(), 1);
 }
+
+/// A newcomer reads `--help`: every option of every subcommand says what it
+/// does (a flag listed with nothing, or only its default, beside it tells
+/// nothing). Clap puts a description on the option's line, or on the lines
+/// below it when the help is long.
+#[test]
+fn every_option_in_every_help_says_what_it_does() {
+    let commands: [&[&str]; 10] = [
+        &["pool", "create"],
+        &["pool", "info"],
+        &["pool", "check"],
+        &["bench"],
+        &["replay"],
+        &["doctor"],
+        &["nvme", "list"],
+        &["nvme", "bind"],
+        &["serve"],
+        &[],
+    ];
+    let is_option = |l: &str| {
+        let t = l.trim_start();
+        let indent = l.len() - t.len();
+        (2..=6).contains(&indent) && (t.starts_with("--") || t.starts_with("-h, --"))
+    };
+    let mut bare = Vec::new();
+    for cmd in commands {
+        let mut args = cmd.to_vec();
+        args.push("--help");
+        let (code, text) = kvtier(&args);
+        assert_eq!(code, 0, "{args:?}: {text}");
+        let lines: Vec<&str> = text.lines().collect();
+        for (i, l) in lines.iter().enumerate() {
+            if !is_option(l) {
+                continue;
+            }
+            // The option and its value name, then two or more spaces and
+            // the description; or the description on the lines below.
+            let t = l.trim();
+            let mut desc = match t.find("  ") {
+                Some(at) => t[at..].trim().to_string(),
+                None => String::new(),
+            };
+            for next in &lines[i + 1..] {
+                if !next.starts_with("          ") || is_option(next) {
+                    break;
+                }
+                desc.push(' ');
+                desc.push_str(next.trim());
+            }
+            let words: String = desc
+                .split('[')
+                .next()
+                .unwrap_or_default()
+                .trim()
+                .to_string();
+            if words.is_empty() {
+                bare.push(format!("kvtier {} {}", cmd.join(" "), t));
+            }
+        }
+    }
+    assert!(bare.is_empty(), "options without a description: {bare:#?}");
+}

@@ -39,6 +39,7 @@ pub(crate) struct BenchArgs {
     /// Pool files ("SSDs") to stripe over.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     devices: u32,
+    /// Blocks per extent group (a layer of G consecutive blocks is one I/O).
     #[arg(long, default_value_t = DEFAULT_GROUP_BLOCKS, value_parser = clap::value_parser!(u32).range(1..=4096))]
     group_blocks: u32,
     /// In-flight I/Os per device (default 64 for the KV bench, 32 for --pattern).

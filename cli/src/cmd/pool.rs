@@ -71,6 +71,7 @@ pub(crate) enum PoolCmd {
     Info {
         #[command(flatten)]
         at: PoolAt,
+        /// Print the report as JSON.
         #[arg(long)]
         json: bool,
     },
@@ -79,6 +80,7 @@ pub(crate) enum PoolCmd {
     Check {
         #[command(flatten)]
         at: PoolAt,
+        /// Print the report as JSON.
         #[arg(long)]
         json: bool,
         /// Drop every damaged or unreadable block (its header is cleared) so

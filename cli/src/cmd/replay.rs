@@ -31,8 +31,10 @@ pub(crate) struct ReplayArgs {
     /// Blocks of new KV waiting to be written when the prefill starts (default: the input's blocks).
     #[arg(long, value_parser = clap::value_parser!(u64).range(0..=MAX_TOKENS))]
     pending_writes: Option<u64>,
+    /// Directory for the scratch pool file the prefix is read from (replay.pool, removed afterwards).
     #[arg(long, default_value = "./kvtier-data")]
     dir: PathBuf,
+    /// Write every figure, with the settings, as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
     /// Sweep the hit rate at a fixed total context (input + prefix) and plot
