@@ -894,6 +894,13 @@ class KvtierConnector(KVConnectorBase_V1):
         try:
             self._tier = b.build()
         except KvtierError as e:
+            if "it is in use" in str(e):
+                # Several engines on one node (one per GPU, say): the fix is
+                # to share the pool, not to stop the other engine.
+                raise KvtierError(
+                    f"{e}; several vLLM engines on one node share one pool through "
+                    "`kvtier serve` (kv_connector_extra_config \"service\" instead of "
+                    "\"pool_dir\"), or give each engine its own pool_dir") from e
             if "namespace" not in str(e):
                 raise
             raise KvtierError(

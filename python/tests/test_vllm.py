@@ -135,6 +135,14 @@ def test_connector_from_factory_loads_prefix_layer_by_layer(tmp_path, aligned, h
     worker.register_kv_caches(dict(zip(names, layers)))
     assert worker._stats["staged"] is (not aligned and not hbm)
     assert worker._stats["hbm"] == ("host double" if hbm else None)
+    if not aligned and not hbm:
+        # A second engine on the same pool_dir while this one serves it:
+        # refused, naming how engines on one node share a pool.
+        other = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, None)
+        with pytest.raises(kv.KvtierError,
+                           match=r"in use.*`kvtier serve` \(kv_connector_extra_config "
+                                 r"\"service\".*its own pool_dir"):
+            other.register_kv_caches(dict(zip(names, kv_tensors(32, aligned))))
     try:
         rng = random.Random(7)
         prefix = [rng.randrange(3, 500) for _ in range(3 * BS)]
