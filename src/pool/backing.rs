@@ -393,7 +393,7 @@ fn allocate_for_pool(path: &Path, file: &File, len: u64, size: u64, force: bool)
             let free = match nix::sys::statvfs::fstatvfs(file) {
                 Ok(v) => format!(
                     "{} is free there",
-                    human(u64::from(v.blocks_available()) * u64::from(v.fragment_size()))
+                    human(v.blocks_available() * v.fragment_size())
                 ),
                 Err(_) => "free space there".to_string(),
             };
