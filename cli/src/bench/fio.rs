@@ -109,6 +109,11 @@ pub struct Workload {
     pub rwmix_read: u32,
     /// Jobs (processes) doing the workload at once; 1 by default.
     pub numjobs: u32,
+    /// Replay the reads listed in this fio iolog (version 2: "FILE read
+    /// OFFSET LENGTH" lines) in its order, `iodepth` at a time, instead of
+    /// the pattern's own offsets (`--read_iolog`); `size` and `offset` then
+    /// mean nothing to fio.
+    pub replay: Option<PathBuf>,
     /// Flush the file once at the end of the writes, and count that flush
     /// in the run's time (fio's `--end_fsync=1`; kvtier's engine: one
     /// FLUSH IOCB): what makes the bytes written durable.
@@ -210,10 +215,19 @@ pub fn fio_args(w: &Workload) -> Vec<String> {
     }
     a.push(format!("--bs={}", fio_size(w.bs)));
     a.push(format!("--iodepth={}", w.iodepth));
-    if w.offset > 0 {
-        a.push(format!("--offset={}", w.offset));
+    match &w.replay {
+        Some(log) => {
+            a.push(format!("--read_iolog={}", log.display()));
+            // As fast as the device serves them: the log has no times.
+            a.push("--replay_no_stall=1".to_string());
+        }
+        None => {
+            if w.offset > 0 {
+                a.push(format!("--offset={}", w.offset));
+            }
+            a.push(format!("--size={}", fio_size(w.size)));
+        }
     }
-    a.push(format!("--size={}", fio_size(w.size)));
     a.push(format!("--numjobs={}", w.numjobs.max(1)));
     if w.end_fsync {
         // fio fsyncs inside the job, before it takes its run time: the
@@ -234,7 +248,10 @@ pub fn fio_args(w: &Workload) -> Vec<String> {
         a.push("--norandommap".to_string());
     }
     a.push("--fixedbufs".to_string());
-    a.push("--registerfiles".to_string());
+    if w.replay.is_none() {
+        // fio cannot register the files an iolog opens.
+        a.push("--registerfiles".to_string());
+    }
     a.push("--hipri=0".to_string());
     // Percentiles of the total latency (submission to completion), which is
     // what kvtier's side times; fio's default percentiles leave out the time
@@ -867,6 +884,7 @@ fio: some trailing line"#;
             iodepth: 32,
             size: 4 << 30,
             offset: 0,
+            replay: None,
             runtime_secs: 10.0,
             file,
             rwmix_read: 70,
@@ -1019,6 +1037,7 @@ fio: some trailing line"#;
             iodepth: 32,
             size: 64 << 20,
             offset: 0,
+            replay: None,
             runtime_secs: 1.0,
             file: path.clone(),
             rwmix_read: 50,

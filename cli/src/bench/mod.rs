@@ -136,6 +136,16 @@ pub struct ContextResult {
     /// huge pages is in it (`--mem=shmhuge`).
     #[serde(default)]
     pub fio_read_cmd: Option<Vec<String>>,
+    /// fio replaying the restore's reads (each layer's objects in offset
+    /// order, adjacent ones merged up to the largest I/O, layer after
+    /// layer: the reads the tier issues) from an iolog, at the engine's
+    /// queue depth, right after the second of those reads. Against fio's
+    /// sequential pass over the same bytes it says what the layer order
+    /// costs on this disk; against the restore, what kvtier adds.
+    #[serde(default)]
+    pub fio_replay_gib_s: Option<f64>,
+    #[serde(default)]
+    pub fio_replay_cmd: Option<Vec<String>>,
 }
 
 /// The rate of writing the same bytes in the mean of the times at rates
@@ -713,6 +723,47 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
                     }
                 }
             });
+        // fio replaying the restore's own reads (same offsets, sizes and
+        // order), at the engine's depth: what the layer order costs on
+        // this disk, apart from what kvtier's engine costs.
+        let fio_replay = fio_read
+            .as_ref()
+            .filter(|_| fio_after.is_some())
+            .and_then(|(_, w)| {
+                progress(&format!(
+                    "{tokens} tokens: fio replaying the restore's reads"
+                ));
+                let reads = restore_reads(tier.pool(), &keys, cfg.tier.max_io_bytes);
+                let run = || -> Result<(f64, Vec<String>)> {
+                    let log = ScratchFile::create_new(
+                        &cfg.dir.join("fio-restore-reads.iolog"),
+                        "kvtier bench",
+                    )?;
+                    let target = w.file.display().to_string();
+                    let mut text = format!("fio version 2 iolog\n{target} add\n{target} open\n");
+                    for (offset, len) in &reads {
+                        text += &format!("{target} read {offset} {len}\n");
+                    }
+                    text += &format!("{target} close\n");
+                    std::io::Write::write_all(&mut log.file(), text.as_bytes())
+                        .map_err(|e| Error::io(format!("writing {}", log.path().display()), e))?;
+                    let replay = Workload {
+                        replay: Some(proc_fd_path(log.file())),
+                        ..w.clone()
+                    };
+                    let r = fio::run_fio(&replay)?;
+                    Ok((r.read_bw / GIB, fio::fio_args(&replay)))
+                };
+                match run() {
+                    Ok(r) => Some(r),
+                    Err(e) => {
+                        skipped.push(format!(
+                            "{tokens} tokens: fio's replay of the restore's reads did not run: {e}"
+                        ));
+                        None
+                    }
+                }
+            });
         tier.layer_events();
         job_ok(&r, "load")?;
         progress(&format!(
@@ -757,6 +808,8 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
             fio_read_before_gib_s: fio_before,
             fio_read_after_gib_s: fio_after,
             fio_read_cmd: fio_read.as_ref().map(|(_, w)| fio::fio_args(w)),
+            fio_replay_gib_s: fio_replay.as_ref().map(|r| r.0),
+            fio_replay_cmd: fio_replay.map(|r| r.1),
         });
     }
     // The engine-alone read of each context's bytes, on the pool file
@@ -778,6 +831,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
                 iodepth: cfg.tier.uring.queue_depth,
                 size: r.bytes,
                 offset: 0,
+                replay: None,
                 runtime_secs: 0.0,
                 file: file.path().to_path_buf(),
                 rwmix_read: 100,
@@ -827,7 +881,6 @@ fn fio_span_read(
     max_io: u64,
     iodepth: u32,
 ) -> Workload {
-    use std::os::fd::AsRawFd;
     let bs = max_io.min(bytes).max(4096);
     let size = (bytes / bs * bs).max(bs).min(file_len / 4096 * 4096);
     let offset = first.min(file_len.saturating_sub(size)) / 4096 * 4096;
@@ -837,16 +890,58 @@ fn fio_span_read(
         iodepth,
         size,
         offset,
+        replay: None,
         runtime_secs: 0.0,
-        file: PathBuf::from(format!(
-            "/proc/{}/fd/{}",
-            std::process::id(),
-            fd.as_raw_fd()
-        )),
+        file: proc_fd_path(fd),
         rwmix_read: 100,
         numjobs: 1,
         end_fsync: false,
     }
+}
+
+/// The path through which another process opens the file this process
+/// holds open as `f` (`/proc/PID/fd/N`): the very file, whatever its name
+/// now points to.
+fn proc_fd_path(f: &std::fs::File) -> PathBuf {
+    use std::os::fd::AsRawFd;
+    PathBuf::from(format!("/proc/{}/fd/{}", std::process::id(), f.as_raw_fd()))
+}
+
+/// The reads a layer-by-layer restore of `keys` issues on a pool of one
+/// device, in order: each layer's objects (K and V of every block) sorted by
+/// offset, adjacent ones merged up to `max_io` bytes, layer after layer.
+fn restore_reads(pool: &Pool, keys: &[Key], max_io: u64) -> Vec<(u64, u64)> {
+    let layout = pool.layout();
+    let index = pool.index();
+    let object = layout.geometry.object_bytes();
+    let slots: Vec<u64> = keys
+        .iter()
+        .filter_map(|k| index.get(k))
+        .map(|e| e.slot)
+        .collect();
+    let mut reads = Vec::new();
+    for layer in 0..layout.geometry.layers {
+        let mut offsets: Vec<u64> = slots
+            .iter()
+            .flat_map(|&slot| (0..2).map(move |kv| layout.object_offset(slot, layer, kv).1))
+            .collect();
+        offsets.sort_unstable();
+        let mut run: Option<(u64, u64)> = None;
+        for o in offsets {
+            run = match run {
+                Some((at, len)) if at + len == o && len + object <= max_io => {
+                    Some((at, len + object))
+                }
+                Some(done) => {
+                    reads.push(done);
+                    Some((o, object))
+                }
+                None => Some((o, object)),
+            };
+        }
+        reads.extend(run);
+    }
+    reads
 }
 
 /// The share of the memory `regions` (address, length) backed by huge
@@ -928,6 +1023,7 @@ pub fn fio_references(cfg: &BenchConfig, progress: &dyn Fn(&str)) -> Result<FioR
             iodepth,
             size,
             offset: 0,
+            replay: None,
             runtime_secs: 5.0,
             file: file.clone(),
             rwmix_read: 100,
@@ -1315,6 +1411,12 @@ pub struct ContextMedians {
     pub retrieve_vs_fio_read_same_bytes: Option<f64>,
     #[serde(default)]
     pub fio_read_same_bytes_gib_s: Option<f64>,
+    /// Per round retrieve / fio replaying the restore's reads.
+    #[serde(default)]
+    pub retrieve_vs_fio_replay: Option<f64>,
+    /// Per round fio's replay / its sequential pass over the same bytes.
+    #[serde(default)]
+    pub fio_replay_vs_same_bytes: Option<f64>,
 }
 
 /// The middle value (the mean of the two middle ones for an even count).
@@ -1393,6 +1495,13 @@ impl RepeatedReport {
                             .map(|f| c.retrieve_gib_s / f.max(1e-9))
                     }),
                     fio_read_same_bytes_gib_s: of_some(&|c| c.fio_read_bracketed_gib_s()),
+                    retrieve_vs_fio_replay: of_some(&|c| {
+                        c.fio_replay_gib_s.map(|p| c.retrieve_gib_s / p.max(1e-9))
+                    }),
+                    fio_replay_vs_same_bytes: of_some(&|c| {
+                        let f = c.fio_read_bracketed_gib_s()?;
+                        c.fio_replay_gib_s.map(|p| p / f.max(1e-9))
+                    }),
                 }
             })
             .collect();
@@ -1459,15 +1568,17 @@ pub fn render_repeated(r: &RepeatedReport) -> String {
         .any(|m| m.retrieve_vs_fio_read_same_bytes.is_some())
     {
         s += &format!(
-            "restore against fio reading the same bytes of the pool file right before and after it (medians of each round's ratio):\n{:>8} {:>28} {:>24}\n",
-            "tokens", "retrieve/fio same bytes", "fio same bytes GiB/s"
+            "restore against fio reading the same bytes of the pool file right before and after it, and replaying the restore's reads (medians of each round's ratio):\n{:>8} {:>26} {:>22} {:>22} {:>26}\n",
+            "tokens", "retrieve/fio same bytes", "fio same bytes GiB/s", "retrieve/fio replay", "fio replay/same bytes"
         );
         for m in &r.medians {
             s += &format!(
-                "{:>8} {:>28} {:>24}\n",
+                "{:>8} {:>26} {:>22} {:>22} {:>26}\n",
                 m.tokens,
                 opt(m.retrieve_vs_fio_read_same_bytes, 3),
-                opt(m.fio_read_same_bytes_gib_s, 2)
+                opt(m.fio_read_same_bytes_gib_s, 2),
+                opt(m.retrieve_vs_fio_replay, 3),
+                opt(m.fio_replay_vs_same_bytes, 3)
             );
         }
     }
@@ -1520,6 +1631,13 @@ fn engine_read_note(r: &ContextResult) -> String {
             "; retrieve {:.3}x fio reading the same bytes of the pool file in one sequential pass ({b:.2} GiB/s right before the restore, {a:.2} right after; the restore against their mean time)",
             r.retrieve_gib_s / f.max(1e-9)
         );
+        if let Some(p) = r.fio_replay_gib_s {
+            s += &format!(
+                "; fio replaying the restore's own reads in its layer order {p:.2} GiB/s ({:.3}x its sequential pass: what the layer order costs on this disk), the restore {:.3}x that replay",
+                p / f.max(1e-9),
+                r.retrieve_gib_s / p.max(1e-9)
+            );
+        }
     }
     s
 }
@@ -1824,9 +1942,65 @@ mod tests {
         }
         // Past the superblock area; the second context after the first.
         assert!(offsets[0] > 0 && offsets[1] > offsets[0], "{offsets:?}");
+        // fio replayed the restore's reads from an iolog of its own
+        // (removed after), without registered files (fio refuses them).
+        for r in &report.results {
+            assert!(r.fio_replay_gib_s.unwrap() > 0.0);
+            let cmd = r.fio_replay_cmd.as_ref().unwrap();
+            assert!(
+                cmd.iter().any(|a| a.starts_with("--read_iolog=/proc/")),
+                "{cmd:?}"
+            );
+            assert!(!cmd.iter().any(|a| a == "--registerfiles"), "{cmd:?}");
+            assert!(cmd.iter().any(|a| a == "--readonly"), "{cmd:?}");
+        }
         assert!(render(&report).contains("fio reading the same bytes of the pool file"));
         let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
         assert!(left.is_empty(), "{left:?}");
+    }
+
+    /// The restore's reads as fio replays them: layer by layer, each
+    /// layer's K and V objects of every block in offset order, adjacent
+    /// ones merged up to the largest I/O; every object read once.
+    #[test]
+    fn the_restore_reads_cover_every_object_once_in_layer_order() {
+        let dir = kvtier::scratch::TestDir::new("bench-restore-reads");
+        let geo = kvtier::model::preset("llama3-8b", 16).unwrap();
+        let file = ScratchFile::create_new(&dir.file("p.pool"), "test").unwrap();
+        let cfg = PoolConfig::new(geo, "llama3-8b".to_string(), "t").with_group_blocks(8);
+        let pool = Pool::create_in_files(
+            &cfg,
+            vec![file.descriptor().unwrap()],
+            256 << 20,
+            &mut |_, _| {},
+        )
+        .unwrap();
+        let mut tier = Tier::open(pool, TierConfig::default()).unwrap();
+        let cache = Arc::new(HostKvCache::new(geo, 12, HostLayout::PerLayer).unwrap());
+        tier.register_host_cache(cache).unwrap();
+        let keys: Vec<Key> = (0..12).map(Key::from_u64).collect();
+        let mem: Vec<u32> = (0..12).collect();
+        let job = tier.submit_store(&keys, &mem).unwrap();
+        job_ok(&tier.wait(job).unwrap(), "store").unwrap();
+        let pool = tier.pool();
+        let object = geo.object_bytes();
+        // Blocks 0-7 fill a group, 8-11 begin the next: per layer, the
+        // first group's K and V runs adjacent (16 objects, one read), the
+        // second's apart (4 and 4: slots 12-15 lie between them).
+        let reads = restore_reads(pool, &keys, 4 << 20);
+        assert_eq!(reads.len(), 3 * geo.layers as usize);
+        assert_eq!(reads[0].1, 16 * object);
+        assert_eq!((reads[1].1, reads[2].1), (4 * object, 4 * object));
+        assert_eq!(reads[2].0 - reads[1].0, 8 * object);
+        let layout = pool.layout();
+        let slot0 = pool.index().get(&keys[0]).unwrap().slot;
+        assert_eq!(reads[0].0, layout.object_offset(slot0, 0, 0).1);
+        assert_eq!(reads[3].0, layout.object_offset(slot0, 1, 0).1);
+        // Capped at 4 objects: each layer's 24 objects in 6 reads.
+        let reads = restore_reads(pool, &keys, 4 * object);
+        assert_eq!(reads.len(), 6 * geo.layers as usize);
+        let total: u64 = reads.iter().map(|r| r.1).sum();
+        assert_eq!(total, 12 * geo.block_bytes());
     }
 
     /// The span fio reads: whole I/Os of the engine's largest size from the

@@ -365,6 +365,7 @@ fn run_raw_bench(a: &BenchArgs) -> Result<i32> {
         iodepth: a.iodepth.unwrap_or(32),
         size: a.size,
         offset: 0,
+        replay: None,
         runtime_secs: a.runtime,
         file: a.dir.join("kvtier-bench.dat"),
         rwmix_read: a.rwmixread,
