@@ -203,6 +203,26 @@ fn create_on_a_full_tmpfs_is_refused_and_leaves_nothing() {
     );
     assert!(!a.exists());
     assert!(free_bytes(&fs.0) >= 7 << 20, "no space is left taken");
+    // A pool directory is sized by --capacity, and the fix names that flag.
+    let pool_dir = fs.0.join("pool");
+    let (code, text) = kvtier(&[
+        "pool",
+        "create",
+        "--dir",
+        pool_dir.to_str().unwrap(),
+        "--capacity",
+        "64m",
+        "--model",
+        cfg.to_str().unwrap(),
+        "--group-blocks",
+        "8",
+    ]);
+    assert_eq!(code, 2, "{text}");
+    assert!(
+        text.contains("not enough free space") && text.contains("smaller --capacity"),
+        "{text}"
+    );
+    assert!(free_bytes(&fs.0) >= 7 << 20, "no space is left taken");
 }
 
 #[test]
