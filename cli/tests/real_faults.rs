@@ -973,3 +973,40 @@ fn a_pool_that_fills_its_file_system_or_is_read_only_opens_with_the_automatic_en
         "{text}"
     );
 }
+
+/// A pool file marked immutable (or append-only) refuses even root: the
+/// error says so and names `chattr`, where it said "permission denied; run
+/// as a user who may write it" to root, who may.
+#[test]
+fn an_immutable_pool_file_is_named_as_such() {
+    let dir = TempDir::new("immutable");
+    let cfg = tiny_config(&dir);
+    let a = dir.file("a.pool");
+    let (code, text) = create_tiny(&[&a], "4m", &cfg, &[]);
+    assert_eq!(code, 0, "{text}");
+    /// Clears the attribute again, so the directory can be removed.
+    struct Attr(PathBuf);
+    impl Drop for Attr {
+        fn drop(&mut self) {
+            let _ = sh("chattr", &["-i", "-a", self.0.to_str().unwrap()]);
+        }
+    }
+    if !is_root() {
+        eprintln!("SKIP: chattr +i: not root");
+        return;
+    }
+    let _attr = Attr(a.clone());
+    for flag in ["+i", "+a"] {
+        or_skip!(sh("chattr", &[flag, a.to_str().unwrap()]), "chattr");
+        let (code, text) = kvtier(&["pool", "check", "--repair", "--dev", a.to_str().unwrap()]);
+        assert_eq!(code, 2, "{text}");
+        assert!(
+            text.contains("a.pool") && text.contains("immutable") && text.contains("chattr -i -a"),
+            "{flag}: {text}"
+        );
+        // Read-only inspection still works.
+        let (code, text) = kvtier(&["pool", "check", "--dev", a.to_str().unwrap()]);
+        assert_eq!(code, 0, "{text}");
+        let _ = sh("chattr", &["-i", "-a", a.to_str().unwrap()]);
+    }
+}
