@@ -343,11 +343,11 @@ impl Serve {
     }
 
     fn sigterm(&mut self) -> std::process::ExitStatus {
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.child.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        )
-        .unwrap();
+        self.signal(nix::sys::signal::Signal::SIGTERM)
+    }
+
+    fn signal(&mut self, sig: nix::sys::signal::Signal) -> std::process::ExitStatus {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), sig).unwrap();
         self.child.wait().unwrap()
     }
 }
@@ -876,6 +876,28 @@ fn sigterm_finishes_acknowledged_stores_and_exits_0() {
     let s = Serve::start(&dir, POOL, 4, 64);
     let c = ServiceClient::connect(&s.sock, 0).unwrap();
     assert_eq!(load_range(&c, 0, 64).unwrap(), 0);
+}
+
+/// SIGHUP (the terminal or ssh session of a foreground service closed)
+/// stops the service as SIGTERM does: the stores it accepted finish, the
+/// socket goes, exit 0. It killed the service outright, leaving its
+/// socket behind and failing every job in flight as gone.
+#[test]
+fn sighup_stops_the_service_as_sigterm_does() {
+    let dir = TempDir::new("serve-hup");
+    let mut s = Serve::start(&dir, POOL, 4, 64);
+    let c = ServiceClient::connect(&s.sock, 0).unwrap();
+    for i in 0..16 {
+        fill(&c, i as u32, 500 + i);
+    }
+    let job = c
+        .submit_store(&keys(500..516), &(0..16).collect::<Vec<_>>())
+        .unwrap();
+    let status = s.signal(nix::sys::signal::Signal::SIGHUP);
+    assert!(status.success(), "{status:?}: {}", s.log_text());
+    assert!(!s.sock.exists(), "the socket is removed on exit");
+    assert!(s.log_text().contains("SIGHUP received"), "{}", s.log_text());
+    assert!(c.wait(job).unwrap().all_ok());
 }
 
 /// Runs the `connect` role as `uid`:`gid`; its one line.
