@@ -1385,6 +1385,38 @@ fn a_socket_in_a_missing_directory_is_refused_before_a_pool_is_made() {
         !pool.exists(),
         "a pool was made for a service that cannot start"
     );
+    // A path longer than a Unix socket address holds: refused naming the
+    // limit, before any pool is made, and by a client alike (both said
+    // "path must be shorter than SUN_LEN", the service after making its pool).
+    let long = dir.file(&"s".repeat(120));
+    let out = Command::new(BIN)
+        .args([
+            "serve",
+            "--dir",
+            pool.to_str().unwrap(),
+            "--capacity",
+            "64m",
+        ])
+        .arg("--model")
+        .arg(tiny_config(&dir))
+        .arg("--socket")
+        .arg(&long)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("at most 107") && err.contains("give a shorter one"),
+        "{err}"
+    );
+    assert!(
+        !pool.exists(),
+        "a pool was made for a service that cannot start"
+    );
+    let e = ServiceClient::connect(&long, 0)
+        .err()
+        .expect("no service there");
+    assert!(e.to_string().contains("at most 107"), "{e}");
 }
 
 /// A pool made over several files in its directory (`pool create --dir

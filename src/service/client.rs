@@ -104,6 +104,7 @@ impl ServiceClient {
     }
 
     fn open(socket: &Path, blocks: u32, kind: ClientKind) -> Result<ServiceClient> {
+        sys::socket_path_fits(socket)?;
         let stream = UnixStream::connect(socket).map_err(|e| {
             Error::io(
                 format!(

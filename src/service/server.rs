@@ -474,9 +474,10 @@ pub struct Service {
 }
 
 /// Refuses a socket path whose directory is not there (or is no
-/// directory) before the pool is opened: the bind failed only after the
+/// directory), or that is too long for a socket, before the pool is opened: the bind failed only after the
 /// builder had created a pool for a service that never ran.
 fn socket_place_ok(socket: &Path) -> Result<()> {
+    sys::socket_path_fits(socket)?;
     let parent = match socket.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
