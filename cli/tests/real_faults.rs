@@ -884,7 +884,8 @@ fn fifos_sockets_char_devices_and_directories_are_no_pool_devices() {
 /// mounted read-only, opened by the library's builder with its automatic
 /// engine (what Python, `kvtier serve` and the vLLM connector use): the
 /// full one opens and serves its blocks (its files were allocated when it
-/// was made, so no store needs new space), and the read-only one is refused
+/// was made, so no store needs new space), a new one beside it is refused
+/// for want of space, and the read-only one is refused
 /// naming the read-only file system and the remount, not "no engine can
 /// serve this pool" (the engine decision's O_DIRECT probe wrote a temporary
 /// file into the pool directory, which a full or read-only file system
@@ -947,6 +948,26 @@ fn a_pool_that_fills_its_file_system_or_is_read_only_opens_with_the_automatic_en
             .unwrap()
             .all_ok());
     }
+    // A new pool beside it finds no space: said as the pool's create says
+    // it, not as "no engine can serve this pool" (the O_DIRECT probe file
+    // could not be written there either, which says nothing of O_DIRECT).
+    let e = match TierBuilder::default()
+        .directory(fs.0.join("another"))
+        .capacity(size / 2)
+        .group_blocks(8)
+        .geometry(geo)
+        .model_name("tiny")
+        .engine(EngineChoice::Auto)
+        .host_cache(cache.clone())
+        .build()
+    {
+        Ok(_) => panic!("a pool was made on a full file system"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains("not enough free space") && !e.contains("no engine"),
+        "{e}"
+    );
     or_skip!(
         sh("mount", &["-o", "remount,ro", fs.0.to_str().unwrap()]),
         "remount read-only"

@@ -58,6 +58,11 @@ pub struct Facts {
     pub direct_io: std::result::Result<(), String>,
     /// How `direct_io` was tried, for people.
     pub direct_io_how: String,
+    /// `direct_io` failed before O_DIRECT itself could be tried: no probe
+    /// file could be made or written in the pool directory (no space, a
+    /// read-only file system, permissions). The pool's own create or open
+    /// then says what is wrong there, in its words.
+    pub direct_io_untried: bool,
     /// statx's (memory, offset) direct-I/O alignment of that file, when reported.
     pub dio_align: std::result::Result<Option<(u32, u32)>, String>,
 }
@@ -84,35 +89,32 @@ impl Facts {
         fs::create_dir_all(dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
         let pool_dir = fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
         let read = device.and_then(|d| direct_read_check(d).map(|r| (d, r)));
-        let (direct_io, dio_align, direct_io_how) = match read {
-            Some((d, Ok(()))) => (
-                Ok(()),
-                statx_dio_align(d),
-                format!("4 KiB read from the pool's {}", d.display()),
-            ),
-            Some((d, Err(e))) => (
-                Err(e),
-                statx_dio_align(d),
-                format!("4 KiB read from the pool's {}", d.display()),
-            ),
+        let read_how = |d: &Path| format!("4 KiB read from the pool's {}", d.display());
+        let (direct_io, dio_align, direct_io_how, direct_io_untried) = match read {
+            Some((d, r)) => (r, statx_dio_align(d), read_how(d), false),
             None => {
                 // Create, write, read back, statx, remove. Created new and removed by
                 // the guard: a file already at that name is reported, never written or removed.
                 let tmp = pool_dir.join(format!(".kvtier-doctor-{}.tmp", std::process::id()));
-                let (direct, align) =
+                let (direct, align, untried) =
                     match crate::scratch::ScratchFile::create_new(&tmp, "kvtier doctor") {
                         Ok(scratch) => {
-                            let r = (direct_io_check(&tmp), statx_dio_align(&tmp));
+                            let (direct, untried) = match direct_io_check(&tmp) {
+                                Ok(()) => (Ok(()), false),
+                                Err((e, refused)) => (Err(e), !refused),
+                            };
+                            let r = (direct, statx_dio_align(&tmp), untried);
                             drop(scratch);
                             r
                         }
-                        Err(e) => (Err(e.to_string()), Err(e.to_string())),
+                        Err(e) => (Err(e.to_string()), Err(e.to_string()), true),
                     };
                 (
                     direct,
                     align,
                     "4 KiB written and read back through a temporary file, removed afterwards"
                         .to_string(),
+                    untried,
                 )
             }
         };
@@ -130,6 +132,7 @@ impl Facts {
             pool_dir_existed: existed,
             direct_io,
             direct_io_how,
+            direct_io_untried,
             dio_align,
         })
     }
@@ -312,24 +315,29 @@ fn statx_dio_align(path: &Path) -> std::result::Result<Option<(u32, u32)>, Strin
     Ok(a.filter(|a| a.memory != 0).map(|a| (a.memory, a.offset)))
 }
 
-fn direct_io_check(tmp: &Path) -> std::result::Result<(), String> {
+/// O_DIRECT through the probe file `tmp`. `Err((why, refused))`: `refused`
+/// where the file system turned direct I/O down (EINVAL, or bytes that did
+/// not come back); else the write or read failed for want of space,
+/// permission or a writable file system, which says nothing of O_DIRECT.
+fn direct_io_check(tmp: &Path) -> std::result::Result<(), (String, bool)> {
+    let refused = |e: &std::io::Error| e.raw_os_error() == Some(libc::EINVAL);
     let f = fs::OpenOptions::new()
         .read(true)
         .write(true)
         .custom_flags(libc::O_DIRECT | libc::O_NOFOLLOW)
         .open(tmp)
-        .map_err(|e| format!("open(O_DIRECT): {e}"))?;
+        .map_err(|e| (format!("open(O_DIRECT): {e}"), refused(&e)))?;
     let mut out = AlignedBuf::zeroed(DIRECT_IO_ALIGN);
     for (i, b) in out.as_mut_slice().iter_mut().enumerate() {
         *b = (i % 251) as u8;
     }
     f.write_all_at(out.as_slice(), 0)
-        .map_err(|e| format!("direct write: {e}"))?;
+        .map_err(|e| (format!("direct write: {e}"), refused(&e)))?;
     let mut back = AlignedBuf::zeroed(DIRECT_IO_ALIGN);
     f.read_exact_at(back.as_mut_slice(), 0)
-        .map_err(|e| format!("direct read: {e}"))?;
+        .map_err(|e| (format!("direct read: {e}"), refused(&e)))?;
     if back.as_slice() != out.as_slice() {
-        return Err("read back differs from what was written".into());
+        return Err(("read back differs from what was written".into(), true));
     }
     Ok(())
 }
@@ -385,6 +393,7 @@ mod tests {
             pool_dir_existed: true,
             direct_io: Ok(()),
             direct_io_how: String::new(),
+            direct_io_untried: false,
             dio_align: Ok(None),
         }
     }

@@ -662,10 +662,27 @@ fn resolve_engine(choice: EngineChoice, location: &Location) -> Result<(EngineCh
             };
             let dir = first.as_deref().map_or_else(std::env::temp_dir, probe_dir);
             use crate::engine::choice::{decide, Engine, Facts};
-            let decision = decide(&Facts::probe(&dir, first.as_deref())?);
+            let facts = Facts::probe(&dir, first.as_deref())?;
+            let decision = decide(&facts);
             let verdict = decision.engine.as_str();
             let why = decision.reason;
             match (decision.engine, loc) {
+                // No probe file could be made or written there (no space,
+                // read-only, permissions): O_DIRECT is untried, not refused,
+                // and the pool's create or open names what is wrong there
+                // (this said "no engine can serve this pool").
+                (Engine::None, Location::Files(_) | Location::Directory(_))
+                    if facts.direct_io_untried && facts.uring.is_ok() =>
+                {
+                    Ok((
+                        EngineChoice::Uring,
+                        format!(
+                            "io_uring works; O_DIRECT on {} could not be tried ({}), so the pool's own open decides",
+                            facts.pool_dir.display(),
+                            facts.direct_io.as_ref().err().map_or("", String::as_str)
+                        ),
+                    ))
+                }
                 (Engine::Gpu, Location::Controller(_)) => Ok((EngineChoice::Gpu, why)),
                 (Engine::Nvme, Location::Controller(_)) => Ok((EngineChoice::Nvme, why)),
                 (Engine::Gpu | Engine::Nvme, Location::Files(_) | Location::Directory(_)) => Ok((
