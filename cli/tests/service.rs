@@ -1413,9 +1413,9 @@ fn a_socket_in_a_missing_directory_is_refused_before_a_pool_is_made() {
         !pool.exists(),
         "a pool was made for a service that cannot start"
     );
-    let e = ServiceClient::connect(&long, 0)
-        .err()
-        .expect("no service there");
+    let Err(e) = ServiceClient::connect(&long, 0) else {
+        panic!("connected to no service")
+    };
     assert!(e.to_string().contains("at most 107"), "{e}");
 }
 
