@@ -141,7 +141,7 @@ pub fn fix_text(fix: &Fix) -> String {
             at_least,
         } => format!("give --size (a multiple of {multiple_of} bytes, at least {at_least} bytes)"),
         Fix::AlignSize { example } => format!("give a --size that is, e.g. {example} bytes"),
-        Fix::SmallerSize => "give a smaller --size".into(),
+        Fix::SmallerSize => "give a smaller --size (a pool directory: a smaller --capacity)".into(),
         Fix::LargerSize => "give a larger --size".into(),
         Fix::Recreate => "recreate the pool with `kvtier pool create --force` (every block \
                           stored in it is lost)"
