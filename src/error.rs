@@ -393,6 +393,21 @@ impl fmt::Display for IoFailure {
                 if op == "read" { "writable" } else { "readable" }
             ),
             IoCause::Errno(e) => write!(f, "{}", std::io::Error::from_raw_os_error(e)),
+            // A pool file's transfers end short where the file does: a
+            // read past its end (cut under the pool), a write into space
+            // the file system no longer has (a sparse file on a full disk).
+            IoCause::Short { done } if op == "write" => write!(
+                f,
+                "short write: {done} of {} bytes: the file system under it filled up partway \
+                 (a sparse pool file fills as it is written); free space there",
+                self.len
+            ),
+            IoCause::Short { done } if op == "read" => write!(
+                f,
+                "short read: {done} of {} bytes: the file or device ends before this range (cut \
+                 or shrunk under the pool); restore it to the size the pool was made with",
+                self.len
+            ),
             IoCause::Short { done } => write!(f, "short {op}: {done} of {} bytes", self.len),
             IoCause::NvmeStatus(s) => write!(f, "NVMe status {s:#x}"),
             IoCause::Timeout => write!(f, "timed out"),
@@ -628,6 +643,27 @@ mod tests {
             "{m}"
         );
         assert!(!at("read", libc::EIO).contains("not at fault"));
+        // Short transfers of a pool file say what cuts them short.
+        let short = |op: &'static str| {
+            IoFailure {
+                device: "/pool/kvtier-0.pool".into(),
+                offset: 4096,
+                len: 8192,
+                op,
+                cause: IoCause::Short { done: 4096 },
+            }
+            .to_string()
+        };
+        let m = short("write");
+        assert!(
+            m.contains("4096 of 8192") && m.contains("filled up") && m.contains("free space"),
+            "{m}"
+        );
+        let m = short("read");
+        assert!(
+            m.contains("4096 of 8192") && m.contains("ends before"),
+            "{m}"
+        );
     }
 
     #[test]

@@ -122,3 +122,144 @@ fn a_client_has_its_shared_memory_in_once_connected() {
     drop(c);
     svc.stop();
 }
+
+/// A fake service at `sock` that answers one hello with `welcome` and a
+/// sealed memfd of `file_bytes` (as the service's own), then holds the
+/// connection until the client drops it.
+fn fake_service(
+    sock: &std::path::Path,
+    welcome: Vec<u8>,
+    file_bytes: u64,
+) -> std::thread::JoinHandle<()> {
+    use kvtier::service::protocol::read_frame;
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+    use std::io::Read;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let listener = std::os::unix::net::UnixListener::bind(sock).unwrap();
+    std::thread::spawn(move || {
+        let (mut st, _) = listener.accept().unwrap();
+        let hello = read_frame(&mut st).unwrap();
+        assert!(hello.is_some_and(|(h, _)| h.body_len > 0));
+        // SAFETY: memfd_create reads a NUL-terminated name; the fd is owned at once.
+        let fd = unsafe {
+            OwnedFd::from_raw_fd(libc::memfd_create(
+                c"fake-kv".as_ptr(),
+                libc::MFD_ALLOW_SEALING | libc::MFD_CLOEXEC,
+            ))
+        };
+        // SAFETY: ftruncate and fcntl on the memfd just made.
+        unsafe {
+            assert_eq!(
+                libc::ftruncate(fd.as_raw_fd(), file_bytes as libc::off_t),
+                0
+            );
+            assert_eq!(
+                libc::fcntl(
+                    fd.as_raw_fd(),
+                    libc::F_ADD_SEALS,
+                    libc::F_SEAL_SHRINK | libc::F_SEAL_GROW
+                ),
+                0
+            );
+        }
+        let fds = [fd.as_raw_fd()];
+        sendmsg::<()>(
+            st.as_raw_fd(),
+            &[std::io::IoSlice::new(&welcome)],
+            &[ControlMessage::ScmRights(&fds)],
+            MsgFlags::empty(),
+            None,
+        )
+        .unwrap();
+        let mut rest = Vec::new();
+        let _ = st.read_to_end(&mut rest);
+    })
+}
+
+/// A welcome whose memory does not add up (more blocks than asked, a
+/// geometry no pool has, objects so large that the layer's size wraps, a
+/// file larger than the machine) is refused before the client maps and
+/// faults in anything: it would have the client address past its mapping
+/// (a geometry of 0-token blocks connected; one whose size wrapped panicked
+/// in a debug build and connected in a release one) or take all memory.
+#[test]
+fn a_welcome_that_does_not_add_up_is_refused_before_it_is_mapped() {
+    use kvtier::service::protocol::{Response, VERSION};
+    let dir = TempDir::new("svc-welcome");
+    let tiny = common::tiny_geometry();
+    let welcome = |geometry: KvGeometry, blocks: u32, layer_stride: u64, file_bytes: u64| {
+        Response::Welcome {
+            version: VERSION,
+            geometry,
+            namespace: "ns".into(),
+            model_name: "m".into(),
+            blocks,
+            layer_stride,
+            file_bytes,
+            engine: "uring".into(),
+        }
+        .encode(1)
+    };
+    let pair = 2 * tiny.object_bytes();
+    let wrapping = KvGeometry {
+        layers: 1,
+        kv_heads: 1 << 20,
+        head_dim: 1 << 20,
+        dtype: DType::BF16,
+        block_size: 1 << 21,
+    };
+    let no_tokens = KvGeometry {
+        block_size: 0,
+        ..tiny
+    };
+    let memory = kvtier::host::mem_total().unwrap_or(1 << 40);
+    let huge_blocks = (memory / pair / tiny.layers as u64 + 1) as u32;
+    let cases: [(&str, u32, Vec<u8>, u64, &str); 4] = [
+        (
+            "more blocks than asked",
+            16,
+            welcome(tiny, 64, 64 * pair, 64 * pair * tiny.layers as u64),
+            64 * pair * tiny.layers as u64,
+            "where 16 were asked",
+        ),
+        (
+            "blocks of no tokens",
+            0,
+            welcome(no_tokens, 2, 4096, 4096 * tiny.layers as u64),
+            4096 * tiny.layers as u64,
+            "geometry",
+        ),
+        (
+            "objects whose layer wraps",
+            0,
+            welcome(wrapping, 4, 4096, 4096),
+            4096,
+            "geometry",
+        ),
+        // Last: a client without the check faults in the whole file.
+        (
+            "a file larger than the machine",
+            0,
+            welcome(
+                tiny,
+                huge_blocks,
+                huge_blocks as u64 * pair,
+                huge_blocks as u64 * pair * tiny.layers as u64,
+            ),
+            huge_blocks as u64 * pair * tiny.layers as u64,
+            "memory",
+        ),
+    ];
+    for (i, (what, asked, frame, file_bytes, says)) in cases.into_iter().enumerate() {
+        let sock = dir.file(&format!("fake-{i}.sock"));
+        let server = fake_service(&sock, frame, file_bytes);
+        match ServiceClient::connect(&sock, asked) {
+            Ok(_) => panic!("{what}: the client connected"),
+            Err(e) => {
+                let m = e.to_string();
+                assert!(m.contains(says), "{what}: {m}");
+            }
+        }
+        server.join().unwrap();
+    }
+}

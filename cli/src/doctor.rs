@@ -89,10 +89,12 @@ fn item(key: &str, value: impl Into<String>, ok: Option<bool>, note: impl Into<S
     }
 }
 
-/// Probe the machine, with `dir` as the pool directory (created if missing; a
-/// temporary file in it is written, read and removed).
+/// Probe the machine, with `dir` as the pool directory (created if missing;
+/// O_DIRECT is tried by reading the pool's first file where one is there,
+/// else through a temporary file written, read and removed).
 pub fn run(dir: &Path) -> Result<Report> {
-    let facts = Facts::probe(dir)?;
+    let first = kvtier::pool::place::directory_files(dir, 1);
+    let facts = Facts::probe(dir, first.first().map(PathBuf::as_path))?;
     let decision = choice::decide(&facts);
     let mut gpu = gpu_items(&facts);
     gpu.extend(dma_path_items(Path::new("/")));
@@ -932,7 +934,7 @@ fn pool_items(f: &Facts) -> Vec<Item> {
         )),
     }
 
-    // O_DIRECT: the decision's own probe (create, write, read back, statx, remove).
+    // O_DIRECT: the decision's own probe.
     let direct = &f.direct_io;
     let direct_ok = direct.is_ok();
     items.push(item(
@@ -942,7 +944,7 @@ fn pool_items(f: &Facts) -> Vec<Item> {
             Err(e) => format!("fails: {e}"),
         },
         Some(direct_ok),
-        "4 KiB written and read back through a temporary file, removed afterwards",
+        f.direct_io_how.clone(),
     ));
     items.push(item(
         "DIO alignment",

@@ -101,8 +101,8 @@ enum Cmd {
     #[command(subcommand)]
     Nvme(cmd::nvme::NvmeCmd),
     /// Serve one pool to every engine process on this node over a Unix
-    /// socket (in the foreground; logs to stderr; SIGTERM finishes
-    /// acknowledged work and exits 0).
+    /// socket (in the foreground; logs to stderr; SIGTERM, SIGINT or SIGHUP
+    /// finishes acknowledged work and exits 0).
     Serve(cmd::serve::ServeArgs),
 }
 

@@ -203,6 +203,26 @@ fn create_on_a_full_tmpfs_is_refused_and_leaves_nothing() {
     );
     assert!(!a.exists());
     assert!(free_bytes(&fs.0) >= 7 << 20, "no space is left taken");
+    // A pool directory is sized by --capacity, and the fix names that flag.
+    let pool_dir = fs.0.join("pool");
+    let (code, text) = kvtier(&[
+        "pool",
+        "create",
+        "--dir",
+        pool_dir.to_str().unwrap(),
+        "--capacity",
+        "64m",
+        "--model",
+        cfg.to_str().unwrap(),
+        "--group-blocks",
+        "8",
+    ]);
+    assert_eq!(code, 2, "{text}");
+    assert!(
+        text.contains("not enough free space") && text.contains("smaller --capacity"),
+        "{text}"
+    );
+    assert!(free_bytes(&fs.0) >= 7 << 20, "no space is left taken");
 }
 
 /// Each command that sizes a pool by its total `--capacity` names that
@@ -983,4 +1003,156 @@ fn fifos_sockets_char_devices_and_directories_are_no_pool_devices() {
     use std::os::unix::fs::FileTypeExt;
     assert!(ft.is_fifo());
     assert_eq!(std::fs::read_dir(&subdir).unwrap().count(), 0);
+}
+
+/// A pool that fills its file system, and then one whose file system is
+/// mounted read-only, opened by the library's builder with its automatic
+/// engine (what Python, `kvtier serve` and the vLLM connector use): the
+/// full one opens and serves its blocks (its files were allocated when it
+/// was made, so no store needs new space), a new one beside it is refused
+/// for want of space, and the read-only one is refused
+/// naming the read-only file system and the remount, not "no engine can
+/// serve this pool" (the engine decision's O_DIRECT probe wrote a temporary
+/// file into the pool directory, which a full or read-only file system
+/// refuses, so neither pool could be opened again).
+#[test]
+fn a_pool_that_fills_its_file_system_or_is_read_only_opens_with_the_automatic_engine() {
+    use kvtier::handle::{EngineChoice, TierBuilder};
+    let dir = TempDir::new("fullreopen");
+    let size = 16u64 << 20;
+    let fs = or_skip!(tmpfs(&dir, "t", size), "tmpfs");
+    let geo = tiny_geometry();
+    let pool_dir = fs.0.join("pool");
+    let cache = Arc::new(HostKvCache::new(geo, 8, HostLayout::PerLayer).unwrap());
+    let build = || {
+        TierBuilder::default()
+            .directory(&pool_dir)
+            .capacity(size)
+            .group_blocks(8)
+            .geometry(geo)
+            .model_name("tiny")
+            .engine(EngineChoice::Auto)
+            .host_cache(cache.clone())
+            .build()
+    };
+    let keys: Vec<Key> = (0..8).map(Key::from_u64).collect();
+    let mem: Vec<u32> = (0..8).collect();
+    {
+        let h = build().unwrap();
+        for (i, &b) in mem.iter().enumerate() {
+            cache.fill_block(b, seed_of(i as u64));
+        }
+        assert!(h
+            .wait(h.submit_store(&keys, &mem).unwrap())
+            .unwrap()
+            .all_ok());
+    }
+    assert!(
+        free_bytes(&fs.0) < 4096,
+        "the pool fills its file system: {} bytes free",
+        free_bytes(&fs.0)
+    );
+    let load_all = |h: &kvtier::handle::TierHandle| {
+        cache.clear();
+        let job = h.submit_load(&keys, &mem, 0..geo.layers).unwrap();
+        assert!(h.wait(job).unwrap().all_ok());
+        for (i, &b) in mem.iter().enumerate() {
+            assert!(cache.block_matches(b, seed_of(i as u64), 0..geo.layers));
+        }
+    };
+    {
+        let h = build().unwrap_or_else(|e| panic!("a full pool reopens: {e}"));
+        load_all(&h);
+        // Stores overwrite the pool's own allocated space.
+        for (i, &b) in mem.iter().enumerate() {
+            cache.fill_block(b, seed_of(100 + i as u64));
+        }
+        let more: Vec<Key> = (100..108).map(Key::from_u64).collect();
+        assert!(h
+            .wait(h.submit_store(&more, &mem).unwrap())
+            .unwrap()
+            .all_ok());
+    }
+    // A new pool beside it finds no space: said as the pool's create says
+    // it, not as "no engine can serve this pool" (the O_DIRECT probe file
+    // could not be written there either, which says nothing of O_DIRECT).
+    let e = match TierBuilder::default()
+        .directory(fs.0.join("another"))
+        .capacity(size / 2)
+        .group_blocks(8)
+        .geometry(geo)
+        .model_name("tiny")
+        .engine(EngineChoice::Auto)
+        .host_cache(cache.clone())
+        .build()
+    {
+        Ok(_) => panic!("a pool was made on a full file system"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains("not enough free space") && !e.contains("no engine"),
+        "{e}"
+    );
+    or_skip!(
+        sh("mount", &["-o", "remount,ro", fs.0.to_str().unwrap()]),
+        "remount read-only"
+    );
+    let e = match build() {
+        Ok(_) => panic!("a pool on a read-only file system opened for writing"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains("read-only") && e.contains("remount") && !e.contains("no engine"),
+        "{e}"
+    );
+    // Checking it only reads, and the doctor's O_DIRECT probe reads the
+    // pool's file as the builder's does.
+    let (code, text) = kvtier(&["pool", "check", "--dir", pool_dir.to_str().unwrap()]);
+    assert_eq!(code, 0, "{text}");
+    let (_, text) = kvtier(&["doctor", "--dir", pool_dir.to_str().unwrap()]);
+    let line = text
+        .lines()
+        .find(|l| l.contains("O_DIRECT  "))
+        .unwrap_or(&text);
+    assert!(
+        line.contains("works") && line.contains("read from the pool's"),
+        "{text}"
+    );
+}
+
+/// A pool file marked immutable (or append-only) refuses even root: the
+/// error says so and names `chattr`, where it said "permission denied; run
+/// as a user who may write it" to root, who may.
+#[test]
+fn an_immutable_pool_file_is_named_as_such() {
+    let dir = TempDir::new("immutable");
+    let cfg = tiny_config(&dir);
+    let a = dir.file("a.pool");
+    let (code, text) = create_tiny(&[&a], "4m", &cfg, &[]);
+    assert_eq!(code, 0, "{text}");
+    /// Clears the attribute again, so the directory can be removed.
+    struct Attr(PathBuf);
+    impl Drop for Attr {
+        fn drop(&mut self) {
+            let _ = sh("chattr", &["-i", "-a", self.0.to_str().unwrap()]);
+        }
+    }
+    if !is_root() {
+        eprintln!("SKIP: chattr +i: not root");
+        return;
+    }
+    let _attr = Attr(a.clone());
+    for flag in ["+i", "+a"] {
+        or_skip!(sh("chattr", &[flag, a.to_str().unwrap()]), "chattr");
+        let (code, text) = kvtier(&["pool", "check", "--repair", "--dev", a.to_str().unwrap()]);
+        assert_eq!(code, 2, "{text}");
+        assert!(
+            text.contains("a.pool") && text.contains("immutable") && text.contains("chattr -i -a"),
+            "{flag}: {text}"
+        );
+        // Read-only inspection still works.
+        let (code, text) = kvtier(&["pool", "check", "--dev", a.to_str().unwrap()]);
+        assert_eq!(code, 0, "{text}");
+        let _ = sh("chattr", &["-i", "-a", a.to_str().unwrap()]);
+    }
 }

@@ -343,11 +343,11 @@ impl Serve {
     }
 
     fn sigterm(&mut self) -> std::process::ExitStatus {
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.child.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        )
-        .unwrap();
+        self.signal(nix::sys::signal::Signal::SIGTERM)
+    }
+
+    fn signal(&mut self, sig: nix::sys::signal::Signal) -> std::process::ExitStatus {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), sig).unwrap();
         self.child.wait().unwrap()
     }
 }
@@ -878,6 +878,28 @@ fn sigterm_finishes_acknowledged_stores_and_exits_0() {
     assert_eq!(load_range(&c, 0, 64).unwrap(), 0);
 }
 
+/// SIGHUP (the terminal or ssh session of a foreground service closed)
+/// stops the service as SIGTERM does: the stores it accepted finish, the
+/// socket goes, exit 0. It killed the service outright, leaving its
+/// socket behind and failing every job in flight as gone.
+#[test]
+fn sighup_stops_the_service_as_sigterm_does() {
+    let dir = TempDir::new("serve-hup");
+    let mut s = Serve::start(&dir, POOL, 4, 64);
+    let c = ServiceClient::connect(&s.sock, 0).unwrap();
+    for i in 0..16 {
+        fill(&c, i as u32, 500 + i);
+    }
+    let job = c
+        .submit_store(&keys(500..516), &(0..16).collect::<Vec<_>>())
+        .unwrap();
+    let status = s.signal(nix::sys::signal::Signal::SIGHUP);
+    assert!(status.success(), "{status:?}: {}", s.log_text());
+    assert!(!s.sock.exists(), "the socket is removed on exit");
+    assert!(s.log_text().contains("SIGHUP received"), "{}", s.log_text());
+    assert!(c.wait(job).unwrap().all_ok());
+}
+
 /// Runs the `connect` role as `uid`:`gid`; its one line.
 fn connect_as(sock: &Path, uid: u32, gid: u32) -> String {
     use std::os::unix::process::CommandExt;
@@ -1363,6 +1385,38 @@ fn a_socket_in_a_missing_directory_is_refused_before_a_pool_is_made() {
         !pool.exists(),
         "a pool was made for a service that cannot start"
     );
+    // A path longer than a Unix socket address holds: refused naming the
+    // limit, before any pool is made, and by a client alike (both said
+    // "path must be shorter than SUN_LEN", the service after making its pool).
+    let long = dir.file(&"s".repeat(120));
+    let out = Command::new(BIN)
+        .args([
+            "serve",
+            "--dir",
+            pool.to_str().unwrap(),
+            "--capacity",
+            "64m",
+        ])
+        .arg("--model")
+        .arg(tiny_config(&dir))
+        .arg("--socket")
+        .arg(&long)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("at most 107") && err.contains("give a shorter one"),
+        "{err}"
+    );
+    assert!(
+        !pool.exists(),
+        "a pool was made for a service that cannot start"
+    );
+    let Err(e) = ServiceClient::connect(&long, 0) else {
+        panic!("connected to no service")
+    };
+    assert!(e.to_string().contains("at most 107"), "{e}");
 }
 
 /// A pool made over several files in its directory (`pool create --dir

@@ -89,6 +89,8 @@ pub fn measure(
             bs,
             iodepth,
             size,
+            offset: 0,
+            replay: None,
             runtime_secs: secs,
             file: file.clone(),
             rwmix_read: 100,

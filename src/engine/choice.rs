@@ -53,16 +53,29 @@ pub struct Facts {
     pub pool_dir: PathBuf,
     /// Whether the pool directory existed before the probe created it.
     pub pool_dir_existed: bool,
-    /// 4 KiB written and read back with `O_DIRECT` through a temporary file.
+    /// `O_DIRECT` tried: 4 KiB read from the pool's device where it is
+    /// there, else written and read back through a temporary file.
     pub direct_io: std::result::Result<(), String>,
+    /// How `direct_io` was tried, for people.
+    pub direct_io_how: String,
+    /// `direct_io` failed before O_DIRECT itself could be tried: no probe
+    /// file could be made or written in the pool directory (no space, a
+    /// read-only file system, permissions). The pool's own create or open
+    /// then says what is wrong there, in its words.
+    pub direct_io_untried: bool,
     /// statx's (memory, offset) direct-I/O alignment of that file, when reported.
     pub dio_align: std::result::Result<Option<(u32, u32)>, String>,
 }
 
 impl Facts {
-    /// Probe the machine, with `dir` as the pool directory (created if missing; a
-    /// temporary file in it is written, read and removed).
-    pub fn probe(dir: &Path) -> Result<Facts> {
+    /// Probe the machine, with `dir` as the pool directory (created if
+    /// missing). `O_DIRECT`: where `device` (the pool's first file or block
+    /// device) is there, 4 KiB are read from it and nothing is written, so a
+    /// pool that fills its file system, or one on a file system mounted
+    /// read-only, is probed as it will be served (a temporary file could not
+    /// be made there, and "O_DIRECT fails" would be wrong); else a temporary
+    /// file in `dir` is written, read back and removed.
+    pub fn probe(dir: &Path, device: Option<&Path>) -> Result<Facts> {
         let existed = dir.is_dir();
         if let Ok(m) = fs::metadata(dir) {
             if !m.is_dir() {
@@ -75,18 +88,36 @@ impl Facts {
         }
         fs::create_dir_all(dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
         let pool_dir = fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
-        // O_DIRECT: create, write, read back, statx, remove. Created new and removed
-        // by the guard: a file already at that name is reported, never written or removed.
-        let tmp = pool_dir.join(format!(".kvtier-doctor-{}.tmp", std::process::id()));
-        let (direct_io, dio_align) =
-            match crate::scratch::ScratchFile::create_new(&tmp, "kvtier doctor") {
-                Ok(scratch) => {
-                    let r = (direct_io_check(&tmp), statx_dio_align(&tmp));
-                    drop(scratch);
-                    r
-                }
-                Err(e) => (Err(e.to_string()), Err(e.to_string())),
-            };
+        let read = device.and_then(|d| direct_read_check(d).map(|r| (d, r)));
+        let read_how = |d: &Path| format!("4 KiB read from the pool's {}", d.display());
+        let (direct_io, dio_align, direct_io_how, direct_io_untried) = match read {
+            Some((d, r)) => (r, statx_dio_align(d), read_how(d), false),
+            None => {
+                // Create, write, read back, statx, remove. Created new and removed by
+                // the guard: a file already at that name is reported, never written or removed.
+                let tmp = pool_dir.join(format!(".kvtier-doctor-{}.tmp", std::process::id()));
+                let (direct, align, untried) =
+                    match crate::scratch::ScratchFile::create_new(&tmp, "kvtier doctor") {
+                        Ok(scratch) => {
+                            let (direct, untried) = match direct_io_check(&tmp) {
+                                Ok(()) => (Ok(()), false),
+                                Err((e, refused)) => (Err(e), !refused),
+                            };
+                            let r = (direct, statx_dio_align(&tmp), untried);
+                            drop(scratch);
+                            r
+                        }
+                        Err(e) => (Err(e.to_string()), Err(e.to_string()), true),
+                    };
+                (
+                    direct,
+                    align,
+                    "4 KiB written and read back through a temporary file, removed afterwards"
+                        .to_string(),
+                    untried,
+                )
+            }
+        };
         Ok(Facts {
             gpus_pci: pci_devices(Some(NVIDIA_VENDOR), "0x03"),
             driver: probe_detailed(),
@@ -100,6 +131,8 @@ impl Facts {
             pool_dir,
             pool_dir_existed: existed,
             direct_io,
+            direct_io_how,
+            direct_io_untried,
             dio_align,
         })
     }
@@ -282,26 +315,61 @@ fn statx_dio_align(path: &Path) -> std::result::Result<Option<(u32, u32)>, Strin
     Ok(a.filter(|a| a.memory != 0).map(|a| (a.memory, a.offset)))
 }
 
-fn direct_io_check(tmp: &Path) -> std::result::Result<(), String> {
+/// O_DIRECT through the probe file `tmp`. `Err((why, refused))`: `refused`
+/// where the file system turned direct I/O down (EINVAL, or bytes that did
+/// not come back); else the write or read failed for want of space,
+/// permission or a writable file system, which says nothing of O_DIRECT.
+fn direct_io_check(tmp: &Path) -> std::result::Result<(), (String, bool)> {
+    let refused = |e: &std::io::Error| e.raw_os_error() == Some(libc::EINVAL);
     let f = fs::OpenOptions::new()
         .read(true)
         .write(true)
         .custom_flags(libc::O_DIRECT | libc::O_NOFOLLOW)
         .open(tmp)
-        .map_err(|e| format!("open(O_DIRECT): {e}"))?;
+        .map_err(|e| (format!("open(O_DIRECT): {e}"), refused(&e)))?;
     let mut out = AlignedBuf::zeroed(DIRECT_IO_ALIGN);
     for (i, b) in out.as_mut_slice().iter_mut().enumerate() {
         *b = (i % 251) as u8;
     }
     f.write_all_at(out.as_slice(), 0)
-        .map_err(|e| format!("direct write: {e}"))?;
+        .map_err(|e| (format!("direct write: {e}"), refused(&e)))?;
     let mut back = AlignedBuf::zeroed(DIRECT_IO_ALIGN);
     f.read_exact_at(back.as_mut_slice(), 0)
-        .map_err(|e| format!("direct read: {e}"))?;
+        .map_err(|e| (format!("direct read: {e}"), refused(&e)))?;
     if back.as_slice() != out.as_slice() {
-        return Err("read back differs from what was written".into());
+        return Err(("read back differs from what was written".into(), true));
     }
     Ok(())
+}
+
+/// `O_DIRECT` on an existing pool file or block device, by reading its
+/// first 4 KiB (a short read of a short file is fine: the open and a read
+/// went through). `None` where `device` is not a regular file or block
+/// device that opens: then a temporary file decides (a pool device that
+/// cannot be opened gets its own error from the pool, naming the fix).
+/// `Some(Err)` only where the file system refuses direct I/O (EINVAL).
+fn direct_read_check(device: &Path) -> Option<std::result::Result<(), String>> {
+    use std::os::unix::fs::FileTypeExt;
+    let t = fs::metadata(device).ok()?.file_type();
+    if !t.is_file() && !t.is_block_device() {
+        return None;
+    }
+    let refused = |e: &std::io::Error| e.raw_os_error() == Some(libc::EINVAL);
+    let f = match fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(device)
+    {
+        Ok(f) => f,
+        Err(e) if refused(&e) => return Some(Err(format!("open(O_DIRECT): {e}"))),
+        Err(_) => return None,
+    };
+    let mut buf = AlignedBuf::zeroed(DIRECT_IO_ALIGN);
+    match f.read_at(buf.as_mut_slice(), 0) {
+        Ok(_) => Some(Ok(())),
+        Err(e) if refused(&e) => Some(Err(format!("direct read: {e}"))),
+        Err(_) => None,
+    }
 }
 
 #[cfg(test)]
@@ -324,6 +392,8 @@ mod tests {
             pool_dir: dir.to_path_buf(),
             pool_dir_existed: true,
             direct_io: Ok(()),
+            direct_io_how: String::new(),
+            direct_io_untried: false,
             dio_align: Ok(None),
         }
     }
@@ -396,14 +466,14 @@ mod tests {
     fn probe_writes_and_removes_its_file() {
         let dir = std::env::temp_dir().join(format!("kvtier-choice-{}", std::process::id()));
         let _ = fs::remove_dir_all(&dir);
-        let f = Facts::probe(&dir).unwrap();
+        let f = Facts::probe(&dir, None).unwrap();
         assert!(!f.pool_dir_existed);
         assert_eq!(
             fs::read_dir(&dir).unwrap().count(),
             0,
             "the probe left a file"
         );
-        let again = Facts::probe(&dir).unwrap();
+        let again = Facts::probe(&dir, None).unwrap();
         assert!(again.pool_dir_existed);
         // Whatever this machine is, the decision names one engine and says why.
         let d = decide(&again);

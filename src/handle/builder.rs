@@ -652,16 +652,37 @@ fn resolve_engine(choice: EngineChoice, location: &Location) -> Result<(EngineCh
             engine_label(choice)
         ))),
         (_, loc) => {
-            let dir = match loc {
-                Location::Files(p) => probe_dir(p),
-                Location::Directory(d) => probe_dir(&[d.join("kvtier-0.pool")]),
-                _ => std::env::temp_dir(),
+            // The pool's first device: where it is there, O_DIRECT is tried
+            // by reading it (a full or read-only file system takes no probe
+            // file, and its pool still opens or gets its own error).
+            let first = match loc {
+                Location::Files(p) => p.first().cloned(),
+                Location::Directory(d) => place::directory_files(d, 1).into_iter().next(),
+                _ => None,
             };
+            let dir = first.as_deref().map_or_else(std::env::temp_dir, probe_dir);
             use crate::engine::choice::{decide, Engine, Facts};
-            let decision = decide(&Facts::probe(&dir)?);
+            let facts = Facts::probe(&dir, first.as_deref())?;
+            let decision = decide(&facts);
             let verdict = decision.engine.as_str();
             let why = decision.reason;
             match (decision.engine, loc) {
+                // No probe file could be made or written there (no space,
+                // read-only, permissions): O_DIRECT is untried, not refused,
+                // and the pool's create or open names what is wrong there
+                // (this said "no engine can serve this pool").
+                (Engine::None, Location::Files(_) | Location::Directory(_))
+                    if facts.direct_io_untried && facts.uring.is_ok() =>
+                {
+                    Ok((
+                        EngineChoice::Uring,
+                        format!(
+                            "io_uring works; O_DIRECT on {} could not be tried ({}), so the pool's own open decides",
+                            facts.pool_dir.display(),
+                            facts.direct_io.as_ref().err().map_or("", String::as_str)
+                        ),
+                    ))
+                }
                 (Engine::Gpu, Location::Controller(_)) => Ok((EngineChoice::Gpu, why)),
                 (Engine::Nvme, Location::Controller(_)) => Ok((EngineChoice::Nvme, why)),
                 (Engine::Gpu | Engine::Nvme, Location::Files(_) | Location::Directory(_)) => Ok((
@@ -682,10 +703,9 @@ fn resolve_engine(choice: EngineChoice, location: &Location) -> Result<(EngineCh
 }
 
 /// The directory the engine decision probes for O_DIRECT: the first device's.
-fn probe_dir(paths: &[PathBuf]) -> PathBuf {
-    paths
-        .first()
-        .and_then(|p| p.parent())
+fn probe_dir(first: &Path) -> PathBuf {
+    first
+        .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .map(Path::to_path_buf)
         .unwrap_or_else(|| PathBuf::from("."))

@@ -167,6 +167,17 @@ fn open_error(path: &Path, kind: BackingKind, e: io::Error) -> Error {
             "it is in use (mounted, an active swap area, part of an md RAID, LVM or \
              device-mapper volume, or open by another kvtier pool); stop whatever holds it first",
         ),
+        // EPERM where EACCES is the usual refusal: the file's immutable or
+        // append-only attribute, which refuses root as well.
+        (Some(libc::EPERM), BackingKind::File) => backing_error(
+            path,
+            format!(
+                "it may not be opened read-write, not even by root ({e}): a file marked \
+                 immutable or append-only (`lsattr` shows i or a) refuses every user; clear \
+                 that with `chattr -i -a {}`",
+                path.display()
+            ),
+        ),
         (Some(libc::EACCES) | Some(libc::EPERM), _) => backing_error(
             path,
             format!(

@@ -521,7 +521,7 @@ fn truncated_fix(path: &Path, size: u64) -> String {
     };
     format!(
         " (the blocks past its end are lost): restore it, or grow it back {grow} to open \
-         what is left (blocks it lost fail their checks, never load), or else"
+         what is left (blocks it lost fail their checks, never load)"
     )
 }
 

@@ -88,6 +88,41 @@ impl std::fmt::Debug for ServiceClient {
     }
 }
 
+/// The memory a welcome shares, checked before it is mapped: `blocks` (at
+/// least one) of the geometry's K and V per layer fit one layer stride, a
+/// whole number of block pairs (the service's slices are `2 x client_blocks
+/// x object` bytes a layer, a client asking fewer getting the whole slice),
+/// the file is every layer, and it is no larger than this machine's memory
+/// (the service holds every client's slice in memory). A welcome that does
+/// not add up would have this client address past its mapping, and one of
+/// a file past the memory would have it fault in more than the machine has.
+fn check_shared_memory(
+    geometry: &KvGeometry,
+    blocks: u32,
+    layer_stride: u64,
+    file_bytes: u64,
+) -> Result<()> {
+    let pair = 2 * geometry.object_bytes();
+    let fits = blocks > 0
+        && layer_stride % pair == 0
+        && (blocks as u64)
+            .checked_mul(pair)
+            .is_some_and(|b| b <= layer_stride)
+        && layer_stride.checked_mul(geometry.layers as u64) == Some(file_bytes);
+    if !fits {
+        return Err(Error::invalid(format!(
+            "the kvtier service's welcome does not add up: {blocks} blocks of {}-byte objects, layer stride {layer_stride}, file {file_bytes} bytes",
+            geometry.object_bytes()
+        )));
+    }
+    if let Some(total) = crate::host::mem_total().filter(|&t| file_bytes > t) {
+        return Err(Error::invalid(format!(
+            "the kvtier service shares a file of {file_bytes} bytes with this client, more than this machine's {total} bytes of memory; is the socket a kvtier service?"
+        )));
+    }
+    Ok(())
+}
+
 impl ServiceClient {
     /// Connect to the service at `socket`, sharing `blocks` blocks of KV
     /// memory with it (0: as many as it gives a client).
@@ -103,7 +138,8 @@ impl ServiceClient {
         Self::open(socket.as_ref(), 0, ClientKind::LookupOnly)
     }
 
-    fn open(socket: &Path, blocks: u32, kind: ClientKind) -> Result<ServiceClient> {
+    fn open(socket: &Path, asked: u32, kind: ClientKind) -> Result<ServiceClient> {
+        sys::socket_path_fits(socket)?;
         let stream = UnixStream::connect(socket).map_err(|e| {
             Error::io(
                 format!(
@@ -122,7 +158,7 @@ impl ServiceClient {
             .map_err(|e| Error::io("setting the service socket's timeouts", e))?;
         let hello = Request::Hello {
             version: protocol::VERSION,
-            blocks,
+            blocks: asked,
             kind,
         }
         .encode(1)?;
@@ -175,6 +211,12 @@ impl ServiceClient {
                     )))
                 }
             };
+        geometry.validate().map_err(|e| {
+            Error::invalid(format!(
+                "the kvtier service at {} sent a KV geometry this library refuses: {e}",
+                socket.display()
+            ))
+        })?;
         let mapping = match kind {
             ClientKind::LookupOnly => {
                 if fd.is_some() || blocks != 0 {
@@ -189,12 +231,10 @@ impl ServiceClient {
                     Error::invalid("the kvtier service's welcome carried no shared memory file")
                 })?;
                 sys::check_sealed(&fd, file_bytes)?;
-                let obj = geometry.object_bytes();
-                if layer_stride < 2 * blocks as u64 * obj
-                    || layer_stride.checked_mul(geometry.layers as u64) != Some(file_bytes)
-                {
+                check_shared_memory(&geometry, blocks, layer_stride, file_bytes)?;
+                if asked != 0 && blocks != asked {
                     return Err(Error::invalid(format!(
-                        "the kvtier service's welcome does not add up: {blocks} blocks of {obj}-byte objects, layer stride {layer_stride}, file {file_bytes} bytes"
+                        "the kvtier service shared {blocks} blocks of memory where {asked} were asked"
                     )));
                 }
                 let mapping = SharedMapping::new(&fd, file_bytes)?;

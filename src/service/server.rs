@@ -429,23 +429,28 @@ impl Stopper {
     }
 }
 
-/// Block SIGTERM and SIGINT in this thread and every thread it starts
-/// later: call first thing in `main`, before the service starts its
+/// Block SIGTERM, SIGINT and SIGHUP in this thread and every thread it
+/// starts later: call first thing in `main`, before the service starts its
 /// threads, then [`stop_on_signals`].
 pub fn block_termination_signals() -> Result<()> {
     termination_signals()
         .thread_block()
-        .map_err(|e| Error::io("blocking SIGTERM and SIGINT", e.into()))
+        .map_err(|e| Error::io("blocking SIGTERM, SIGINT and SIGHUP", e.into()))
 }
 
+/// SIGHUP too: a service in the foreground of a terminal or ssh session
+/// that closes gets it, and it killed the service outright (jobs in
+/// flight lost, the socket left behind). One ignored (`nohup`) is
+/// discarded, never waited for, so it still does nothing.
 fn termination_signals() -> nix::sys::signal::SigSet {
     let mut set = nix::sys::signal::SigSet::empty();
     set.add(nix::sys::signal::Signal::SIGTERM);
     set.add(nix::sys::signal::Signal::SIGINT);
+    set.add(nix::sys::signal::Signal::SIGHUP);
     set
 }
 
-/// A thread that waits for SIGTERM or SIGINT (blocked by
+/// A thread that waits for SIGTERM, SIGINT or SIGHUP (blocked by
 /// [`block_termination_signals`]) and stops the service.
 pub fn stop_on_signals(stopper: Stopper) -> Result<()> {
     std::thread::Builder::new()
@@ -469,9 +474,10 @@ pub struct Service {
 }
 
 /// Refuses a socket path whose directory is not there (or is no
-/// directory) before the pool is opened: the bind failed only after the
+/// directory), or that is too long for a socket, before the pool is opened: the bind failed only after the
 /// builder had created a pool for a service that never ran.
 fn socket_place_ok(socket: &Path) -> Result<()> {
+    sys::socket_path_fits(socket)?;
     let parent = match socket.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),

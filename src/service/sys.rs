@@ -485,6 +485,24 @@ pub fn my_uid() -> u32 {
     nix::unistd::geteuid().as_raw()
 }
 
+/// The longest Unix socket path (`sockaddr_un::sun_path` holds 108 bytes
+/// with the terminating NUL).
+const SOCKET_PATH_MAX: usize = 107;
+
+/// Refuses a socket path longer than a Unix socket address holds, naming
+/// the limit: the bind or connect said only "path must be shorter than
+/// SUN_LEN", and the service said it after making its pool.
+pub fn socket_path_fits(path: &std::path::Path) -> Result<()> {
+    let n = path.as_os_str().len();
+    if n > SOCKET_PATH_MAX {
+        return Err(Error::invalid(format!(
+            "the socket path {} is {n} bytes; a Unix socket's path is at most {SOCKET_PATH_MAX}: give a shorter one (a directory nearer /, such as /run/kvtier/kvtier.sock, or a path relative to the working directory)",
+            path.display()
+        )));
+    }
+    Ok(())
+}
+
 /// Bind a listening socket at `path` that only its owner can connect to
 /// until [`restrict_socket`] says otherwise: created under a umask of 0177.
 pub fn bind_private(path: &std::path::Path) -> Result<std::os::unix::net::UnixListener> {

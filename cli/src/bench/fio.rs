@@ -95,8 +95,12 @@ pub struct Workload {
     pub bs: u64,
     /// I/Os in flight.
     pub iodepth: u32,
-    /// Bytes of the file the I/O covers (from offset 0).
+    /// Bytes of the file the I/O covers, from `offset`.
     pub size: u64,
+    /// Where in the file the covered bytes start (fio's `--offset`; 4 KiB
+    /// aligned, direct I/O): a region of a larger file, such as the slots
+    /// of one context in a pool file.
+    pub offset: u64,
     /// Time-based run length; 0 means "transfer `size` bytes once".
     pub runtime_secs: f64,
     #[serde(serialize_with = "kvtier::json::path_lossy")]
@@ -105,6 +109,11 @@ pub struct Workload {
     pub rwmix_read: u32,
     /// Jobs (processes) doing the workload at once; 1 by default.
     pub numjobs: u32,
+    /// Replay the reads listed in this fio iolog (version 2: "FILE read
+    /// OFFSET LENGTH" lines) in its order, `iodepth` at a time, instead of
+    /// the pattern's own offsets (`--read_iolog`); `size` and `offset` then
+    /// mean nothing to fio.
+    pub replay: Option<PathBuf>,
     /// Flush the file once at the end of the writes, and count that flush
     /// in the run's time (fio's `--end_fsync=1`; kvtier's engine: one
     /// FLUSH IOCB): what makes the bytes written durable.
@@ -206,7 +215,19 @@ pub fn fio_args(w: &Workload) -> Vec<String> {
     }
     a.push(format!("--bs={}", fio_size(w.bs)));
     a.push(format!("--iodepth={}", w.iodepth));
-    a.push(format!("--size={}", fio_size(w.size)));
+    match &w.replay {
+        Some(log) => {
+            a.push(format!("--read_iolog={}", log.display()));
+            // As fast as the device serves them: the log has no times.
+            a.push("--replay_no_stall=1".to_string());
+        }
+        None => {
+            if w.offset > 0 {
+                a.push(format!("--offset={}", w.offset));
+            }
+            a.push(format!("--size={}", fio_size(w.size)));
+        }
+    }
     a.push(format!("--numjobs={}", w.numjobs.max(1)));
     if w.end_fsync {
         // fio fsyncs inside the job, before it takes its run time: the
@@ -217,12 +238,20 @@ pub fn fio_args(w: &Workload) -> Vec<String> {
         a.push("--time_based".to_string());
         a.push(format!("--runtime={}", fio_runtime(w.runtime_secs)));
     }
+    if !w.pattern.writes() {
+        // A reference that only reads may run on a file holding data (a
+        // pool file): fio opens it read-only and refuses any write.
+        a.push("--readonly".to_string());
+    }
     a.push("--randrepeat=0".to_string());
     if w.pattern.is_random() {
         a.push("--norandommap".to_string());
     }
     a.push("--fixedbufs".to_string());
-    a.push("--registerfiles".to_string());
+    if w.replay.is_none() {
+        // fio cannot register the files an iolog opens.
+        a.push("--registerfiles".to_string());
+    }
     a.push("--hipri=0".to_string());
     // Percentiles of the total latency (submission to completion), which is
     // what kvtier's side times; fio's default percentiles leave out the time
@@ -231,8 +260,7 @@ pub fn fio_args(w: &Workload) -> Vec<String> {
     // kvtier's buffers are huge-page backed (memory::DmaBuffer); give fio the
     // same footing when the system has huge pages reserved for it, so the
     // reference is the device's best and not fio's 4 KiB-page DMA segments.
-    let need = w.bs * w.iodepth as u64 * w.numjobs.max(1) as u64 + (4 << 20);
-    if kvtier::memory::hugetlb_free_bytes() >= need {
+    if kvtier::memory::hugetlb_free_bytes() >= buffer_bytes(w.bs, w.iodepth, w.numjobs) {
         a.push("--mem=shmhuge".to_string());
     }
     if w.file.exists() {
@@ -241,6 +269,15 @@ pub fn fio_args(w: &Workload) -> Vec<String> {
     a.push("--group_reporting".to_string());
     a.push("--output-format=json".to_string());
     a
+}
+
+/// The memory fio takes for its I/O buffers (`iodepth` x `bs` per job, and
+/// some for its alignment), which `--mem=shmhuge` takes from the reserved
+/// huge pages.
+pub fn buffer_bytes(bs: u64, iodepth: u32, numjobs: u32) -> u64 {
+    bs.saturating_mul(iodepth as u64)
+        .saturating_mul(numjobs.max(1) as u64)
+        .saturating_add(4 << 20)
 }
 
 /// The full fio command line, as a shell would take it.
@@ -276,6 +313,12 @@ fn check_workload(w: &Workload) -> Result<()> {
         return Err(Error::invalid(format!(
             "fio: --size {} is smaller than one --bs {} block",
             w.size, w.bs
+        )));
+    }
+    if w.offset % 4096 != 0 {
+        return Err(Error::invalid(format!(
+            "fio: offset {} is not a multiple of 4096 (direct I/O)",
+            w.offset
         )));
     }
     if w.rwmix_read > 100 {
@@ -840,6 +883,8 @@ fio: some trailing line"#;
             bs: 80 << 10,
             iodepth: 32,
             size: 4 << 30,
+            offset: 0,
+            replay: None,
             runtime_secs: 10.0,
             file,
             rwmix_read: 70,
@@ -907,6 +952,22 @@ fio: some trailing line"#;
 
         let w = workload(Pattern::Read, PathBuf::from("/tmp/with space/f"));
         assert!(fio_command_line(&w).contains("'--filename=/tmp/with space/f'"));
+
+        // A region of a file; a workload that only reads opens it read-only,
+        // one that writes does not (fio would refuse its writes).
+        let mut w = workload(Pattern::Read, PathBuf::from("/"));
+        assert!(!fio_args(&w).iter().any(|x| x.starts_with("--offset")));
+        w.offset = 3 << 20;
+        let a = fio_args(&w);
+        assert!(a.iter().any(|x| x == "--offset=3145728"), "{a:?}");
+        assert!(a.iter().any(|x| x == "--readonly"), "{a:?}");
+        for p in [Pattern::Write, Pattern::RandWrite, Pattern::RandRw] {
+            let w = workload(p, PathBuf::from("/"));
+            assert!(!fio_args(&w).iter().any(|x| x == "--readonly"), "{p}");
+        }
+        assert!(fio_args(&workload(Pattern::RandRead, PathBuf::from("/")))
+            .iter()
+            .any(|x| x == "--readonly"));
     }
 
     #[test]
@@ -917,6 +978,10 @@ fio: some trailing line"#;
         let mut w = workload(Pattern::Read, PathBuf::from("/nonexistent/f"));
         w.iodepth = 0;
         assert!(run_fio(&w).is_err());
+        let mut w = workload(Pattern::Read, PathBuf::from("/nonexistent/f"));
+        w.offset = 512;
+        let e = run_fio(&w).unwrap_err().to_string();
+        assert!(e.contains("offset 512") && e.contains("4096"), "{e}");
     }
 
     #[test]
@@ -971,6 +1036,8 @@ fio: some trailing line"#;
             bs: 80 << 10,
             iodepth: 32,
             size: 64 << 20,
+            offset: 0,
+            replay: None,
             runtime_secs: 1.0,
             file: path.clone(),
             rwmix_read: 50,

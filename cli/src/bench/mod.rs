@@ -67,6 +67,12 @@ pub struct BenchConfig {
     /// the largest context that runs (fio runs after it is freed).
     #[serde(default)]
     pub mem_budget: Option<u64>,
+    /// fio reads each context's bytes from the pool file, sequentially,
+    /// right before and right after its restore (`--against-fio`, pool
+    /// files only): the restore's reference on the same bytes of the same
+    /// disk at the same moment, where fio's 5 s runs come minutes later.
+    #[serde(default)]
+    pub fio_bracket: bool,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -119,6 +125,27 @@ pub struct ContextResult {
     pub engine_write_before_gib_s: Option<f64>,
     #[serde(default)]
     pub engine_write_before_durable_gib_s: Option<f64>,
+    /// fio reading the context's bytes from the pool file in one
+    /// sequential pass (`BenchConfig::fio_bracket`) right before and right
+    /// after the restore.
+    #[serde(default)]
+    pub fio_read_before_gib_s: Option<f64>,
+    #[serde(default)]
+    pub fio_read_after_gib_s: Option<f64>,
+    /// fio's command line for those reads; whether its buffers were in
+    /// huge pages is in it (`--mem=shmhuge`).
+    #[serde(default)]
+    pub fio_read_cmd: Option<Vec<String>>,
+    /// fio replaying the restore's reads (each layer's objects in offset
+    /// order, adjacent ones merged up to the largest I/O, layer after
+    /// layer: the reads the tier issues) from an iolog, at the engine's
+    /// queue depth, right after the second of those reads. Against fio's
+    /// sequential pass over the same bytes it says what the layer order
+    /// costs on this disk; against the restore, what kvtier adds.
+    #[serde(default)]
+    pub fio_replay_gib_s: Option<f64>,
+    #[serde(default)]
+    pub fio_replay_cmd: Option<Vec<String>>,
 }
 
 /// The rate of writing the same bytes in the mean of the times at rates
@@ -144,6 +171,13 @@ impl ContextResult {
             self.engine_write_before_durable_gib_s,
             self.engine_write_durable_gib_s,
         )
+    }
+
+    /// fio reading the same bytes sequentially, bracketing the restore:
+    /// the mean time of its reads right before and right after it.
+    pub fn fio_read_bracketed_gib_s(&self) -> Option<f64> {
+        bracketed(self.fio_read_before_gib_s, self.fio_read_after_gib_s)
+            .filter(|_| self.fio_read_before_gib_s.is_some())
     }
 
     /// Time to the first layer over the restore's average layer time.
@@ -315,6 +349,11 @@ pub(crate) fn prewrite_progress(progress: &mut impl FnMut(&str), done: u64, tota
 
 pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchReport> {
     let geo = cfg.geometry;
+    if cfg.fio_bracket && fio::fio_available().is_none() {
+        return Err(Error::invalid(
+            "--against-fio needs fio: install it (apt-get install fio)",
+        ));
+    }
     crate::cli::make_dir(&cfg.dir)?;
     let pool_cfg = |devices: Vec<DeviceSpec>, force: bool| {
         PoolConfig::new(geo, cfg.model.clone(), format!("bench/{}", cfg.model))
@@ -447,7 +486,27 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
     } else {
         HostLayout::PerLayer
     };
+    // fio's reads beside each restore (`fio_bracket`) get huge-page buffers
+    // as its later runs do: while the KV memory takes what it can of the
+    // reserved huge pages, fio's share is held aside.
+    let fio_bracket = match (&scratch[..], cfg.fio_bracket) {
+        ([file], true) => Some(file),
+        (_, true) => {
+            skipped.push(
+                "fio reading each context's bytes beside its restore: pool files of one device only"
+                    .to_string(),
+            );
+            None
+        }
+        _ => None,
+    };
+    let fio_buffers = fio_bracket
+        .map(|_| fio::buffer_bytes(cfg.tier.max_io_bytes, cfg.tier.uring.queue_depth, 1));
+    let fio_share = fio_buffers
+        .filter(|&b| kvtier::memory::hugetlb_free_bytes() >= b)
+        .and_then(|b| kvtier::memory::DmaBuffer::new(b as usize).ok());
     let cache = Arc::new(HostKvCache::new(geo, max_blocks as u32, layout)?);
+    drop(fio_share);
     // The cache lives until the contexts are done: what it holds in
     // reserved huge pages (which the resident set leaves out) is the peak.
     let hugetlb_peak = hugetlb_held_bytes();
@@ -599,6 +658,48 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
         }
 
         cache.clear();
+        // fio reading the same bytes in one sequential pass, right before
+        // and right after the restore.
+        let fio_read = fio_bracket.and_then(|file| {
+            let (fd, _) = file.descriptor().ok()?;
+            let ix = tier.pool().index();
+            let layout = tier.pool().layout();
+            let first = keys
+                .iter()
+                .filter_map(|k| ix.get(k))
+                .map(|e| layout.object_offset(e.slot, 0, 0).1)
+                .min()?;
+            let file_len = fd.metadata().ok()?.len();
+            let w = fio_span_read(
+                &fd,
+                first,
+                bytes,
+                file_len,
+                cfg.tier.max_io_bytes,
+                cfg.tier.uring.queue_depth,
+            );
+            // The descriptor fio opens the file through stays open until
+            // the second read is done.
+            Some((fd, w))
+        });
+        let fio_say = |when: &str| {
+            format!(
+                "{tokens} tokens: fio reading the same {} of the pool file {when} the restore",
+                human_bytes(bytes)
+            )
+        };
+        let fio_before = fio_read.as_ref().and_then(|(_, w)| {
+            progress(&fio_say("before"));
+            match fio::run_fio(w) {
+                Ok(r) => Some(r.read_bw / GIB),
+                Err(e) => {
+                    skipped.push(format!(
+                        "{tokens} tokens: fio's read before the restore did not run: {e}"
+                    ));
+                    None
+                }
+            }
+        });
         progress(&format!("{tokens} tokens: retrieving layer by layer"));
         let s0 = tier.usage().engine;
         let cpu0 = cpu_seconds();
@@ -613,6 +714,62 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
         let retrieve_secs = t0.elapsed().as_secs_f64();
         let retrieve_cpu = cpu_seconds() - cpu0;
         let s1 = tier.usage().engine;
+        let fio_after = fio_read
+            .as_ref()
+            .filter(|_| fio_before.is_some())
+            .and_then(|(_, w)| {
+                progress(&fio_say("after"));
+                match fio::run_fio(w) {
+                    Ok(r) => Some(r.read_bw / GIB),
+                    Err(e) => {
+                        skipped.push(format!(
+                            "{tokens} tokens: fio's read after the restore did not run: {e}"
+                        ));
+                        None
+                    }
+                }
+            });
+        // fio replaying the restore's own reads (same offsets, sizes and
+        // order), at the engine's depth: what the layer order costs on
+        // this disk, apart from what kvtier's engine costs.
+        let fio_replay = fio_read
+            .as_ref()
+            .filter(|_| fio_after.is_some())
+            .and_then(|(_, w)| {
+                progress(&format!(
+                    "{tokens} tokens: fio replaying the restore's reads"
+                ));
+                let reads = restore_reads(tier.pool(), &keys, cfg.tier.max_io_bytes);
+                let run = || -> Result<(f64, Vec<String>)> {
+                    let log = ScratchFile::create_new(
+                        &cfg.dir.join("fio-restore-reads.iolog"),
+                        "kvtier bench",
+                    )?;
+                    let target = w.file.display().to_string();
+                    let mut text = format!("fio version 2 iolog\n{target} add\n{target} open\n");
+                    for (offset, len) in &reads {
+                        text += &format!("{target} read {offset} {len}\n");
+                    }
+                    text += &format!("{target} close\n");
+                    std::io::Write::write_all(&mut log.file(), text.as_bytes())
+                        .map_err(|e| Error::io(format!("writing {}", log.path().display()), e))?;
+                    let replay = Workload {
+                        replay: Some(proc_fd_path(log.file())),
+                        ..w.clone()
+                    };
+                    let r = fio::run_fio(&replay)?;
+                    Ok((r.read_bw / GIB, fio::fio_args(&replay)))
+                };
+                match run() {
+                    Ok(r) => Some(r),
+                    Err(e) => {
+                        skipped.push(format!(
+                            "{tokens} tokens: fio's replay of the restore's reads did not run: {e}"
+                        ));
+                        None
+                    }
+                }
+            });
         tier.layer_events();
         job_ok(&r, "load")?;
         progress(&format!(
@@ -654,6 +811,11 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
             engine_first_write_gib_s: first_write,
             engine_write_before_gib_s: before.as_ref().map(|r| r.unflushed_gib_s),
             engine_write_before_durable_gib_s: before.as_ref().map(|r| r.durable_gib_s),
+            fio_read_before_gib_s: fio_before,
+            fio_read_after_gib_s: fio_after,
+            fio_read_cmd: fio_read.as_ref().map(|(_, w)| fio::fio_args(w)),
+            fio_replay_gib_s: fio_replay.as_ref().map(|r| r.0),
+            fio_replay_cmd: fio_replay.map(|r| r.1),
         });
     }
     // The engine-alone read of each context's bytes, on the pool file
@@ -674,6 +836,8 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
                 bs: cfg.tier.max_io_bytes.min(r.bytes),
                 iodepth: cfg.tier.uring.queue_depth,
                 size: r.bytes,
+                offset: 0,
+                replay: None,
                 runtime_secs: 0.0,
                 file: file.path().to_path_buf(),
                 rwmix_read: 100,
@@ -708,6 +872,82 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
         huge_page_share,
         peak_rss: PeakRss::now(hugetlb_peak),
     })
+}
+
+/// fio reading `bytes` of the open pool file `fd` in one sequential pass,
+/// from the context's first object at `first` (moved back where the file
+/// ends first), in the engine's largest I/O at its queue depth. fio opens
+/// the file through this process's descriptor (`/proc/PID/fd/N`), never by
+/// its name, read-only.
+fn fio_span_read(
+    fd: &std::fs::File,
+    first: u64,
+    bytes: u64,
+    file_len: u64,
+    max_io: u64,
+    iodepth: u32,
+) -> Workload {
+    let bs = max_io.min(bytes).max(4096);
+    let size = (bytes / bs * bs).max(bs).min(file_len / 4096 * 4096);
+    let offset = first.min(file_len.saturating_sub(size)) / 4096 * 4096;
+    Workload {
+        pattern: Pattern::Read,
+        bs,
+        iodepth,
+        size,
+        offset,
+        replay: None,
+        runtime_secs: 0.0,
+        file: proc_fd_path(fd),
+        rwmix_read: 100,
+        numjobs: 1,
+        end_fsync: false,
+    }
+}
+
+/// The path through which another process opens the file this process
+/// holds open as `f` (`/proc/PID/fd/N`): the very file, whatever its name
+/// now points to.
+fn proc_fd_path(f: &std::fs::File) -> PathBuf {
+    use std::os::fd::AsRawFd;
+    PathBuf::from(format!("/proc/{}/fd/{}", std::process::id(), f.as_raw_fd()))
+}
+
+/// The reads a layer-by-layer restore of `keys` issues on a pool of one
+/// device, in order: each layer's objects (K and V of every block) sorted by
+/// offset, adjacent ones merged up to `max_io` bytes, layer after layer.
+fn restore_reads(pool: &Pool, keys: &[Key], max_io: u64) -> Vec<(u64, u64)> {
+    let layout = pool.layout();
+    let index = pool.index();
+    let object = layout.geometry.object_bytes();
+    let slots: Vec<u64> = keys
+        .iter()
+        .filter_map(|k| index.get(k))
+        .map(|e| e.slot)
+        .collect();
+    let mut reads = Vec::new();
+    for layer in 0..layout.geometry.layers {
+        let mut offsets: Vec<u64> = slots
+            .iter()
+            .flat_map(|&slot| (0..2).map(move |kv| layout.object_offset(slot, layer, kv).1))
+            .collect();
+        offsets.sort_unstable();
+        let mut run: Option<(u64, u64)> = None;
+        for o in offsets {
+            run = match run {
+                Some((at, len)) if at + len == o && len + object <= max_io => {
+                    Some((at, len + object))
+                }
+                Some(done) => {
+                    reads.push(done);
+                    Some((o, object))
+                }
+                None => Some((o, object)),
+            };
+        }
+        reads.extend(run);
+    }
+    reads
 }
 
 /// The share of the memory `regions` (address, length) backed by huge
@@ -788,6 +1028,8 @@ pub fn fio_references(cfg: &BenchConfig, progress: &dyn Fn(&str)) -> Result<FioR
             bs,
             iodepth,
             size,
+            offset: 0,
+            replay: None,
             runtime_secs: 5.0,
             file: file.clone(),
             rwmix_read: 100,
@@ -1169,6 +1411,18 @@ pub struct ContextMedians {
     /// Per round store / the engine alone writing the same bytes followed
     /// by one flush.
     pub store_vs_engine_write_durable: Option<f64>,
+    /// Per round retrieve / fio reading the same bytes of the pool file
+    /// right before and after it (`ContextResult::fio_read_bracketed_gib_s`).
+    #[serde(default)]
+    pub retrieve_vs_fio_read_same_bytes: Option<f64>,
+    #[serde(default)]
+    pub fio_read_same_bytes_gib_s: Option<f64>,
+    /// Per round retrieve / fio replaying the restore's reads.
+    #[serde(default)]
+    pub retrieve_vs_fio_replay: Option<f64>,
+    /// Per round fio's replay / its sequential pass over the same bytes.
+    #[serde(default)]
+    pub fio_replay_vs_same_bytes: Option<f64>,
 }
 
 /// The middle value (the mean of the two middle ones for an even count).
@@ -1242,6 +1496,18 @@ impl RepeatedReport {
                         c.engine_write_durable_bracketed_gib_s()
                             .map(|e| c.store_gib_s / e.max(1e-9))
                     }),
+                    retrieve_vs_fio_read_same_bytes: of_some(&|c| {
+                        c.fio_read_bracketed_gib_s()
+                            .map(|f| c.retrieve_gib_s / f.max(1e-9))
+                    }),
+                    fio_read_same_bytes_gib_s: of_some(&|c| c.fio_read_bracketed_gib_s()),
+                    retrieve_vs_fio_replay: of_some(&|c| {
+                        c.fio_replay_gib_s.map(|p| c.retrieve_gib_s / p.max(1e-9))
+                    }),
+                    fio_replay_vs_same_bytes: of_some(&|c| {
+                        let f = c.fio_read_bracketed_gib_s()?;
+                        c.fio_replay_gib_s.map(|p| p / f.max(1e-9))
+                    }),
                 }
             })
             .collect();
@@ -1303,6 +1569,25 @@ pub fn render_repeated(r: &RepeatedReport) -> String {
             opt(m.store_vs_engine_write_durable, 3)
         );
     }
+    if r.medians
+        .iter()
+        .any(|m| m.retrieve_vs_fio_read_same_bytes.is_some())
+    {
+        s += &format!(
+            "restore against fio reading the same bytes of the pool file right before and after it, and replaying the restore's reads (medians of each round's ratio):\n{:>8} {:>26} {:>22} {:>22} {:>26}\n",
+            "tokens", "retrieve/fio same bytes", "fio same bytes GiB/s", "retrieve/fio replay", "fio replay/same bytes"
+        );
+        for m in &r.medians {
+            s += &format!(
+                "{:>8} {:>26} {:>22} {:>22} {:>26}\n",
+                m.tokens,
+                opt(m.retrieve_vs_fio_read_same_bytes, 3),
+                opt(m.fio_read_same_bytes_gib_s, 2),
+                opt(m.retrieve_vs_fio_replay, 3),
+                opt(m.fio_replay_vs_same_bytes, 3)
+            );
+        }
+    }
     s
 }
 
@@ -1334,14 +1619,33 @@ fn engine_write_note(r: &ContextResult) -> String {
     s
 }
 
-/// "retrieve {x}x the engine alone reading the same bytes into as much memory".
+/// "retrieve {x}x the engine alone reading the same bytes into as much
+/// memory", and against fio reading them right before and after it.
 fn engine_read_note(r: &ContextResult) -> String {
-    r.engine_read_gib_s.map_or(String::new(), |e| {
+    let mut s = r.engine_read_gib_s.map_or(String::new(), |e| {
         format!(
             "; retrieve {:.3}x the engine alone reading them into as much memory ({e:.2} GiB/s)",
             r.retrieve_gib_s / e.max(1e-9)
         )
-    })
+    });
+    if let (Some(f), Some(b), Some(a)) = (
+        r.fio_read_bracketed_gib_s(),
+        r.fio_read_before_gib_s,
+        r.fio_read_after_gib_s,
+    ) {
+        s += &format!(
+            "; retrieve {:.3}x fio reading the same bytes of the pool file in one sequential pass ({b:.2} GiB/s right before the restore, {a:.2} right after; the restore against their mean time)",
+            r.retrieve_gib_s / f.max(1e-9)
+        );
+        if let Some(p) = r.fio_replay_gib_s {
+            s += &format!(
+                "; fio replaying the restore's own reads in its layer order {p:.2} GiB/s ({:.3}x its sequential pass: what the layer order costs on this disk), the restore {:.3}x that replay",
+                p / f.max(1e-9),
+                r.retrieve_gib_s / p.max(1e-9)
+            );
+        }
+    }
+    s
 }
 
 /// The report as a table.
@@ -1453,6 +1757,22 @@ pub fn render(report: &BenchReport) -> String {
             wdur,
             f.seq_write_durable_cmd.join(" ")
         );
+        if let Some((r, cmd)) = report
+            .results
+            .iter()
+            .find_map(|r| r.fio_read_cmd.as_ref().map(|c| (r, c)))
+        {
+            let pages = if cmd.iter().any(|a| a == "--mem=shmhuge") {
+                ""
+            } else {
+                " (fio's buffers in 4 KiB pages: no reserved huge pages were free for them while the KV memory held its own; scripts/bench.sh reserves some)"
+            };
+            s += &format!(
+                "reference: fio reading each context's bytes of the pool file right before and after its restore [fio {}] ({} tokens; the others alike){pages}\n",
+                cmd.join(" "),
+                r.tokens
+            );
+        }
         for r in &report.results {
             s += &format!(
                 "{:>8} tokens: retrieve {:.3}x fio sequential read, {:.1}x fio random object reads; store {:.3}x fio sequential write, {:.3}x fio write + end fsync{}\n",
@@ -1658,6 +1978,156 @@ mod tests {
             default_capacity(&[65536], &geo, Some(1 << 30), 1, 64),
             DEFAULT_MAX_CAPACITY
         );
+    }
+
+    /// `--against-fio`: fio reads each context's bytes of the pool file in
+    /// one sequential pass right before and right after its restore,
+    /// through this process's descriptor, read-only, from the context's
+    /// first object; the restore still verifies every byte (fio wrote
+    /// nothing), and the pool files are gone afterwards.
+    #[test]
+    fn fio_reads_each_contexts_bytes_beside_its_restore() {
+        if fio::fio_available().is_none() {
+            eprintln!("SKIP: fio is not installed (apt-get install fio)");
+            return;
+        }
+        let dir = kvtier::scratch::TestDir::new("bench-fio-bracket");
+        let geo = kvtier::model::preset("llama3-8b", 16).unwrap();
+        let cfg = BenchConfig {
+            dir: dir.path().to_path_buf(),
+            model: "llama3-8b".to_string(),
+            geometry: geo,
+            contexts: vec![256, 1024],
+            capacity: 256 << 20,
+            devices: 1,
+            group_blocks: 8,
+            tier: TierConfig::default(),
+            verify: true,
+            cross_layer: false,
+            store_job_blocks: 4096,
+            nvme: None,
+            force: false,
+            keep: false,
+            prewrite: true,
+            mem_budget: None,
+            fio_bracket: true,
+        };
+        let report = run(&cfg, |_| {}).unwrap();
+        assert_eq!(report.results.len(), 2, "{:?}", report.skipped);
+        assert!(
+            !report.skipped.iter().any(|k| k.contains("fio")),
+            "{:?}",
+            report.skipped
+        );
+        let mut offsets = Vec::new();
+        for r in &report.results {
+            assert!(r.verified);
+            assert!(r.fio_read_before_gib_s.unwrap() > 0.0);
+            assert!(r.fio_read_after_gib_s.unwrap() > 0.0);
+            assert!(r.fio_read_bracketed_gib_s().unwrap() > 0.0);
+            let cmd = r.fio_read_cmd.as_ref().unwrap();
+            let arg = |name: &str| {
+                cmd.iter()
+                    .find_map(|a| a.strip_prefix(name))
+                    .unwrap_or_else(|| panic!("no {name} in {cmd:?}"))
+                    .to_string()
+            };
+            assert!(cmd.iter().any(|a| a == "--readonly"), "{cmd:?}");
+            assert!(cmd.iter().any(|a| a == "--rw=read"), "{cmd:?}");
+            let file = arg("--filename=");
+            assert!(
+                file.starts_with(&format!("/proc/{}/fd/", std::process::id())),
+                "{file}"
+            );
+            assert_eq!(arg("--size="), format!("{}m", r.bytes >> 20));
+            offsets.push(arg("--offset=").parse::<u64>().unwrap());
+        }
+        // Past the superblock area; the second context after the first.
+        assert!(offsets[0] > 0 && offsets[1] > offsets[0], "{offsets:?}");
+        // fio replayed the restore's reads from an iolog of its own
+        // (removed after), without registered files (fio refuses them).
+        for r in &report.results {
+            assert!(r.fio_replay_gib_s.unwrap() > 0.0);
+            let cmd = r.fio_replay_cmd.as_ref().unwrap();
+            assert!(
+                cmd.iter().any(|a| a.starts_with("--read_iolog=/proc/")),
+                "{cmd:?}"
+            );
+            assert!(!cmd.iter().any(|a| a == "--registerfiles"), "{cmd:?}");
+            assert!(cmd.iter().any(|a| a == "--readonly"), "{cmd:?}");
+        }
+        assert!(render(&report).contains("fio reading the same bytes of the pool file"));
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert!(left.is_empty(), "{left:?}");
+    }
+
+    /// The restore's reads as fio replays them: layer by layer, each
+    /// layer's K and V objects of every block in offset order, adjacent
+    /// ones merged up to the largest I/O; every object read once.
+    #[test]
+    fn the_restore_reads_cover_every_object_once_in_layer_order() {
+        let dir = kvtier::scratch::TestDir::new("bench-restore-reads");
+        let geo = kvtier::model::preset("llama3-8b", 16).unwrap();
+        let file = ScratchFile::create_new(&dir.file("p.pool"), "test").unwrap();
+        let cfg = PoolConfig::new(geo, "llama3-8b".to_string(), "t").with_group_blocks(8);
+        let pool = Pool::create_in_files(
+            &cfg,
+            vec![file.descriptor().unwrap()],
+            256 << 20,
+            &mut |_, _| {},
+        )
+        .unwrap();
+        let mut tier = Tier::open(pool, TierConfig::default()).unwrap();
+        let cache = Arc::new(HostKvCache::new(geo, 12, HostLayout::PerLayer).unwrap());
+        tier.register_host_cache(cache).unwrap();
+        let keys: Vec<Key> = (0..12).map(Key::from_u64).collect();
+        let mem: Vec<u32> = (0..12).collect();
+        let job = tier.submit_store(&keys, &mem).unwrap();
+        job_ok(&tier.wait(job).unwrap(), "store").unwrap();
+        let pool = tier.pool();
+        let object = geo.object_bytes();
+        // Blocks 0-7 fill a group, 8-11 begin the next: per layer, the
+        // first group's K and V runs adjacent (16 objects, one read), the
+        // second's apart (4 and 4: slots 12-15 lie between them).
+        let reads = restore_reads(pool, &keys, 4 << 20);
+        assert_eq!(reads.len(), 3 * geo.layers as usize);
+        assert_eq!(reads[0].1, 16 * object);
+        assert_eq!((reads[1].1, reads[2].1), (4 * object, 4 * object));
+        assert_eq!(reads[2].0 - reads[1].0, 8 * object);
+        let layout = pool.layout();
+        let slot0 = pool.index().get(&keys[0]).unwrap().slot;
+        assert_eq!(reads[0].0, layout.object_offset(slot0, 0, 0).1);
+        assert_eq!(reads[3].0, layout.object_offset(slot0, 1, 0).1);
+        // Capped at 4 objects: each layer's 24 objects in 6 reads.
+        let reads = restore_reads(pool, &keys, 4 * object);
+        assert_eq!(reads.len(), 6 * geo.layers as usize);
+        let total: u64 = reads.iter().map(|r| r.1).sum();
+        assert_eq!(total, 12 * geo.block_bytes());
+    }
+
+    /// The span fio reads: whole I/Os of the engine's largest size from the
+    /// context's first object, moved back where it would pass the file's
+    /// end, 4 KiB aligned.
+    #[test]
+    fn the_fio_span_stays_in_the_file() {
+        let f = std::fs::File::open("/dev/null").unwrap();
+        let w = fio_span_read(&f, 1 << 20, 64 << 20, 1 << 30, 4 << 20, 64);
+        assert_eq!(
+            (w.offset, w.size, w.bs, w.iodepth),
+            (1 << 20, 64 << 20, 4 << 20, 64)
+        );
+        // 6 MiB in 4 MiB I/Os: one whole I/O.
+        let w = fio_span_read(&f, 1 << 20, 6 << 20, 1 << 30, 4 << 20, 64);
+        assert_eq!((w.offset, w.size), (1 << 20, 4 << 20));
+        // Smaller than one I/O: one I/O of its size.
+        let w = fio_span_read(&f, 1 << 20, 2 << 20, 1 << 30, 4 << 20, 64);
+        assert_eq!((w.offset, w.size, w.bs), (1 << 20, 2 << 20, 2 << 20));
+        // Near the end: moved back into the file, aligned.
+        let w = fio_span_read(&f, (1 << 30) - 8192, 64 << 20, (1 << 30) + 100, 4 << 20, 64);
+        assert_eq!(w.offset + w.size, 1 << 30);
+        assert_eq!(w.offset % 4096, 0);
+        assert!(w.file.starts_with("/proc"));
+        assert!(fio::fio_args(&w).contains(&"--readonly".to_string()));
     }
 
     /// Memory on reserved (hugetlbfs) pages counts as huge: smaps reports

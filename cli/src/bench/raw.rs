@@ -94,7 +94,7 @@ fn run_whole(
     let streams = vec![Stream {
         pattern: w.pattern,
         iodepth: w.iodepth,
-        region: (0, w.size),
+        region: (w.offset, w.offset.saturating_add(w.size)),
     }];
     run_streams_with(file, w, &streams, buffer_bytes, engine_cfg)
 }

@@ -220,6 +220,7 @@ pub(crate) fn run_bench(a: BenchArgs) -> Result<i32> {
         keep: a.keep,
         prewrite: !a.first_fill,
         mem_budget: a.mem_budget,
+        fio_bracket: a.against_fio,
     };
     if cfg.nvme.is_some() && a.against_fio {
         return Err(kvtier::Error::invalid(
@@ -376,6 +377,8 @@ fn run_raw_bench(a: &BenchArgs) -> Result<i32> {
         bs: a.bs,
         iodepth: a.iodepth.unwrap_or(32),
         size: a.size,
+        offset: 0,
+        replay: None,
         runtime_secs: a.runtime,
         file: a.dir.join("kvtier-bench.dat"),
         rwmix_read: a.rwmixread,

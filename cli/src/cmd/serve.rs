@@ -81,7 +81,7 @@ fn per_rank(mut named: model::NamedGeometry, tp_size: u32) -> Result<model::Name
     Ok(named)
 }
 
-/// Runs `kvtier serve` until SIGTERM or SIGINT; the exit code.
+/// Runs `kvtier serve` until SIGTERM, SIGINT or SIGHUP; the exit code.
 pub(crate) fn run(a: ServeArgs) -> Result<i32> {
     // Before any thread starts: every thread inherits the mask, and only
     // the signal thread takes them.
