@@ -682,24 +682,26 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
             // the second read is done.
             Some((fd, w))
         });
-        let fio_say = |when: &str| {
-            format!(
+        // The pass's rate, or a line in `skipped` saying why it did not run.
+        let fio_pass = |when: &str,
+                        progress: &mut dyn FnMut(&str),
+                        skipped: &mut Vec<String>|
+         -> Option<f64> {
+            let (_, w) = fio_read.as_ref()?;
+            progress(&format!(
                 "{tokens} tokens: fio reading the same {} of the pool file {when} the restore",
                 human_bytes(bytes)
-            )
-        };
-        let fio_before = fio_read.as_ref().and_then(|(_, w)| {
-            progress(&fio_say("before"));
-            match fio::run_fio(w) {
-                Ok(r) => Some(r.read_bw / GIB),
-                Err(e) => {
+            ));
+            fio::run_fio(w)
+                .map(|r| r.read_bw / GIB)
+                .map_err(|e| {
                     skipped.push(format!(
-                        "{tokens} tokens: fio's read before the restore did not run: {e}"
-                    ));
-                    None
-                }
-            }
-        });
+                        "{tokens} tokens: fio's read {when} the restore did not run: {e}"
+                    ))
+                })
+                .ok()
+        };
+        let fio_before = fio_pass("before", &mut progress, &mut skipped);
         progress(&format!("{tokens} tokens: retrieving layer by layer"));
         let s0 = tier.usage().engine;
         let cpu0 = cpu_seconds();
@@ -714,21 +716,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
         let retrieve_secs = t0.elapsed().as_secs_f64();
         let retrieve_cpu = cpu_seconds() - cpu0;
         let s1 = tier.usage().engine;
-        let fio_after = fio_read
-            .as_ref()
-            .filter(|_| fio_before.is_some())
-            .and_then(|(_, w)| {
-                progress(&fio_say("after"));
-                match fio::run_fio(w) {
-                    Ok(r) => Some(r.read_bw / GIB),
-                    Err(e) => {
-                        skipped.push(format!(
-                            "{tokens} tokens: fio's read after the restore did not run: {e}"
-                        ));
-                        None
-                    }
-                }
-            });
+        let fio_after = fio_before.and_then(|_| fio_pass("after", &mut progress, &mut skipped));
         // fio replaying the restore's own reads (same offsets, sizes and
         // order), at the engine's depth: what the layer order costs on
         // this disk, apart from what kvtier's engine costs.
