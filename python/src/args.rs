@@ -18,6 +18,14 @@ pub(crate) fn key_of(o: &Bound<'_, PyAny>, i: usize) -> PyResult<Key> {
     if let Ok(b) = o.downcast::<PyBytes>() {
         return Key::new(b.as_bytes()).map_err(|e| usage(format!("key {i}: {e}")));
     }
+    // bool is an int to Python: True and False would be stored as keys 1
+    // and 0, colliding with those ints; a bool where a hash belongs is a
+    // caller's bug, named here.
+    if o.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(PyTypeError::new_err(format!(
+            "key {i} is {o}, a bool; a key is bytes (1 to 32 bytes of content hash) or an int in 0..2**64"
+        )));
+    }
     if let Ok(x) = o.extract::<u64>() {
         return Ok(Key::from_u64(x));
     }

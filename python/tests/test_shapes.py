@@ -209,6 +209,12 @@ def test_keys_of_every_kind_and_their_misuse(tmp_path):
             tier.lookup([1, 2**64])
         with pytest.raises(TypeError, match="key 0 is a str"):
             tier.lookup(["a-hash"])
+        # A bool is an int to Python, but never a content hash: True would
+        # have been key 1.
+        with pytest.raises(TypeError, match="key 1 is True, a bool"):
+            tier.lookup([5, True])
+        with pytest.raises(TypeError, match="key 0 is False, a bool"):
+            tier.submit_store([False], [0])
         with pytest.raises(TypeError, match="list of keys"):
             tier.lookup(b"one-key")
 
