@@ -660,15 +660,12 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
         cache.clear();
         // fio reading the same bytes in one sequential pass, right before
         // and right after the restore.
+        // The restore's reads, whose first (the lowest offset of layer 0)
+        // is where the context's bytes begin; replayed by fio below.
         let fio_read = fio_bracket.and_then(|file| {
             let (fd, _) = file.descriptor().ok()?;
-            let ix = tier.pool().index();
-            let layout = tier.pool().layout();
-            let first = keys
-                .iter()
-                .filter_map(|k| ix.get(k))
-                .map(|e| layout.object_offset(e.slot, 0, 0).1)
-                .min()?;
+            let reads = restore_reads(tier.pool(), &keys, cfg.tier.max_io_bytes);
+            let first = reads.first()?.0;
             let file_len = fd.metadata().ok()?.len();
             let w = fio_span_read(
                 &fd,
@@ -679,15 +676,15 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
                 cfg.tier.uring.queue_depth,
             );
             // The descriptor fio opens the file through stays open until
-            // the second read is done.
-            Some((fd, w))
+            // the replay is done.
+            Some((fd, w, reads))
         });
         // The pass's rate, or a line in `skipped` saying why it did not run.
         let fio_pass = |when: &str,
                         progress: &mut dyn FnMut(&str),
                         skipped: &mut Vec<String>|
          -> Option<f64> {
-            let (_, w) = fio_read.as_ref()?;
+            let (_, w, _) = fio_read.as_ref()?;
             progress(&format!(
                 "{tokens} tokens: fio reading the same {} of the pool file {when} the restore",
                 human_bytes(bytes)
@@ -720,59 +717,61 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
         // fio replaying the restore's own reads (same offsets, sizes and
         // order), at the engine's depth: what the layer order costs on
         // this disk, apart from what kvtier's engine costs.
-        let fio_replay = fio_read
-            .as_ref()
-            .filter(|_| fio_after.is_some())
-            .and_then(|(_, w)| {
-                progress(&format!(
-                    "{tokens} tokens: fio replaying the restore's reads"
-                ));
-                let reads = restore_reads(tier.pool(), &keys, cfg.tier.max_io_bytes);
-                let run = || -> Result<(f64, Vec<String>)> {
-                    let log = ScratchFile::create_new(
-                        &cfg.dir.join("fio-restore-reads.iolog"),
-                        "kvtier bench",
-                    )?;
-                    let target = w.file.display().to_string();
-                    let mut text = format!("fio version 2 iolog\n{target} add\n{target} open\n");
-                    for (offset, len) in &reads {
-                        text += &format!("{target} read {offset} {len}\n");
-                    }
-                    text += &format!("{target} close\n");
-                    std::io::Write::write_all(&mut log.file(), text.as_bytes())
-                        .map_err(|e| Error::io(format!("writing {}", log.path().display()), e))?;
-                    let replay = Workload {
-                        replay: Some(proc_fd_path(log.file())),
-                        ..w.clone()
+        let fio_replay =
+            fio_read
+                .as_ref()
+                .filter(|_| fio_after.is_some())
+                .and_then(|(_, w, reads)| {
+                    progress(&format!(
+                        "{tokens} tokens: fio replaying the restore's reads"
+                    ));
+                    let run = || -> Result<(f64, Vec<String>)> {
+                        let log = ScratchFile::create_new(
+                            &cfg.dir.join("fio-restore-reads.iolog"),
+                            "kvtier bench",
+                        )?;
+                        let target = w.file.display().to_string();
+                        let mut text =
+                            format!("fio version 2 iolog\n{target} add\n{target} open\n");
+                        for (offset, len) in reads {
+                            text += &format!("{target} read {offset} {len}\n");
+                        }
+                        text += &format!("{target} close\n");
+                        std::io::Write::write_all(&mut log.file(), text.as_bytes()).map_err(
+                            |e| Error::io(format!("writing {}", log.path().display()), e),
+                        )?;
+                        let replay = Workload {
+                            replay: Some(proc_fd_path(log.file())),
+                            ..w.clone()
+                        };
+                        let r = fio::run_fio(&replay)?;
+                        if r.read_ios != reads.len() as u64 {
+                            return Err(Error::invalid(format!(
+                                "fio replayed {} of the restore's {} reads",
+                                r.read_ios,
+                                reads.len()
+                            )));
+                        }
+                        // The log's bytes over fio's run time: in a replay fio
+                        // leaves out of its byte count reads it had in flight
+                        // (512 MiB of 4 MiB reads at depth 64 counted 260 MiB,
+                        // 2 GiB about 1.8: its own rate read 12% low).
+                        let replayed: u64 = reads.iter().map(|r| r.1).sum();
+                        Ok((
+                            replayed as f64 / GIB / r.secs.max(1e-9),
+                            fio::fio_args(&replay),
+                        ))
                     };
-                    let r = fio::run_fio(&replay)?;
-                    if r.read_ios != reads.len() as u64 {
-                        return Err(Error::invalid(format!(
-                            "fio replayed {} of the restore's {} reads",
-                            r.read_ios,
-                            reads.len()
-                        )));
-                    }
-                    // The log's bytes over fio's run time: in a replay fio
-                    // leaves out of its byte count reads it had in flight
-                    // (512 MiB of 4 MiB reads at depth 64 counted 260 MiB,
-                    // 2 GiB about 1.8: its own rate read 12% low).
-                    let replayed: u64 = reads.iter().map(|r| r.1).sum();
-                    Ok((
-                        replayed as f64 / GIB / r.secs.max(1e-9),
-                        fio::fio_args(&replay),
-                    ))
-                };
-                match run() {
-                    Ok(r) => Some(r),
-                    Err(e) => {
-                        skipped.push(format!(
+                    match run() {
+                        Ok(r) => Some(r),
+                        Err(e) => {
+                            skipped.push(format!(
                             "{tokens} tokens: fio's replay of the restore's reads did not run: {e}"
                         ));
-                        None
+                            None
+                        }
                     }
-                }
-            });
+                });
         tier.layer_events();
         job_ok(&r, "load")?;
         progress(&format!(
@@ -816,7 +815,7 @@ pub fn run(cfg: &BenchConfig, mut progress: impl FnMut(&str)) -> Result<BenchRep
             engine_write_before_durable_gib_s: before.as_ref().map(|r| r.durable_gib_s),
             fio_read_before_gib_s: fio_before,
             fio_read_after_gib_s: fio_after,
-            fio_read_cmd: fio_read.as_ref().map(|(_, w)| fio::fio_args(w)),
+            fio_read_cmd: fio_read.as_ref().map(|(_, w, _)| fio::fio_args(w)),
             fio_replay_gib_s: fio_replay.as_ref().map(|r| r.0),
             fio_replay_cmd: fio_replay.map(|r| r.1),
         });
