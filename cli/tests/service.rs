@@ -1364,22 +1364,29 @@ fn a_clients_many_pins_of_one_key_cost_nothing_to_drop() {
 fn a_socket_in_a_missing_directory_is_refused_before_a_pool_is_made() {
     let dir = TempDir::new("serve-nosockdir");
     let pool = dir.file("pool");
-    let out = Command::new(BIN)
-        .args([
-            "serve",
-            "--dir",
-            pool.to_str().unwrap(),
-            "--capacity",
-            "64m",
-        ])
-        .arg("--model")
-        .arg(tiny_config(&dir))
-        .arg("--socket")
-        .arg(dir.file("missing/kvtier.sock"))
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    // `kvtier serve` on a small pool in `pool` at socket path `socket`.
+    let serve = |socket: &std::path::Path| {
+        let out = Command::new(BIN)
+            .args([
+                "serve",
+                "--dir",
+                pool.to_str().unwrap(),
+                "--capacity",
+                "64m",
+            ])
+            .arg("--model")
+            .arg(tiny_config(&dir))
+            .arg("--socket")
+            .arg(socket)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, err) = serve(&dir.file("missing/kvtier.sock"));
+    assert_eq!(code, Some(2), "{err}");
     assert!(
         err.contains("missing") && err.contains("create it, or give the service a socket path"),
         "{err}"
@@ -1392,22 +1399,8 @@ fn a_socket_in_a_missing_directory_is_refused_before_a_pool_is_made() {
     // limit, before any pool is made, and by a client alike (both said
     // "path must be shorter than SUN_LEN", the service after making its pool).
     let long = dir.file(&"s".repeat(120));
-    let out = Command::new(BIN)
-        .args([
-            "serve",
-            "--dir",
-            pool.to_str().unwrap(),
-            "--capacity",
-            "64m",
-        ])
-        .arg("--model")
-        .arg(tiny_config(&dir))
-        .arg("--socket")
-        .arg(&long)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    let (code, err) = serve(&long);
+    assert_eq!(code, Some(2), "{err}");
     assert!(
         err.contains("at most 107") && err.contains("give a shorter one"),
         "{err}"
